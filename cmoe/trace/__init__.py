@@ -1,0 +1,1 @@
+"""Traces: the HF tracer, the synthetic generator, bundle I/O and statistics."""

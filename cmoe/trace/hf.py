@@ -1,0 +1,202 @@
+"""The tracer: run a local Hugging Face MoE checkpoint and record its routing.
+
+For every token and MoE layer it records what the model's own router chose (forward hooks on
+each block's `mlp.gate`, which in every supported family returns `(logits, weights, indices)`),
+and the **commit prediction**: MoE layer m's router applied to the hidden state that exists while
+the layer before it runs, namely the normalised input of that layer's MLP
+(`layers[d-1].post_attention_layernorm`'s output, d the decoder index of layer m). For the very
+first decoder layer no earlier MLP input exists, so the prediction uses that layer's
+`input_layernorm` output, i.e. it is made before attention, as pre-attention predictors do.
+
+Prompts run one at a time: prefill, then greedy decode with a KV cache. Tokens come from the
+checkpoint's tokenizer when it has one, else from bytes (id = byte value mod vocab), which is
+what the small self-made checkpoints of the tests need.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cmoe.checkpoint import checkpoint_expert_bytes, detect_expert_format, safetensors_files
+from cmoe.errors import CmoeError
+from cmoe.quant import QuantRecipe, expert_bytes, recipe
+from cmoe.spec import ModelSpec, from_checkpoint
+from cmoe.trace.bundle import DECODE, PREFILL, Trace
+
+
+@dataclass(frozen=True)
+class TraceOptions:
+    max_new_tokens: int = 32
+    max_prompt_tokens: int = 512
+    record_logits: bool = False
+    device: str = "auto"
+    quant: str = "w4a16"              # recipe for expert sizes, or "checkpoint" for stored sizes
+    allow_pickle: bool = False
+    progress: bool = True
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise CmoeError("CUDA is not available on this machine: pass --device cpu")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise CmoeError(f"unknown device '{name}': use auto, cpu or cuda")
+    return torch.device(name)
+
+
+def load_model(model_dir: Path, device: torch.device, allow_pickle: bool = False):
+    """Load a checkpoint through transformers; safetensors only unless pickle is allowed."""
+    from transformers import AutoModelForCausalLM
+    spec = from_checkpoint(model_dir)
+    use_st = bool(safetensors_files(model_dir, allow_pickle))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=use_st)
+    return model.to(device).eval(), spec
+
+
+class RouteRecorder:
+    """Forward hooks that capture each MoE layer's routing and the commit prediction."""
+
+    def __init__(self, model, spec: ModelSpec, record_logits: bool):
+        layers = model.model.layers
+        self.spec, self.record_logits = spec, record_logits
+        self.gates = [layers[d].mlp.gate for d in spec.moe_layers]
+        self._predicting = False
+        self.buf: dict[str, list] = {}
+        self.handles = []
+        for m, d in enumerate(spec.moe_layers):
+            self.handles.append(self.gates[m].register_forward_hook(self._on_route(m)))
+            src = layers[d - 1].post_attention_layernorm if d > 0 else layers[0].input_layernorm
+            self.handles.append(src.register_forward_hook(self._on_source(m)))
+
+    def reset(self) -> None:
+        M = self.spec.num_moe_layers
+        self.buf = {"experts": [None] * M, "weights": [None] * M, "pred": [None] * M, "logits": [None] * M}
+
+    @staticmethod
+    def _sorted(weights: torch.Tensor, idx: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        w = weights.detach().float()
+        order = torch.argsort(w, dim=-1, descending=True, stable=True)
+        return (idx.gather(-1, order).cpu().numpy().astype(np.int16), w.gather(-1, order).cpu().numpy())
+
+    def _on_route(self, m: int):
+        def hook(_mod, _inp, out):
+            if self._predicting:
+                return
+            logits, weights, idx = out
+            self.buf["experts"][m], self.buf["weights"][m] = self._sorted(weights, idx)
+            if self.record_logits:
+                self.buf["logits"][m] = logits.detach().float().reshape(idx.shape[0], -1).cpu().numpy()
+        return hook
+
+    def _on_source(self, m: int):
+        def hook(_mod, _inp, out):
+            h = out.reshape(-1, out.shape[-1])
+            self._predicting = True
+            try:
+                with torch.no_grad():
+                    _, w, idx = self.gates[m](h)
+            finally:
+                self._predicting = False
+            self.buf["pred"][m] = self._sorted(w, idx)[0]
+        return hook
+
+    def collect(self) -> dict[str, np.ndarray]:
+        b = self.buf
+        assert all(x is not None for x in b["experts"]), "a forward pass did not reach every MoE layer"
+        out = {"experts": np.stack(b["experts"], 1), "weights": np.stack(b["weights"], 1).astype(np.float32),
+               "pred_experts": np.stack(b["pred"], 1)}
+        if self.record_logits:
+            out["router_logits"] = np.stack(b["logits"], 1).astype(np.float32)
+        return out
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def read_prompts(path: Path) -> list[str]:
+    """Prompts from a text file (one per non-empty line) or JSONL (`prompt` or `text` field)."""
+    if not path.is_file():
+        raise CmoeError(f"data file {path} does not exist: pass --data a .txt or .jsonl file of prompts")
+    lines = [ln for ln in path.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+    if path.suffix != ".jsonl":
+        prompts = lines
+    else:
+        prompts = []
+        for i, ln in enumerate(lines, 1):
+            try:
+                obj = json.loads(ln)
+            except json.JSONDecodeError:
+                raise CmoeError(f"{path}:{i} is not valid JSON") from None
+            text = obj if isinstance(obj, str) else (obj.get("prompt") or obj.get("text")) if isinstance(obj, dict) else None
+            if not isinstance(text, str):
+                raise CmoeError(f"{path}:{i} has no 'prompt' or 'text' string field")
+            prompts.append(text)
+    if not prompts:
+        raise CmoeError(f"data file {path} holds no prompts")
+    return prompts
+
+
+def _tokenizer(model_dir: Path, vocab: int):
+    if any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        return lambda s: tok(s, add_special_tokens=True)["input_ids"]
+    return lambda s: [b % vocab for b in s.encode("utf-8")] or [0]
+
+
+def _sizes(model_dir: Path, spec: ModelSpec, quant: str) -> tuple[QuantRecipe, list[list[int]]]:
+    if quant == "checkpoint":
+        return QuantRecipe("checkpoint", expert=detect_expert_format(model_dir, spec), attention="bf16"), \
+            checkpoint_expert_bytes(model_dir, spec)
+    rec = recipe(quant)
+    return rec, expert_bytes(spec, rec)
+
+
+def trace_checkpoint(model_dir: str | Path, data: str | Path, opts: TraceOptions = TraceOptions()) -> Trace:
+    model_dir, data = Path(model_dir), Path(data)
+    prompts = read_prompts(data)
+    device = pick_device(opts.device)
+    spec = from_checkpoint(model_dir)
+    rec, sizes = _sizes(model_dir, spec, opts.quant)
+    model, _ = load_model(model_dir, device, opts.allow_pickle)
+    encode = _tokenizer(model_dir, spec.vocab)
+    from transformers import DynamicCache
+    from tqdm import tqdm
+    rec_hooks = RouteRecorder(model, spec, opts.record_logits)
+    parts: list[dict] = []
+    ids_all = [encode(p)[: opts.max_prompt_tokens] for p in prompts]
+    total = sum(len(x) + opts.max_new_tokens for x in ids_all)
+    try:
+        with torch.no_grad(), tqdm(total=total, unit="tok", disable=not opts.progress, desc="trace") as bar:
+            for r, ids in enumerate(ids_all):
+                cache = DynamicCache(config=model.config)
+                x = torch.tensor([ids], device=device)
+                for s in range(opts.max_new_tokens + 1):
+                    rec_hooks.reset()
+                    logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits
+                    part = rec_hooks.collect()
+                    n = x.shape[1]
+                    start = 0 if s == 0 else len(ids) + s - 1
+                    part.update(request=np.full(n, r, np.int32), step=np.arange(start, start + n, dtype=np.int32),
+                                phase=np.full(n, PREFILL if s == 0 else DECODE, np.uint8),
+                                token_ids=x[0].cpu().numpy().astype(np.int32))
+                    parts.append(part)
+                    bar.update(n)
+                    if s == opts.max_new_tokens:
+                        break
+                    x = logits[:, -1:].argmax(-1)
+    finally:
+        rec_hooks.close()
+    cat = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    src = {"kind": "hf", "model_dir": str(model_dir.resolve()), "family": spec.family, "device": device.type,
+           "max_new_tokens": opts.max_new_tokens, "bytes_from": "checkpoint" if opts.quant == "checkpoint" else "recipe"}
+    return Trace(**cat, spec=spec, recipe=rec, expert_bytes=sizes,
+                 source={**src, "dataset": str(data.resolve()), "prompts": len(prompts)})

@@ -1,0 +1,74 @@
+import json
+
+import numpy as np
+import pytest
+
+from cmoe.errors import CmoeError
+from cmoe.quant import recipe
+from cmoe.spec import preset
+from cmoe.trace import bundle
+from cmoe.trace.synthetic import SyntheticParams, generate
+
+
+@pytest.fixture
+def small_trace():
+    return generate(preset("olmoe-1b-7b"), recipe("w4a16"), SyntheticParams(requests=2, prompt_len=3, decode_len=5))
+
+
+def test_round_trip_is_exact(small_trace, tmp_path):
+    bundle.write(small_trace, tmp_path / "b", parquet=True)
+    t = bundle.read(tmp_path / "b")
+    for k in ("experts", "weights", "pred_experts", "request", "step", "phase"):
+        assert np.array_equal(getattr(t, k), getattr(small_trace, k)) and getattr(t, k).dtype == getattr(small_trace, k).dtype
+    assert t.spec == small_trace.spec and t.recipe == small_trace.recipe and t.expert_bytes == small_trace.expert_bytes
+    meta = json.loads((tmp_path / "b" / "meta.json").read_text())
+    assert meta["format"] == "cmoe-trace" and meta["format_version"] == 1 and meta["weights_renormalized"] is False
+    import polars as pl
+    df = pl.read_parquet(tmp_path / "b" / "routes.parquet")
+    assert df.height == 16 * 16 and df.schema["experts"].shape == (8,)
+
+
+def test_existing_bundle_is_kept_unless_forced(small_trace, tmp_path):
+    bundle.write(small_trace, tmp_path / "b")
+    before = (tmp_path / "b" / "routes.safetensors").read_bytes()
+    with pytest.raises(CmoeError, match="already exists"):
+        bundle.write(small_trace, tmp_path / "b")
+    assert (tmp_path / "b" / "routes.safetensors").read_bytes() == before
+    bundle.write(small_trace, tmp_path / "b", overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]       # no temporary left behind
+
+
+def test_failed_write_leaves_nothing(small_trace, tmp_path):
+    small_trace.experts[0, 0, 0] = 99
+    with pytest.raises(CmoeError, match="expert id 99 out of range 0..63"):
+        bundle.write(small_trace, tmp_path / "b")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_corrupted_bundles_give_one_line(small_trace, tmp_path):
+    bundle.write(small_trace, tmp_path / "b")
+    routes = tmp_path / "b" / "routes.safetensors"
+    routes.write_bytes(routes.read_bytes()[:100])
+    with pytest.raises(CmoeError, match="routes.safetensors is corrupted"):
+        bundle.read(tmp_path / "b")
+    bundle.write(small_trace, tmp_path / "c")
+    (tmp_path / "c" / "meta.json").write_text("{not json")
+    with pytest.raises(CmoeError, match="meta.json is corrupted"):
+        bundle.read(tmp_path / "c")
+    with pytest.raises(CmoeError, match="is not a trace bundle"):
+        bundle.read(tmp_path)
+
+
+def test_version_and_out_of_range_ids_are_refused(small_trace, tmp_path):
+    from safetensors.numpy import save_file
+    bundle.write(small_trace, tmp_path / "b")
+    meta = json.loads((tmp_path / "b" / "meta.json").read_text())
+    (tmp_path / "b" / "meta.json").write_text(json.dumps({**meta, "format_version": 7}))
+    with pytest.raises(CmoeError, match="format version 7"):
+        bundle.read(tmp_path / "b")
+    (tmp_path / "b" / "meta.json").write_text(json.dumps(meta))
+    arrays = small_trace.arrays()
+    arrays["experts"][3, 2, 1] = 64
+    save_file(arrays, str(tmp_path / "b" / "routes.safetensors"))
+    with pytest.raises(CmoeError, match="expert id 64 out of range"):
+        bundle.read(tmp_path / "b")
