@@ -87,5 +87,62 @@ def stats(
                                                 "layers": [asdict(x) for x in layers]}, indent=1))
 
 
+@app.command()
+@one_line_errors
+def simulate(
+    *,
+    pool_gb: Annotated[float, typer.Option(help="GPU memory for the model in GB: resident weights, KV cache and the expert pool.")] = 20.0,
+    trace: Annotated[str, typer.Option(help="A trace bundle folder, or synthetic:PRESET.")] = "synthetic:mixtral-8x7b",
+    profile: Annotated[str, typer.Option(help="Hardware profile: h200, rtx4090 or a profile JSON file.")] = "h200",
+    policies: Annotated[Optional[str], typer.Option(help="Comma-separated policies [default: all six].")] = None,
+    batch: Annotated[int, typer.Option(help="Requests decoded together.")] = 1,
+    quant: Annotated[Optional[str], typer.Option(help="Recompute expert sizes under this recipe (e.g. w4a16, mixed).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Folder for metrics.json, timelines (Parquet, Chrome trace) and policy JSON files.")] = None,
+) -> None:
+    """Replay a trace through the SimPy model under each policy; print a row per policy."""
+    from cmoe.hw import load_profile
+    from cmoe.sim.api import load_trace, parse_policies, run_policies, table, write_outputs
+    names = parse_policies(policies)
+    prof = load_profile(profile)
+    t = load_trace(trace, quant, batch)
+    results = run_policies(t, prof, names, pool_gb, batch)
+    typer.echo(f"{t.spec.name} ({t.recipe.name}), {prof.name}, pool {pool_gb:g} GB, batch {batch}, "
+               f"{results[0].metrics['decode_tokens']} decode tokens")
+    typer.echo(table(results))
+    if out:
+        write_outputs(out, t, prof, results)
+        typer.echo(f"wrote {out}/metrics.json, timeline-*.parquet, timeline-*.json (Perfetto), policy-*.json")
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        from cmoe.errors import CmoeError
+        raise CmoeError(f"'{text}' is not a comma-separated list of numbers") from None
+
+
+@app.command()
+@one_line_errors
+def sweep(
+    *,
+    pool_gb: Annotated[str, typer.Option(help="Comma-separated pool sizes in GB.")] = "12,16,20,24,28",
+    traces: Annotated[str, typer.Option(help="Comma-separated trace bundles or synthetic:PRESET.")] = "synthetic:mixtral-8x7b",
+    profiles: Annotated[str, typer.Option(help="Comma-separated hardware profiles.")] = "h200",
+    policies: Annotated[Optional[str], typer.Option(help="Comma-separated policies [default: all six].")] = None,
+    batch: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1",
+    quant: Annotated[Optional[str], typer.Option(help="Recompute expert sizes under this recipe.")] = None,
+    jobs: Annotated[int, typer.Option(help="Parallel worker processes.")] = 2,
+    out: Annotated[Path, typer.Option(help="Parquet table to write, one row per grid point.")] = Path("sweep.parquet"),
+) -> None:
+    """Run a grid of pool sizes x policies x traces x profiles x batches in parallel; write one Parquet table."""
+    from cmoe.sim.api import parse_policies, sweep as run_sweep, write_sweep
+    rows = run_sweep([x for x in traces.split(",") if x], [x for x in profiles.split(",") if x], _floats(pool_gb),
+                     parse_policies(policies), [int(b) for b in _floats(batch)], quant, jobs)
+    write_sweep(rows, out)
+    bad = sum(1 for r in rows if r["error"])
+    typer.echo(f"wrote {out}: {len(rows)} rows" + (f" ({bad} could not run; see the error column)" if bad else ""))
+
+
 if __name__ == "__main__":
     app()

@@ -1,0 +1,174 @@
+"""HardwareProfile: what the simulator needs to know about a machine, as a frozen, JSON-serialisable
+dataclass. Floor 1: plain data and arithmetic.
+
+Transfer time of a copy is its size over the effective bandwidth at that size, interpolated in
+log-size between measured points (small copies are far slower: 5.3 GB/s at 64 KiB against 55 at
+64 MiB on the H200). Expert FFN time is a launch cost per matrix, plus the expert's bytes over the
+kernel's effective bandwidth for its weight format, plus the matmul work of the extra tokens.
+Every figure of a built-in profile names its source in `sources`. `cmoe calibrate` (coming) will
+measure a profile on the GPU at hand.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from cmoe.errors import CmoeError
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    gpu_mem_bytes: int
+    h2d_pinned: tuple[tuple[int, float], ...]       # (copy bytes, GB/s), ascending sizes
+    d2h_pinned: tuple[tuple[int, float], ...]
+    h2d_pageable_gbps: float
+    copy_engines: int                               # concurrent H2D copies the link serves
+    hbm_gbps: float                                 # device memory bandwidth (read + write)
+    matmul_tflops: float                            # dense bf16
+    expert_gbps: tuple[tuple[str, float], ...]      # weight bits class -> effective GB/s of expert kernels
+    launch_us: float                                # one kernel launch
+    layer_fixed_us: float                           # per decoder layer at batch 1: norms, attention, router, routing read-back
+    attn_us_per_token: float                        # extra attention/router time per extra token in a pass
+    cpu_expert_gbps: float                          # CPU expert throughput, as expert bytes read per second
+    roundtrip_us: float                             # GPU->CPU->GPU hidden-state round trip with its synchronisations
+    copy_compute_slowdown: float = 0.0              # matmul slowdown while a side-stream copy runs
+    sources: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        for k in ("gpu_mem_bytes", "h2d_pageable_gbps", "copy_engines", "hbm_gbps", "matmul_tflops",
+                  "cpu_expert_gbps"):
+            if not getattr(self, k) > 0:
+                raise CmoeError(f"hardware profile {self.name}: {k} must be positive")
+        for curve in ("h2d_pinned", "d2h_pinned"):
+            pts = getattr(self, curve)
+            if not pts or any(b <= 0 or g <= 0 for b, g in pts) or list(pts) != sorted(pts):
+                raise CmoeError(f"hardware profile {self.name}: {curve} needs ascending (bytes, GB/s) points > 0")
+
+    # transfers ------------------------------------------------------------------------------
+    @staticmethod
+    def _curve_gbps(pts: tuple[tuple[int, float], ...], nbytes: int) -> float:
+        if nbytes <= pts[0][0]:
+            return pts[0][1]
+        if nbytes >= pts[-1][0]:
+            return pts[-1][1]
+        x = math.log2(nbytes)
+        for (b0, g0), (b1, g1) in zip(pts, pts[1:]):
+            if nbytes <= b1:
+                t = (x - math.log2(b0)) / (math.log2(b1) - math.log2(b0))
+                return g0 + t * (g1 - g0)
+        raise AssertionError("unreachable")
+
+    def h2d_us(self, nbytes: int, pinned: bool = True) -> float:
+        gbps = self._curve_gbps(self.h2d_pinned, nbytes) if pinned else self.h2d_pageable_gbps
+        return nbytes / (gbps * GB) * 1e6
+
+    def d2h_us(self, nbytes: int) -> float:
+        return nbytes / (self._curve_gbps(self.d2h_pinned, nbytes) * GB) * 1e6
+
+    # compute --------------------------------------------------------------------------------
+    def expert_kernel_gbps(self, bits: float) -> float:
+        table = dict(self.expert_gbps)
+        key = "int4" if bits <= 4 else "int8" if bits <= 8 else "bf16"
+        return table[key]
+
+    def expert_us(self, nbytes: int, bits: float, tokens: int, params: int) -> float:
+        """One expert (three matrices) over `tokens` tokens; params = weights in the expert."""
+        extra_flops = 2 * params * max(tokens - 1, 0)
+        return (3 * self.launch_us + nbytes / (self.expert_kernel_gbps(bits) * GB) * 1e6
+                + extra_flops / (self.matmul_tflops * 1e12) * 1e6)
+
+    def layer_us(self, tokens: int, resident_bytes: int = 0) -> float:
+        """Non-expert work of one decoder layer: fixed cost, weights read, per-token growth."""
+        return self.layer_fixed_us + resident_bytes / (self.hbm_gbps * GB) * 1e6 \
+            + self.attn_us_per_token * max(tokens - 1, 0)
+
+    def cpu_expert_us(self, nbytes: int, tokens: int) -> float:
+        return nbytes / (self.cpu_expert_gbps * GB) * 1e6 * max(1.0, tokens / 8)
+
+    # files ----------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for k in ("h2d_pinned", "d2h_pinned", "expert_gbps"):
+            d[k] = [list(p) for p in d[k]]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HardwareProfile":
+        d = dict(d)
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise CmoeError(f"hardware profile has unknown fields {sorted(unknown)}")
+        for k in ("h2d_pinned", "d2h_pinned"):
+            d[k] = tuple((int(b), float(g)) for b, g in d[k])
+        d["expert_gbps"] = tuple((str(k), float(v)) for k, v in d["expert_gbps"])
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise CmoeError(f"hardware profile is missing a field ({e})") from None
+
+
+KiB, MiB = 1024, 1024 * 1024
+
+_H200_CURVE = ((64 * KiB, 5.3), (1 * MiB, 34.6), (4 * MiB, 49.9), (16 * MiB, 53.8), (64 * MiB, 55.2))
+H200 = HardwareProfile(
+    name="h200", gpu_mem_bytes=141 * 10**9, h2d_pinned=_H200_CURVE,
+    d2h_pinned=tuple((b, g * 55.0 / 55.2) for b, g in _H200_CURVE), h2d_pageable_gbps=13.0,
+    copy_engines=1, hbm_gbps=4300.0, matmul_tflops=788.0,
+    expert_gbps=(("int4", 1730.0), ("int8", 2600.0), ("bf16", 3390.0)),
+    launch_us=5.0, layer_fixed_us=255.0, attn_us_per_token=1.0,
+    cpu_expert_gbps=30.0, roundtrip_us=60.0, copy_compute_slowdown=0.02,
+    sources={
+        "h2d_pinned": "DESIGN.md: measured on the lent H200 (PCIe Gen5 x16, torch 2.11, 2026-11)",
+        "d2h_pinned": "DESIGN.md: about 55 GB/s pinned; same size curve as H2D assumed",
+        "h2d_pageable_gbps": "DESIGN.md: pageable H2D 8-19 GB/s; midpoint",
+        "copy_engines": "one H2D stream saturates the PCIe link; more engines share the same 55 GB/s",
+        "hbm_gbps": ".library/device/KINDS.md: device-to-device copy about 4.3 TB/s (read + write)",
+        "matmul_tflops": ".library/device/KINDS.md: 8192^3 bf16 product 769-798 TFLOP/s on random data",
+        "expert_gbps": "DESIGN.md: int4pack_mm 14336x4096 one token 18 us (31.2 MB -> 1.73 TB/s); "
+                       "bf16 Mixtral expert 104 us (352 MB -> 3.39 TB/s); int8 interpolated (estimate)",
+        "launch_us": "estimate; calibrate with `cmoe calibrate`",
+        "layer_fixed_us": "DESIGN.md: lean Mixtral decode step 12.0 ms/token eager with routing read-back; "
+                          "minus 32 x 2 experts x 54 us, minus attention weight reads, over 32 layers",
+        "attn_us_per_token": "estimate",
+        "cpu_expert_gbps": "estimate for int4 CPU expert kernels on 16 cores (_weight_int4pack_mm_for_cpu)",
+        "roundtrip_us": "estimate: two small copies at 64 KiB-class latency plus two stream synchronisations",
+        "copy_compute_slowdown": "DESIGN.md: a side-stream copy slows concurrent matmuls by about 2%",
+    })
+
+_PCIE4_CURVE = tuple((b, g * 25.0 / 55.2) for b, g in _H200_CURVE)
+RTX4090 = HardwareProfile(
+    name="rtx4090", gpu_mem_bytes=24 * 1024**3, h2d_pinned=_PCIE4_CURVE, d2h_pinned=_PCIE4_CURVE,
+    h2d_pageable_gbps=10.0, copy_engines=1, hbm_gbps=1008.0, matmul_tflops=165.0,
+    expert_gbps=(("int4", 700.0), ("int8", 800.0), ("bf16", 850.0)),
+    launch_us=5.0, layer_fixed_us=200.0, attn_us_per_token=2.0,
+    cpu_expert_gbps=20.0, roundtrip_us=60.0, copy_compute_slowdown=0.02,
+    sources={
+        "h2d_pinned": "PCIe 4.0 x16: 32 GB/s raw, about 25 GB/s in practice; H200 size curve scaled",
+        "gpu_mem_bytes": "NVIDIA RTX 4090 specifications: 24 GB GDDR6X",
+        "hbm_gbps": "NVIDIA RTX 4090 specifications: 1008 GB/s",
+        "matmul_tflops": "NVIDIA Ada whitepaper: 165 dense FP16/BF16 tensor TFLOP/s (FP32 accumulate)",
+        "expert_gbps": "estimate: about 70% of memory bandwidth for small-batch int4 kernels",
+        "layer_fixed_us": "estimate: launch- and sync-bound like the H200's, less attention read time",
+        "cpu_expert_gbps": "estimate for a desktop CPU (dual-channel DDR5)",
+        "roundtrip_us": "estimate, as for the H200",
+    })
+
+PROFILES: dict[str, HardwareProfile] = {"h200": H200, "rtx4090": RTX4090}
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    if name_or_path in PROFILES:
+        return PROFILES[name_or_path]
+    p = Path(name_or_path)
+    if not p.is_file():
+        raise CmoeError(f"unknown hardware profile '{name_or_path}': use {', '.join(PROFILES)} or a profile JSON file")
+    try:
+        return HardwareProfile.from_dict(json.loads(p.read_text()))
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise CmoeError(f"{p} is not a valid hardware profile ({e})") from None

@@ -1,0 +1,1 @@
+"""Pure-Python decisions shared by the simulator and the executor: no simpy, no torch."""

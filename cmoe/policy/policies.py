@@ -1,0 +1,216 @@
+"""The six policies as pure decisions over a SlotPool: which experts run on the GPU, which on the
+CPU, which loads to issue and which slot each overwrites. The simulator and the executor call
+these same objects and differ only in how time passes.
+
+Per pass (a prefill or one decode step of a batch) the engine calls `begin_pass`, then for each
+MoE layer m, once its router has run, `plan(m, needed, predicted_next)`: `needed` is the exact
+routing (the union over the batch's tokens, most-voted first), `predicted_next` the commit
+prediction for layer m+1 made from layer m's hidden state. Loads in a plan are issued at once, in
+order; the layer's GPU compute waits only for the experts in `plan.gpu`. A victim is never an
+expert the current or the next layer still needs; when a batch needs more experts than a block
+has slots, an expert already planned earlier in the same layer may be overwritten, and the
+engine then waits for its kernel to finish before the copy starts.
+
+| policy | stands for |
+| --- | --- |
+| upper | every expert resident (unlimited memory) |
+| ondemand | blocking load of each missing expert, LRU eviction |
+| lru-prefetch | mixtral-offloading: per-layer LRU + speculative prefetch of layer m+1's predicted experts, exact routing |
+| lfu-fallback | MoE-Infinity: LFU eviction; a miss runs on the CPU, and is admitted to the pool in the background if it is used more often than the victim |
+| static | Fiddler/ktransformers: each layer's most used experts pinned, the rest on the CPU |
+| commit | CommitMoE: layer m+1's prediction is committed while layer m runs and loaded at once; layer m+1 computes only committed experts (OWA re-weights them); nothing on the CPU |
+
+Prefill passes are exact for every policy (commit included): a prompt touches nearly every
+expert, so committing a subset would change the outputs of many tokens for no saving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cmoe.policy.pool import PoolLayout, SlotPool
+
+POLICIES = ("upper", "ondemand", "lru-prefetch", "lfu-fallback", "static", "commit")
+
+
+@dataclass(frozen=True)
+class Load:
+    layer: int
+    expert: int
+    slot: int
+    victim: int | None           # expert whose slot is overwritten, None for a free slot
+    kind: str                    # demand, prefetch, commit, admit
+
+
+@dataclass
+class LayerPlan:
+    gpu: list[int]                                   # experts computed on the GPU, in order
+    cpu: list[int] = field(default_factory=list)     # experts computed on the CPU (fallback)
+    loads: list[Load] = field(default_factory=list)  # issued now, in priority order
+    skipped: list[int] = field(default_factory=list) # routed experts not computed (commit misses)
+    slots: dict[int, int] = field(default_factory=dict)  # slot each GPU expert is read from
+
+
+class Policy:
+    name = "base"
+    exact = True                 # outputs equal exact routing
+
+    def __init__(self, layout: PoolLayout, num_experts: int, popularity: list[list[int]]):
+        self.layout, self.E = layout, num_experts
+        self.pool = SlotPool(layout)
+        self.popularity = popularity
+        self.freq = [[0] * num_experts for _ in layout.slots]
+        self.decode = False
+        self.warm()
+
+    def warm(self) -> None:
+        """Fill each block with its most used experts, as after a warm-up (not timed)."""
+        for m, n in enumerate(self.layout.slots):
+            for e in self.by_popularity(m)[:n]:
+                self.pool.place(m, e, None)
+
+    def by_popularity(self, m: int) -> list[int]:
+        return sorted(range(self.E), key=lambda e: (-self.popularity[m][e], e))
+
+    def begin_pass(self, decode: bool, pred0: list[int]) -> list[Load]:
+        self.decode = decode
+        return []
+
+    def plan(self, m: int, needed: list[int], predicted_next: list[int] | None) -> LayerPlan:
+        raise NotImplementedError
+
+    # shared mechanics ---------------------------------------------------------------------
+    def victim(self, m: int, protect: set[int]) -> int | None:
+        """LRU: the oldest resident not protected."""
+        return next((v for v in self.pool.where[m] if v not in protect), None)
+
+    def ensure(self, m: int, experts: list[int], kind: str, protect: set[int],
+               reusable: list[int] | None = None) -> tuple[list[Load], list[int]]:
+        """Make `experts` resident in block m. Returns the loads and the experts placed, in order.
+        `reusable`: experts already planned this layer that may be overwritten when nothing else can."""
+        loads, placed = [], []
+        for e in experts:
+            if self.pool.resident(m, e):
+                self.pool.touch(m, e)
+                continue
+            v = None
+            if not self.pool.has_free(m):
+                v = self.victim(m, protect)
+                if v is None and reusable:
+                    v = next((r for r in reusable if self.pool.resident(m, r)), None)
+                if v is None:
+                    continue                     # nothing may be evicted: leave it out
+            slot = self.pool.place(m, e, v)
+            loads.append(Load(m, e, slot, v, kind))
+            placed.append(e)
+        return loads, placed
+
+    def exact_plan(self, m: int, needed: list[int], kind: str = "demand") -> LayerPlan:
+        for e in needed:
+            self.freq[m][e] += 1
+        hits = [e for e in needed if self.pool.resident(m, e)]
+        for e in hits:
+            self.pool.touch(m, e)
+        misses = [e for e in needed if e not in hits]
+        slots = {e: self.pool.slot_of(m, e) for e in hits}
+        loads, placed = self.ensure(m, misses, kind, protect=set(needed), reusable=hits)
+        slots.update((ld.expert, ld.slot) for ld in loads)
+        return LayerPlan(gpu=hits + placed, loads=loads, slots=slots)
+
+
+class Upper(Policy):
+    name = "upper"
+
+    def plan(self, m, needed, predicted_next):
+        return LayerPlan(gpu=list(needed), slots={e: self.pool.slot_of(m, e) for e in needed})
+
+
+class OnDemand(Policy):
+    name = "ondemand"
+
+    def plan(self, m, needed, predicted_next):
+        return self.exact_plan(m, needed)
+
+
+class LruPrefetch(Policy):
+    name = "lru-prefetch"
+
+    def plan(self, m, needed, predicted_next):
+        p = self.exact_plan(m, needed)
+        if predicted_next is not None and m + 1 < len(self.layout.slots):
+            guess = predicted_next[: self.layout.slots[m + 1]]
+            loads, _ = self.ensure(m + 1, guess, "prefetch", protect=set(guess))
+            p.loads += loads
+        return p
+
+
+class LfuFallback(Policy):
+    name = "lfu-fallback"
+
+    def victim(self, m, protect):
+        cands = [v for v in self.pool.where[m] if v not in protect]
+        return min(cands, key=lambda v: self.freq[m][v]) if cands else None
+
+    def plan(self, m, needed, predicted_next):
+        for e in needed:
+            self.freq[m][e] += 1
+        gpu = [e for e in needed if self.pool.resident(m, e)]
+        cpu = [e for e in needed if e not in gpu]
+        loads = []
+        for e in cpu:                               # admit in the background if hotter than the victim
+            v = None if self.pool.has_free(m) else self.victim(m, set(needed))
+            if self.pool.has_free(m) or (v is not None and self.freq[m][v] < self.freq[m][e]):
+                loads.append(Load(m, e, self.pool.place(m, e, v), v, "admit"))
+        return LayerPlan(gpu=gpu, cpu=cpu, loads=loads, slots={e: self.pool.slot_of(m, e) for e in gpu})
+
+
+class Static(Policy):
+    name = "static"
+
+    def plan(self, m, needed, predicted_next):
+        gpu = [e for e in needed if self.pool.resident(m, e)]
+        return LayerPlan(gpu=gpu, cpu=[e for e in needed if e not in gpu],
+                         slots={e: self.pool.slot_of(m, e) for e in gpu})
+
+
+class Commit(Policy):
+    name = "commit"
+    exact = False
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.committed: list[list[int] | None] = [None] * len(self.layout.slots)
+
+    def commit(self, m: int, predicted: list[int]) -> list[Load]:
+        chosen = predicted[: self.layout.slots[m]]
+        loads, _ = self.ensure(m, chosen, "commit", protect=set(chosen))
+        self.committed[m] = chosen
+        return loads
+
+    def begin_pass(self, decode, pred0):
+        self.decode = decode
+        self.committed = [None] * len(self.layout.slots)
+        return self.commit(0, pred0) if decode else []
+
+    def plan(self, m, needed, predicted_next):
+        if not self.decode:
+            return self.exact_plan(m, needed)
+        chosen = self.committed[m]
+        assert chosen is not None, f"layer {m} was never committed"
+        for e in chosen:
+            self.pool.touch(m, e)
+        p = LayerPlan(gpu=list(chosen), skipped=[e for e in needed if e not in chosen],
+                      slots={e: self.pool.slot_of(m, e) for e in chosen})
+        if predicted_next is not None and m + 1 < len(self.layout.slots):
+            p.loads = self.commit(m + 1, predicted_next)
+        return p
+
+
+_CLASSES = {c.name: c for c in (Upper, OnDemand, LruPrefetch, LfuFallback, Static, Commit)}
+
+
+def make_policy(name: str, layout: PoolLayout, num_experts: int, popularity: list[list[int]]) -> Policy:
+    from cmoe.errors import CmoeError
+    if name not in _CLASSES:
+        raise CmoeError(f"unknown policy '{name}': choose from {', '.join(POLICIES)}")
+    return _CLASSES[name](layout, num_experts, popularity)

@@ -1,0 +1,1 @@
+"""Timelines out: Chrome Trace Event JSON; Plotly reports (coming)."""

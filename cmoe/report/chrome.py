@@ -1,0 +1,55 @@
+"""Chrome Trace Event JSON (opens in Perfetto and chrome://tracing) from a timeline.
+
+One process per source, one thread per stream; spans that overlap on one stream (several copies
+in flight, say) are spread over extra tracks `stream#1`, `stream#2`, ... so every track holds
+complete ("X") events that nest or follow one another. Times are microseconds, as the format
+wants.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cmoe.timeline import Span
+from cmoe.util import write_text_atomic
+
+
+def _tracks(spans: list[Span]) -> list[tuple[str, Span]]:
+    """Assign each span a track name so that spans on one track never overlap."""
+    ends: dict[tuple[str, str], list[float]] = {}
+    out = []
+    for s in sorted(spans, key=lambda s: (s[0], s[3], s[6], s[7])):
+        lanes = ends.setdefault((s[0], s[3]), [])
+        for i, end in enumerate(lanes):
+            if end <= s[6]:
+                lanes[i] = s[7]
+                break
+        else:
+            lanes.append(s[7])
+            i = len(lanes) - 1
+        out.append((s[3] if i == 0 else f"{s[3]}#{i}", s))
+    return out
+
+
+def chrome_trace(spans: list[Span]) -> dict:
+    pids: dict[str, int] = {}
+    tids: dict[tuple[str, str], int] = {}
+    events, meta = [], []
+    for track, (source, step, layer, _stream, op, expert, start, end, nbytes) in _tracks(spans):
+        pid = pids.setdefault(source, len(pids) + 1)
+        if (source, track) not in tids:
+            tids[(source, track)] = len(tids) + 1
+            meta.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tids[(source, track)],
+                         "args": {"name": track}})
+        name = op if expert < 0 else f"{op} e{expert}"
+        events.append({"ph": "X", "name": name, "cat": op, "pid": pid, "tid": tids[(source, track)],
+                       "ts": round(start, 3), "dur": round(end - start, 3),
+                       "args": {"step": step, "layer": layer, "expert": expert, "bytes": nbytes}})
+    for source, pid in pids.items():
+        meta.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": source}})
+    return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(spans: list[Span], path: str | Path) -> Path:
+    return write_text_atomic(path, json.dumps(chrome_trace(spans), separators=(",", ":")))

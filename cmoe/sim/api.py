@@ -1,0 +1,121 @@
+"""`cmoe simulate` and `cmoe sweep` as library calls: pick the trace, run policies, write outputs."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from cmoe.errors import CmoeError
+from cmoe.hw import HardwareProfile, load_profile
+from cmoe.policy.policies import POLICIES
+from cmoe.quant import expert_bytes, recipe
+from cmoe.sim.run import SimConfig, SimResult, simulate
+from cmoe.spec import preset
+from cmoe.trace import bundle
+from cmoe.trace.bundle import Trace
+from cmoe.trace.synthetic import SyntheticParams, generate
+from cmoe.util import write_text_atomic
+
+DEFAULT_TRACE = "synthetic:mixtral-8x7b"
+
+
+def load_trace(source: str, quant: str | None = None, batch: int = 1) -> Trace:
+    """A bundle folder, or `synthetic:PRESET` (generated with enough requests for the batch)."""
+    if source.startswith("synthetic:"):
+        rec = recipe(quant or "w4a16")
+        return generate(preset(source.split(":", 1)[1]), rec, SyntheticParams(requests=max(4, batch)))
+    t = bundle.read(source)
+    if quant:
+        rec = recipe(quant)
+        t = replace(t, recipe=rec, expert_bytes=expert_bytes(t.spec, rec))
+    return t
+
+
+def parse_policies(text: str | None) -> list[str]:
+    names = [p.strip() for p in (text or ",".join(POLICIES)).split(",") if p.strip()]
+    bad = [p for p in names if p not in POLICIES]
+    if bad:
+        raise CmoeError(f"unknown policy '{bad[0]}': choose from {', '.join(POLICIES)}")
+    return names
+
+
+def run_policies(t: Trace, profile: HardwareProfile, policies: list[str], pool_gb: float, batch: int) -> list[SimResult]:
+    return [simulate(t, profile, SimConfig(policy=p, pool_gb=pool_gb, batch=batch)) for p in policies]
+
+
+def table(results: list[SimResult]) -> str:
+    up = next((r.metrics["tokens_per_s"] for r in results if r.config.policy == "upper"), None)
+    head = (f"{'policy':<13} {'tok/s':>8} {'x upper':>7} {'TPOT ms':>8} {'p99 ms':>8} {'hit':>6} "
+            f"{'loads':>7} {'GB moved':>9} {'fallback':>8} {'skipped':>7} {'stall ms':>9} {'fit':>5}")
+    rows = [head]
+    for r in results:
+        m = r.metrics
+        ratio = f"{m['tokens_per_s'] / up:7.2f}" if up else f"{'-':>7}"
+        rows.append(f"{m['policy']:<13} {m['tokens_per_s']:8.1f} {ratio} {m['tpot_ms_mean']:8.2f} {m['tpot_ms_p99']:8.2f} "
+                    f"{m['hit_rate']:6.3f} {m['loads']:7d} {m['bytes_moved'] / 1e9:9.2f} {m['fallbacks']:8d} "
+                    f"{m['skipped']:7d} {m['stall_ms']:9.1f} {m['experts_fit']:5d}")
+    return "\n".join(rows)
+
+
+def write_outputs(out: Path, t: Trace, profile: HardwareProfile, results: list[SimResult]) -> None:
+    from cmoe.report.chrome import write_chrome_trace
+    from cmoe.timeline import write_parquet
+    out.mkdir(parents=True, exist_ok=True)
+    for r in results:
+        name = r.config.policy
+        write_parquet(r.run.spans, out / f"timeline-{name}.parquet")
+        write_chrome_trace(r.run.spans, out / f"timeline-{name}.json")
+        write_text_atomic(out / f"policy-{name}.json", json.dumps(r.policy_json(t, profile), indent=1))
+    write_text_atomic(out / "metrics.json", json.dumps([r.metrics for r in results], indent=1))
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    trace: str
+    profile: str
+    pool_gb: float
+    policy: str
+    batch: int
+    quant: str | None
+
+
+def _run_point(p: SweepPoint) -> dict:
+    base = {"trace": p.trace, "profile": p.profile, "pool_gb": p.pool_gb, "policy": p.policy, "batch": p.batch}
+    try:
+        t = load_trace(p.trace, p.quant, p.batch)
+        r = simulate(t, load_profile(p.profile), SimConfig(policy=p.policy, pool_gb=p.pool_gb, batch=p.batch))
+        return {**base, **{k: v for k, v in r.metrics.items() if k not in base}, "error": ""}
+    except CmoeError as e:
+        return {**base, "error": str(e)}
+
+
+def sweep(traces: list[str], profiles: list[str], pools: list[float], policies: list[str], batches: list[int],
+          quant: str | None, jobs: int, progress: bool = True) -> list[dict]:
+    from concurrent.futures import ProcessPoolExecutor
+
+    from tqdm import tqdm
+    for pr in profiles:
+        load_profile(pr)                                    # fail fast on a bad name
+    points = [SweepPoint(*x, quant) for x in itertools.product(traces, profiles, pools, policies, batches)]
+    if jobs <= 1:
+        rows = [_run_point(p) for p in tqdm(points, disable=not progress, desc="sweep")]
+    else:
+        with ProcessPoolExecutor(jobs) as ex:
+            rows = list(tqdm(ex.map(_run_point, points), total=len(points), disable=not progress, desc="sweep"))
+    return rows
+
+
+def write_sweep(rows: list[dict], path: Path) -> Path:
+    import os
+
+    import polars as pl
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    try:
+        pl.DataFrame(rows, infer_schema_length=None).write_parquet(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path

@@ -1,0 +1,44 @@
+"""The timeline schema, one for predicted (simulator) and measured (executor) runs. Floor 1.
+
+Columns: source (sim or gpu), step (pass index), layer (decoder layer, -1 for none), stream
+(compute, copy0.., cpu), op (attention, dense, shared, expert, load, cpu_expert, roundtrip),
+expert (-1 for none), start_us, end_us, bytes. Spans are recorded as tuples in a list and
+turned into a table once at the end. Parquet is written with pyarrow, which the GPU machine has,
+so neither side needs polars to write a timeline.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+COLUMNS = ("source", "step", "layer", "stream", "op", "expert", "start_us", "end_us", "bytes")
+Span = tuple  # (source, step, layer, stream, op, expert, start_us, end_us, bytes)
+
+
+def arrow_table(spans: list[Span]):
+    import pyarrow as pa
+    cols = list(zip(*spans)) if spans else [[] for _ in COLUMNS]
+    types = [pa.string(), pa.int32(), pa.int16(), pa.string(), pa.string(), pa.int16(),
+             pa.float64(), pa.float64(), pa.int64()]
+    return pa.table({c: pa.array(v, type=t) for c, v, t in zip(COLUMNS, cols, types)})
+
+
+def write_parquet(spans: list[Span], path: str | Path) -> Path:
+    import os
+
+    import pyarrow.parquet as pq
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    try:
+        pq.write_table(arrow_table(spans), tmp, compression="zstd")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def read_parquet(path: str | Path) -> list[Span]:
+    import pyarrow.parquet as pq
+    t = pq.read_table(path).to_pydict()
+    return list(zip(*(t[c] for c in COLUMNS)))

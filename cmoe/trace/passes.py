@@ -1,0 +1,80 @@
+"""Cut a trace into passes the engines replay: for each group of `batch` requests, one prefill pass
+(every prompt token of the group) and then one decode pass per step (one token per request still
+decoding). Per pass and MoE layer it gives the experts needed (union over the pass's tokens, most
+voted first, ties in the first token's weight order) and the commit prediction, ordered the same way. numpy only; the
+simulator and the executor replay the same passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cmoe.errors import CmoeError
+from cmoe.trace.bundle import DECODE, PREFILL, Trace
+
+
+@dataclass(frozen=True)
+class Pass:
+    index: int
+    decode: bool
+    tokens: np.ndarray                       # [n] token indices into the trace
+    needed: tuple[tuple[int, ...], ...]      # [M] experts routed, most voted first
+    predicted: tuple[tuple[int, ...], ...]   # [M] commit prediction for layer m
+    votes: tuple[tuple[int, ...], ...]       # [M] tokens routed to each needed expert
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.size)
+
+
+def _ranked(rows: list[list[int]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Token rows of expert ids -> experts by descending count (ties: first seen, i.e. by the
+    first token's weight order) and their counts. Plain Python: passes are small."""
+    counts: dict[int, int] = {}
+    for row in rows:
+        for e in row:
+            if e >= 0:
+                counts[e] = counts.get(e, 0) + 1
+    order = sorted(counts, key=lambda e: -counts[e])
+    return tuple(order), tuple(counts[e] for e in order)
+
+
+def make_passes(t: Trace, batch: int, include_prefill: bool = True) -> list[Pass]:
+    if batch < 1:
+        raise CmoeError(f"batch must be at least 1, got {batch}")
+    reqs = np.unique(t.request)
+    if reqs.size < batch:
+        raise CmoeError(f"the trace has {reqs.size} requests but batch {batch} needs at least {batch}: "
+                        f"trace more prompts or generate with --requests {batch}")
+    M = t.spec.num_moe_layers
+    experts, pred = t.experts.tolist(), t.pred_experts.tolist()       # [T][M][K]
+    passes: list[Pass] = []
+    for g in range(0, reqs.size - batch + 1, batch):
+        group = reqs[g:g + batch]
+        in_group = np.isin(t.request, group)
+        groups = []
+        if include_prefill:
+            pre = np.nonzero(in_group & (t.phase == PREFILL))[0]
+            if pre.size:
+                groups.append((False, pre))
+        dec = np.nonzero(in_group & (t.phase == DECODE))[0]
+        order = np.lexsort((t.request[dec], t.step[dec]))
+        dec, steps = dec[order], t.step[dec[order]]
+        for s in np.unique(steps):
+            groups.append((True, dec[steps == s]))
+        for decode, idx in groups:
+            rows = idx.tolist()
+            ranked = [_ranked([experts[i][m] for i in rows]) for m in range(M)]
+            guess = [_ranked([pred[i][m] for i in rows])[0] for m in range(M)]
+            passes.append(Pass(len(passes), decode, idx, tuple(r[0] for r in ranked), tuple(guess),
+                               tuple(r[1] for r in ranked)))
+    return passes
+
+
+def popularity(t: Trace) -> list[list[int]]:
+    """[M][E] how many tokens each expert served in the trace."""
+    E = t.spec.num_experts
+    return [np.bincount(t.experts[:, m].ravel().astype(np.int64), minlength=E).tolist()
+            for m in range(t.spec.num_moe_layers)]
