@@ -77,3 +77,38 @@ def test_existing_output_is_not_overwritten(tmp_path):
     before = (tmp_path / "t" / "meta.json").read_bytes()
     _one_line_error(run("trace", "--synthetic", "olmoe-1b-7b", "--out", tmp_path / "t", "--seed", 9), "already exists")
     assert (tmp_path / "t" / "meta.json").read_bytes() == before
+
+
+def test_simulate_default_prints_one_row_per_policy(tmp_path):
+    r = run("simulate", "--pool-gb", 20, "--out", tmp_path / "o")
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert lines[0].startswith("mixtral-8x7b (w4a16), h200, pool 20 GB, batch 1")
+    rows = {ln.split()[0]: ln.split() for ln in lines[2:8]}
+    assert list(rows) == ["upper", "ondemand", "lru-prefetch", "lfu-fallback", "static", "commit"]
+    assert rows["upper"][2] == "1.00" and rows["upper"][5] == "1.000"
+    assert all(float(v[2]) < 1 for k, v in rows.items() if k != "upper")
+    import json
+    pol = json.loads((tmp_path / "o" / "policy-commit.json").read_text())
+    assert pol["policy"] == "commit" and pol["layout"]["slots"][0] >= 2
+    from cmoe.timeline import COLUMNS, read_parquet
+    spans = read_parquet(tmp_path / "o" / "timeline-commit.parquet")
+    assert spans and len(spans[0]) == len(COLUMNS) and spans[0][0] == "sim"
+
+
+def test_simulate_and_sweep_errors():
+    _one_line_error(run("simulate", "--pool-gb", 4), "needs at least 2 slots")
+    _one_line_error(run("simulate", "--policies", "magic"), "unknown policy 'magic'")
+    _one_line_error(run("simulate", "--profile", "tpu9"), "unknown hardware profile 'tpu9'")
+    _one_line_error(run("sweep", "--pool-gb", "x,y"), "not a comma-separated list")
+
+
+def test_sweep_writes_one_table(tmp_path):
+    r = run("sweep", "--pool-gb", "4,20", "--policies", "upper,commit", "--traces", "synthetic:olmoe-1b-7b",
+            "--profiles", "h200,rtx4090", "--jobs", 1, "--out", tmp_path / "s.parquet")
+    assert r.exit_code == 0, r.output
+    import polars as pl
+    df = pl.read_parquet(tmp_path / "s.parquet")
+    assert df.height == 8 and set(df["policy"]) == {"upper", "commit"}
+    ok = df.filter(pl.col("error") == "")
+    assert (ok["tokens_per_s"] > 0).all()

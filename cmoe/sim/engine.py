@@ -206,6 +206,7 @@ class Simulation:
 
     def simulate(self) -> SimRun:
         self.env.run()
+        self.run.spans.sort(key=lambda s: (s[6], s[7], s[3]))       # canonical order: by start, end, stream
         return self.run
 
 

@@ -42,6 +42,15 @@ class SimResult:
 
 
 def check_compatible(trace: Trace, profile: HardwareProfile, pool_gb: float) -> None:
+    from cmoe.quant import format_bits
+    have = dict(profile.expert_gbps)
+    fmts = {trace.recipe.expert, trace.recipe.dense, *(f for f, _ in trace.recipe.mixed)}
+    for f in fmts:
+        b = format_bits(f)
+        cls = "int4" if b <= 4 else "int8" if b <= 8 else "bf16"
+        if cls not in have:
+            raise CmoeError(f"hardware profile {profile.name} has no expert kernel speed for {cls} weights "
+                            f"({f} in {trace.spec.name}'s recipe): add it to expert_gbps")
     if not 0 < pool_gb < 10_000:
         raise CmoeError(f"--pool-gb {pool_gb:g} is absurd: give the GPU memory for the model in GB, e.g. 20")
     if pool_gb * 1e9 > profile.gpu_mem_bytes:

@@ -1,0 +1,116 @@
+"""Policies on small hand-made cases: exact decisions, no simpy, no torch."""
+
+import pytest
+
+from cmoe.errors import CmoeError
+from cmoe.policy.owa import owa_weights
+from cmoe.policy.policies import Load, make_policy
+from cmoe.policy.pool import PoolLayout, SlotPool, VariableAllocator, plan_layout
+
+# two layers, four experts, two slots each; popularity decides the warm contents: [0, 1] and [3, 2]
+LAYOUT = PoolLayout(slot_bytes=(100, 100), slots=(2, 2), budget_bytes=400)
+POP = [[5, 4, 1, 0], [0, 1, 2, 3]]
+
+
+def pol(name):
+    return make_policy(name, LAYOUT, 4, POP)
+
+
+def test_warm_start_by_popularity():
+    p = pol("ondemand")
+    assert p.pool.residents(0) == [0, 1] and p.pool.residents(1) == [3, 2]
+    assert [p.pool.slot_of(0, e) for e in (0, 1)] == [0, 1]
+
+
+def test_ondemand_loads_misses_and_evicts_lru():
+    p = pol("ondemand")
+    plan = p.plan(0, [2, 1], None)
+    assert plan.gpu == [1, 2] and plan.loads == [Load(0, 2, 0, 0, "demand")]
+    assert p.pool.residents(0) == [1, 2]
+    plan = p.plan(0, [0], None)                  # 1 is now the oldest
+    assert plan.loads == [Load(0, 0, 1, 1, "demand")] and plan.slots == {0: 1}
+
+
+def test_needed_beyond_capacity_reuses_a_slot_planned_earlier_in_the_layer():
+    p = pol("ondemand")
+    plan = p.plan(0, [0, 1, 2], None)            # three needed, two slots
+    assert plan.gpu == [0, 1, 2] and plan.loads == [Load(0, 2, 0, 0, "demand")]
+    assert plan.slots == {0: 0, 1: 1, 2: 0}
+
+
+def test_lru_prefetch_guesses_the_next_layer():
+    p = pol("lru-prefetch")
+    plan = p.plan(0, [0], [1, 3])
+    # layer 1 holds [3, 2] in LRU order; guesses go in order: 1 evicts 2 (3 is protected), then 3 is touched
+    assert plan.gpu == [0] and plan.loads == [Load(1, 1, 1, 2, "prefetch")]
+    assert p.pool.residents(1) == [1, 3]
+
+
+def test_lfu_fallback_runs_misses_on_the_cpu_and_admits_hot_ones():
+    p = pol("lfu-fallback")
+    p.freq[0][:2] = [5, 5]                   # residents used more often than the miss: not admitted
+    plan = p.plan(0, [2], None)
+    assert plan.gpu == [] and plan.cpu == [2] and plan.loads == []
+    p.freq[0][:2] = [0, 3]                   # now freq[2] = 2 > freq[0] = 0: admitted over expert 0
+    plan = p.plan(0, [2, 1], None)
+    assert plan.gpu == [1] and plan.cpu == [2] and plan.loads == [Load(0, 2, 0, 0, "admit")]
+
+
+def test_static_never_loads():
+    p = pol("static")
+    plan = p.plan(1, [0, 3], [1])
+    assert plan.gpu == [3] and plan.cpu == [0] and plan.loads == []
+
+
+def test_commit_commits_next_layer_and_computes_only_committed():
+    p = pol("commit")
+    assert p.begin_pass(True, [2, 0]) == [Load(0, 2, 1, 1, "commit")]
+    plan = p.plan(0, [0, 3], [1])
+    assert plan.gpu == [2, 0] and plan.skipped == [3] and plan.cpu == []
+    assert plan.loads == [Load(1, 1, 0, 3, "commit")]
+    plan = p.plan(1, [1, 2], None)
+    assert plan.gpu == [1] and plan.skipped == [2]
+
+
+def test_commit_truncates_to_capacity_and_prefill_is_exact():
+    p = pol("commit")
+    assert p.begin_pass(False, [2, 3]) == []
+    plan = p.plan(0, [2, 3], [0, 1, 2])
+    assert plan.skipped == [] and sorted(plan.gpu) == [2, 3]
+    p.begin_pass(True, [0, 1, 2])
+    assert p.committed[0] == [0, 1]
+
+
+def test_owa_by_hand():
+    scores = [0.5, 0.3, 0.15, 0.05]
+    # prediction right: exact-routing weights back
+    assert owa_weights(scores, [0, 1], 2, renormalize=True) == pytest.approx([0.625, 0.375])
+    # committed {1, 2}: true scores restricted and renormalised to the top-2 mass
+    assert owa_weights(scores, [1, 2], 2, renormalize=True) == pytest.approx([0.3 / 0.45, 0.15 / 0.45])
+    assert owa_weights(scores, [1, 2], 2, renormalize=False) == pytest.approx([0.3 / 0.45 * 0.8, 0.15 / 0.45 * 0.8])
+    assert owa_weights(scores, [3], 2, renormalize=True, scaling=2.0) == pytest.approx([2.0])
+
+
+def test_layout_and_too_small_pool():
+    lay = plan_layout([100, 200], num_experts=8, budget_bytes=1000, min_slots=2)
+    assert lay.slots == (4, 3) and lay.used_bytes == 1000
+    with pytest.raises(CmoeError, match="needs at least 2 slots"):
+        plan_layout([100, 200], num_experts=8, budget_bytes=500, min_slots=2)
+    assert plan_layout([100], 4, 10_000, 1).slots == (4,)
+
+
+def test_variable_allocator_fragments():
+    a = VariableAllocator(2048)
+    assert a.alloc("a", 512) == 0 and a.alloc("b", 1024) == 512 and a.alloc("c", 512) == 1536
+    a.free("a")
+    a.free("c")
+    assert a.free_bytes == 1024 and a.alloc("d", 1024) is None       # 1 KiB free, in two holes
+    a.free("b")
+    assert a.holes == [(0, 2048)]
+
+
+def test_pool_place_asserts():
+    pool = SlotPool(PoolLayout((10,), (1,), 10))
+    pool.place(0, 3, None)
+    with pytest.raises(AssertionError, match="no free slot"):
+        pool.place(0, 4, None)

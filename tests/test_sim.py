@@ -1,0 +1,167 @@
+"""The SimPy model: exact timelines on hand-made cases, invariants and determinism on larger ones."""
+
+import numpy as np
+import pytest
+
+from cmoe.errors import CmoeError
+from cmoe.hw import H200, RTX4090, HardwareProfile
+from cmoe.policy.policies import make_policy
+from cmoe.policy.pool import PoolLayout
+from cmoe.quant import recipe
+from cmoe.sim.engine import Costs, Simulation
+from cmoe.sim.run import SimConfig, simulate
+from cmoe.spec import ModelSpec, preset
+from cmoe.trace.bundle import DECODE, Trace
+from cmoe.trace.passes import make_passes, popularity
+from cmoe.trace.synthetic import SyntheticParams, generate
+
+# 1 GB/s link: 1000 bytes take 1 us; expert kernels at 0.5 GB/s: 2 us; every layer's attention 10 us
+FLAT = HardwareProfile(name="flat", gpu_mem_bytes=10**9, h2d_pinned=((1, 1.0),), d2h_pinned=((1, 1.0),),
+                       h2d_pageable_gbps=1.0, copy_engines=1, hbm_gbps=1e12, matmul_tflops=1e12,
+                       expert_gbps=(("int4", 0.5), ("int8", 0.5), ("bf16", 0.5)), launch_us=0.0,
+                       layer_fixed_us=10.0, attn_us_per_token=0.0, cpu_expert_gbps=0.1, roundtrip_us=5.0)
+
+
+def tiny_trace(layers, experts, pred):
+    """Hand-made decode trace of one request: experts/pred as [token][layer] top-1 lists."""
+    M = len(layers)
+    spec = ModelSpec(name="tiny", family="mixtral", num_layers=M, hidden=4, expert_ffn=4, num_experts=2, top_k=1,
+                     num_heads=1, num_kv_heads=1, head_dim=4, vocab=8, moe_layers=tuple(range(M)))
+    T = len(experts)
+    return Trace(experts=np.array(experts, np.int16)[..., None], weights=np.ones((T, M, 1), np.float32),
+                 pred_experts=np.array(pred, np.int16)[..., None], request=np.zeros(T, np.int32),
+                 step=np.arange(T, dtype=np.int32), phase=np.full(T, DECODE, np.uint8), spec=spec,
+                 recipe=recipe("w4a16"), expert_bytes=[[1000, 1000]] * M)
+
+
+def run_tiny(t, policy, slots=1):
+    M = t.spec.num_moe_layers
+    layout = PoolLayout((1024,) * M, (slots,) * M, 1024 * slots * M)
+    costs = Costs(expert_bytes=t.expert_bytes, expert_bits=[[4, 4]] * M, expert_params=0, attn_bytes=0,
+                  dense_bytes=0, shared_bytes=0, dense_bits=16, moe_layers=t.spec.moe_layers)
+    p = make_policy(policy, layout, 2, popularity(t))
+    return Simulation(p, FLAT, costs, make_passes(t, 1), record_log=True).simulate()
+
+
+def test_ondemand_one_layer_two_experts_by_hand():
+    run = run_tiny(tiny_trace([0], [[0], [1], [0]], [[0], [1], [0]]), "ondemand")
+    assert run.spans == [
+        ("sim", 0, 0, "compute", "attention", -1, 0, 10, 0), ("sim", 0, 0, "compute", "expert", 0, 10, 12, 1000),
+        ("sim", 1, 0, "compute", "attention", -1, 12, 22, 0), ("sim", 1, 0, "copy0", "load", 1, 22, 23, 1000),
+        ("sim", 1, 0, "compute", "expert", 1, 23, 25, 1000),
+        ("sim", 2, 0, "compute", "attention", -1, 25, 35, 0), ("sim", 2, 0, "copy0", "load", 0, 35, 36, 1000),
+        ("sim", 2, 0, "compute", "expert", 0, 36, 38, 1000)]
+    assert [p[3] for p in run.pass_us] == [12, 13, 13]
+    assert run.loads == 2 and run.bytes_moved == 2000 and run.stall_us == 2
+
+
+def test_commit_loads_the_next_layer_while_this_one_runs():
+    t = tiny_trace([0, 1], [[0, 0], [0, 1]], [[0, 0], [0, 1]])
+    run = run_tiny(t, "commit")
+    assert run.spans[-5:] == [
+        ("sim", 1, 0, "compute", "attention", -1, 24, 34, 0), ("sim", 1, 1, "copy0", "load", 1, 34, 35, 1000),
+        ("sim", 1, 0, "compute", "expert", 0, 34, 36, 1000),
+        ("sim", 1, 1, "compute", "attention", -1, 36, 46, 0), ("sim", 1, 1, "compute", "expert", 1, 46, 48, 1000)]
+    assert run.stall_us == 0 and run.pass_us[-1][3] == 24
+    ondemand = run_tiny(t, "ondemand")
+    assert ondemand.pass_us[-1][3] == 25 and ondemand.stall_us == 1
+
+
+def test_static_runs_misses_on_the_cpu():
+    run = run_tiny(tiny_trace([0], [[0], [0], [1]], [[0], [0], [1]]), "static")
+    assert run.spans[-3:] == [
+        ("sim", 2, 0, "compute", "attention", -1, 24, 34, 0), ("sim", 2, 0, "cpu", "roundtrip", -1, 34, 39, 0),
+        ("sim", 2, 0, "cpu", "cpu_expert", 1, 39, 49, 1000)]
+    assert run.fallbacks == 1 and run.loads == 0 and run.pass_us[-1][3] == 25
+
+
+def _check_no_overwrite_while_read(log):
+    """For every slot, no copy interval overlaps a kernel reading it."""
+    by_slot = {}
+    for t, what, m, slot, e in log:
+        by_slot.setdefault((m, slot), []).append((t, what, e))
+    for events in by_slot.values():
+        reads, writes = {}, []
+        for t, what, e in events:
+            if what == "read_start":
+                reads.setdefault(e, []).append([t, None])
+            elif what == "read_end":
+                reads[e][-1][1] = t
+            elif what == "load_start":
+                writes.append([t, None])
+            else:
+                writes[-1][1] = t
+        for ws, we in writes:
+            for intervals in reads.values():
+                for rs, re_ in intervals:
+                    assert we <= rs or ws >= re_, f"copy [{ws}, {we}] overlaps a read [{rs}, {re_}]"
+
+
+@pytest.mark.parametrize("policy", ["ondemand", "lru-prefetch", "lfu-fallback", "commit"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_pool_bounds_and_no_slot_overwritten_while_read(policy, batch):
+    t = generate(preset("mixtral-8x7b"), recipe("w4a16"), SyntheticParams(requests=8, prompt_len=8, decode_len=24))
+    cfg = SimConfig(policy=policy, pool_gb=16, batch=batch)
+    from cmoe.sim.run import layout_for
+    layout, budget = layout_for(t, cfg)
+    p = make_policy(policy, layout, 8, popularity(t))
+    from cmoe.sim.engine import costs_for
+    sim = Simulation(p, H200, costs_for(t, t.spec, t.recipe), make_passes(t, batch), record_log=True)
+    run = sim.simulate()
+    assert layout.used_bytes <= budget["expert_bytes"]
+    assert max(run.occupancy) <= layout.total_slots
+    assert all(len(w) <= n for w, n in zip(p.pool.where, layout.slots))
+    _check_no_overwrite_while_read(run.log)
+    # every span is well formed and streams never run two ops at once
+    for stream in ("compute", "copy0"):
+        s = sorted((a[6], a[7]) for a in run.spans if a[3] == stream)
+        assert all(b0 >= a1 - 1e-9 for (_, a1), (b0, _) in zip(s, s[1:]))
+
+
+def test_padded_slots_fit_at_least_as_many_experts_as_unpadded():
+    """A realistic mixed-precision block (a quarter of the experts at 3 bits): padding wastes 6%
+    of a slot on those, fragmentation costs the unpadded allocator more."""
+    from cmoe.policy.budget import expert_budget
+    from cmoe.policy.pool import plan_layout, residency_comparison
+    t = generate(preset("mixtral-8x7b"), recipe("w4g128+w3g128:0.25"), SyntheticParams(requests=2, decode_len=120))
+    for pool in (16, 20):
+        b = expert_budget(t.spec, t.recipe, pool * 10**9, 1, 200)
+        lay = plan_layout(t.slot_bytes, 8, b["expert_bytes"], 2)
+        cmp = residency_comparison([[list(n) for n in p.needed] for p in make_passes(t, 1, False)], t.expert_bytes, lay)
+        assert cmp["padded"]["mean_resident"] >= cmp["unpadded"]["mean_resident"]
+
+
+def test_same_inputs_give_byte_identical_outputs(tmp_path):
+    from cmoe.sim.api import write_outputs
+    t = generate(preset("olmoe-1b-7b"), recipe("w4a16"), SyntheticParams(requests=2, decode_len=16))
+    for d in ("a", "b"):
+        res = [simulate(t, H200, SimConfig(policy=p, pool_gb=3)) for p in ("commit", "lru-prefetch")]
+        write_outputs(tmp_path / d, t, H200, res)
+    for f in sorted(p.name for p in (tmp_path / "a").iterdir()):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+
+
+def test_bad_sizes_give_one_line():
+    t = generate(preset("mixtral-8x7b"), recipe("w4a16"), SyntheticParams(requests=1, decode_len=4))
+    with pytest.raises(CmoeError, match="cannot hold mixtral-8x7b's resident weights"):
+        simulate(t, H200, SimConfig(pool_gb=1.5))
+    with pytest.raises(CmoeError, match="every MoE layer needs at least 2 slots"):
+        simulate(t, H200, SimConfig(pool_gb=6))
+    with pytest.raises(CmoeError, match="absurd"):
+        simulate(t, H200, SimConfig(pool_gb=-3))
+    with pytest.raises(CmoeError, match="does not fit the rtx4090"):
+        simulate(t, RTX4090, SimConfig(pool_gb=40))
+    with pytest.raises(CmoeError, match="batch 8 needs at least 8"):
+        simulate(t, H200, SimConfig(pool_gb=20, batch=8))
+    bad = HardwareProfile.from_dict({**H200.to_dict(), "expert_gbps": [["bf16", 100.0]]})
+    with pytest.raises(CmoeError, match="no expert kernel speed for int4"):
+        simulate(t, bad, SimConfig(pool_gb=20))
+    with pytest.raises(CmoeError, match="must be positive"):
+        HardwareProfile.from_dict({**H200.to_dict(), "hbm_gbps": -1})
+
+
+def test_transfer_curve_matches_the_measured_h200_points():
+    assert H200.h2d_us(64 * 2**20) == pytest.approx(64 * 2**20 / 55.2e3)
+    assert H200.h2d_us(2**20) == pytest.approx(2**20 / 34.6e3)
+    assert 1.6e3 < H200.h2d_us(93_585_408) < 1.75e3              # one W4A16 Mixtral expert: about 1.7 ms
+    assert H200.h2d_us(2**21) == pytest.approx(2**21 / ((34.6 + 49.9) / 2 * 1e3))
