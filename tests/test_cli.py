@@ -56,6 +56,11 @@ def test_bad_inputs_give_one_line_and_no_output(tmp_path, prompts, checkpoints):
     (pk / "pytorch_model.bin").write_bytes(b"\x80\x04")
     _one_line_error(run("trace", "--model", pk, "--data", prompts, "--out", out), "only pickle weights")
     _one_line_error(run("trace", "--synthetic", "gpt-9", "--out", out), "unknown model preset")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((checkpoints["mixtral"] / "config.json").read_text())
+    (broken / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    _one_line_error(run("trace", "--model", broken, "--data", prompts, "--out", out), "could not load the checkpoint")
     _one_line_error(run("stats", tmp_path / "nope"), "does not exist")
     assert not out.exists()
 

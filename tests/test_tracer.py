@@ -19,7 +19,7 @@ def _spy_on_experts(model, spec):
         def pre(_mod, args, m=m):
             _, idx, w = args
             order = torch.argsort(w.float(), dim=-1, descending=True, stable=True)
-            seen[m].append((idx.gather(-1, order).numpy(), w.float().gather(-1, order).numpy()))
+            seen[m].append((idx.gather(-1, order).cpu().numpy(), w.float().gather(-1, order).cpu().numpy()))
         hooks.append(model.model.layers[d].mlp.experts.register_forward_pre_hook(pre))
     return seen, hooks
 
@@ -83,3 +83,25 @@ def test_checkpoint_sizes_mode(checkpoints, prompts):
     t = trace_checkpoint(checkpoints["qwen2_moe"], prompts,
                          TraceOptions(max_new_tokens=1, progress=False, device="cpu", quant="checkpoint"))
     assert t.recipe.expert == "fp32" and t.expert_bytes[0][0] == 3 * 16 * 32 * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trace_on_cuda_matches_the_models_routing(family, checkpoints, prompts, monkeypatch):
+    """Same check as the CPU test, on the GPU (bf16 weights there)."""
+    import cmoe.trace.hf as hf
+    spec = from_checkpoint(checkpoints[family])
+    spied = {}
+    real_load = hf.load_model
+
+    def load_and_spy(*a, **k):
+        model, s = real_load(*a, **k)
+        spied["seen"], _ = _spy_on_experts(model, s)
+        return model, s
+    monkeypatch.setattr(hf, "load_model", load_and_spy)
+    t = trace_checkpoint(checkpoints[family], prompts, TraceOptions(max_new_tokens=4, progress=False, device="cuda"))
+    assert t.source["device"] == "cuda"
+    for m in range(spec.num_moe_layers):
+        idx = np.concatenate([a.cpu() if hasattr(a, "cpu") else a for a, _ in spied["seen"][m]])
+        assert np.array_equal(t.experts[:, m], idx)

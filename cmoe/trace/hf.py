@@ -52,11 +52,16 @@ def pick_device(name: str) -> torch.device:
 
 def load_model(model_dir: Path, device: torch.device, allow_pickle: bool = False):
     """Load a checkpoint through transformers; safetensors only unless pickle is allowed."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
     spec = from_checkpoint(model_dir)
     use_st = bool(safetensors_files(model_dir, allow_pickle))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=use_st)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=use_st)
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CmoeError(f"could not load the checkpoint in {model_dir}: {first[:200]}") from None
     return model.to(device).eval(), spec
 
 
