@@ -24,18 +24,12 @@ def arrow_table(spans: list[Span]):
 
 
 def write_parquet(spans: list[Span], path: str | Path) -> Path:
-    import os
-
     import pyarrow.parquet as pq
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    try:
+
+    from cmoe.util import atomic_path
+    with atomic_path(path) as tmp:
         pq.write_table(arrow_table(spans), tmp, compression="zstd")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return Path(path)
 
 
 def read_parquet(path: str | Path) -> list[Span]:

@@ -3,20 +3,28 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 
-def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
-    """Write to a temporary name beside `path`, then rename: a reader never sees half a file."""
+@contextmanager
+def atomic_path(path: str | Path):
+    """Yield a temporary name beside `path`; on success rename it into place, on failure remove
+    it. A reader never sees half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     try:
-        tmp.write_bytes(data)
+        yield tmp
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    return path
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:

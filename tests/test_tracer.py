@@ -24,10 +24,9 @@ def _spy_on_experts(model, spec):
     return seen, hooks
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_trace_matches_the_models_own_routing(family, checkpoints, prompts, monkeypatch):
+def _trace_and_spy(path, prompts, monkeypatch, opts):
+    """Trace a checkpoint while spying on what its experts modules receive."""
     import cmoe.trace.hf as hf
-    spec = from_checkpoint(checkpoints[family])
     spied = {}
     real_load = hf.load_model
 
@@ -36,14 +35,20 @@ def test_trace_matches_the_models_own_routing(family, checkpoints, prompts, monk
         spied["seen"], _ = _spy_on_experts(model, s)
         return model, s
     monkeypatch.setattr(hf, "load_model", load_and_spy)
-    t = trace_checkpoint(checkpoints[family], prompts, TraceOptions(max_new_tokens=4, progress=False, device="cpu",
-                                                                   record_logits=True))
+    return trace_checkpoint(path, prompts, opts), spied["seen"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trace_matches_the_models_own_routing(family, checkpoints, prompts, monkeypatch):
+    spec = from_checkpoint(checkpoints[family])
+    t, seen = _trace_and_spy(checkpoints[family], prompts, monkeypatch,
+                             TraceOptions(max_new_tokens=4, progress=False, device="cpu", record_logits=True))
     n_tokens = [len(s.encode()) for s in prompts.read_text().splitlines()]
     assert t.num_tokens == sum(n + 4 for n in n_tokens)
     assert t.experts.shape == (t.num_tokens, spec.num_moe_layers, spec.top_k)
     for m in range(spec.num_moe_layers):
-        idx = np.concatenate([a for a, _ in spied["seen"][m]])
-        w = np.concatenate([b for _, b in spied["seen"][m]])
+        idx = np.concatenate([a for a, _ in seen[m]])
+        w = np.concatenate([b for _, b in seen[m]])
         assert np.array_equal(t.experts[:, m], idx)
         np.testing.assert_allclose(t.weights[:, m], w, rtol=1e-6)
     # request/step/phase layout: prefill of the prompt, then 4 decode steps, for each request
@@ -90,18 +95,9 @@ def test_checkpoint_sizes_mode(checkpoints, prompts):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_trace_on_cuda_matches_the_models_routing(family, checkpoints, prompts, monkeypatch):
     """Same check as the CPU test, on the GPU (bf16 weights there)."""
-    import cmoe.trace.hf as hf
     spec = from_checkpoint(checkpoints[family])
-    spied = {}
-    real_load = hf.load_model
-
-    def load_and_spy(*a, **k):
-        model, s = real_load(*a, **k)
-        spied["seen"], _ = _spy_on_experts(model, s)
-        return model, s
-    monkeypatch.setattr(hf, "load_model", load_and_spy)
-    t = trace_checkpoint(checkpoints[family], prompts, TraceOptions(max_new_tokens=4, progress=False, device="cuda"))
+    t, seen = _trace_and_spy(checkpoints[family], prompts, monkeypatch,
+                             TraceOptions(max_new_tokens=4, progress=False, device="cuda"))
     assert t.source["device"] == "cuda"
     for m in range(spec.num_moe_layers):
-        idx = np.concatenate([a.cpu() if hasattr(a, "cpu") else a for a, _ in spied["seen"][m]])
-        assert np.array_equal(t.experts[:, m], idx)
+        assert np.array_equal(t.experts[:, m], np.concatenate([a for a, _ in seen[m]]))

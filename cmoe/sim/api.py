@@ -108,14 +108,9 @@ def sweep(traces: list[str], profiles: list[str], pools: list[float], policies: 
 
 
 def write_sweep(rows: list[dict], path: Path) -> Path:
-    import os
-
     import polars as pl
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    try:
+
+    from cmoe.util import atomic_path
+    with atomic_path(path) as tmp:
         pl.DataFrame(rows, infer_schema_length=None).write_parquet(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return path

@@ -77,7 +77,6 @@ class Simulation:
         self.run = SimRun()
         self.record_log = record_log
         self.seq = 0
-        self.cur_pass = 0
         for i in range(profile.copy_engines):
             self.env.process(self._copy_engine(f"copy{i}"))
         self.env.process(self._compute())
