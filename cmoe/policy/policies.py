@@ -54,6 +54,7 @@ class LayerPlan:
 class Policy:
     name = "base"
     exact = True                 # outputs equal exact routing
+    uses_prediction = False      # reads the next layer's predicted experts
 
     def __init__(self, layout: PoolLayout, num_experts: int, popularity: list[list[int]]):
         self.layout, self.E = layout, num_experts
@@ -87,7 +88,8 @@ class Policy:
     def ensure(self, m: int, experts: list[int], kind: str, protect: set[int],
                reusable: list[int] | None = None) -> tuple[list[Load], list[int]]:
         """Make `experts` resident in block m. Returns the loads and the experts placed, in order.
-        `reusable`: experts already planned this layer that may be overwritten when nothing else can."""
+        `reusable`: experts already planned this layer that may be overwritten when nothing else can
+        (given for the layer's own demand loads, never for prefetches)."""
         loads, placed = [], []
         for e in experts:
             if self.pool.resident(m, e):
@@ -96,8 +98,10 @@ class Policy:
             v = None
             if not self.pool.has_free(m):
                 v = self.victim(m, protect)
-                if v is None and reusable:
-                    v = next((r for r in reusable if self.pool.resident(m, r)), None)
+                if v is None and reusable is not None:
+                    # the batch needs more experts than the block has slots: overwrite one this
+                    # layer computes earlier (hits first, then loads placed before this one)
+                    v = next((r for r in reusable + placed if self.pool.resident(m, r)), None)
                 if v is None:
                     continue                     # nothing may be evicted: leave it out
             slot = self.pool.place(m, e, v)
@@ -134,6 +138,7 @@ class OnDemand(Policy):
 
 class LruPrefetch(Policy):
     name = "lru-prefetch"
+    uses_prediction = True
 
     def plan(self, m, needed, predicted_next):
         p = self.exact_plan(m, needed)
@@ -176,6 +181,7 @@ class Static(Policy):
 class Commit(Policy):
     name = "commit"
     exact = False
+    uses_prediction = True
 
     def __init__(self, *a, **k):
         super().__init__(*a, **k)

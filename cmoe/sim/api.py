@@ -4,33 +4,16 @@ from __future__ import annotations
 
 import itertools
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from cmoe.errors import CmoeError
 from cmoe.hw import HardwareProfile, load_profile
 from cmoe.policy.policies import POLICIES
-from cmoe.quant import expert_bytes, recipe
 from cmoe.sim.run import SimConfig, SimResult, simulate
-from cmoe.spec import preset
-from cmoe.trace import bundle
 from cmoe.trace.bundle import Trace
-from cmoe.trace.synthetic import SyntheticParams, generate
+from cmoe.trace.load import load_trace
 from cmoe.util import write_text_atomic
-
-DEFAULT_TRACE = "synthetic:mixtral-8x7b"
-
-
-def load_trace(source: str, quant: str | None = None, batch: int = 1) -> Trace:
-    """A bundle folder, or `synthetic:PRESET` (generated with enough requests for the batch)."""
-    if source.startswith("synthetic:"):
-        rec = recipe(quant or "w4a16")
-        return generate(preset(source.split(":", 1)[1]), rec, SyntheticParams(requests=max(4, batch)))
-    t = bundle.read(source)
-    if quant:
-        rec = recipe(quant)
-        t = replace(t, recipe=rec, expert_bytes=expert_bytes(t.spec, rec))
-    return t
 
 
 def parse_policies(text: str | None) -> list[str]:
@@ -46,17 +29,8 @@ def run_policies(t: Trace, profile: HardwareProfile, policies: list[str], pool_g
 
 
 def table(results: list[SimResult]) -> str:
-    up = next((r.metrics["tokens_per_s"] for r in results if r.config.policy == "upper"), None)
-    head = (f"{'policy':<13} {'tok/s':>8} {'x upper':>7} {'TPOT ms':>8} {'p99 ms':>8} {'hit':>6} "
-            f"{'loads':>7} {'GB moved':>9} {'fallback':>8} {'skipped':>7} {'stall ms':>9} {'fit':>5}")
-    rows = [head]
-    for r in results:
-        m = r.metrics
-        ratio = f"{m['tokens_per_s'] / up:7.2f}" if up else f"{'-':>7}"
-        rows.append(f"{m['policy']:<13} {m['tokens_per_s']:8.1f} {ratio} {m['tpot_ms_mean']:8.2f} {m['tpot_ms_p99']:8.2f} "
-                    f"{m['hit_rate']:6.3f} {m['loads']:7d} {m['bytes_moved'] / 1e9:9.2f} {m['fallbacks']:8d} "
-                    f"{m['skipped']:7d} {m['stall_ms']:9.1f} {m['experts_fit']:5d}")
-    return "\n".join(rows)
+    from cmoe.report.table import policy_table
+    return policy_table([r.metrics for r in results])
 
 
 def write_outputs(out: Path, t: Trace, profile: HardwareProfile, results: list[SimResult]) -> None:

@@ -3,10 +3,12 @@
 For every token and MoE layer it records what the model's own router chose (forward hooks on
 each block's `mlp.gate`, which in every supported family returns `(logits, weights, indices)`),
 and the **commit prediction**: MoE layer m's router applied to the hidden state that exists while
-the layer before it runs, namely the normalised input of that layer's MLP
-(`layers[d-1].post_attention_layernorm`'s output, d the decoder index of layer m). For the very
-first decoder layer no earlier MLP input exists, so the prediction uses that layer's
-`input_layernorm` output, i.e. it is made before attention, as pre-attention predictors do.
+the previous MoE layer runs, namely the normalised input of that layer's MLP (its
+`post_attention_layernorm` output). With consecutive MoE layers that is decoder layer d-1; where
+dense layers sit between (Qwen's sparse step), the prediction reaches further ahead, which is
+when the executor can act on it. The first MoE layer uses the MLP input of the decoder layer
+before it, or, when the model starts with an MoE layer, layer 0's `input_layernorm` output,
+i.e. it is made before attention, as pre-attention predictors do.
 
 Prompts run one at a time: prefill, then greedy decode with a KV cache. Tokens come from the
 checkpoint's tokenizer when it has one, else from bytes (id = byte value mod vocab), which is
@@ -65,6 +67,16 @@ def load_model(model_dir: Path, device: torch.device, allow_pickle: bool = False
     return model.to(device).eval(), spec
 
 
+def prediction_source(layers, spec: ModelSpec, m: int):
+    """The module whose output predicts MoE layer m: the MLP input (post-attention norm) of the
+    previous MoE layer; for the first MoE layer, of the decoder layer before it, or layer 0's
+    input norm when the model starts with an MoE layer. The executor commits from the same point."""
+    d = spec.moe_layers
+    if m > 0:
+        return layers[d[m - 1]].post_attention_layernorm
+    return layers[d[0] - 1].post_attention_layernorm if d[0] > 0 else layers[0].input_layernorm
+
+
 class RouteRecorder:
     """Forward hooks that capture each MoE layer's routing and the commit prediction."""
 
@@ -75,10 +87,9 @@ class RouteRecorder:
         self._predicting = False
         self.buf: dict[str, list] = {}
         self.handles = []
-        for m, d in enumerate(spec.moe_layers):
+        for m in range(spec.num_moe_layers):
             self.handles.append(self.gates[m].register_forward_hook(self._on_route(m)))
-            src = layers[d - 1].post_attention_layernorm if d > 0 else layers[0].input_layernorm
-            self.handles.append(src.register_forward_hook(self._on_source(m)))
+            self.handles.append(prediction_source(layers, spec, m).register_forward_hook(self._on_source(m)))
 
     def reset(self) -> None:
         M = self.spec.num_moe_layers

@@ -29,7 +29,7 @@ class Pass:
         return int(self.tokens.size)
 
 
-def _ranked(rows: list[list[int]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def ranked(rows: list[list[int]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Token rows of expert ids -> experts by descending count (ties: first seen, i.e. by the
     first token's weight order) and their counts. Plain Python: passes are small."""
     counts: dict[int, int] = {}
@@ -66,10 +66,10 @@ def make_passes(t: Trace, batch: int, include_prefill: bool = True) -> list[Pass
             groups.append((True, dec[steps == s]))
         for decode, idx in groups:
             rows = idx.tolist()
-            ranked = [_ranked([experts[i][m] for i in rows]) for m in range(M)]
-            guess = [_ranked([pred[i][m] for i in rows])[0] for m in range(M)]
-            passes.append(Pass(len(passes), decode, idx, tuple(r[0] for r in ranked), tuple(guess),
-                               tuple(r[1] for r in ranked)))
+            need = [ranked([experts[i][m] for i in rows]) for m in range(M)]
+            guess = [ranked([pred[i][m] for i in rows])[0] for m in range(M)]
+            passes.append(Pass(len(passes), decode, idx, tuple(r[0] for r in need), tuple(guess),
+                               tuple(r[1] for r in need)))
     return passes
 
 
