@@ -62,3 +62,31 @@ def prompts(tmp_path):
     p = tmp_path / "prompts.txt"
     p.write_text("def fibonacci(n):\nThe mixture of experts routes each token\n")
     return p
+
+
+@pytest.fixture(scope="session")
+def int4_checkpoint(tmp_path_factory):
+    """A Mixtral-style checkpoint with shapes the int4 kernels accept (H = F = 64, group 32)."""
+    import torch
+    import transformers as tf
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(5)
+    cfg = tf.MixtralConfig(vocab_size=64, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=256)
+    path = tmp_path_factory.mktemp("int4") / "mixtral64"
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_trace(tmp_path_factory, checkpoints):
+    """A synthetic trace with the tiny Mixtral's shapes (fp32 experts), for replay tests."""
+    from cmoe.quant import QuantRecipe
+    from cmoe.spec import from_checkpoint
+    from cmoe.trace import bundle
+    from cmoe.trace.synthetic import SyntheticParams, generate
+    spec = from_checkpoint(checkpoints["mixtral"])
+    t = generate(spec, QuantRecipe("t", expert="fp32", attention="bf16"),
+                 SyntheticParams(requests=2, prompt_len=6, decode_len=10, pred_acc=0.6, seed=1))
+    return bundle.write(t, tmp_path_factory.mktemp("tr") / "tiny")

@@ -101,7 +101,8 @@ def simulate(
 ) -> None:
     """Replay a trace through the SimPy model under each policy; print a row per policy."""
     from cmoe.hw import load_profile
-    from cmoe.sim.api import load_trace, parse_policies, run_policies, table, write_outputs
+    from cmoe.sim.api import parse_policies, run_policies, table, write_outputs
+    from cmoe.trace.load import load_trace
     names = parse_policies(policies)
     prof = load_profile(profile)
     t = load_trace(trace, quant, batch)
@@ -142,6 +143,42 @@ def sweep(
     write_sweep(rows, out)
     bad = sum(1 for r in rows if r["error"])
     typer.echo(f"wrote {out}: {len(rows)} rows" + (f" ({bad} could not run; see the error column)" if bad else ""))
+
+
+@app.command()
+@one_line_errors
+def execute(
+    *,
+    spec: Annotated[Optional[str], typer.Option(help="Random weights at this preset's exact shapes (e.g. mixtral-8x7b); needs --trace.")] = None,
+    model: Annotated[Optional[Path], typer.Option(help="A local Hugging Face checkpoint folder (safetensors).")] = None,
+    trace: Annotated[Optional[str], typer.Option(help="Replay routing from a trace bundle or synthetic:PRESET (with --model and no trace: live routing).")] = None,
+    data: Annotated[Optional[Path], typer.Option(help="Prompts for live routing, .txt or .jsonl (default: four built-in prompts).")] = None,
+    policy: Annotated[str, typer.Option(help="Comma-separated policies, or 'all'.")] = "commit",
+    policy_json: Annotated[Optional[Path], typer.Option(help="A policy file written by cmoe simulate --out; sets policy, pool and batch.")] = None,
+    pool_gb: Annotated[float, typer.Option(help="GPU memory for the model in GB: resident weights, KV cache and the expert pool.")] = 20.0,
+    batch: Annotated[int, typer.Option(help="Requests decoded together.")] = 1,
+    tokens: Annotated[int, typer.Option(help="Decode steps.")] = 256,
+    quant: Annotated[Optional[str], typer.Option(help="Expert format: w4g128 (default), w4g32/64/256, bf16 or fp32.")] = None,
+    device: Annotated[str, typer.Option(help="cuda (default), cuda:N or cpu.")] = "cuda",
+    seed: Annotated[int, typer.Option(help="Seed of random weights and of replayed token ids.")] = 0,
+    slots: Annotated[Optional[int], typer.Option(help="Pin the expert slots per block instead of deriving them from --pool-gb.")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Folder for metrics.json and the measured timeline-POLICY.parquet/.json.")] = None,
+) -> None:
+    """Run offloaded decoding for real (GPU, or CPU for tests) and measure it."""
+    from cmoe.executor.run import ExecConfig, execute as run_execute, prepare, table, write_outputs
+    from cmoe.policy.policies import POLICIES
+    names = POLICIES if policy == "all" else tuple(p.strip() for p in policy.split(",") if p.strip())
+    cfg = ExecConfig(policies=tuple(names), pool_gb=pool_gb, batch=batch, tokens=tokens, device=device,
+                     quant=quant, seed=seed, slots=slots, progress=True)
+    w, cfg = prepare(spec_name=spec, model_dir=model, trace_src=trace, data=data, cfg=cfg, policy_json=policy_json)
+    results = run_execute(w, cfg)
+    m = results[0].metrics
+    typer.echo(f"{w.spec.name} ({w.fmt} experts), {m['device']}, pool {cfg.pool_gb:g} GB, batch {cfg.batch}, "
+               f"{m['decode_tokens']} decode tokens, measured")
+    typer.echo(table(results))
+    if out:
+        write_outputs(out, results)
+        typer.echo(f"wrote {out}/metrics.json, timeline-*.parquet, timeline-*.json (Perfetto)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,427 @@
+"""The executor's engine: runs a transformers model whose experts modules hand each MoE layer
+to `Engine.moe_layer`, which asks the policy for a plan, issues the loads on the copy stream,
+computes the planned experts from their slots (and fallbacks on the CPU) and records a timeline.
+
+Per pass (a prefill or one decode step of the batch) and MoE layer m:
+1. The router has run. Its choice (and, for `commit`, its logits and the prediction for layer
+   m+1 made from layer m's MLP input) is read back to the host in one copy; that sync is what a
+   real system pays too. In replay mode the trace's routes replace the live ones after the read.
+2. `policy.plan(m, needed, predicted_next)`, the same call the simulator makes with the same
+   arguments: `needed` is the union of the tokens' experts ranked by votes, as `trace.passes`
+   ranks them. Loads go to the copy stream at once, except a load that overwrites an expert this
+   layer still reads, which is issued right after that expert's kernel.
+3. GPU experts run in plan order, each waiting only for its own slot's `ready` event; after each
+   kernel the slot's `read` event is recorded, and a later load into that slot waits for it.
+   CPU experts (lfu-fallback, static) take the hidden states to the host, run there while the
+   GPU works, and come back.
+4. `commit` in decode: each token computes its own predicted experts that were committed, with
+   OWA weights from its true router scores (`cmoe.policy.owa`); routed experts not committed
+   are skipped. Prefill is exact, as in the simulator.
+
+Compute-stream spans: `attention` (everything from the previous MoE layer's experts to this
+router's read-back: norms, attention, shared experts, dense layers), `route` (read-back and
+planning, while the GPU idles), `expert`, and `head` (final norm and LM head). Copy-stream
+spans: `load`. Host spans: `cpu_expert`, `roundtrip`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from cmoe.executor.kernels import ExpertViews, ffn
+from cmoe.executor.streams import Clock, DevicePool
+from cmoe.policy.owa import owa_weights
+from cmoe.policy.policies import Policy
+from cmoe.spec import ModelSpec
+from cmoe.trace.hf import prediction_source
+from cmoe.trace.passes import ranked
+
+DENSE_ROWS = 16          # up to this many rows, every expert runs on all rows (weights 0 for the rest)
+
+
+@dataclass
+class PassInput:
+    index: int
+    decode: bool
+    input_ids: torch.Tensor                  # [B, n]
+    position_ids: torch.Tensor               # [B, n]
+    attention_mask: torch.Tensor | None      # [B, past + n] or None
+    active: np.ndarray                       # [B*n] bool: rows that are real tokens (not padding)
+    replay: dict | None = None               # trace rows: experts/weights/pred [B*n, M, K]
+
+
+@dataclass
+class PlanRecord:
+    pass_index: int
+    layer: int                 # MoE layer; -1 for the loads issued when the pass begins
+    needed: tuple
+    predicted_next: tuple | None
+    loads: tuple
+    gpu: tuple
+    cpu: tuple
+    skipped: tuple
+    physical: tuple            # (slot -> expert) after the loads were issued
+    logical: tuple             # the policy's pool index, as (slot -> expert)
+
+
+@dataclass
+class RunLog:
+    spans: list = field(default_factory=list)
+    pass_us: list = field(default_factory=list)       # (pass, decode, tokens, us)
+    plans: list = field(default_factory=list)
+    loads: int = 0
+    bytes_moved: int = 0
+    gpu_experts: int = 0
+    hits: int = 0
+    fallbacks: int = 0
+    skipped: int = 0
+    occupancy: list = field(default_factory=list)
+    slot_mismatches: int | None = None     # slots whose bytes differ from their expert's (checked on request)
+
+
+class Engine:
+    def __init__(self, model, shims, spec: ModelSpec, store, policy: Policy, device: torch.device,
+                 record_plans: bool = False):
+        self.model, self.spec, self.store, self.policy, self.device = model, spec, store, policy, device
+        self.cuda = device.type == "cuda"
+        self.source = "gpu" if self.cuda else "cpu"
+        if self.cuda:
+            # cuDNN's attention builds a plan for every new sequence length: measured on the H200,
+            # ~40 ms the first time each KV length is met (once per pass in decode), which made
+            # whichever policy ran first look ~1.8x slower. Flash/efficient kernels need no plans.
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        self.M = spec.num_moe_layers
+        self.pool = DevicePool(policy.layout, store.layout, device)
+        self.clock = Clock(device)
+        self.record_plans = record_plans
+        self.log = RunLog()
+        self.act = F.silu
+        self.commit = policy.name == "commit"
+        layers = model.model.layers
+        self.gates = [layers[d].mlp.gate for d in spec.moe_layers]
+        for s in shims:
+            s.engine = self
+        self._pending: list = []                     # spans whose marks are not resolved yet
+        self._prev_end: float | None = None
+        self._cpu_views: dict = {}
+        self._predicting = False
+        self.handles = []
+        for m in range(self.M):
+            self.handles.append(self.gates[m].register_forward_hook(self._on_gate(m)))
+            self.handles.append(self._source(m).register_forward_hook(self._on_source(m)))
+        self._warm()
+
+    # --- setup ----------------------------------------------------------------------------
+    def _source(self, m: int):
+        return prediction_source(self.model.model.layers, self.spec, m)
+
+    def _warm(self) -> None:
+        """Copy the policy's warm residents into their slots (untimed, as after a warm-up)."""
+        for m, where in enumerate(self.policy.pool.where):
+            for e, s in where.items():
+                self.pool.raw[m][s].copy_(self.store.expert(m, e)[: self.pool.raw[m][s].numel()])
+                self.pool.expert[m][s] = e
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        for s in self.model.modules():
+            if hasattr(s, "engine"):
+                s.engine = None
+
+    # --- hooks ----------------------------------------------------------------------------
+    def _on_gate(self, m: int):
+        def hook(_mod, _inp, out):
+            if not self._predicting:
+                self.logits[m] = out[0]
+        return hook
+
+    def _on_source(self, m: int):
+        def hook(_mod, _inp, out):
+            h = out.reshape(-1, out.shape[-1])
+            want = self.policy.uses_prediction and (m > 0 or (self.commit and self.cur.decode))
+            if want:
+                self._predicting = True
+                try:
+                    _, w, idx = self.gates[m](h)
+                finally:
+                    self._predicting = False
+                self.pred_gpu[m] = (idx, w)
+            if m == 0:
+                self._begin_pass()
+        return hook
+
+    def _begin_pass(self) -> None:
+        pred0: list[int] = []
+        if self.commit and self.cur.decode:
+            idx, w = self.pred_gpu[0]
+            host = torch.cat([idx.float(), w.float()], 1).cpu().numpy()
+            K = idx.shape[1]
+            rows = self._rows(host[:, :K], host[:, K:], 0, "pred")
+            self.token_pred[0] = rows
+            pred0 = list(ranked([r for r, a in zip(rows, self.cur.active) if a])[0])
+        self._layer = -1
+        loads = self.policy.begin_pass(self.cur.decode, pred0)
+        self._issue(loads, defer=set())
+        if self.record_plans:
+            self.log.plans.append(PlanRecord(self.cur.index, -1, (), tuple(pred0), _loads(loads), (), (), (), (), ()))
+        self.begun = True
+
+    # --- routing helpers ------------------------------------------------------------------
+    def _rows(self, idx: np.ndarray, w: np.ndarray, m: int, kind: str) -> list[list[int]]:
+        """Per token, experts by weight (highest first); replay mode substitutes the trace's."""
+        r = self.cur.replay
+        if r is not None:
+            src = r["pred"][:, m] if kind == "pred" else r["experts"][:, m]
+            return [[int(e) for e in row if e >= 0] for row in src]
+        order = np.argsort(-w, axis=1, kind="stable")
+        return np.take_along_axis(idx, order, 1).astype(np.int64).tolist()
+
+    def _scores(self, logits: np.ndarray) -> np.ndarray:
+        x = logits.astype(np.float64)
+        if self.spec.scoring == "sigmoid":
+            return 1 / (1 + np.exp(-x))
+        x = x - x.max(1, keepdims=True)
+        p = np.exp(x)
+        return p / p.sum(1, keepdims=True)
+
+    # --- loads ----------------------------------------------------------------------------
+    def _issue(self, loads, defer: set[int]) -> list:
+        later = []
+        for ld in loads:
+            if ld.layer == self._layer and ld.victim in defer:
+                later.append(ld)
+                continue
+            self._load(ld)
+        return later
+
+    def _load(self, ld) -> None:
+        src = self.store.expert(ld.layer, ld.expert)
+        t0, t1 = self.pool.load(ld.layer, ld.slot, ld.expert, src, self.clock)
+        nbytes = self.pool.raw[ld.layer][ld.slot].numel()
+        self._span(self.spec.moe_layers[ld.layer], "copy0", "load", ld.expert, t0, t1, nbytes)
+        self.log.loads += 1
+        self.log.bytes_moved += nbytes
+
+    # --- the MoE layer --------------------------------------------------------------------
+    def moe_layer(self, m: int, hidden: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        assert self.begun, "the pass began without the layer-0 prediction hook firing"
+        d, pool, clock = self.spec.moe_layers[m], self.pool, self.clock
+        self._layer = m
+        cs = torch.cuda.current_stream(self.device) if self.cuda else None
+        t_in = clock.mark(cs)
+        self._span(d, "compute", "attention", -1, self.last, t_in)
+        live = [i for i in range(hidden.shape[0]) if self.cur.active[i]]
+        rows, wsorted, scores, needed, predicted = self._read_routes(m, idx, weights, live)
+        plan = self.policy.plan(m, needed, predicted)
+        assign = self._assign(m, plan, rows, wsorted, scores, live, idx.shape[1])
+        gpu = [e for e in plan.gpu if e in assign]
+        cpu = [e for e in plan.cpu if e in assign]
+        order = gpu + cpu
+        N = hidden.shape[0]
+        wmat = np.zeros((len(order), N), np.float32)
+        for j, e in enumerate(order):
+            for i, w in assign[e]:
+                wmat[j, i] = w
+        wdev = torch.from_numpy(wmat).to(self.device)
+        dense = N <= DENSE_ROWS
+        rows_dev = {} if dense else {e: torch.tensor([i for i, _ in assign[e]]).to(self.device) for e in order}
+
+        loaded_now = {ld.expert for ld in plan.loads if ld.layer == m}
+        later = self._issue(plan.loads, defer=set(plan.gpu))
+        self.log.gpu_experts += len(plan.gpu)
+        self.log.hits += sum(1 for e in plan.gpu if e not in loaded_now)
+        self.log.fallbacks += len(plan.cpu)
+        self.log.skipped += len(plan.skipped)
+
+        out = torch.zeros_like(hidden)
+        x_host = None
+        if cpu and self.cuda:                      # hidden states to the host before the GPU gets busy
+            h0 = clock.host()
+            x_host = hidden.to("cpu")
+            self._span(d, "cpu", "roundtrip", -1, h0, clock.host(), x_host.numel() * x_host.element_size())
+        t_plan = clock.mark(cs)
+        self._span(d, "compute", "route", -1, t_in, t_plan)
+        for j, e in enumerate(gpu):
+            s = plan.slots[e]
+            assert pool.expert[m][s] == e, f"slot {s} of layer {m} holds {pool.expert[m][s]}, plan says {e}"
+            pool.before_read(m, s)
+            t0 = clock.mark(cs)
+            if dense:
+                out.add_(ffn(hidden, pool.views[m][s], self.act) * wdev[j][:, None].to(out.dtype))
+            else:
+                r = rows_dev[e]
+                y = ffn(hidden.index_select(0, r), pool.views[m][s], self.act)
+                out.index_add_(0, r, y * wdev[j].index_select(0, r)[:, None].to(out.dtype))
+            t1 = clock.mark(cs)
+            pool.after_read(m, s)
+            self._span(d, "compute", "expert", e, t0, t1, pool.raw[m][s].numel())
+            for ld in [x for x in later if x.victim == e]:     # the slot's earlier expert has been read
+                self._load(ld)
+                later.remove(ld)
+        for ld in later:                 # victims that were not computed (no rows): issue now
+            self._load(ld)
+        if cpu:
+            self._cpu_experts(m, d, cpu, order, wmat, hidden, x_host, out)
+        if self.record_plans:
+            self.log.plans.append(PlanRecord(
+                self.cur.index, m, tuple(needed), tuple(predicted) if predicted is not None else None,
+                _loads(plan.loads), tuple(plan.gpu), tuple(plan.cpu), tuple(plan.skipped), tuple(pool.expert[m]),
+                tuple(_slot_table(self.policy.pool.where[m], len(pool.expert[m])))))
+        self.last = clock.mark(cs)
+        return out
+
+    def _read_routes(self, m: int, idx: torch.Tensor, weights: torch.Tensor, live: list[int]):
+        """The layer's one read-back: routing, (commit) router logits, the next layer's prediction.
+        Returns per-token experts and weights (highest first), OWA scores, and the policy's inputs."""
+        N, K = idx.shape
+        E = self.spec.num_experts
+        decode_commit = self.commit and self.cur.decode
+        parts = [idx.float(), weights.float()]
+        if decode_commit:
+            parts.append(self.logits[m].float().reshape(N, -1))
+        nxt = self.pred_gpu[m + 1] if m + 1 < self.M else None
+        if nxt is not None:
+            parts += [nxt[0].float(), nxt[1].float()]
+        host = torch.cat(parts, 1).cpu().numpy()
+        rows = self._rows(host[:, :K], host[:, K:2 * K], m, "route")
+        wsorted = self._weights_sorted(host[:, :K], host[:, K:2 * K])
+        col, scores = 2 * K, None
+        if decode_commit:
+            scores = self._scores(host[:, col:col + E])
+            col += E
+        needed = list(ranked([rows[i] for i in live])[0])
+        predicted = None
+        if nxt is not None:
+            K2 = nxt[0].shape[1]
+            prow = self._rows(host[:, col:col + K2], host[:, col + K2:col + 2 * K2], m + 1, "pred")
+            self.token_pred[m + 1] = prow
+            predicted = list(ranked([prow[i] for i in live])[0])
+        return rows, wsorted, scores, needed, predicted
+
+    def _assign(self, m, plan, rows, wsorted, scores, live, K) -> dict[int, list[tuple[int, float]]]:
+        """expert -> [(row, weight)]: the routed experts with the router's weights, or, for commit
+        in decode, each token's own predicted experts among the committed ones with OWA weights."""
+        assign: dict[int, list[tuple[int, float]]] = {}
+        if self.commit and self.cur.decode:
+            chosen = set(plan.gpu)
+            for i in live:
+                mine = [e for e in dict.fromkeys(self.token_pred[m][i]) if e in chosen]
+                if not mine:                       # none of its guesses was committed: its best committed
+                    mine = [max(plan.gpu, key=lambda e: scores[i][e])]
+                ws = owa_weights(scores[i].tolist(), mine, K, self.spec.renormalize, self.spec.scaling)
+                for e, w in zip(mine, ws):
+                    assign.setdefault(e, []).append((i, w))
+        else:
+            for i in live:
+                for e, w in zip(rows[i], wsorted[i]):
+                    assign.setdefault(e, []).append((i, w))
+        return assign
+
+    def _weights_sorted(self, idx: np.ndarray, w: np.ndarray) -> list[list[float]]:
+        r = self.cur.replay
+        if r is not None:        # the trace's weights, in the trace's order (highest first)
+            m = self._layer
+            return [[float(x) for x, e in zip(wr, er) if e >= 0] for wr, er in zip(r["weights"][:, m], r["experts"][:, m])]
+        order = np.argsort(-w, axis=1, kind="stable")
+        return np.take_along_axis(w, order, 1).astype(np.float64).tolist()
+
+    def _cpu_experts(self, m, d, cpu, order, wmat, hidden, x_host, out) -> None:
+        clock = self.clock
+        x = x_host if x_host is not None else hidden
+        acc = torch.zeros(x.shape, dtype=torch.float32)
+        for e in cpu:
+            j = order.index(e)
+            r = torch.from_numpy(np.nonzero(wmat[j])[0])
+            h0 = clock.host()
+            v = self._cpu_views.get((m, e))
+            if v is None:
+                v = self._cpu_views[(m, e)] = ExpertViews(self.store.layout, self.store.cpu_expert(m, e), "cpu")
+            y = ffn(x.index_select(0, r), v, self.act).float()
+            acc.index_add_(0, r, y * torch.from_numpy(wmat[j]).index_select(0, r)[:, None])
+            self._span(d, "cpu", "cpu_expert", e, h0, clock.host(), self.store.slot)
+        h0 = clock.host()
+        out.add_(acc.to(self.device, out.dtype))
+        if self.cuda:
+            self._span(d, "cpu", "roundtrip", -1, h0, clock.host(), acc.numel() * out.element_size())
+
+    # --- spans ----------------------------------------------------------------------------
+    def _span(self, layer, stream, op, expert, a, b, nbytes=0) -> None:
+        self._pending.append((self.cur.index, layer, stream, op, expert, a, b, nbytes))
+
+    def _resolve(self, final: bool) -> None:
+        """Turn marks into microseconds once both ends have happened (all of them at the end)."""
+        keep = []
+        for sp in self._pending:
+            p, layer, stream, op, expert, a, b, nbytes = sp
+            if not final and not (self.clock.done(a) and self.clock.done(b)):
+                keep.append(sp)
+                continue
+            self.log.spans.append((self.source, p, layer, stream, op, expert, self.clock.us(a), self.clock.us(b), nbytes))
+        self._pending = keep
+
+    # --- passes ---------------------------------------------------------------------------
+    def run_pass(self, p: PassInput, cache) -> torch.Tensor:
+        """One forward pass; returns the last position's logits [B, V] (on the device)."""
+        self.cur = p
+        self.begun = False
+        self.logits = [None] * self.M
+        self.pred_gpu = [None] * self.M
+        self.token_pred = [None] * self.M
+        cs = torch.cuda.current_stream(self.device) if self.cuda else None
+        if self.cuda:
+            # Start every pass from an idle device: copies still running from the previous pass
+            # finish first (that wait counts, see below).
+            torch.cuda.synchronize(self.device)
+        start = self.clock.mark(cs)
+        self.last = start
+        with torch.no_grad():
+            out = self.model(input_ids=p.input_ids, attention_mask=p.attention_mask, position_ids=p.position_ids,
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+        end = self.clock.mark(cs)
+        self._span(-1, "compute", "head", -1, self.last, end)
+        logits = out.logits[:, -1]
+        if self.cuda:
+            cs.synchronize()
+        # a pass lasts from the end of the previous one (so waits between passes count) to its end
+        us = self.clock.us(end) - (self._prev_end if self._prev_end is not None else self.clock.us(start))
+        self._prev_end = self.clock.us(end)
+        self.log.pass_us.append((p.index, p.decode, int(p.active.sum()), us))
+        self.log.occupancy.append(self.policy.pool.occupancy())
+        self._resolve(final=False)
+        return logits
+
+    def check_slots(self) -> int:
+        """Slots whose device bytes differ from the host bytes of the expert the policy says is there."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        bad = 0
+        for m, where in enumerate(self.policy.pool.where):
+            for e, s in where.items():
+                raw = self.pool.raw[m][s]
+                bad += self.pool.expert[m][s] != e or not torch.equal(raw.cpu(), self.store.expert(m, e)[: raw.numel()])
+        return bad
+
+    def finish(self) -> RunLog:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self._resolve(final=True)
+        self.log.spans.sort(key=lambda s: (s[6], s[7], s[3]))
+        return self.log
+
+
+def _loads(loads) -> tuple:
+    return tuple((ld.layer, ld.expert, ld.slot, ld.victim, ld.kind) for ld in loads)
+
+
+def _slot_table(where, n: int) -> list[int]:
+    t = [-1] * n
+    for e, s in where.items():
+        t[s] = e
+    return t

@@ -1,0 +1,124 @@
+"""Expert weights in kernel form, and the expert FFN on a slot. Torch only.
+
+Int4 follows torch's tinygemm convention (`_weight_int4pack_mm` on CUDA, `_weight_int4pack_mm_for_cpu`
+on CPU): per group of g input features, w = (q - 8) * scale + zero with q in 0..15, scales and
+zeros stored as bf16 [in/g, out, 2]. CUDA packing goes through torch's own converter; the CPU
+layout is produced by `pack_cpu`, which writes what `_convert_weight_to_int4pack_for_cpu` writes
+(checked in the tests) but runs on any device, so full-size random experts are packed on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cmoe.executor.layout import ExpertLayout, inner_k_tiles
+
+
+def quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] float -> codes int32 [out, in] in 0..15, scales_and_zeros bf16 [in/g, out, 2]."""
+    o, i = w.shape
+    g = w.float().reshape(o, i // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo).clamp(min=1e-8) / 15).to(torch.bfloat16).float()
+    codes = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).reshape(o, i)
+    zero = lo + 8 * scale
+    sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return codes, sz
+
+
+def dequantize(codes: torch.Tensor, sz: torch.Tensor, group: int) -> torch.Tensor:
+    o, i = codes.shape
+    s, z = sz.float()[..., 0].T, sz.float()[..., 1].T                   # [out, in/g]
+    return ((codes.float().reshape(o, i // group, group) - 8) * s[..., None] + z[..., None]).reshape(o, i)
+
+
+def pack_cuda(codes: torch.Tensor) -> torch.Tensor:
+    """codes int32 [out, in] on a CUDA device -> torch's tinygemm int4 layout (int32, 4-d)."""
+    nib = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
+    return torch.ops.aten._convert_weight_to_int4pack(nib, inner_k_tiles(codes.shape[1]))
+
+
+def pack_cpu(codes: torch.Tensor) -> torch.Tensor:
+    """codes int32 [out, in] -> the CPU int4 layout, uint8 [out, in/2]: in each block of 64 output
+    rows, byte (k, i) holds row i's code for feature k (low nibble) and row i+32's (high)."""
+    o, i = codes.shape
+    c = codes.to(torch.uint8).reshape(o // 64, 2, 32, i)
+    return (c[:, 0] | (c[:, 1] << 4)).transpose(1, 2).contiguous().reshape(o, i // 2)
+
+
+def packed_shape(device_type: str, out: int, inp: int) -> tuple[torch.dtype, tuple[int, ...]]:
+    if device_type == "cuda":
+        t = inner_k_tiles(inp)
+        return torch.int32, (out // 8, inp // (t * 16), 32, t // 2)
+    return torch.uint8, (out, inp // 2)
+
+
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, sz: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda:
+        return torch.ops.aten._weight_int4pack_mm(x, packed, group, sz)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz if x.dtype == torch.bfloat16 else sz.to(x.dtype))
+
+
+def expert_bytes_of(layout: ExpertLayout, w13: torch.Tensor, w2: torch.Tensor, device_type: str,
+                    out: torch.Tensor) -> None:
+    """Write one expert (float w13 [2F, H], w2 [H, F]) into the byte buffer `out` in kernel form."""
+    for name, w in (("w13", w13), ("w2", w2)):
+        part = layout.part(name)
+        dst = out[part.offset: part.offset + part.nbytes]
+        if layout.group:
+            codes, sz = quantize(w, layout.group)
+            packed = pack_cuda(codes) if device_type == "cuda" else pack_cpu(codes)
+            dst.copy_(packed.reshape(-1).view(torch.uint8))
+            p = layout.part(f"{name}_sz")
+            out[p.offset: p.offset + p.nbytes].copy_(sz.reshape(-1).view(torch.uint8))
+        else:
+            dt = torch.bfloat16 if layout.fmt == "bf16" else torch.float32
+            dst.copy_(w.to(dt).contiguous().reshape(-1).view(torch.uint8))
+
+
+class ExpertViews:
+    """Typed views of one slot's bytes, built once per slot (no work on the hot path)."""
+    __slots__ = ("layout", "w13", "w13_sz", "w2", "w2_sz")
+
+    def __init__(self, layout: ExpertLayout, buf: torch.Tensor, device_type: str):
+        self.layout = layout
+        self.w13_sz = self.w2_sz = None
+        for name in ("w13", "w2"):
+            p = layout.part(name)
+            raw = buf[p.offset: p.offset + p.nbytes]
+            o, i = p.shape
+            if layout.group:
+                dt, shape = packed_shape(device_type, o, i)
+                setattr(self, name, raw.view(dt).view(shape))
+                q = layout.part(f"{name}_sz")
+                setattr(self, f"{name}_sz", buf[q.offset: q.offset + q.nbytes].view(torch.bfloat16)
+                        .view(i // layout.group, o, 2))
+            else:
+                dt = torch.bfloat16 if layout.fmt == "bf16" else torch.float32
+                setattr(self, name, raw.view(dt).view(o, i))
+
+
+def ffn(x: torch.Tensor, v: ExpertViews, act=F.silu) -> torch.Tensor:
+    """One expert on rows x [n, H]: act(x W1^T) * (x W3^T), then W2."""
+    g = v.layout.group
+    if g:
+        gu = int4_mm(x, v.w13, g, v.w13_sz)
+        a, b = gu.chunk(2, dim=-1)
+        return int4_mm(act(a) * b, v.w2, g, v.w2_sz)
+    a, b = F.linear(x, v.w13.to(x.dtype)).chunk(2, dim=-1)
+    return F.linear(act(a) * b, v.w2.to(x.dtype))
+
+
+def unpack_for_test(v: ExpertViews) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float weights of a slot by running the kernel on the identity (exact for any layout)."""
+    out = []
+    for name in ("w13", "w2"):
+        w = getattr(v, name)
+        o, i = v.layout.part(name).shape
+        if v.layout.group:
+            eye = torch.eye(i, dtype=torch.bfloat16 if w.is_cuda else torch.float32, device=w.device)
+            out.append(int4_mm(eye, w, v.layout.group, getattr(v, f"{name}_sz")).float().T.contiguous())
+        else:
+            out.append(w.float())
+    return out[0], out[1]

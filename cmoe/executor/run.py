@@ -1,0 +1,434 @@
+"""`cmoe execute` as library calls: check everything that can be checked cheaply, then build the
+host store and the model once, then run each policy on a fresh pool over the same passes.
+
+Weights: `--model DIR` (a local checkpoint) or `--spec PRESET` (seeded random weights with the
+preset's exact shapes). Routing: live (the model's own router, prompts from `--data`) or replayed
+from `--trace` (a bundle or synthetic:PRESET): the router still runs and is read back, as in a
+real run, and the trace's choice replaces its answer.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cmoe.errors import CmoeError
+from cmoe.executor.engine import Engine, PassInput, RunLog
+from cmoe.executor.layout import expert_layout, slot_size
+from cmoe.policy.budget import expert_budget
+from cmoe.policy.policies import POLICIES, make_policy
+from cmoe.policy.pool import PoolLayout, plan_layout
+from cmoe.quant import QuantRecipe
+from cmoe.spec import ModelSpec, from_checkpoint, preset
+from cmoe.trace.bundle import Trace
+
+DEFAULT_PROMPTS = ("The mixture of experts routes each token to a few of its experts.",
+                   "def fibonacci(n):\n    if n < 2:\n        return n",
+                   "Offloading keeps the experts in host memory and copies them over PCIe when needed.",
+                   "A commit router predicts the next layer's experts from the current hidden state.")
+_MATCH = ("family", "num_layers", "hidden", "expert_ffn", "num_experts", "top_k", "moe_layers")
+
+
+@dataclass(frozen=True)
+class ExecConfig:
+    policies: tuple[str, ...] = ("commit",)
+    pool_gb: float = 20.0
+    batch: int = 1
+    tokens: int = 256                 # decode steps
+    device: str = "cuda"
+    quant: str | None = None          # expert format; default: the trace's, else w4g128
+    slots: int | None = None          # pin the slots per block instead of deriving them from pool_gb
+    seed: int = 0
+    include_prefill: bool = True
+    record_plans: bool = False
+    keep_logits: bool = False
+    progress: bool = False
+
+
+@dataclass
+class Workload:
+    spec: ModelSpec
+    device: torch.device
+    fmt: str
+    trace: Trace | None = None
+    prompts: list[list[int]] | None = None
+    model_dir: Path | None = None
+    store: object = None
+    model: object = None
+    shims: list = field(default_factory=list)
+    policy_layout: PoolLayout | None = None
+
+
+@dataclass
+class ExecResult:
+    policy: str
+    layout: PoolLayout
+    budget: dict
+    log: RunLog
+    metrics: dict
+    logits: list = field(default_factory=list)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name in ("cuda", "auto"):
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if name == "cuda":
+            raise CmoeError("no CUDA GPU is visible here: pass --device cpu to run the same engine on the CPU")
+        return torch.device("cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if name.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise CmoeError("no CUDA GPU is visible here: pass --device cpu to run the same engine on the CPU")
+        return torch.device(name)
+    raise CmoeError(f"unknown device '{name}': use cuda, cuda:N or cpu")
+
+
+def check_trace_matches(trace: Trace, spec: ModelSpec) -> None:
+    diff = [k for k in _MATCH if getattr(trace.spec, k) != getattr(spec, k)]
+    if diff:
+        k = diff[0]
+        raise CmoeError(f"the trace was recorded on {trace.spec.name} ({k} = {getattr(trace.spec, k)}) but the model "
+                        f"is {spec.name} ({k} = {getattr(spec, k)}): trace this model with cmoe trace")
+
+
+def budget_recipe(fmt: str) -> QuantRecipe:
+    """What actually sits on the device: experts in `fmt`, everything else in bf16."""
+    return QuantRecipe("executor", expert=fmt, attention="bf16", dense="bf16")
+
+
+def read_policy_json(path: Path, spec: ModelSpec) -> tuple[str, float, int, PoolLayout]:
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CmoeError(f"cannot read policy file {path}: {e}") from None
+    if not isinstance(d, dict) or d.get("format") != "cmoe-policy":
+        raise CmoeError(f"{path} is not a cmoe policy file (written by cmoe simulate --out)")
+    if d.get("format_version") != 1:
+        raise CmoeError(f"{path} has policy format version {d.get('format_version')}; this cmoe reads version 1")
+    if d.get("model") != spec.name:
+        raise CmoeError(f"{path} was made for {d.get('model')}, not {spec.name}")
+    lay = d["layout"]
+    layout = PoolLayout(tuple(lay["slot_bytes"]), tuple(lay["slots"]), int(d["budget"]["expert_bytes"]))
+    if len(layout.slots) != spec.num_moe_layers:
+        raise CmoeError(f"{path} has {len(layout.slots)} blocks but {spec.name} has {spec.num_moe_layers} MoE layers")
+    return d["policy"], float(d["pool_gb"]), int(d["batch"]), layout
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def prepare(*, spec_name: str | None, model_dir: Path | None, trace_src: str | None, data: Path | None,
+            cfg: ExecConfig, policy_json: Path | None = None) -> tuple[Workload, ExecConfig]:
+    """Every cheap check first (device, model, trace, pool, memory); no weights touched yet."""
+    from cmoe.trace.load import load_trace
+    if (spec_name is None) == (model_dir is None):
+        raise CmoeError("pass exactly one of --spec PRESET (random weights at its shapes) or --model DIR (a checkpoint)")
+    bad = [p for p in cfg.policies if p not in POLICIES]
+    if bad:
+        raise CmoeError(f"unknown policy '{bad[0]}': choose from {', '.join(POLICIES)}")
+    if cfg.tokens < 1 or cfg.batch < 1:
+        raise CmoeError("--tokens and --batch must be at least 1")
+    device = resolve_device(cfg.device)
+    spec = preset(spec_name) if spec_name else from_checkpoint(model_dir)
+    layout_override = None
+    if policy_json is not None:
+        name, pool_gb, batch, layout_override = read_policy_json(policy_json, spec)
+        cfg = replace(cfg, policies=(name,), pool_gb=pool_gb, batch=batch)
+    trace = None
+    if trace_src:
+        trace = load_trace(trace_src, None, cfg.batch)
+        check_trace_matches(trace, spec)
+    elif spec_name:
+        raise CmoeError("random weights route at random: give --trace BUNDLE (or synthetic:PRESET) to replay routing")
+    fmt = cfg.quant or (trace.recipe.expert if trace is not None and trace.recipe.name != "checkpoint" else "w4g128")
+    if fmt == "w4g128" and spec.hidden % 128 and device.type == "cpu":
+        fmt = "w4g32"
+    el = expert_layout(fmt, spec.hidden, spec.expert_ffn)
+    prompts = None
+    if trace is None:
+        prompts = _prompts(model_dir, data, spec, cfg.batch)
+    w = Workload(spec=spec, device=device, fmt=fmt, trace=trace, prompts=prompts, model_dir=model_dir,
+                 policy_layout=layout_override)
+    for p in cfg.policies:
+        layout_for(w, cfg, p)                     # pool too small: fails here, before any weight moves
+    _check_memory(w, cfg, slot_size(el))
+    return w, cfg
+
+
+def _prompts(model_dir: Path, data: Path | None, spec: ModelSpec, batch: int) -> list[list[int]]:
+    from cmoe.trace.hf import _tokenizer, read_prompts
+    texts = read_prompts(data) if data is not None else list(DEFAULT_PROMPTS)
+    if len(texts) < batch:
+        raise CmoeError(f"batch {batch} needs at least {batch} prompts, the data has {len(texts)}")
+    enc = _tokenizer(model_dir, spec.vocab)
+    return [enc(t)[:512] for t in texts[:batch]]
+
+
+def max_len(w: Workload, cfg: ExecConfig) -> int:
+    if w.prompts is not None:
+        return max(len(p) for p in w.prompts) + cfg.tokens
+    return int(w.trace.step.max()) + 1
+
+
+def layout_for(w: Workload, cfg: ExecConfig, policy: str) -> tuple[PoolLayout, dict]:
+    spec = w.spec
+    slot = slot_size(expert_layout(w.fmt, spec.hidden, spec.expert_ffn))
+    budget = expert_budget(spec, budget_recipe(w.fmt), int(cfg.pool_gb * 1e9), cfg.batch, max_len(w, cfg))
+    if policy == "upper":
+        return PoolLayout((slot,) * spec.num_moe_layers, (spec.num_experts,) * spec.num_moe_layers,
+                          slot * spec.num_experts * spec.num_moe_layers), budget
+    if cfg.slots is not None:
+        if not spec.top_k <= cfg.slots <= spec.num_experts:
+            raise CmoeError(f"--slots must lie between top_k ({spec.top_k}) and the expert count ({spec.num_experts})")
+        n = (cfg.slots,) * spec.num_moe_layers
+        return PoolLayout((slot,) * spec.num_moe_layers, n, slot * sum(n)), budget
+    if w.policy_layout is not None:
+        if min(w.policy_layout.slot_bytes) < slot:
+            raise CmoeError(f"the policy file's slots ({min(w.policy_layout.slot_bytes)} B) are smaller than one "
+                            f"{w.fmt} expert ({slot} B): simulate with the same --quant")
+        return w.policy_layout, budget
+    return plan_layout([slot] * spec.num_moe_layers, spec.num_experts, budget["expert_bytes"], spec.top_k), budget
+
+
+def _check_memory(w: Workload, cfg: ExecConfig, slot: int) -> None:
+    spec = w.spec
+    store_bytes = slot * spec.num_experts * spec.num_moe_layers
+    twins = any(p in ("lfu-fallback", "static") for p in cfg.policies) and w.device.type == "cuda"
+    host_need = store_bytes * (2 if twins else 1)
+    if w.device.type == "cpu":            # the pool and the model live in host memory too (fp32: twice bf16)
+        host_need += max(layout_for(w, cfg, p)[0].used_bytes for p in cfg.policies)
+        host_need += 2 * layout_for(w, cfg, cfg.policies[0])[1]["resident_bytes"]
+    avail = _mem_available()
+    if avail is not None and host_need > avail:
+        raise CmoeError(f"the host store needs {host_need / 1e9:.1f} GB of host memory but {avail / 1e9:.1f} GB is "
+                        f"available: use a smaller model or free memory")
+    if w.device.type != "cuda":
+        return
+    free, _ = torch.cuda.mem_get_info(w.device)
+    need = {}
+    for p in cfg.policies:
+        layout, budget = layout_for(w, cfg, p)
+        need[p] = layout.used_bytes + budget["resident_bytes"] + budget["kv_bytes"] + budget["workspace_bytes"]
+    check_gpu_fits(need, cfg.pool_gb, free, torch.cuda.get_device_name(w.device))
+
+
+def check_gpu_fits(need: dict[str, int], pool_gb: float, free: int, gpu: str) -> None:
+    """The pool, and what each policy really allocates (upper holds every expert), against free memory."""
+    if pool_gb * 1e9 > free and any(p != "upper" for p in need):
+        raise CmoeError(f"a {pool_gb:g} GB pool does not fit the {free / 1e9:.1f} GB free on the {gpu}: lower --pool-gb")
+    for p, n in need.items():
+        if n > free:
+            raise CmoeError(f"policy {p} needs {n / 1e9:.1f} GB on the {gpu} but {free / 1e9:.1f} GB is free: "
+                            f"lower --pool-gb or drop '{p}'")
+
+
+def build(w: Workload, cfg: ExecConfig) -> None:
+    """The long part: experts into the host store, non-expert weights onto the device."""
+    from cmoe.executor.model import load_checkpoint_model, random_model
+    from cmoe.executor.store import checkpoint_store, random_store
+    dtype = torch.bfloat16 if w.device.type == "cuda" else torch.float32
+    twins = any(p in ("lfu-fallback", "static") for p in cfg.policies)
+    if w.model_dir is None:
+        w.store = random_store(w.spec, w.fmt, w.device, cfg.seed, cfg.progress)
+        if twins:
+            w.store.build_cpu_twins(cfg.progress)
+        w.model, w.shims = random_model(w.spec, w.device, dtype, cfg.seed)
+    else:
+        w.store, others = checkpoint_store(w.model_dir, w.spec, w.fmt, w.device, twins, cfg.progress)
+        w.model, w.shims = load_checkpoint_model(w.model_dir, w.spec, others, w.device, dtype)
+
+
+# --- passes -------------------------------------------------------------------------------------
+
+def _replay_passes(w: Workload, cfg: ExecConfig):
+    """The first `batch` requests of the trace: their prefill and up to `tokens` decode steps."""
+    from cmoe.trace.passes import make_passes
+    t = w.trace
+    reqs = np.unique(t.request)[: cfg.batch]
+    if reqs.size < cfg.batch:
+        raise CmoeError(f"the trace has {reqs.size} requests but --batch {cfg.batch} needs {cfg.batch}")
+    passes = [p for p in make_passes(_subset(t, reqs), cfg.batch, cfg.include_prefill)]
+    out, decodes = [], 0
+    gen = np.random.default_rng(cfg.seed)
+    vocab = w.spec.vocab
+    for p in passes:
+        if p.decode:
+            if decodes == cfg.tokens:
+                break
+            decodes += 1
+        idx = p.tokens
+        sub = _subset_rows(t, reqs, idx)
+        B = cfg.batch
+        n = idx.size // B
+        req = t.request[sub]
+        if idx.size % B or not np.array_equal(np.sort(req, kind="stable"), req) \
+                or not all((req == r).sum() == n for r in reqs):
+            raise CmoeError("replay needs every request of a batch to have the same number of prompt tokens "
+                            "and decode steps: use --batch 1 for this trace")
+        if t.token_ids is not None:
+            ids = t.token_ids[sub] % vocab
+        else:
+            ids = gen.integers(0, vocab, idx.size)
+        pos = t.step[sub].astype(np.int64)
+        out.append((p, ids.reshape(B, n), pos.reshape(B, n),
+                    {"experts": t.experts[sub], "weights": t.weights[sub], "pred": t.pred_experts[sub]}))
+    return out
+
+
+def _subset(t: Trace, reqs: np.ndarray) -> Trace:
+    keep = np.isin(t.request, reqs)
+    arrays = {k: getattr(t, k)[keep] for k in ("experts", "weights", "pred_experts", "request", "step", "phase")}
+    for k in ("token_ids", "router_logits"):
+        if getattr(t, k) is not None:
+            arrays[k] = getattr(t, k)[keep]
+    return replace(t, **arrays)
+
+
+def _subset_rows(t: Trace, reqs: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """Map pass token indices (into the subset) back to rows of the full trace."""
+    return np.nonzero(np.isin(t.request, reqs))[0][idx]
+
+
+def run_policy(w: Workload, cfg: ExecConfig, policy_name: str) -> ExecResult:
+    from transformers import DynamicCache
+
+    from cmoe.trace.passes import popularity
+    layout, budget = layout_for(w, cfg, policy_name)
+    pop = popularity(w.trace) if w.trace is not None else [[0] * w.spec.num_experts for _ in range(w.spec.num_moe_layers)]
+    policy = make_policy(policy_name, layout, w.spec.num_experts, pop)
+    eng = Engine(w.model, w.shims, w.spec, w.store, policy, w.device, cfg.record_plans)
+    dev = w.device
+    cache = DynamicCache(config=w.model.config)
+    logits_out = []
+    passes = _replay_passes(w, cfg) if w.trace is not None else None
+    try:
+        if passes is not None:
+            for i, (p, ids, pos, rows) in enumerate(passes):
+                pin = PassInput(i, p.decode, torch.as_tensor(ids, device=dev), torch.as_tensor(pos, device=dev),
+                                None, np.ones(ids.size, bool), rows)
+                lg = eng.run_pass(pin, cache)
+                if cfg.keep_logits:
+                    logits_out.append(lg.float().cpu())
+        else:
+            logits_out = _live(eng, w, cfg, cache)
+    finally:
+        eng.close()
+    log = eng.finish()
+    if cfg.record_plans:
+        log.slot_mismatches = eng.check_slots()
+    del cache
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return ExecResult(policy_name, layout, budget, log, metrics(log, w, cfg, policy_name, layout), logits_out)
+
+
+def _live(eng: Engine, w: Workload, cfg: ExecConfig, cache) -> list:
+    dev = w.device
+    B = cfg.batch
+    L = max(len(p) for p in w.prompts)
+    ids = torch.zeros((B, L), dtype=torch.long)
+    mask = torch.zeros((B, L), dtype=torch.long)
+    for b, p in enumerate(w.prompts):                 # left padding
+        ids[b, L - len(p):] = torch.tensor(p)
+        mask[b, L - len(p):] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
+    out = []
+    active = mask.cpu().numpy().reshape(-1).astype(bool)
+    lg = eng.run_pass(PassInput(0, False, ids, pos, mask if not active.all() else None, active), cache)
+    if cfg.keep_logits:
+        out.append(lg.float().cpu())
+    for s in range(cfg.tokens):
+        nxt = lg.argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=dev)], 1)
+        pos = pos[:, -1:] + 1
+        lg = eng.run_pass(PassInput(s + 1, True, nxt, pos, mask if not active.all() else None, np.ones(B, bool)), cache)
+        if cfg.keep_logits:
+            out.append(lg.float().cpu())
+    return out
+
+
+# --- metrics ------------------------------------------------------------------------------------
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+def metrics(log: RunLog, w: Workload, cfg: ExecConfig, policy: str, layout: PoolLayout) -> dict:
+    dec_passes = {p for p, d, _, _ in log.pass_us if d}
+    dec = [(n, us) for _, d, n, us in log.pass_us if d]
+    pre = [us for _, d, _, us in log.pass_us if not d]
+    dec_tokens, dec_us = sum(n for n, _ in dec), sum(us for _, us in dec)
+    by_op: dict[str, float] = {}
+    stall = 0.0
+    per_pass: dict[int, list] = {}
+    for s in log.spans:
+        if s[1] in dec_passes:
+            by_op[s[4]] = by_op.get(s[4], 0.0) + (s[7] - s[6])
+            if s[3] == "compute":
+                per_pass.setdefault(s[1], []).append(s)
+    for spans in per_pass.values():
+        spans.sort(key=lambda s: s[6])
+        for a, b in zip(spans, spans[1:]):
+            if b[4] == "expert" and b[6] > a[7]:
+                stall += b[6] - a[7]
+    loads = [s for s in log.spans if s[4] == "load"]
+    load_us = sum(s[7] - s[6] for s in loads)
+    n_dec = max(len(dec_passes), 1)
+    lat = [us for _, us in dec]
+    return {
+        "source": "gpu" if w.device.type == "cuda" else "cpu", "policy": policy, "pool_gb": cfg.pool_gb,
+        "batch": cfg.batch, "model": w.spec.name, "expert_format": w.fmt,
+        "device": torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else "cpu",
+        "tokens_per_s": dec_tokens / dec_us * 1e6 if dec_us else float("nan"),
+        "tpot_ms_mean": statistics.fmean(lat) / 1e3 if lat else float("nan"),
+        "tpot_ms_p50": _pct(lat, 0.5) / 1e3, "tpot_ms_p99": _pct(lat, 0.99) / 1e3,
+        "prefill_ms": sum(pre) / 1e3, "decode_tokens": dec_tokens,
+        "stall_ms": stall / 1e3, "bytes_moved": log.bytes_moved, "loads": log.loads,
+        "h2d_gbps": sum(s[8] for s in loads) / load_us / 1e3 if load_us else float("nan"),
+        "hit_rate": log.hits / (log.gpu_experts + log.fallbacks) if log.gpu_experts + log.fallbacks else 1.0,
+        "fallbacks": log.fallbacks, "skipped": log.skipped,
+        "expert_ms_per_pass": by_op.get("expert", 0.0) / n_dec / 1e3,
+        "outside_experts_ms_per_pass": (by_op.get("attention", 0.0) + by_op.get("head", 0.0)) / n_dec / 1e3,
+        "route_ms_per_pass": by_op.get("route", 0.0) / n_dec / 1e3,
+        "cpu_expert_ms_per_pass": by_op.get("cpu_expert", 0.0) / n_dec / 1e3,
+        "mean_occupancy": statistics.fmean(log.occupancy) if log.occupancy else 0,
+        "experts_fit": layout.total_slots, "pool_expert_bytes": layout.used_bytes,
+    }
+
+
+def execute(w: Workload, cfg: ExecConfig) -> list[ExecResult]:
+    if w.store is None:
+        build(w, cfg)
+    return [run_policy(w, cfg, p) for p in cfg.policies]
+
+
+def write_outputs(out: Path, results: list[ExecResult]) -> None:
+    from cmoe.report.chrome import write_chrome_trace
+    from cmoe.timeline import write_parquet
+    from cmoe.util import write_text_atomic
+    out.mkdir(parents=True, exist_ok=True)
+    for r in results:
+        write_parquet(r.log.spans, out / f"timeline-{r.policy}.parquet")
+        write_chrome_trace(r.log.spans, out / f"timeline-{r.policy}.json")
+    write_text_atomic(out / "metrics.json", json.dumps([r.metrics for r in results], indent=1))
+
+
+def table(results: list[ExecResult]) -> str:
+    from cmoe.report.table import policy_table
+    return policy_table([r.metrics for r in results])

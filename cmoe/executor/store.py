@@ -1,0 +1,188 @@
+"""The host expert store: every routed expert as one padded byte buffer in pinned host memory,
+already in the kernel's layout for the target device, so that a load is a single copy.
+
+Two sources:
+- `from_checkpoint`: a local safetensors checkpoint, streamed tensor by tensor (per-expert names
+  as original checkpoints store them, or transformers 5's fused `gate_up_proj`/`down_proj`);
+  an expert is quantized and packed as soon as its three matrices have been read, so host
+  memory holds the store plus one tensor at a time.
+- `random`: seeded random weights with a preset's exact shapes, generated directly as int4 codes
+  (on the GPU when there is one) and packed there, for timing studies at full scale.
+
+A run whose policy computes missed experts on the CPU also needs a CPU twin of each expert
+(the CPU kernel reads another int4 layout). `cpu_twins` holds the same codes and scales in that
+layout, in pageable memory; on a CPU run the main store already is the CPU layout.
+Legend: M MoE layers, E experts per layer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from cmoe.errors import CmoeError
+from cmoe.executor.kernels import expert_bytes_of, pack_cpu, pack_cuda
+from cmoe.executor.layout import ExpertLayout, expert_layout, slot_size
+from cmoe.spec import ModelSpec
+
+
+class HostStore:
+    def __init__(self, spec: ModelSpec, fmt: str, device: torch.device):
+        self.spec, self.fmt, self.device = spec, fmt, device
+        self.layout: ExpertLayout = expert_layout(fmt, spec.hidden, spec.expert_ffn)
+        self.slot = slot_size(self.layout)
+        pin = device.type == "cuda"
+        # one [E, slot] buffer per block: each expert is one contiguous padded row
+        self.blocks = [self._empty(pin) for _ in range(spec.num_moe_layers)]
+        self.cpu_twins: list[torch.Tensor] | None = None
+        self.seed: int | None = None          # set for random stores
+
+    def _empty(self, pin: bool) -> torch.Tensor:
+        return torch.zeros((self.spec.num_experts, self.slot), dtype=torch.uint8, pin_memory=pin)
+
+    @property
+    def slot_bytes(self) -> list[int]:
+        return [self.slot] * self.spec.num_moe_layers
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.blocks)
+
+    def expert(self, m: int, e: int) -> torch.Tensor:
+        return self.blocks[m][e]
+
+    def cpu_expert(self, m: int, e: int) -> torch.Tensor:
+        """Bytes of expert (m, e) in the CPU kernel's layout."""
+        if self.device.type == "cpu":
+            return self.blocks[m][e]
+        assert self.cpu_twins is not None, "CPU twins were not built"
+        return self.cpu_twins[m][e]
+
+    def put(self, m: int, e: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Quantize and pack one expert's float weights into its host buffer (and CPU twin)."""
+        dev = self.device
+        buf = torch.zeros(self.slot, dtype=torch.uint8, device=dev)
+        expert_bytes_of(self.layout, w13.to(dev, torch.float32), w2.to(dev, torch.float32), dev.type, buf)
+        self.blocks[m][e].copy_(buf)
+        if self.cpu_twins is not None:
+            twin = torch.zeros(self.slot, dtype=torch.uint8)
+            expert_bytes_of(self.layout, w13.float().cpu(), w2.float().cpu(), "cpu", twin)
+            self.cpu_twins[m][e].copy_(twin)
+
+    def build_cpu_twins(self, progress: bool = False) -> None:
+        """The CPU-layout copy of every random expert (same codes and scales), built on demand."""
+        if self.device.type == "cpu" or self.cpu_twins is not None:
+            return
+        assert self.seed is not None, "checkpoint stores build their twins while loading"
+        self.cpu_twins = [self._empty(False) for _ in range(self.spec.num_moe_layers)]
+        self._fill_random(self.cpu_twins, "cpu", progress)
+
+    def _fill_random(self, targets: list[torch.Tensor], pack_for: str, progress: bool) -> None:
+        from tqdm import tqdm
+        dev = self.device
+        stage = torch.empty(self.slot, dtype=torch.uint8, device=dev)
+        for m in tqdm(range(self.spec.num_moe_layers), disable=not progress, desc=f"experts ({pack_for} layout)"):
+            for e in range(self.spec.num_experts):
+                stage.zero_()
+                _random_expert(self.layout, _expert_seed(self.seed, m, e), dev, pack_for, stage)
+                targets[m][e].copy_(stage)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+
+def _expert_seed(seed: int, m: int, e: int) -> int:
+    return (seed * 1_000_003 + m * 4099 + e) % (2**63)
+
+
+def _random_expert(layout: ExpertLayout, seed: int, dev: torch.device, pack_for: str, buf: torch.Tensor) -> None:
+    """Random int4 codes and scales for one expert, written in `pack_for`'s layout into buf."""
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    for name in ("w13", "w2"):
+        p = layout.part(name)
+        o, i = p.shape
+        if layout.group:
+            g = layout.group
+            codes = torch.randint(0, 16, (o, i), generator=gen, device=dev, dtype=torch.int32)
+            scale = torch.rand((i // g, o), generator=gen, device=dev) * 0.004 + 0.002
+            zero = (torch.rand((i // g, o), generator=gen, device=dev) - 0.5) * 0.004
+            sz = torch.stack([scale, zero], -1).to(torch.bfloat16)
+            packed = pack_cuda(codes) if pack_for == "cuda" else pack_cpu(codes)
+            buf[p.offset: p.offset + p.nbytes].copy_(packed.reshape(-1).view(torch.uint8))
+            q = layout.part(f"{name}_sz")
+            buf[q.offset: q.offset + q.nbytes].copy_(sz.reshape(-1).view(torch.uint8))
+        else:
+            dt = torch.bfloat16 if layout.fmt == "bf16" else torch.float32
+            w = (torch.randn((o, i), generator=gen, device=dev) * 0.02).to(dt)
+            buf[p.offset: p.offset + p.nbytes].copy_(w.reshape(-1).view(torch.uint8))
+
+
+def random_store(spec: ModelSpec, fmt: str, device: torch.device, seed: int = 0, progress: bool = False) -> HostStore:
+    """Seeded random experts of `spec`'s exact shapes. Expert (m, e) depends only on (seed, m, e)."""
+    store = HostStore(spec, fmt, device)
+    store.seed = seed
+    store._fill_random(store.blocks, device.type, progress)
+    return store
+
+
+# --- checkpoints ------------------------------------------------------------------------------
+
+def checkpoint_store(model_dir: Path, spec: ModelSpec, fmt: str, device: torch.device,
+                     keep_cpu_twins: bool, progress: bool = False) -> tuple[HostStore, list[tuple[str, Path]]]:
+    """Stream a checkpoint's expert tensors into a HostStore. Returns the store and the names of
+    the other (non-expert) tensors with their files, for the model loader."""
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    from cmoe.checkpoint import _CANON, _FUSED, _PER_EXPERT, safetensors_files
+    store = HostStore(spec, fmt, device)
+    if keep_cpu_twins and device.type == "cuda":
+        store.cpu_twins = [store._empty(False) for _ in range(spec.num_moe_layers)]
+    moe_index = {d: m for m, d in enumerate(spec.moe_layers)}
+    pending: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    done: set[tuple[int, int]] = set()
+    others: list[tuple[str, Path]] = []
+    files = safetensors_files(model_dir)
+
+    def finish(m: int, e: int, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> None:
+        store.put(m, e, torch.cat([w1, w3], 0), w2)
+        done.add((m, e))
+
+    with tqdm(total=spec.num_moe_layers * spec.num_experts, disable=not progress, desc="experts") as bar:
+        for path in files:
+            with safe_open(str(path), framework="pt") as fh:
+                for name in fh.keys():
+                    pe, fu = _PER_EXPERT.match(name), _FUSED.match(name)
+                    if pe and int(pe.group(1)) in moe_index:
+                        if pe.group(4) != "weight":
+                            raise CmoeError(f"{name}: the executor reads float expert weights; quantized "
+                                            f"checkpoints ({pe.group(4)}) are not supported yet")
+                        key = (moe_index[int(pe.group(1))], int(pe.group(2)))
+                        got = pending.setdefault(key, {})
+                        got[_CANON[pe.group(3)]] = fh.get_tensor(name)
+                        if len(got) == 3:
+                            finish(*key, got["w1"], got["w3"], got["w2"])
+                            del pending[key]
+                            bar.update(1)
+                    elif fu and int(fu.group(1)) in moe_index:
+                        if fu.group(3):
+                            raise CmoeError(f"{name}: quantized fused experts are not supported yet")
+                        m = moe_index[int(fu.group(1))]
+                        t = fh.get_tensor(name)
+                        for e in range(t.shape[0]):
+                            got = pending.setdefault((m, e), {})
+                            if fu.group(2) == "gate_up_proj":
+                                got["w1"], got["w3"] = t[e].chunk(2, 0)
+                            else:
+                                got["w2"] = t[e]
+                            if len(got) == 3:
+                                finish(m, e, got["w1"], got["w3"], got["w2"])
+                                del pending[(m, e)]
+                                bar.update(1)
+                    else:
+                        others.append((name, path))
+    missing = spec.num_moe_layers * spec.num_experts - len(done)
+    if missing:
+        m, e = next((m, e) for m in range(spec.num_moe_layers) for e in range(spec.num_experts) if (m, e) not in done)
+        raise CmoeError(f"{model_dir}: {missing} experts have no complete weights (first: MoE layer {m}, expert {e})")
+    return store, others
