@@ -111,8 +111,10 @@ def simulate(
                f"{results[0].metrics['decode_tokens']} decode tokens")
     typer.echo(table(results))
     if out:
+        from cmoe.report.build import build_report
         write_outputs(out, t, prof, results)
         typer.echo(f"wrote {out}/metrics.json, timeline-*.parquet, timeline-*.json (Perfetto), policy-*.json")
+        typer.echo(f"report: {build_report([out])}")
 
 
 def _floats(text: str) -> list[float]:
@@ -143,6 +145,8 @@ def sweep(
     write_sweep(rows, out)
     bad = sum(1 for r in rows if r["error"])
     typer.echo(f"wrote {out}: {len(rows)} rows" + (f" ({bad} could not run; see the error column)" if bad else ""))
+    from cmoe.report.build import build_report
+    typer.echo(f"report: {build_report([out])}")
 
 
 @app.command()
@@ -178,7 +182,35 @@ def execute(
     typer.echo(table(results))
     if out:
         write_outputs(out, results)
-        typer.echo(f"wrote {out}/metrics.json, timeline-*.parquet, timeline-*.json (Perfetto)")
+        typer.echo(f"wrote {out}/metrics.json, timeline-*.parquet, timeline-*.json (Perfetto), passes-*.json")
+        try:
+            from cmoe.report.build import build_report
+            typer.echo(f"report: {build_report([out])}")
+        except ImportError:
+            typer.echo(f"no report here (plotly is not installed): run cmoe report {out} where it is")
+
+
+@app.command()
+@one_line_errors
+def report(
+    inputs: Annotated[list[Path], typer.Argument(metavar="INPUT...", help="A run folder (simulate/execute --out), a sweep or timeline .parquet, or two run folders: predicted, then measured.")],
+    *,
+    out: Annotated[Optional[Path], typer.Option(help="HTML file to write [default: report.html in the folder, X.html beside X.parquet, compare.html in the measured folder].")] = None,
+    max_spans: Annotated[int, typer.Option(help="Most timeline spans drawn; whole passes from the first are kept.")] = 100_000,
+    chrome: Annotated[Optional[Path], typer.Option(help="Instead: export a timeline .parquet as Chrome Trace Event JSON (Perfetto) to this file.")] = None,
+) -> None:
+    """One self-contained HTML report (plotly.js embedded, works offline); or a Chrome trace export."""
+    if chrome is not None:
+        from cmoe.report.build import _parquet_columns
+        from cmoe.report.chrome import write_chrome_trace
+        from cmoe.timeline import COLUMNS, read_parquet
+        if len(inputs) != 1 or inputs[0].suffix != ".parquet" or not set(COLUMNS) <= _parquet_columns(inputs[0]):
+            from cmoe.errors import CmoeError
+            raise CmoeError("--chrome takes one timeline .parquet file (timeline-POLICY.parquet)")
+        typer.echo(f"wrote {write_chrome_trace(read_parquet(inputs[0]), chrome)}")
+        return
+    from cmoe.report.build import build_report
+    typer.echo(f"report: {build_report(inputs, out, max_spans)}")
 
 
 if __name__ == "__main__":

@@ -79,7 +79,8 @@ class RunLog:
     hits: int = 0
     fallbacks: int = 0
     skipped: int = 0
-    occupancy: list = field(default_factory=list)
+    occupancy: list = field(default_factory=list)          # per pass: experts resident at its end
+    pass_hits: list = field(default_factory=list)          # per pass: (hits, experts run)
     slot_mismatches: int | None = None     # slots whose bytes differ from their expert's (checked on request)
 
 
@@ -371,6 +372,7 @@ class Engine:
         """One forward pass; returns the last position's logits [B, V] (on the device)."""
         self.cur = p
         self.begun = False
+        hits0, ran0 = self.log.hits, self.log.gpu_experts + self.log.fallbacks
         self.logits = [None] * self.M
         self.pred_gpu = [None] * self.M
         self.token_pred = [None] * self.M
@@ -394,6 +396,7 @@ class Engine:
         self._prev_end = self.clock.us(end)
         self.log.pass_us.append((p.index, p.decode, int(p.active.sum()), us))
         self.log.occupancy.append(self.policy.pool.occupancy())
+        self.log.pass_hits.append((self.log.hits - hits0, self.log.gpu_experts + self.log.fallbacks - ran0))
         self._resolve(final=False)
         return logits
 

@@ -420,12 +420,14 @@ def execute(w: Workload, cfg: ExecConfig) -> list[ExecResult]:
 
 def write_outputs(out: Path, results: list[ExecResult]) -> None:
     from cmoe.report.chrome import write_chrome_trace
+    from cmoe.report.passes import pass_rows, write_passes
     from cmoe.timeline import write_parquet
     from cmoe.util import write_text_atomic
     out.mkdir(parents=True, exist_ok=True)
     for r in results:
         write_parquet(r.log.spans, out / f"timeline-{r.policy}.parquet")
         write_chrome_trace(r.log.spans, out / f"timeline-{r.policy}.json")
+        write_passes(pass_rows(r.log.pass_us, r.log.occupancy, r.log.pass_hits), out / f"passes-{r.policy}.json")
     write_text_atomic(out / "metrics.json", json.dumps([r.metrics for r in results], indent=1))
 
 

@@ -15,7 +15,7 @@ from cmoe.timeline import Span
 from cmoe.util import write_text_atomic
 
 
-def _tracks(spans: list[Span]) -> list[tuple[str, Span]]:
+def tracks(spans: list[Span]) -> list[tuple[str, Span]]:
     """Assign each span a track name so that spans on one track never overlap."""
     ends: dict[tuple[str, str], list[float]] = {}
     out = []
@@ -36,7 +36,7 @@ def chrome_trace(spans: list[Span]) -> dict:
     pids: dict[str, int] = {}
     tids: dict[tuple[str, str], int] = {}
     events, meta = [], []
-    for track, (source, step, layer, _stream, op, expert, start, end, nbytes) in _tracks(spans):
+    for track, (source, step, layer, _stream, op, expert, start, end, nbytes) in tracks(spans):
         pid = pids.setdefault(source, len(pids) + 1)
         if (source, track) not in tids:
             tids[(source, track)] = len(tids) + 1

@@ -35,12 +35,14 @@ def table(results: list[SimResult]) -> str:
 
 def write_outputs(out: Path, t: Trace, profile: HardwareProfile, results: list[SimResult]) -> None:
     from cmoe.report.chrome import write_chrome_trace
+    from cmoe.report.passes import pass_rows, write_passes
     from cmoe.timeline import write_parquet
     out.mkdir(parents=True, exist_ok=True)
     for r in results:
         name = r.config.policy
         write_parquet(r.run.spans, out / f"timeline-{name}.parquet")
         write_chrome_trace(r.run.spans, out / f"timeline-{name}.json")
+        write_passes(pass_rows(r.run.pass_us, r.run.occupancy, r.run.pass_hits), out / f"passes-{name}.json")
         write_text_atomic(out / f"policy-{name}.json", json.dumps(r.policy_json(t, profile), indent=1))
     write_text_atomic(out / "metrics.json", json.dumps([r.metrics for r in results], indent=1))
 

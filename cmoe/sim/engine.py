@@ -63,7 +63,8 @@ class SimRun:
     fallbacks: int = 0
     skipped: int = 0
     stall_us: float = 0.0
-    occupancy: list[int] = field(default_factory=list)
+    occupancy: list[int] = field(default_factory=list)        # per pass: experts resident at its end
+    pass_hits: list[tuple[int, int]] = field(default_factory=list)   # per pass: (hits, experts run)
 
 
 class Simulation:
@@ -133,6 +134,7 @@ class Simulation:
         M = len(c.moe_layers)
         for ps in self.passes:
             t0 = clock = env.now
+            hits0, ran0 = run.hits, run.gpu_experts + run.fallbacks
             n = ps.num_tokens
             for ld in pol.begin_pass(ps.decode, list(ps.predicted[0])):
                 self._issue(ld, ps.index)
@@ -202,6 +204,7 @@ class Simulation:
             yield from self._sync(clock)
             run.pass_us.append((ps.index, ps.decode, n, env.now - t0))
             run.occupancy.append(pol.pool.occupancy())
+            run.pass_hits.append((run.hits - hits0, run.gpu_experts + run.fallbacks - ran0))
 
     def simulate(self) -> SimRun:
         self.env.run()

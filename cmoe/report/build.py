@@ -1,0 +1,213 @@
+"""`cmoe report`: one self-contained HTML file from a simulation, an execution, a sweep, or a
+predicted/measured pair. Plotly's script is embedded once, so the page works offline.
+
+Inputs it recognises:
+- a folder written by `cmoe simulate --out` or `cmoe execute --out` (metrics.json,
+  timeline-POLICY.parquet, passes-POLICY.json): metrics table, timeline, occupancy and hit rate;
+- a sweep table (`cmoe sweep --out X.parquet`): tokens/s against pool size per policy;
+- any timeline Parquet: the timeline alone;
+- two folders, predicted then measured: both timelines on one time axis, per policy, and a table
+  of where their times differ (by op, per decode pass).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+from cmoe.errors import CmoeError
+from cmoe.timeline import COLUMNS, read_parquet
+from cmoe.util import write_text_atomic
+
+MAX_SPANS = 100_000
+_CSS = ("body{font-family:system-ui,sans-serif;margin:24px;color:#222}table{border-collapse:collapse;"
+        "font-size:13px;margin:8px 0 16px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+        "th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}.note{color:#555;font-size:13px}")
+
+
+def _page(title: str, blocks: list[str]) -> str:
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>{''.join(blocks)}</body></html>")
+
+
+class _Figures:
+    """Figure divs; the first one carries plotly.js, inline."""
+
+    def __init__(self):
+        self.first = True
+
+    def div(self, fig) -> str:
+        import plotly.io as pio
+        out = pio.to_html(fig, include_plotlyjs=self.first, full_html=False,
+                          config={"responsive": True, "displaylogo": False})
+        self.first = False
+        return out
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    th = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><tr>{th}</tr>{body}</table>"
+
+
+def _metrics_table(metrics: list[dict]) -> str:
+    up = next((m["tokens_per_s"] for m in metrics if m["policy"] == "upper"), None)
+    rows = [[m["policy"], f"{m['tokens_per_s']:.1f}", f"{m['tokens_per_s'] / up:.2f}" if up else "-",
+             f"{m['tpot_ms_mean']:.2f}", f"{m['tpot_ms_p99']:.2f}", f"{m['hit_rate']:.3f}", m["loads"],
+             f"{m['bytes_moved'] / 1e9:.2f}", m["fallbacks"], m["skipped"], m["experts_fit"]] for m in metrics]
+    return _table(["policy", "tokens/s", "x upper", "TPOT ms", "p99 ms", "hit", "loads", "GB moved", "fallback",
+                   "skipped", "slots"], rows)
+
+
+def _read_run(folder: Path) -> tuple[list[dict], dict[str, list], dict[str, list[dict]]]:
+    try:
+        metrics = json.loads((folder / "metrics.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CmoeError(f"{folder} has no readable metrics.json ({e}): give a folder written by "
+                        f"cmoe simulate --out or cmoe execute --out") from None
+    spans, passes = {}, {}
+    for m in metrics:
+        p = m["policy"]
+        tl = folder / f"timeline-{p}.parquet"
+        if not tl.is_file():
+            raise CmoeError(f"{folder} lacks {tl.name}: was the run written completely?")
+        spans[p] = read_parquet(tl)
+        pj = folder / f"passes-{p}.json"
+        passes[p] = json.loads(pj.read_text()) if pj.is_file() else []
+    return metrics, spans, passes
+
+
+def _kind(metrics: list[dict]) -> str:
+    return "measured" if metrics and "source" in metrics[0] else "predicted"
+
+
+def run_report(folder: Path, max_spans: int) -> tuple[str, str]:
+    from cmoe.report.figures import limit_spans, passes_figure, timeline_figure
+    metrics, spans, passes = _read_run(folder)
+    kind = _kind(metrics)
+    m0 = metrics[0]
+    title = f"{m0['model']}: {kind}, pool {m0['pool_gb']:g} GB, batch {m0['batch']}"
+    figs = _Figures()
+    groups, note = limit_spans([(p, spans[p]) for p in spans], max_spans)
+    blocks = [f"<p class='note'>{html.escape(kind)} run from {html.escape(str(folder))}; "
+              f"{m0['decode_tokens']} decode tokens per policy.</p>", _metrics_table(metrics),
+              "<h2>Timeline</h2>", f"<p class='note'>{html.escape(note)}</p>" if note else "",
+              figs.div(timeline_figure(groups, f"{kind} timeline"))]
+    if any(passes.values()):
+        blocks += ["<h2>Pool occupancy and hit rate</h2>", figs.div(passes_figure([(p, r) for p, r in passes.items() if r]))]
+    return title, "".join(blocks)
+
+
+def compare_report(predicted: Path, measured: Path, max_spans: int) -> tuple[str, str]:
+    from cmoe.report.figures import limit_spans, timeline_figure
+    pm, ps, _ = _read_run(predicted)
+    mm, ms, _ = _read_run(measured)
+    common = [m["policy"] for m in mm if m["policy"] in ps]
+    if not common:
+        raise CmoeError(f"{predicted} and {measured} share no policy: run the same policies in both")
+    figs = _Figures()
+    blocks = [f"<p class='note'>predicted: {html.escape(str(predicted))}; measured: {html.escape(str(measured))}</p>"]
+    rows = []
+    for pol in common:
+        a = next(m for m in pm if m["policy"] == pol)
+        b = next(m for m in mm if m["policy"] == pol)
+        err = (a["tokens_per_s"] - b["tokens_per_s"]) / b["tokens_per_s"] * 100 if b["tokens_per_s"] else float("nan")
+        rows.append([pol, f"{a['tokens_per_s']:.1f}", f"{b['tokens_per_s']:.1f}", f"{err:+.1f}%",
+                     f"{a['tpot_ms_mean']:.2f}", f"{b['tpot_ms_mean']:.2f}"])
+    blocks.append(_table(["policy", "predicted tok/s", "measured tok/s", "error", "predicted TPOT ms",
+                          "measured TPOT ms"], rows))
+    for pol in common:
+        pred, meas = _aligned(ps[pol], ms[pol])
+        blocks.append(f"<h2>{html.escape(pol)}: time per decode pass by op</h2>")
+        blocks.append(_op_table(pred, meas))
+        groups, note = limit_spans([(f"predicted {pol}", pred), (f"measured {pol}", meas)], max_spans)
+        if note:
+            blocks.append(f"<p class='note'>{html.escape(note)}</p>")
+        blocks.append(figs.div(timeline_figure(groups, f"{pol}: predicted and measured")))
+    return f"{pm[0]['model']}: predicted against measured", "".join(blocks)
+
+
+def _aligned(pred: list, meas: list) -> tuple[list, list]:
+    """The passes both runs have (a measured run often covers fewer), each shifted to start at 0."""
+    steps = {s[1] for s in pred} & {s[1] for s in meas}
+
+    def keep(spans):
+        kept = [s for s in spans if s[1] in steps]
+        t0 = min((s[6] for s in kept), default=0.0)
+        return [s[:6] + (s[6] - t0, s[7] - t0, s[8]) for s in kept]
+    return keep(pred), keep(meas)
+
+
+def _op_table(pred: list, meas: list) -> str:
+    def per_pass(spans):
+        dec = {s[1] for s in spans if s[4] == "expert"} or {s[1] for s in spans}
+        tot: dict[str, float] = {}
+        for s in spans:
+            tot[s[4]] = tot.get(s[4], 0.0) + s[7] - s[6]
+        return {k: v / max(len(dec), 1) for k, v in tot.items()}
+    a, b = per_pass(pred), per_pass(meas)
+    rows = []
+    for op in sorted(set(a) | set(b)):
+        x, y = a.get(op, 0.0), b.get(op, 0.0)
+        rows.append([op, f"{x:.1f}", f"{y:.1f}", f"{(x - y) / y * 100:+.1f}%" if y else "-"])
+    return _table(["op", "predicted us", "measured us", "error"], rows)
+
+
+def sweep_report(path: Path) -> tuple[str, str]:
+    import pyarrow.parquet as pq
+
+    from cmoe.report.figures import sweep_figure
+    rows = pq.read_table(path).to_pylist()
+    need = {"trace", "profile", "batch", "policy", "pool_gb", "tokens_per_s", "error"}
+    if not rows or not need <= set(rows[0]):
+        raise CmoeError(f"{path} is not a sweep table (cmoe sweep --out): it lacks {sorted(need - set(rows[0] if rows else ()))}")
+    figs = _Figures()
+    blocks = []
+    for heading, fig in sweep_figure(rows):
+        blocks += [f"<h2>{html.escape(heading)}</h2>", figs.div(fig)]
+    bad = [r for r in rows if r["error"]]
+    if bad:
+        blocks.append(_table(["trace", "profile", "pool GB", "policy", "batch", "error"],
+                             [[r["trace"], r["profile"], r["pool_gb"], r["policy"], r["batch"], r["error"]] for r in bad]))
+    return f"sweep: {path.name}", "".join(blocks)
+
+
+def timeline_report(path: Path, max_spans: int) -> tuple[str, str]:
+    from cmoe.report.figures import limit_spans, timeline_figure
+    groups, note = limit_spans([(path.stem, read_parquet(path))], max_spans)
+    blocks = [f"<p class='note'>{html.escape(note)}</p>" if note else "", _Figures().div(timeline_figure(groups, path.stem))]
+    return f"timeline: {path.name}", "".join(blocks)
+
+
+def _parquet_columns(path: Path) -> set[str]:
+    import pyarrow.parquet as pq
+    try:
+        return set(pq.read_schema(path).names)
+    except Exception as e:                        # pyarrow raises several types for a bad file
+        raise CmoeError(f"{path} is not a readable Parquet file ({type(e).__name__})") from None
+
+
+def build_report(inputs: list[Path], out: Path | None = None, max_spans: int = MAX_SPANS) -> Path:
+    if not 1 <= len(inputs) <= 2:
+        raise CmoeError("give one run folder, sweep table or timeline, or two run folders (predicted, measured)")
+    for p in inputs:
+        if not p.exists():
+            raise CmoeError(f"{p} does not exist")
+    first = inputs[0]
+    if len(inputs) == 2:
+        title, body = compare_report(inputs[0], inputs[1], max_spans)
+        out = out or inputs[1] / "compare.html"
+    elif first.is_dir():
+        title, body = run_report(first, max_spans)
+        out = out or first / "report.html"
+    elif first.suffix == ".parquet":
+        cols = _parquet_columns(first)
+        if set(COLUMNS) <= cols:
+            title, body = timeline_report(first, max_spans)
+        else:
+            title, body = sweep_report(first)
+        out = out or first.with_suffix(".html")
+    else:
+        raise CmoeError(f"{first}: expected a run folder, a sweep or timeline .parquet file")
+    return write_text_atomic(out, _page(title, [body]))
