@@ -213,5 +213,30 @@ def report(
     typer.echo(f"report: {build_report(inputs, out, max_spans)}")
 
 
+@app.command()
+@one_line_errors
+def validate(
+    predicted: Annotated[Path, typer.Argument(help="Folder written by cmoe simulate --out.")],
+    measured: Annotated[Path, typer.Argument(help="Folder written by cmoe execute --out (same trace, policy, pool, batch).")],
+    *,
+    policy: Annotated[Optional[str], typer.Option(help="Comma-separated policies [default: every policy the measured run has].")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="JSON file for the errors [default: MEASURED/validation.json].")] = None,
+) -> None:
+    """Predicted against measured: error per op kind, per layer, per token and end to end, and where it comes from."""
+    from cmoe.util import write_text_atomic
+    from cmoe.validate import format_validation, validate_folders
+    names = [p.strip() for p in policy.split(",") if p.strip()] if policy else None
+    results = validate_folders(predicted, measured, names)
+    for v in results:
+        typer.echo(format_validation(v))
+    path = write_text_atomic(out or measured / "validation.json", json.dumps(results, indent=1))
+    typer.echo(f"wrote {path}")
+    try:
+        from cmoe.report.build import build_report
+        typer.echo(f"report: {build_report([predicted, measured])}")
+    except ImportError:
+        typer.echo("no report here (plotly is not installed): run cmoe report PREDICTED MEASURED where it is")
+
+
 if __name__ == "__main__":
     app()

@@ -25,7 +25,7 @@ from cmoe.policy.policies import POLICIES, make_policy
 from cmoe.policy.pool import PoolLayout, plan_layout
 from cmoe.quant import QuantRecipe
 from cmoe.spec import ModelSpec, from_checkpoint, preset
-from cmoe.trace.bundle import Trace
+from cmoe.trace.bundle import Trace, fingerprint
 
 DEFAULT_PROMPTS = ("The mixture of experts routes each token to a few of its experts.",
                    "def fibonacci(n):\n    if n < 2:\n        return n",
@@ -394,6 +394,7 @@ def metrics(log: RunLog, w: Workload, cfg: ExecConfig, policy: str, layout: Pool
     return {
         "source": "gpu" if w.device.type == "cuda" else "cpu", "policy": policy, "pool_gb": cfg.pool_gb,
         "batch": cfg.batch, "model": w.spec.name, "expert_format": w.fmt,
+        "trace_id": fingerprint(w.trace) if w.trace is not None else None,
         "device": torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else "cpu",
         "tokens_per_s": dec_tokens / dec_us * 1e6 if dec_us else float("nan"),
         "tpot_ms_mean": statistics.fmean(lat) / 1e3 if lat else float("nan"),

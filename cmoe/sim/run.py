@@ -12,7 +12,7 @@ from cmoe.policy.budget import expert_budget
 from cmoe.policy.policies import make_policy
 from cmoe.policy.pool import PoolLayout, plan_layout
 from cmoe.sim.engine import SimRun, Simulation, costs_for
-from cmoe.trace.bundle import Trace
+from cmoe.trace.bundle import Trace, fingerprint
 from cmoe.trace.passes import make_passes, popularity
 
 
@@ -91,6 +91,7 @@ def metrics(trace: Trace, layout: PoolLayout, run: SimRun, cfg: SimConfig) -> di
     waste = sum(p.waste_bytes * n / p.num_experts for p, n in zip(pads, layout.slots))
     return {
         "policy": cfg.policy, "pool_gb": cfg.pool_gb, "batch": cfg.batch, "model": trace.spec.name,
+        "trace_id": fingerprint(trace),
         "tokens_per_s": dec_tokens / dec_us * 1e6 if dec_us else float("nan"),
         "tpot_ms_mean": statistics.fmean(lat) / 1e3 if lat else float("nan"),
         "tpot_ms_p50": _pct(lat, 0.5) / 1e3, "tpot_ms_p99": _pct(lat, 0.99) / 1e3,

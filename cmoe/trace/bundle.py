@@ -47,6 +47,16 @@ _REQUIRED = {"experts": np.int16, "weights": np.float32, "pred_experts": np.int1
 _OPTIONAL = {"token_ids": np.int32, "router_logits": np.float32}
 
 
+def fingerprint(t: "Trace") -> str:
+    """A short id of a trace's routing (model, routes, predictions, token order), so results from
+    different engines can be checked to come from the same trace."""
+    import hashlib
+    h = hashlib.sha256(t.spec.name.encode())
+    for a in (t.experts, t.pred_experts, t.request, t.step, t.phase):
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()[:16]
+
+
 @dataclass
 class Trace:
     experts: np.ndarray          # [T, M, K] int16

@@ -1,0 +1,189 @@
+"""`cmoe validate`: hold a predicted run (simulator) against a measured one (executor) of the
+same trace, model, policy, pool and batch, and say how far apart they are and where.
+
+Both folders are what `cmoe simulate --out` and `cmoe execute --out` write. Only the passes both
+ran are compared (an executor run usually covers the first requests of a trace), decode passes
+only, since tokens/s and time per token are decode figures. Errors are relative to the
+measurement: signed error = (predicted - measured) / measured, so for times a positive bias means
+the simulator is too slow, and for tokens/s that it is too fast; MAPE is the mean of its absolute
+value.
+
+- **op kinds**: spans matched by (pass, layer, expert) for `expert`, `load` and `cpu_expert`, and
+  by (pass, layer) for everything else the compute stream does outside the experts (attention,
+  dense and shared MLPs, routing, LM head: the engines split these differently, so they are
+  compared as one kind, `non-expert`);
+- **per layer**: wall time on the compute stream from the end of the previous layer's last span
+  to the end of this layer's, stalls included, per pass;
+- **per token**: decode pass latency; **end to end**: tokens over time for all compared passes;
+- **attribution**: the mean decode pass split into non-expert compute, expert compute and the
+  rest (waiting for loads or CPU experts, gaps); the part with the largest difference is where
+  the error comes from.
+Numpy and pyarrow only, so it runs anywhere the timelines can be read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from cmoe.errors import CmoeError
+from cmoe.timeline import read_parquet
+
+NON_EXPERT = {"attention", "dense", "shared", "route", "head"}
+KINDS = ("non-expert", "expert", "load", "cpu_expert")
+
+
+@dataclass(frozen=True)
+class Run:
+    folder: Path
+    metrics: dict
+    spans: list
+    passes: list[dict]
+
+
+def read_run(folder: Path, policy: str) -> Run:
+    try:
+        metrics = json.loads((folder / "metrics.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CmoeError(f"{folder} has no readable metrics.json ({e}): give folders written by "
+                        f"cmoe simulate --out and cmoe execute --out") from None
+    m = next((x for x in metrics if x["policy"] == policy), None)
+    if m is None:
+        raise CmoeError(f"{folder} has no run of policy {policy} (it has {', '.join(x['policy'] for x in metrics)})")
+    pj = folder / f"passes-{policy}.json"
+    if not pj.is_file():
+        raise CmoeError(f"{folder} lacks {pj.name}: rerun with this cmoe, which writes it")
+    return Run(folder, m, read_parquet(folder / f"timeline-{policy}.parquet"), json.loads(pj.read_text()))
+
+
+def check_same_setup(pred: Run, meas: Run) -> None:
+    a, b = pred.metrics, meas.metrics
+    if b.get("trace_id") is None:
+        raise CmoeError(f"{meas.folder} used live routing: execute with --trace (the simulated trace) to validate")
+    for key, what in (("model", "model"), ("policy", "policy"), ("trace_id", "trace"), ("batch", "batch"),
+                      ("experts_fit", "pool layout (expert slots)")):
+        if a.get(key) != b.get(key):
+            hint = (": simulate with the executor's recipe (e.g. --quant w4g128,attention=bf16) or execute "
+                    "with --policy-json from the simulation") if key == "experts_fit" else ""
+            raise CmoeError(f"the runs differ in {what}: predicted {a.get(key)}, measured {b.get(key)}{hint}")
+
+
+def _errors(pred: np.ndarray, meas: np.ndarray) -> dict:
+    ok = meas > 0
+    if not ok.any():
+        return {"n": 0, "mape": float("nan"), "signed": float("nan")}
+    rel = (pred[ok] - meas[ok]) / meas[ok]
+    return {"n": int(ok.sum()), "mape": float(np.abs(rel).mean()), "signed": float(rel.mean()),
+            "pred_mean_us": float(pred[ok].mean()), "meas_mean_us": float(meas[ok].mean())}
+
+
+def _keyed(spans, steps: set[int]) -> dict[str, dict[tuple, float]]:
+    out: dict[str, dict[tuple, float]] = {k: {} for k in KINDS}
+    for s in spans:
+        step, layer, op, expert, dur = s[1], s[2], s[4], s[5], s[7] - s[6]
+        if step not in steps:
+            continue
+        if op in NON_EXPERT:
+            key, kind = (step, layer), "non-expert"
+        elif op in ("expert", "load", "cpu_expert"):
+            key, kind = (step, layer, expert), op
+        else:
+            continue
+        out[kind][key] = out[kind].get(key, 0.0) + dur
+    return out
+
+
+def _layer_times(spans, steps: set[int]) -> dict[tuple[int, int], float]:
+    """(pass, layer) -> compute-stream wall time of that layer, stalls included."""
+    by_step: dict[int, list] = {}
+    for s in spans:
+        if s[1] in steps and s[3] == "compute" and s[2] >= 0:
+            by_step.setdefault(s[1], []).append(s)
+    out = {}
+    for step, ss in by_step.items():
+        t = min(s[6] for s in ss)
+        for layer in sorted({s[2] for s in ss}):
+            end = max(s[7] for s in ss if s[2] == layer)
+            out[(step, layer)] = end - t
+            t = end
+    return out
+
+
+def _components(run: Run, steps: set[int]) -> dict[str, float]:
+    """Mean decode pass split into non-expert compute, expert compute and the rest (us)."""
+    lat = {p["pass"]: p["us"] for p in run.passes if p["pass"] in steps}
+    ne = sum(s[7] - s[6] for s in run.spans if s[1] in steps and s[3] == "compute" and s[4] in NON_EXPERT)
+    ex = sum(s[7] - s[6] for s in run.spans if s[1] in steps and s[4] == "expert")
+    n = max(len(lat), 1)
+    total = sum(lat.values())
+    return {"non-expert compute": ne / n, "expert compute": ex / n, "waits and gaps": (total - ne - ex) / n,
+            "pass": total / n}
+
+
+def validate(pred: Run, meas: Run) -> dict:
+    check_same_setup(pred, meas)
+    dp = {p["pass"]: p for p in pred.passes if p["decode"]}
+    dm = {p["pass"]: p for p in meas.passes if p["decode"]}
+    steps = set(dp) & set(dm)
+    if not steps:
+        raise CmoeError("the runs share no decode pass: execute at least one decode token of the same trace")
+    kp, km = _keyed(pred.spans, steps), _keyed(meas.spans, steps)
+    kinds = {}
+    for k in KINDS:
+        both = sorted(set(kp[k]) & set(km[k]))
+        if both or kp[k] or km[k]:
+            e = _errors(np.array([kp[k][x] for x in both]), np.array([km[k][x] for x in both]))
+            e.update(only_predicted=len(set(kp[k]) - set(km[k])), only_measured=len(set(km[k]) - set(kp[k])))
+            kinds[k] = e
+    lp, lm = _layer_times(pred.spans, steps), _layer_times(meas.spans, steps)
+    layers = {}
+    for layer in sorted({l for _, l in set(lp) & set(lm)}):
+        keys = sorted(k for k in set(lp) & set(lm) if k[1] == layer)
+        layers[layer] = _errors(np.array([lp[k] for k in keys]), np.array([lm[k] for k in keys]))
+    order = sorted(steps)
+    tok = _errors(np.array([dp[s]["us"] for s in order]), np.array([dm[s]["us"] for s in order]))
+    tp = sum(dp[s]["tokens"] for s in order) / sum(dp[s]["us"] for s in order) * 1e6
+    tm = sum(dm[s]["tokens"] for s in order) / sum(dm[s]["us"] for s in order) * 1e6
+    cp, cm = _components(pred, steps), _components(meas, steps)
+    diffs = {k: cp[k] - cm[k] for k in cp if k != "pass"}
+    worst = max(diffs, key=lambda k: abs(diffs[k]))
+    layer_mape = [v["mape"] for v in layers.values() if v["n"]]
+    return {"policy": pred.metrics["policy"], "model": pred.metrics["model"], "trace_id": pred.metrics["trace_id"],
+            "decode_passes": len(order), "tokens_per_s": {"predicted": tp, "measured": tm, "error": (tp - tm) / tm},
+            "per_token": tok, "op_kinds": kinds, "per_layer": layers,
+            "per_layer_mape_mean": float(np.mean(layer_mape)) if layer_mape else float("nan"),
+            "per_layer_mape_max": float(np.max(layer_mape)) if layer_mape else float("nan"),
+            "components_us": {"predicted": cp, "measured": cm, "difference": diffs}, "error_from": worst}
+
+
+def format_validation(v: dict) -> str:
+    t = v["tokens_per_s"]
+    lines = [f"{v['policy']} on {v['model']} (trace {v['trace_id']}), {v['decode_passes']} decode passes compared",
+             f"  end to end: predicted {t['predicted']:.1f} tok/s, measured {t['measured']:.1f} tok/s, "
+             f"error {t['error'] * 100:+.1f}%",
+             f"  per token:  MAPE {v['per_token']['mape'] * 100:.1f}%, signed {v['per_token']['signed'] * 100:+.1f}%",
+             f"  per layer:  MAPE mean {v['per_layer_mape_mean'] * 100:.1f}%, worst {v['per_layer_mape_max'] * 100:.1f}%",
+             f"  {'op kind':<12} {'matched':>8} {'pred us':>9} {'meas us':>9} {'MAPE':>7} {'signed':>8} {'unmatched':>10}"]
+    for k, e in v["op_kinds"].items():
+        if e["n"]:
+            lines.append(f"  {k:<12} {e['n']:8d} {e['pred_mean_us']:9.1f} {e['meas_mean_us']:9.1f} "
+                         f"{e['mape'] * 100:6.1f}% {e['signed'] * 100:+7.1f}% {e['only_predicted'] + e['only_measured']:10d}")
+        else:
+            lines.append(f"  {k:<12} {0:8d} {'-':>9} {'-':>9} {'-':>7} {'-':>8} {e['only_predicted'] + e['only_measured']:10d}")
+    c = v["components_us"]
+    parts = ", ".join(f"{k} {c['predicted'][k] / 1e3:.2f} vs {c['measured'][k] / 1e3:.2f} ms"
+                      for k in c["difference"])
+    lines.append(f"  mean decode pass, predicted vs measured: {parts}")
+    lines.append(f"  the error comes mostly from {v['error_from']} "
+                 f"({c['difference'][v['error_from']] / 1e3:+.2f} ms per pass)")
+    return "\n".join(lines)
+
+
+def validate_folders(predicted: Path, measured: Path, policies: list[str] | None = None) -> list[dict]:
+    if not (measured / "metrics.json").is_file():
+        raise CmoeError(f"{measured} has no metrics.json: give the folder written by cmoe execute --out")
+    names = policies or [m["policy"] for m in json.loads((measured / "metrics.json").read_text())]
+    return [validate(read_run(predicted, p), read_run(measured, p)) for p in names]
