@@ -5,8 +5,8 @@ Transfer time of a copy is its size over the effective bandwidth at that size, i
 log-size between measured points (small copies are far slower: 5.3 GB/s at 64 KiB against 55 at
 64 MiB on the H200). Expert FFN time is a launch cost per matrix, plus the expert's bytes over the
 kernel's effective bandwidth for its weight format, plus the matmul work of the extra tokens.
-Every figure of a built-in profile names its source in `sources`. `cmoe calibrate` (coming) will
-measure a profile on the GPU at hand.
+Every figure of a built-in profile names its source in `sources`. `cmoe calibrate` measures a
+profile on the machine at hand (`cmoe/executor/measure.py`, fitted by `cmoe/profile_fit.py`).
 """
 
 from __future__ import annotations

@@ -238,5 +238,66 @@ def validate(
         typer.echo("no report here (plotly is not installed): run cmoe report PREDICTED MEASURED where it is")
 
 
+@app.command()
+@one_line_errors
+def calibrate(
+    *,
+    device: Annotated[str, typer.Option(help="cuda (default), cuda:N or cpu (a CPU profile, for tests and CPU runs).")] = "cuda",
+    spec: Annotated[str, typer.Option(help="Model shapes to measure experts and layers with (a preset).")] = "mixtral-8x7b",
+    model: Annotated[Optional[Path], typer.Option(help="Or a local checkpoint: its shapes and its own layers.")] = None,
+    quant: Annotated[str, typer.Option(help="Expert format the executor will run: w4g128, bf16, fp32, ...")] = "w4g128",
+    layers: Annotated[int, typer.Option(help="Decoder layers of the preset to build for the per-layer measurement.")] = 4,
+    name: Annotated[Optional[str], typer.Option(help="Profile name [default: the device's name].")] = None,
+    out: Annotated[Path, typer.Option(help="Profile JSON to write (use it with --profile).")] = Path("profile.json"),
+) -> None:
+    """Measure this machine for the simulator: copies, bandwidths, expert and layer times, CPU experts; write a profile."""
+    import time as _time
+
+    from cmoe.executor.measure import measure
+    from cmoe.executor.run import resolve_device
+    from cmoe.hw import H200
+    from cmoe.profile_fit import beside, fit_profile, with_expert_classes
+    from cmoe.spec import from_checkpoint, preset
+    from cmoe.util import write_text_atomic
+    dev = resolve_device(device)
+    shapes = from_checkpoint(model) if model else preset(spec)
+    m = measure(dev, shapes, quant, layers, model)
+    if dev.type == "cuda":
+        import torch
+        label, mem = torch.cuda.get_device_name(dev), torch.cuda.get_device_properties(dev).total_memory
+    else:
+        import os
+        label, mem = "cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    prof = with_expert_classes(fit_profile(name or label.lower().replace(" ", "-"), m, mem, label,
+                                           _time.strftime("%Y-%m-%d")), H200)
+    typer.echo(beside(prof, m))
+    write_text_atomic(out, json.dumps(prof.to_dict(), indent=1))
+    typer.echo(f"wrote {out}: use it with cmoe simulate --profile {out}")
+
+
+@app.command(name="run")
+@one_line_errors
+def run_cmd(
+    *,
+    spec: Annotated[Optional[str], typer.Option(help="Random weights at this preset's shapes (with --trace, or its synthetic trace).")] = None,
+    model: Annotated[Optional[Path], typer.Option(help="Or a local checkpoint (needs --trace).")] = None,
+    trace: Annotated[Optional[str], typer.Option(help="Trace to replay in both engines (with --spec and no trace: synthetic:SPEC).")] = None,
+    policy: Annotated[str, typer.Option(help="Comma-separated policies, or 'all'.")] = "commit",
+    pool_gb: Annotated[float, typer.Option(help="GPU memory for the model in GB.")] = 20.0,
+    batch: Annotated[int, typer.Option(help="Requests decoded together.")] = 1,
+    tokens: Annotated[int, typer.Option(help="Decode steps executed.")] = 64,
+    quant: Annotated[Optional[str], typer.Option(help="Expert format (default w4g128).")] = None,
+    device: Annotated[str, typer.Option(help="cuda (default) or cpu.")] = "cuda",
+    profile: Annotated[Optional[str], typer.Option(help="Use this profile instead of calibrating first.")] = None,
+    out: Annotated[Path, typer.Option(help="Folder for profile, predicted/, measured/, validation.json, report.html.")] = Path("cmoe-run"),
+) -> None:
+    """Calibrate, simulate, execute and validate one configuration in one go."""
+    from cmoe.pipeline import run_all
+    from cmoe.policy.policies import POLICIES
+    names = POLICIES if policy == "all" else tuple(p.strip() for p in policy.split(",") if p.strip())
+    run_all(out, spec_name=spec, model_dir=model, trace_src=trace, policies=tuple(names), pool_gb=pool_gb,
+            batch=batch, tokens=tokens, quant=quant, device=device, profile=profile, echo=typer.echo)
+
+
 if __name__ == "__main__":
     app()

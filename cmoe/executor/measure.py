@@ -1,0 +1,165 @@
+"""What `cmoe calibrate` measures, on the device at hand (CUDA, or the CPU for a CPU profile):
+copies across sizes, device memory bandwidth, a large matmul, launch cost, one expert's FFN
+against tokens, the host CPU running the same expert, the hidden-state round trip, the slowdown
+a side-stream copy causes, and the executor's own non-expert time per decoder layer at batch 1
+and 8 (a short `upper` run of the model, cut to its first layers). Returns the dictionary
+`cmoe.profile_fit.fit_profile` reads; every time is the best of several repeats.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from cmoe.executor.kernels import ExpertViews, ffn
+from cmoe.executor.layout import expert_layout, slot_size
+from cmoe.executor.store import _random_expert
+from cmoe.spec import ModelSpec
+
+
+def _timer(device: torch.device):
+    cuda = device.type == "cuda"
+
+    def best(fn, repeats: int = 5, inner: int = 1) -> float:
+        fn()
+        out = []
+        for _ in range(repeats):
+            if cuda:
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize(device)
+                s.record()
+                for _ in range(inner):
+                    fn()
+                e.record()
+                e.synchronize()
+                out.append(s.elapsed_time(e) / 1e3 / inner)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(inner):
+                    fn()
+                out.append((time.perf_counter() - t0) / inner)
+        return min(out)
+    return best
+
+
+def copies(device: torch.device, sizes: list[int]) -> dict:
+    best = _timer(device)
+    cuda = device.type == "cuda"
+    big = max(sizes)
+    host = torch.empty(big, dtype=torch.uint8, pin_memory=cuda).random_()
+    dev = torch.empty(big, dtype=torch.uint8, device=device)
+    h2d, d2h = [], []
+    for n in sizes:
+        h2d.append((n, best(lambda: dev[:n].copy_(host[:n], non_blocking=True))))
+        d2h.append((n, best(lambda: host[:n].copy_(dev[:n], non_blocking=True))))
+    page = torch.empty(big, dtype=torch.uint8).random_()
+    pageable = (big, best(lambda: dev.copy_(page)))
+    d2 = torch.empty_like(dev)
+    hbm = (2 * big, best(lambda: d2.copy_(dev)))
+    return {"h2d": h2d, "d2h": d2h, "h2d_pageable": pageable, "hbm": hbm}
+
+
+def compute(device: torch.device) -> dict:
+    best = _timer(device)
+    cuda = device.type == "cuda"
+    n = 4096 if cuda else 768
+    dt = torch.bfloat16 if cuda else torch.float32
+    a = torch.randn(n, n, device=device).to(dt)
+    b = torch.randn(n, n, device=device).to(dt)
+    mm = best(lambda: a @ b)
+    one = torch.zeros(1, device=device)
+    t0 = time.perf_counter()
+    for _ in range(200):
+        one.add_(1)
+    launch = (time.perf_counter() - t0) / 200
+    if cuda:
+        torch.cuda.synchronize(device)
+    slow = 0.0
+    if cuda:                                    # a matmul while a side stream copies
+        host = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty_like(host, device=device)
+        side = torch.cuda.Stream(device)
+        with torch.cuda.stream(side):
+            for _ in range(8):
+                dev.copy_(host, non_blocking=True)
+        busy = best(lambda: a @ b, repeats=3)
+        torch.cuda.synchronize(device)
+        slow = busy / mm - 1
+    return {"matmul": (2 * n**3, mm), "launch": launch, "copy_slowdown": slow}
+
+
+def expert(device: torch.device, spec: ModelSpec, fmt: str, tokens=(1, 2, 4, 8, 16, 32, 64)) -> dict:
+    best = _timer(device)
+    lay = expert_layout(fmt, spec.hidden, spec.expert_ffn)
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    buf = torch.zeros(slot_size(lay), dtype=torch.uint8, device=device)
+    _random_expert(lay, 1, device, device.type, buf)
+    v = ExpertViews(lay, buf, device.type)
+    pts = []
+    for t in tokens:
+        x = torch.randn(t, spec.hidden, device=device).to(dt)
+        pts.append((t, best(lambda: ffn(x, v), inner=5)))
+    cbuf = torch.zeros(slot_size(lay), dtype=torch.uint8)
+    _random_expert(lay, 1, torch.device("cpu"), "cpu", cbuf)
+    cv = ExpertViews(lay, cbuf, "cpu")
+    cbest = _timer(torch.device("cpu"))
+    cpts = [(t, cbest(lambda: ffn(torch.randn(t, spec.hidden).to(dt), cv), repeats=3)) for t in (1, 8)]
+    h = torch.randn(8, spec.hidden, device=device).to(dt)
+
+    def roundtrip():
+        back = h.to("cpu").to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return back
+    bits = 4 if lay.group else (16 if fmt == "bf16" else 32)
+    return {"expert": {"bytes": lay.nbytes, "params": 3 * spec.hidden * spec.expert_ffn, "bits": bits, "points": pts},
+            "cpu_expert": {"bytes": lay.nbytes, "points": cpts}, "roundtrip": best(roundtrip)}
+
+
+def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, model_dir=None, tokens: int = 12) -> dict:
+    """Non-expert time per decoder layer and pass at batch 1 and 8, from the executor's timeline
+    of a short `upper` run (model cut to its first layers; same per-layer shapes)."""
+    from cmoe.executor.run import ExecConfig, Workload, budget_recipe, build, run_policy
+    from cmoe.quant import non_expert_bytes
+    from cmoe.trace.synthetic import SyntheticParams, generate
+    if model_dir is None:
+        keep = tuple(d for d in spec.moe_layers if d < num_layers)
+        spec = replace(spec, num_layers=num_layers, moe_layers=keep)
+    rec = budget_recipe(fmt)
+    pts = []
+    w = None
+    for batch in (1, 8):
+        tr = generate(spec, rec, SyntheticParams(requests=batch, prompt_len=16, decode_len=tokens + 4, seed=batch))
+        nw = Workload(spec=spec, device=device, fmt=fmt, trace=tr, model_dir=model_dir)
+        if w is not None:
+            nw.store, nw.model, nw.shims = w.store, w.model, w.shims
+        w = nw
+        cfg = ExecConfig(policies=("upper",), pool_gb=1e3, batch=batch, tokens=tokens, device=device.type)
+        if w.store is None:
+            build(w, cfg)
+        run_policy(w, cfg, "upper")                               # warm-up over the same lengths
+        r = run_policy(w, cfg, "upper")
+        dec = {p for p, d, _, _ in r.log.pass_us if d}
+        ne = sum(s[7] - s[6] for s in r.log.spans if s[1] in dec and s[4] in ("attention", "route", "head"))
+        pts.append((batch, ne / len(dec) / spec.num_layers / 1e6))
+    ne_bytes = non_expert_bytes(spec, rec)
+    per_layer = (ne_bytes["attention"] + ne_bytes["norms"]) // spec.num_layers
+    return {"layer": {"resident_bytes": int(per_layer), "points": pts}}
+
+
+def measure(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4, model_dir=None,
+            progress: bool = True) -> dict:
+    from tqdm import tqdm
+    cuda = device.type == "cuda"
+    sizes = [2**k for k in range(16, 29, 2)] if cuda else [2**k for k in range(16, 25, 2)]
+    steps = [("copies", lambda: copies(device, sizes)), ("compute", lambda: compute(device)),
+             ("expert", lambda: expert(device, spec, fmt)),
+             ("layers", lambda: layers(device, spec, fmt, num_layers, model_dir))]
+    out: dict = {}
+    for name, fn in tqdm(steps, desc="calibrate", disable=not progress):
+        out.update(fn())
+    out["sizes"] = np.array(sizes).tolist()
+    return out

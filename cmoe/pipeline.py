@@ -1,0 +1,74 @@
+"""`cmoe run`: calibrate (or take a profile), simulate, execute and validate one configuration, so
+a user with a GPU sees predicted and measured side by side from one command.
+
+This is orchestration, beside the CLI on the top floor: the one module that calls both engines.
+The simulation is made to describe exactly what the executor runs: the same trace object, the
+executor's expert format and bf16 non-expert weights for the memory budget (so both cut the pool
+into the same slots), the same batch and pool.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from cmoe.util import write_text_atomic
+
+
+def run_all(out: Path, *, spec_name: str | None, model_dir: Path | None, trace_src: str | None, policies: tuple[str, ...],
+            pool_gb: float, batch: int, tokens: int, quant: str | None, device: str, profile: str | None,
+            layers: int = 4, echo=print) -> list[dict]:
+    from cmoe.executor.run import ExecConfig, budget_recipe, execute, prepare
+    from cmoe.executor.run import table as exec_table
+    from cmoe.executor.run import write_outputs as write_exec
+    from cmoe.hw import H200, load_profile
+    from cmoe.quant import expert_bytes
+    from cmoe.report.build import build_report
+    from cmoe.sim.api import table as sim_table
+    from cmoe.sim.api import write_outputs as write_sim
+    from cmoe.sim.run import SimConfig, simulate
+    from cmoe.validate import format_validation, validate_folders
+    cfg = ExecConfig(policies=policies, pool_gb=pool_gb, batch=batch, tokens=tokens, device=device, quant=quant,
+                     progress=True)
+    w, cfg = prepare(spec_name=spec_name, model_dir=model_dir, trace_src=trace_src or
+                     (f"synthetic:{spec_name}" if spec_name else None), data=None, cfg=cfg)
+    if w.trace is None:
+        from cmoe.errors import CmoeError
+        raise CmoeError("cmoe run needs a trace to replay (--trace), so that both engines see the same routing")
+    out.mkdir(parents=True, exist_ok=True)
+    if profile is None:                                   # calibrate once, on this machine
+        from cmoe.executor.measure import measure
+        from cmoe.profile_fit import beside, fit_profile, with_expert_classes
+        m = measure(w.device, w.spec, w.fmt, layers, model_dir)
+        prof = with_expert_classes(fit_profile(f"calibrated-{w.device.type}", m, _device_memory(w.device), str(w.device),
+                                               time.strftime("%Y-%m-%d")), H200)
+        echo(beside(prof, m))
+        write_text_atomic(out / "profile.json", json.dumps(prof.to_dict(), indent=1))
+        echo(f"wrote {out / 'profile.json'}")
+    else:
+        prof = load_profile(profile)
+    rec = budget_recipe(w.fmt)
+    t = replace(w.trace, recipe=rec, expert_bytes=expert_bytes(w.spec, rec))
+    sims = [simulate(t, prof, SimConfig(policy=p, pool_gb=cfg.pool_gb, batch=cfg.batch)) for p in cfg.policies]
+    write_sim(out / "predicted", t, prof, sims)
+    echo("predicted:\n" + sim_table(sims))
+    results = execute(w, cfg)
+    write_exec(out / "measured", results)
+    echo("measured:\n" + exec_table(results))
+    vals = validate_folders(out / "predicted", out / "measured", list(cfg.policies))
+    for v in vals:
+        echo(format_validation(v))
+    write_text_atomic(out / "validation.json", json.dumps(vals, indent=1))
+    echo(f"report: {build_report([out / 'predicted', out / 'measured'], out / 'report.html')}")
+    return vals
+
+
+def _device_memory(device) -> int:
+    import os
+
+    import torch
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,111 @@
+"""Turn `cmoe calibrate`'s measurements into a HardwareProfile, and show each fitted model beside
+the points it was fitted to. Pure arithmetic (numpy), no torch: the tests feed it synthetic
+measurements made from known parameters and check that it gives them back.
+
+Measurements (all times in seconds):
+- `h2d`, `d2h`: [(bytes, seconds)] for pinned copies of several sizes -> bandwidth curves;
+  `h2d_pageable`: (bytes, seconds);
+- `hbm`: (bytes read + written, seconds) of a device-to-device copy;
+- `matmul`: (flops, seconds) of a large product;
+- `launch`: seconds per launch of a trivial kernel, host side;
+- `expert`: {"bytes", "params", "bits", "points": [(tokens, seconds)]}: one expert's FFN ->
+  t = 3 launch + bytes / bw + 2 params (tokens - 1) / rate, fitted as a line in tokens;
+- `layer`: {"resident_bytes", "points": [(tokens, seconds)]}: non-expert time of one decoder
+  layer per pass (the executor's attention + route spans, the LM head spread over the layers),
+  fitted as a line; the profile's weight-read term is taken out of the intercept;
+- `cpu_expert`: {"bytes", "points": [(tokens, seconds)]}: one expert on the host's CPU;
+- `roundtrip`: seconds to take a pass's hidden states to the host and back, synchronised;
+- `copy_slowdown`: fractional slowdown of a matmul while a side-stream copy runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+
+from cmoe.hw import GB, HardwareProfile
+
+Points = list[tuple[float, float]]
+
+
+def fit_line(points: Points) -> tuple[float, float]:
+    """Least-squares intercept and slope of y = a + b x."""
+    x = np.array([p[0] for p in points], dtype=float)
+    y = np.array([p[1] for p in points], dtype=float)
+    if len(points) == 1 or np.ptp(x) == 0:
+        return float(y.mean()), 0.0
+    b, a = np.polyfit(x, y, 1)
+    return float(a), float(b)
+
+
+def best_per_size(points: Points) -> list[tuple[int, float]]:
+    """The fastest of the repeats at each size, ascending by size."""
+    best: dict[int, float] = {}
+    for b, s in points:
+        best[int(b)] = min(best.get(int(b), math.inf), s)
+    return sorted(best.items())
+
+
+def curve(points: Points) -> tuple[tuple[int, float], ...]:
+    """(bytes, seconds) copies -> ascending (bytes, GB/s) points."""
+    return tuple((b, b / s / GB) for b, s in best_per_size(points))
+
+
+def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) -> HardwareProfile:
+    launch_us = m["launch"] * 1e6
+    ex = m["expert"]
+    a, b = fit_line([(t - 1, s) for t, s in ex["points"]])         # seconds at one token; per extra token
+    expert_bw = ex["bytes"] / max(a - 3 * m["launch"], 1e-9) / GB
+    rate = 2 * ex["params"] / b / 1e12 if b > 0 else m["matmul"][0] / m["matmul"][1] / 1e12
+    hbm = m["hbm"][0] / m["hbm"][1] / GB
+    la, lb = fit_line([(t - 1, s) for t, s in m["layer"]["points"]])
+    la -= m["layer"].get("resident_bytes", 0) / (hbm * GB)          # the profile adds weight reads itself
+    cpu = m["cpu_expert"]
+    ca, _ = fit_line([(t - 1, s) for t, s in cpu["points"]])
+    key = "int4" if ex["bits"] <= 4 else "int8" if ex["bits"] <= 8 else "bf16"
+    src = f"measured by cmoe calibrate on {device}, {date}"
+    return HardwareProfile(
+        name=name, gpu_mem_bytes=gpu_mem_bytes, h2d_pinned=curve(m["h2d"]), d2h_pinned=curve(m["d2h"]),
+        h2d_pageable_gbps=m["h2d_pageable"][0] / m["h2d_pageable"][1] / GB, copy_engines=1,
+        hbm_gbps=hbm, matmul_tflops=rate,
+        expert_gbps=((key, expert_bw),), launch_us=launch_us, layer_fixed_us=max(la, 0.0) * 1e6,
+        attn_us_per_token=max(lb, 0.0) * 1e6, cpu_expert_gbps=cpu["bytes"] / max(ca, 1e-9) / GB,
+        roundtrip_us=m["roundtrip"] * 1e6, copy_compute_slowdown=max(m.get("copy_slowdown", 0.0), 0.0),
+        sources={k: src for k in ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "hbm_gbps", "expert_gbps",
+                                  "launch_us", "layer_fixed_us", "attn_us_per_token", "cpu_expert_gbps",
+                                  "roundtrip_us", "copy_compute_slowdown")}
+        | {"matmul_tflops": src + " (slope of expert time over tokens: the rate extra tokens cost)",
+           "copy_engines": "one copy stream, as the executor uses"})
+
+
+def with_expert_classes(p: HardwareProfile, base: HardwareProfile) -> HardwareProfile:
+    """Keep the base profile's speeds for weight widths that were not measured."""
+    have = dict(p.expert_gbps)
+    merged = tuple((k, have.get(k, v)) for k, v in base.expert_gbps)
+    return replace(p, expert_gbps=merged)
+
+
+def beside(p: HardwareProfile, m: dict) -> str:
+    """Each measurement next to what the fitted profile predicts for it."""
+    rows = [f"{'what':<28} {'measured':>12} {'fitted':>12}"]
+    for kind, pts, fn in (("H2D pinned", m["h2d"], p.h2d_us), ("D2H pinned", m["d2h"], p.d2h_us)):
+        for b, s in best_per_size(pts):
+            rows.append(f"{kind + ' ' + _size(b):<28} {s * 1e6:10.1f}us {fn(b):10.1f}us")
+    ex = m["expert"]
+    for t, s in ex["points"]:
+        rows.append(f"{'expert, ' + str(t) + ' tokens':<28} {s * 1e6:10.1f}us "
+                    f"{p.expert_us(ex['bytes'], ex['bits'], t, ex['params']):10.1f}us")
+    rb = m["layer"].get("resident_bytes", 0)
+    for t, s in m["layer"]["points"]:
+        rows.append(f"{'layer (non-expert), ' + str(t) + ' tok':<28} {s * 1e6:10.1f}us {p.layer_us(t, rb):10.1f}us")
+    cpu = m["cpu_expert"]
+    for t, s in cpu["points"]:
+        rows.append(f"{'CPU expert, ' + str(t) + ' tokens':<28} {s * 1e6:10.1f}us {p.cpu_expert_us(cpu['bytes'], t):10.1f}us")
+    rows.append(f"{'round trip':<28} {m['roundtrip'] * 1e6:10.1f}us {p.roundtrip_us:10.1f}us")
+    return "\n".join(rows)
+
+
+def _size(b: int) -> str:
+    return f"{b / 2**20:g} MiB" if b >= 2**20 else f"{b / 2**10:g} KiB"

@@ -1,0 +1,86 @@
+"""cmoe calibrate: the fitting recovers known parameters from synthetic measurements, and a real
+CPU calibration writes a profile the simulator accepts."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from cmoe.hw import GB, H200, load_profile
+from cmoe.profile_fit import beside, fit_line, fit_profile
+
+
+def test_fit_line_exact():
+    assert fit_line([(0, 1.0), (1, 3.0), (3, 7.0)]) == pytest.approx((1.0, 2.0))
+    assert fit_line([(5, 2.0)]) == (2.0, 0.0)
+
+
+def _synthetic(p, expert_bytes=93_585_408, params=3 * 4096 * 14336, resident=100_000_000):
+    """What an ideal machine described by profile p would measure."""
+    sizes = [b for b, _ in p.h2d_pinned]
+    return {
+        "h2d": [(b, p.h2d_us(b) / 1e6) for b in sizes] + [(b, 2 * p.h2d_us(b) / 1e6) for b in sizes],  # a slow repeat
+        "d2h": [(b, p.d2h_us(b) / 1e6) for b in sizes],
+        "h2d_pageable": (2**26, 2**26 / (p.h2d_pageable_gbps * GB)), "hbm": (2**31, 2**31 / (p.hbm_gbps * GB)),
+        "matmul": (2 * 4096**3, 2 * 4096**3 / (p.matmul_tflops * 1e12)), "launch": p.launch_us / 1e6,
+        "copy_slowdown": p.copy_compute_slowdown,
+        "expert": {"bytes": expert_bytes, "params": params, "bits": 4,
+                   "points": [(t, p.expert_us(expert_bytes, 4, t, params) / 1e6) for t in (1, 2, 8, 64)]},
+        "layer": {"resident_bytes": resident, "points": [(t, p.layer_us(t, resident) / 1e6) for t in (1, 8)]},
+        "cpu_expert": {"bytes": expert_bytes, "points": [(1, p.cpu_expert_us(expert_bytes, 1) / 1e6)]},
+        "roundtrip": p.roundtrip_us / 1e6,
+    }
+
+
+def test_fitting_recovers_the_parameters_it_was_made_from():
+    known = replace(H200, layer_fixed_us=1234.0, attn_us_per_token=7.5, cpu_expert_gbps=42.0, launch_us=6.0,
+                    expert_gbps=(("int4", 1500.0),), matmul_tflops=300.0, roundtrip_us=80.0, hbm_gbps=4200.0)
+    got = fit_profile("fit", _synthetic(known), known.gpu_mem_bytes, "test", "2026-11-29")
+    for (b0, g0), (b1, g1) in zip(known.h2d_pinned, got.h2d_pinned):
+        assert b0 == b1 and g1 == pytest.approx(g0)                    # the fast repeat wins
+    for f in ("hbm_gbps", "matmul_tflops", "launch_us", "layer_fixed_us", "attn_us_per_token", "cpu_expert_gbps",
+              "roundtrip_us", "h2d_pageable_gbps", "copy_compute_slowdown"):
+        assert getattr(got, f) == pytest.approx(getattr(known, f), rel=1e-6), f
+    assert dict(got.expert_gbps)["int4"] == pytest.approx(1500.0, rel=1e-6)
+    assert "measured by cmoe calibrate on test, 2026-11-29" in got.sources["layer_fixed_us"]
+    table = beside(got, _synthetic(known))
+    assert "layer (non-expert), 8 tok" in table
+
+
+def test_cpu_calibration_gives_a_profile_the_simulator_runs(checkpoints, tiny_trace, tmp_path):
+    from typer.testing import CliRunner
+
+    from cmoe.cli.app import app
+    out = tmp_path / "cpu.json"
+    r = CliRunner().invoke(app, ["calibrate", "--device", "cpu", "--model", str(checkpoints["mixtral"]),
+                                 "--quant", "fp32", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "measured" in r.output and "fitted" in r.output
+    prof = load_profile(str(out))
+    assert prof.name == "cpu" and prof.layer_fixed_us > 0 and dict(prof.expert_gbps)["bf16"] > 0
+    assert json.loads(out.read_text())["sources"]["hbm_gbps"].startswith("measured by cmoe calibrate on cpu")
+    r = CliRunner().invoke(app, ["simulate", "--trace", str(tiny_trace), "--profile", str(out), "--pool-gb", "0.2686",
+                                 "--policies", "upper,commit"])
+    assert r.exit_code == 0, r.output
+
+
+def test_cmoe_run_calibrates_simulates_executes_and_validates(checkpoints, tiny_trace, tmp_path):
+    from typer.testing import CliRunner
+
+    from cmoe.cli.app import app
+    out = tmp_path / "run"
+    r = CliRunner().invoke(app, ["run", "--model", str(checkpoints["mixtral"]), "--trace", str(tiny_trace),
+                                 "--device", "cpu", "--quant", "fp32", "--policy", "ondemand,commit",
+                                 "--pool-gb", "0.2686", "--tokens", "4", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    for f in ("profile.json", "predicted/metrics.json", "measured/metrics.json", "validation.json", "report.html"):
+        assert (out / f).is_file(), f
+    vals = json.loads((out / "validation.json").read_text())
+    assert [v["policy"] for v in vals] == ["ondemand", "commit"]
+    pred = json.loads((out / "predicted" / "metrics.json").read_text())
+    meas = json.loads((out / "measured" / "metrics.json").read_text())
+    assert [m["experts_fit"] for m in pred] == [m["experts_fit"] for m in meas]     # one pool layout
+    assert all(v["decode_passes"] == 4 for v in vals)
+    assert "the error comes mostly from" in r.output
