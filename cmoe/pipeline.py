@@ -19,7 +19,7 @@ from cmoe.util import write_text_atomic
 
 def run_all(out: Path, *, spec_name: str | None, model_dir: Path | None, trace_src: str | None, policies: tuple[str, ...],
             pool_gb: float, batch: int, tokens: int, quant: str | None, device: str, profile: str | None,
-            layers: int = 4, echo=print) -> list[dict]:
+            slots: int | None = None, layers: int = 4, echo=print) -> list[dict]:
     from cmoe.executor.run import ExecConfig, budget_recipe, execute, prepare
     from cmoe.executor.run import table as exec_table
     from cmoe.executor.run import write_outputs as write_exec
@@ -30,8 +30,14 @@ def run_all(out: Path, *, spec_name: str | None, model_dir: Path | None, trace_s
     from cmoe.sim.api import write_outputs as write_sim
     from cmoe.sim.run import SimConfig, simulate
     from cmoe.validate import format_validation, validate_folders
+    if spec_name is None and model_dir is None:          # the embedded trained model and its trace
+        from cmoe.data import default_model
+        model_dir, trace_src = default_model(), trace_src or "embedded"
+        if slots is None:
+            slots = 4
+            echo("the embedded model (8 experts per layer) with 4 expert slots per layer (--slots to change)")
     cfg = ExecConfig(policies=policies, pool_gb=pool_gb, batch=batch, tokens=tokens, device=device, quant=quant,
-                     progress=True)
+                     slots=slots, progress=True)
     w, cfg = prepare(spec_name=spec_name, model_dir=model_dir, trace_src=trace_src or
                      (f"synthetic:{spec_name}" if spec_name else None), data=None, cfg=cfg)
     if w.trace is None:
@@ -51,7 +57,8 @@ def run_all(out: Path, *, spec_name: str | None, model_dir: Path | None, trace_s
         prof = load_profile(profile)
     rec = budget_recipe(w.fmt)
     t = replace(w.trace, recipe=rec, expert_bytes=expert_bytes(w.spec, rec))
-    sims = [simulate(t, prof, SimConfig(policy=p, pool_gb=cfg.pool_gb, batch=cfg.batch)) for p in cfg.policies]
+    sims = [simulate(t, prof, SimConfig(policy=p, pool_gb=cfg.pool_gb, batch=cfg.batch, slots=cfg.slots))
+            for p in cfg.policies]
     write_sim(out / "predicted", t, prof, sims)
     echo("predicted:\n" + sim_table(sims))
     results = execute(w, cfg)

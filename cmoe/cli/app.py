@@ -31,8 +31,8 @@ def main(version: Annotated[Optional[bool], typer.Option("--version", callback=_
 @one_line_errors
 def trace(
     *,
-    model: Annotated[Optional[Path], typer.Option(help="Local Hugging Face checkpoint folder (safetensors).")] = None,
-    data: Annotated[Optional[Path], typer.Option(help="Prompts: a .txt file (one per line) or .jsonl (prompt/text field).")] = None,
+    model: Annotated[Optional[Path], typer.Option(help="Local Hugging Face checkpoint folder, safetensors (neither this nor --synthetic: the embedded trained model).")] = None,
+    data: Annotated[Optional[Path], typer.Option(help="Prompts: a .txt file (one per line) or .jsonl (prompt/text field); the embedded model has its own.")] = None,
     synthetic: Annotated[Optional[str], typer.Option(help="Generate a calibrated synthetic trace for this preset instead (e.g. mixtral-8x7b).")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Bundle folder to write [default: trace-<name>].")] = None,
     quant: Annotated[str, typer.Option(help="Recipe for expert sizes: bf16, w4a16, w8a16, mixed, gptq-w4, a format like w4g128+w8g128:0.25, or 'checkpoint' (sizes as stored).")] = "w4a16",
@@ -57,7 +57,7 @@ def trace(
     rep = ((0.0, repetition), (1.0, repetition)) if repetition is not None else MIXTRAL_REPETITION
     params = SyntheticParams(requests=requests, prompt_len=prompt_len, decode_len=decode_len, skew=skew,
                              repetition=rep, pred_acc=pred_acc, seed=seed)
-    name = synthetic or (model.name if model else "none")
+    name = synthetic or (model.name if model else "tiny-moe")
     out = out or Path(f"trace-{name}")
     path = run_trace(out, model=model, data=data, synthetic=synthetic, quant=quant, params=params,
                      overwrite=force, parquet=parquet, max_new_tokens=max_new_tokens,
@@ -69,16 +69,16 @@ def trace(
 @app.command()
 @one_line_errors
 def stats(
-    bundle_dir: Annotated[Path, typer.Argument(metavar="TRACE", help="A trace bundle folder.")],
+    bundle_dir: Annotated[str, typer.Argument(metavar="TRACE", help="A trace bundle folder, or 'embedded'.")],
     *,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the statistics as JSON here.")] = None,
 ) -> None:
     """Statistics of a trace: load, entropy, repetition, reuse, prediction accuracy, bytes per token."""
     from dataclasses import asdict
 
-    from cmoe.trace import bundle
+    from cmoe.trace.load import load_trace
     from cmoe.trace.stats import format_table, layer_stats, summary
-    t = bundle.read(bundle_dir)
+    t = load_trace(bundle_dir)
     typer.echo(format_table(t))
     if json_out:
         from cmoe.util import write_text_atomic
@@ -92,11 +92,12 @@ def stats(
 def simulate(
     *,
     pool_gb: Annotated[float, typer.Option(help="GPU memory for the model in GB: resident weights, KV cache and the expert pool.")] = 20.0,
-    trace: Annotated[str, typer.Option(help="A trace bundle folder, or synthetic:PRESET.")] = "synthetic:mixtral-8x7b",
+    trace: Annotated[str, typer.Option(help="A trace bundle folder, 'embedded' (the shipped trained model's trace), or synthetic:PRESET.")] = "synthetic:mixtral-8x7b",
     profile: Annotated[str, typer.Option(help="Hardware profile: h200, rtx4090 or a profile JSON file.")] = "h200",
     policies: Annotated[Optional[str], typer.Option(help="Comma-separated policies [default: all six].")] = None,
     batch: Annotated[int, typer.Option(help="Requests decoded together.")] = 1,
     quant: Annotated[Optional[str], typer.Option(help="Recompute expert sizes under this recipe (e.g. w4a16, mixed).")] = None,
+    slots: Annotated[Optional[int], typer.Option(help="Pin the expert slots per block instead of deriving them from --pool-gb.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Folder for metrics.json, timelines (Parquet, Chrome trace) and policy JSON files.")] = None,
 ) -> None:
     """Replay a trace through the SimPy model under each policy; print a row per policy."""
@@ -106,7 +107,7 @@ def simulate(
     names = parse_policies(policies)
     prof = load_profile(profile)
     t = load_trace(trace, quant, batch)
-    results = run_policies(t, prof, names, pool_gb, batch)
+    results = run_policies(t, prof, names, pool_gb, batch, slots)
     typer.echo(f"{t.spec.name} ({t.recipe.name}), {prof.name}, pool {pool_gb:g} GB, batch {batch}, "
                f"{results[0].metrics['decode_tokens']} decode tokens")
     typer.echo(table(results))
@@ -280,7 +281,7 @@ def calibrate(
 def run_cmd(
     *,
     spec: Annotated[Optional[str], typer.Option(help="Random weights at this preset's shapes (with --trace, or its synthetic trace).")] = None,
-    model: Annotated[Optional[Path], typer.Option(help="Or a local checkpoint (needs --trace).")] = None,
+    model: Annotated[Optional[Path], typer.Option(help="Or a local checkpoint, needs --trace (neither: the embedded trained model and its trace).")] = None,
     trace: Annotated[Optional[str], typer.Option(help="Trace to replay in both engines (with --spec and no trace: synthetic:SPEC).")] = None,
     policy: Annotated[str, typer.Option(help="Comma-separated policies, or 'all'.")] = "commit",
     pool_gb: Annotated[float, typer.Option(help="GPU memory for the model in GB.")] = 20.0,
@@ -289,6 +290,7 @@ def run_cmd(
     quant: Annotated[Optional[str], typer.Option(help="Expert format (default w4g128).")] = None,
     device: Annotated[str, typer.Option(help="cuda (default) or cpu.")] = "cuda",
     profile: Annotated[Optional[str], typer.Option(help="Use this profile instead of calibrating first.")] = None,
+    slots: Annotated[Optional[int], typer.Option(help="Pin the expert slots per block (default for the embedded model: 4 of 8).")] = None,
     out: Annotated[Path, typer.Option(help="Folder for profile, predicted/, measured/, validation.json, report.html.")] = Path("cmoe-run"),
 ) -> None:
     """Calibrate, simulate, execute and validate one configuration in one go."""
@@ -296,7 +298,43 @@ def run_cmd(
     from cmoe.policy.policies import POLICIES
     names = POLICIES if policy == "all" else tuple(p.strip() for p in policy.split(",") if p.strip())
     run_all(out, spec_name=spec, model_dir=model, trace_src=trace, policies=tuple(names), pool_gb=pool_gb,
-            batch=batch, tokens=tokens, quant=quant, device=device, profile=profile, echo=typer.echo)
+            batch=batch, tokens=tokens, quant=quant, device=device, profile=profile, slots=slots, echo=typer.echo)
+
+
+@app.command()
+@one_line_errors
+def quality(
+    *,
+    model: Annotated[Optional[Path], typer.Option(help="A local checkpoint (default: the embedded trained model).")] = None,
+    data: Annotated[Optional[Path], typer.Option(help="Held-out text to score, UTF-8 (default: the embedded held-out sample).")] = None,
+    tokens: Annotated[int, typer.Option(help="Positions to score.")] = 1024,
+    window: Annotated[int, typer.Option(help="Score in windows of this many tokens, each from an empty cache (the embedded model was trained on 256).")] = 256,
+    variants: Annotated[str, typer.Option(help="Comma-separated: commit, commit-no-owa.")] = "commit,commit-no-owa",
+    device: Annotated[str, typer.Option(help="cpu (default) or cuda.")] = "cpu",
+    out: Annotated[Optional[Path], typer.Option(help="Also write the table as JSON here.")] = None,
+) -> None:
+    """The quality cost of committing: KL, top-1 agreement and perplexity against exact routing; prediction accuracy per layer."""
+    from cmoe.data import default_heldout, default_model
+    from cmoe.executor.quality_run import PUBLISHED, run_quality
+    from cmoe.quality import format_quality
+    mdir = model or default_model()
+    if data is not None and not data.is_file():
+        from cmoe.errors import CmoeError
+        raise CmoeError(f"{data} does not exist: pass --data a UTF-8 text file")
+    text = (data or default_heldout()).read_bytes()
+    res = run_quality(mdir, _encode(mdir, text), tokens, [v.strip() for v in variants.split(",") if v.strip()], device,
+                      window)
+    typer.echo(f"{mdir.name}: {res['tokens']} positions in windows of {res['window']}, teacher-forced, every expert resident")
+    typer.echo(format_quality(res["rows"], res["pred_accuracy"], PUBLISHED))
+    if out:
+        from cmoe.util import write_text_atomic
+        write_text_atomic(out, json.dumps(res, indent=1))
+
+
+def _encode(model_dir: Path, text: bytes) -> list[int]:
+    from cmoe.spec import from_checkpoint
+    from cmoe.trace.hf import _tokenizer
+    return _tokenizer(model_dir, from_checkpoint(model_dir).vocab)(text.decode("utf-8", errors="replace"))
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ class RunLog:
 
 class Engine:
     def __init__(self, model, shims, spec: ModelSpec, store, policy: Policy, device: torch.device,
-                 record_plans: bool = False):
+                 record_plans: bool = False, owa: bool = True):
         self.model, self.spec, self.store, self.policy, self.device = model, spec, store, policy, device
         self.cuda = device.type == "cuda"
         self.source = "gpu" if self.cuda else "cpu"
@@ -102,6 +102,7 @@ class Engine:
         self.log = RunLog()
         self.act = F.silu
         self.commit = policy.name == "commit"
+        self.owa = owa                                 # commit: re-weight with OWA, or keep the prediction's weights
         layers = model.model.layers
         self.gates = [layers[d].mlp.gate for d in spec.moe_layers]
         for s in shims:
@@ -166,6 +167,7 @@ class Engine:
             K = idx.shape[1]
             rows = self._rows(host[:, :K], host[:, K:], 0, "pred")
             self.token_pred[0] = rows
+            self.token_pred_w[0] = self._pred_weights(host[:, :K], host[:, K:], rows)
             pred0 = list(ranked([r for r, a in zip(rows, self.cur.active) if a])[0])
         self._layer = -1
         loads = self.policy.begin_pass(self.cur.decode, pred0)
@@ -183,6 +185,12 @@ class Engine:
             return [[int(e) for e in row if e >= 0] for row in src]
         order = np.argsort(-w, axis=1, kind="stable")
         return np.take_along_axis(idx, order, 1).astype(np.int64).tolist()
+
+    def _pred_weights(self, idx: np.ndarray, w: np.ndarray, rows: list[list[int]]) -> list[dict[int, float]]:
+        """Per token, the prediction's own weight of each predicted expert (replay: equal weights)."""
+        if self.cur.replay is not None:
+            return [{e: 1.0 / len(r) for e in r} if r else {} for r in rows]
+        return [dict(zip(map(int, i), map(float, x))) for i, x in zip(idx, w)]
 
     def _scores(self, logits: np.ndarray) -> np.ndarray:
         x = logits.astype(np.float64)
@@ -303,6 +311,7 @@ class Engine:
             K2 = nxt[0].shape[1]
             prow = self._rows(host[:, col:col + K2], host[:, col + K2:col + 2 * K2], m + 1, "pred")
             self.token_pred[m + 1] = prow
+            self.token_pred_w[m + 1] = self._pred_weights(host[:, col:col + K2], host[:, col + K2:col + 2 * K2], prow)
             predicted = list(ranked([prow[i] for i in live])[0])
         return rows, wsorted, scores, needed, predicted
 
@@ -316,7 +325,11 @@ class Engine:
                 mine = [e for e in dict.fromkeys(self.token_pred[m][i]) if e in chosen]
                 if not mine:                       # none of its guesses was committed: its best committed
                     mine = [max(plan.gpu, key=lambda e: scores[i][e])]
-                ws = owa_weights(scores[i].tolist(), mine, K, self.spec.renormalize, self.spec.scaling)
+                if self.owa:
+                    ws = owa_weights(scores[i].tolist(), mine, K, self.spec.renormalize, self.spec.scaling)
+                else:                              # trust the early router: its own weights, as predicted
+                    pw = self.token_pred_w[m][i]
+                    ws = [pw.get(e, 0.0) for e in mine]
                 for e, w in zip(mine, ws):
                     assign.setdefault(e, []).append((i, w))
         else:
@@ -376,6 +389,7 @@ class Engine:
         self.logits = [None] * self.M
         self.pred_gpu = [None] * self.M
         self.token_pred = [None] * self.M
+        self.token_pred_w = [None] * self.M
         cs = torch.cuda.current_stream(self.device) if self.cuda else None
         if self.cuda:
             # Start every pass from an idle device: copies still running from the previous pass

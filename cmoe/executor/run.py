@@ -43,6 +43,8 @@ class ExecConfig:
     device: str = "cuda"
     quant: str | None = None          # expert format; default: the trace's, else w4g128
     slots: int | None = None          # pin the slots per block instead of deriving them from pool_gb
+    owa: bool = True                  # commit: OWA re-weighting (False: the prediction's own weights)
+    teacher: tuple[int, ...] | None = None   # live mode: feed these tokens instead of the argmax (quality runs)
     seed: int = 0
     include_prefill: bool = True
     record_plans: bool = False
@@ -310,7 +312,7 @@ def run_policy(w: Workload, cfg: ExecConfig, policy_name: str) -> ExecResult:
     layout, budget = layout_for(w, cfg, policy_name)
     pop = popularity(w.trace) if w.trace is not None else [[0] * w.spec.num_experts for _ in range(w.spec.num_moe_layers)]
     policy = make_policy(policy_name, layout, w.spec.num_experts, pop)
-    eng = Engine(w.model, w.shims, w.spec, w.store, policy, w.device, cfg.record_plans)
+    eng = Engine(w.model, w.shims, w.spec, w.store, policy, w.device, cfg.record_plans, cfg.owa)
     dev = w.device
     cache = DynamicCache(config=w.model.config)
     logits_out = []
@@ -352,8 +354,12 @@ def _live(eng: Engine, w: Workload, cfg: ExecConfig, cache) -> list:
     lg = eng.run_pass(PassInput(0, False, ids, pos, mask if not active.all() else None, active), cache)
     if cfg.keep_logits:
         out.append(lg.float().cpu())
-    for s in range(cfg.tokens):
-        nxt = lg.argmax(-1, keepdim=True)
+    steps = cfg.tokens if cfg.teacher is None else min(cfg.tokens, len(cfg.teacher))
+    for s in range(steps):
+        if cfg.teacher is None:
+            nxt = lg.argmax(-1, keepdim=True)
+        else:                                          # teacher forcing: the text's next token, every row
+            nxt = torch.full((B, 1), cfg.teacher[s], dtype=torch.long, device=dev)
         mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=dev)], 1)
         pos = pos[:, -1:] + 1
         lg = eng.run_pass(PassInput(s + 1, True, nxt, pos, mask if not active.all() else None, np.ones(B, bool)), cache)

@@ -24,8 +24,9 @@ def parse_policies(text: str | None) -> list[str]:
     return names
 
 
-def run_policies(t: Trace, profile: HardwareProfile, policies: list[str], pool_gb: float, batch: int) -> list[SimResult]:
-    return [simulate(t, profile, SimConfig(policy=p, pool_gb=pool_gb, batch=batch)) for p in policies]
+def run_policies(t: Trace, profile: HardwareProfile, policies: list[str], pool_gb: float, batch: int,
+                 slots: int | None = None) -> list[SimResult]:
+    return [simulate(t, profile, SimConfig(policy=p, pool_gb=pool_gb, batch=batch, slots=slots)) for p in policies]
 
 
 def table(results: list[SimResult]) -> str:

@@ -22,6 +22,7 @@ class SimConfig:
     pool_gb: float = 20.0
     batch: int = 1
     include_prefill: bool = True
+    slots: int | None = None          # pin the slots per block instead of deriving them from pool_gb
 
 
 @dataclass
@@ -65,6 +66,11 @@ def layout_for(trace: Trace, cfg: SimConfig) -> tuple[PoolLayout, dict]:
     if cfg.policy == "upper":
         return PoolLayout(tuple(trace.slot_bytes), (spec.num_experts,) * spec.num_moe_layers,
                           sum(trace.slot_bytes) * spec.num_experts), budget
+    if cfg.slots is not None:
+        if not spec.top_k <= cfg.slots <= spec.num_experts:
+            raise CmoeError(f"--slots must lie between top_k ({spec.top_k}) and the expert count ({spec.num_experts})")
+        n = (cfg.slots,) * spec.num_moe_layers
+        return PoolLayout(tuple(trace.slot_bytes), n, sum(a * b for a, b in zip(trace.slot_bytes, n))), budget
     return plan_layout(trace.slot_bytes, spec.num_experts, budget["expert_bytes"], spec.top_k), budget
 
 

@@ -15,7 +15,11 @@ DEFAULT_TRACE = "synthetic:mixtral-8x7b"
 
 
 def load_trace(source: str, quant: str | None = None, batch: int = 1) -> Trace:
-    """A bundle folder, or `synthetic:PRESET` (generated with enough requests for the batch)."""
+    """A bundle folder, `embedded` (the trace of the trained model cmoe ships), or `synthetic:PRESET`
+    (generated with enough requests for the batch)."""
+    if source == "embedded":
+        from cmoe.data import default_trace
+        source = str(default_trace())
     if source.startswith("synthetic:"):
         rec = recipe(quant or "w4a16")
         return generate(preset(source.split(":", 1)[1]), rec, SyntheticParams(requests=max(4, batch)))

@@ -15,8 +15,11 @@ from cmoe.trace.synthetic import SyntheticParams, generate
 def run_trace(out: Path, model: Path | None = None, data: Path | None = None, synthetic: str | None = None,
               quant: str = "w4a16", params: SyntheticParams = SyntheticParams(), overwrite: bool = False,
               parquet: bool = False, **trace_opts) -> Path:
-    if (model is None) == (synthetic is None):
-        raise CmoeError("pass exactly one of --model DIR (a local checkpoint) or --synthetic PRESET")
+    if model is not None and synthetic is not None:
+        raise CmoeError("pass one of --model DIR (a local checkpoint) or --synthetic PRESET, not both")
+    if model is None and synthetic is None:            # the embedded trained model and its held-out prompts
+        from cmoe.data import default_model, default_prompts
+        model, data = default_model(), data or default_prompts()
     if out.exists() and not overwrite:
         raise CmoeError(f"{out} already exists: choose another --out or pass --force to replace it")
     if synthetic is not None:
