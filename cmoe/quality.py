@@ -40,12 +40,16 @@ def compare(ref: np.ndarray, var: np.ndarray, targets: np.ndarray) -> dict:
             "perplexity": perplexity(var, targets)}
 
 
-def format_quality(rows: list[dict], accuracy: list[float], published: str) -> str:
+def format_quality(rows: list[dict], accuracy: dict, published: str) -> str:
     lines = [f"{'variant':<16} {'KL nats':>9} {'KL p99':>8} {'top-1 agree':>11} {'perplexity':>10} {'skipped':>8}"]
     for r in rows:
         lines.append(f"{r['variant']:<16} {r['kl_mean']:9.4f} {r['kl_p99']:8.4f} {r['top1_agreement']:11.3f} "
                      f"{r['perplexity']:10.3f} {r.get('skipped', 0):8d}")
+    per = accuracy["per_layer"]
     lines.append("commit prediction accuracy per layer (share of true top-k experts predicted): "
-                 + " ".join(f"{a:.2f}" for a in accuracy) + f"; mean {np.mean(accuracy):.3f}")
+                 + " ".join(f"{a:.2f}" for a in per) + f"; mean {np.mean(per):.3f}")
+    lines.append("by the predicting router's certainty (top-k softmax mass), quartiles: "
+                 + ", ".join(f"{b['certainty_from']:.2f}-{b['certainty_to']:.2f}: {b['accuracy']:.2f}"
+                             for b in accuracy["by_certainty"]))
     lines.append(published)
     return "\n".join(lines)

@@ -1,6 +1,5 @@
 """The CLI end to end, and every bad input as one line with a non-zero exit and no partial output."""
 
-import pytest
 from typer.testing import CliRunner
 
 from cmoe import __version__

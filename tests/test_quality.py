@@ -40,4 +40,6 @@ def test_teacher_forced_runs_on_a_checkpoint(checkpoints):
     assert rows["exact"]["kl_mean"] == 0.0 and rows["exact"]["top1_agreement"] == 1.0 and rows["exact"]["skipped"] == 0
     assert rows["commit"]["kl_mean"] >= 0 and rows["commit-no-owa"]["kl_mean"] >= 0
     assert rows["commit"]["skipped"] == rows["commit-no-owa"]["skipped"] > 0       # same predictions, same misses
-    assert len(res["pred_accuracy"]) == 3 and all(0 <= a <= 1 for a in res["pred_accuracy"])
+    acc = res["pred_accuracy"]
+    assert len(acc["per_layer"]) == 3 and all(0 <= a <= 1 for a in acc["per_layer"])
+    assert sum(b["n"] for b in acc["by_certainty"]) == 3 * 41            # every (token, layer) of the 41 once

@@ -62,9 +62,11 @@ def run_quality(model_dir: Path, text: bytes | list[int], tokens: int, variants:
             "pred_accuracy": prediction_accuracy(model_dir, ids[:window], device)}
 
 
-def prediction_accuracy(model_dir: Path, ids: list[int], device: str) -> list[float]:
+def prediction_accuracy(model_dir: Path, ids: list[int], device: str) -> dict:
     """Per MoE layer, the share of each token's true experts that the commit prediction held,
-    over the text in one teacher-forced forward pass (the tracer's hooks)."""
+    over the text in one teacher-forced forward pass (the tracer's hooks); and the same by the
+    predicting router's certainty (its top-k softmax mass), in quartiles over all layers: the
+    CommitMoE paper's observation is that certainty and accuracy go together."""
     from cmoe.trace.hf import RouteRecorder, load_model, pick_device
     from cmoe.trace.stats import prediction_accuracy as acc
     model, spec = load_model(Path(model_dir), pick_device(device))
@@ -76,4 +78,13 @@ def prediction_accuracy(model_dir: Path, ids: list[int], device: str) -> list[fl
         got = rec.collect()
     finally:
         rec.close()
-    return [float(a) for a in acc(got["experts"], got["pred_experts"])]
+    per_layer = [float(a) for a in acc(got["experts"], got["pred_experts"])]
+    e, p, c = got["experts"].astype(np.int64), got["pred_experts"].astype(np.int64), got["certainty"]
+    hit = (e[..., :, None] == p[..., None, :]).any(-1).mean(-1)             # [T, M] share of true experts predicted
+    edges = np.quantile(c, [0, 0.25, 0.5, 0.75, 1.0])
+    by_cert = []
+    for q in range(4):
+        sel = (c >= edges[q]) & ((c <= edges[q + 1]) if q == 3 else (c < edges[q + 1]))
+        by_cert.append({"certainty_from": float(edges[q]), "certainty_to": float(edges[q + 1]),
+                        "accuracy": float(hit[sel].mean()) if sel.any() else float("nan"), "n": int(sel.sum())})
+    return {"per_layer": per_layer, "by_certainty": by_cert}

@@ -93,7 +93,8 @@ class RouteRecorder:
 
     def reset(self) -> None:
         M = self.spec.num_moe_layers
-        self.buf = {"experts": [None] * M, "weights": [None] * M, "pred": [None] * M, "logits": [None] * M}
+        self.buf = {"experts": [None] * M, "weights": [None] * M, "pred": [None] * M, "logits": [None] * M,
+                    "certainty": [None] * M}
 
     @staticmethod
     def _sorted(weights: torch.Tensor, idx: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -117,10 +118,13 @@ class RouteRecorder:
             self._predicting = True
             try:
                 with torch.no_grad():
-                    _, w, idx = self.gates[m](h)
+                    logits, w, idx = self.gates[m](h)
             finally:
                 self._predicting = False
             self.buf["pred"][m] = self._sorted(w, idx)[0]
+            # the predicting router's certainty: softmax mass of its top-k (CommitMoE's key quantity)
+            p = torch.softmax(logits.detach().float().reshape(idx.shape[0], -1), -1)
+            self.buf["certainty"][m] = p.topk(idx.shape[-1], -1).values.sum(-1).cpu().numpy()
         return hook
 
     def collect(self) -> dict[str, np.ndarray]:
@@ -130,6 +134,7 @@ class RouteRecorder:
                "pred_experts": np.stack(b["pred"], 1)}
         if self.record_logits:
             out["router_logits"] = np.stack(b["logits"], 1).astype(np.float32)
+        out["certainty"] = np.stack(b["certainty"], 1).astype(np.float32)
         return out
 
     def close(self) -> None:
@@ -199,6 +204,7 @@ def trace_checkpoint(model_dir: str | Path, data: str | Path, opts: TraceOptions
                     rec_hooks.reset()
                     logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits
                     part = rec_hooks.collect()
+                    part.pop("certainty")                 # not part of the bundle format
                     n = x.shape[1]
                     start = 0 if s == 0 else len(ids) + s - 1
                     part.update(request=np.full(n, r, np.int32), step=np.arange(start, start + n, dtype=np.int32),
