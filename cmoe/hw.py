@@ -38,6 +38,8 @@ class HardwareProfile:
     cpu_expert_gbps: float                          # CPU expert throughput, as expert bytes read per second
     roundtrip_us: float                             # GPU->CPU->GPU hidden-state round trip with its synchronisations
     copy_compute_slowdown: float = 0.0              # matmul slowdown while a side-stream copy runs
+    pass_start_us: float = 0.0                      # per pass, before the first layer: embedding, masks, sync
+    head_us: float = 0.0                            # per pass, after the last layer: final norm, LM head
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

@@ -10,9 +10,12 @@ Measurements (all times in seconds):
 - `launch`: seconds per launch of a trivial kernel, host side;
 - `expert`: {"bytes", "params", "bits", "points": [(tokens, seconds)]}: one expert's FFN ->
   t = 3 launch + bytes / bw + 2 params (tokens - 1) / rate, fitted as a line in tokens;
-- `layer`: {"resident_bytes", "points": [(tokens, seconds)]}: non-expert time of one decoder
-  layer per pass (the executor's attention + route spans, the LM head spread over the layers),
-  fitted as a line; the profile's weight-read term is taken out of the intercept;
+- `layer`: {"resident_bytes", "points": [(tokens, seconds)], "pass_start_s", "head_s",
+  "expert_in_model_s"}: from the executor's own timeline, the non-expert time of one decoder layer
+  per pass (attention + route spans, the pass's start-up taken out), fitted as a line with the
+  profile's weight-read term taken out of the intercept; the pass's start-up (layer 0's excess
+  over the others) and LM head; and an expert kernel's time inside the running model at one
+  token, which replaces the isolated loop's intercept (a layer's experts do not run back to back);
 - `cpu_expert`: {"bytes", "points": [(tokens, seconds)]}: one expert on the host's CPU;
 - `roundtrip`: seconds to take a pass's hidden states to the host and back, synchronised;
 - `copy_slowdown`: fractional slowdown of a matmul while a side-stream copy runs.
@@ -57,6 +60,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     launch_us = m["launch"] * 1e6
     ex = m["expert"]
     a, b = fit_line([(t - 1, s) for t, s in ex["points"]])         # seconds at one token; per extra token
+    a = m["layer"].get("expert_in_model_s", a)                      # inside the running model, if measured
     expert_bw = ex["bytes"] / max(a - 3 * m["launch"], 1e-9) / GB
     rate = 2 * ex["params"] / b / 1e12 if b > 0 else m["matmul"][0] / m["matmul"][1] / 1e12
     hbm = m["hbm"][0] / m["hbm"][1] / GB
@@ -73,9 +77,10 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         expert_gbps=((key, expert_bw),), launch_us=launch_us, layer_fixed_us=max(la, 0.0) * 1e6,
         attn_us_per_token=max(lb, 0.0) * 1e6, cpu_expert_gbps=cpu["bytes"] / max(ca, 1e-9) / GB,
         roundtrip_us=m["roundtrip"] * 1e6, copy_compute_slowdown=max(m.get("copy_slowdown", 0.0), 0.0),
+        pass_start_us=m["layer"].get("pass_start_s", 0.0) * 1e6, head_us=m["layer"].get("head_s", 0.0) * 1e6,
         sources={k: src for k in ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "hbm_gbps", "expert_gbps",
                                   "launch_us", "layer_fixed_us", "attn_us_per_token", "cpu_expert_gbps",
-                                  "roundtrip_us", "copy_compute_slowdown")}
+                                  "roundtrip_us", "copy_compute_slowdown", "pass_start_us", "head_us")}
         | {"matmul_tflops": src + " (slope of expert time over tokens: the rate extra tokens cost)",
            "copy_engines": "one copy stream, as the executor uses"})
 

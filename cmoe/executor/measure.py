@@ -121,7 +121,9 @@ def expert(device: torch.device, spec: ModelSpec, fmt: str, tokens=(1, 2, 4, 8, 
 
 def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, model_dir=None, tokens: int = 12) -> dict:
     """Non-expert time per decoder layer and pass at batch 1 and 8, from the executor's timeline
-    of a short `upper` run (model cut to its first layers; same per-layer shapes)."""
+    of a short `upper` run (model cut to its first layers; same per-layer shapes); also what a
+    pass costs before its first layer (layer 0's excess) and after its last (the LM head), and
+    an expert kernel's time inside the running model at batch 1."""
     from cmoe.executor.run import ExecConfig, Workload, budget_recipe, build, run_policy
     from cmoe.quant import non_expert_bytes
     from cmoe.trace.synthetic import SyntheticParams, generate
@@ -129,7 +131,7 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
         keep = tuple(d for d in spec.moe_layers if d < num_layers)
         spec = replace(spec, num_layers=num_layers, moe_layers=keep)
     rec = budget_recipe(fmt)
-    pts = []
+    pts, extra = [], {}
     w = None
     for batch in (1, 8):
         tr = generate(spec, rec, SyntheticParams(requests=batch, prompt_len=16, decode_len=tokens + 4, seed=batch))
@@ -143,11 +145,24 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
         run_policy(w, cfg, "upper")                               # warm-up over the same lengths
         r = run_policy(w, cfg, "upper")
         dec = {p for p, d, _, _ in r.log.pass_us if d}
-        ne = sum(s[7] - s[6] for s in r.log.spans if s[1] in dec and s[4] in ("attention", "route", "head"))
-        pts.append((batch, ne / len(dec) / spec.num_layers / 1e6))
+        sp = [s for s in r.log.spans if s[1] in dec]
+        n = len(dec)
+        first = spec.moe_layers[0]
+        att = {}
+        for s in sp:
+            if s[4] == "attention":
+                att.setdefault(s[2], []).append(s[7] - s[6])
+        rest = [np.mean(v) for k, v in att.items() if k != first]
+        start = max(float(np.mean(att[first]) - (np.mean(rest) if rest else 0.0)), 0.0)
+        ne = sum(s[7] - s[6] for s in sp if s[4] in ("attention", "route")) - start * n
+        pts.append((batch, ne / n / spec.num_layers / 1e6))
+        extra[batch] = {"head": float(np.mean([s[7] - s[6] for s in sp if s[4] == "head"])) / 1e6,
+                        "start": start / 1e6,
+                        "expert": float(np.mean([s[7] - s[6] for s in sp if s[4] == "expert"])) / 1e6}
     ne_bytes = non_expert_bytes(spec, rec)
     per_layer = (ne_bytes["attention"] + ne_bytes["norms"]) // spec.num_layers
-    return {"layer": {"resident_bytes": int(per_layer), "points": pts}}
+    return {"layer": {"resident_bytes": int(per_layer), "points": pts, "head_s": extra[1]["head"],
+                      "pass_start_s": extra[1]["start"], "expert_in_model_s": extra[1]["expert"]}}
 
 
 def measure(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4, model_dir=None,

@@ -138,6 +138,9 @@ class Simulation:
             n = ps.num_tokens
             for ld in pol.begin_pass(ps.decode, list(ps.predicted[0])):
                 self._issue(ld, ps.index)
+            if hw.pass_start_us:                 # embedding, masks, the pass's first sync: counted with layer 0
+                self._span(ps.index, 0, "compute", "attention", -1, clock, clock + hw.pass_start_us)
+                clock += hw.pass_start_us
             prev_layer = -1
             for m in range(M):
                 d = c.moe_layers[m]
@@ -201,6 +204,9 @@ class Simulation:
                     if cpu_t > clock:
                         run.stall_us += cpu_t - clock
                         clock = cpu_t
+            if hw.head_us:
+                self._span(ps.index, -1, "compute", "head", -1, clock, clock + hw.head_us)
+                clock += hw.head_us
             yield from self._sync(clock)
             run.pass_us.append((ps.index, ps.decode, n, env.now - t0))
             run.occupancy.append(pol.pool.occupancy())
