@@ -40,6 +40,7 @@ class HardwareProfile:
     copy_compute_slowdown: float = 0.0              # matmul slowdown while a side-stream copy runs
     pass_start_us: float = 0.0                      # per pass, before the first layer: embedding, masks, sync
     head_us: float = 0.0                            # per pass, after the last layer: final norm, LM head
+    predict_layer_us: float = 0.0                   # per MoE layer, policies that predict: next router, read-back, OWA
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

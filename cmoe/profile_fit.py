@@ -16,6 +16,9 @@ Measurements (all times in seconds):
   profile's weight-read term taken out of the intercept; the pass's start-up (layer 0's excess
   over the others) and LM head; and an expert kernel's time inside the running model at one
   token, which replaces the isolated loop's intercept (a layer's experts do not run back to back);
+  and what predicting adds per MoE layer (`predict_layer_s`: a commit run's non-expert time over
+  upper's, all experts resident: the next layer's router, the larger read-back, OWA), charged to
+  every policy that predicts;
 - `cpu_expert`: {"bytes", "points": [(tokens, seconds)]}: one expert on the host's CPU;
 - `roundtrip`: seconds to take a pass's hidden states to the host and back, synchronised;
 - `copy_slowdown`: fractional slowdown of a matmul while a side-stream copy runs.
@@ -78,9 +81,11 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         attn_us_per_token=max(lb, 0.0) * 1e6, cpu_expert_gbps=cpu["bytes"] / max(ca, 1e-9) / GB,
         roundtrip_us=m["roundtrip"] * 1e6, copy_compute_slowdown=max(m.get("copy_slowdown", 0.0), 0.0),
         pass_start_us=m["layer"].get("pass_start_s", 0.0) * 1e6, head_us=m["layer"].get("head_s", 0.0) * 1e6,
+        predict_layer_us=m["layer"].get("predict_layer_s", 0.0) * 1e6,
         sources={k: src for k in ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "hbm_gbps", "expert_gbps",
                                   "launch_us", "layer_fixed_us", "attn_us_per_token", "cpu_expert_gbps",
-                                  "roundtrip_us", "copy_compute_slowdown", "pass_start_us", "head_us")}
+                                  "roundtrip_us", "copy_compute_slowdown", "pass_start_us", "head_us",
+                                  "predict_layer_us")}
         | {"matmul_tflops": src + " (slope of expert time over tokens: the rate extra tokens cost)",
            "copy_engines": "one copy stream, as the executor uses"})
 

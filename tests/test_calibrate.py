@@ -30,7 +30,8 @@ def _synthetic(p, expert_bytes=93_585_408, params=3 * 4096 * 14336, resident=100
                    "points": [(t, p.expert_us(expert_bytes, 4, t, params) / 1e6) for t in (1, 2, 8, 64)]},
         "layer": {"resident_bytes": resident, "points": [(t, p.layer_us(t, resident) / 1e6) for t in (1, 8)],
                   "pass_start_s": p.pass_start_us / 1e6, "head_s": p.head_us / 1e6,
-                  "expert_in_model_s": p.expert_us(expert_bytes, 4, 1, params) / 1e6},
+                  "expert_in_model_s": p.expert_us(expert_bytes, 4, 1, params) / 1e6,
+                  "predict_layer_s": p.predict_layer_us / 1e6},
         "cpu_expert": {"bytes": expert_bytes, "points": [(1, p.cpu_expert_us(expert_bytes, 1) / 1e6)]},
         "roundtrip": p.roundtrip_us / 1e6,
     }
@@ -39,12 +40,13 @@ def _synthetic(p, expert_bytes=93_585_408, params=3 * 4096 * 14336, resident=100
 def test_fitting_recovers_the_parameters_it_was_made_from():
     known = replace(H200, layer_fixed_us=1234.0, attn_us_per_token=7.5, cpu_expert_gbps=42.0, launch_us=6.0,
                     expert_gbps=(("int4", 1500.0),), matmul_tflops=300.0, roundtrip_us=80.0, hbm_gbps=4200.0,
-                    pass_start_us=900.0, head_us=450.0)
+                    pass_start_us=900.0, head_us=450.0, predict_layer_us=33.0)
     got = fit_profile("fit", _synthetic(known), known.gpu_mem_bytes, "test", "2026-11-29")
     for (b0, g0), (b1, g1) in zip(known.h2d_pinned, got.h2d_pinned):
         assert b0 == b1 and g1 == pytest.approx(g0)                    # the fast repeat wins
     for f in ("hbm_gbps", "matmul_tflops", "launch_us", "layer_fixed_us", "attn_us_per_token", "cpu_expert_gbps",
-              "roundtrip_us", "h2d_pageable_gbps", "copy_compute_slowdown", "pass_start_us", "head_us"):
+              "roundtrip_us", "h2d_pageable_gbps", "copy_compute_slowdown", "pass_start_us", "head_us",
+              "predict_layer_us"):
         assert getattr(got, f) == pytest.approx(getattr(known, f), rel=1e-6), f
     assert dict(got.expert_gbps)["int4"] == pytest.approx(1500.0, rel=1e-6)
     assert "measured by cmoe calibrate on test, 2026-11-29" in got.sources["layer_fixed_us"]

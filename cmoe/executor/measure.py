@@ -119,7 +119,32 @@ def expert(device: torch.device, spec: ModelSpec, fmt: str, tokens=(1, 2, 4, 8, 
             "cpu_expert": {"bytes": lay.nbytes, "points": cpts}, "roundtrip": best(roundtrip)}
 
 
-def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, model_dir=None, tokens: int = 12) -> dict:
+def _non_expert_per_pass(log, first: int) -> tuple[float, float]:
+    """Mean over decode passes of (attention + route time less the start-up, start-up), where the
+    start-up is layer `first`'s attention over the mean of the other layers' (us). Means, not
+    medians: throughput pays for the slow passes too."""
+    per: dict[int, dict[int, float]] = {}
+    route: dict[int, float] = {}
+    dec = {p for p, d, _, _ in log.pass_us if d}
+    for s in log.spans:
+        if s[1] in dec and s[4] == "attention":
+            per.setdefault(s[1], {})[s[2]] = per.setdefault(s[1], {}).get(s[2], 0.0) + s[7] - s[6]
+        elif s[1] in dec and s[4] == "route":
+            route[s[1]] = route.get(s[1], 0.0) + s[7] - s[6]
+    ne, st = [], []
+    for p, att in per.items():
+        others = [v for k, v in att.items() if k != first]
+        start = max(att[first] - (float(np.mean(others)) if others else 0.0), 0.0)
+        st.append(start)
+        ne.append(sum(att.values()) + route.get(p, 0.0) - start)
+    return float(np.mean(ne)), float(np.mean(st))
+
+
+def _mean(log, dec: set, op: str) -> float:
+    return float(np.mean([s[7] - s[6] for s in log.spans if s[1] in dec and s[4] == op])) / 1e6
+
+
+def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, model_dir=None, tokens: int = 24) -> dict:
     """Non-expert time per decoder layer and pass at batch 1 and 8, from the executor's timeline
     of a short `upper` run (model cut to its first layers; same per-layer shapes); also what a
     pass costs before its first layer (layer 0's excess) and after its last (the LM head), and
@@ -144,25 +169,21 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
             build(w, cfg)
         run_policy(w, cfg, "upper")                               # warm-up over the same lengths
         r = run_policy(w, cfg, "upper")
-        dec = {p for p, d, _, _ in r.log.pass_us if d}
-        sp = [s for s in r.log.spans if s[1] in dec]
-        n = len(dec)
         first = spec.moe_layers[0]
-        att = {}
-        for s in sp:
-            if s[4] == "attention":
-                att.setdefault(s[2], []).append(s[7] - s[6])
-        rest = [np.mean(v) for k, v in att.items() if k != first]
-        start = max(float(np.mean(att[first]) - (np.mean(rest) if rest else 0.0)), 0.0)
-        ne = sum(s[7] - s[6] for s in sp if s[4] in ("attention", "route")) - start * n
-        pts.append((batch, ne / n / spec.num_layers / 1e6))
-        extra[batch] = {"head": float(np.mean([s[7] - s[6] for s in sp if s[4] == "head"])) / 1e6,
-                        "start": start / 1e6,
-                        "expert": float(np.mean([s[7] - s[6] for s in sp if s[4] == "expert"])) / 1e6}
+        ne, start = _non_expert_per_pass(r.log, first)
+        pts.append((batch, ne / spec.num_layers / 1e6))
+        dec = {p for p, d, _, _ in r.log.pass_us if d}
+        extra[batch] = {"head": _mean(r.log, dec, "head"), "start": start / 1e6, "expert": _mean(r.log, dec, "expert")}
+        if batch == 1:                       # what predicting adds per MoE layer (commit, all experts resident)
+            cc = replace(cfg, policies=("commit",), slots=spec.num_experts)
+            run_policy(w, cc, "commit")
+            ne_c, _ = _non_expert_per_pass(run_policy(w, cc, "commit").log, first)
+            extra[1]["commit"] = max((ne_c - ne) / spec.num_moe_layers, 0.0) / 1e6
     ne_bytes = non_expert_bytes(spec, rec)
     per_layer = (ne_bytes["attention"] + ne_bytes["norms"]) // spec.num_layers
     return {"layer": {"resident_bytes": int(per_layer), "points": pts, "head_s": extra[1]["head"],
-                      "pass_start_s": extra[1]["start"], "expert_in_model_s": extra[1]["expert"]}}
+                      "pass_start_s": extra[1]["start"], "expert_in_model_s": extra[1]["expert"],
+                      "predict_layer_s": extra[1]["commit"]}}
 
 
 def measure(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4, model_dir=None,

@@ -149,7 +149,7 @@ class Simulation:
                     self._span(ps.index, dense, "compute", "dense", -1, clock, clock + dur)
                     clock += dur
                 prev_layer = d
-                dur = hw.layer_us(n, c.attn_bytes)
+                dur = hw.layer_us(n, c.attn_bytes) + (hw.predict_layer_us if pol.uses_prediction else 0.0)
                 self._span(ps.index, d, "compute", "attention", -1, clock, clock + dur)
                 clock += dur
                 if c.shared_bytes:
