@@ -41,6 +41,7 @@ class HardwareProfile:
     pass_start_us: float = 0.0                      # per pass, before the first layer: embedding, masks, sync
     head_us: float = 0.0                            # per pass, after the last layer: final norm, LM head
     predict_layer_us: float = 0.0                   # per MoE layer, policies that predict: next router, read-back, OWA
+    fallback_overlap: bool = True                   # CPU experts run while the GPU computes (False: the executor on a CPU)
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

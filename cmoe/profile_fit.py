@@ -82,10 +82,11 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         roundtrip_us=m["roundtrip"] * 1e6, copy_compute_slowdown=max(m.get("copy_slowdown", 0.0), 0.0),
         pass_start_us=m["layer"].get("pass_start_s", 0.0) * 1e6, head_us=m["layer"].get("head_s", 0.0) * 1e6,
         predict_layer_us=m["layer"].get("predict_layer_s", 0.0) * 1e6,
+        fallback_overlap=device.lower() != "cpu",
         sources={k: src for k in ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "hbm_gbps", "expert_gbps",
                                   "launch_us", "layer_fixed_us", "attn_us_per_token", "cpu_expert_gbps",
                                   "roundtrip_us", "copy_compute_slowdown", "pass_start_us", "head_us",
-                                  "predict_layer_us")}
+                                  "predict_layer_us", "fallback_overlap")}
         | {"matmul_tflops": src + " (slope of expert time over tokens: the rate extra tokens cost)",
            "copy_engines": "one copy stream, as the executor uses"})
 
