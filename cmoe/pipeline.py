@@ -25,7 +25,7 @@ def run_all(out: Path, *, spec_name: str | None, model_dir: Path | None, trace_s
     from cmoe.executor.run import write_outputs as write_exec
     from cmoe.hw import H200, load_profile
     from cmoe.quant import expert_bytes
-    from cmoe.report.build import build_report
+    from cmoe.report.build import report_line
     from cmoe.sim.api import table as sim_table
     from cmoe.sim.api import write_outputs as write_sim
     from cmoe.sim.run import SimConfig, simulate
@@ -68,7 +68,7 @@ def run_all(out: Path, *, spec_name: str | None, model_dir: Path | None, trace_s
     for v in vals:
         echo(format_validation(v))
     write_text_atomic(out / "validation.json", json.dumps(vals, indent=1))
-    echo(f"report: {build_report([out / 'predicted', out / 'measured'], out / 'report.html')}")
+    echo(report_line([out / "predicted", out / "measured"], out / "report.html"))
     return vals
 
 

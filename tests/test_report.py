@@ -163,3 +163,20 @@ def test_cli_report_and_chrome_export(tmp_path):
     assert sum(e["ph"] == "X" for e in doc["traceEvents"]) == len(read_parquet(folder / "timeline-commit.parquet"))
     r = CliRunner().invoke(app, ["report", str(folder), "--chrome", str(tmp_path / "c2.json")])
     assert r.exit_code == 2 and "--chrome takes one timeline .parquet file" in r.output
+
+
+def test_commands_say_how_to_get_a_report_where_plotly_is_missing(tmp_path, monkeypatch):
+    """The GPU image has no plotly: simulate --out still writes its outputs, exits 0 and says
+    where to build the report."""
+    import importlib.util
+
+    from typer.testing import CliRunner
+
+    from cmoe.cli.app import app
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "plotly" else real(name, *a))
+    out = tmp_path / "sim"
+    r = CliRunner().invoke(app, ["simulate", "--trace", "embedded", "--slots", "4", "--policies", "upper", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert f"no report here (plotly is not installed): run cmoe report {out} where it is" in r.output
+    assert (out / "metrics.json").is_file() and not (out / "report.html").exists()

@@ -112,10 +112,10 @@ def simulate(
                f"{results[0].metrics['decode_tokens']} decode tokens")
     typer.echo(table(results))
     if out:
-        from cmoe.report.build import build_report
+        from cmoe.report.build import report_line
         write_outputs(out, t, prof, results)
         typer.echo(f"wrote {out}/metrics.json, timeline-*.parquet, timeline-*.json (Perfetto), policy-*.json")
-        typer.echo(f"report: {build_report([out])}")
+        typer.echo(report_line([out]))
 
 
 def _floats(text: str) -> list[float]:
@@ -146,8 +146,8 @@ def sweep(
     write_sweep(rows, out)
     bad = sum(1 for r in rows if r["error"])
     typer.echo(f"wrote {out}: {len(rows)} rows" + (f" ({bad} could not run; see the error column)" if bad else ""))
-    from cmoe.report.build import build_report
-    typer.echo(f"report: {build_report([out])}")
+    from cmoe.report.build import report_line
+    typer.echo(report_line([out]))
 
 
 @app.command()
@@ -184,11 +184,8 @@ def execute(
     if out:
         write_outputs(out, results)
         typer.echo(f"wrote {out}/metrics.json, timeline-*.parquet, timeline-*.json (Perfetto), passes-*.json")
-        try:
-            from cmoe.report.build import build_report
-            typer.echo(f"report: {build_report([out])}")
-        except ImportError:
-            typer.echo(f"no report here (plotly is not installed): run cmoe report {out} where it is")
+        from cmoe.report.build import report_line
+        typer.echo(report_line([out]))
 
 
 @app.command()
@@ -232,11 +229,8 @@ def validate(
         typer.echo(format_validation(v))
     path = write_text_atomic(out or measured / "validation.json", json.dumps(results, indent=1))
     typer.echo(f"wrote {path}")
-    try:
-        from cmoe.report.build import build_report
-        typer.echo(f"report: {build_report([predicted, measured])}")
-    except ImportError:
-        typer.echo("no report here (plotly is not installed): run cmoe report PREDICTED MEASURED where it is")
+    from cmoe.report.build import report_line
+    typer.echo(report_line([predicted, measured]))
 
 
 @app.command()

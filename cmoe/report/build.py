@@ -211,3 +211,12 @@ def build_report(inputs: list[Path], out: Path | None = None, max_spans: int = M
     else:
         raise CmoeError(f"{first}: expected a run folder, a sweep or timeline .parquet file")
     return write_text_atomic(out, _page(title, [body]))
+
+
+def report_line(inputs: list[Path], out: Path | None = None) -> str:
+    """What simulate, sweep, execute, validate and run print about their report: where it is, or,
+    on a machine without plotly (the GPU image has none), how to build it elsewhere."""
+    import importlib.util
+    if importlib.util.find_spec("plotly") is None:
+        return f"no report here (plotly is not installed): run cmoe report {' '.join(map(str, inputs))} where it is"
+    return f"report: {build_report(inputs, out)}"
