@@ -10,7 +10,6 @@ into the same slots), the same batch and pool.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,7 +22,7 @@ def run_all(out: Path, *, spec_name: str | None, model_dir: Path | None, trace_s
     from cmoe.executor.run import ExecConfig, budget_recipe, execute, prepare
     from cmoe.executor.run import table as exec_table
     from cmoe.executor.run import write_outputs as write_exec
-    from cmoe.hw import H200, load_profile
+    from cmoe.hw import load_profile
     from cmoe.quant import expert_bytes
     from cmoe.report.build import report_line
     from cmoe.sim.api import table as sim_table
@@ -45,11 +44,9 @@ def run_all(out: Path, *, spec_name: str | None, model_dir: Path | None, trace_s
         raise CmoeError("cmoe run needs a trace to replay (--trace), so that both engines see the same routing")
     out.mkdir(parents=True, exist_ok=True)
     if profile is None:                                   # calibrate once, on this machine
-        from cmoe.executor.measure import measure
-        from cmoe.profile_fit import beside, fit_profile, with_expert_classes
-        m = measure(w.device, w.spec, w.fmt, layers, model_dir)
-        prof = with_expert_classes(fit_profile(f"calibrated-{w.device.type}", m, _device_memory(w.device), str(w.device),
-                                               time.strftime("%Y-%m-%d")), H200)
+        from cmoe.executor.measure import calibrate
+        from cmoe.profile_fit import beside
+        prof, m = calibrate(w.device, w.spec, w.fmt, layers, model_dir, name=f"calibrated-{w.device.type}")
         echo(beside(prof, m))
         write_text_atomic(out / "profile.json", json.dumps(prof.to_dict(), indent=1))
         echo(f"wrote {out / 'profile.json'}")
@@ -71,11 +68,3 @@ def run_all(out: Path, *, spec_name: str | None, model_dir: Path | None, trace_s
     echo(report_line([out / "predicted", out / "measured"], out / "report.html"))
     return vals
 
-
-def _device_memory(device) -> int:
-    import os
-
-    import torch
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

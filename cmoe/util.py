@@ -1,4 +1,4 @@
-"""Small helpers shared by every floor: atomic writes."""
+"""Small helpers shared by every floor: atomic writes, percentiles."""
 
 from __future__ import annotations
 
@@ -29,3 +29,9 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
     return write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The q-quantile of xs by the nearest rank (nan for none)."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")

@@ -23,14 +23,13 @@ Numpy and pyarrow only, so it runs anywhere the timelines can be read.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from cmoe.errors import CmoeError
-from cmoe.timeline import read_parquet
+from cmoe.runfolder import read_metrics, read_passes, read_timeline
 
 NON_EXPERT = {"attention", "dense", "shared", "route", "head"}
 KINDS = ("non-expert", "expert", "load", "cpu_expert")
@@ -45,18 +44,11 @@ class Run:
 
 
 def read_run(folder: Path, policy: str) -> Run:
-    try:
-        metrics = json.loads((folder / "metrics.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CmoeError(f"{folder} has no readable metrics.json ({e}): give folders written by "
-                        f"cmoe simulate --out and cmoe execute --out") from None
+    metrics = read_metrics(folder)
     m = next((x for x in metrics if x["policy"] == policy), None)
     if m is None:
         raise CmoeError(f"{folder} has no run of policy {policy} (it has {', '.join(x['policy'] for x in metrics)})")
-    pj = folder / f"passes-{policy}.json"
-    if not pj.is_file():
-        raise CmoeError(f"{folder} lacks {pj.name}: rerun with this cmoe, which writes it")
-    return Run(folder, m, read_parquet(folder / f"timeline-{policy}.parquet"), json.loads(pj.read_text()))
+    return Run(folder, m, read_timeline(folder, policy), read_passes(folder, policy, required=True))
 
 
 def check_same_setup(pred: Run, meas: Run) -> None:
@@ -185,5 +177,5 @@ def format_validation(v: dict) -> str:
 def validate_folders(predicted: Path, measured: Path, policies: list[str] | None = None) -> list[dict]:
     if not (measured / "metrics.json").is_file():
         raise CmoeError(f"{measured} has no metrics.json: give the folder written by cmoe execute --out")
-    names = policies or [m["policy"] for m in json.loads((measured / "metrics.json").read_text())]
+    names = policies or [m["policy"] for m in read_metrics(measured)]
     return [validate(read_run(predicted, p), read_run(measured, p)) for p in names]

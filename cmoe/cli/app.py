@@ -246,25 +246,13 @@ def calibrate(
     out: Annotated[Path, typer.Option(help="Profile JSON to write (use it with --profile).")] = Path("profile.json"),
 ) -> None:
     """Measure this machine for the simulator: copies, bandwidths, expert and layer times, CPU experts; write a profile."""
-    import time as _time
-
-    from cmoe.executor.measure import measure
+    from cmoe.executor.measure import calibrate as measure_and_fit
     from cmoe.executor.run import resolve_device
-    from cmoe.hw import H200
-    from cmoe.profile_fit import beside, fit_profile, with_expert_classes
+    from cmoe.profile_fit import beside
     from cmoe.spec import from_checkpoint, preset
     from cmoe.util import write_text_atomic
-    dev = resolve_device(device)
     shapes = from_checkpoint(model) if model else preset(spec)
-    m = measure(dev, shapes, quant, layers, model)
-    if dev.type == "cuda":
-        import torch
-        label, mem = torch.cuda.get_device_name(dev), torch.cuda.get_device_properties(dev).total_memory
-    else:
-        import os
-        label, mem = "cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    prof = with_expert_classes(fit_profile(name or label.lower().replace(" ", "-"), m, mem, label,
-                                           _time.strftime("%Y-%m-%d")), H200)
+    prof, m = measure_and_fit(resolve_device(device), shapes, quant, layers, model, name)
     typer.echo(beside(prof, m))
     write_text_atomic(out, json.dumps(prof.to_dict(), indent=1))
     typer.echo(f"wrote {out}: use it with cmoe simulate --profile {out}")
@@ -316,19 +304,13 @@ def quality(
         from cmoe.errors import CmoeError
         raise CmoeError(f"{data} does not exist: pass --data a UTF-8 text file")
     text = (data or default_heldout()).read_bytes()
-    res = run_quality(mdir, _encode(mdir, text), tokens, [v.strip() for v in variants.split(",") if v.strip()], device,
+    res = run_quality(mdir, text, tokens, [v.strip() for v in variants.split(",") if v.strip()], device,
                       window)
     typer.echo(f"{mdir.name}: {res['tokens']} positions in windows of {res['window']}, teacher-forced, every expert resident")
     typer.echo(format_quality(res["rows"], res["pred_accuracy"], PUBLISHED))
     if out:
         from cmoe.util import write_text_atomic
         write_text_atomic(out, json.dumps(res, indent=1))
-
-
-def _encode(model_dir: Path, text: bytes) -> list[int]:
-    from cmoe.spec import from_checkpoint
-    from cmoe.trace.hf import _tokenizer
-    return _tokenizer(model_dir, from_checkpoint(model_dir).vocab)(text.decode("utf-8", errors="replace"))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from cmoe.executor.kernels import ExpertViews, ffn
 from cmoe.executor.streams import Clock, DevicePool
 from cmoe.policy.owa import owa_weights
 from cmoe.policy.policies import Policy
+from cmoe.quality import log_softmax
 from cmoe.spec import ModelSpec
 from cmoe.trace.hf import prediction_source
 from cmoe.trace.passes import ranked
@@ -165,9 +166,7 @@ class Engine:
             idx, w = self.pred_gpu[0]
             host = torch.cat([idx.float(), w.float()], 1).cpu().numpy()
             K = idx.shape[1]
-            rows = self._rows(host[:, :K], host[:, K:], 0, "pred")
-            self.token_pred[0] = rows
-            self.token_pred_w[0] = self._pred_weights(host[:, :K], host[:, K:], rows)
+            rows = self._keep_prediction(0, host[:, :K], host[:, K:])
             pred0 = list(ranked([r for r, a in zip(rows, self.cur.active) if a])[0])
         self._layer = -1
         loads = self.policy.begin_pass(self.cur.decode, pred0)
@@ -177,28 +176,31 @@ class Engine:
         self.begun = True
 
     # --- routing helpers ------------------------------------------------------------------
-    def _rows(self, idx: np.ndarray, w: np.ndarray, m: int, kind: str) -> list[list[int]]:
-        """Per token, experts by weight (highest first); replay mode substitutes the trace's."""
+    def _ranked_rows(self, idx: np.ndarray, w: np.ndarray, m: int, kind: str) -> tuple[list, list]:
+        """Per token, experts by weight (highest first) and those weights. Replay mode takes the
+        trace's instead; a trace keeps no weights for its predictions, so those count as equal."""
         r = self.cur.replay
         if r is not None:
-            src = r["pred"][:, m] if kind == "pred" else r["experts"][:, m]
-            return [[int(e) for e in row if e >= 0] for row in src]
+            ex = r["pred"][:, m] if kind == "pred" else r["experts"][:, m]
+            rows = [[int(e) for e in row if e >= 0] for row in ex]
+            if kind == "pred":
+                return rows, [[1.0 / len(x)] * len(x) for x in rows]
+            return rows, [[float(v) for v, e in zip(wr, er) if e >= 0] for wr, er in zip(r["weights"][:, m], ex)]
         order = np.argsort(-w, axis=1, kind="stable")
-        return np.take_along_axis(idx, order, 1).astype(np.int64).tolist()
+        return (np.take_along_axis(idx, order, 1).astype(np.int64).tolist(),
+                np.take_along_axis(w, order, 1).astype(np.float64).tolist())
 
-    def _pred_weights(self, idx: np.ndarray, w: np.ndarray, rows: list[list[int]]) -> list[dict[int, float]]:
-        """Per token, the prediction's own weight of each predicted expert (replay: equal weights)."""
-        if self.cur.replay is not None:
-            return [{e: 1.0 / len(r) for e in r} if r else {} for r in rows]
-        return [dict(zip(map(int, i), map(float, x))) for i, x in zip(idx, w)]
+    def _keep_prediction(self, m: int, idx: np.ndarray, w: np.ndarray) -> list[list[int]]:
+        """Record each token's predicted experts for layer m (and, without OWA, their weights)."""
+        rows, ws = self._ranked_rows(idx, w, m, "pred")
+        self.token_pred[m] = rows
+        if not self.owa:
+            self.token_pred_w[m] = [dict(zip(r, x)) for r, x in zip(rows, ws)]
+        return rows
 
     def _scores(self, logits: np.ndarray) -> np.ndarray:
         x = logits.astype(np.float64)
-        if self.spec.scoring == "sigmoid":
-            return 1 / (1 + np.exp(-x))
-        x = x - x.max(1, keepdims=True)
-        p = np.exp(x)
-        return p / p.sum(1, keepdims=True)
+        return 1 / (1 + np.exp(-x)) if self.spec.scoring == "sigmoid" else np.exp(log_softmax(x))
 
     # --- loads ----------------------------------------------------------------------------
     def _issue(self, loads, defer: set[int]) -> list:
@@ -299,8 +301,7 @@ class Engine:
         if nxt is not None:
             parts += [nxt[0].float(), nxt[1].float()]
         host = torch.cat(parts, 1).cpu().numpy()
-        rows = self._rows(host[:, :K], host[:, K:2 * K], m, "route")
-        wsorted = self._weights_sorted(host[:, :K], host[:, K:2 * K])
+        rows, wsorted = self._ranked_rows(host[:, :K], host[:, K:2 * K], m, "route")
         col, scores = 2 * K, None
         if decode_commit:
             scores = self._scores(host[:, col:col + E])
@@ -309,9 +310,7 @@ class Engine:
         predicted = None
         if nxt is not None:
             K2 = nxt[0].shape[1]
-            prow = self._rows(host[:, col:col + K2], host[:, col + K2:col + 2 * K2], m + 1, "pred")
-            self.token_pred[m + 1] = prow
-            self.token_pred_w[m + 1] = self._pred_weights(host[:, col:col + K2], host[:, col + K2:col + 2 * K2], prow)
+            prow = self._keep_prediction(m + 1, host[:, col:col + K2], host[:, col + K2:col + 2 * K2])
             predicted = list(ranked([prow[i] for i in live])[0])
         return rows, wsorted, scores, needed, predicted
 
@@ -337,14 +336,6 @@ class Engine:
                 for e, w in zip(rows[i], wsorted[i]):
                     assign.setdefault(e, []).append((i, w))
         return assign
-
-    def _weights_sorted(self, idx: np.ndarray, w: np.ndarray) -> list[list[float]]:
-        r = self.cur.replay
-        if r is not None:        # the trace's weights, in the trace's order (highest first)
-            m = self._layer
-            return [[float(x) for x, e in zip(wr, er) if e >= 0] for wr, er in zip(r["weights"][:, m], r["experts"][:, m])]
-        order = np.argsort(-w, axis=1, kind="stable")
-        return np.take_along_axis(w, order, 1).astype(np.float64).tolist()
 
     def _cpu_experts(self, m, d, cpu, order, wmat, hidden, x_host, out) -> None:
         clock = self.clock

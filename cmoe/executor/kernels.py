@@ -60,21 +60,32 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, sz: torch.Tensor)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz if x.dtype == torch.bfloat16 else sz.to(x.dtype))
 
 
+def _part(out: torch.Tensor, layout: ExpertLayout, name: str) -> torch.Tensor:
+    p = layout.part(name)
+    return out[p.offset: p.offset + p.nbytes]
+
+
+def write_int4(out: torch.Tensor, layout: ExpertLayout, name: str, codes: torch.Tensor, sz: torch.Tensor,
+               device_type: str) -> None:
+    """Matrix `name` of an expert, as codes and scales, into its slot bytes in `device_type`'s packing."""
+    packed = pack_cuda(codes) if device_type == "cuda" else pack_cpu(codes)
+    _part(out, layout, name).copy_(packed.reshape(-1).view(torch.uint8))
+    _part(out, layout, f"{name}_sz").copy_(sz.reshape(-1).view(torch.uint8))
+
+
+def write_dense(out: torch.Tensor, layout: ExpertLayout, name: str, w: torch.Tensor) -> None:
+    dt = torch.bfloat16 if layout.fmt == "bf16" else torch.float32
+    _part(out, layout, name).copy_(w.to(dt).contiguous().reshape(-1).view(torch.uint8))
+
+
 def expert_bytes_of(layout: ExpertLayout, w13: torch.Tensor, w2: torch.Tensor, device_type: str,
                     out: torch.Tensor) -> None:
     """Write one expert (float w13 [2F, H], w2 [H, F]) into the byte buffer `out` in kernel form."""
     for name, w in (("w13", w13), ("w2", w2)):
-        part = layout.part(name)
-        dst = out[part.offset: part.offset + part.nbytes]
         if layout.group:
-            codes, sz = quantize(w, layout.group)
-            packed = pack_cuda(codes) if device_type == "cuda" else pack_cpu(codes)
-            dst.copy_(packed.reshape(-1).view(torch.uint8))
-            p = layout.part(f"{name}_sz")
-            out[p.offset: p.offset + p.nbytes].copy_(sz.reshape(-1).view(torch.uint8))
+            write_int4(out, layout, name, *quantize(w, layout.group), device_type)
         else:
-            dt = torch.bfloat16 if layout.fmt == "bf16" else torch.float32
-            dst.copy_(w.to(dt).contiguous().reshape(-1).view(torch.uint8))
+            write_dense(out, layout, name, w)
 
 
 class ExpertViews:

@@ -16,7 +16,7 @@ import torch
 
 from cmoe.executor.kernels import ExpertViews, ffn
 from cmoe.executor.layout import expert_layout, slot_size
-from cmoe.executor.store import _random_expert
+from cmoe.executor.store import random_expert
 from cmoe.spec import ModelSpec
 
 
@@ -96,14 +96,14 @@ def expert(device: torch.device, spec: ModelSpec, fmt: str, tokens=(1, 2, 4, 8, 
     lay = expert_layout(fmt, spec.hidden, spec.expert_ffn)
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     buf = torch.zeros(slot_size(lay), dtype=torch.uint8, device=device)
-    _random_expert(lay, 1, device, device.type, buf)
+    random_expert(lay, 1, device, device.type, buf)
     v = ExpertViews(lay, buf, device.type)
     pts = []
     for t in tokens:
         x = torch.randn(t, spec.hidden, device=device).to(dt)
         pts.append((t, best(lambda: ffn(x, v), inner=5)))
     cbuf = torch.zeros(slot_size(lay), dtype=torch.uint8)
-    _random_expert(lay, 1, torch.device("cpu"), "cpu", cbuf)
+    random_expert(lay, 1, torch.device("cpu"), "cpu", cbuf)
     cv = ExpertViews(lay, cbuf, "cpu")
     cbest = _timer(torch.device("cpu"))
     cpts = [(t, cbest(lambda: ffn(torch.randn(t, spec.hidden).to(dt), cv), repeats=3)) for t in (1, 8)]
@@ -199,3 +199,23 @@ def measure(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4
         out.update(fn())
     out["sizes"] = np.array(sizes).tolist()
     return out
+
+
+def device_label_and_memory(device: torch.device) -> tuple[str, int]:
+    """The device's name (what profiles are named after) and its memory in bytes."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory
+    import os
+    return "cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def calibrate(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4, model_dir=None,
+              name: str | None = None):
+    """Measure, then fit a profile (weight widths not measured keep the h200 profile's speeds).
+    Returns the profile and the measurements it was fitted to."""
+    from cmoe.hw import H200
+    from cmoe.profile_fit import fit_profile, with_expert_classes
+    m = measure(device, spec, fmt, num_layers, model_dir)
+    label, mem = device_label_and_memory(device)
+    prof = fit_profile(name or label.lower().replace(" ", "-"), m, mem, label, time.strftime("%Y-%m-%d"))
+    return with_expert_classes(prof, H200), m

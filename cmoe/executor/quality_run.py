@@ -32,6 +32,10 @@ def run_quality(model_dir: Path, text: bytes | list[int], tokens: int, variants:
     bad = [v for v in variants if v not in VARIANTS or v == "exact"]
     if bad:
         raise CmoeError(f"unknown variant '{bad[0]}': choose from commit, commit-no-owa")
+    if isinstance(text, bytes):                       # through the model's own tokenizer (or bytes)
+        from cmoe.spec import from_checkpoint
+        from cmoe.trace.hf import tokenizer_for
+        text = tokenizer_for(Path(model_dir), from_checkpoint(model_dir).vocab)(text.decode("utf-8", errors="replace"))
     ids = list(text)[: tokens + tokens // max(window - 1, 1) + 1]
     if len(ids) < 2:
         raise CmoeError("the held-out text is too short: give at least two tokens")
@@ -70,7 +74,7 @@ def prediction_accuracy(model_dir: Path, ids: list[int], device: str) -> dict:
     from cmoe.trace.hf import RouteRecorder, load_model, pick_device
     from cmoe.trace.stats import prediction_accuracy as acc
     model, spec = load_model(Path(model_dir), pick_device(device))
-    rec = RouteRecorder(model, spec, False)
+    rec = RouteRecorder(model, spec, False, record_certainty=True)
     try:
         rec.reset()
         with torch.no_grad():

@@ -26,6 +26,7 @@ from cmoe.policy.pool import PoolLayout, plan_layout
 from cmoe.quant import QuantRecipe
 from cmoe.spec import ModelSpec, from_checkpoint, preset
 from cmoe.trace.bundle import Trace, fingerprint
+from cmoe.util import percentile
 
 DEFAULT_PROMPTS = ("The mixture of experts routes each token to a few of its experts.",
                    "def fibonacci(n):\n    if n < 2:\n        return n",
@@ -172,11 +173,11 @@ def prepare(*, spec_name: str | None, model_dir: Path | None, trace_src: str | N
 
 
 def _prompts(model_dir: Path, data: Path | None, spec: ModelSpec, batch: int) -> list[list[int]]:
-    from cmoe.trace.hf import _tokenizer, read_prompts
+    from cmoe.trace.hf import tokenizer_for, read_prompts
     texts = read_prompts(data) if data is not None else list(DEFAULT_PROMPTS)
     if len(texts) < batch:
         raise CmoeError(f"batch {batch} needs at least {batch} prompts, the data has {len(texts)}")
-    enc = _tokenizer(model_dir, spec.vocab)
+    enc = tokenizer_for(model_dir, spec.vocab)
     return [enc(t)[:512] for t in texts[:batch]]
 
 
@@ -370,11 +371,6 @@ def _live(eng: Engine, w: Workload, cfg: ExecConfig, cache) -> list:
 
 # --- metrics ------------------------------------------------------------------------------------
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
-
-
 def metrics(log: RunLog, w: Workload, cfg: ExecConfig, policy: str, layout: PoolLayout) -> dict:
     dec_passes = {p for p, d, _, _ in log.pass_us if d}
     dec = [(n, us) for _, d, n, us in log.pass_us if d]
@@ -404,7 +400,7 @@ def metrics(log: RunLog, w: Workload, cfg: ExecConfig, policy: str, layout: Pool
         "device": torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else "cpu",
         "tokens_per_s": dec_tokens / dec_us * 1e6 if dec_us else float("nan"),
         "tpot_ms_mean": statistics.fmean(lat) / 1e3 if lat else float("nan"),
-        "tpot_ms_p50": _pct(lat, 0.5) / 1e3, "tpot_ms_p99": _pct(lat, 0.99) / 1e3,
+        "tpot_ms_p50": percentile(lat, 0.5) / 1e3, "tpot_ms_p99": percentile(lat, 0.99) / 1e3,
         "prefill_ms": sum(pre) / 1e3, "decode_tokens": dec_tokens,
         "stall_ms": stall / 1e3, "bytes_moved": log.bytes_moved, "loads": log.loads,
         "h2d_gbps": sum(s[8] for s in loads) / load_us / 1e3 if load_us else float("nan"),

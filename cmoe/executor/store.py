@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from cmoe.errors import CmoeError
-from cmoe.executor.kernels import expert_bytes_of, pack_cpu, pack_cuda
+from cmoe.executor.kernels import expert_bytes_of, write_dense, write_int4
 from cmoe.executor.layout import ExpertLayout, expert_layout, slot_size
 from cmoe.spec import ModelSpec
 
@@ -85,7 +85,7 @@ class HostStore:
         for m in tqdm(range(self.spec.num_moe_layers), disable=not progress, desc=f"experts ({pack_for} layout)"):
             for e in range(self.spec.num_experts):
                 stage.zero_()
-                _random_expert(self.layout, _expert_seed(self.seed, m, e), dev, pack_for, stage)
+                random_expert(self.layout, _expert_seed(self.seed, m, e), dev, pack_for, stage)
                 targets[m][e].copy_(stage)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -95,26 +95,20 @@ def _expert_seed(seed: int, m: int, e: int) -> int:
     return (seed * 1_000_003 + m * 4099 + e) % (2**63)
 
 
-def _random_expert(layout: ExpertLayout, seed: int, dev: torch.device, pack_for: str, buf: torch.Tensor) -> None:
-    """Random int4 codes and scales for one expert, written in `pack_for`'s layout into buf."""
+def random_expert(layout: ExpertLayout, seed: int, dev: torch.device, pack_for: str, buf: torch.Tensor) -> None:
+    """Random int4 codes and scales (or N(0, 0.02) weights) for one expert, written in
+    `pack_for`'s layout into buf; generated on `dev`."""
     gen = torch.Generator(device=dev).manual_seed(seed)
     for name in ("w13", "w2"):
-        p = layout.part(name)
-        o, i = p.shape
+        o, i = layout.part(name).shape
         if layout.group:
             g = layout.group
             codes = torch.randint(0, 16, (o, i), generator=gen, device=dev, dtype=torch.int32)
             scale = torch.rand((i // g, o), generator=gen, device=dev) * 0.004 + 0.002
             zero = (torch.rand((i // g, o), generator=gen, device=dev) - 0.5) * 0.004
-            sz = torch.stack([scale, zero], -1).to(torch.bfloat16)
-            packed = pack_cuda(codes) if pack_for == "cuda" else pack_cpu(codes)
-            buf[p.offset: p.offset + p.nbytes].copy_(packed.reshape(-1).view(torch.uint8))
-            q = layout.part(f"{name}_sz")
-            buf[q.offset: q.offset + q.nbytes].copy_(sz.reshape(-1).view(torch.uint8))
+            write_int4(buf, layout, name, codes, torch.stack([scale, zero], -1).to(torch.bfloat16), pack_for)
         else:
-            dt = torch.bfloat16 if layout.fmt == "bf16" else torch.float32
-            w = (torch.randn((o, i), generator=gen, device=dev) * 0.02).to(dt)
-            buf[p.offset: p.offset + p.nbytes].copy_(w.reshape(-1).view(torch.uint8))
+            write_dense(buf, layout, name, torch.randn((o, i), generator=gen, device=dev) * 0.02)
 
 
 def random_store(spec: ModelSpec, fmt: str, device: torch.device, seed: int = 0, progress: bool = False) -> HostStore:

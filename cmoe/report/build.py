@@ -13,10 +13,10 @@ Inputs it recognises:
 from __future__ import annotations
 
 import html
-import json
 from pathlib import Path
 
 from cmoe.errors import CmoeError
+from cmoe.runfolder import read_metrics, read_passes, read_timeline
 from cmoe.timeline import COLUMNS, read_parquet
 from cmoe.util import write_text_atomic
 
@@ -61,20 +61,9 @@ def _metrics_table(metrics: list[dict]) -> str:
 
 
 def _read_run(folder: Path) -> tuple[list[dict], dict[str, list], dict[str, list[dict]]]:
-    try:
-        metrics = json.loads((folder / "metrics.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CmoeError(f"{folder} has no readable metrics.json ({e}): give a folder written by "
-                        f"cmoe simulate --out or cmoe execute --out") from None
-    spans, passes = {}, {}
-    for m in metrics:
-        p = m["policy"]
-        tl = folder / f"timeline-{p}.parquet"
-        if not tl.is_file():
-            raise CmoeError(f"{folder} lacks {tl.name}: was the run written completely?")
-        spans[p] = read_parquet(tl)
-        pj = folder / f"passes-{p}.json"
-        passes[p] = json.loads(pj.read_text()) if pj.is_file() else []
+    metrics = read_metrics(folder)
+    spans = {m["policy"]: read_timeline(folder, m["policy"]) for m in metrics}
+    passes = {m["policy"]: read_passes(folder, m["policy"], required=False) for m in metrics}
     return metrics, spans, passes
 
 

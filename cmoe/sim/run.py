@@ -14,6 +14,7 @@ from cmoe.policy.pool import PoolLayout, plan_layout
 from cmoe.sim.engine import SimRun, Simulation, costs_for
 from cmoe.trace.bundle import Trace, fingerprint
 from cmoe.trace.passes import make_passes, popularity
+from cmoe.util import percentile
 
 
 @dataclass(frozen=True)
@@ -83,11 +84,6 @@ def simulate(trace: Trace, profile: HardwareProfile, cfg: SimConfig, record_log:
     return SimResult(cfg, layout, budget, run, metrics(trace, layout, run, cfg))
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
-
-
 def metrics(trace: Trace, layout: PoolLayout, run: SimRun, cfg: SimConfig) -> dict:
     dec = [(n, us) for _, d, n, us in run.pass_us if d]
     pre = [(n, us) for _, d, n, us in run.pass_us if not d]
@@ -100,7 +96,7 @@ def metrics(trace: Trace, layout: PoolLayout, run: SimRun, cfg: SimConfig) -> di
         "trace_id": fingerprint(trace),
         "tokens_per_s": dec_tokens / dec_us * 1e6 if dec_us else float("nan"),
         "tpot_ms_mean": statistics.fmean(lat) / 1e3 if lat else float("nan"),
-        "tpot_ms_p50": _pct(lat, 0.5) / 1e3, "tpot_ms_p99": _pct(lat, 0.99) / 1e3,
+        "tpot_ms_p50": percentile(lat, 0.5) / 1e3, "tpot_ms_p99": percentile(lat, 0.99) / 1e3,
         "prefill_ms": sum(us for _, us in pre) / 1e3, "decode_tokens": dec_tokens,
         "stall_ms": run.stall_us / 1e3, "bytes_moved": run.bytes_moved, "loads": run.loads,
         "hit_rate": run.hits / (run.gpu_experts + run.fallbacks) if run.gpu_experts + run.fallbacks else 1.0, "fallbacks": run.fallbacks,

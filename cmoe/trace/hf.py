@@ -80,9 +80,9 @@ def prediction_source(layers, spec: ModelSpec, m: int):
 class RouteRecorder:
     """Forward hooks that capture each MoE layer's routing and the commit prediction."""
 
-    def __init__(self, model, spec: ModelSpec, record_logits: bool):
+    def __init__(self, model, spec: ModelSpec, record_logits: bool, record_certainty: bool = False):
         layers = model.model.layers
-        self.spec, self.record_logits = spec, record_logits
+        self.spec, self.record_logits, self.record_certainty = spec, record_logits, record_certainty
         self.gates = [layers[d].mlp.gate for d in spec.moe_layers]
         self._predicting = False
         self.buf: dict[str, list] = {}
@@ -122,6 +122,8 @@ class RouteRecorder:
             finally:
                 self._predicting = False
             self.buf["pred"][m] = self._sorted(w, idx)[0]
+            if not self.record_certainty:
+                return
             # the predicting router's certainty: softmax mass of its top-k (CommitMoE's key quantity)
             p = torch.softmax(logits.detach().float().reshape(idx.shape[0], -1), -1)
             self.buf["certainty"][m] = p.topk(idx.shape[-1], -1).values.sum(-1).cpu().numpy()
@@ -134,7 +136,8 @@ class RouteRecorder:
                "pred_experts": np.stack(b["pred"], 1)}
         if self.record_logits:
             out["router_logits"] = np.stack(b["logits"], 1).astype(np.float32)
-        out["certainty"] = np.stack(b["certainty"], 1).astype(np.float32)
+        if self.record_certainty:
+            out["certainty"] = np.stack(b["certainty"], 1).astype(np.float32)
         return out
 
     def close(self) -> None:
@@ -165,7 +168,8 @@ def read_prompts(path: Path) -> list[str]:
     return prompts
 
 
-def _tokenizer(model_dir: Path, vocab: int):
+def tokenizer_for(model_dir: Path, vocab: int):
+    """text -> token ids: the checkpoint's tokenizer, or bytes (id = byte value mod vocab)."""
     if any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(model_dir)
@@ -188,7 +192,7 @@ def trace_checkpoint(model_dir: str | Path, data: str | Path, opts: TraceOptions
     spec = from_checkpoint(model_dir)
     rec, sizes = _sizes(model_dir, spec, opts.quant)
     model, _ = load_model(model_dir, device, opts.allow_pickle)
-    encode = _tokenizer(model_dir, spec.vocab)
+    encode = tokenizer_for(model_dir, spec.vocab)
     from transformers import DynamicCache
     from tqdm import tqdm
     rec_hooks = RouteRecorder(model, spec, opts.record_logits)
@@ -204,7 +208,6 @@ def trace_checkpoint(model_dir: str | Path, data: str | Path, opts: TraceOptions
                     rec_hooks.reset()
                     logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits
                     part = rec_hooks.collect()
-                    part.pop("certainty")                 # not part of the bundle format
                     n = x.shape[1]
                     start = 0 if s == 0 else len(ids) + s - 1
                     part.update(request=np.full(n, r, np.int32), step=np.arange(start, start + n, dtype=np.int32),
