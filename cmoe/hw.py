@@ -40,8 +40,20 @@ class HardwareProfile:
     copy_compute_slowdown: float = 0.0              # matmul slowdown while a side-stream copy runs
     pass_start_us: float = 0.0                      # per pass, before the first layer: embedding, masks, sync
     head_us: float = 0.0                            # per pass, after the last layer: final norm, LM head
-    predict_layer_us: float = 0.0                   # per MoE layer, policies that predict: next router, read-back, OWA
-    fallback_overlap: bool = True                   # CPU experts run while the GPU computes (False: the executor on a CPU)
+    # The host thread that issues the work (all 0: a host that never holds the GPU back). The
+    # times above are the GPU's own; these are the Python thread's, which the GPU cannot outrun.
+    host_layer_us: float = 0.0                      # per decoder layer: issuing norms, attention, router
+    host_attn_us_per_token: float = 0.0
+    host_sync_us: float = 0.0                       # per MoE layer: the read-back once the GPU has caught up
+    host_route_us: float = 0.0                      # per MoE layer, after the read-back: routes, plan, issuing loads
+    host_route_us_per_token: float = 0.0
+    host_expert_us: float = 0.0                     # issuing one expert's kernels
+    host_expert_us_per_token: float = 0.0
+    host_pass_start_us: float = 0.0                 # per pass, host side of pass_start_us
+    host_head_us: float = 0.0
+    predict_layer_us: float = 0.0                   # per MoE layer, policies that predict, on the host: next router, read-back, OWA
+    copy_fifo: bool = False                         # loads run in issue order on one copy stream (the executor),
+                                                    # not most-urgent first
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -92,6 +104,15 @@ class HardwareProfile:
         return self.layer_fixed_us + resident_bytes / (self.hbm_gbps * GB) * 1e6 \
             + self.attn_us_per_token * max(tokens - 1, 0)
 
+    def host_layer(self, tokens: int) -> float:
+        return self.host_layer_us + self.host_attn_us_per_token * max(tokens - 1, 0)
+
+    def host_route(self, tokens: int) -> float:
+        return self.host_route_us + self.host_route_us_per_token * max(tokens - 1, 0)
+
+    def host_expert(self, tokens: int) -> float:
+        return self.host_expert_us + self.host_expert_us_per_token * max(tokens - 1, 0)
+
     def cpu_expert_us(self, nbytes: int, tokens: int) -> float:
         return nbytes / (self.cpu_expert_gbps * GB) * 1e6 * max(1.0, tokens / 8)
 
@@ -105,6 +126,7 @@ class HardwareProfile:
     @classmethod
     def from_dict(cls, d: dict) -> "HardwareProfile":
         d = dict(d)
+        d.pop("fallback_overlap", None)      # profiles before the host model: now follows from the host's times
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise CmoeError(f"hardware profile has unknown fields {sorted(unknown)}")

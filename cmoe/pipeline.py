@@ -19,15 +19,12 @@ from cmoe.util import write_text_atomic
 def run_all(out: Path, *, spec_name: str | None, model_dir: Path | None, trace_src: str | None, policies: tuple[str, ...],
             pool_gb: float, batch: int, tokens: int, quant: str | None, device: str, profile: str | None,
             slots: int | None = None, layers: int = 4, echo=print) -> list[dict]:
-    from cmoe.executor.run import ExecConfig, budget_recipe, execute, prepare
+    from cmoe.executor.run import ExecConfig, execute, prepare
     from cmoe.executor.run import table as exec_table
     from cmoe.executor.run import write_outputs as write_exec
     from cmoe.hw import load_profile
-    from cmoe.quant import expert_bytes
     from cmoe.report.build import report_line
     from cmoe.sim.api import table as sim_table
-    from cmoe.sim.api import write_outputs as write_sim
-    from cmoe.sim.run import SimConfig, simulate
     from cmoe.validate import format_validation, validate_folders
     if spec_name is None and model_dir is None:          # the embedded trained model and its trace
         from cmoe.data import default_model
@@ -49,14 +46,11 @@ def run_all(out: Path, *, spec_name: str | None, model_dir: Path | None, trace_s
         prof, m = calibrate(w.device, w.spec, w.fmt, layers, model_dir, name=f"calibrated-{w.device.type}")
         echo(beside(prof, m))
         write_text_atomic(out / "profile.json", json.dumps(prof.to_dict(), indent=1))
+        write_text_atomic(out / "profile.measurements.json", json.dumps(m, indent=1))
         echo(f"wrote {out / 'profile.json'}")
     else:
         prof = load_profile(profile)
-    rec = budget_recipe(w.fmt)
-    t = replace(w.trace, recipe=rec, expert_bytes=expert_bytes(w.spec, rec))
-    sims = [simulate(t, prof, SimConfig(policy=p, pool_gb=cfg.pool_gb, batch=cfg.batch, slots=cfg.slots))
-            for p in cfg.policies]
-    write_sim(out / "predicted", t, prof, sims)
+    sims = predict(w, cfg, prof, out / "predicted")
     echo("predicted:\n" + sim_table(sims))
     results = execute(w, cfg)
     write_exec(out / "measured", results)
@@ -68,3 +62,17 @@ def run_all(out: Path, *, spec_name: str | None, model_dir: Path | None, trace_s
     echo(report_line([out / "predicted", out / "measured"], out / "report.html"))
     return vals
 
+
+def predict(w, cfg, prof, out: Path) -> list:
+    """Simulate exactly what the executor will run (its trace, expert format, bf16 non-expert
+    weights, batch, pool and slots) under every policy of `cfg`, and write the run folder."""
+    from cmoe.executor.run import budget_recipe
+    from cmoe.quant import expert_bytes
+    from cmoe.sim.api import write_outputs as write_sim
+    from cmoe.sim.run import SimConfig, simulate
+    rec = budget_recipe(w.fmt)
+    t = replace(w.trace, recipe=rec, expert_bytes=expert_bytes(w.spec, rec))
+    sims = [simulate(t, prof, SimConfig(policy=p, pool_gb=cfg.pool_gb, batch=cfg.batch, slots=cfg.slots))
+            for p in cfg.policies]
+    write_sim(out, t, prof, sims)
+    return sims

@@ -16,9 +16,12 @@ Measurements (all times in seconds):
   profile's weight-read term taken out of the intercept; the pass's start-up (layer 0's excess
   over the others) and LM head; and an expert kernel's time inside the running model at one
   token, which replaces the isolated loop's intercept (a layer's experts do not run back to back);
-  and what predicting adds per MoE layer (`predict_layer_s`: a commit run's non-expert time over
-  upper's, all experts resident: the next layer's router, the larger read-back, OWA), charged to
-  every policy that predicts;
+  and what predicting adds per MoE layer (`predict_layer_s`: a commit run's non-expert host time
+  over upper's, all experts resident: the next layer's router, the larger read-back, OWA), charged
+  to every policy that predicts; on CUDA these GPU-side times come from a run in which the GPU was
+  held back so the host got ahead (the compute spans are then the GPU's own time);
+  `host`: {"layer_points", "route_points", "expert_points": [(tokens, seconds)], "sync_s",
+  "pass_start_s", "head_s"}: the host thread's side of the same, from the `host_*` spans;
 - `cpu_expert`: {"bytes", "points": [(tokens, seconds)]}: one expert on the host's CPU;
 - `roundtrip`: seconds to take a pass's hidden states to the host and back, synchronised;
 - `copy_slowdown`: fractional slowdown of a matmul while a side-stream copy runs.
@@ -73,6 +76,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     ca, _ = fit_line([(t - 1, s) for t, s in cpu["points"]])
     key = "int4" if ex["bits"] <= 4 else "int8" if ex["bits"] <= 8 else "bf16"
     src = f"measured by cmoe calibrate on {device}, {date}"
+    host = _host_fields(m["layer"].get("host"))
     return HardwareProfile(
         name=name, gpu_mem_bytes=gpu_mem_bytes, h2d_pinned=curve(m["h2d"]), d2h_pinned=curve(m["d2h"]),
         h2d_pageable_gbps=m["h2d_pageable"][0] / m["h2d_pageable"][1] / GB, copy_engines=1,
@@ -81,14 +85,30 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         attn_us_per_token=max(lb, 0.0) * 1e6, cpu_expert_gbps=cpu["bytes"] / max(ca, 1e-9) / GB,
         roundtrip_us=m["roundtrip"] * 1e6, copy_compute_slowdown=max(m.get("copy_slowdown", 0.0), 0.0),
         pass_start_us=m["layer"].get("pass_start_s", 0.0) * 1e6, head_us=m["layer"].get("head_s", 0.0) * 1e6,
-        predict_layer_us=m["layer"].get("predict_layer_s", 0.0) * 1e6,
-        fallback_overlap=device.lower() != "cpu",
+        predict_layer_us=m["layer"].get("predict_layer_s", 0.0) * 1e6, copy_fifo=True, **host,
         sources={k: src for k in ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "hbm_gbps", "expert_gbps",
                                   "launch_us", "layer_fixed_us", "attn_us_per_token", "cpu_expert_gbps",
                                   "roundtrip_us", "copy_compute_slowdown", "pass_start_us", "head_us",
-                                  "predict_layer_us", "fallback_overlap")}
+                                  "predict_layer_us", *host)}
         | {"matmul_tflops": src + " (slope of expert time over tokens: the rate extra tokens cost)",
-           "copy_engines": "one copy stream, as the executor uses"})
+           "copy_engines": "one copy stream, as the executor uses",
+           "copy_fifo": "the executor issues every load to one copy stream, which runs them in issue order"})
+
+
+def _host_fields(h: dict | None) -> dict:
+    """The host thread's costs, from the executor's `host_*` spans (lines in tokens)."""
+    if not h:
+        return {}
+    out = {}
+    for key, pts in (("layer", "layer_points"), ("route", "route_points"), ("expert", "expert_points")):
+        a, b = fit_line([(t - 1, s) for t, s in h[pts]])
+        slope = {"layer": "host_attn_us_per_token", "route": "host_route_us_per_token",
+                 "expert": "host_expert_us_per_token"}[key]
+        out[f"host_{key}_us"], out[slope] = max(a, 0.0) * 1e6, max(b, 0.0) * 1e6
+    out["host_sync_us"] = h["sync_s"] * 1e6
+    out["host_pass_start_us"] = h["pass_start_s"] * 1e6
+    out["host_head_us"] = h["head_s"] * 1e6
+    return out
 
 
 def with_expert_classes(p: HardwareProfile, base: HardwareProfile) -> HardwareProfile:
@@ -111,6 +131,12 @@ def beside(p: HardwareProfile, m: dict) -> str:
     rb = m["layer"].get("resident_bytes", 0)
     for t, s in m["layer"]["points"]:
         rows.append(f"{'layer (non-expert), ' + str(t) + ' tok':<28} {s * 1e6:10.1f}us {p.layer_us(t, rb):10.1f}us")
+    h = m["layer"].get("host")
+    if h:
+        for what, key, fn in (("host, layer", "layer_points", p.host_layer), ("host, route", "route_points", p.host_route),
+                              ("host, one expert", "expert_points", p.host_expert)):
+            for t, s in h[key]:
+                rows.append(f"{what + ', ' + str(t) + ' tok':<28} {s * 1e6:10.1f}us {fn(t):10.1f}us")
     cpu = m["cpu_expert"]
     for t, s in cpu["points"]:
         rows.append(f"{'CPU expert, ' + str(t) + ' tokens':<28} {s * 1e6:10.1f}us {p.cpu_expert_us(cpu['bytes'], t):10.1f}us")
@@ -120,3 +146,20 @@ def beside(p: HardwareProfile, m: dict) -> str:
 
 def _size(b: int) -> str:
     return f"{b / 2**20:g} MiB" if b >= 2**20 else f"{b / 2**10:g} KiB"
+
+
+def refit_profile(path, name: str | None = None) -> tuple[HardwareProfile, dict]:
+    """Fit again to measurements `cmoe calibrate` wrote (after the fitting itself changed)."""
+    import json
+    from pathlib import Path
+
+    from cmoe.errors import CmoeError
+    from cmoe.hw import H200
+    try:
+        m = json.loads(Path(path).read_text())
+        dev = m["device"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CmoeError(f"{path} is not a measurements file written by cmoe calibrate ({e})") from None
+    label = dev["label"]
+    prof = fit_profile(name or label.lower().replace(" ", "-"), m, dev["memory_bytes"], label, dev["date"])
+    return with_expert_classes(prof, H200), m

@@ -184,6 +184,7 @@ def _moe_call(eng, m: int, x, true_experts, pred_experts, logits):
     eng.pred_gpu = [None] * eng.M
     eng.token_pred = [None] * eng.M
     eng.last = eng.clock.mark()
+    eng.h_last = eng.clock.host()
     eng.logits[m] = torch.tensor([logits], dtype=torch.float32)
     eng.token_pred[m] = [list(pred_experts)]
     eng._layer = -1

@@ -243,16 +243,23 @@ def calibrate(
     quant: Annotated[str, typer.Option(help="Expert format the executor will run: w4g128, bf16, fp32, ...")] = "w4g128",
     layers: Annotated[int, typer.Option(help="Decoder layers of the preset to build for the per-layer measurement.")] = 4,
     name: Annotated[Optional[str], typer.Option(help="Profile name [default: the device's name].")] = None,
-    out: Annotated[Path, typer.Option(help="Profile JSON to write (use it with --profile).")] = Path("profile.json"),
+    out: Annotated[Path, typer.Option(help="Profile JSON to write (use it with --profile); the raw measurements go beside it.")] = Path("profile.json"),
+    refit: Annotated[Optional[Path], typer.Option(help="Measure nothing: fit a profile to measurements written by an earlier calibrate.")] = None,
 ) -> None:
     """Measure this machine for the simulator: copies, bandwidths, expert and layer times, CPU experts; write a profile."""
-    from cmoe.executor.measure import calibrate as measure_and_fit
-    from cmoe.executor.run import resolve_device
-    from cmoe.profile_fit import beside
-    from cmoe.spec import from_checkpoint, preset
     from cmoe.util import write_text_atomic
-    shapes = from_checkpoint(model) if model else preset(spec)
-    prof, m = measure_and_fit(resolve_device(device), shapes, quant, layers, model, name)
+    if refit is not None:
+        from cmoe.profile_fit import refit_profile
+        prof, m = refit_profile(refit, name)
+    else:
+        from cmoe.executor.measure import calibrate as measure_and_fit
+        from cmoe.executor.run import resolve_device
+        from cmoe.spec import from_checkpoint, preset
+        shapes = from_checkpoint(model) if model else preset(spec)
+        prof, m = measure_and_fit(resolve_device(device), shapes, quant, layers, model, name)
+        raw = write_text_atomic(out.with_suffix(".measurements.json"), json.dumps(m, indent=1))
+        typer.echo(f"wrote {raw}: the measurements (refit with --refit)")
+    from cmoe.profile_fit import beside
     typer.echo(beside(prof, m))
     write_text_atomic(out, json.dumps(prof.to_dict(), indent=1))
     typer.echo(f"wrote {out}: use it with cmoe simulate --profile {out}")

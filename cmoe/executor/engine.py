@@ -22,6 +22,15 @@ Compute-stream spans: `attention` (everything from the previous MoE layer's expe
 router's read-back: norms, attention, shared experts, dense layers), `route` (read-back and
 planning, while the GPU idles), `expert`, and `head` (final norm and LM head). Copy-stream
 spans: `load`. Host spans: `cpu_expert`, `roundtrip`.
+
+The `host` lane says where the Python thread spent its time, on the same clock: `host_attention`
+(issuing everything between two MoE layers), `host_sync` (waiting at the read-back for the GPU to
+catch up), `host_route` (reading the routes, planning, issuing loads), `host_expert` (issuing one
+expert's kernels and the loads deferred behind it) and `host_head`. When the GPU runs ahead of
+the host these host spans are what the compute spans measure; when the GPU is behind (waiting for
+a load) the host runs ahead and the two differ: the simulator models both (`cmoe.sim.engine`).
+`lead_us` (calibration only) queues that much GPU sleep before each layer's experts and before
+each pass, so the host gets ahead and the compute spans measure the GPU's own time.
 """
 
 from __future__ import annotations
@@ -87,7 +96,7 @@ class RunLog:
 
 class Engine:
     def __init__(self, model, shims, spec: ModelSpec, store, policy: Policy, device: torch.device,
-                 record_plans: bool = False, owa: bool = True):
+                 record_plans: bool = False, owa: bool = True, lead_us: float = 0.0):
         self.model, self.spec, self.store, self.policy, self.device = model, spec, store, policy, device
         self.cuda = device.type == "cuda"
         self.source = "gpu" if self.cuda else "cpu"
@@ -112,6 +121,7 @@ class Engine:
         self._prev_end: float | None = None
         self._cpu_views: dict = {}
         self._predicting = False
+        self._lead_cycles = _sleep_cycles(lead_us, device) if lead_us and self.cuda else 0
         self.handles = []
         for m in range(self.M):
             self.handles.append(self.gates[m].register_forward_hook(self._on_gate(m)))
@@ -226,10 +236,13 @@ class Engine:
         d, pool, clock = self.spec.moe_layers[m], self.pool, self.clock
         self._layer = m
         cs = torch.cuda.current_stream(self.device) if self.cuda else None
+        h_in = clock.host()
         t_in = clock.mark(cs)
         self._span(d, "compute", "attention", -1, self.last, t_in)
+        self._span(d, "host", "host_attention", -1, self.h_last, h_in)
         live = [i for i in range(hidden.shape[0]) if self.cur.active[i]]
         rows, wsorted, scores, needed, predicted = self._read_routes(m, idx, weights, live)
+        self._span(d, "host", "host_sync", -1, h_in, self.h_synced)
         plan = self.policy.plan(m, needed, predicted)
         assign = self._assign(m, plan, rows, wsorted, scores, live, idx.shape[1])
         gpu = [e for e in plan.gpu if e in assign]
@@ -252,16 +265,20 @@ class Engine:
         self.log.skipped += len(plan.skipped)
 
         out = torch.zeros_like(hidden)
+        self._span(d, "host", "host_route", -1, self.h_synced, clock.host())
         x_host = None
         if cpu and self.cuda:                      # hidden states to the host before the GPU gets busy
             h0 = clock.host()
             x_host = hidden.to("cpu")
             self._span(d, "cpu", "roundtrip", -1, h0, clock.host(), x_host.numel() * x_host.element_size())
+        if self._lead_cycles:
+            torch.cuda._sleep(self._lead_cycles)
         t_plan = clock.mark(cs)
         self._span(d, "compute", "route", -1, t_in, t_plan)
         for j, e in enumerate(gpu):
             s = plan.slots[e]
             assert pool.expert[m][s] == e, f"slot {s} of layer {m} holds {pool.expert[m][s]}, plan says {e}"
+            h0 = clock.host()
             pool.before_read(m, s)
             t0 = clock.mark(cs)
             if dense:
@@ -276,6 +293,7 @@ class Engine:
             for ld in [x for x in later if x.victim == e]:     # the slot's earlier expert has been read
                 self._load(ld)
                 later.remove(ld)
+            self._span(d, "host", "host_expert", e, h0, clock.host())
         for ld in later:                 # victims that were not computed (no rows): issue now
             self._load(ld)
         if cpu:
@@ -286,6 +304,7 @@ class Engine:
                 _loads(plan.loads), tuple(plan.gpu), tuple(plan.cpu), tuple(plan.skipped), tuple(pool.expert[m]),
                 tuple(_slot_table(self.policy.pool.where[m], len(pool.expert[m])))))
         self.last = clock.mark(cs)
+        self.h_last = clock.host()
         return out
 
     def _read_routes(self, m: int, idx: torch.Tensor, weights: torch.Tensor, live: list[int]):
@@ -301,6 +320,7 @@ class Engine:
         if nxt is not None:
             parts += [nxt[0].float(), nxt[1].float()]
         host = torch.cat(parts, 1).cpu().numpy()
+        self.h_synced = self.clock.host()
         rows, wsorted = self._ranked_rows(host[:, :K], host[:, K:2 * K], m, "route")
         col, scores = 2 * K, None
         if decode_commit:
@@ -386,6 +406,9 @@ class Engine:
             # Start every pass from an idle device: copies still running from the previous pass
             # finish first (that wait counts, see below).
             torch.cuda.synchronize(self.device)
+            if self._lead_cycles:
+                torch.cuda._sleep(self._lead_cycles)
+        self.h_last = self.clock.host()
         start = self.clock.mark(cs)
         self.last = start
         with torch.no_grad():
@@ -393,6 +416,7 @@ class Engine:
                              past_key_values=cache, use_cache=True, logits_to_keep=1)
         end = self.clock.mark(cs)
         self._span(-1, "compute", "head", -1, self.last, end)
+        self._span(-1, "host", "host_head", -1, self.h_last, self.clock.host())
         logits = out.logits[:, -1]
         if self.cuda:
             cs.synchronize()
@@ -422,6 +446,18 @@ class Engine:
         self._resolve(final=True)
         self.log.spans.sort(key=lambda s: (s[6], s[7], s[3]))
         return self.log
+
+
+def _sleep_cycles(us: float, device: torch.device) -> int:
+    """GPU clock cycles that `torch.cuda._sleep` spins for `us` microseconds (measured once)."""
+    n = 1_000_000
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(n)
+    s.record()
+    torch.cuda._sleep(n)
+    e.record()
+    e.synchronize()
+    return int(n * us / (s.elapsed_time(e) * 1e3))
 
 
 def _loads(loads) -> tuple:

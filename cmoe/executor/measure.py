@@ -2,7 +2,8 @@
 copies across sizes, device memory bandwidth, a large matmul, launch cost, one expert's FFN
 against tokens, the host CPU running the same expert, the hidden-state round trip, the slowdown
 a side-stream copy causes, and the executor's own non-expert time per decoder layer at batch 1
-and 8 (a short `upper` run of the model, cut to its first layers). Returns the dictionary
+and 8, on the GPU and on the host (a short `upper` run of the model, cut to its first layers,
+and on CUDA the same run with the GPU held back so that the host gets ahead). Returns the dictionary
 `cmoe.profile_fit.fit_profile` reads; every time is the best of several repeats.
 """
 
@@ -119,36 +120,43 @@ def expert(device: torch.device, spec: ModelSpec, fmt: str, tokens=(1, 2, 4, 8, 
             "cpu_expert": {"bytes": lay.nbytes, "points": cpts}, "roundtrip": best(roundtrip)}
 
 
-def _non_expert_per_pass(log, first: int) -> tuple[float, float]:
-    """Mean over decode passes of (attention + route time less the start-up, start-up), where the
-    start-up is layer `first`'s attention over the mean of the other layers' (us). Means, not
+def _per_layer(log, ops: tuple[str, ...], first: int | None) -> tuple[float, float]:
+    """Mean over decode passes of (the `ops` spans' time less the pass's start-up, start-up) in us,
+    where the start-up is layer `first`'s excess over the mean of the other layers. Means, not
     medians: throughput pays for the slow passes too."""
     per: dict[int, dict[int, float]] = {}
-    route: dict[int, float] = {}
     dec = {p for p, d, _, _ in log.pass_us if d}
     for s in log.spans:
-        if s[1] in dec and s[4] == "attention":
-            per.setdefault(s[1], {})[s[2]] = per.setdefault(s[1], {}).get(s[2], 0.0) + s[7] - s[6]
-        elif s[1] in dec and s[4] == "route":
-            route[s[1]] = route.get(s[1], 0.0) + s[7] - s[6]
-    ne, st = [], []
-    for p, att in per.items():
+        if s[1] in dec and s[4] in ops:
+            layer = per.setdefault(s[1], {})
+            layer[s[2]] = layer.get(s[2], 0.0) + s[7] - s[6]
+    tot, st = [], []
+    for att in per.values():
         others = [v for k, v in att.items() if k != first]
-        start = max(att[first] - (float(np.mean(others)) if others else 0.0), 0.0)
+        start = 0.0 if first is None else max(att[first] - (float(np.mean(others)) if others else 0.0), 0.0)
         st.append(start)
-        ne.append(sum(att.values()) + route.get(p, 0.0) - start)
-    return float(np.mean(ne)), float(np.mean(st))
+        tot.append(sum(att.values()) - start)
+    return float(np.mean(tot)), float(np.mean(st))
 
 
-def _mean(log, dec: set, op: str) -> float:
-    return float(np.mean([s[7] - s[6] for s in log.spans if s[1] in dec and s[4] == op])) / 1e6
+def _mean(log, op: str, stat=np.mean) -> float:
+    """Mean (or `stat`) duration of the decode passes' `op` spans, in seconds."""
+    dec = {p for p, d, _, _ in log.pass_us if d}
+    return float(stat([s[7] - s[6] for s in log.spans if s[1] in dec and s[4] == op])) / 1e6
+
+
+LEAD_US = 5000.0      # GPU sleep queued before each layer's experts in the GPU-time run: longer than
+                      # the host takes to issue a layer's experts and the next layer's attention
 
 
 def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, model_dir=None, tokens: int = 24) -> dict:
-    """Non-expert time per decoder layer and pass at batch 1 and 8, from the executor's timeline
-    of a short `upper` run (model cut to its first layers; same per-layer shapes); also what a
-    pass costs before its first layer (layer 0's excess) and after its last (the LM head), and
-    an expert kernel's time inside the running model at batch 1."""
+    """What the executor's own timeline says a model costs outside the experts, on the GPU and on
+    the host, at batch 1 and 8: a short `upper` run of the model (cut to its first layers; same
+    per-layer shapes) gives the host's side (its `host_*` spans); on CUDA a second run with GPU
+    sleep queued ahead of each layer (`lead_us`) lets the host get ahead, so its compute spans are
+    the GPU's own time (on the CPU both sides are the same run). Also the pass's start-up (layer
+    0's excess) and LM head on both sides, an expert's kernels inside the model on both sides, and
+    what predicting adds on the host per MoE layer (a `commit` run, all experts resident)."""
     from cmoe.executor.run import ExecConfig, Workload, budget_recipe, build, run_policy
     from cmoe.quant import non_expert_bytes
     from cmoe.trace.synthetic import SyntheticParams, generate
@@ -156,7 +164,12 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
         keep = tuple(d for d in spec.moe_layers if d < num_layers)
         spec = replace(spec, num_layers=num_layers, moe_layers=keep)
     rec = budget_recipe(fmt)
-    pts, extra = [], {}
+    cuda = device.type == "cuda"
+    first = spec.moe_layers[0]
+    L, M = spec.num_layers, spec.num_moe_layers
+    gpu: dict[str, list] = {"points": [], "expert": []}
+    host: dict[str, list] = {"layer": [], "route": [], "expert": [], "sync": [], "start": [], "head": []}
+    gpu_start = gpu_head = predict = 0.0
     w = None
     for batch in (1, 8):
         tr = generate(spec, rec, SyntheticParams(requests=batch, prompt_len=16, decode_len=tokens + 4, seed=batch))
@@ -168,22 +181,34 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
         if w.store is None:
             build(w, cfg)
         run_policy(w, cfg, "upper")                               # warm-up over the same lengths
-        r = run_policy(w, cfg, "upper")
-        first = spec.moe_layers[0]
-        ne, start = _non_expert_per_pass(r.log, first)
-        pts.append((batch, ne / spec.num_layers / 1e6))
-        dec = {p for p, d, _, _ in r.log.pass_us if d}
-        extra[batch] = {"head": _mean(r.log, dec, "head"), "start": start / 1e6, "expert": _mean(r.log, dec, "expert")}
-        if batch == 1:                       # what predicting adds per MoE layer (commit, all experts resident)
+        eager = run_policy(w, cfg, "upper").log
+        queued = run_policy(w, replace(cfg, lead_us=LEAD_US), "upper").log if cuda else eager
+        ne, start = _per_layer(queued, ("attention",), first)
+        gpu["points"].append((batch, ne / L / 1e6))
+        gpu["expert"].append((batch, _mean(queued, "expert")))
+        h_ne, h_start = _per_layer(eager, ("host_attention",), first)
+        h_route, _ = _per_layer(eager, ("host_route",), None)
+        host["layer"].append((batch, h_ne / L / 1e6))
+        host["route"].append((batch, h_route / M / 1e6))
+        host["expert"].append((batch, _mean(eager, "host_expert")))
+        host["sync"].append(_mean(eager, "host_sync", np.median))
+        if batch == 1:
+            gpu_start, gpu_head = start / 1e6, _mean(queued, "head")
+            host["start"].append(h_start / 1e6)
+            host["head"].append(_mean(eager, "host_head"))
             cc = replace(cfg, policies=("commit",), slots=spec.num_experts)
             run_policy(w, cc, "commit")
-            ne_c, _ = _non_expert_per_pass(run_policy(w, cc, "commit").log, first)
-            extra[1]["commit"] = max((ne_c - ne) / spec.num_moe_layers, 0.0) / 1e6
+            c_log = run_policy(w, cc, "commit").log
+            c_ne, _ = _per_layer(c_log, ("host_attention", "host_route"), first)
+            predict = max((c_ne - h_ne - h_route) / M, 0.0) / 1e6
     ne_bytes = non_expert_bytes(spec, rec)
     per_layer = (ne_bytes["attention"] + ne_bytes["norms"]) // spec.num_layers
-    return {"layer": {"resident_bytes": int(per_layer), "points": pts, "head_s": extra[1]["head"],
-                      "pass_start_s": extra[1]["start"], "expert_in_model_s": extra[1]["expert"],
-                      "predict_layer_s": extra[1]["commit"]}}
+    return {"layer": {"resident_bytes": int(per_layer), "points": gpu["points"], "head_s": gpu_head,
+                      "pass_start_s": gpu_start, "expert_in_model_s": gpu["expert"][0][1],
+                      "expert_points": gpu["expert"], "predict_layer_s": predict,
+                      "host": {"layer_points": host["layer"], "route_points": host["route"],
+                               "expert_points": host["expert"], "sync_s": float(np.median(host["sync"])),
+                               "pass_start_s": host["start"][0], "head_s": host["head"][0]}}}
 
 
 def measure(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4, model_dir=None,
@@ -217,5 +242,6 @@ def calibrate(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int =
     from cmoe.profile_fit import fit_profile, with_expert_classes
     m = measure(device, spec, fmt, num_layers, model_dir)
     label, mem = device_label_and_memory(device)
-    prof = fit_profile(name or label.lower().replace(" ", "-"), m, mem, label, time.strftime("%Y-%m-%d"))
+    m["device"] = {"label": label, "memory_bytes": mem, "date": time.strftime("%Y-%m-%d")}
+    prof = fit_profile(name or label.lower().replace(" ", "-"), m, mem, label, m["device"]["date"])
     return with_expert_classes(prof, H200), m

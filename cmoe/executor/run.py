@@ -47,6 +47,7 @@ class ExecConfig:
     owa: bool = True                  # commit: OWA re-weighting (False: the prediction's own weights)
     teacher: tuple[int, ...] | None = None   # live mode: feed these tokens instead of the argmax (quality runs)
     seed: int = 0
+    lead_us: float = 0.0              # calibration: GPU sleep queued ahead of each layer's experts (see Engine)
     include_prefill: bool = True
     record_plans: bool = False
     keep_logits: bool = False
@@ -313,7 +314,7 @@ def run_policy(w: Workload, cfg: ExecConfig, policy_name: str) -> ExecResult:
     layout, budget = layout_for(w, cfg, policy_name)
     pop = popularity(w.trace) if w.trace is not None else [[0] * w.spec.num_experts for _ in range(w.spec.num_moe_layers)]
     policy = make_policy(policy_name, layout, w.spec.num_experts, pop)
-    eng = Engine(w.model, w.shims, w.spec, w.store, policy, w.device, cfg.record_plans, cfg.owa)
+    eng = Engine(w.model, w.shims, w.spec, w.store, policy, w.device, cfg.record_plans, cfg.owa, cfg.lead_us)
     dev = w.device
     cache = DynamicCache(config=w.model.config)
     logits_out = []

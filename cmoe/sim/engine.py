@@ -197,7 +197,7 @@ class Simulation:
                 if plan.cpu:
                     # on a GPU the CPU experts overlap the layer's GPU experts; an executor running
                     # on the CPU itself does them after (one set of cores does both)
-                    cpu_t = (route_at if hw.fallback_overlap else clock) + hw.roundtrip_us
+                    cpu_t = route_at + hw.roundtrip_us
                     self._span(ps.index, d, "cpu", "roundtrip", -1, cpu_t - hw.roundtrip_us, cpu_t)
                     for e in plan.cpu:
                         dur = hw.cpu_expert_us(c.expert_bytes[m][e], votes.get(e, 1))

@@ -1,0 +1,140 @@
+"""Predicted against measured on a GPU (issue 5): calibrate once on this card, then for each pool
+size and batch simulate and execute every policy over the same trace and validate the pair.
+
+What `cmoe run` does for one configuration, done for several with one calibration and one host
+store (building Mixtral-8x7B's 256 int4 experts takes half a minute; the configurations differ
+only in pool and batch). Writes, under --out:
+- profile.json, profile.measurements.json: the calibration;
+- pool{GB}-b{B}/predicted, .../measured (run folders as cmoe simulate/execute write them, without
+  the Chrome traces), .../validation.json;
+- results.json: per configuration and policy, predicted and measured tokens/s and mean time per
+  token with the errors; rewritten after every configuration, so a run cut short keeps its figures.
+With --profile PATH it measures nothing and uses that profile (e.g. a second pass with the
+same calibration). Needs simpy for the predictions (without it only the measured side is written).
+
+    python benchmarks/validate_h200.py --out $OUT --pools 20,26 --batches 1,8 --tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cmoe.executor.run import ExecConfig, build, prepare, run_policy  # noqa: E402
+from cmoe.executor.run import write_outputs as write_exec  # noqa: E402
+from cmoe.policy.policies import POLICIES  # noqa: E402
+from cmoe.util import write_text_atomic  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--pools", default="20,26")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--spec", default="mixtral-8x7b")
+    ap.add_argument("--embedded", action="store_true", help="the embedded trained model and its trace instead "
+                    "(a quick check of this script on the CPU: --device cpu --slots 4)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--slots", type=int, default=None)
+    ap.add_argument("--profile", default=None, help="use this profile instead of calibrating")
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers built for calibrating")
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    policies = tuple(a.policies.split(","))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                           text=True).stdout.strip()
+    card = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
+    res = {"date": time.strftime("%Y-%m-%d"), "card": card, "torch": torch.__version__,
+           "commit": commit + ("+dirty" if dirty else ""), "spec": a.spec, "tokens": a.tokens, "configs": []}
+    import importlib.util
+    can_predict = importlib.util.find_spec("simpy") is not None
+    if not can_predict:
+        print("simpy is missing: measuring only", flush=True)
+
+    if a.embedded:
+        from cmoe.data import default_model
+        where = {"spec_name": None, "model_dir": default_model(), "trace_src": "embedded", "data": None}
+    else:
+        where = {"spec_name": a.spec, "model_dir": None, "trace_src": f"synthetic:{a.spec}", "data": None}
+    setup = {"tokens": a.tokens, "device": a.device, "slots": a.slots}
+    first = ExecConfig(policies=policies, pool_gb=float(a.pools.split(",")[0]), batch=1, **setup)
+    w, _ = prepare(cfg=first, **where)
+    if a.profile:
+        from cmoe.hw import load_profile
+        prof = load_profile(a.profile)
+    else:
+        from cmoe.executor.measure import calibrate
+        from cmoe.profile_fit import beside
+        t0 = time.perf_counter()
+        prof, m = calibrate(w.device, w.spec, w.fmt, a.layers, where["model_dir"], name=f"calibrated-{card.split()[-1].lower()}")
+        res["calibrate_s"] = time.perf_counter() - t0
+        print(beside(prof, m), flush=True)
+        write_text_atomic(a.out / "profile.json", json.dumps(prof.to_dict(), indent=1))
+        write_text_atomic(a.out / "profile.measurements.json", json.dumps(m, indent=1))
+        print(f"calibrated in {res['calibrate_s']:.0f} s", flush=True)
+    t0 = time.perf_counter()
+    build(w, first)
+    res["build_s"] = time.perf_counter() - t0
+    print(f"built store ({w.store.nbytes / 1e9:.1f} GB pinned) and model in {res['build_s']:.0f} s", flush=True)
+    built = (w.store, w.model, w.shims)
+
+    for batch in [int(b) for b in a.batches.split(",")]:
+        warm = True
+        for pool in [float(p) for p in a.pools.split(",")]:
+            cfg = ExecConfig(policies=policies, pool_gb=pool, batch=batch, **setup)
+            w, cfg = prepare(cfg=cfg, **where)
+            w.store, w.model, w.shims = built
+            if warm:                          # untimed: kernels, allocator, every KV length of this batch
+                run_policy(w, cfg, "upper")
+                warm = False
+            here = a.out / f"pool{pool:g}-b{batch}"
+            if can_predict:
+                from cmoe.pipeline import predict
+                predict(w, cfg, prof, here / "predicted")
+            results = []
+            for p in policies:
+                t1 = time.perf_counter()
+                results.append(run_policy(w, cfg, p))
+                print(f"pool {pool:g} batch {batch} {p:<13} {results[-1].metrics['tokens_per_s']:8.2f} tok/s "
+                      f"({time.perf_counter() - t1:.0f} s)", flush=True)
+            write_exec(here / "measured", results)
+            for f in (here / "measured").glob("timeline-*.json"):
+                f.unlink()                    # the Chrome traces: large, and made again from the Parquet
+            entry = {"pool_gb": pool, "batch": batch, "experts_fit": results[0].metrics["experts_fit"]
+                     if policies[0] != "upper" else results[-1].metrics["experts_fit"], "policies": {}}
+            for r in results:
+                entry["policies"][r.policy] = {"measured_tok_s": r.metrics["tokens_per_s"],
+                                               "measured_tpot_ms": r.metrics["tpot_ms_mean"]}
+            if can_predict:
+                from cmoe.validate import format_validation, validate_folders
+                for f in (here / "predicted").glob("timeline-*.json"):
+                    f.unlink()
+                vals = validate_folders(here / "predicted", here / "measured", list(policies))
+                write_text_atomic(here / "validation.json", json.dumps(vals, indent=1))
+                for v in vals:
+                    print(format_validation(v), flush=True)
+                    e = entry["policies"][v["policy"]]
+                    e.update(predicted_tok_s=v["tokens_per_s"]["predicted"], error=v["tokens_per_s"]["error"],
+                             predicted_tpot_ms=v["per_token"]["pred_mean_us"] / 1e3,
+                             tpot_mape=v["per_token"]["mape"], layer_mape_mean=v["per_layer_mape_mean"],
+                             layer_mape_max=v["per_layer_mape_max"], error_from=v["error_from"])
+            res["configs"].append(entry)
+            write_text_atomic(a.out / "results.json", json.dumps(res, indent=1))
+            del results
+            if w.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
