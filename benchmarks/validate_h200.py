@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=None)
     ap.add_argument("--profile", default=None, help="use this profile instead of calibrating")
     ap.add_argument("--layers", type=int, default=4, help="decoder layers built for calibrating")
+    ap.add_argument("--repeat", action="store_true", help="run the policies again in reverse order (measured-2/): "
+                    "how far two runs of the same configuration differ")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     policies = tuple(a.policies.split(","))
@@ -70,23 +72,24 @@ def main() -> None:
     setup = {"tokens": a.tokens, "device": a.device, "slots": a.slots}
     first = ExecConfig(policies=policies, pool_gb=float(a.pools.split(",")[0]), batch=1, **setup)
     w, _ = prepare(cfg=first, **where)
+    t0 = time.perf_counter()
+    build(w, first)
+    res["build_s"] = time.perf_counter() - t0
+    print(f"built store ({w.store.nbytes / 1e9:.1f} GB pinned) and model in {res['build_s']:.0f} s", flush=True)
     if a.profile:
         from cmoe.hw import load_profile
         prof = load_profile(a.profile)
-    else:
+    else:                                 # as cmoe run does: on this machine, on the model just built
         from cmoe.executor.measure import calibrate
         from cmoe.profile_fit import beside
         t0 = time.perf_counter()
-        prof, m = calibrate(w.device, w.spec, w.fmt, a.layers, where["model_dir"], name=f"calibrated-{card.split()[-1].lower()}")
+        prof, m = calibrate(w.device, w.spec, w.fmt, a.layers, where["model_dir"],
+                            name=f"calibrated-{card.split()[-1].lower()}", built=w)
         res["calibrate_s"] = time.perf_counter() - t0
         print(beside(prof, m), flush=True)
         write_text_atomic(a.out / "profile.json", json.dumps(prof.to_dict(), indent=1))
         write_text_atomic(a.out / "profile.measurements.json", json.dumps(m, indent=1))
         print(f"calibrated in {res['calibrate_s']:.0f} s", flush=True)
-    t0 = time.perf_counter()
-    build(w, first)
-    res["build_s"] = time.perf_counter() - t0
-    print(f"built store ({w.store.nbytes / 1e9:.1f} GB pinned) and model in {res['build_s']:.0f} s", flush=True)
     built = (w.store, w.model, w.shims)
 
     for batch in [int(b) for b in a.batches.split(",")]:
@@ -102,20 +105,26 @@ def main() -> None:
             if can_predict:
                 from cmoe.pipeline import predict
                 predict(w, cfg, prof, here / "predicted")
-            results = []
+            results, again = [], []
             for p in policies:
-                t1 = time.perf_counter()
-                results.append(run_policy(w, cfg, p))
-                print(f"pool {pool:g} batch {batch} {p:<13} {results[-1].metrics['tokens_per_s']:8.2f} tok/s "
-                      f"({time.perf_counter() - t1:.0f} s)", flush=True)
+                results.append(_timed(w, cfg, p, f"pool {pool:g} batch {batch}"))
             write_exec(here / "measured", results)
+            if a.repeat:
+                for p in reversed(policies):
+                    again.append(_timed(w, cfg, p, f"pool {pool:g} batch {batch} again"))
+                write_exec(here / "measured-2", again)
             for f in (here / "measured").glob("timeline-*.json"):
                 f.unlink()                    # the Chrome traces: large, and made again from the Parquet
+            for f in (here / "measured-2").glob("timeline-*.json"):
+                f.unlink()
             entry = {"pool_gb": pool, "batch": batch, "experts_fit": results[0].metrics["experts_fit"]
                      if policies[0] != "upper" else results[-1].metrics["experts_fit"], "policies": {}}
             for r in results:
                 entry["policies"][r.policy] = {"measured_tok_s": r.metrics["tokens_per_s"],
-                                               "measured_tpot_ms": r.metrics["tpot_ms_mean"]}
+                                               "measured_tpot_ms": r.metrics["tpot_ms_mean"],
+                                               "wall": r.metrics["wall"]}
+            for r in again:
+                entry["policies"][r.policy].update(again_tok_s=r.metrics["tokens_per_s"], again_wall=r.metrics["wall"])
             if can_predict:
                 from cmoe.validate import format_validation, validate_folders
                 for f in (here / "predicted").glob("timeline-*.json"):
@@ -134,6 +143,14 @@ def main() -> None:
             del results
             if w.device.type == "cuda":
                 torch.cuda.empty_cache()
+
+
+def _timed(w, cfg, policy: str, what: str):
+    t0, w0 = time.perf_counter(), time.time()
+    r = run_policy(w, cfg, policy)
+    r.metrics["wall"] = (w0, time.time())         # epoch seconds: lines up with a clock log taken beside
+    print(f"{what} {policy:<13} {r.metrics['tokens_per_s']:8.2f} tok/s ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return r
 
 
 if __name__ == "__main__":

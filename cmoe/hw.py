@@ -49,6 +49,8 @@ class HardwareProfile:
     host_route_us_per_token: float = 0.0
     host_expert_us: float = 0.0                     # issuing one expert's kernels
     host_expert_us_per_token: float = 0.0
+    host_expert_tail_us: float = 0.0                # ... of which after the kernel's end mark (bookkeeping)
+    cpu_expert_us_per_token: float = 0.0            # CPU expert: each extra token (0: the old max(1, tokens/8) scaling)
     host_pass_start_us: float = 0.0                 # per pass, host side of pass_start_us
     host_head_us: float = 0.0
     predict_layer_us: float = 0.0                   # per MoE layer, policies that predict, on the host: next router, read-back, OWA
@@ -114,7 +116,10 @@ class HardwareProfile:
         return self.host_expert_us + self.host_expert_us_per_token * max(tokens - 1, 0)
 
     def cpu_expert_us(self, nbytes: int, tokens: int) -> float:
-        return nbytes / (self.cpu_expert_gbps * GB) * 1e6 * max(1.0, tokens / 8)
+        one = nbytes / (self.cpu_expert_gbps * GB) * 1e6
+        if self.cpu_expert_us_per_token:
+            return one + self.cpu_expert_us_per_token * max(tokens - 1, 0)
+        return one * max(1.0, tokens / 8)
 
     # files ----------------------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -40,10 +40,12 @@ def run_all(out: Path, *, spec_name: str | None, model_dir: Path | None, trace_s
         from cmoe.errors import CmoeError
         raise CmoeError("cmoe run needs a trace to replay (--trace), so that both engines see the same routing")
     out.mkdir(parents=True, exist_ok=True)
-    if profile is None:                                   # calibrate once, on this machine
+    from cmoe.executor.run import build
+    build(w, cfg)
+    if profile is None:                                   # calibrate once, on this machine and this model
         from cmoe.executor.measure import calibrate
         from cmoe.profile_fit import beside
-        prof, m = calibrate(w.device, w.spec, w.fmt, layers, model_dir, name=f"calibrated-{w.device.type}")
+        prof, m = calibrate(w.device, w.spec, w.fmt, layers, model_dir, name=f"calibrated-{w.device.type}", built=w)
         echo(beside(prof, m))
         write_text_atomic(out / "profile.json", json.dumps(prof.to_dict(), indent=1))
         write_text_atomic(out / "profile.measurements.json", json.dumps(m, indent=1))

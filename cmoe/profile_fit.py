@@ -63,17 +63,22 @@ def curve(points: Points) -> tuple[tuple[int, float], ...]:
 
 
 def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) -> HardwareProfile:
-    launch_us = m["launch"] * 1e6
     ex = m["expert"]
     a, b = fit_line([(t - 1, s) for t, s in ex["points"]])         # seconds at one token; per extra token
     a = m["layer"].get("expert_in_model_s", a)                      # inside the running model, if measured
-    expert_bw = ex["bytes"] / max(a - 3 * m["launch"], 1e-9) / GB
+    host_side = bool(m["layer"].get("host"))
+    # with the host measured on its own, launching is the host's cost and the in-model time is the GPU's
+    launch_s = 0.0 if host_side else m["launch"]
+    expert_bw = ex["bytes"] / max(a - 3 * launch_s, 1e-9) / GB
     rate = 2 * ex["params"] / b / 1e12 if b > 0 else m["matmul"][0] / m["matmul"][1] / 1e12
     hbm = m["hbm"][0] / m["hbm"][1] / GB
     la, lb = fit_line([(t - 1, s) for t, s in m["layer"]["points"]])
     la -= m["layer"].get("resident_bytes", 0) / (hbm * GB)          # the profile adds weight reads itself
     cpu = m["cpu_expert"]
-    ca, _ = fit_line([(t - 1, s) for t, s in cpu["points"]])
+    ca, cb = fit_line([(t - 1, s) for t, s in cpu["points"]])
+    if m.get("cpu_expert_in_model"):                                # inside the running model, if measured
+        ca, cb = fit_line([(t - 1, s) for t, s in m["cpu_expert_in_model"]["points"]])
+    roundtrip = m.get("roundtrip_in_model") or m["roundtrip"]
     key = "int4" if ex["bits"] <= 4 else "int8" if ex["bits"] <= 8 else "bf16"
     src = f"measured by cmoe calibrate on {device}, {date}"
     host = _host_fields(m["layer"].get("host"))
@@ -81,15 +86,15 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         name=name, gpu_mem_bytes=gpu_mem_bytes, h2d_pinned=curve(m["h2d"]), d2h_pinned=curve(m["d2h"]),
         h2d_pageable_gbps=m["h2d_pageable"][0] / m["h2d_pageable"][1] / GB, copy_engines=1,
         hbm_gbps=hbm, matmul_tflops=rate,
-        expert_gbps=((key, expert_bw),), launch_us=launch_us, layer_fixed_us=max(la, 0.0) * 1e6,
+        expert_gbps=((key, expert_bw),), launch_us=launch_s * 1e6, layer_fixed_us=max(la, 0.0) * 1e6,
         attn_us_per_token=max(lb, 0.0) * 1e6, cpu_expert_gbps=cpu["bytes"] / max(ca, 1e-9) / GB,
-        roundtrip_us=m["roundtrip"] * 1e6, copy_compute_slowdown=max(m.get("copy_slowdown", 0.0), 0.0),
+        cpu_expert_us_per_token=max(cb, 0.0) * 1e6, roundtrip_us=roundtrip * 1e6, copy_compute_slowdown=max(m.get("copy_slowdown", 0.0), 0.0),
         pass_start_us=m["layer"].get("pass_start_s", 0.0) * 1e6, head_us=m["layer"].get("head_s", 0.0) * 1e6,
         predict_layer_us=m["layer"].get("predict_layer_s", 0.0) * 1e6, copy_fifo=True, **host,
         sources={k: src for k in ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "hbm_gbps", "expert_gbps",
                                   "launch_us", "layer_fixed_us", "attn_us_per_token", "cpu_expert_gbps",
                                   "roundtrip_us", "copy_compute_slowdown", "pass_start_us", "head_us",
-                                  "predict_layer_us", *host)}
+                                  "predict_layer_us", "cpu_expert_us_per_token", *host)}
         | {"matmul_tflops": src + " (slope of expert time over tokens: the rate extra tokens cost)",
            "copy_engines": "one copy stream, as the executor uses",
            "copy_fifo": "the executor issues every load to one copy stream, which runs them in issue order"})
@@ -105,6 +110,7 @@ def _host_fields(h: dict | None) -> dict:
         slope = {"layer": "host_attn_us_per_token", "route": "host_route_us_per_token",
                  "expert": "host_expert_us_per_token"}[key]
         out[f"host_{key}_us"], out[slope] = max(a, 0.0) * 1e6, max(b, 0.0) * 1e6
+    out["host_expert_tail_us"] = h.get("expert_tail_s", 0.0) * 1e6
     out["host_sync_us"] = h["sync_s"] * 1e6
     out["host_pass_start_us"] = h["pass_start_s"] * 1e6
     out["host_head_us"] = h["head_s"] * 1e6
@@ -140,7 +146,11 @@ def beside(p: HardwareProfile, m: dict) -> str:
     cpu = m["cpu_expert"]
     for t, s in cpu["points"]:
         rows.append(f"{'CPU expert, ' + str(t) + ' tokens':<28} {s * 1e6:10.1f}us {p.cpu_expert_us(cpu['bytes'], t):10.1f}us")
+    for t, s in (m.get("cpu_expert_in_model") or {}).get("points", []):
+        rows.append(f"{'CPU expert in model, ' + str(t) + ' tok':<28} {s * 1e6:10.1f}us {p.cpu_expert_us(cpu['bytes'], t):10.1f}us")
     rows.append(f"{'round trip':<28} {m['roundtrip'] * 1e6:10.1f}us {p.roundtrip_us:10.1f}us")
+    if m.get("roundtrip_in_model"):
+        rows.append(f"{'round trip in model':<28} {m['roundtrip_in_model'] * 1e6:10.1f}us {p.roundtrip_us:10.1f}us")
     return "\n".join(rows)
 
 

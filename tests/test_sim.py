@@ -69,9 +69,11 @@ def test_commit_loads_the_next_layer_while_this_one_runs():
 
 def test_static_runs_misses_on_the_cpu():
     run = run_tiny(tiny_trace([0], [[0], [0], [1]], [[0], [0], [1]]), "static")
-    assert run.spans[-3:] == [
-        ("sim", 2, 0, "compute", "attention", -1, 24, 34, 0), ("sim", 2, 0, "cpu", "roundtrip", -1, 34, 39, 0),
-        ("sim", 2, 0, "cpu", "cpu_expert", 1, 39, 49, 1000)]
+    # the hidden states go to the host (half the round trip), the expert runs there, the result comes back
+    assert run.spans[-5:] == [
+        ("sim", 2, 0, "compute", "attention", -1, 24, 34, 0), ("sim", 2, 0, "compute", "route", -1, 34, 36.5, 0),
+        ("sim", 2, 0, "cpu", "roundtrip", -1, 34, 36.5, 0), ("sim", 2, 0, "cpu", "cpu_expert", 1, 36.5, 46.5, 1000),
+        ("sim", 2, 0, "cpu", "roundtrip", -1, 46.5, 49, 0)]
     assert run.fallbacks == 1 and run.loads == 0 and run.pass_us[-1][3] == 25
 
 

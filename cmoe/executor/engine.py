@@ -450,9 +450,10 @@ class Engine:
 
 def _sleep_cycles(us: float, device: torch.device) -> int:
     """GPU clock cycles that `torch.cuda._sleep` spins for `us` microseconds (measured once)."""
-    n = 1_000_000
+    n = 10_000_000
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(n)
+    for _ in range(10):              # an idle GPU clocks down: spin long enough for it to clock up first
+        torch.cuda._sleep(n)
     s.record()
     torch.cuda._sleep(n)
     e.record()

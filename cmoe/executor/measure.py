@@ -149,18 +149,46 @@ LEAD_US = 5000.0      # GPU sleep queued before each layer's experts in the GPU-
                       # the host takes to issue a layer's experts and the next layer's attention
 
 
-def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, model_dir=None, tokens: int = 24) -> dict:
+def _cpu_points(log, tr, batch: int, spec: ModelSpec) -> tuple[list, list]:
+    """(tokens, seconds) of every CPU expert of the decode passes, its tokens from the trace's
+    votes, and the round trip's two halves added up per layer (seconds)."""
+    from cmoe.trace.passes import make_passes
+    passes = make_passes(tr, batch)
+    moe = {d: m for m, d in enumerate(spec.moe_layers)}
+    dec = {p for p, d, _, _ in log.pass_us if d}
+    pts, trips = [], {}
+    for s in log.spans:
+        if s[1] not in dec:
+            continue
+        if s[4] == "cpu_expert":
+            ps, m = passes[s[1]], moe[s[2]]
+            votes = dict(zip(ps.needed[m], ps.votes[m]))
+            pts.append((votes.get(s[5], 1), (s[7] - s[6]) / 1e6))
+        elif s[4] == "roundtrip":
+            trips[(s[1], s[2])] = trips.get((s[1], s[2]), 0.0) + (s[7] - s[6]) / 1e6
+    return pts, list(trips.values())
+
+
+def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, model_dir=None, tokens: int = 32,
+           built=None) -> dict:
     """What the executor's own timeline says a model costs outside the experts, on the GPU and on
-    the host, at batch 1 and 8: a short `upper` run of the model (cut to its first layers; same
-    per-layer shapes) gives the host's side (its `host_*` spans); on CUDA a second run with GPU
-    sleep queued ahead of each layer (`lead_us`) lets the host get ahead, so its compute spans are
-    the GPU's own time (on the CPU both sides are the same run). Also the pass's start-up (layer
-    0's excess) and LM head on both sides, an expert's kernels inside the model on both sides, and
-    what predicting adds on the host per MoE layer (a `commit` run, all experts resident)."""
+    the host, at batch 1 and 8: a short `upper` run gives the host's side (its `host_*` spans); on
+    CUDA a second run with GPU sleep queued ahead of each layer (`lead_us`) lets the host get
+    ahead, so its compute spans are the GPU's own time (on the CPU both sides are the same run).
+    Also the pass's start-up (layer 0's excess) and LM head on both sides, an expert's kernels
+    inside the model on both sides, what predicting adds on the host per MoE layer (a `commit` run,
+    all experts resident), and CPU experts and the round trip inside the model (a `static` run
+    with top_k slots per layer, when the store has CPU copies of the experts).
+
+    `built`: a Workload already built (its model, store and spec are used as they are: the model
+    the runs will use, in the state they will find it); otherwise the model is built here, cut to
+    its first `num_layers` layers (same per-layer shapes)."""
     from cmoe.executor.run import ExecConfig, Workload, budget_recipe, build, run_policy
     from cmoe.quant import non_expert_bytes
     from cmoe.trace.synthetic import SyntheticParams, generate
-    if model_dir is None:
+    if built is not None:
+        spec, model_dir = built.spec, built.model_dir
+    elif model_dir is None:
         keep = tuple(d for d in spec.moe_layers if d < num_layers)
         spec = replace(spec, num_layers=num_layers, moe_layers=keep)
     rec = budget_recipe(fmt)
@@ -168,9 +196,11 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
     first = spec.moe_layers[0]
     L, M = spec.num_layers, spec.num_moe_layers
     gpu: dict[str, list] = {"points": [], "expert": []}
-    host: dict[str, list] = {"layer": [], "route": [], "expert": [], "sync": [], "start": [], "head": []}
+    host: dict[str, list] = {"layer": [], "route": [], "expert": [], "expert_span": [], "sync": [], "start": [],
+                             "head": []}
+    cpu_pts, trips = [], []
     gpu_start = gpu_head = predict = 0.0
-    w = None
+    w = built
     for batch in (1, 8):
         tr = generate(spec, rec, SyntheticParams(requests=batch, prompt_len=16, decode_len=tokens + 4, seed=batch))
         nw = Workload(spec=spec, device=device, fmt=fmt, trace=tr, model_dir=model_dir)
@@ -179,46 +209,63 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
         w = nw
         cfg = ExecConfig(policies=("upper",), pool_gb=1e3, batch=batch, tokens=tokens, device=device.type)
         if w.store is None:
-            build(w, cfg)
+            build(w, replace(cfg, policies=("upper", "static")))
         run_policy(w, cfg, "upper")                               # warm-up over the same lengths
-        eager = run_policy(w, cfg, "upper").log
-        queued = run_policy(w, replace(cfg, lead_us=LEAD_US), "upper").log if cuda else eager
+        eager = [run_policy(w, cfg, "upper").log for _ in range(2)]
+        queued = run_policy(w, replace(cfg, lead_us=LEAD_US), "upper").log if cuda else eager[0]
         ne, start = _per_layer(queued, ("attention",), first)
         gpu["points"].append((batch, ne / L / 1e6))
         gpu["expert"].append((batch, _mean(queued, "expert")))
-        h_ne, h_start = _per_layer(eager, ("host_attention",), first)
-        h_route, _ = _per_layer(eager, ("host_route",), None)
+        h_ne, h_start = np.mean([_per_layer(e, ("host_attention",), first) for e in eager], axis=0)
+        h_route = np.mean([_per_layer(e, ("host_route",), None)[0] for e in eager])
         host["layer"].append((batch, h_ne / L / 1e6))
         host["route"].append((batch, h_route / M / 1e6))
-        host["expert"].append((batch, _mean(eager, "host_expert")))
-        host["sync"].append(_mean(eager, "host_sync", np.median))
+        host["expert"].append((batch, np.mean([_mean(e, "host_expert") for e in eager])))
+        # on a host-bound GPU an expert's compute span is the host's time between its two marks
+        host["expert_span"].append((batch, np.mean([_mean(e, "expert") for e in eager])))
+        host["sync"] += [_mean(e, "host_sync", np.median) for e in eager]
         if batch == 1:
             gpu_start, gpu_head = start / 1e6, _mean(queued, "head")
             host["start"].append(h_start / 1e6)
-            host["head"].append(_mean(eager, "host_head"))
+            host["head"].append(np.mean([_mean(e, "host_head") for e in eager]))
             cc = replace(cfg, policies=("commit",), slots=spec.num_experts)
             run_policy(w, cc, "commit")
             c_log = run_policy(w, cc, "commit").log
             c_ne, _ = _per_layer(c_log, ("host_attention", "host_route"), first)
             predict = max((c_ne - h_ne - h_route) / M, 0.0) / 1e6
+        if not cuda or w.store.cpu_twins is not None:
+            st = run_policy(w, replace(cfg, policies=("static",), slots=spec.top_k, tokens=min(tokens, 8)), "static").log
+            p, t = _cpu_points(st, tr, batch, spec)
+            cpu_pts += p
+            trips += t
     ne_bytes = non_expert_bytes(spec, rec)
     per_layer = (ne_bytes["attention"] + ne_bytes["norms"]) // spec.num_layers
-    return {"layer": {"resident_bytes": int(per_layer), "points": gpu["points"], "head_s": gpu_head,
-                      "pass_start_s": gpu_start, "expert_in_model_s": gpu["expert"][0][1],
-                      "expert_points": gpu["expert"], "predict_layer_s": predict,
-                      "host": {"layer_points": host["layer"], "route_points": host["route"],
-                               "expert_points": host["expert"], "sync_s": float(np.median(host["sync"])),
-                               "pass_start_s": host["start"][0], "head_s": host["head"][0]}}}
+    tail = [(t, max(a[1] - b[1], 0.0)) for t, a, b in zip((1, 8), host["expert"], host["expert_span"])]
+    out = {"layer": {"resident_bytes": int(per_layer), "points": gpu["points"], "head_s": gpu_head,
+                     "pass_start_s": gpu_start, "expert_in_model_s": gpu["expert"][0][1],
+                     "expert_points": gpu["expert"], "predict_layer_s": predict,
+                     "host": {"layer_points": host["layer"], "route_points": host["route"],
+                              "expert_points": host["expert"], "expert_tail_s": float(np.mean([x for _, x in tail])),
+                              "sync_s": float(np.median(host["sync"])),
+                              "pass_start_s": host["start"][0], "head_s": host["head"][0]}}}
+    if cpu_pts:
+        by: dict[int, list] = {}
+        for t, x in cpu_pts:
+            by.setdefault(int(t), []).append(x)
+        out["cpu_expert_in_model"] = {"points": [(t, float(np.median(v))) for t, v in sorted(by.items())],
+                                      "count": [(t, len(v)) for t, v in sorted(by.items())]}
+        out["roundtrip_in_model"] = float(np.median(trips)) if trips else None
+    return out
 
 
 def measure(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4, model_dir=None,
-            progress: bool = True) -> dict:
+            progress: bool = True, built=None) -> dict:
     from tqdm import tqdm
     cuda = device.type == "cuda"
     sizes = [2**k for k in range(16, 29, 2)] if cuda else [2**k for k in range(16, 25, 2)]
     steps = [("copies", lambda: copies(device, sizes)), ("compute", lambda: compute(device)),
              ("expert", lambda: expert(device, spec, fmt)),
-             ("layers", lambda: layers(device, spec, fmt, num_layers, model_dir))]
+             ("layers", lambda: layers(device, spec, fmt, num_layers, model_dir, built=built))]
     out: dict = {}
     for name, fn in tqdm(steps, desc="calibrate", disable=not progress):
         out.update(fn())
@@ -235,12 +282,13 @@ def device_label_and_memory(device: torch.device) -> tuple[str, int]:
 
 
 def calibrate(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4, model_dir=None,
-              name: str | None = None):
+              name: str | None = None, built=None):
     """Measure, then fit a profile (weight widths not measured keep the h200 profile's speeds).
-    Returns the profile and the measurements it was fitted to."""
+    Returns the profile and the measurements it was fitted to. `built`: measure the layers on this
+    already built workload (see `layers`)."""
     from cmoe.hw import H200
     from cmoe.profile_fit import fit_profile, with_expert_classes
-    m = measure(device, spec, fmt, num_layers, model_dir)
+    m = measure(device, spec, fmt, num_layers, model_dir, built=built)
     label, mem = device_label_and_memory(device)
     m["device"] = {"label": label, "memory_bytes": mem, "date": time.strftime("%Y-%m-%d")}
     prof = fit_profile(name or label.lower().replace(" ", "-"), m, mem, label, m["device"]["date"])

@@ -1,18 +1,33 @@
-"""The SimPy model: a GPU compute stream, the H2D copy engine(s) and a CPU worker, replaying a trace
-under one policy. Scenario: experts live in pinned host memory; the GPU pool holds a policy-chosen
-subset in padded slots; for every pass and MoE layer the compute stream runs attention and the
-router, asks the policy for a plan, issues its loads, then computes each planned expert as soon as
-its copy has landed, while fallback experts run on the CPU.
+"""The SimPy model: a host thread, a GPU compute stream, the H2D copy engine(s) and a CPU worker,
+replaying a trace under one policy. Scenario: experts live in pinned host memory; the GPU pool
+holds a policy-chosen subset in padded slots; for every pass and MoE layer the host issues
+attention and the router, reads the routing back, asks the policy for a plan, issues its loads,
+then issues each planned expert, which the GPU runs as soon as its copy has landed, while
+fallback experts run on the CPU.
+
+Two clocks, as in an eager PyTorch program (the executor is one):
+- `H`, the host thread: it pays `host_*` times to issue work and never waits for the GPU except
+  at the routing read-back (and at the end of a pass);
+- `G`, the compute stream: an op ends at max(max(G, issue start) + its GPU time, host issue end),
+  so a host slower than the GPU (eager transformers code) sets the pace, and a GPU waiting for a
+  load lets the host run ahead and queue the next layer's attention, which then runs at GPU speed.
+A mark (a span's edge) lands where the executor's CUDA event would: max(G, H) when recorded.
+With every `host_*` time 0 (the built-in profiles: a lean decoder whose host keeps ahead) this
+is one compute clock, as before.
 
 Processes and resources:
 - `compute`: one generator per run walks passes and layers. Ops that need no waiting are summed
   arithmetically and the clock is advanced in one timeout, so an all-hits layer costs one event.
-- `copy engines`: `profile.copy_engines` generators draining one PriorityStore ordered by
-  (pass, layer, demand before prefetch, issue order): loads needed soonest go first.
-- slots: a load into a slot is queued only once no planned kernel still reads the slot and no
-  earlier write to it is pending; the copy then starts no earlier than the last reader's end.
-- CPU worker: fallback experts run one after another on the CPU after a GPU->CPU->GPU round
-  trip; the layer ends when both the GPU experts and the CPU results are done.
+- `copy engines`: `profile.copy_engines` generators. With `profile.copy_fifo` (the executor: one
+  copy stream) loads run in issue order and a load whose slot an expert of the same layer still
+  reads is issued right after that expert; otherwise one PriorityStore ordered by (pass, layer,
+  demand before prefetch, issue order): loads needed soonest go first, and a load into a slot is
+  queued only once no planned kernel still reads the slot and no earlier write to it is pending.
+  Either way a copy starts no earlier than the last reader's end. A pass starts once every copy
+  has landed (the executor synchronises the device between passes).
+- CPU worker: fallback experts run one after another on the host after it has issued the GPU
+  experts, between the two halves of the GPU->CPU->GPU round trip; the layer ends when both the
+  GPU experts and the CPU results are done.
 Op times come from the HardwareProfile; sizes from the trace's exact expert bytes.
 """
 
@@ -72,7 +87,10 @@ class Simulation:
                  record_log: bool = False):
         self.policy, self.hw, self.c, self.passes = policy, profile, costs, passes
         self.env = simpy.Environment()
-        self.queue = simpy.PriorityStore(self.env)
+        self.queue = simpy.Store(self.env) if profile.copy_fifo else simpy.PriorityStore(self.env)
+        self.in_flight = 0                     # loads issued and not landed
+        self.drained: simpy.Event | None = None
+        self.pass_index = 0
         self.slots = [[_Slot() for _ in range(n)] for n in policy.layout.slots]
         self.ready: dict[tuple[int, int], simpy.Event] = {}
         self.run = SimRun()
@@ -86,6 +104,10 @@ class Simulation:
     def _issue(self, ld: Load, pass_idx: int) -> None:
         self.ready[(ld.layer, ld.expert)] = self.env.event()
         self.seq += 1
+        self.in_flight += 1
+        if self.hw.copy_fifo:
+            self.queue.put(ld)
+            return
         item = simpy.PriorityItem((pass_idx, ld.layer, _RANK[ld.kind], self.seq), ld)
         st = self.slots[ld.layer][ld.slot]
         if st.pending == 0 and st.writes == 0:
@@ -103,14 +125,14 @@ class Simulation:
         env, hw, run = self.env, self.hw, self.run
         while True:
             item = yield self.queue.get()
-            ld: Load = item.item
+            ld: Load = item if hw.copy_fifo else item.item
             st = self.slots[ld.layer][ld.slot]
             if st.free_at > env.now:
                 yield env.timeout(st.free_at - env.now)
             nbytes = self.c.expert_bytes[ld.layer][ld.expert]
             start = env.now
             yield env.timeout(hw.h2d_us(nbytes))
-            run.spans.append(("sim", item.priority[0], self.c.moe_layers[ld.layer], name, "load", ld.expert,
+            run.spans.append(("sim", self.pass_index, self.c.moe_layers[ld.layer], name, "load", ld.expert,
                               start, env.now, nbytes))
             if self.record_log:
                 run.log.append((start, "load_start", ld.layer, ld.slot, ld.expert))
@@ -118,8 +140,13 @@ class Simulation:
             run.loads += 1
             run.bytes_moved += nbytes
             self.ready[(ld.layer, ld.expert)].succeed()
-            st.writes -= 1
-            self._release(st)
+            self.in_flight -= 1
+            if self.in_flight == 0 and self.drained is not None:
+                self.drained.succeed()
+                self.drained = None
+            if not hw.copy_fifo:
+                st.writes -= 1
+                self._release(st)
 
     # compute ----------------------------------------------------------------------------------
     def _span(self, p: int, layer: int, stream: str, op: str, expert: int, start: float, end: float, nbytes: int = 0):
@@ -129,33 +156,52 @@ class Simulation:
         if clock > self.env.now:
             yield self.env.timeout(clock - self.env.now)
 
+    @staticmethod
+    def _op(H: float, G: float, host: float, gpu: float) -> tuple[float, float]:
+        """The host spends `host` issuing work the GPU needs `gpu` for: new (H, G)."""
+        H2 = H + host
+        return H2, max(max(G, H) + gpu, H2)
+
     def _compute(self):
         env, hw, c, pol, run = self.env, self.hw, self.c, self.policy, self.run
         M = len(c.moe_layers)
+        fifo = hw.copy_fifo
+        predict_us = hw.predict_layer_us if pol.uses_prediction else 0.0
+        H = G = prev_end = 0.0
         for ps in self.passes:
-            t0 = clock = env.now
+            if self.in_flight:                   # the device is synchronised between passes, copies included
+                self.drained = env.event()
+                yield self.drained
+            H = max(H, G, env.now)
+            yield from self._sync(H)
+            self.pass_index = ps.index
             hits0, ran0 = run.hits, run.gpu_experts + run.fallbacks
             n = ps.num_tokens
             for ld in pol.begin_pass(ps.decode, list(ps.predicted[0])):
                 self._issue(ld, ps.index)
-            if hw.pass_start_us:                 # embedding, masks, the pass's first sync: counted with layer 0
-                self._span(ps.index, 0, "compute", "attention", -1, clock, clock + hw.pass_start_us)
-                clock += hw.pass_start_us
+            last = H
+            # embedding, masks, the pass's first sync: counted with layer 0's attention
+            H, G = self._op(H, G, hw.host_pass_start_us, hw.pass_start_us)
             prev_layer = -1
             for m in range(M):
                 d = c.moe_layers[m]
                 for dense in range(prev_layer + 1, d):           # dense decoder layers before this one
-                    dur = hw.layer_us(n, c.attn_bytes) + hw.expert_us(c.dense_bytes, c.dense_bits, n, c.dense_bytes)
-                    self._span(ps.index, dense, "compute", "dense", -1, clock, clock + dur)
-                    clock += dur
+                    H, G = self._op(H, G, hw.host_layer(n) + hw.host_expert(n),
+                                    hw.layer_us(n, c.attn_bytes)
+                                    + hw.expert_us(c.dense_bytes, c.dense_bits, n, c.dense_bytes))
+                    self._span(ps.index, dense, "compute", "dense", -1, last, G)
+                    last = G
                 prev_layer = d
-                dur = hw.layer_us(n, c.attn_bytes) + (hw.predict_layer_us if pol.uses_prediction else 0.0)
-                self._span(ps.index, d, "compute", "attention", -1, clock, clock + dur)
-                clock += dur
+                gpu = hw.layer_us(n, c.attn_bytes)
+                host = hw.host_layer(n)
                 if c.shared_bytes:
-                    dur = hw.expert_us(c.shared_bytes, c.dense_bits, n, c.shared_bytes)
-                    self._span(ps.index, d, "compute", "shared", -1, clock, clock + dur, c.shared_bytes)
-                    clock += dur
+                    gpu += hw.expert_us(c.shared_bytes, c.dense_bits, n, c.shared_bytes)
+                    host += hw.host_expert(n)
+                H, G = self._op(H, G, host, gpu)
+                self._span(ps.index, d, "compute", "attention", -1, last, G)
+                t_in = G
+                # the routing read-back waits for the GPU; then reading, planning, issuing loads
+                H = max(H, G) + hw.host_sync_us + hw.host_route(n) + predict_us
                 nxt = list(ps.predicted[m + 1]) if m + 1 < M else None
                 plan = pol.plan(m, list(ps.needed[m]), nxt)
                 votes = dict(zip(ps.needed[m], ps.votes[m]))
@@ -164,53 +210,78 @@ class Simulation:
                 run.skipped += len(plan.skipped)
                 loaded = {ld.expert for ld in plan.loads if ld.layer == m}
                 run.gpu_experts += len(plan.gpu)
-                for e in plan.gpu:            # reads of resident experts; a loaded one is read after its write
-                    if e not in loaded:
-                        self.slots[m][plan.slots[e]].pending += 1
-                if plan.loads:
-                    yield from self._sync(clock)
+                gpu_set = set(plan.gpu)
+                later: dict[int, list[Load]] = {}
+                now_loads = plan.loads
+                if fifo:                      # a victim this layer still reads: its load waits behind its kernel
+                    now_loads = []
                     for ld in plan.loads:
+                        if ld.layer == m and ld.victim in gpu_set:
+                            later.setdefault(ld.victim, []).append(ld)
+                        else:
+                            now_loads.append(ld)
+                else:
+                    for e in plan.gpu:        # reads of resident experts; a loaded one is read after its write
+                        if e not in loaded:
+                            self.slots[m][plan.slots[e]].pending += 1
+                if now_loads:
+                    yield from self._sync(H)
+                    for ld in now_loads:
                         self._issue(ld, ps.index)
-                route_at = clock
+                if plan.cpu:                  # the hidden states go to the host first (first half of the trip)
+                    self._span(ps.index, d, "cpu", "roundtrip", -1, H, H + hw.roundtrip_us / 2)
+                    H += hw.roundtrip_us / 2
+                if H > t_in:
+                    self._span(ps.index, d, "compute", "route", -1, t_in, H)
                 for e in plan.gpu:
+                    due = max(G, H)
                     ev = self.ready.get((m, e))
                     if ev is not None and not ev.triggered:
-                        yield from self._sync(clock)      # the copy may land before the kernel is due
+                        yield from self._sync(due)      # the copy may land before the kernel is due
                     if ev is None or ev.triggered:
                         run.hits += 1
+                        start = due
                     else:
-                        waited = env.now
                         yield ev
-                        run.stall_us += env.now - waited
-                        clock = env.now
-                    tokens = votes.get(e, 1)
-                    dur = hw.expert_us(c.expert_bytes[m][e], c.expert_bits[m][e], tokens, c.expert_params)
-                    self._span(ps.index, d, "compute", "expert", e, clock, clock + dur, c.expert_bytes[m][e])
+                        run.stall_us += env.now - due
+                        start = env.now
+                    issue = hw.host_expert(n)
+                    dur = hw.expert_us(c.expert_bytes[m][e], c.expert_bits[m][e], votes.get(e, 1), c.expert_params)
+                    G = max(start + dur, H + issue - hw.host_expert_tail_us)     # the end mark precedes the tail
+                    H += issue
+                    self._span(ps.index, d, "compute", "expert", e, start, G, c.expert_bytes[m][e])
                     st = self.slots[m][plan.slots[e]]
-                    st.pending -= e not in loaded
-                    st.free_at = max(st.free_at, clock + dur)
+                    st.free_at = max(st.free_at, G)
                     if self.record_log:
-                        run.log.append((clock, "read_start", m, plan.slots[e], e))
-                        run.log.append((clock + dur, "read_end", m, plan.slots[e], e))
-                    clock += dur
-                    self._release(st)
+                        run.log.append((start, "read_start", m, plan.slots[e], e))
+                        run.log.append((G, "read_end", m, plan.slots[e], e))
+                    if fifo:
+                        for ld in later.pop(e, ()):
+                            yield from self._sync(H)
+                            self._issue(ld, ps.index)
+                    else:
+                        st.pending -= e not in loaded
+                        self._release(st)
                 if plan.cpu:
-                    # on a GPU the CPU experts overlap the layer's GPU experts; an executor running
-                    # on the CPU itself does them after (one set of cores does both)
-                    cpu_t = route_at + hw.roundtrip_us
-                    self._span(ps.index, d, "cpu", "roundtrip", -1, cpu_t - hw.roundtrip_us, cpu_t)
+                    # the host runs them once it has issued the GPU experts, then sends the results back
+                    cpu_t = H
                     for e in plan.cpu:
                         dur = hw.cpu_expert_us(c.expert_bytes[m][e], votes.get(e, 1))
                         self._span(ps.index, d, "cpu", "cpu_expert", e, cpu_t, cpu_t + dur, c.expert_bytes[m][e])
                         cpu_t += dur
-                    if cpu_t > clock:
-                        run.stall_us += cpu_t - clock
-                        clock = cpu_t
-            if hw.head_us:
-                self._span(ps.index, -1, "compute", "head", -1, clock, clock + hw.head_us)
-                clock += hw.head_us
-            yield from self._sync(clock)
-            run.pass_us.append((ps.index, ps.decode, n, env.now - t0))
+                    self._span(ps.index, d, "cpu", "roundtrip", -1, cpu_t, cpu_t + hw.roundtrip_us / 2)
+                    H = cpu_t + hw.roundtrip_us / 2
+                    if H > G:                 # the GPU waits for the CPU's results
+                        run.stall_us += H - G
+                        G = H
+                last = max(G, H)
+            H, G = self._op(H, G, hw.host_head_us, hw.head_us)
+            if hw.head_us or hw.host_head_us:
+                self._span(ps.index, -1, "compute", "head", -1, last, G)
+            H = max(H, G)                           # the host waits for the logits
+            yield from self._sync(H)
+            run.pass_us.append((ps.index, ps.decode, n, G - prev_end))
+            prev_end = G
             run.occupancy.append(pol.pool.occupancy())
             run.pass_hits.append((run.hits - hits0, run.gpu_experts + run.fallbacks - ran0))
 
