@@ -26,7 +26,8 @@ spans: `load`. Host spans: `cpu_expert`, `roundtrip`.
 The `host` lane says where the Python thread spent its time, on the same clock: `host_attention`
 (issuing everything between two MoE layers), `host_sync` (waiting at the read-back for the GPU to
 catch up), `host_route` (reading the routes, planning, issuing loads), `host_expert` (issuing one
-expert's kernels and the loads deferred behind it) and `host_head`. When the GPU runs ahead of
+expert's kernels and the loads deferred behind it) and `host_head`; `host_predict` (running the
+next layer's router early, labelled with the layer it predicts) lies inside a `host_attention`. When the GPU runs ahead of
 the host these host spans are what the compute spans measure; when the GPU is behind (waiting for
 a load) the host runs ahead and the two differ: the simulator models both (`cmoe.sim.engine`).
 `lead_us` (calibration only) queues that much GPU sleep before each layer's experts and before
@@ -160,12 +161,14 @@ class Engine:
             h = out.reshape(-1, out.shape[-1])
             want = self.policy.uses_prediction and (m > 0 or (self.commit and self.cur.decode))
             if want:
+                h0 = self.clock.host()
                 self._predicting = True
                 try:
                     _, w, idx = self.gates[m](h)
                 finally:
                     self._predicting = False
                 self.pred_gpu[m] = (idx, w)
+                self._span(self.spec.moe_layers[m], "host", "host_predict", -1, h0, self.clock.host())
             if m == 0:
                 self._begin_pass()
         return hook

@@ -231,8 +231,11 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
             cc = replace(cfg, policies=("commit",), slots=spec.num_experts)
             run_policy(w, cc, "commit")
             c_log = run_policy(w, cc, "commit").log
-            c_ne, _ = _per_layer(c_log, ("host_attention", "host_route"), first)
-            predict = max((c_ne - h_ne - h_route) / M, 0.0) / 1e6
+            # the early router itself, timed on its own, plus what the larger read-back and OWA add
+            # to the route (a difference of two runs' host times: noisy, so only the route's part)
+            c_route, _ = _per_layer(c_log, ("host_route",), None)
+            c_pred, _ = _per_layer(c_log, ("host_predict",), None)
+            predict = (c_pred + max(c_route - h_route, 0.0)) / M / 1e6
         if not cuda or w.store.cpu_twins is not None:
             st = run_policy(w, replace(cfg, policies=("static",), slots=spec.top_k, tokens=min(tokens, 8)), "static").log
             p, t = _cpu_points(st, tr, batch, spec)
