@@ -13,7 +13,9 @@ value.
   dense and shared MLPs, routing, LM head: the engines split these differently, so they are
   compared as one kind, `non-expert`);
 - **per layer**: wall time on the compute stream from the end of the previous layer's last span
-  to the end of this layer's, stalls included, per pass;
+  to the end of this layer's, stalls included: MAPE over (pass, layer) pairs, which also counts
+  pass-to-pass jitter no model predicts, and the error of each layer's mean time over the passes
+  (the worst layer's is `per_layer_mean_error_max`);
 - **per token**: decode pass latency; **end to end**: tokens over time for all compared passes;
 - **attribution**: the mean decode pass split into non-expert compute, expert compute and the
   rest (waiting for loads or CPU experts, gaps); the part with the largest difference is where
@@ -135,6 +137,9 @@ def validate(pred: Run, meas: Run) -> dict:
     for layer in sorted({l for _, l in set(lp) & set(lm)}):
         keys = sorted(k for k in set(lp) & set(lm) if k[1] == layer)
         layers[layer] = _errors(np.array([lp[k] for k in keys]), np.array([lm[k] for k in keys]))
+        e = layers[layer]
+        # the layer's mean time over the passes: what a model can predict (MAPE also counts jitter)
+        e["mean_error"] = (e["pred_mean_us"] - e["meas_mean_us"]) / e["meas_mean_us"] if e["n"] else float("nan")
     order = sorted(steps)
     tok = _errors(np.array([dp[s]["us"] for s in order]), np.array([dm[s]["us"] for s in order]))
     tp = sum(dp[s]["tokens"] for s in order) / sum(dp[s]["us"] for s in order) * 1e6
@@ -148,6 +153,8 @@ def validate(pred: Run, meas: Run) -> dict:
             "per_token": tok, "op_kinds": kinds, "per_layer": layers,
             "per_layer_mape_mean": float(np.mean(layer_mape)) if layer_mape else float("nan"),
             "per_layer_mape_max": float(np.max(layer_mape)) if layer_mape else float("nan"),
+            "per_layer_mean_error_max": max((v["mean_error"] for v in layers.values() if v["n"]), key=abs,
+                                            default=float("nan")),
             "components_us": {"predicted": cp, "measured": cm, "difference": diffs}, "error_from": worst}
 
 
@@ -157,7 +164,8 @@ def format_validation(v: dict) -> str:
              f"  end to end: predicted {t['predicted']:.1f} tok/s, measured {t['measured']:.1f} tok/s, "
              f"error {t['error'] * 100:+.1f}%",
              f"  per token:  MAPE {v['per_token']['mape'] * 100:.1f}%, signed {v['per_token']['signed'] * 100:+.1f}%",
-             f"  per layer:  MAPE mean {v['per_layer_mape_mean'] * 100:.1f}%, worst {v['per_layer_mape_max'] * 100:.1f}%",
+             f"  per layer:  MAPE mean {v['per_layer_mape_mean'] * 100:.1f}%, worst {v['per_layer_mape_max'] * 100:.1f}%; "
+             f"mean time, worst layer {v['per_layer_mean_error_max'] * 100:+.1f}%",
              f"  {'op kind':<12} {'matched':>8} {'pred us':>9} {'meas us':>9} {'MAPE':>7} {'signed':>8} {'unmatched':>10}"]
     for k, e in v["op_kinds"].items():
         if e["n"]:

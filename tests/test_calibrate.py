@@ -31,25 +31,38 @@ def _synthetic(p, expert_bytes=93_585_408, params=3 * 4096 * 14336, resident=100
         "layer": {"resident_bytes": resident, "points": [(t, p.layer_us(t, resident) / 1e6) for t in (1, 8)],
                   "pass_start_s": p.pass_start_us / 1e6, "head_s": p.head_us / 1e6,
                   "expert_in_model_s": p.expert_us(expert_bytes, 4, 1, params) / 1e6,
-                  "predict_layer_s": p.predict_layer_us / 1e6},
-        "cpu_expert": {"bytes": expert_bytes, "points": [(1, p.cpu_expert_us(expert_bytes, 1) / 1e6)]},
-        "roundtrip": p.roundtrip_us / 1e6,
+                  "predict_layer_s": p.predict_layer_us / 1e6,
+                  "host": {"layer_points": [(t, p.host_layer(t) / 1e6) for t in (1, 8)],
+                           "route_points": [(t, p.host_route(t) / 1e6) for t in (1, 8)],
+                           "expert_points": [(t, p.host_expert(t) / 1e6) for t in (1, 8)],
+                           "expert_tail_s": p.host_expert_tail_us / 1e6, "sync_s": p.host_sync_us / 1e6,
+                           "pass_start_s": p.host_pass_start_us / 1e6, "head_s": p.host_head_us / 1e6}},
+        "cpu_expert": {"bytes": expert_bytes, "points": [(1, 3e-3)]},           # isolated: overruled below
+        "cpu_expert_in_model": {"points": [(t, p.cpu_expert_us(expert_bytes, t) / 1e6) for t in (1, 2, 5)]},
+        "roundtrip": 1e-6, "roundtrip_in_model": p.roundtrip_us / 1e6,
     }
 
 
 def test_fitting_recovers_the_parameters_it_was_made_from():
-    known = replace(H200, layer_fixed_us=1234.0, attn_us_per_token=7.5, cpu_expert_gbps=42.0, launch_us=6.0,
+    known = replace(H200, layer_fixed_us=1234.0, attn_us_per_token=7.5, cpu_expert_gbps=42.0,
                     expert_gbps=(("int4", 1500.0),), matmul_tflops=300.0, roundtrip_us=80.0, hbm_gbps=4200.0,
-                    pass_start_us=900.0, head_us=450.0, predict_layer_us=33.0)
+                    pass_start_us=900.0, head_us=450.0, predict_layer_us=33.0, launch_us=0.0,
+                    host_layer_us=950.0, host_attn_us_per_token=6.0, host_sync_us=80.0, host_route_us=100.0,
+                    host_route_us_per_token=5.0, host_expert_us=170.0, host_expert_us_per_token=0.5,
+                    host_expert_tail_us=15.0, host_pass_start_us=700.0, host_head_us=380.0,
+                    cpu_expert_us_per_token=650.0)
     got = fit_profile("fit", _synthetic(known), known.gpu_mem_bytes, "test", "2026-11-29")
     for (b0, g0), (b1, g1) in zip(known.h2d_pinned, got.h2d_pinned):
         assert b0 == b1 and g1 == pytest.approx(g0)                    # the fast repeat wins
     for f in ("hbm_gbps", "matmul_tflops", "launch_us", "layer_fixed_us", "attn_us_per_token", "cpu_expert_gbps",
               "roundtrip_us", "h2d_pageable_gbps", "copy_compute_slowdown", "pass_start_us", "head_us",
-              "predict_layer_us"):
+              "predict_layer_us", "host_layer_us", "host_attn_us_per_token", "host_sync_us", "host_route_us",
+              "host_route_us_per_token", "host_expert_us", "host_expert_us_per_token", "host_expert_tail_us",
+              "host_pass_start_us", "host_head_us", "cpu_expert_us_per_token"):
         assert getattr(got, f) == pytest.approx(getattr(known, f), rel=1e-6), f
     assert dict(got.expert_gbps)["int4"] == pytest.approx(1500.0, rel=1e-6)
     assert "measured by cmoe calibrate on test, 2026-11-29" in got.sources["layer_fixed_us"]
+    assert got.copy_fifo and got.launch_us == 0.0        # the executor's one copy stream; launching is the host's
     table = beside(got, _synthetic(known))
     assert "layer (non-expert), 8 tok" in table
 

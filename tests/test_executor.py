@@ -316,8 +316,29 @@ def test_measured_timeline_orders_loads_before_reads(checkpoints, tiny_trace):
     w, cfg = prepare(spec_name=None, model_dir=checkpoints["mixtral"], trace_src=str(tiny_trace), data=None, cfg=cfg)
     for r in execute(w, cfg):
         check_timeline(r)
+        check_host_lane(r, w.spec)
         assert {s[0] for s in r.log.spans} == {"cpu"}
         assert all(len(s) == len(COLUMNS) for s in r.log.spans)
+
+
+def check_host_lane(r, spec) -> None:
+    """The host thread's own spans: one attention, sync and route per pass and MoE layer, one head
+    per pass, one issue span per expert kernel that encloses it (on the CPU the marks are the
+    host's clock), and the early router for every predicted layer of commit's decode passes."""
+    spans = r.log.spans
+    host = [s for s in spans if s[3] == "host"]
+    n_pass, M = len(r.log.pass_us), spec.num_moe_layers
+    count = {op: sum(1 for s in host if s[4] == op) for op in ("host_attention", "host_sync", "host_route", "host_head")}
+    assert count == {"host_attention": n_pass * M, "host_sync": n_pass * M, "host_route": n_pass * M,
+                     "host_head": n_pass}
+    issue = sorted((s for s in host if s[4] == "host_expert"), key=lambda s: s[6])
+    kernels = sorted((s for s in spans if s[4] == "expert"), key=lambda s: s[6])
+    assert len(issue) == len(kernels)
+    for h, k in zip(issue, kernels):
+        assert (h[1], h[2], h[5]) == (k[1], k[2], k[5]) and h[6] <= k[6] and k[7] <= h[7]
+    predicted = sum(1 for s in host if s[4] == "host_predict")
+    decodes = sum(1 for _, d, _, _ in r.log.pass_us if d)
+    assert predicted == (decodes * M + (n_pass - decodes) * (M - 1) if r.policy == "commit" else 0)
 
 
 def check_timeline(r) -> None:

@@ -1,5 +1,7 @@
 """The SimPy model: exact timelines on hand-made cases, invariants and determinism on larger ones."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -77,6 +79,45 @@ def test_static_runs_misses_on_the_cpu():
     assert run.fallbacks == 1 and run.loads == 0 and run.pass_us[-1][3] == 25
 
 
+# the same link and GPU with an eager host: 30 us to issue a layer's attention, 5 us per expert
+HOSTED = replace(FLAT, host_layer_us=30.0, host_sync_us=1.0, host_route_us=2.0, host_expert_us=5.0, copy_fifo=True)
+
+
+def test_a_slow_host_sets_the_pace_and_hides_a_short_stall():
+    t = tiny_trace([0], [[0], [1], [0]], [[0], [1], [0]])
+    M = 1
+    layout = PoolLayout((1024,), (1,), 1024)
+    costs = Costs(expert_bytes=t.expert_bytes, expert_bits=[[4, 4]] * M, expert_params=0, attn_bytes=0,
+                  dense_bytes=0, shared_bytes=0, dense_bits=16, moe_layers=(0,))
+    run = Simulation(make_policy("ondemand", layout, 2, popularity(t)), HOSTED, costs, make_passes(t, 1)).simulate()
+    # attention: the host's 30 us, not the GPU's 10; the read-back and planning 3 us; an expert's
+    # span is its 5 us of issuing (the kernel needs 2); pass 1's 1 us load lands while the host issues
+    assert run.spans[:4] == [
+        ("sim", 0, 0, "compute", "attention", -1, 0, 30, 0), ("sim", 0, 0, "compute", "route", -1, 30, 33, 0),
+        ("sim", 0, 0, "compute", "expert", 0, 33, 38, 1000), ("sim", 1, 0, "compute", "attention", -1, 38, 68, 0)]
+    assert run.spans[4:8] == [
+        ("sim", 1, 0, "compute", "route", -1, 68, 71, 0), ("sim", 1, 0, "copy0", "load", 1, 71, 72, 1000),
+        ("sim", 1, 0, "compute", "expert", 1, 72, 76, 1000), ("sim", 2, 0, "compute", "attention", -1, 76, 106, 0)]
+    assert [p[3] for p in run.pass_us] == [38, 38, 38] and run.stall_us == 2      # 1 us in passes 1 and 2
+
+
+def test_while_the_gpu_waits_for_a_load_the_host_runs_ahead():
+    t = replace(tiny_trace([0, 1], [[0, 0], [1, 0]], [[0, 0], [1, 0]]), expert_bytes=[[100_000, 100_000], [1000, 1000]])
+    layout = PoolLayout((100_000, 1024), (1, 1), 101_024)
+    costs = Costs(expert_bytes=t.expert_bytes, expert_bits=[[4, 4]] * 2, expert_params=0, attn_bytes=0,
+                  dense_bytes=0, shared_bytes=0, dense_bits=16, moe_layers=(0, 1))
+    run = Simulation(make_policy("ondemand", layout, 2, popularity(t)), HOSTED, costs, make_passes(t, 1)).simulate()
+    second = [s for s in run.spans if s[1] == 1]
+    # layer 0 misses: a 100 us load, then a 200 us kernel; the host issued layer 1's attention
+    # meanwhile, so on the GPU it takes its own 10 us, not the host's 30
+    assert second == [
+        ("sim", 1, 0, "compute", "attention", -1, 251, 281, 0), ("sim", 1, 0, "compute", "route", -1, 281, 284, 0),
+        ("sim", 1, 0, "copy0", "load", 1, 284, 384, 100_000), ("sim", 1, 0, "compute", "expert", 1, 384, 584, 100_000),
+        ("sim", 1, 1, "compute", "attention", -1, 584, 594, 0), ("sim", 1, 1, "compute", "route", -1, 594, 597, 0),
+        ("sim", 1, 1, "compute", "expert", 0, 597, 602, 1000)]
+    assert [p[3] for p in run.pass_us] == [251, 351] and run.stall_us == 100
+
+
 def _check_no_overwrite_while_read(log):
     """For every slot, no copy interval overlaps a kernel reading it."""
     by_slot = {}
@@ -99,16 +140,22 @@ def _check_no_overwrite_while_read(log):
                     assert we <= rs or ws >= re_, f"copy [{ws}, {we}] overlaps a read [{rs}, {re_}]"
 
 
+# a calibrated executor: the host sets the pace, loads run in issue order on one copy stream
+EAGER_H200 = replace(H200, copy_fifo=True, host_layer_us=900.0, host_expert_us=150.0, host_expert_tail_us=10.0,
+                     host_route_us=100.0, host_sync_us=80.0, predict_layer_us=150.0, host_head_us=400.0)
+
+
+@pytest.mark.parametrize("profile", [H200, EAGER_H200], ids=["h200", "eager-fifo"])
 @pytest.mark.parametrize("policy", ["ondemand", "lru-prefetch", "lfu-fallback", "commit"])
 @pytest.mark.parametrize("batch", [1, 8])
-def test_pool_bounds_and_no_slot_overwritten_while_read(policy, batch):
+def test_pool_bounds_and_no_slot_overwritten_while_read(policy, batch, profile):
     t = generate(preset("mixtral-8x7b"), recipe("w4a16"), SyntheticParams(requests=8, prompt_len=8, decode_len=24))
     cfg = SimConfig(policy=policy, pool_gb=16, batch=batch)
     from cmoe.sim.run import layout_for
     layout, budget = layout_for(t, cfg)
     p = make_policy(policy, layout, 8, popularity(t))
     from cmoe.sim.engine import costs_for
-    sim = Simulation(p, H200, costs_for(t, t.spec, t.recipe), make_passes(t, batch), record_log=True)
+    sim = Simulation(p, profile, costs_for(t, t.spec, t.recipe), make_passes(t, batch), record_log=True)
     run = sim.simulate()
     assert layout.used_bytes <= budget["expert_bytes"]
     assert max(run.occupancy) <= layout.total_slots

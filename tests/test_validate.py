@@ -19,7 +19,9 @@ PRED = [("sim", 0, 0, "compute", "attention", -1, 0, 900, 0),
 MEAS = [("gpu", 1, 0, "compute", "attention", -1, 0, 120, 0), ("gpu", 1, 0, "compute", "route", -1, 120, 130, 0),
         ("gpu", 1, 0, "compute", "expert", 1, 130, 170, 9), ("gpu", 1, 1, "copy0", "load", 2, 130, 330, 9),
         ("gpu", 1, 1, "compute", "attention", -1, 170, 290, 0), ("gpu", 1, 1, "compute", "route", -1, 290, 300, 0),
-        ("gpu", 1, 1, "compute", "expert", 2, 330, 400, 9), ("gpu", 1, -1, "compute", "head", -1, 400, 440, 0)]
+        ("gpu", 1, 1, "compute", "expert", 2, 330, 400, 9), ("gpu", 1, -1, "compute", "head", -1, 400, 440, 0),
+        # the host's own lane: not compared with the compute stream's spans
+        ("gpu", 1, 0, "host", "host_attention", -1, 0, 118, 0), ("gpu", 1, 0, "host", "host_expert", 1, 130, 160, 0)]
 
 
 def _folder(path, spans, passes, **over):
@@ -51,6 +53,8 @@ def test_errors_by_hand(runs):
     # per layer, stalls included: layer 0 150 vs 170 us, layer 1 210 vs 230 us
     assert v["per_layer"][0]["signed"] == pytest.approx(-20 / 170)
     assert v["per_layer"][1]["signed"] == pytest.approx(-20 / 230)
+    assert v["per_layer"][0]["mean_error"] == pytest.approx(-20 / 170)
+    assert v["per_layer_mean_error_max"] == pytest.approx(-20 / 170)          # the worst layer, sign kept
     assert v["per_token"]["signed"] == pytest.approx(-60 / 440)
     assert v["tokens_per_s"]["predicted"] == pytest.approx(1e6 / 380)
     assert v["tokens_per_s"]["error"] == pytest.approx(440 / 380 - 1)
