@@ -48,14 +48,17 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=None)
     ap.add_argument("--profile", default=None, help="use this profile instead of calibrating")
     ap.add_argument("--layers", type=int, default=4, help="decoder layers built for calibrating")
+    ap.add_argument("--commit", default=None, help="the commit being run, where git cannot say (the GPU "
+                    "machine's copy of the tree keeps the .git of the session's start)")
     ap.add_argument("--repeat", action="store_true", help="run the policies again in reverse order (measured-2/): "
                     "how far two runs of the same configuration differ")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     policies = tuple(a.policies.split(","))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                           text=True).stdout.strip()
+    commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True).stdout.strip()
+    dirty = "" if a.commit else subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                               capture_output=True, text=True).stdout.strip()
     card = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
     res = {"date": time.strftime("%Y-%m-%d"), "card": card, "torch": torch.__version__,
            "commit": commit + ("+dirty" if dirty else ""), "spec": a.spec, "tokens": a.tokens, "configs": []}

@@ -56,6 +56,7 @@ class HardwareProfile:
     predict_layer_us: float = 0.0                   # per MoE layer, policies that predict, on the host: next router, read-back, OWA
     copy_fifo: bool = False                         # loads run in issue order on one copy stream (the executor),
                                                     # not most-urgent first
+    copy_on_host: bool = False                      # the host thread copies (the executor on a CPU): a load costs host time
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

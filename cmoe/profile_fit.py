@@ -39,13 +39,14 @@ from cmoe.hw import GB, HardwareProfile
 Points = list[tuple[float, float]]
 
 
-def fit_line(points: Points) -> tuple[float, float]:
-    """Least-squares intercept and slope of y = a + b x."""
+def fit_line(points: Points, weights: list[float] | None = None) -> tuple[float, float]:
+    """Least-squares intercept and slope of y = a + b x (each point counted `weights` times)."""
     x = np.array([p[0] for p in points], dtype=float)
     y = np.array([p[1] for p in points], dtype=float)
+    w = np.ones_like(x) if weights is None else np.array(weights, dtype=float)
     if len(points) == 1 or np.ptp(x) == 0:
-        return float(y.mean()), 0.0
-    b, a = np.polyfit(x, y, 1)
+        return float(np.average(y, weights=w)), 0.0
+    b, a = np.polyfit(x, y, 1, w=np.sqrt(w))
     return float(a), float(b)
 
 
@@ -77,7 +78,8 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     cpu = m["cpu_expert"]
     ca, cb = fit_line([(t - 1, s) for t, s in cpu["points"]])
     if m.get("cpu_expert_in_model"):                                # inside the running model, if measured
-        ca, cb = fit_line([(t - 1, s) for t, s in m["cpu_expert_in_model"]["points"]])
+        inm = m["cpu_expert_in_model"]
+        ca, cb = fit_line([(t - 1, s) for t, s in inm["points"]], [n for _, n in inm.get("count", [])] or None)
     roundtrip = m.get("roundtrip_in_model") or m["roundtrip"]
     key = "int4" if ex["bits"] <= 4 else "int8" if ex["bits"] <= 8 else "bf16"
     src = f"measured by cmoe calibrate on {device}, {date}"
@@ -90,14 +92,16 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         attn_us_per_token=max(lb, 0.0) * 1e6, cpu_expert_gbps=cpu["bytes"] / max(ca, 1e-9) / GB,
         cpu_expert_us_per_token=max(cb, 0.0) * 1e6, roundtrip_us=roundtrip * 1e6, copy_compute_slowdown=max(m.get("copy_slowdown", 0.0), 0.0),
         pass_start_us=m["layer"].get("pass_start_s", 0.0) * 1e6, head_us=m["layer"].get("head_s", 0.0) * 1e6,
-        predict_layer_us=m["layer"].get("predict_layer_s", 0.0) * 1e6, copy_fifo=True, **host,
+        predict_layer_us=m["layer"].get("predict_layer_s", 0.0) * 1e6, copy_fifo=True,
+        copy_on_host=device.lower() == "cpu", **host,
         sources={k: src for k in ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "hbm_gbps", "expert_gbps",
                                   "launch_us", "layer_fixed_us", "attn_us_per_token", "cpu_expert_gbps",
                                   "roundtrip_us", "copy_compute_slowdown", "pass_start_us", "head_us",
                                   "predict_layer_us", "cpu_expert_us_per_token", *host)}
         | {"matmul_tflops": src + " (slope of expert time over tokens: the rate extra tokens cost)",
            "copy_engines": "one copy stream, as the executor uses",
-           "copy_fifo": "the executor issues every load to one copy stream, which runs them in issue order"})
+           "copy_fifo": "the executor issues every load to one copy stream, which runs them in issue order",
+           "copy_on_host": "the executor on a CPU copies on its own thread; on a GPU a copy engine does"})
 
 
 def _host_fields(h: dict | None) -> dict:

@@ -102,3 +102,9 @@ def test_cmoe_run_calibrates_simulates_executes_and_validates(checkpoints, tiny_
     assert [m["experts_fit"] for m in pred] == [m["experts_fit"] for m in meas]     # one pool layout
     assert all(v["decode_passes"] == 4 for v in vals)
     assert "the error comes mostly from" in r.output
+
+
+def test_weighted_line_counts_each_point_as_often_as_it_was_seen():
+    # (0, 1) seen three times, (1, 3) once, (2, 9) once: the same as five unweighted points
+    assert fit_line([(0, 1.0), (1, 3.0), (2, 9.0)], [3, 1, 1]) == \
+        pytest.approx(fit_line([(0, 1.0), (0, 1.0), (0, 1.0), (1, 3.0), (2, 9.0)]))

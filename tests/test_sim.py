@@ -214,3 +214,15 @@ def test_transfer_curve_matches_the_measured_h200_points():
     assert H200.h2d_us(2**20) == pytest.approx(2**20 / 34.6e3)
     assert 1.6e3 < H200.h2d_us(93_585_408) < 1.75e3              # one W4A16 Mixtral expert: about 1.7 ms
     assert H200.h2d_us(2**21) == pytest.approx(2**21 / ((34.6 + 49.9) / 2 * 1e3))
+
+
+def test_where_the_host_copies_itself_a_load_costs_host_time():
+    """The executor on a CPU copies on its own thread: the 1 us load lengthens the route phase."""
+    t = tiny_trace([0], [[0], [1], [0]], [[0], [1], [0]])
+    layout = PoolLayout((1024,), (1,), 1024)
+    costs = Costs(expert_bytes=t.expert_bytes, expert_bits=[[4, 4]], expert_params=0, attn_bytes=0,
+                  dense_bytes=0, shared_bytes=0, dense_bits=16, moe_layers=(0,))
+    prof = replace(HOSTED, copy_on_host=True)
+    run = Simulation(make_policy("ondemand", layout, 2, popularity(t)), prof, costs, make_passes(t, 1)).simulate()
+    assert ("sim", 1, 0, "compute", "route", -1, 68, 72, 0) in run.spans
+    assert [p[3] for p in run.pass_us] == [38, 39, 39]

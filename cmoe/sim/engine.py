@@ -24,7 +24,8 @@ Processes and resources:
   demand before prefetch, issue order): loads needed soonest go first, and a load into a slot is
   queued only once no planned kernel still reads the slot and no earlier write to it is pending.
   Either way a copy starts no earlier than the last reader's end. A pass starts once every copy
-  has landed (the executor synchronises the device between passes).
+  has landed (the executor synchronises the device between passes). With `profile.copy_on_host`
+  (the executor on a CPU) the host thread does each copy itself before it goes on.
 - CPU worker: fallback experts run one after another on the host after it has issued the GPU
   experts, between the two halves of the GPU->CPU->GPU round trip; the layer ends when both the
   GPU experts and the CPU results are done.
@@ -101,13 +102,16 @@ class Simulation:
         self.env.process(self._compute())
 
     # loads ------------------------------------------------------------------------------------
-    def _issue(self, ld: Load, pass_idx: int) -> None:
+    def _issue(self, ld: Load, pass_idx: int) -> float:
+        """Queue a load; returns the host time issuing it costs (the whole copy where the host
+        copies itself, as the executor does on a CPU)."""
         self.ready[(ld.layer, ld.expert)] = self.env.event()
         self.seq += 1
         self.in_flight += 1
+        cost = self.hw.h2d_us(self.c.expert_bytes[ld.layer][ld.expert]) if self.hw.copy_on_host else 0.0
         if self.hw.copy_fifo:
             self.queue.put(ld)
-            return
+            return cost
         item = simpy.PriorityItem((pass_idx, ld.layer, _RANK[ld.kind], self.seq), ld)
         st = self.slots[ld.layer][ld.slot]
         if st.pending == 0 and st.writes == 0:
@@ -115,6 +119,7 @@ class Simulation:
             self.queue.put(item)
         else:
             st.waiting.append(item)
+        return cost
 
     def _release(self, st: _Slot) -> None:
         if st.pending == 0 and st.writes == 0 and st.waiting:
@@ -177,11 +182,15 @@ class Simulation:
             self.pass_index = ps.index
             hits0, ran0 = run.hits, run.gpu_experts + run.fallbacks
             n = ps.num_tokens
-            for ld in pol.begin_pass(ps.decode, list(ps.predicted[0])):
-                self._issue(ld, ps.index)
             last = H
             # embedding, masks, the pass's first sync: counted with layer 0's attention
             H, G = self._op(H, G, hw.host_pass_start_us, hw.pass_start_us)
+            if ps.decode and pol.name == "commit":     # layer 0's prediction is read back before it runs
+                H = max(H, G) + hw.host_sync_us
+                yield from self._sync(H)
+            for ld in pol.begin_pass(ps.decode, list(ps.predicted[0])):
+                yield from self._sync(H)
+                H += self._issue(ld, ps.index)
             prev_layer = -1
             for m in range(M):
                 d = c.moe_layers[m]
@@ -224,10 +233,9 @@ class Simulation:
                     for e in plan.gpu:        # reads of resident experts; a loaded one is read after its write
                         if e not in loaded:
                             self.slots[m][plan.slots[e]].pending += 1
-                if now_loads:
+                for ld in now_loads:
                     yield from self._sync(H)
-                    for ld in now_loads:
-                        self._issue(ld, ps.index)
+                    H += self._issue(ld, ps.index)
                 if plan.cpu:                  # the hidden states go to the host first (first half of the trip)
                     self._span(ps.index, d, "cpu", "roundtrip", -1, H, H + hw.roundtrip_us / 2)
                     H += hw.roundtrip_us / 2
@@ -258,7 +266,7 @@ class Simulation:
                     if fifo:
                         for ld in later.pop(e, ()):
                             yield from self._sync(H)
-                            self._issue(ld, ps.index)
+                            H += self._issue(ld, ps.index)
                     else:
                         st.pending -= e not in loaded
                         self._release(st)

@@ -1,0 +1,85 @@
+"""Predicted against measured, from the folder `benchmarks/validate_h200.py` wrote on the GPU: the
+simulator (deterministic, so it can run anywhere) replays each configuration with the profile
+calibrated in that same GPU run, and `cmoe validate` holds it against each measured run.
+
+Prints a Markdown table and writes `summary.json` beside the input:
+
+    python benchmarks/validate_table.py OUT/v [--out benchmarks/results/validate-h200.json]
+
+Errors are relative to the measurement; with two measured runs (`--repeat`), the error is taken
+against their mean and the runs' own spread is shown beside it: where the spread is as large as
+the error, the host's noise, not the model, decides the figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cmoe.hw import load_profile  # noqa: E402
+from cmoe.pipeline import predict  # noqa: E402
+from cmoe.spec import preset  # noqa: E402
+from cmoe.trace.load import load_trace  # noqa: E402
+from cmoe.util import write_text_atomic  # noqa: E402
+from cmoe.validate import validate_folders  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("folder", type=Path)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/cmoe-validate-table"))
+    a = ap.parse_args()
+    res = json.loads((a.folder / "results.json").read_text())
+    prof = load_profile(str(a.folder / "profile.json"))
+    spec = preset(res["spec"])
+    rows = []
+    for c in res["configs"]:
+        pool, b = c["pool_gb"], c["batch"]
+        here = a.folder / f"pool{pool:g}-b{b}"
+        pols = list(c["policies"])
+        w = SimpleNamespace(trace=load_trace(f"synthetic:{res['spec']}", None, b), spec=spec, fmt="w4g128")
+        pred = a.work / here.name / "predicted"
+        predict(w, SimpleNamespace(policies=pols, pool_gb=pool, batch=b, slots=None), prof, pred)
+        runs = [validate_folders(pred, here / x, pols) for x in ("measured", "measured-2") if (here / x).is_dir()]
+        for i, p in enumerate(pols):
+            vs = [r[i] for r in runs]
+            meas = [v["tokens_per_s"]["measured"] for v in vs]
+            mean = sum(meas) / len(meas)
+            pr = vs[0]["tokens_per_s"]["predicted"]
+            tpot_m = [v["per_token"]["meas_mean_us"] / 1e3 for v in vs]
+            rows.append({"pool_gb": pool, "batch": b, "experts_fit": c["experts_fit"], "policy": p,
+                         "predicted_tok_s": pr, "measured_tok_s": meas, "error": pr / mean - 1,
+                         "spread": (max(meas) - min(meas)) / mean,
+                         "predicted_tpot_ms": vs[0]["per_token"]["pred_mean_us"] / 1e3,
+                         "measured_tpot_ms": sum(tpot_m) / len(tpot_m),
+                         "layer_mean_error_worst": [v["per_layer_mean_error_max"] for v in vs],
+                         "layer_mape_mean": [v["per_layer_mape_mean"] for v in vs],
+                         "error_from": [v["error_from"] for v in vs]})
+    summary = {k: res[k] for k in ("date", "card", "torch", "commit", "spec", "tokens")} | {
+        "profile": prof.name, "rows": rows}
+    write_text_atomic(a.out or a.folder / "summary.json", json.dumps(summary, indent=1))
+    print(table(rows))
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| pool GB (experts) | batch | policy | predicted tok/s | measured tok/s | error | runs' spread "
+           "| TPOT ms pred / meas | worst layer (mean time) | layer MAPE |",
+           "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        meas = " / ".join(f"{x:.1f}" for x in r["measured_tok_s"])
+        worst = " / ".join(f"{x * 100:+.0f}%" for x in r["layer_mean_error_worst"])
+        mape = " / ".join(f"{x * 100:.0f}%" for x in r["layer_mape_mean"])
+        out.append(f"| {r['pool_gb']:g} ({r['experts_fit']}) | {r['batch']} | {r['policy']} | {r['predicted_tok_s']:.1f} "
+                   f"| {meas} | {r['error'] * 100:+.1f}% | {r['spread'] * 100:.0f}% "
+                   f"| {r['predicted_tpot_ms']:.1f} / {r['measured_tpot_ms']:.1f} | {worst} | {mape} |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    main()
