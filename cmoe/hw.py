@@ -51,6 +51,7 @@ class HardwareProfile:
     host_expert_us_per_token: float = 0.0
     host_expert_tail_us: float = 0.0                # ... of which after the kernel's end mark (bookkeeping)
     cpu_expert_us_per_token: float = 0.0            # CPU expert: each extra token (0: the old max(1, tokens/8) scaling)
+    host_load_us: float = 0.0                       # issuing one load: planning it, events, the copy call
     host_pass_start_us: float = 0.0                 # per pass, host side of pass_start_us
     host_head_us: float = 0.0
     predict_layer_us: float = 0.0                   # per MoE layer, policies that predict, on the host: next router, read-back, OWA

@@ -115,6 +115,7 @@ def _host_fields(h: dict | None) -> dict:
                  "expert": "host_expert_us_per_token"}[key]
         out[f"host_{key}_us"], out[slope] = max(a, 0.0) * 1e6, max(b, 0.0) * 1e6
     out["host_expert_tail_us"] = h.get("expert_tail_s", 0.0) * 1e6
+    out["host_load_us"] = h.get("load_s", 0.0) * 1e6
     out["host_sync_us"] = h["sync_s"] * 1e6
     out["host_pass_start_us"] = h["pass_start_s"] * 1e6
     out["host_head_us"] = h["head_s"] * 1e6

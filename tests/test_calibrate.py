@@ -36,6 +36,7 @@ def _synthetic(p, expert_bytes=93_585_408, params=3 * 4096 * 14336, resident=100
                            "route_points": [(t, p.host_route(t) / 1e6) for t in (1, 8)],
                            "expert_points": [(t, p.host_expert(t) / 1e6) for t in (1, 8)],
                            "expert_tail_s": p.host_expert_tail_us / 1e6, "sync_s": p.host_sync_us / 1e6,
+                           "load_s": p.host_load_us / 1e6,
                            "pass_start_s": p.host_pass_start_us / 1e6, "head_s": p.host_head_us / 1e6}},
         "cpu_expert": {"bytes": expert_bytes, "points": [(1, 3e-3)]},           # isolated: overruled below
         "cpu_expert_in_model": {"points": [(t, p.cpu_expert_us(expert_bytes, t) / 1e6) for t in (1, 2, 5)]},
@@ -49,7 +50,7 @@ def test_fitting_recovers_the_parameters_it_was_made_from():
                     pass_start_us=900.0, head_us=450.0, predict_layer_us=33.0, launch_us=0.0,
                     host_layer_us=950.0, host_attn_us_per_token=6.0, host_sync_us=80.0, host_route_us=100.0,
                     host_route_us_per_token=5.0, host_expert_us=170.0, host_expert_us_per_token=0.5,
-                    host_expert_tail_us=15.0, host_pass_start_us=700.0, host_head_us=380.0,
+                    host_expert_tail_us=15.0, host_pass_start_us=700.0, host_head_us=380.0, host_load_us=45.0,
                     cpu_expert_us_per_token=650.0)
     got = fit_profile("fit", _synthetic(known), known.gpu_mem_bytes, "test", "2026-11-29")
     for (b0, g0), (b1, g1) in zip(known.h2d_pinned, got.h2d_pinned):
@@ -58,7 +59,7 @@ def test_fitting_recovers_the_parameters_it_was_made_from():
               "roundtrip_us", "h2d_pageable_gbps", "copy_compute_slowdown", "pass_start_us", "head_us",
               "predict_layer_us", "host_layer_us", "host_attn_us_per_token", "host_sync_us", "host_route_us",
               "host_route_us_per_token", "host_expert_us", "host_expert_us_per_token", "host_expert_tail_us",
-              "host_pass_start_us", "host_head_us", "cpu_expert_us_per_token"):
+              "host_pass_start_us", "host_head_us", "cpu_expert_us_per_token", "host_load_us"):
         assert getattr(got, f) == pytest.approx(getattr(known, f), rel=1e-6), f
     assert dict(got.expert_gbps)["int4"] == pytest.approx(1500.0, rel=1e-6)
     assert "measured by cmoe calibrate on test, 2026-11-29" in got.sources["layer_fixed_us"]

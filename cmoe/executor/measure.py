@@ -169,6 +169,20 @@ def _cpu_points(log, tr, batch: int, spec: ModelSpec) -> tuple[list, list]:
     return pts, list(trips.values())
 
 
+def _load_cost(log, upper_route_us: float, cuda: bool) -> float:
+    """Host seconds per load: the route phase's excess over `upper`'s (per pass, us) spread over
+    the loads issued, less the copy itself where the host copies (on a CPU)."""
+    dec = {p for p, d, _, _ in log.pass_us if d}
+    route = sum(s[7] - s[6] for s in log.spans if s[1] in dec and s[4] == "host_route") / max(len(dec), 1)
+    loads = [s for s in log.spans if s[1] in dec and s[4] == "load"]
+    if not loads:
+        return 0.0
+    per = (route - upper_route_us) * len(dec) / len(loads)
+    if not cuda:
+        per -= float(np.mean([s[7] - s[6] for s in loads]))
+    return max(per, 0.0) / 1e6
+
+
 def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, model_dir=None, tokens: int = 32,
            built=None) -> dict:
     """What the executor's own timeline says a model costs outside the experts, on the GPU and on
@@ -236,6 +250,10 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
             c_route, _ = _per_layer(c_log, ("host_route",), None)
             c_pred, _ = _per_layer(c_log, ("host_predict",), None)
             predict = (c_pred + max(c_route - h_route, 0.0)) / M / 1e6
+        if batch == 1:                    # what issuing a load costs the host: ondemand with top_k slots misses often
+            od = run_policy(w, replace(cfg, policies=("ondemand",), slots=spec.top_k, tokens=min(tokens, 8)),
+                            "ondemand")
+            host["load"] = _load_cost(od.log, h_route, cuda)
         if not cuda or w.store.cpu_twins is not None:
             st = run_policy(w, replace(cfg, policies=("static",), slots=spec.top_k, tokens=min(tokens, 8)), "static").log
             p, t = _cpu_points(st, tr, batch, spec)
@@ -249,6 +267,7 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
                      "expert_points": gpu["expert"], "predict_layer_s": predict,
                      "host": {"layer_points": host["layer"], "route_points": host["route"],
                               "expert_points": host["expert"], "expert_tail_s": float(np.mean([x for _, x in tail])),
+                              "load_s": host["load"],
                               "sync_s": float(np.median(host["sync"])),
                               "pass_start_s": host["start"][0], "head_s": host["head"][0]}}}
     if cpu_pts:

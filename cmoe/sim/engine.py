@@ -108,7 +108,9 @@ class Simulation:
         self.ready[(ld.layer, ld.expert)] = self.env.event()
         self.seq += 1
         self.in_flight += 1
-        cost = self.hw.h2d_us(self.c.expert_bytes[ld.layer][ld.expert]) if self.hw.copy_on_host else 0.0
+        cost = self.hw.host_load_us
+        if self.hw.copy_on_host:
+            cost += self.hw.h2d_us(self.c.expert_bytes[ld.layer][ld.expert])
         if self.hw.copy_fifo:
             self.queue.put(ld)
             return cost
