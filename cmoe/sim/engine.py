@@ -184,6 +184,10 @@ class Simulation:
             self.pass_index = ps.index
             hits0, ran0 = run.hits, run.gpu_experts + run.fallbacks
             n = ps.num_tokens
+            layer_gpu, layer_host = hw.layer_us(n, c.attn_bytes), hw.host_layer(n)
+            route_host = hw.host_sync_us + hw.host_route(n) + predict_us
+            expert_host = hw.host_expert(n)
+            end_mark = expert_host - hw.host_expert_tail_us        # an expert's end mark precedes the tail
             last = H
             # embedding, masks, the pass's first sync: counted with layer 0's attention
             H, G = self._op(H, G, hw.host_pass_start_us, hw.pass_start_us)
@@ -203,16 +207,16 @@ class Simulation:
                     self._span(ps.index, dense, "compute", "dense", -1, last, G)
                     last = G
                 prev_layer = d
-                gpu = hw.layer_us(n, c.attn_bytes)
-                host = hw.host_layer(n)
+                gpu, host = layer_gpu, layer_host
                 if c.shared_bytes:
                     gpu += hw.expert_us(c.shared_bytes, c.dense_bits, n, c.shared_bytes)
                     host += hw.host_expert(n)
-                H, G = self._op(H, G, host, gpu)
+                G = max(max(G, H) + gpu, H + host)          # self._op, inlined: the hot path
+                H += host
                 self._span(ps.index, d, "compute", "attention", -1, last, G)
                 t_in = G
                 # the routing read-back waits for the GPU; then reading, planning, issuing loads
-                H = max(H, G) + hw.host_sync_us + hw.host_route(n) + predict_us
+                H = max(H, G) + route_host
                 nxt = list(ps.predicted[m + 1]) if m + 1 < M else None
                 plan = pol.plan(m, list(ps.needed[m]), nxt)
                 votes = dict(zip(ps.needed[m], ps.votes[m]))
@@ -236,7 +240,8 @@ class Simulation:
                         if e not in loaded:
                             self.slots[m][plan.slots[e]].pending += 1
                 for ld in now_loads:
-                    yield from self._sync(H)
+                    if H > env.now:
+                        yield env.timeout(H - env.now)
                     H += self._issue(ld, ps.index)
                 if plan.cpu:                  # the hidden states go to the host first (first half of the trip)
                     self._span(ps.index, d, "cpu", "roundtrip", -1, H, H + hw.roundtrip_us / 2)
@@ -246,8 +251,8 @@ class Simulation:
                 for e in plan.gpu:
                     due = max(G, H)
                     ev = self.ready.get((m, e))
-                    if ev is not None and not ev.triggered:
-                        yield from self._sync(due)      # the copy may land before the kernel is due
+                    if ev is not None and not ev.triggered and due > env.now:
+                        yield env.timeout(due - env.now)    # the copy may land before the kernel is due
                     if ev is None or ev.triggered:
                         run.hits += 1
                         start = due
@@ -255,10 +260,9 @@ class Simulation:
                         yield ev
                         run.stall_us += env.now - due
                         start = env.now
-                    issue = hw.host_expert(n)
                     dur = hw.expert_us(c.expert_bytes[m][e], c.expert_bits[m][e], votes.get(e, 1), c.expert_params)
-                    G = max(start + dur, H + issue - hw.host_expert_tail_us)     # the end mark precedes the tail
-                    H += issue
+                    G = max(start + dur, H + end_mark)
+                    H += expert_host
                     self._span(ps.index, d, "compute", "expert", e, start, G, c.expert_bytes[m][e])
                     st = self.slots[m][plan.slots[e]]
                     st.free_at = max(st.free_at, G)
