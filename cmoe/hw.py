@@ -58,6 +58,8 @@ class HardwareProfile:
     copy_fifo: bool = False                         # loads run in issue order on one copy stream (the executor),
                                                     # not most-urgent first
     copy_on_host: bool = False                      # the host thread copies (the executor on a CPU): a load costs host time
+    dense_rows: int = 0                             # up to this many rows in a pass, every expert runs on all of them
+                                                    # (the executor's dense path); above, on its own tokens
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

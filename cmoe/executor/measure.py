@@ -290,7 +290,8 @@ def measure(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4
     steps = [("copies", lambda: copies(device, sizes)), ("compute", lambda: compute(device)),
              ("expert", lambda: expert(device, spec, fmt)),
              ("layers", lambda: layers(device, spec, fmt, num_layers, model_dir, built=built))]
-    out: dict = {}
+    from cmoe.executor.engine import DENSE_ROWS
+    out: dict = {"dense_rows": DENSE_ROWS}
     for name, fn in tqdm(steps, desc="calibrate", disable=not progress):
         out.update(fn())
     out["sizes"] = np.array(sizes).tolist()

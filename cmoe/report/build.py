@@ -91,7 +91,7 @@ def run_report(folder: Path, max_spans: int) -> tuple[str, str]:
 def compare_report(predicted: Path, measured: Path, max_spans: int) -> tuple[str, str]:
     from cmoe.report.figures import limit_spans, timeline_figure
     pm, ps, _ = _read_run(predicted)
-    mm, ms, _ = _read_run(measured)
+    mm, ms, mpasses = _read_run(measured)
     common = [m["policy"] for m in mm if m["policy"] in ps]
     if not common:
         raise CmoeError(f"{predicted} and {measured} share no policy: run the same policies in both")
@@ -109,7 +109,8 @@ def compare_report(predicted: Path, measured: Path, max_spans: int) -> tuple[str
     for pol in common:
         pred, meas = _aligned(ps[pol], ms[pol])
         blocks.append(f"<h2>{html.escape(pol)}: time per decode pass by op</h2>")
-        blocks.append(_op_table(pred, meas))
+        decode = {p["pass"] for p in mpasses.get(pol) or [] if p["decode"]}
+        blocks.append(_op_table(pred, meas, decode or None))
         groups, note = limit_spans([(f"predicted {pol}", pred), (f"measured {pol}", meas)], max_spans)
         if note:
             blocks.append(f"<p class='note'>{html.escape(note)}</p>")
@@ -128,17 +129,24 @@ def _aligned(pred: list, meas: list) -> tuple[list, list]:
     return keep(pred), keep(meas)
 
 
-def _op_table(pred: list, meas: list) -> str:
+def _op_table(pred: list, meas: list, decode: set[int] | None) -> str:
+    """Time per decode pass by op (`decode`: the decode passes; None: every pass with experts).
+    The host thread's lane is measured only: the simulator models it but draws no spans for it."""
+    dec = decode if decode else ({s[1] for s in meas if s[4] == "expert"} or {s[1] for s in meas})
+
     def per_pass(spans):
-        dec = {s[1] for s in spans if s[4] == "expert"} or {s[1] for s in spans}
         tot: dict[str, float] = {}
         for s in spans:
-            tot[s[4]] = tot.get(s[4], 0.0) + s[7] - s[6]
+            if s[1] in dec:
+                tot[s[4]] = tot.get(s[4], 0.0) + s[7] - s[6]
         return {k: v / max(len(dec), 1) for k, v in tot.items()}
     a, b = per_pass(pred), per_pass(meas)
     rows = []
     for op in sorted(set(a) | set(b)):
         x, y = a.get(op, 0.0), b.get(op, 0.0)
+        if op.startswith("host_") and op not in a:
+            rows.append([op, "-", f"{y:.1f}", "-"])
+            continue
         rows.append([op, f"{x:.1f}", f"{y:.1f}", f"{(x - y) / y * 100:+.1f}%" if y else "-"])
     return _table(["op", "predicted us", "measured us", "error"], rows)
 

@@ -17,7 +17,10 @@ from cmoe.timeline import Span
 
 OP_COLORS = {"attention": "#4C78A8", "dense": "#9ECAE9", "shared": "#72B7B2", "route": "#B279A2",
              "expert": "#F58518", "head": "#54A24B", "load": "#E45756", "cpu_expert": "#9D755D",
-             "roundtrip": "#BAB0AC"}
+             "roundtrip": "#BAB0AC",
+             # the host thread's lane: lighter shades of what it issues
+             "host_attention": "#A6C3DE", "host_sync": "#D8D8D8", "host_route": "#D6BCD0", "host_expert": "#FAC38C",
+             "host_predict": "#EECA3B", "host_head": "#A9D4A5"}
 POLICY_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#B279A2", "#9D755D", "#72B7B2", "#EECA3B"]
 _HOVER = ("%{fullData.name}<br>pass %{customdata[0]}, layer %{customdata[1]}, expert %{customdata[2]}"
           "<br>%{customdata[3]:.2f} MB, %{customdata[4]:.1f} us long<br>at %{x:.1f} us<extra></extra>")

@@ -186,8 +186,7 @@ class Simulation:
             n = ps.num_tokens
             layer_gpu, layer_host = hw.layer_us(n, c.attn_bytes), hw.host_layer(n)
             route_host = hw.host_sync_us + hw.host_route(n) + predict_us
-            expert_host = hw.host_expert(n)
-            end_mark = expert_host - hw.host_expert_tail_us        # an expert's end mark precedes the tail
+            dense = n <= hw.dense_rows                            # every expert runs on all the pass's rows
             last = H
             # embedding, masks, the pass's first sync: counted with layer 0's attention
             H, G = self._op(H, G, hw.host_pass_start_us, hw.pass_start_us)
@@ -260,9 +259,11 @@ class Simulation:
                         yield ev
                         run.stall_us += env.now - due
                         start = env.now
-                    dur = hw.expert_us(c.expert_bytes[m][e], c.expert_bits[m][e], votes.get(e, 1), c.expert_params)
-                    G = max(start + dur, H + end_mark)
-                    H += expert_host
+                    rows = n if dense else votes.get(e, 1)
+                    issue = hw.host_expert(rows)
+                    dur = hw.expert_us(c.expert_bytes[m][e], c.expert_bits[m][e], rows, c.expert_params)
+                    G = max(start + dur, H + issue - hw.host_expert_tail_us)     # the end mark precedes the tail
+                    H += issue
                     self._span(ps.index, d, "compute", "expert", e, start, G, c.expert_bytes[m][e])
                     st = self.slots[m][plan.slots[e]]
                     st.free_at = max(st.free_at, G)
