@@ -54,7 +54,8 @@ class HardwareProfile:
     host_load_us: float = 0.0                       # issuing one load: planning it, events, the copy call
     host_pass_start_us: float = 0.0                 # per pass, host side of pass_start_us
     host_head_us: float = 0.0
-    predict_layer_us: float = 0.0                   # per MoE layer, policies that predict, on the host: next router, read-back, OWA
+    predict_layer_us: float = 0.0                   # per MoE layer, policies that predict, on the host: the early router
+    commit_route_us: float = 0.0                    # per MoE layer, commit in decode: its larger read-back and OWA
     copy_fifo: bool = False                         # loads run in issue order on one copy stream (the executor),
                                                     # not most-urgent first
     copy_on_host: bool = False                      # the host thread copies (the executor on a CPU): a load costs host time

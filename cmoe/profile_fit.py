@@ -92,12 +92,13 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         attn_us_per_token=max(lb, 0.0) * 1e6, cpu_expert_gbps=cpu["bytes"] / max(ca, 1e-9) / GB,
         cpu_expert_us_per_token=max(cb, 0.0) * 1e6, roundtrip_us=roundtrip * 1e6, copy_compute_slowdown=max(m.get("copy_slowdown", 0.0), 0.0),
         pass_start_us=m["layer"].get("pass_start_s", 0.0) * 1e6, head_us=m["layer"].get("head_s", 0.0) * 1e6,
-        predict_layer_us=m["layer"].get("predict_layer_s", 0.0) * 1e6, copy_fifo=True,
+        predict_layer_us=m["layer"].get("predict_layer_s", 0.0) * 1e6,
+        commit_route_us=m["layer"].get("commit_route_s", 0.0) * 1e6, copy_fifo=True,
         copy_on_host=device.lower() == "cpu", dense_rows=int(m.get("dense_rows", 0)), **host,
         sources={k: src for k in ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "hbm_gbps", "expert_gbps",
                                   "launch_us", "layer_fixed_us", "attn_us_per_token", "cpu_expert_gbps",
                                   "roundtrip_us", "copy_compute_slowdown", "pass_start_us", "head_us",
-                                  "predict_layer_us", "cpu_expert_us_per_token", *host)}
+                                  "predict_layer_us", "commit_route_us", "cpu_expert_us_per_token", *host)}
         | {"matmul_tflops": src + " (slope of expert time over tokens: the rate extra tokens cost)",
            "copy_engines": "one copy stream, as the executor uses",
            "copy_fifo": "the executor issues every load to one copy stream, which runs them in issue order",

@@ -213,7 +213,7 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
     host: dict[str, list] = {"layer": [], "route": [], "expert": [], "expert_span": [], "sync": [], "start": [],
                              "head": []}
     cpu_pts, trips = [], []
-    gpu_start = gpu_head = predict = 0.0
+    gpu_start = gpu_head = predict = commit_route = 0.0
     w = built
     for batch in (1, 8):
         tr = generate(spec, rec, SyntheticParams(requests=batch, prompt_len=16, decode_len=tokens + 4, seed=batch))
@@ -245,11 +245,13 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
             cc = replace(cfg, policies=("commit",), slots=spec.num_experts)
             run_policy(w, cc, "commit")
             c_log = run_policy(w, cc, "commit").log
-            # the early router itself, timed on its own, plus what the larger read-back and OWA add
-            # to the route (a difference of two runs' host times: noisy, so only the route's part)
+            # the early router itself, timed on its own (every policy that predicts runs it), and
+            # what commit's larger read-back and OWA add to the route (a difference of two runs'
+            # host times: noisy, so only the route's part)
             c_route, _ = _per_layer(c_log, ("host_route",), None)
             c_pred, _ = _per_layer(c_log, ("host_predict",), None)
-            predict = (c_pred + max(c_route - h_route, 0.0)) / M / 1e6
+            predict = c_pred / M / 1e6
+            commit_route = max(c_route - h_route, 0.0) / M / 1e6
         if batch == 1:                    # what issuing a load costs the host: ondemand with top_k slots misses often
             od = run_policy(w, replace(cfg, policies=("ondemand",), slots=spec.top_k, tokens=min(tokens, 8)),
                             "ondemand")
@@ -264,7 +266,7 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
     tail = [(t, max(a[1] - b[1], 0.0)) for t, a, b in zip((1, 8), host["expert"], host["expert_span"])]
     out = {"layer": {"resident_bytes": int(per_layer), "points": gpu["points"], "head_s": gpu_head,
                      "pass_start_s": gpu_start, "expert_in_model_s": gpu["expert"][0][1],
-                     "expert_points": gpu["expert"], "predict_layer_s": predict,
+                     "expert_points": gpu["expert"], "predict_layer_s": predict, "commit_route_s": commit_route,
                      "host": {"layer_points": host["layer"], "route_points": host["route"],
                               "expert_points": host["expert"], "expert_tail_s": float(np.mean([x for _, x in tail])),
                               "load_s": host["load"],

@@ -186,6 +186,8 @@ class Simulation:
             n = ps.num_tokens
             layer_gpu, layer_host = hw.layer_us(n, c.attn_bytes), hw.host_layer(n)
             route_host = hw.host_sync_us + hw.host_route(n) + predict_us
+            if ps.decode and pol.name == "commit":
+                route_host += hw.commit_route_us
             dense = n <= hw.dense_rows                            # every expert runs on all the pass's rows
             last = H
             # embedding, masks, the pass's first sync: counted with layer 0's attention
