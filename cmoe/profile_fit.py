@@ -20,6 +20,8 @@ Measurements (all times in seconds):
   over upper's, all experts resident: the next layer's router, the larger read-back, OWA), charged
   to every policy that predicts; on CUDA these GPU-side times come from a run in which the GPU was
   held back so the host got ahead (the compute spans are then the GPU's own time);
+  `context_points`: [(keys per decode token, seconds per layer)] of a short and a long-prompt run:
+  attention's cost per key attended (`attn_us_per_ctx_token`);
   `host`: {"layer_points", "route_points", "expert_points": [(tokens, seconds)], "sync_s",
   "pass_start_s", "head_s"}: the host thread's side of the same, from the `host_*` spans;
 - `cpu_expert`: {"bytes", "points": [(tokens, seconds)]}: one expert on the host's CPU;
@@ -75,6 +77,11 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     hbm = m["hbm"][0] / m["hbm"][1] / GB
     la, lb = fit_line([(t - 1, s) for t, s in m["layer"]["points"]])
     la -= m["layer"].get("resident_bytes", 0) / (hbm * GB)          # the profile adds weight reads itself
+    ctx = m["layer"].get("context_points")                          # [(mean keys per token, seconds per layer)]
+    per_key = 0.0
+    if ctx and ctx[1][0] > ctx[0][0]:
+        per_key = max((ctx[1][1] - ctx[0][1]) / (ctx[1][0] - ctx[0][0]), 0.0)
+        la -= per_key * ctx[0][0]                                   # the short runs' keys, now priced per key
     cpu = m["cpu_expert"]
     ca, cb = fit_line([(t - 1, s) for t, s in cpu["points"]])
     if m.get("cpu_expert_in_model"):                                # inside the running model, if measured
@@ -89,7 +96,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         h2d_pageable_gbps=m["h2d_pageable"][0] / m["h2d_pageable"][1] / GB, copy_engines=1,
         hbm_gbps=hbm, matmul_tflops=rate,
         expert_gbps=((key, expert_bw),), launch_us=launch_s * 1e6, layer_fixed_us=max(la, 0.0) * 1e6,
-        attn_us_per_token=max(lb, 0.0) * 1e6, cpu_expert_gbps=cpu["bytes"] / max(ca, 1e-9) / GB,
+        attn_us_per_token=max(lb, 0.0) * 1e6, attn_us_per_ctx_token=per_key * 1e6, cpu_expert_gbps=cpu["bytes"] / max(ca, 1e-9) / GB,
         cpu_expert_us_per_token=max(cb, 0.0) * 1e6, roundtrip_us=roundtrip * 1e6, copy_compute_slowdown=max(m.get("copy_slowdown", 0.0), 0.0),
         pass_start_us=m["layer"].get("pass_start_s", 0.0) * 1e6, head_us=m["layer"].get("head_s", 0.0) * 1e6,
         predict_layer_us=m["layer"].get("predict_layer_s", 0.0) * 1e6,
@@ -98,7 +105,8 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         sources={k: src for k in ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "hbm_gbps", "expert_gbps",
                                   "launch_us", "layer_fixed_us", "attn_us_per_token", "cpu_expert_gbps",
                                   "roundtrip_us", "copy_compute_slowdown", "pass_start_us", "head_us",
-                                  "predict_layer_us", "commit_route_us", "cpu_expert_us_per_token", *host)}
+                                  "predict_layer_us", "commit_route_us", "cpu_expert_us_per_token",
+                                  "attn_us_per_ctx_token", *host)}
         | {"matmul_tflops": src + " (slope of expert time over tokens: the rate extra tokens cost)",
            "copy_engines": "one copy stream, as the executor uses",
            "copy_fifo": "the executor issues every load to one copy stream, which runs them in issue order",
@@ -144,6 +152,9 @@ def beside(p: HardwareProfile, m: dict) -> str:
     rb = m["layer"].get("resident_bytes", 0)
     for t, s in m["layer"]["points"]:
         rows.append(f"{'layer (non-expert), ' + str(t) + ' tok':<28} {s * 1e6:10.1f}us {p.layer_us(t, rb):10.1f}us")
+    for keys, sec in m["layer"].get("context_points") or []:
+        rows.append(f"{'layer, ' + str(round(keys)) + ' keys':<28} {sec * 1e6:10.1f}us "
+                    f"{p.layer_us(1, rb) + p.attn_us_per_ctx_token * keys:10.1f}us")
     h = m["layer"].get("host")
     if h:
         for what, key, fn in (("host, layer", "layer_points", p.host_layer), ("host, route", "route_points", p.host_route),

@@ -28,7 +28,10 @@ def _synthetic(p, expert_bytes=93_585_408, params=3 * 4096 * 14336, resident=100
         "copy_slowdown": p.copy_compute_slowdown,
         "expert": {"bytes": expert_bytes, "params": params, "bits": 4,
                    "points": [(t, p.expert_us(expert_bytes, 4, t, params) / 1e6) for t in (1, 2, 8, 64)]},
-        "layer": {"resident_bytes": resident, "points": [(t, p.layer_us(t, resident) / 1e6) for t in (1, 8)],
+        "layer": {"resident_bytes": resident,
+                  "points": [(t, (p.layer_us(t, resident) + p.attn_us_per_ctx_token * 32) / 1e6) for t in (1, 8)],
+                  "context_points": [(k, (p.layer_us(1, resident) + p.attn_us_per_ctx_token * k) / 1e6)
+                                     for k in (32, 2052.5)],
                   "pass_start_s": p.pass_start_us / 1e6, "head_s": p.head_us / 1e6,
                   "expert_in_model_s": p.expert_us(expert_bytes, 4, 1, params) / 1e6,
                   "predict_layer_s": p.predict_layer_us / 1e6, "commit_route_s": p.commit_route_us / 1e6,
@@ -48,6 +51,7 @@ def test_fitting_recovers_the_parameters_it_was_made_from():
     known = replace(H200, layer_fixed_us=1234.0, attn_us_per_token=7.5, cpu_expert_gbps=42.0,
                     expert_gbps=(("int4", 1500.0),), matmul_tflops=300.0, roundtrip_us=80.0, hbm_gbps=4200.0,
                     pass_start_us=900.0, head_us=450.0, predict_layer_us=33.0, commit_route_us=41.0, launch_us=0.0,
+                    attn_us_per_ctx_token=0.012,
                     host_layer_us=950.0, host_attn_us_per_token=6.0, host_sync_us=80.0, host_route_us=100.0,
                     host_route_us_per_token=5.0, host_expert_us=170.0, host_expert_us_per_token=0.5,
                     host_expert_tail_us=15.0, host_pass_start_us=700.0, host_head_us=380.0, host_load_us=45.0,
@@ -57,7 +61,7 @@ def test_fitting_recovers_the_parameters_it_was_made_from():
         assert b0 == b1 and g1 == pytest.approx(g0)                    # the fast repeat wins
     for f in ("hbm_gbps", "matmul_tflops", "launch_us", "layer_fixed_us", "attn_us_per_token", "cpu_expert_gbps",
               "roundtrip_us", "h2d_pageable_gbps", "copy_compute_slowdown", "pass_start_us", "head_us",
-              "predict_layer_us", "commit_route_us", "host_layer_us", "host_attn_us_per_token", "host_sync_us", "host_route_us",
+              "predict_layer_us", "commit_route_us", "attn_us_per_ctx_token", "host_layer_us", "host_attn_us_per_token", "host_sync_us", "host_route_us",
               "host_route_us_per_token", "host_expert_us", "host_expert_us_per_token", "host_expert_tail_us",
               "host_pass_start_us", "host_head_us", "cpu_expert_us_per_token", "host_load_us"):
         assert getattr(got, f) == pytest.approx(getattr(known, f), rel=1e-6), f

@@ -145,6 +145,7 @@ def _mean(log, op: str, stat=np.mean) -> float:
     return float(stat([s[7] - s[6] for s in log.spans if s[1] in dec and s[4] == op])) / 1e6
 
 
+LONG_PROMPT = 2048    # the context of the long run that prices attention per key (a CPU uses an eighth)
 LEAD_US = 5000.0      # GPU sleep queued before each layer's experts in the GPU-time run: longer than
                       # the host takes to issue a layer's experts and the next layer's attention
 
@@ -261,12 +262,23 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
             p, t = _cpu_points(st, tr, batch, spec)
             cpu_pts += p
             trips += t
+    # attention against context: the GPU-time run again, one request with a long prompt
+    prompt = LONG_PROMPT if cuda else LONG_PROMPT // 8
+    tr = generate(spec, rec, SyntheticParams(requests=1, prompt_len=prompt, decode_len=8 + 4, seed=3))
+    lw = Workload(spec=spec, device=device, fmt=fmt, trace=tr, model_dir=model_dir)
+    lw.store, lw.model, lw.shims = w.store, w.model, w.shims
+    lc = ExecConfig(policies=("upper",), pool_gb=1e3, batch=1, tokens=8, device=device.type,
+                    lead_us=LEAD_US if cuda else 0.0)
+    run_policy(lw, lc, "upper")
+    ne_long, _ = _per_layer(run_policy(lw, lc, "upper").log, ("attention",), first)
+    ctx = [(16 + (tokens + 1) / 2, gpu["points"][0][1]), (prompt + 4.5, ne_long / L / 1e6)]  # mean keys per decode token
     ne_bytes = non_expert_bytes(spec, rec)
     per_layer = (ne_bytes["attention"] + ne_bytes["norms"]) // spec.num_layers
     tail = [(t, max(a[1] - b[1], 0.0)) for t, a, b in zip((1, 8), host["expert"], host["expert_span"])]
     out = {"layer": {"resident_bytes": int(per_layer), "points": gpu["points"], "head_s": gpu_head,
                      "pass_start_s": gpu_start, "expert_in_model_s": gpu["expert"][0][1],
                      "expert_points": gpu["expert"], "predict_layer_s": predict, "commit_route_s": commit_route,
+                     "context_points": ctx,
                      "host": {"layer_points": host["layer"], "route_points": host["route"],
                               "expert_points": host["expert"], "expert_tail_s": float(np.mean([x for _, x in tail])),
                               "load_s": host["load"],

@@ -184,7 +184,8 @@ class Simulation:
             self.pass_index = ps.index
             hits0, ran0 = run.hits, run.gpu_experts + run.fallbacks
             n = ps.num_tokens
-            layer_gpu, layer_host = hw.layer_us(n, c.attn_bytes), hw.host_layer(n)
+            layer_gpu = hw.layer_us(n, c.attn_bytes) + hw.attn_us_per_ctx_token * ps.context
+            layer_host = hw.host_layer(n)
             route_host = hw.host_sync_us + hw.host_route(n) + predict_us
             if ps.decode and pol.name == "commit":
                 route_host += hw.commit_route_us
@@ -202,9 +203,8 @@ class Simulation:
             for m in range(M):
                 d = c.moe_layers[m]
                 for dense in range(prev_layer + 1, d):           # dense decoder layers before this one
-                    H, G = self._op(H, G, hw.host_layer(n) + hw.host_expert(n),
-                                    hw.layer_us(n, c.attn_bytes)
-                                    + hw.expert_us(c.dense_bytes, c.dense_bits, n, c.dense_bytes))
+                    H, G = self._op(H, G, layer_host + hw.host_expert(n),
+                                    layer_gpu + hw.expert_us(c.dense_bytes, c.dense_bits, n, c.dense_bytes))
                     self._span(ps.index, dense, "compute", "dense", -1, last, G)
                     last = G
                 prev_layer = d

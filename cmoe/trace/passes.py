@@ -23,6 +23,7 @@ class Pass:
     needed: tuple[tuple[int, ...], ...]      # [M] experts routed, most voted first
     predicted: tuple[tuple[int, ...], ...]   # [M] commit prediction for layer m
     votes: tuple[tuple[int, ...], ...]       # [M] tokens routed to each needed expert
+    context: int = 0                         # keys every token of the pass attends to, summed (position + 1)
 
     @property
     def num_tokens(self) -> int:
@@ -69,7 +70,7 @@ def make_passes(t: Trace, batch: int, include_prefill: bool = True) -> list[Pass
             need = [ranked([experts[i][m] for i in rows]) for m in range(M)]
             guess = [ranked([pred[i][m] for i in rows])[0] for m in range(M)]
             passes.append(Pass(len(passes), decode, idx, tuple(r[0] for r in need), tuple(guess),
-                               tuple(r[1] for r in need)))
+                               tuple(r[1] for r in need), int(t.step[idx].astype(np.int64).sum()) + len(rows)))
     return passes
 
 
