@@ -10,6 +10,8 @@ Measurements (all times in seconds):
 - `launch`: seconds per launch of a trivial kernel, host side;
 - `expert`: {"bytes", "params", "bits", "points": [(tokens, seconds)]}: one expert's FFN ->
   t = 3 launch + bytes / bw + 2 params (tokens - 1) / rate, fitted as a line in tokens;
+  `expert_classes`: the same for the executor's other weight width (int4 or bf16), whose
+  bandwidth comes from the isolated loop's intercept;
 - `layer`: {"resident_bytes", "points": [(tokens, seconds)], "pass_start_s", "head_s",
   "expert_in_model_s"}: from the executor's own timeline, the non-expert time of one decoder layer
   per pass (attention + route spans, the pass's start-up taken out), fitted as a line with the
@@ -88,14 +90,21 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         inm = m["cpu_expert_in_model"]
         ca, cb = fit_line([(t - 1, s) for t, s in inm["points"]], [n for _, n in inm.get("count", [])] or None)
     roundtrip = m.get("roundtrip_in_model") or m["roundtrip"]
-    key = "int4" if ex["bits"] <= 4 else "int8" if ex["bits"] <= 8 else "bf16"
+    key = _class(ex["bits"])
+    classes = [(key, expert_bw)]
+    for oc in m.get("expert_classes") or []:                       # other widths: the isolated loop's intercept
+        if "points" not in oc:
+            continue
+        oa, _ = fit_line([(t - 1, s) for t, s in oc["points"]])
+        if _class(oc["bits"]) != key:
+            classes.append((_class(oc["bits"]), oc["bytes"] / max(oa - 3 * launch_s, 1e-9) / GB))
     src = f"measured by cmoe calibrate on {device}, {date}"
     host = _host_fields(m["layer"].get("host"))
     return HardwareProfile(
         name=name, gpu_mem_bytes=gpu_mem_bytes, h2d_pinned=curve(m["h2d"]), d2h_pinned=curve(m["d2h"]),
         h2d_pageable_gbps=m["h2d_pageable"][0] / m["h2d_pageable"][1] / GB, copy_engines=1,
         hbm_gbps=hbm, matmul_tflops=rate,
-        expert_gbps=((key, expert_bw),), launch_us=launch_s * 1e6, layer_fixed_us=max(la, 0.0) * 1e6,
+        expert_gbps=tuple(classes), launch_us=launch_s * 1e6, layer_fixed_us=max(la, 0.0) * 1e6,
         attn_us_per_token=max(lb, 0.0) * 1e6, attn_us_per_ctx_token=per_key * 1e6, cpu_expert_gbps=cpu["bytes"] / max(ca, 1e-9) / GB,
         cpu_expert_us_per_token=max(cb, 0.0) * 1e6, roundtrip_us=roundtrip * 1e6, copy_compute_slowdown=max(m.get("copy_slowdown", 0.0), 0.0),
         pass_start_us=m["layer"].get("pass_start_s", 0.0) * 1e6, head_us=m["layer"].get("head_s", 0.0) * 1e6,
@@ -112,6 +121,10 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
            "copy_fifo": "the executor issues every load to one copy stream, which runs them in issue order",
            "copy_on_host": "the executor on a CPU copies on its own thread; on a GPU a copy engine does",
            "dense_rows": "the executor's DENSE_ROWS: up to that many rows every expert runs on all of them"})
+
+
+def _class(bits: float) -> str:
+    return "int4" if bits <= 4 else "int8" if bits <= 8 else "bf16"
 
 
 def _host_fields(h: dict | None) -> dict:

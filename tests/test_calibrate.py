@@ -41,6 +41,8 @@ def _synthetic(p, expert_bytes=93_585_408, params=3 * 4096 * 14336, resident=100
                            "expert_tail_s": p.host_expert_tail_us / 1e6, "sync_s": p.host_sync_us / 1e6,
                            "load_s": p.host_load_us / 1e6,
                            "pass_start_s": p.host_pass_start_us / 1e6, "head_s": p.host_head_us / 1e6}},
+        "expert_classes": [{"format": "bf16", "bytes": 352_321_536, "params": params, "bits": 16,
+                            "points": [(t, p.expert_us(352_321_536, 16, t, params) / 1e6) for t in (1, 8)]}],
         "cpu_expert": {"bytes": expert_bytes, "points": [(1, 3e-3)]},           # isolated: overruled below
         "cpu_expert_in_model": {"points": [(t, p.cpu_expert_us(expert_bytes, t) / 1e6) for t in (1, 2, 5)]},
         "roundtrip": 1e-6, "roundtrip_in_model": p.roundtrip_us / 1e6,
@@ -49,7 +51,8 @@ def _synthetic(p, expert_bytes=93_585_408, params=3 * 4096 * 14336, resident=100
 
 def test_fitting_recovers_the_parameters_it_was_made_from():
     known = replace(H200, layer_fixed_us=1234.0, attn_us_per_token=7.5, cpu_expert_gbps=42.0,
-                    expert_gbps=(("int4", 1500.0),), matmul_tflops=300.0, roundtrip_us=80.0, hbm_gbps=4200.0,
+                    expert_gbps=(("int4", 1500.0), ("bf16", 3100.0)), matmul_tflops=300.0, roundtrip_us=80.0,
+                    hbm_gbps=4200.0,
                     pass_start_us=900.0, head_us=450.0, predict_layer_us=33.0, commit_route_us=41.0, launch_us=0.0,
                     attn_us_per_ctx_token=0.012,
                     host_layer_us=950.0, host_attn_us_per_token=6.0, host_sync_us=80.0, host_route_us=100.0,
@@ -66,6 +69,7 @@ def test_fitting_recovers_the_parameters_it_was_made_from():
               "host_pass_start_us", "host_head_us", "cpu_expert_us_per_token", "host_load_us"):
         assert getattr(got, f) == pytest.approx(getattr(known, f), rel=1e-6), f
     assert dict(got.expert_gbps)["int4"] == pytest.approx(1500.0, rel=1e-6)
+    assert dict(got.expert_gbps)["bf16"] == pytest.approx(3100.0, rel=1e-6)     # the other width, measured too
     assert "measured by cmoe calibrate on test, 2026-11-29" in got.sources["layer_fixed_us"]
     assert got.copy_fifo and got.launch_us == 0.0        # the executor's one copy stream; launching is the host's
     table = beside(got, _synthetic(known))

@@ -15,6 +15,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from cmoe.errors import CmoeError
 from cmoe.executor.kernels import ExpertViews, ffn
 from cmoe.executor.layout import expert_layout, slot_size
 from cmoe.executor.store import random_expert
@@ -92,7 +93,8 @@ def compute(device: torch.device) -> dict:
     return {"matmul": (2 * n**3, mm), "launch": launch, "copy_slowdown": slow}
 
 
-def expert(device: torch.device, spec: ModelSpec, fmt: str, tokens=(1, 2, 4, 8, 16, 32, 64)) -> dict:
+def _expert_points(device: torch.device, spec: ModelSpec, fmt: str, tokens) -> tuple[object, list]:
+    """One expert of format `fmt` on the device: (layout, [(tokens, seconds)])."""
     best = _timer(device)
     lay = expert_layout(fmt, spec.hidden, spec.expert_ffn)
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -103,6 +105,27 @@ def expert(device: torch.device, spec: ModelSpec, fmt: str, tokens=(1, 2, 4, 8, 
     for t in tokens:
         x = torch.randn(t, spec.hidden, device=device).to(dt)
         pts.append((t, best(lambda: ffn(x, v), inner=5)))
+    return lay, pts
+
+
+def _bits(fmt: str, lay) -> int:
+    return 4 if lay.group else (16 if fmt == "bf16" else 32)
+
+
+def expert(device: torch.device, spec: ModelSpec, fmt: str, tokens=(1, 2, 4, 8, 16, 32, 64)) -> dict:
+    best = _timer(device)
+    lay, pts = _expert_points(device, spec, fmt, tokens)
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    # the executor's other weight width on CUDA (int4 <-> bf16), so both of the profile's classes are measured
+    others = []
+    if device.type == "cuda":
+        other = "bf16" if lay.group else "w4g128"
+        try:
+            olay, opts = _expert_points(device, spec, other, tokens)
+            others.append({"format": other, "bytes": olay.nbytes, "params": 3 * spec.hidden * spec.expert_ffn,
+                           "bits": _bits(other, olay), "points": opts})
+        except (CmoeError, RuntimeError) as e:    # shapes the int4 kernel cannot take: keep the h200 figure
+            others.append({"format": other, "error": str(e).splitlines()[0]})
     cbuf = torch.zeros(slot_size(lay), dtype=torch.uint8)
     random_expert(lay, 1, torch.device("cpu"), "cpu", cbuf)
     cv = ExpertViews(lay, cbuf, "cpu")
@@ -115,9 +138,9 @@ def expert(device: torch.device, spec: ModelSpec, fmt: str, tokens=(1, 2, 4, 8, 
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return back
-    bits = 4 if lay.group else (16 if fmt == "bf16" else 32)
-    return {"expert": {"bytes": lay.nbytes, "params": 3 * spec.hidden * spec.expert_ffn, "bits": bits, "points": pts},
-            "cpu_expert": {"bytes": lay.nbytes, "points": cpts}, "roundtrip": best(roundtrip)}
+    return {"expert": {"bytes": lay.nbytes, "params": 3 * spec.hidden * spec.expert_ffn, "bits": _bits(fmt, lay),
+                       "points": pts},
+            "expert_classes": others, "cpu_expert": {"bytes": lay.nbytes, "points": cpts}, "roundtrip": best(roundtrip)}
 
 
 def _per_layer(log, ops: tuple[str, ...], first: int | None) -> tuple[float, float]:
