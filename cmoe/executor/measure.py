@@ -1,16 +1,14 @@
 """What `cmoe calibrate` measures, on the device at hand (CUDA, or the CPU for a CPU profile):
 copies across sizes, device memory bandwidth, a large matmul, launch cost, one expert's FFN
 against tokens, the host CPU running the same expert, the hidden-state round trip, the slowdown
-a side-stream copy causes, and the executor's own non-expert time per decoder layer at batch 1
-and 8, on the GPU and on the host (a short `upper` run of the model, cut to its first layers,
-and on CUDA the same run with the GPU held back so that the host gets ahead). Returns the dictionary
-`cmoe.profile_fit.fit_profile` reads; every time is the best of several repeats.
+a side-stream copy causes; and, from the executor's own timeline (`measure_model.py`), what the
+model costs on the host and on the GPU. Returns the dictionary `cmoe.profile_fit.fit_profile`
+reads; every microbenchmark time is the best of several repeats.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -143,185 +141,11 @@ def expert(device: torch.device, spec: ModelSpec, fmt: str, tokens=(1, 2, 4, 8, 
             "expert_classes": others, "cpu_expert": {"bytes": lay.nbytes, "points": cpts}, "roundtrip": best(roundtrip)}
 
 
-def _per_layer(log, ops: tuple[str, ...], first: int | None) -> tuple[float, float]:
-    """Mean over decode passes of (the `ops` spans' time less the pass's start-up, start-up) in us,
-    where the start-up is layer `first`'s excess over the mean of the other layers. Means, not
-    medians: throughput pays for the slow passes too."""
-    per: dict[int, dict[int, float]] = {}
-    dec = {p for p, d, _, _ in log.pass_us if d}
-    for s in log.spans:
-        if s[1] in dec and s[4] in ops:
-            layer = per.setdefault(s[1], {})
-            layer[s[2]] = layer.get(s[2], 0.0) + s[7] - s[6]
-    tot, st = [], []
-    for att in per.values():
-        others = [v for k, v in att.items() if k != first]
-        start = 0.0 if first is None else max(att[first] - (float(np.mean(others)) if others else 0.0), 0.0)
-        st.append(start)
-        tot.append(sum(att.values()) - start)
-    return float(np.mean(tot)), float(np.mean(st))
-
-
-def _mean(log, op: str, stat=np.mean) -> float:
-    """Mean (or `stat`) duration of the decode passes' `op` spans, in seconds."""
-    dec = {p for p, d, _, _ in log.pass_us if d}
-    return float(stat([s[7] - s[6] for s in log.spans if s[1] in dec and s[4] == op])) / 1e6
-
-
-LONG_PROMPT = 2048    # the context of the long run that prices attention per key (a CPU uses an eighth)
-LEAD_US = 5000.0      # GPU sleep queued before each layer's experts in the GPU-time run: longer than
-                      # the host takes to issue a layer's experts and the next layer's attention
-
-
-def _cpu_points(log, tr, batch: int, spec: ModelSpec) -> tuple[list, list]:
-    """(tokens, seconds) of every CPU expert of the decode passes, its tokens from the trace's
-    votes, and the round trip's two halves added up per layer (seconds)."""
-    from cmoe.trace.passes import make_passes
-    passes = make_passes(tr, batch)
-    moe = {d: m for m, d in enumerate(spec.moe_layers)}
-    dec = {p for p, d, _, _ in log.pass_us if d}
-    pts, trips = [], {}
-    for s in log.spans:
-        if s[1] not in dec:
-            continue
-        if s[4] == "cpu_expert":
-            ps, m = passes[s[1]], moe[s[2]]
-            votes = dict(zip(ps.needed[m], ps.votes[m]))
-            pts.append((votes.get(s[5], 1), (s[7] - s[6]) / 1e6))
-        elif s[4] == "roundtrip":
-            trips[(s[1], s[2])] = trips.get((s[1], s[2]), 0.0) + (s[7] - s[6]) / 1e6
-    return pts, list(trips.values())
-
-
-def _load_cost(log, upper_route_us: float, cuda: bool) -> float:
-    """Host seconds per load: the route phase's excess over `upper`'s (per pass, us) spread over
-    the loads issued, less the copy itself where the host copies (on a CPU)."""
-    dec = {p for p, d, _, _ in log.pass_us if d}
-    route = sum(s[7] - s[6] for s in log.spans if s[1] in dec and s[4] == "host_route") / max(len(dec), 1)
-    loads = [s for s in log.spans if s[1] in dec and s[4] == "load"]
-    if not loads:
-        return 0.0
-    per = (route - upper_route_us) * len(dec) / len(loads)
-    if not cuda:
-        per -= float(np.mean([s[7] - s[6] for s in loads]))
-    return max(per, 0.0) / 1e6
-
-
-def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, model_dir=None, tokens: int = 32,
-           built=None) -> dict:
-    """What the executor's own timeline says a model costs outside the experts, on the GPU and on
-    the host, at batch 1 and 8: a short `upper` run gives the host's side (its `host_*` spans); on
-    CUDA a second run with GPU sleep queued ahead of each layer (`lead_us`) lets the host get
-    ahead, so its compute spans are the GPU's own time (on the CPU both sides are the same run).
-    Also the pass's start-up (layer 0's excess) and LM head on both sides, an expert's kernels
-    inside the model on both sides, what predicting adds on the host per MoE layer (a `commit` run,
-    all experts resident), and CPU experts and the round trip inside the model (a `static` run
-    with top_k slots per layer, when the store has CPU copies of the experts).
-
-    `built`: a Workload already built (its model, store and spec are used as they are: the model
-    the runs will use, in the state they will find it); otherwise the model is built here, cut to
-    its first `num_layers` layers (same per-layer shapes)."""
-    from cmoe.executor.run import ExecConfig, Workload, budget_recipe, build, run_policy
-    from cmoe.quant import non_expert_bytes
-    from cmoe.trace.synthetic import SyntheticParams, generate
-    if built is not None:
-        spec, model_dir = built.spec, built.model_dir
-    elif model_dir is None:
-        keep = tuple(d for d in spec.moe_layers if d < num_layers)
-        spec = replace(spec, num_layers=num_layers, moe_layers=keep)
-    rec = budget_recipe(fmt)
-    cuda = device.type == "cuda"
-    first = spec.moe_layers[0]
-    L, M = spec.num_layers, spec.num_moe_layers
-    gpu: dict[str, list] = {"points": [], "expert": []}
-    host: dict[str, list] = {"layer": [], "route": [], "expert": [], "expert_span": [], "sync": [], "start": [],
-                             "head": []}
-    cpu_pts, trips = [], []
-    gpu_start = gpu_head = predict = commit_route = 0.0
-    w = built
-    for batch in (1, 8):
-        tr = generate(spec, rec, SyntheticParams(requests=batch, prompt_len=16, decode_len=tokens + 4, seed=batch))
-        nw = Workload(spec=spec, device=device, fmt=fmt, trace=tr, model_dir=model_dir)
-        if w is not None:
-            nw.store, nw.model, nw.shims = w.store, w.model, w.shims
-        w = nw
-        cfg = ExecConfig(policies=("upper",), pool_gb=1e3, batch=batch, tokens=tokens, device=device.type)
-        if w.store is None:
-            build(w, replace(cfg, policies=("upper", "static")))
-        run_policy(w, cfg, "upper")                               # warm-up over the same lengths
-        eager = [run_policy(w, cfg, "upper").log for _ in range(2)]
-        queued = run_policy(w, replace(cfg, lead_us=LEAD_US), "upper").log if cuda else eager[0]
-        ne, start = _per_layer(queued, ("attention",), first)
-        gpu["points"].append((batch, ne / L / 1e6))
-        gpu["expert"].append((batch, _mean(queued, "expert")))
-        h_ne, h_start = np.mean([_per_layer(e, ("host_attention",), first) for e in eager], axis=0)
-        h_route = np.mean([_per_layer(e, ("host_route",), None)[0] for e in eager])
-        host["layer"].append((batch, h_ne / L / 1e6))
-        host["route"].append((batch, h_route / M / 1e6))
-        host["expert"].append((batch, np.mean([_mean(e, "host_expert") for e in eager])))
-        # on a host-bound GPU an expert's compute span is the host's time between its two marks
-        host["expert_span"].append((batch, np.mean([_mean(e, "expert") for e in eager])))
-        host["sync"] += [_mean(e, "host_sync", np.median) for e in eager]
-        if batch == 1:
-            gpu_start, gpu_head = start / 1e6, _mean(queued, "head")
-            host["start"].append(h_start / 1e6)
-            host["head"].append(np.mean([_mean(e, "host_head") for e in eager]))
-            cc = replace(cfg, policies=("commit",), slots=spec.num_experts)
-            run_policy(w, cc, "commit")
-            c_log = run_policy(w, cc, "commit").log
-            # the early router itself, timed on its own (every policy that predicts runs it), and
-            # what commit's larger read-back and OWA add to the route (a difference of two runs'
-            # host times: noisy, so only the route's part)
-            c_route, _ = _per_layer(c_log, ("host_route",), None)
-            c_pred, _ = _per_layer(c_log, ("host_predict",), None)
-            predict = c_pred / M / 1e6
-            commit_route = max(c_route - h_route, 0.0) / M / 1e6
-        if batch == 1:                    # what issuing a load costs the host: ondemand with top_k slots misses often
-            od = run_policy(w, replace(cfg, policies=("ondemand",), slots=spec.top_k, tokens=min(tokens, 8)),
-                            "ondemand")
-            host["load"] = _load_cost(od.log, h_route, cuda)
-        if not cuda or w.store.cpu_twins is not None:
-            st = run_policy(w, replace(cfg, policies=("static",), slots=spec.top_k, tokens=min(tokens, 8)), "static").log
-            p, t = _cpu_points(st, tr, batch, spec)
-            cpu_pts += p
-            trips += t
-    # attention against context: the GPU-time run again, one request with a long prompt
-    prompt = LONG_PROMPT if cuda else LONG_PROMPT // 8
-    tr = generate(spec, rec, SyntheticParams(requests=1, prompt_len=prompt, decode_len=8 + 4, seed=3))
-    lw = Workload(spec=spec, device=device, fmt=fmt, trace=tr, model_dir=model_dir)
-    lw.store, lw.model, lw.shims = w.store, w.model, w.shims
-    lc = ExecConfig(policies=("upper",), pool_gb=1e3, batch=1, tokens=8, device=device.type,
-                    lead_us=LEAD_US if cuda else 0.0)
-    run_policy(lw, lc, "upper")
-    ne_long, _ = _per_layer(run_policy(lw, lc, "upper").log, ("attention",), first)
-    ctx = [(16 + (tokens + 1) / 2, gpu["points"][0][1]), (prompt + 4.5, ne_long / L / 1e6)]  # mean keys per decode token
-    ne_bytes = non_expert_bytes(spec, rec)
-    per_layer = (ne_bytes["attention"] + ne_bytes["norms"]) // spec.num_layers
-    tail = [(t, max(a[1] - b[1], 0.0)) for t, a, b in zip((1, 8), host["expert"], host["expert_span"])]
-    out = {"layer": {"resident_bytes": int(per_layer), "points": gpu["points"], "head_s": gpu_head,
-                     "pass_start_s": gpu_start, "expert_in_model_s": gpu["expert"][0][1],
-                     "expert_points": gpu["expert"], "predict_layer_s": predict, "commit_route_s": commit_route,
-                     "context_points": ctx,
-                     "host": {"layer_points": host["layer"], "route_points": host["route"],
-                              "expert_points": host["expert"], "expert_tail_s": float(np.mean([x for _, x in tail])),
-                              "load_s": host["load"],
-                              "sync_s": float(np.median(host["sync"])),
-                              "pass_start_s": host["start"][0], "head_s": host["head"][0]}}}
-    if cpu_pts:
-        by: dict[int, list] = {}
-        for t, x in cpu_pts:
-            by.setdefault(int(t), []).append(x)
-        # means, not medians: CPU experts have a long tail (thread wake-ups; on the H200's host 10%
-        # of them took 1.2x the median and a few 5x), and throughput pays for it
-        out["cpu_expert_in_model"] = {"points": [(t, float(np.mean(v))) for t, v in sorted(by.items())],
-                                      "count": [(t, len(v)) for t, v in sorted(by.items())]}
-        out["roundtrip_in_model"] = float(np.median(trips)) if trips else None
-    return out
-
-
 def measure(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4, model_dir=None,
             progress: bool = True, built=None) -> dict:
     from tqdm import tqdm
+
+    from cmoe.executor.measure_model import layers
     cuda = device.type == "cuda"
     sizes = [2**k for k in range(16, 29, 2)] if cuda else [2**k for k in range(16, 25, 2)]
     steps = [("copies", lambda: copies(device, sizes)), ("compute", lambda: compute(device)),
