@@ -18,7 +18,7 @@ from cmoe.util import write_text_atomic
 
 def run_all(out: Path, *, spec_name: str | None, model_dir: Path | None, trace_src: str | None, policies: tuple[str, ...],
             pool_gb: float, batch: int, tokens: int, quant: str | None, device: str, profile: str | None,
-            slots: int | None = None, layers: int = 4, echo=print) -> list[dict]:
+            slots: int | None = None, layers: int = 4, repeat: int = 1, echo=print) -> list[dict]:
     from cmoe.executor.run import ExecConfig, execute, prepare
     from cmoe.executor.run import table as exec_table
     from cmoe.executor.run import write_outputs as write_exec
@@ -60,7 +60,20 @@ def run_all(out: Path, *, spec_name: str | None, model_dir: Path | None, trace_s
     vals = validate_folders(out / "predicted", out / "measured", list(cfg.policies))
     for v in vals:
         echo(format_validation(v))
-    write_text_atomic(out / "validation.json", json.dumps(vals, indent=1))
+    doc: object = vals
+    if repeat > 1:                      # the same configuration again, policies in reverse order each time
+        from cmoe.executor.run import run_policy
+        from cmoe.validate import against_repeats, format_repeats
+        runs = [vals]
+        for k in range(2, repeat + 1):
+            again = [run_policy(w, cfg, p) for p in reversed(cfg.policies)][::-1]
+            write_exec(out / f"measured-{k}", again)
+            runs.append(validate_folders(out / "predicted", out / f"measured-{k}", list(cfg.policies)))
+        rows = against_repeats(runs)
+        echo(f"against the mean of {repeat} measured runs (the machine's own noise is the spread):\n"
+             + format_repeats(rows))
+        doc = {"runs": runs, "against_mean": rows}
+    write_text_atomic(out / "validation.json", json.dumps(doc, indent=1))
     echo(report_line([out / "predicted", out / "measured"], out / "report.html"))
     return vals
 

@@ -187,3 +187,28 @@ def validate_folders(predicted: Path, measured: Path, policies: list[str] | None
         raise CmoeError(f"{measured} has no metrics.json: give the folder written by cmoe execute --out")
     names = policies or [m["policy"] for m in read_metrics(measured)]
     return [validate(read_run(predicted, p), read_run(measured, p)) for p in names]
+
+
+def against_repeats(runs: list[list[dict]]) -> list[dict]:
+    """The same prediction held against several measured runs of one configuration (each a
+    `validate_folders` result, policies in the same order): tokens/s error against the runs' mean,
+    and the runs' own spread ((max - min) / mean). Where the spread is as large as the error, the
+    machine's noise, not the model, decides the figure."""
+    out = []
+    for vs in zip(*runs):
+        meas = [v["tokens_per_s"]["measured"] for v in vs]
+        mean = sum(meas) / len(meas)
+        pred = vs[0]["tokens_per_s"]["predicted"]
+        out.append({"policy": vs[0]["policy"], "predicted": pred, "measured": meas, "error": pred / mean - 1,
+                    "spread": (max(meas) - min(meas)) / mean,
+                    "per_layer_mean_error_max": [v["per_layer_mean_error_max"] for v in vs]})
+    return out
+
+
+def format_repeats(rows: list[dict]) -> str:
+    lines = [f"{'policy':<14} {'predicted':>10} {'measured tok/s':>22} {'error':>8} {'spread':>7}"]
+    for r in rows:
+        meas = " / ".join(f"{x:.1f}" for x in r["measured"])
+        lines.append(f"{r['policy']:<14} {r['predicted']:10.1f} {meas:>22} {r['error'] * 100:+7.1f}% "
+                     f"{r['spread'] * 100:6.1f}%")
+    return "\n".join(lines)

@@ -100,12 +100,16 @@ def test_cmoe_run_calibrates_simulates_executes_and_validates(checkpoints, tiny_
     out = tmp_path / "run"
     r = CliRunner().invoke(app, ["run", "--model", str(checkpoints["mixtral"]), "--trace", str(tiny_trace),
                                  "--device", "cpu", "--quant", "fp32", "--policy", "ondemand,commit",
-                                 "--pool-gb", "0.2686", "--tokens", "4", "--out", str(out)])
+                                 "--pool-gb", "0.2686", "--tokens", "4", "--repeat", "2", "--out", str(out)])
     assert r.exit_code == 0, r.output
-    for f in ("profile.json", "predicted/metrics.json", "measured/metrics.json", "validation.json", "report.html"):
+    for f in ("profile.json", "profile.measurements.json", "predicted/metrics.json", "measured/metrics.json",
+              "measured-2/metrics.json", "validation.json", "report.html"):
         assert (out / f).is_file(), f
-    vals = json.loads((out / "validation.json").read_text())
+    doc = json.loads((out / "validation.json").read_text())
+    vals = doc["runs"][0]
     assert [v["policy"] for v in vals] == ["ondemand", "commit"]
+    assert [r["policy"] for r in doc["against_mean"]] == ["ondemand", "commit"]
+    assert all(len(r["measured"]) == 2 for r in doc["against_mean"]) and "against the mean of 2" in r.output
     pred = json.loads((out / "predicted" / "metrics.json").read_text())
     meas = json.loads((out / "measured" / "metrics.json").read_text())
     assert [m["experts_fit"] for m in pred] == [m["experts_fit"] for m in meas]     # one pool layout

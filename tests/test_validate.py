@@ -10,7 +10,8 @@ from cmoe.errors import CmoeError
 from cmoe.timeline import write_parquet
 from cmoe.validate import format_validation, read_run, validate, validate_folders
 
-BASE = {"policy": "commit", "model": "m", "trace_id": "abc", "batch": 1, "experts_fit": 4}
+BASE = {"policy": "commit", "model": "m", "trace_id": "abc", "batch": 1, "experts_fit": 4, "tokens_per_s": 1.0,
+        "tpot_ms_mean": 1.0}
 # pass 0 is a prefill (not compared); pass 1 a decode pass. Predicted: 380 us, a 50 us stall in layer 1.
 PRED = [("sim", 0, 0, "compute", "attention", -1, 0, 900, 0),
         ("sim", 1, 0, "compute", "attention", -1, 1000, 1100, 0), ("sim", 1, 0, "compute", "expert", 1, 1100, 1150, 9),
@@ -109,3 +110,21 @@ def test_simulator_against_cpu_executor_end_to_end(tmp_path, checkpoints, tiny_t
         assert e["only_predicted"] == 0, k                              # except the LM head, which the
         assert e["only_measured"] == (5 if k == "non-expert" else 0), k  # simulator does not model yet
     assert (tmp_path / "ex" / "compare.html").is_file() and "report:" in r.output
+
+
+def test_repeated_measurements_give_the_error_against_their_mean_and_their_spread(runs, tmp_path):
+    from typer.testing import CliRunner
+
+    from cmoe.cli.app import app
+    from cmoe.validate import against_repeats
+    again = _folder(tmp_path / "m2", MEAS, [{"pass": 1, "decode": True, "tokens": 1, "us": 400}])
+    rows = against_repeats([validate_folders(runs[0], runs[1]), validate_folders(runs[0], again)])
+    mean = (1e6 / 440 + 1e6 / 400) / 2
+    assert rows[0]["policy"] == "commit" and rows[0]["measured"] == pytest.approx([1e6 / 440, 1e6 / 400])
+    assert rows[0]["error"] == pytest.approx(1e6 / 380 / mean - 1)
+    assert rows[0]["spread"] == pytest.approx((1e6 / 400 - 1e6 / 440) / mean)
+    r = CliRunner().invoke(app, ["validate", str(runs[0]), str(runs[1]), str(again), "--out", str(tmp_path / "v.json")])
+    assert r.exit_code == 0, r.output
+    assert "against the mean of 2 measured runs" in r.output
+    doc = json.loads((tmp_path / "v.json").read_text())
+    assert len(doc["runs"]) == 2 and doc["against_mean"][0]["error"] == pytest.approx(rows[0]["error"])

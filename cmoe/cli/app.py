@@ -215,22 +215,30 @@ def report(
 @one_line_errors
 def validate(
     predicted: Annotated[Path, typer.Argument(help="Folder written by cmoe simulate --out.")],
-    measured: Annotated[Path, typer.Argument(help="Folder written by cmoe execute --out (same trace, policy, pool, batch).")],
+    measured: Annotated[list[Path], typer.Argument(help="Folder(s) written by cmoe execute --out (same trace, policy, pool, batch); several runs of one configuration also give the error against their mean and their spread.")],
     *,
     policy: Annotated[Optional[str], typer.Option(help="Comma-separated policies [default: every policy the measured run has].")] = None,
     out: Annotated[Optional[Path], typer.Option(help="JSON file for the errors [default: MEASURED/validation.json].")] = None,
 ) -> None:
     """Predicted against measured: error per op kind, per layer, per token and end to end, and where it comes from."""
     from cmoe.util import write_text_atomic
-    from cmoe.validate import format_validation, validate_folders
+    from cmoe.validate import against_repeats, format_repeats, format_validation, validate_folders
     names = [p.strip() for p in policy.split(",") if p.strip()] if policy else None
-    results = validate_folders(predicted, measured, names)
-    for v in results:
+    runs = [validate_folders(predicted, m, names) for m in measured]
+    for v in runs[0]:
         typer.echo(format_validation(v))
-    path = write_text_atomic(out or measured / "validation.json", json.dumps(results, indent=1))
+    doc: object = runs[0]
+    if len(runs) > 1:
+        if any([v["policy"] for v in r] != [v["policy"] for v in runs[0]] for r in runs):
+            from cmoe.errors import CmoeError
+            raise CmoeError("the measured folders hold different policies: give runs of the same configuration")
+        rows = against_repeats(runs)
+        typer.echo(f"against the mean of {len(runs)} measured runs:\n" + format_repeats(rows))
+        doc = {"runs": runs, "against_mean": rows}
+    path = write_text_atomic(out or measured[0] / "validation.json", json.dumps(doc, indent=1))
     typer.echo(f"wrote {path}")
     from cmoe.report.build import report_line
-    typer.echo(report_line([predicted, measured]))
+    typer.echo(report_line([predicted, measured[0]]))
 
 
 @app.command()
@@ -280,6 +288,7 @@ def run_cmd(
     device: Annotated[str, typer.Option(help="cuda (default) or cpu.")] = "cuda",
     profile: Annotated[Optional[str], typer.Option(help="Use this profile instead of calibrating first.")] = None,
     slots: Annotated[Optional[int], typer.Option(help="Pin the expert slots per block (default for the embedded model: 4 of 8).")] = None,
+    repeat: Annotated[int, typer.Option(help="Execute the policies this many times (measured-2/, ...): the error against their mean and their spread.")] = 1,
     out: Annotated[Path, typer.Option(help="Folder for profile, predicted/, measured/, validation.json, report.html.")] = Path("cmoe-run"),
 ) -> None:
     """Calibrate, simulate, execute and validate one configuration in one go."""
@@ -287,7 +296,8 @@ def run_cmd(
     from cmoe.policy.policies import POLICIES
     names = POLICIES if policy == "all" else tuple(p.strip() for p in policy.split(",") if p.strip())
     run_all(out, spec_name=spec, model_dir=model, trace_src=trace, policies=tuple(names), pool_gb=pool_gb,
-            batch=batch, tokens=tokens, quant=quant, device=device, profile=profile, slots=slots, echo=typer.echo)
+            batch=batch, tokens=tokens, quant=quant, device=device, profile=profile, slots=slots, repeat=repeat,
+            echo=typer.echo)
 
 
 @app.command()
