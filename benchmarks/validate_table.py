@@ -26,7 +26,7 @@ from cmoe.pipeline import predict  # noqa: E402
 from cmoe.spec import preset  # noqa: E402
 from cmoe.trace.load import load_trace  # noqa: E402
 from cmoe.util import write_text_atomic  # noqa: E402
-from cmoe.validate import validate_folders  # noqa: E402
+from cmoe.validate import against_repeats, validate_folders  # noqa: E402
 
 
 def main() -> None:
@@ -47,18 +47,15 @@ def main() -> None:
         pred = a.work / here.name / "predicted"
         predict(w, SimpleNamespace(policies=pols, pool_gb=pool, batch=b, slots=None), prof, pred)
         runs = [validate_folders(pred, here / x, pols) for x in ("measured", "measured-2") if (here / x).is_dir()]
-        for i, p in enumerate(pols):
+        for i, agg in enumerate(against_repeats(runs)):
             vs = [r[i] for r in runs]
-            meas = [v["tokens_per_s"]["measured"] for v in vs]
-            mean = sum(meas) / len(meas)
-            pr = vs[0]["tokens_per_s"]["predicted"]
             tpot_m = [v["per_token"]["meas_mean_us"] / 1e3 for v in vs]
-            rows.append({"pool_gb": pool, "batch": b, "experts_fit": c["experts_fit"], "policy": p,
-                         "predicted_tok_s": pr, "measured_tok_s": meas, "error": pr / mean - 1,
-                         "spread": (max(meas) - min(meas)) / mean,
+            rows.append({"pool_gb": pool, "batch": b, "experts_fit": c["experts_fit"], "policy": agg["policy"],
+                         "predicted_tok_s": agg["predicted"], "measured_tok_s": agg["measured"],
+                         "error": agg["error"], "spread": agg["spread"],
                          "predicted_tpot_ms": vs[0]["per_token"]["pred_mean_us"] / 1e3,
                          "measured_tpot_ms": sum(tpot_m) / len(tpot_m),
-                         "layer_mean_error_worst": [v["per_layer_mean_error_max"] for v in vs],
+                         "layer_mean_error_worst": agg["per_layer_mean_error_max"],
                          "layer_mape_mean": [v["per_layer_mape_mean"] for v in vs],
                          "error_from": [v["error_from"] for v in vs]})
     summary = {k: res[k] for k in ("date", "card", "torch", "commit", "spec", "tokens")} | {
