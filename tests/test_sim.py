@@ -226,3 +226,24 @@ def test_where_the_host_copies_itself_a_load_costs_host_time():
     run = Simulation(make_policy("ondemand", layout, 2, popularity(t)), prof, costs, make_passes(t, 1)).simulate()
     assert ("sim", 1, 0, "compute", "route", -1, 68, 72, 0) in run.spans
     assert [p[3] for p in run.pass_us] == [38, 39, 39]
+
+
+def test_a_slot_reused_within_a_layer_is_loaded_behind_its_first_kernel():
+    """Two requests need experts 0 and 1 of a block with one slot: in issue order (one copy
+    stream) expert 1's load is issued right after expert 0's kernel and copies once it has read."""
+    base = tiny_trace([0], [[0]], [[0]])
+    t = replace(base, experts=np.array([[[0]], [[1]]], np.int16), weights=np.ones((2, 1, 1), np.float32),
+                pred_experts=np.array([[[0]], [[1]]], np.int16), request=np.array([0, 1], np.int32),
+                step=np.zeros(2, np.int32), phase=np.full(2, DECODE, np.uint8))
+    layout = PoolLayout((1024,), (1,), 1024)
+    costs = Costs(expert_bytes=t.expert_bytes, expert_bits=[[4, 4]], expert_params=0, attn_bytes=0,
+                  dense_bytes=0, shared_bytes=0, dense_bits=16, moe_layers=(0,))
+    sim = Simulation(make_policy("ondemand", layout, 2, popularity(t)), HOSTED, costs, make_passes(t, 2),
+                     record_log=True)
+    run = sim.simulate()
+    assert run.spans == [
+        ("sim", 0, 0, "compute", "attention", -1, 0, 30, 0), ("sim", 0, 0, "compute", "route", -1, 30, 33, 0),
+        ("sim", 0, 0, "compute", "expert", 0, 33, 38, 1000), ("sim", 0, 0, "copy0", "load", 1, 38, 39, 1000),
+        ("sim", 0, 0, "compute", "expert", 1, 39, 43, 1000)]
+    assert run.pass_us[0][3] == 43 and run.loads == 1
+    _check_no_overwrite_while_read(run.log)
