@@ -4,7 +4,8 @@ measurements made from known parameters and check that it gives them back.
 
 Measurements (all times in seconds):
 - `h2d`, `d2h`: [(bytes, seconds)] for pinned copies of several sizes -> bandwidth curves;
-  `h2d_pageable`: (bytes, seconds);
+  `h2d_pageable`: (bytes, seconds) at the largest size, which the profile keeps (the simulator's
+  loads are pinned); `h2d_pageable_points`, `d2h_pageable_points`: the same across sizes, shown;
 - `hbm`: (bytes read + written, seconds) of a device-to-device copy;
 - `matmul`: (flops, seconds) of a large product;
 - `launch`: seconds per launch of a trivial kernel, host side;
@@ -158,6 +159,10 @@ def beside(p: HardwareProfile, m: dict) -> str:
     for kind, pts, fn in (("H2D pinned", m["h2d"], p.h2d_us), ("D2H pinned", m["d2h"], p.d2h_us)):
         for b, s in best_per_size(pts):
             rows.append(f"{kind + ' ' + _size(b):<28} {s * 1e6:10.1f}us {fn(b):10.1f}us")
+    for kind, key in (("H2D pageable", "h2d_pageable_points"), ("D2H pageable", "d2h_pageable_points")):
+        for b, s in best_per_size(m.get(key) or []):
+            fitted = f"{p.h2d_us(b, pinned=False):10.1f}us" if kind.startswith("H2D") else f"{'-':>12}"
+            rows.append(f"{kind + ' ' + _size(b):<28} {s * 1e6:10.1f}us {fitted}")
     ex = m["expert"]
     for t, s in ex["points"]:
         rows.append(f"{'expert, ' + str(t) + ' tokens':<28} {s * 1e6:10.1f}us "

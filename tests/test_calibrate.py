@@ -85,6 +85,7 @@ def test_cpu_calibration_gives_a_profile_the_simulator_runs(checkpoints, tiny_tr
                                  "--quant", "fp32", "--out", str(out)])
     assert r.exit_code == 0, r.output
     assert "measured" in r.output and "fitted" in r.output
+    assert "H2D pageable 16 MiB" in r.output and "D2H pageable 64 KiB" in r.output      # curves across sizes
     prof = load_profile(str(out))
     assert prof.name == "cpu" and prof.layer_fixed_us > 0 and dict(prof.expert_gbps)["bf16"] > 0
     assert json.loads(out.read_text())["sources"]["hbm_gbps"].startswith("measured by cmoe calibrate on cpu")

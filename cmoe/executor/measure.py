@@ -56,10 +56,14 @@ def copies(device: torch.device, sizes: list[int]) -> dict:
         h2d.append((n, best(lambda: dev[:n].copy_(host[:n], non_blocking=True))))
         d2h.append((n, best(lambda: host[:n].copy_(dev[:n], non_blocking=True))))
     page = torch.empty(big, dtype=torch.uint8).random_()
-    pageable = (big, best(lambda: dev.copy_(page)))
+    ph2d, pd2h = [], []                        # pageable memory: staged by the driver, synchronous
+    for n in sizes:
+        ph2d.append((n, best(lambda: dev[:n].copy_(page[:n]), repeats=3)))
+        pd2h.append((n, best(lambda: page[:n].copy_(dev[:n]), repeats=3)))
     d2 = torch.empty_like(dev)
     hbm = (2 * big, best(lambda: d2.copy_(dev)))
-    return {"h2d": h2d, "d2h": d2h, "h2d_pageable": pageable, "hbm": hbm}
+    return {"h2d": h2d, "d2h": d2h, "h2d_pageable": ph2d[-1], "h2d_pageable_points": ph2d,
+            "d2h_pageable_points": pd2h, "hbm": hbm}
 
 
 def compute(device: torch.device) -> dict:
