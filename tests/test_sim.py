@@ -247,3 +247,20 @@ def test_a_slot_reused_within_a_layer_is_loaded_behind_its_first_kernel():
         ("sim", 0, 0, "compute", "expert", 1, 39, 43, 1000)]
     assert run.pass_us[0][3] == 43 and run.loads == 1
     _check_no_overwrite_while_read(run.log)
+
+
+def test_dense_layers_do_not_change_how_many_rows_an_expert_runs_on():
+    """Up to `dense_rows` rows every expert runs on all of the pass's rows, also in a model whose
+    first decoder layer is dense: two requests, one expert each, 1 us of issuing per extra row."""
+    base = tiny_trace([0], [[0]], [[0]])
+    spec = replace(base.spec, num_layers=2, moe_layers=(1,), dense_ffn=4)
+    t = replace(base, spec=spec, experts=np.array([[[0]], [[1]]], np.int16), weights=np.ones((2, 1, 1), np.float32),
+                pred_experts=np.array([[[0]], [[1]]], np.int16), request=np.array([0, 1], np.int32),
+                step=np.zeros(2, np.int32), phase=np.full(2, DECODE, np.uint8))
+    layout = PoolLayout((1024,), (2,), 2048)
+    costs = Costs(expert_bytes=t.expert_bytes, expert_bits=[[4, 4]], expert_params=0, attn_bytes=0,
+                  dense_bytes=0, shared_bytes=0, dense_bits=16, moe_layers=(1,))
+    prof = replace(HOSTED, dense_rows=16, host_expert_us_per_token=1.0)
+    run = Simulation(make_policy("upper", layout, 2, popularity(t)), prof, costs, make_passes(t, 2)).simulate()
+    experts = [s for s in run.spans if s[4] == "expert"]
+    assert [s[7] - s[6] for s in experts] == [6, 6]          # 5 us + 1 us for the second row, each

@@ -187,13 +187,14 @@ class Simulation:
             layer_gpu = hw.layer_us(n, c.attn_bytes) + hw.attn_us_per_ctx_token * ps.context
             layer_host = hw.host_layer(n)
             route_host = hw.host_sync_us + hw.host_route(n) + predict_us
-            if ps.decode and pol.name == "commit":
+            commit_decode = ps.decode and pol.name == "commit"
+            if commit_decode:
                 route_host += hw.commit_route_us
-            dense = n <= hw.dense_rows                            # every expert runs on all the pass's rows
+            all_rows = n <= hw.dense_rows                         # every expert runs on all the pass's rows
             last = H
             # embedding, masks, the pass's first sync: counted with layer 0's attention
             H, G = self._op(H, G, hw.host_pass_start_us, hw.pass_start_us)
-            if ps.decode and pol.name == "commit":     # layer 0's prediction is read back before it runs
+            if commit_decode:                          # layer 0's prediction is read back before it runs
                 H = max(H, G) + hw.host_sync_us
                 yield from self._sync(H)
             for ld in pol.begin_pass(ps.decode, list(ps.predicted[0])):
@@ -261,7 +262,7 @@ class Simulation:
                         yield ev
                         run.stall_us += env.now - due
                         start = env.now
-                    rows = n if dense else votes.get(e, 1)
+                    rows = n if all_rows else votes.get(e, 1)
                     issue = hw.host_expert(rows)
                     dur = hw.expert_us(c.expert_bytes[m][e], c.expert_bits[m][e], rows, c.expert_params)
                     G = max(start + dur, H + issue - hw.host_expert_tail_us)     # the end mark precedes the tail
