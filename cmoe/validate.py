@@ -194,6 +194,8 @@ def against_repeats(runs: list[list[dict]]) -> list[dict]:
     `validate_folders` result, policies in the same order): tokens/s error against the runs' mean,
     and the runs' own spread ((max - min) / mean). Where the spread is as large as the error, the
     machine's noise, not the model, decides the figure."""
+    if any([v["policy"] for v in r] != [v["policy"] for v in runs[0]] for r in runs):
+        raise CmoeError("the measured folders hold different policies: give runs of the same configuration")
     out = []
     for vs in zip(*runs):
         meas = [v["tokens_per_s"]["measured"] for v in vs]

@@ -128,3 +128,10 @@ def test_repeated_measurements_give_the_error_against_their_mean_and_their_sprea
     assert "against the mean of 2 measured runs" in r.output
     doc = json.loads((tmp_path / "v.json").read_text())
     assert len(doc["runs"]) == 2 and doc["against_mean"][0]["error"] == pytest.approx(rows[0]["error"])
+
+
+def test_repeats_of_different_configurations_are_refused(runs):
+    from cmoe.validate import against_repeats
+    one = validate_folders(runs[0], runs[1])
+    with pytest.raises(CmoeError, match="the measured folders hold different policies"):
+        against_repeats([one, one + one])

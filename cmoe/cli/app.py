@@ -229,9 +229,6 @@ def validate(
         typer.echo(format_validation(v))
     doc: object = runs[0]
     if len(runs) > 1:
-        if any([v["policy"] for v in r] != [v["policy"] for v in runs[0]] for r in runs):
-            from cmoe.errors import CmoeError
-            raise CmoeError("the measured folders hold different policies: give runs of the same configuration")
         rows = against_repeats(runs)
         typer.echo(f"against the mean of {len(runs)} measured runs:\n" + format_repeats(rows))
         doc = {"runs": runs, "against_mean": rows}

@@ -69,10 +69,10 @@ def _load_cost(log, upper_route_us: float, cuda: bool) -> float:
     """Host seconds per load: the route phase's excess over `upper`'s (per pass, us) spread over
     the loads issued, less the copy itself where the host copies (on a CPU)."""
     dec = {p for p, d, _, _ in log.pass_us if d}
-    route = sum(s[7] - s[6] for s in log.spans if s[1] in dec and s[4] == "host_route") / max(len(dec), 1)
     loads = [s for s in log.spans if s[1] in dec and s[4] == "load"]
     if not loads:
         return 0.0
+    route, _ = _per_layer(log, ("host_route",), None)
     per = (route - upper_route_us) * len(dec) / len(loads)
     if not cuda:
         per -= float(np.mean([s[7] - s[6] for s in loads]))
@@ -106,17 +106,20 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
     first = spec.moe_layers[0]
     L, M = spec.num_layers, spec.num_moe_layers
     gpu: dict[str, list] = {"points": [], "expert": []}
-    host: dict[str, list] = {"layer": [], "route": [], "expert": [], "expert_span": [], "sync": [], "start": [],
-                             "head": []}
+    host: dict[str, list] = {"layer": [], "route": [], "expert": [], "expert_span": [], "sync": []}
     cpu_pts, trips = [], []
-    gpu_start = gpu_head = predict = commit_route = 0.0
     w = built
-    for batch in (1, 8):
-        tr = generate(spec, rec, SyntheticParams(requests=batch, prompt_len=16, decode_len=tokens + 4, seed=batch))
-        nw = Workload(spec=spec, device=device, fmt=fmt, trace=tr, model_dir=model_dir)
+
+    def on(params: SyntheticParams) -> Workload:
+        """A workload replaying a synthetic trace on the model and store already there (if any)."""
+        nw = Workload(spec=spec, device=device, fmt=fmt, trace=generate(spec, rec, params), model_dir=model_dir)
         if w is not None:
             nw.store, nw.model, nw.shims = w.store, w.model, w.shims
-        w = nw
+        return nw
+
+    for batch in (1, 8):
+        w = on(SyntheticParams(requests=batch, prompt_len=16, decode_len=tokens + 4, seed=batch))
+        tr = w.trace
         cfg = ExecConfig(policies=("upper",), pool_gb=1e3, batch=batch, tokens=tokens, device=device.type)
         if w.store is None:
             build(w, replace(cfg, policies=("upper", "static")))
@@ -136,8 +139,7 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
         host["sync"] += [_mean(e, "host_sync", np.median) for e in eager]
         if batch == 1:
             gpu_start, gpu_head = start / 1e6, _mean(queued, "head")
-            host["start"].append(h_start / 1e6)
-            host["head"].append(np.mean([_mean(e, "host_head") for e in eager]))
+            host_start, host_head = h_start / 1e6, float(np.mean([_mean(e, "host_head") for e in eager]))
             cc = replace(cfg, policies=("commit",), slots=spec.num_experts)
             run_policy(w, cc, "commit")
             c_log = run_policy(w, cc, "commit").log
@@ -148,10 +150,10 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
             c_pred, _ = _per_layer(c_log, ("host_predict",), None)
             predict = c_pred / M / 1e6
             commit_route = max(c_route - h_route, 0.0) / M / 1e6
-        if batch == 1:                    # what issuing a load costs the host: ondemand with top_k slots misses often
+            # what issuing a load costs the host: ondemand with top_k slots misses often
             od = run_policy(w, replace(cfg, policies=("ondemand",), slots=spec.top_k, tokens=min(tokens, 8)),
                             "ondemand")
-            host["load"] = _load_cost(od.log, h_route, cuda)
+            host_load = _load_cost(od.log, h_route, cuda)
         if not cuda or w.store.cpu_twins is not None:
             st = run_policy(w, replace(cfg, policies=("static",), slots=spec.top_k, tokens=min(tokens, 8)), "static").log
             p, t = _cpu_points(st, tr, batch, spec)
@@ -159,9 +161,7 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
             trips += t
     # attention against context: the GPU-time run again, one request with a long prompt
     prompt = LONG_PROMPT if cuda else LONG_PROMPT // 8
-    tr = generate(spec, rec, SyntheticParams(requests=1, prompt_len=prompt, decode_len=8 + 4, seed=3))
-    lw = Workload(spec=spec, device=device, fmt=fmt, trace=tr, model_dir=model_dir)
-    lw.store, lw.model, lw.shims = w.store, w.model, w.shims
+    lw = on(SyntheticParams(requests=1, prompt_len=prompt, decode_len=8 + 4, seed=3))
     lc = ExecConfig(policies=("upper",), pool_gb=1e3, batch=1, tokens=8, device=device.type,
                     lead_us=LEAD_US if cuda else 0.0)
     run_policy(lw, lc, "upper")
@@ -176,15 +176,14 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
                      "context_points": ctx,
                      "host": {"layer_points": host["layer"], "route_points": host["route"],
                               "expert_points": host["expert"], "expert_tail_s": float(np.mean([x for _, x in tail])),
-                              "load_s": host["load"],
-                              "sync_s": float(np.median(host["sync"])),
-                              "pass_start_s": host["start"][0], "head_s": host["head"][0]}}}
+                              "load_s": host_load, "sync_s": float(np.median(host["sync"])),
+                              "pass_start_s": host_start, "head_s": host_head}}}
     if cpu_pts:
         by: dict[int, list] = {}
         for t, x in cpu_pts:
             by.setdefault(int(t), []).append(x)
-        # means, not medians: CPU experts have a long tail (thread wake-ups; on the H200's host 10%
-        # of them took 1.2x the median and a few 5x), and throughput pays for it
+        # means, not medians: CPU experts have a long tail (on the H200's host 2-9% of them took
+        # over 9 ms against a 1.8 ms median), and throughput pays for it
         out["cpu_expert_in_model"] = {"points": [(t, float(np.mean(v))) for t, v in sorted(by.items())],
                                       "count": [(t, len(v)) for t, v in sorted(by.items())]}
         out["roundtrip_in_model"] = float(np.median(trips)) if trips else None

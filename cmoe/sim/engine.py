@@ -225,19 +225,18 @@ class Simulation:
                 run.needed += len(ps.needed[m])
                 run.fallbacks += len(plan.cpu)
                 run.skipped += len(plan.skipped)
-                loaded = {ld.expert for ld in plan.loads if ld.layer == m}
                 run.gpu_experts += len(plan.gpu)
-                gpu_set = set(plan.gpu)
                 later: dict[int, list[Load]] = {}
                 now_loads = plan.loads
                 if fifo:                      # a victim this layer still reads: its load waits behind its kernel
-                    now_loads = []
+                    now_loads, gpu_set = [], set(plan.gpu)
                     for ld in plan.loads:
                         if ld.layer == m and ld.victim in gpu_set:
                             later.setdefault(ld.victim, []).append(ld)
                         else:
                             now_loads.append(ld)
                 else:
+                    loaded = {ld.expert for ld in plan.loads if ld.layer == m}
                     for e in plan.gpu:        # reads of resident experts; a loaded one is read after its write
                         if e not in loaded:
                             self.slots[m][plan.slots[e]].pending += 1
