@@ -61,10 +61,18 @@ def run_exec(model_dir, policies, fmt="fp32", batch=2, tokens=4, slots=None, **k
 
 # --- int4 ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("shape", [(128, 64), (64, 256), (256, 128)])
-def test_cpu_packing_is_torchs_own(shape):
-    codes = torch.randint(0, 16, shape, dtype=torch.int32, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(pack_cpu(codes), torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2))
+@pytest.mark.parametrize("shape", [(128, 64), (64, 256), (256, 128), (96, 128), (32, 64)])
+def test_cpu_kernel_reads_what_pack_cpu_writes(shape):
+    """On whatever CPU runs the test (AVX2 or AVX-512 lay the bytes out differently): the kernel
+    on pack_cpu's bytes computes x @ W^T for the codes' own dequantized W, to fp32 rounding."""
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 16, shape, dtype=torch.int32, generator=g)
+    sz = torch.stack([torch.rand(shape[1] // 32, shape[0], generator=g) * 0.01 + 0.001,
+                      torch.rand(shape[1] // 32, shape[0], generator=g) - 0.5], -1).to(torch.bfloat16)
+    x = torch.randn(3, shape[1], generator=g)
+    ref = x.double() @ dequantize(codes, sz, 32).double().T
+    y = int4_mm(x, pack_cpu(codes), 32, sz).double()
+    assert ((y - ref).norm() / ref.norm()).item() < 1e-5
 
 
 def test_int4_kernel_computes_the_dequantized_matrix():

@@ -2,9 +2,10 @@
 
 Int4 follows torch's tinygemm convention (`_weight_int4pack_mm` on CUDA, `_weight_int4pack_mm_for_cpu`
 on CPU): per group of g input features, w = (q - 8) * scale + zero with q in 0..15, scales and
-zeros stored as bf16 [in/g, out, 2]. CUDA packing goes through torch's own converter; the CPU
-layout is produced by `pack_cpu`, which writes what `_convert_weight_to_int4pack_for_cpu` writes
-(checked in the tests) but runs on any device, so full-size random experts are packed on the GPU.
+zeros stored as bf16 [in/g, out, 2]. Both packings go through torch's own converters: the CPU
+layout depends on the CPU's instruction set (blocks of 64 output rows with AVX-512, 32 with AVX2),
+so a hand-written copy of it is right on one machine and silently wrong on the other. Codes made
+on the GPU for a CPU twin travel to the host to be packed there, by the kernel that will read them.
 """
 
 from __future__ import annotations
@@ -40,11 +41,9 @@ def pack_cuda(codes: torch.Tensor) -> torch.Tensor:
 
 
 def pack_cpu(codes: torch.Tensor) -> torch.Tensor:
-    """codes int32 [out, in] -> the CPU int4 layout, uint8 [out, in/2]: in each block of 64 output
-    rows, byte (k, i) holds row i's code for feature k (low nibble) and row i+32's (high)."""
-    o, i = codes.shape
-    c = codes.to(torch.uint8).reshape(o // 64, 2, 32, i)
-    return (c[:, 0] | (c[:, 1] << 4)).transpose(1, 2).contiguous().reshape(o, i // 2)
+    """codes int32 [out, in] on any device -> this CPU's int4 layout, uint8 [out, in/2] on the host,
+    by torch's own converter (its layout follows the CPU's instruction set)."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to("cpu", torch.int32).contiguous(), 2)
 
 
 def packed_shape(device_type: str, out: int, inp: int) -> tuple[torch.dtype, tuple[int, ...]]:
