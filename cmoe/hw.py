@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from cmoe.errors import CmoeError
@@ -65,14 +65,22 @@ class HardwareProfile:
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        for k in ("gpu_mem_bytes", "h2d_pageable_gbps", "copy_engines", "hbm_gbps", "matmul_tflops",
-                  "cpu_expert_gbps"):
-            if not getattr(self, k) > 0:
-                raise CmoeError(f"hardware profile {self.name}: {k} must be positive")
+        """Every field checked where a profile is made (built in, fitted or read from JSON): the
+        simulator divides by rates and adds up times, so a zero rate, a negative time, NaN or a
+        string would give a crash or a wrong answer far from its cause."""
+        if not isinstance(self.name, str) or not self.name:
+            raise _bad("?", "name", self.name, "a non-empty string")
+        for f in fields(self):
+            rule = _rule(f.name, f.type)
+            if rule and not rule[0](getattr(self, f.name)):
+                raise _bad(self.name, f.name, getattr(self, f.name), rule[1])
         for curve in ("h2d_pinned", "d2h_pinned"):
-            pts = getattr(self, curve)
-            if not pts or any(b <= 0 or g <= 0 for b, g in pts) or list(pts) != sorted(pts):
-                raise CmoeError(f"hardware profile {self.name}: {curve} needs ascending (bytes, GB/s) points > 0")
+            _check_pairs(self.name, curve, getattr(self, curve), _whole(1)[0], "[bytes, GB/s]: a whole number "
+                         "of bytes > 0, GB/s positive, sizes ascending", ascending=True)
+        _check_pairs(self.name, "expert_gbps", self.expert_gbps, lambda k: k in ("int4", "int8", "bf16"),
+                     "[class, GB/s]: class int4, int8 or bf16 (each once), GB/s positive", ascending=False)
+        if not isinstance(self.sources, dict):
+            raise _bad(self.name, "sources", self.sources, "an object of field -> where its figure comes from")
 
     # transfers ------------------------------------------------------------------------------
     @staticmethod
@@ -136,18 +144,70 @@ class HardwareProfile:
 
     @classmethod
     def from_dict(cls, d: dict) -> "HardwareProfile":
+        if not isinstance(d, dict):
+            raise CmoeError("a hardware profile is a JSON object of fields: write one with cmoe calibrate")
         d = dict(d)
         d.pop("fallback_overlap", None)      # profiles before the host model: now follows from the host's times
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise CmoeError(f"hardware profile has unknown fields {sorted(unknown)}")
-        for k in ("h2d_pinned", "d2h_pinned"):
-            d[k] = tuple((int(b), float(g)) for b, g in d[k])
-        d["expert_gbps"] = tuple((str(k), float(v)) for k, v in d["expert_gbps"])
-        try:
-            return cls(**d)
-        except TypeError as e:
-            raise CmoeError(f"hardware profile is missing a field ({e})") from None
+        missing = [f.name for f in fields(cls) if f.name not in d and f.default is MISSING
+                   and f.default_factory is MISSING]
+        if missing:
+            raise CmoeError(f"hardware profile is missing the fields {missing}: write one with cmoe calibrate")
+        for k in ("h2d_pinned", "d2h_pinned", "expert_gbps"):       # JSON lists -> tuples, checked in __post_init__
+            if isinstance(d[k], list):
+                d[k] = tuple(tuple(p) if isinstance(p, list) else p for p in d[k])
+        for f in fields(cls):                                       # 1.41e11 bytes in JSON: a whole number
+            if f.type == "int" and isinstance(d.get(f.name), float) and d[f.name].is_integer():
+                d[f.name] = int(d[f.name])
+        return cls(**d)
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _whole(least: int):
+    return (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= least, f"a whole number >= {least}")
+
+
+_POSITIVE = (lambda v: _finite(v) and v > 0, "positive (a finite number > 0)")
+_NON_NEGATIVE = (lambda v: _finite(v) and v >= 0, "a finite number >= 0 (a time or a fraction)")
+_FLAG = (lambda v: isinstance(v, bool), "true or false")
+_RATES = ("h2d_pageable_gbps", "hbm_gbps", "matmul_tflops", "cpu_expert_gbps")   # divided by: > 0
+_LEAST = {"gpu_mem_bytes": 1, "copy_engines": 1, "dense_rows": 0}
+
+
+def _rule(name: str, type_: str):
+    """(test, what is allowed) for a scalar field, from its annotation; None for the others."""
+    if type_ == "float":
+        return _POSITIVE if name in _RATES else _NON_NEGATIVE
+    if type_ == "int":
+        return _whole(_LEAST.get(name, 0))
+    return _FLAG if type_ == "bool" else None
+
+
+def _check_pairs(profile: str, field_name: str, pts, key_ok, allowed: str, ascending: bool) -> None:
+    """A curve or table of (key, rate) pairs: a non-empty tuple of pairs whose key passes `key_ok`
+    and whose rate is positive (keys distinct; ascending where asked)."""
+    if not isinstance(pts, tuple) or not pts:
+        raise _bad(profile, field_name, pts, f"a non-empty list of {allowed}")
+    for p in pts:
+        if not (isinstance(p, tuple) and len(p) == 2 and key_ok(p[0]) and _POSITIVE[0](p[1])):
+            raise _bad(profile, f"{field_name} point", p, allowed)
+    keys = [k for k, _ in pts]
+    if (ascending and keys != sorted(keys)) or len(set(keys)) < len(keys):
+        raise _bad(profile, field_name, pts, allowed)
+
+
+def _bad(profile: str, field_name: str, value, allowed: str) -> CmoeError:
+    try:
+        shown = json.dumps(value)                   # as the profile JSON spells it: "fast", NaN, [1, 2.0]
+    except (TypeError, ValueError):
+        shown = repr(value)
+    return CmoeError(f"hardware profile '{profile}': {field_name} is {shown}, but it must be {allowed}; "
+                     "fix the profile JSON or run cmoe calibrate again")
 
 
 KiB, MiB = 1024, 1024 * 1024

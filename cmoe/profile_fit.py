@@ -29,16 +29,26 @@ Measurements (all times in seconds):
   "pass_start_s", "head_s"}: the host thread's side of the same, from the `host_*` spans;
 - `cpu_expert`: {"bytes", "points": [(tokens, seconds)]}: one expert on the host's CPU;
 - `roundtrip`: seconds to take a pass's hidden states to the host and back, synchronised;
-- `copy_slowdown`: fractional slowdown of a matmul while a side-stream copy runs.
+- `copy_slowdown`: fractional slowdown of a matmul while a side-stream copy runs;
+- `repeats`: {what: {"unit": "bytes" | "tokens" | null, "grows": bool, "judged": bool, "points":
+  [(x, [seconds of every repeat])]}}: the figures above are the best of these; `noise` judges the
+  machine by them.
+
+A busy machine measures anything (an int4 expert at 0.0045 GB/s, a 4 MiB copy slower than a 16 MiB
+one) and the fit believes it, so the repeats are kept and judged: `noise` gives each point's spread,
+(max - min) / median of its repeats, and the curves that fall where they must grow (copy time with
+size, expert time with rows); `Noise.line` is the one-line verdict calibrate prints and `--strict`
+turns into a refusal; `run_verdict` is the line `cmoe run` prints beside its errors.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from cmoe.errors import CmoeError
 from cmoe.hw import GB, HardwareProfile
 
 Points = list[tuple[float, float]]
@@ -154,39 +164,45 @@ def with_expert_classes(p: HardwareProfile, base: HardwareProfile) -> HardwarePr
 
 
 def beside(p: HardwareProfile, m: dict) -> str:
-    """Each measurement next to what the fitted profile predicts for it."""
-    rows = [f"{'what':<28} {'measured':>12} {'fitted':>12}"]
+    """Each measurement next to what the fitted profile predicts for it, and the spread of its
+    repeats ((max - min) / median; '-' where it was measured once or is a mean over a run)."""
+    spreads = dict(noise_of(m).spreads)
+    rows = [f"{'what':<28} {'measured':>12} {'fitted':>12} {'spread':>7}"]
+
+    def row(label: str, seconds: float, fitted_us: float | None) -> None:
+        fit = f"{fitted_us:10.1f}us" if fitted_us is not None else f"{'-':>12}"
+        sp = f"{spreads[label] * 100:6.1f}%" if label in spreads else f"{'-':>7}"
+        rows.append(f"{label:<28} {seconds * 1e6:10.1f}us {fit} {sp}")
     for kind, pts, fn in (("H2D pinned", m["h2d"], p.h2d_us), ("D2H pinned", m["d2h"], p.d2h_us)):
         for b, s in best_per_size(pts):
-            rows.append(f"{kind + ' ' + _size(b):<28} {s * 1e6:10.1f}us {fn(b):10.1f}us")
+            row(f"{kind} {_size(b)}", s, fn(b))
     for kind, key in (("H2D pageable", "h2d_pageable_points"), ("D2H pageable", "d2h_pageable_points")):
         for b, s in best_per_size(m.get(key) or []):
-            fitted = f"{p.h2d_us(b, pinned=False):10.1f}us" if kind.startswith("H2D") else f"{'-':>12}"
-            rows.append(f"{kind + ' ' + _size(b):<28} {s * 1e6:10.1f}us {fitted}")
-    ex = m["expert"]
-    for t, s in ex["points"]:
-        rows.append(f"{'expert, ' + str(t) + ' tokens':<28} {s * 1e6:10.1f}us "
-                    f"{p.expert_us(ex['bytes'], ex['bits'], t, ex['params']):10.1f}us")
+            row(f"{kind} {_size(b)}", s, p.h2d_us(b, pinned=False) if kind.startswith("H2D") else None)
+    row(f"device copy {_size(m['hbm'][0])}", m["hbm"][1], m["hbm"][0] / (p.hbm_gbps * GB) * 1e6)
+    row("matmul", m["matmul"][1], None)             # the profile's rate is the experts' extra-token slope
+    for ex, what in [(m["expert"], "expert")] + [(oc, f"{oc['format']} expert") for oc in m.get("expert_classes") or []
+                                                 if "points" in oc]:
+        for t, s in ex["points"]:
+            row(f"{what}, {t} tokens", s, p.expert_us(ex["bytes"], ex["bits"], t, ex["params"]))
     rb = m["layer"].get("resident_bytes", 0)
     for t, s in m["layer"]["points"]:
-        rows.append(f"{'layer (non-expert), ' + str(t) + ' tok':<28} {s * 1e6:10.1f}us {p.layer_us(t, rb):10.1f}us")
+        row(f"layer (non-expert), {t} tok", s, p.layer_us(t, rb))
     for keys, sec in m["layer"].get("context_points") or []:
-        rows.append(f"{'layer, ' + str(round(keys)) + ' keys':<28} {sec * 1e6:10.1f}us "
-                    f"{p.layer_us(1, rb) + p.attn_us_per_ctx_token * keys:10.1f}us")
+        row(f"layer, {round(keys)} keys", sec, p.layer_us(1, rb) + p.attn_us_per_ctx_token * keys)
     h = m["layer"].get("host")
-    if h:
-        for what, key, fn in (("host, layer", "layer_points", p.host_layer), ("host, route", "route_points", p.host_route),
-                              ("host, one expert", "expert_points", p.host_expert)):
-            for t, s in h[key]:
-                rows.append(f"{what + ', ' + str(t) + ' tok':<28} {s * 1e6:10.1f}us {fn(t):10.1f}us")
+    for what, key, fn in (("host, layer", "layer_points", p.host_layer), ("host, route", "route_points", p.host_route),
+                          ("host, one expert", "expert_points", p.host_expert)) if h else ():
+        for t, s in h[key]:
+            row(f"{what}, {t} tokens", s, fn(t))
     cpu = m["cpu_expert"]
     for t, s in cpu["points"]:
-        rows.append(f"{'CPU expert, ' + str(t) + ' tokens':<28} {s * 1e6:10.1f}us {p.cpu_expert_us(cpu['bytes'], t):10.1f}us")
+        row(f"CPU expert, {t} tokens", s, p.cpu_expert_us(cpu["bytes"], t))
     for t, s in (m.get("cpu_expert_in_model") or {}).get("points", []):
-        rows.append(f"{'CPU expert in model, ' + str(t) + ' tok':<28} {s * 1e6:10.1f}us {p.cpu_expert_us(cpu['bytes'], t):10.1f}us")
-    rows.append(f"{'round trip':<28} {m['roundtrip'] * 1e6:10.1f}us {p.roundtrip_us:10.1f}us")
+        row(f"CPU expert in model, {t} tok", s, p.cpu_expert_us(cpu["bytes"], t))
+    row("round trip", m["roundtrip"], p.roundtrip_us)
     if m.get("roundtrip_in_model"):
-        rows.append(f"{'round trip in model':<28} {m['roundtrip_in_model'] * 1e6:10.1f}us {p.roundtrip_us:10.1f}us")
+        row("round trip in model", m["roundtrip_in_model"], p.roundtrip_us)
     return "\n".join(rows)
 
 
@@ -199,7 +215,6 @@ def refit_profile(path, name: str | None = None) -> tuple[HardwareProfile, dict]
     import json
     from pathlib import Path
 
-    from cmoe.errors import CmoeError
     from cmoe.hw import H200
     try:
         m = json.loads(Path(path).read_text())
@@ -209,3 +224,139 @@ def refit_profile(path, name: str | None = None) -> tuple[HardwareProfile, dict]
     label = dev["label"]
     prof = fit_profile(name or label.lower().replace(" ", "-"), m, dev["memory_bytes"], label, dev["date"])
     return with_expert_classes(prof, H200), m
+
+
+# the noise verdict ---------------------------------------------------------------------------
+# Seen on the lent H200 (2026-12-01, seven calibrations): quiet, the first repeat is often the
+# slowest by 20-60%, so a range would flag every run; with 9 repeats the relative IQRs of judged
+# points stay under 15% but for the latency-bound 64-256 KiB copies (up to 29%, a few us), which
+# also swap order by about 1 us. Pageable copies spread 20-35% at any size, quiet: shown, not
+# judged (the profile keeps only their largest point; loads are pinned). Under a GPU + CPU hog the
+# CPU expert (13x) and the round trip (35x) slowed with every repeat alike, which no spread can see
+# (the verdict caught only the 64 KiB copy's 33%): curves that fall are the other witness.
+SPREAD_LIMIT = 0.25     # relative IQR of one point's repeats above which the machine was busy ...
+JITTER_S = 10e-6        # ... unless the IQR is below this: driver and launch jitter, far below a decode layer
+FALL_SLACK = 0.05       # a bigger copy or more rows may time this much (and JITTER_S) faster before it counts
+
+
+def spread(seconds: list[float]) -> float:
+    """Relative IQR of one point's repeats: (75th - 25th percentile) / median; one slow repeat
+    (the first, often) does not decide it."""
+    q1, med, q3 = np.percentile(seconds, [25, 50, 75])
+    return float((q3 - q1) / med)
+
+
+def _at(unit: str | None, x) -> str:
+    return _size(int(x)) if unit == "bytes" else f"{x} tokens" if unit == "tokens" else ""
+
+
+def point_label(what: str, unit: str | None, x) -> str:
+    """A point's name, as the measured-vs-fitted table spells its row."""
+    return f"{what} {_at(unit, x)}" if unit == "bytes" else f"{what}, {_at(unit, x)}" if unit == "tokens" else what
+
+
+@dataclass(frozen=True)
+class Noise:
+    """What a calibration's repeats say about the machine it ran on."""
+    spreads: tuple[tuple[str, float], ...]      # (point, spread) of every point measured more than once
+    falls: tuple[str, ...]                      # "D2H pinned 16 MiB faster than 4 MiB": curves that do not grow
+    wide: tuple[tuple[str, float], ...] = ()    # the spreads over `limit` (and JITTER_S)
+    widest: tuple[str, float] | None = None     # the widest spread of the judged points
+    limit: float = SPREAD_LIMIT
+
+    @property
+    def quiet(self) -> bool:
+        return not self.wide and not self.falls
+
+    def summary(self) -> str:
+        """quiet or noisy, and why, in a few words."""
+        if self.quiet:
+            if self.widest is None:
+                return "quiet as far as one repeat per point can tell (no spread recorded)"
+            what, s = self.widest
+            return (f"quiet (spreads within {self.limit * 100:.0f}% or {JITTER_S * 1e6:.0f} us; widest {s * 100:.1f}% "
+                    f"at {what})")
+        why = []
+        if self.wide:
+            what, s = max(self.wide, key=lambda p: p[1])
+            why.append(f"{len(self.wide)} point{'s' * (len(self.wide) > 1)} spread over {self.limit * 100:.0f}% "
+                       f"(worst {s * 100:.1f}% at {what})")
+        if self.falls:
+            more = f" and {len(self.falls) - 1} more curve falls" if len(self.falls) > 1 else ""
+            why.append(self.falls[0] + more)
+        return "noisy: " + " and ".join(why)
+
+    def line(self) -> str:
+        """The one line calibrate prints."""
+        if self.quiet:
+            return f"calibration {self.summary()}; copy and expert times grow with size and rows"
+        return (f"warning: calibration {self.summary()}: the machine was busy and the profile may be off; "
+                "rerun cmoe calibrate on a quiet machine (--strict refuses such a profile)")
+
+    def to_dict(self) -> dict:
+        return {"quiet": self.quiet, "spread_metric": "relative IQR", "limit": self.limit, "jitter_s": JITTER_S,
+                "fall_slack": FALL_SLACK, "spread": [list(p) for p in self.spreads], "wide": [k for k, _ in self.wide],
+                "falls": list(self.falls), "verdict": self.line()}
+
+
+def noise(repeats: dict, limit: float = SPREAD_LIMIT) -> Noise:
+    """Judge `repeats` ({what: {"unit", "grows", "judged" (default true), "points": [(x, [seconds])]}}):
+    every point's spread (wide: over `limit` and JITTER_S), and each growing curve's best times in
+    order of x, which may not fall by more than FALL_SLACK and JITTER_S from one point to the next.
+    A curve with "judged": false is only shown (its spread kept, never a reason to warn)."""
+    spreads, wide, falls, widest = [], [], [], None
+    for what, c in repeats.items():
+        unit, pts, judged = c.get("unit"), sorted((x, list(ts)) for x, ts in c["points"]), c.get("judged", True)
+        for x, ts in pts:
+            if len(ts) > 1:
+                spreads.append((point_label(what, unit, x), spread(ts)))
+                if judged:
+                    widest = max(widest or spreads[-1], spreads[-1], key=lambda p: p[1])
+                if judged and spreads[-1][1] > limit and spreads[-1][1] * float(np.median(ts)) > JITTER_S:
+                    wide.append(spreads[-1])
+        if judged and c.get("grows"):
+            best = [(x, min(ts)) for x, ts in pts]
+            falls += [f"{point_label(what, unit, x1)} faster than {_at(unit, x0)}"
+                      for (x0, t0), (x1, t1) in zip(best, best[1:]) if t1 < t0 * (1 - FALL_SLACK) and t0 - t1 > JITTER_S]
+    return Noise(tuple(spreads), tuple(falls), tuple(wide), widest, limit)
+
+
+def noise_of(m: dict) -> Noise:
+    """The verdict on measurements calibrate wrote; files from before the repeats were kept give
+    their copy and expert curves (best times only: falls, no spread)."""
+    if "repeats" in m:
+        return noise(m["repeats"])
+    old = {"H2D pinned": ("bytes", m.get("h2d")), "D2H pinned": ("bytes", m.get("d2h")),
+           "expert": ("tokens", (m.get("expert") or {}).get("points"))}
+    return noise({k: {"unit": u, "grows": True, "points": [(x, [s]) for x, s in best_per_size(pts)]}
+                  for k, (u, pts) in old.items() if pts})
+
+
+def verdict(n: Noise, strict: bool, measurements: str) -> str:
+    """The line calibrate prints; with `strict`, a noisy verdict is a refusal instead."""
+    if strict and not n.quiet:
+        raise CmoeError(f"calibration is too noisy to trust ({n.summary()}); no profile written, the measurements "
+                        f"are in {measurements}: rerun cmoe calibrate on a quiet machine, or without --strict")
+    return n.line()
+
+
+def run_verdict(cal: Noise | None, errors: list[float], run_spreads: list[float] | None) -> str:
+    """The line `cmoe run` prints beside its errors: how noisy the calibration (None: not measured
+    here) and the repeated runs ((max - min) / mean of each policy's tokens/s; None: one run) were,
+    and whether the errors stand above that noise."""
+    lo, hi = min(errors), max(errors)
+    err = f"error {lo * 100:+.1f}%" if len(errors) == 1 else f"errors {lo * 100:+.1f}% to {hi * 100:+.1f}%"
+    parts = [err, "calibration not measured (a profile without its measurements)" if cal is None
+             else f"calibration {cal.summary()}"]
+    parts.append(f"repeated runs spread up to {max(run_spreads) * 100:.1f}%" if run_spreads
+                 else "one run, its own spread not measured (--repeat 3 measures it)")
+    worst = max(abs(e) for e in errors)
+    if cal is not None and not cal.quiet:
+        then = "recalibrate on a quiet machine before reading these errors"
+    elif run_spreads and max(run_spreads) >= worst:
+        then = "the runs' own noise is as large as the errors, which say little about the model"
+    elif run_spreads or cal is not None:
+        then = "the errors stand above the noise measured"
+    else:
+        then = "nothing here measured the machine's noise"
+    return "noise: " + "; ".join(parts) + ": " + then

@@ -86,6 +86,13 @@ def test_cpu_calibration_gives_a_profile_the_simulator_runs(checkpoints, tiny_tr
     assert r.exit_code == 0, r.output
     assert "measured" in r.output and "fitted" in r.output
     assert "H2D pageable 16 MiB" in r.output and "D2H pageable 64 KiB" in r.output      # curves across sizes
+    m = json.loads(out.with_suffix(".measurements.json").read_text())
+    assert {"H2D pinned", "D2H pinned", "expert", "CPU expert", "round trip", "host, layer"} <= set(m["repeats"])
+    micro = {k: c for k, c in m["repeats"].items() if k not in ("expert in model", "host, layer")}  # those: runs' means
+    assert all(len(ts) >= 3 for c in micro.values() for _, ts in c["points"])                # every repeat kept
+    assert len(m["noise"]["spread"]) == sum(len(c["points"]) for c in micro.values()) + 2  # + the host's 2 runs
+    assert m["noise"]["verdict"] in r.output.splitlines()                                   # printed, one line
+    assert ["what", "measured", "fitted", "spread"] in [x.split() for x in r.output.splitlines()]
     prof = load_profile(str(out))
     assert prof.name == "cpu" and prof.layer_fixed_us > 0 and dict(prof.expert_gbps)["bf16"] > 0
     assert json.loads(out.read_text())["sources"]["hbm_gbps"].startswith("measured by cmoe calibrate on cpu")
@@ -116,9 +123,41 @@ def test_cmoe_run_calibrates_simulates_executes_and_validates(checkpoints, tiny_
     assert [m["experts_fit"] for m in pred] == [m["experts_fit"] for m in meas]     # one pool layout
     assert all(v["decode_passes"] == 4 for v in vals)
     assert "the error comes mostly from" in r.output
+    line = next(x for x in r.output.splitlines() if x.startswith("noise: "))               # beside the errors
+    assert line.startswith("noise: errors ") and "; calibration " in line and "repeated runs spread up to " in line
 
 
 def test_weighted_line_counts_each_point_as_often_as_it_was_seen():
     # (0, 1) seen three times, (1, 3) once, (2, 9) once: the same as five unweighted points
     assert fit_line([(0, 1.0), (1, 3.0), (2, 9.0)], [3, 1, 1]) == \
         pytest.approx(fit_line([(0, 1.0), (0, 1.0), (0, 1.0), (1, 3.0), (2, 9.0)]))
+
+
+def _noisy_measurements(tmp_path):
+    """Measurements of a known machine, with repeats in which D2H at 16 MiB beat 4 MiB."""
+    m = _synthetic(replace(H200, launch_us=0.0, pass_start_us=1.0, head_us=1.0))
+    m["device"] = {"label": "test gpu", "memory_bytes": H200.gpu_mem_bytes, "date": "2026-12-02"}
+    m["repeats"] = {"H2D pinned": {"unit": "bytes", "grows": True, "points": [[b, [s, s * 1.01]] for b, s in m["h2d"]]},
+                    "D2H pinned": {"unit": "bytes", "grows": True, "points": [[2**22, [3.2e-4]], [2**24, [3.0e-4]]]}}
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(m))
+    return path
+
+
+def test_refit_warns_on_noise_and_strict_refuses(tmp_path):
+    from typer.testing import CliRunner
+
+    from cmoe.cli.app import app
+    raw, out = _noisy_measurements(tmp_path), tmp_path / "p.json"
+    r = CliRunner().invoke(app, ["calibrate", "--refit", str(raw), "--out", str(out), "--strict"])
+    assert r.exit_code == 2 and not out.exists(), r.output
+    assert r.output.splitlines()[-1] == (
+        "error: calibration is too noisy to trust (noisy: D2H pinned 16 MiB faster than 4 MiB); no profile written, "
+        f"the measurements are in {raw}: rerun cmoe calibrate on a quiet machine, or without --strict")
+    assert "Traceback" not in r.output
+    r = CliRunner().invoke(app, ["calibrate", "--refit", str(raw), "--out", str(out)])
+    assert r.exit_code == 0 and out.is_file(), r.output
+    assert ("warning: calibration noisy: D2H pinned 16 MiB faster than 4 MiB: the machine was busy and the profile "
+            "may be off; rerun cmoe calibrate on a quiet machine (--strict refuses such a profile)") in r.output.splitlines()
+    h2d_64k = next(x for x in r.output.splitlines() if x.startswith("H2D pinned 64 KiB"))
+    assert h2d_64k.endswith("   0.5%")           # the spread column: the IQR of two repeats is half their range

@@ -32,3 +32,36 @@ def test_no_overlap_within_a_track():
     for spans in by_track.values():
         spans.sort()
         assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:]))
+
+
+def _ns_by_track(doc) -> dict:
+    """(pid, tid) -> sorted [(start, end)] in integer nanoseconds, read as Perfetto reads numbers
+    (llround(us * 1000))."""
+    by_track: dict = {}
+    for e in doc["traceEvents"]:
+        if e["ph"] == "X":
+            ts, dur = round(e["ts"] * 1000), round(e["dur"] * 1000)
+            by_track.setdefault((e["pid"], e["tid"]), []).append((ts, ts + dur))
+    return {k: sorted(v) for k, v in by_track.items()}
+
+
+def test_end_points_are_rounded_so_touching_spans_still_touch():
+    # A ends exactly where B starts; rounding A's start and duration apart gave ts 0.001, dur 10.0:
+    # an end at 10.001 us, after B's start at 10.0
+    spans = [("sim", 0, 0, "compute", "attention", -1, 0.0006, 10.0004, 0),
+             ("sim", 0, 0, "compute", "expert", 3, 10.0004, 12.0, 0)]
+    events = [e for e in chrome_trace(spans)["traceEvents"] if e["ph"] == "X"]
+    assert [(e["name"], e["ts"], e["dur"]) for e in events] == [("attention", 0.001, 9.999), ("expert e3", 10.0, 2.0)]
+    assert len({e["tid"] for e in events}) == 1                     # one track: they do not overlap
+    assert _ns_by_track({"traceEvents": events}) == {(1, 1): [(1, 10000), (10000, 12000)]}
+
+
+def test_no_overlap_on_a_simulated_timeline():
+    from cmoe.hw import H200
+    from cmoe.sim.run import SimConfig, simulate
+    from cmoe.trace.load import load_trace
+    run = simulate(load_trace("embedded", None, 1), H200, SimConfig(policy="commit", pool_gb=20, slots=4)).run
+    by_track = _ns_by_track(chrome_trace(run.spans))
+    assert sum(map(len, by_track.values())) == len(run.spans) > 10_000
+    overlaps = [(a, b) for v in by_track.values() for a, b in zip(v, v[1:]) if b[0] < a[1]]
+    assert overlaps == []

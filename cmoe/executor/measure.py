@@ -3,7 +3,8 @@ copies across sizes, device memory bandwidth, a large matmul, launch cost, one e
 against tokens, the host CPU running the same expert, the hidden-state round trip, the slowdown
 a side-stream copy causes; and, from the executor's own timeline (`measure_model.py`), what the
 model costs on the host and on the GPU. Returns the dictionary `cmoe.profile_fit.fit_profile`
-reads; every microbenchmark time is the best of several repeats.
+reads; every microbenchmark time is the best of several repeats, and every repeat is kept under
+`repeats` (`Timings`), which `cmoe.profile_fit.noise` judges.
 """
 
 from __future__ import annotations
@@ -20,10 +21,29 @@ from cmoe.executor.store import random_expert
 from cmoe.spec import ModelSpec
 
 
+REPEATS = 9     # of a microbenchmark: the fit takes the fastest; the spread needs more than one slow repeat
+
+
+class Timings:
+    """Best-of-N timer that keeps every repeat: `best` returns the fastest and files all of them
+    under `curves[what]` (the measurements' `repeats`, see `cmoe.profile_fit`)."""
+
+    def __init__(self, device: torch.device):
+        self.times = _timer(device)
+        self.curves: dict[str, dict] = {}
+
+    def best(self, what: str, unit: str | None, x, fn, repeats: int = REPEATS, inner: int = 1,
+             grows: bool = True, judged: bool = True) -> float:
+        ts = self.times(fn, repeats, inner)
+        c = self.curves.setdefault(what, {"unit": unit, "grows": grows, "judged": judged, "points": []})
+        c["points"].append([x, ts])
+        return min(ts)
+
+
 def _timer(device: torch.device):
     cuda = device.type == "cuda"
 
-    def best(fn, repeats: int = 5, inner: int = 1) -> float:
+    def times(fn, repeats: int = 5, inner: int = 1) -> list[float]:
         fn()
         out = []
         for _ in range(repeats):
@@ -41,39 +61,39 @@ def _timer(device: torch.device):
                 for _ in range(inner):
                     fn()
                 out.append((time.perf_counter() - t0) / inner)
-        return min(out)
-    return best
+        return out
+    return times
 
 
 def copies(device: torch.device, sizes: list[int]) -> dict:
-    best = _timer(device)
+    rec = Timings(device)
     cuda = device.type == "cuda"
     big = max(sizes)
     host = torch.empty(big, dtype=torch.uint8, pin_memory=cuda).random_()
     dev = torch.empty(big, dtype=torch.uint8, device=device)
     h2d, d2h = [], []
     for n in sizes:
-        h2d.append((n, best(lambda: dev[:n].copy_(host[:n], non_blocking=True))))
-        d2h.append((n, best(lambda: host[:n].copy_(dev[:n], non_blocking=True))))
+        h2d.append((n, rec.best("H2D pinned", "bytes", n, lambda: dev[:n].copy_(host[:n], non_blocking=True))))
+        d2h.append((n, rec.best("D2H pinned", "bytes", n, lambda: host[:n].copy_(dev[:n], non_blocking=True))))
     page = torch.empty(big, dtype=torch.uint8).random_()
     ph2d, pd2h = [], []                        # pageable memory: staged by the driver, synchronous
-    for n in sizes:
-        ph2d.append((n, best(lambda: dev[:n].copy_(page[:n]), repeats=3)))
-        pd2h.append((n, best(lambda: page[:n].copy_(dev[:n]), repeats=3)))
+    for n in sizes:                            # shown, not judged: a quiet H200 spreads them 20-35%
+        ph2d.append((n, rec.best("H2D pageable", "bytes", n, lambda: dev[:n].copy_(page[:n]), judged=False)))
+        pd2h.append((n, rec.best("D2H pageable", "bytes", n, lambda: page[:n].copy_(dev[:n]), judged=False)))
     d2 = torch.empty_like(dev)
-    hbm = (2 * big, best(lambda: d2.copy_(dev)))
+    hbm = (2 * big, rec.best("device copy", "bytes", 2 * big, lambda: d2.copy_(dev), grows=False))
     return {"h2d": h2d, "d2h": d2h, "h2d_pageable": ph2d[-1], "h2d_pageable_points": ph2d,
-            "d2h_pageable_points": pd2h, "hbm": hbm}
+            "d2h_pageable_points": pd2h, "hbm": hbm, "repeats": rec.curves}
 
 
 def compute(device: torch.device) -> dict:
-    best = _timer(device)
+    rec = Timings(device)
     cuda = device.type == "cuda"
     n = 4096 if cuda else 768
     dt = torch.bfloat16 if cuda else torch.float32
     a = torch.randn(n, n, device=device).to(dt)
     b = torch.randn(n, n, device=device).to(dt)
-    mm = best(lambda: a @ b)
+    mm = rec.best("matmul", None, None, lambda: a @ b, grows=False)
     one = torch.zeros(1, device=device)
     t0 = time.perf_counter()
     for _ in range(200):
@@ -89,15 +109,16 @@ def compute(device: torch.device) -> dict:
         with torch.cuda.stream(side):
             for _ in range(8):
                 dev.copy_(host, non_blocking=True)
-        busy = best(lambda: a @ b, repeats=3)
+        busy = min(rec.times(lambda: a @ b, repeats=3))
         torch.cuda.synchronize(device)
         slow = busy / mm - 1
-    return {"matmul": (2 * n**3, mm), "launch": launch, "copy_slowdown": slow}
+    return {"matmul": (2 * n**3, mm), "launch": launch, "copy_slowdown": slow, "repeats": rec.curves}
 
 
-def _expert_points(device: torch.device, spec: ModelSpec, fmt: str, tokens) -> tuple[object, list]:
-    """One expert of format `fmt` on the device: (layout, [(tokens, seconds)])."""
-    best = _timer(device)
+def _expert_points(rec: Timings, what: str, device: torch.device, spec: ModelSpec, fmt: str,
+                   tokens) -> tuple[object, list]:
+    """One expert of format `fmt` on the device: (layout, [(tokens, seconds)]), every repeat filed
+    in `rec` under `what`."""
     lay = expert_layout(fmt, spec.hidden, spec.expert_ffn)
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     buf = torch.zeros(slot_size(lay), dtype=torch.uint8, device=device)
@@ -106,7 +127,7 @@ def _expert_points(device: torch.device, spec: ModelSpec, fmt: str, tokens) -> t
     pts = []
     for t in tokens:
         x = torch.randn(t, spec.hidden, device=device).to(dt)
-        pts.append((t, best(lambda: ffn(x, v), inner=5)))
+        pts.append((t, rec.best(what, "tokens", t, lambda: ffn(x, v), repeats=5, inner=5)))
     return lay, pts
 
 
@@ -115,15 +136,15 @@ def _bits(fmt: str, lay) -> int:
 
 
 def expert(device: torch.device, spec: ModelSpec, fmt: str, tokens=(1, 2, 4, 8, 16, 32, 64)) -> dict:
-    best = _timer(device)
-    lay, pts = _expert_points(device, spec, fmt, tokens)
+    rec = Timings(device)
+    lay, pts = _expert_points(rec, "expert", device, spec, fmt, tokens)
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     # the executor's other weight width on CUDA (int4 <-> bf16), so both of the profile's classes are measured
     others = []
     if device.type == "cuda":
         other = "bf16" if lay.group else "w4g128"
         try:
-            olay, opts = _expert_points(device, spec, other, tokens)
+            olay, opts = _expert_points(rec, f"{other} expert", device, spec, other, tokens)
             others.append({"format": other, "bytes": olay.nbytes, "params": 3 * spec.hidden * spec.expert_ffn,
                            "bits": _bits(other, olay), "points": opts})
         except (CmoeError, RuntimeError) as e:    # shapes the int4 kernel cannot take: keep the h200 figure
@@ -131,8 +152,9 @@ def expert(device: torch.device, spec: ModelSpec, fmt: str, tokens=(1, 2, 4, 8, 
     cbuf = torch.zeros(slot_size(lay), dtype=torch.uint8)
     random_expert(lay, 1, torch.device("cpu"), "cpu", cbuf)
     cv = ExpertViews(lay, cbuf, "cpu")
-    cbest = _timer(torch.device("cpu"))
-    cpts = [(t, cbest(lambda: ffn(torch.randn(t, spec.hidden).to(dt), cv), repeats=3)) for t in (1, 8)]
+    crec = Timings(torch.device("cpu"))
+    cpts = [(t, crec.best("CPU expert", "tokens", t, lambda: ffn(torch.randn(t, spec.hidden).to(dt), cv), repeats=3))
+            for t in (1, 8)]
     h = torch.randn(8, spec.hidden, device=device).to(dt)
 
     def roundtrip():
@@ -142,7 +164,9 @@ def expert(device: torch.device, spec: ModelSpec, fmt: str, tokens=(1, 2, 4, 8, 
         return back
     return {"expert": {"bytes": lay.nbytes, "params": 3 * spec.hidden * spec.expert_ffn, "bits": _bits(fmt, lay),
                        "points": pts},
-            "expert_classes": others, "cpu_expert": {"bytes": lay.nbytes, "points": cpts}, "roundtrip": best(roundtrip)}
+            "expert_classes": others, "cpu_expert": {"bytes": lay.nbytes, "points": cpts},
+            "roundtrip": rec.best("round trip", None, None, roundtrip, grows=False),
+            "repeats": rec.curves | crec.curves}
 
 
 def measure(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4, model_dir=None,
@@ -156,9 +180,11 @@ def measure(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4
              ("expert", lambda: expert(device, spec, fmt)),
              ("layers", lambda: layers(device, spec, fmt, num_layers, model_dir, built=built))]
     from cmoe.executor.engine import DENSE_ROWS
-    out: dict = {"dense_rows": DENSE_ROWS}
+    out: dict = {"dense_rows": DENSE_ROWS, "repeats": {}}
     for name, fn in tqdm(steps, desc="calibrate", disable=not progress):
-        out.update(fn())
+        got = fn()
+        out["repeats"].update(got.pop("repeats", {}))
+        out.update(got)
     out["sizes"] = np.array(sizes).tolist()
     return out
 
@@ -177,9 +203,10 @@ def calibrate(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int =
     Returns the profile and the measurements it was fitted to. `built`: measure the layers on this
     already built workload (see `layers`)."""
     from cmoe.hw import H200
-    from cmoe.profile_fit import fit_profile, with_expert_classes
+    from cmoe.profile_fit import fit_profile, noise, with_expert_classes
     m = measure(device, spec, fmt, num_layers, model_dir, built=built)
     label, mem = device_label_and_memory(device)
     m["device"] = {"label": label, "memory_bytes": mem, "date": time.strftime("%Y-%m-%d")}
+    m["noise"] = noise(m["repeats"]).to_dict()
     prof = fit_profile(name or label.lower().replace(" ", "-"), m, mem, label, m["device"]["date"])
     return with_expert_classes(prof, H200), m

@@ -2,7 +2,10 @@
 one just built, or the preset cut to its first layers) under `upper`, `commit`, `ondemand` and
 `static`, on the host's lane and on the compute stream. On CUDA a run whose GPU is held back
 (`lead_us`) lets the host get ahead, so its compute spans are the GPU's own time; on the CPU both
-sides are the same run. Means, not best-of: throughput pays for the slow passes too.
+sides are the same run. Means, not best-of: throughput pays for the slow passes too. The host's
+layer time of each of the two eager runs is kept under `repeats` ("host, layer"), so that the noise
+verdict (`cmoe.profile_fit.noise`) sees how far two runs of the same model disagree, and so is an
+expert kernel's mean time at batch 1 and 8 (it may not fall with rows).
 """
 
 from __future__ import annotations
@@ -106,7 +109,7 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
     first = spec.moe_layers[0]
     L, M = spec.num_layers, spec.num_moe_layers
     gpu: dict[str, list] = {"points": [], "expert": []}
-    host: dict[str, list] = {"layer": [], "route": [], "expert": [], "expert_span": [], "sync": []}
+    host: dict[str, list] = {"layer": [], "route": [], "expert": [], "expert_span": [], "sync": [], "layer_runs": []}
     cpu_pts, trips = [], []
     w = built
 
@@ -129,7 +132,9 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
         ne, start = _per_layer(queued, ("attention",), first)
         gpu["points"].append((batch, ne / L / 1e6))
         gpu["expert"].append((batch, _mean(queued, "expert")))
-        h_ne, h_start = np.mean([_per_layer(e, ("host_attention",), first) for e in eager], axis=0)
+        per_run = [_per_layer(e, ("host_attention",), first) for e in eager]
+        host["layer_runs"].append([batch, [float(ne_r) / L / 1e6 for ne_r, _ in per_run]])
+        h_ne, h_start = np.mean(per_run, axis=0)
         h_route = np.mean([_per_layer(e, ("host_route",), None)[0] for e in eager])
         host["layer"].append((batch, h_ne / L / 1e6))
         host["route"].append((batch, h_route / M / 1e6))
@@ -177,7 +182,11 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
                      "host": {"layer_points": host["layer"], "route_points": host["route"],
                               "expert_points": host["expert"], "expert_tail_s": float(np.mean([x for _, x in tail])),
                               "load_s": host_load, "sync_s": float(np.median(host["sync"])),
-                              "pass_start_s": host_start, "head_s": host_head}}}
+                              "pass_start_s": host_start, "head_s": host_head}},
+           "repeats": {"host, layer": {"unit": "tokens", "grows": False, "points": host["layer_runs"]},
+                       # one mean per batch: no spread, but 8 rows may not take less than 1
+                       "expert in model": {"unit": "tokens", "grows": True,
+                                           "points": [[t, [x]] for t, x in gpu["expert"]]}}}
     if cpu_pts:
         by: dict[int, list] = {}
         for t, x in cpu_pts:

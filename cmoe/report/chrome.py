@@ -32,6 +32,16 @@ def tracks(spans: list[Span]) -> list[tuple[str, Span]]:
     return out
 
 
+def _ts_dur(start: float, end: float) -> dict:
+    """`ts` and `dur` of a span in microseconds to the nanosecond. Both end points are rounded
+    and the duration is their difference, so a span that ends where the next one starts on its
+    track still does after rounding (rounding start and duration apart made 9-24% of simulated
+    spans start 0.001 us before the previous one ended, which Perfetto rejects as overlap).
+    Perfetto reads a number as llround(us * 1000) ns: it gets these integers back exactly."""
+    ts_ns, end_ns = round(start * 1000), round(end * 1000)
+    return {"ts": ts_ns / 1000, "dur": (end_ns - ts_ns) / 1000}
+
+
 def chrome_trace(spans: list[Span]) -> dict:
     pids: dict[str, int] = {}
     tids: dict[tuple[str, str], int] = {}
@@ -44,7 +54,7 @@ def chrome_trace(spans: list[Span]) -> dict:
                          "args": {"name": track}})
         name = op if expert < 0 else f"{op} e{expert}"
         events.append({"ph": "X", "name": name, "cat": op, "pid": pid, "tid": tids[(source, track)],
-                       "ts": round(start, 3), "dur": round(end - start, 3),
+                       **_ts_dur(start, end),
                        "args": {"step": step, "layer": layer, "expert": expert, "bytes": nbytes}})
     for source, pid in pids.items():
         meta.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": source}})
