@@ -9,6 +9,14 @@ Floor 1: plain data and arithmetic, no torch. A *format* is how one weight matri
 | `w{b}g{g}`     | qweight packed b-bit [out * in * b / 8 bytes], scales_and_zeros bf16 [in/g, out, 2]: the layout of torch's `_weight_int4pack_mm`, which the executor runs |
 | `gptq-w{b}g{g}`| qweight int32 [in*b/32, out], qzeros int32 [in/g, out*b/32], scales fp16 [in/g, out], g_idx int32 [in] |
 | `awq-w{b}g{g}` | qweight int32 [in, out*b/32], qzeros int32 [in/g, out*b/32], scales fp16 [in/g, out] |
+| `ct-w{b}g{g}`  | compressed-tensors pack-quantized, symmetric: weight_packed int32 [out, in*b/32], weight_scale bf16 [out, in/g], weight_shape int64 [2] |
+| `fp8`          | weight fp8 [out, in], weight_scale fp32 [1] (per tensor)                       |
+| `fp8-ch`       | weight fp8 [out, in], weight_scale fp32 [out, 1] (per output channel)          |
+| `fp8-b{B}`     | weight fp8 [out, in], weight_scale_inv fp32 [out/B, in/B] (B x B blocks, DeepSeek-V3 style) |
+| `bnb-int8`     | bitsandbytes LLM.int8: weight int8 [out, in], SCB fp32 [out]                    |
+
+The checkpoint formats (`ct-`, `fp8`, `bnb-int8`) describe what `cmoe trace --quant checkpoint`
+finds in a quantized checkpoint; `cmoe.checkpoint` checks that these sizes are the stored ones.
 
 A recipe names one format for attention, one for dense weights (shared experts, dense MLPs,
 embeddings, head) and the formats of the routed experts. A *mixed* recipe gives a fraction of
@@ -27,15 +35,20 @@ import numpy as np
 from cmoe.errors import CmoeError
 from cmoe.spec import ModelSpec
 
-_GROUPED = re.compile(r"^(?:(gptq|awq)-)?w([1-8])g(\d+)$")
-BASIC_FORMATS = ("bf16", "fp16", "fp32", "w8a8")
+_GROUPED = re.compile(r"^(?:(gptq|awq|ct)-)?w([1-8])g(\d+)$")
+_FP8 = re.compile(r"^fp8(?:-(ch)|-b(\d+))?$")
+BASIC_FORMATS = ("bf16", "fp16", "fp32", "w8a8", "bnb-int8")
+
+
+def is_format(fmt: str) -> bool:
+    return fmt in BASIC_FORMATS or bool(_GROUPED.match(fmt) or _FP8.match(fmt))
 
 
 def check_format(fmt: str) -> str:
-    if fmt in BASIC_FORMATS or _GROUPED.match(fmt):
+    if is_format(fmt):
         return fmt
     raise CmoeError(f"unknown quantization format '{fmt}': use bf16, w8a8, w<bits>g<group> "
-                    f"(e.g. w4g128), gptq-w4g128 or awq-w4g128")
+                    f"(e.g. w4g128), gptq-w4g128, awq-w4g128, ct-w4g128, fp8, fp8-ch, fp8-b128 or bnb-int8")
 
 
 def format_bits(fmt: str) -> float:
@@ -44,7 +57,7 @@ def format_bits(fmt: str) -> float:
         return 16
     if fmt == "fp32":
         return 32
-    if fmt == "w8a8":
+    if fmt in ("w8a8", "bnb-int8") or _FP8.match(fmt):
         return 8
     return int(_GROUPED.match(fmt).group(2))
 
@@ -57,11 +70,18 @@ def tensor_bytes(fmt: str, out: int, inp: int) -> dict[str, int]:
         return {"weight": out * inp * 4}
     if fmt == "w8a8":
         return {"weight": out * inp, "weight_scale": out * 2}
+    if fmt == "bnb-int8":
+        return {"weight": out * inp, "SCB": out * 4}
+    if f8 := _FP8.match(fmt):
+        return {"weight": out * inp, **_fp8_scales(f8, out, inp)}
     m = _GROUPED.match(check_format(fmt))
     style, bits, group = m.group(1), int(m.group(2)), int(m.group(3))
     groups = math.ceil(inp / group)
     if style is None:
         return {"qweight": math.ceil(out * inp * bits / 8), "scales_and_zeros": groups * out * 2 * 2}
+    if style == "ct":
+        return {"weight_packed": out * 4 * math.ceil(inp * bits / 32), "weight_scale": out * groups * 2,
+                "weight_shape": 2 * 8}
     words = 4 * math.ceil(out * bits / 32)             # int32 words holding one row of packed zeros
     packed_zeros = groups * words
     scales = groups * out * 2
@@ -69,6 +89,15 @@ def tensor_bytes(fmt: str, out: int, inp: int) -> dict[str, int]:
         return {"qweight": 4 * math.ceil(inp * bits / 32) * out, "qzeros": packed_zeros,
                 "scales": scales, "g_idx": inp * 4}
     return {"qweight": inp * words, "qzeros": packed_zeros, "scales": scales}
+
+
+def _fp8_scales(m: re.Match, out: int, inp: int) -> dict[str, int]:
+    if m.group(1):                                     # per output channel
+        return {"weight_scale": out * 4}
+    if m.group(2):                                     # B x B blocks
+        b = int(m.group(2))
+        return {"weight_scale_inv": math.ceil(out / b) * math.ceil(inp / b) * 4}
+    return {"weight_scale": 4}
 
 
 def matrix_bytes(fmt: str, out: int, inp: int) -> int:
@@ -145,7 +174,7 @@ def recipe(spec: str) -> QuantRecipe:
             mixed.append((fmt, float(frac)))
         except ValueError:
             raise CmoeError(f"bad mixed part '{x}': write FORMAT:FRACTION, e.g. w8g128:0.25") from None
-    if head not in BASIC_FORMATS and not _GROUPED.match(head):
+    if not is_format(head):
         raise CmoeError(f"unknown recipe '{spec}': use one of {', '.join(RECIPES)} or a format like w4g128")
     return QuantRecipe(spec, expert=head, mixed=tuple(mixed), **kw)
 

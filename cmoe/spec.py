@@ -172,7 +172,15 @@ def from_checkpoint(path: str | Path) -> ModelSpec:
         cfg = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise CmoeError(f"{cfg_path} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    return from_config(cfg, name=p.name)
+    if not isinstance(cfg, dict):
+        raise CmoeError(f"{cfg_path} holds a JSON {type(cfg).__name__}, not an object: restore the checkpoint's own config.json")
+    try:
+        return from_config(cfg, name=p.name)
+    except KeyError as e:
+        raise CmoeError(f"{cfg_path} lacks '{e.args[0]}', which a {cfg.get('model_type')} config needs: "
+                        f"restore the checkpoint's own config.json") from None
+    except TypeError as e:
+        raise CmoeError(f"{cfg_path} holds a value of the wrong type ({e}): restore the checkpoint's own config.json") from None
 
 
 PRESETS: dict[str, ModelSpec] = {

@@ -90,6 +90,25 @@ def test_checkpoint_sizes_mode(checkpoints, prompts):
     assert t.recipe.expert == "fp32" and t.expert_bytes[0][0] == 3 * 16 * 32 * 4
 
 
+def test_a_weight_missing_from_the_checkpoint_is_refused_not_left_random(checkpoints, prompts, tmp_path):
+    """transformers would initialise the missing tensor at random and trace "successfully"."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from cmoe.errors import CmoeError
+    d = tmp_path / "holed"
+    shutil.copytree(checkpoints["qwen3_moe"], d)
+    weights = load_file(str(d / "model.safetensors"))
+    del weights["model.layers.1.self_attn.q_proj.weight"]
+    save_file(weights, str(d / "model.safetensors"))
+    with pytest.raises(CmoeError) as e:
+        trace_checkpoint(d, prompts, TraceOptions(max_new_tokens=1, progress=False, device="cpu"))
+    assert str(e.value) == (f"could not load the checkpoint in {d}: transformers found 1 of the model's weights nowhere "
+                            f"in it (first: model.layers.1.self_attn.q_proj.weight), so they would keep random values; "
+                            f"the checkpoint lacks them or config.json is not its own: re-download the checkpoint")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", FAMILIES)

@@ -91,10 +91,9 @@ def load_checkpoint_model(model_dir: Path, spec: ModelSpec, others: list[tuple[s
     """Non-expert weights from the checkpoint, tensor by tensor, into the skeleton."""
     from safetensors import safe_open
     from transformers import AutoConfig
-    try:
-        config = AutoConfig.from_pretrained(model_dir)
-    except (OSError, ValueError, KeyError) as e:
-        raise CmoeError(f"could not read {model_dir}/config.json: {str(e).splitlines()[0][:200]}") from None
+
+    from cmoe.trace.hf import hf_load
+    config = hf_load(model_dir, "config.json", AutoConfig.from_pretrained, model_dir)
     model, shims = _skeleton(config, spec, device, dtype)
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))

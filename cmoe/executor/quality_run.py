@@ -33,9 +33,9 @@ def run_quality(model_dir: Path, text: bytes | list[int], tokens: int, variants:
     if bad:
         raise CmoeError(f"unknown variant '{bad[0]}': choose from commit, commit-no-owa")
     if isinstance(text, bytes):                       # through the model's own tokenizer (or bytes)
-        from cmoe.spec import from_checkpoint
+        from cmoe.checkpoint import check_checkpoint
         from cmoe.trace.hf import tokenizer_for
-        text = tokenizer_for(Path(model_dir), from_checkpoint(model_dir).vocab)(text.decode("utf-8", errors="replace"))
+        text = tokenizer_for(Path(model_dir), check_checkpoint(model_dir).vocab)(text.decode("utf-8", errors="replace"))
     ids = list(text)[: tokens + tokens // max(window - 1, 1) + 1]
     if len(ids) < 2:
         raise CmoeError("the held-out text is too short: give at least two tokens")

@@ -124,7 +124,9 @@ def random_store(spec: ModelSpec, fmt: str, device: torch.device, seed: int = 0,
 def checkpoint_store(model_dir: Path, spec: ModelSpec, fmt: str, device: torch.device,
                      keep_cpu_twins: bool, progress: bool = False) -> tuple[HostStore, list[tuple[str, Path]]]:
     """Stream a checkpoint's expert tensors into a HostStore. Returns the store and the names of
-    the other (non-expert) tensors with their files, for the model loader."""
+    the other (non-expert) tensors with their files, for the model loader. The checkpoint has
+    passed `check_checkpoint(..., float_experts=True)`: every expert stored as float weights,
+    none beyond the spec's count."""
     from safetensors import safe_open
     from tqdm import tqdm
 
@@ -148,10 +150,9 @@ def checkpoint_store(model_dir: Path, spec: ModelSpec, fmt: str, device: torch.d
                 for name in fh.keys():
                     pe, fu = _PER_EXPERT.match(name), _FUSED.match(name)
                     if pe and int(pe.group(1)) in moe_index:
-                        if pe.group(4) != "weight":
-                            raise CmoeError(f"{name}: the executor reads float expert weights; quantized "
-                                            f"checkpoints ({pe.group(4)}) are not supported yet")
+                        assert pe.group(4) == "weight", f"{name}: quantized experts passed the float check"
                         key = (moe_index[int(pe.group(1))], int(pe.group(2)))
+                        assert key[1] < spec.num_experts, f"{name}: expert beyond the spec passed check_checkpoint"
                         got = pending.setdefault(key, {})
                         got[_CANON[pe.group(3)]] = fh.get_tensor(name)
                         if len(got) == 3:
@@ -159,10 +160,10 @@ def checkpoint_store(model_dir: Path, spec: ModelSpec, fmt: str, device: torch.d
                             del pending[key]
                             bar.update(1)
                     elif fu and int(fu.group(1)) in moe_index:
-                        if fu.group(3):
-                            raise CmoeError(f"{name}: quantized fused experts are not supported yet")
+                        assert not fu.group(3), f"{name}: quantized fused experts passed the float check"
                         m = moe_index[int(fu.group(1))]
                         t = fh.get_tensor(name)
+                        assert t.shape[0] == spec.num_experts, f"{name}: fused experts passed check_checkpoint"
                         for e in range(t.shape[0]):
                             got = pending.setdefault((m, e), {})
                             if fu.group(2) == "gate_up_proj":

@@ -13,21 +13,27 @@ i.e. it is made before attention, as pre-attention predictors do.
 Prompts run one at a time: prefill, then greedy decode with a KV cache. Tokens come from the
 checkpoint's tokenizer when it has one, else from bytes (id = byte value mod vocab), which is
 what the small self-made checkpoints of the tests need.
+
+Loading is a boundary: the checkpoint first passes `cmoe.checkpoint.check_checkpoint`; whatever
+transformers then raises (a missing optional package included) becomes one line, and a model
+whose weights transformers did not all find in the checkpoint (it would run on their random
+initial values) is refused.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from cmoe.checkpoint import checkpoint_expert_bytes, detect_expert_format, safetensors_files
+from cmoe.checkpoint import check_checkpoint, checkpoint_expert_bytes, detect_expert_format, safetensors_files
 from cmoe.errors import CmoeError
 from cmoe.quant import QuantRecipe, expert_bytes, recipe
-from cmoe.spec import ModelSpec, from_checkpoint
+from cmoe.spec import ModelSpec
 from cmoe.trace.bundle import DECODE, PREFILL, Trace
 
 
@@ -52,19 +58,77 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_model(model_dir: Path, device: torch.device, allow_pickle: bool = False):
-    """Load a checkpoint through transformers; safetensors only unless pickle is allowed."""
+_PIP_NAMES = {"google": "protobuf", "yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn"}
+
+
+def loading_error(model_dir: Path, what: str, e: Exception) -> CmoeError:
+    """One line for an error transformers (or safetensors) raised while loading `what`; a missing
+    package says what to install."""
+    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)[:200]
+    if isinstance(e, ModuleNotFoundError) and e.name:
+        pkg = _PIP_NAMES.get(e.name.split(".")[0], e.name.split(".")[0])
+        return CmoeError(f"loading the {what} in {model_dir} needs the Python package '{pkg}', which is not "
+                         f"installed: pip install {pkg}")
+    if isinstance(e, ImportError):
+        pip = re.search(r"pip install [\w.\-\[\]]+", first)
+        return CmoeError(f"loading the {what} in {model_dir} needs a package that is not installed ({first}): "
+                         f"{pip.group(0) if pip else 'install it'}, then run again")
+    return CmoeError(f"could not load the {what} in {model_dir}: {first}")
+
+
+def hf_load(model_dir: Path, what: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs), a transformers loader, with its errors as one CmoeError line. Its own
+    warnings (the multi-line load report) and progress bar are held back: the caller checks the
+    loading info, and an error stays the one line it prints."""
     from safetensors import SafetensorError
+    from transformers.utils import logging as hf_logging
+    level, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        return fn(*args, **kwargs)
+    except (ImportError, OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError, IndexError,
+            SafetensorError) as e:
+        raise loading_error(model_dir, what, e) from None
+    finally:
+        hf_logging.set_verbosity(level)
+        if bar:
+            hf_logging.enable_progress_bar()
+
+
+def load_model(model_dir: Path, device: torch.device, allow_pickle: bool = False, spec: ModelSpec | None = None):
+    """Load a checkpoint through transformers (safetensors only unless pickle is allowed), after
+    the boundary check (skipped when its `spec` is given); refused if transformers would leave any
+    weight of the model at its random initial value."""
     from transformers import AutoModelForCausalLM
-    spec = from_checkpoint(model_dir)
+    if spec is None:
+        spec = check_checkpoint(model_dir, allow_pickle)
     use_st = bool(safetensors_files(model_dir, allow_pickle))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=use_st)
-    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise CmoeError(f"could not load the checkpoint in {model_dir}: {first[:200]}") from None
+    model, info = hf_load(model_dir, "checkpoint", AutoModelForCausalLM.from_pretrained, model_dir, dtype=dtype,
+                          use_safetensors=use_st, output_loading_info=True)
+    check_loading_info(model_dir, info)
     return model.to(device).eval(), spec
+
+
+_QUANTIZER_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_scale_inv",
+                       "weight_shape", "SCB", "absmax", "quant_map")
+
+
+def check_loading_info(model_dir: Path, info: dict) -> None:
+    """transformers' loading report: a weight it found nowhere in the checkpoint (it would keep its
+    random initial value) or could not fit is refused, naming the first."""
+    missing, bad = sorted(info.get("missing_keys") or ()), sorted(info.get("mismatched_keys") or ())
+    if missing:
+        quantized = sorted(k for k in info.get("unexpected_keys") or () if k.endswith(_QUANTIZER_SUFFIXES))
+        fix = (f"the checkpoint stores quantized tensors (e.g. {quantized[0]}) but config.json does not say how "
+               f"to read them: restore its quantization_config") if quantized else \
+            "the checkpoint lacks them or config.json is not its own: re-download the checkpoint"
+        raise CmoeError(f"could not load the checkpoint in {model_dir}: transformers found {len(missing)} of the "
+                        f"model's weights nowhere in it (first: {missing[0]}), so they would keep random values; {fix}")
+    if bad or info.get("error_msgs"):
+        first = str(bad[0] if bad else info["error_msgs"][0]).splitlines()[0][:200]
+        raise CmoeError(f"could not load the checkpoint in {model_dir}: {first}: is config.json its own?")
 
 
 def prediction_source(layers, spec: ModelSpec, m: int):
@@ -172,7 +236,7 @@ def tokenizer_for(model_dir: Path, vocab: int):
     """text -> token ids: the checkpoint's tokenizer, or bytes (id = byte value mod vocab)."""
     if any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(model_dir)
+        tok = hf_load(model_dir, "tokenizer", AutoTokenizer.from_pretrained, model_dir)
         return lambda s: tok(s, add_special_tokens=True)["input_ids"]
     return lambda s: [b % vocab for b in s.encode("utf-8")] or [0]
 
@@ -189,9 +253,9 @@ def trace_checkpoint(model_dir: str | Path, data: str | Path, opts: TraceOptions
     model_dir, data = Path(model_dir), Path(data)
     prompts = read_prompts(data)
     device = pick_device(opts.device)
-    spec = from_checkpoint(model_dir)
+    spec = check_checkpoint(model_dir, opts.allow_pickle)
     rec, sizes = _sizes(model_dir, spec, opts.quant)
-    model, _ = load_model(model_dir, device, opts.allow_pickle)
+    model, _ = load_model(model_dir, device, opts.allow_pickle, spec)
     encode = tokenizer_for(model_dir, spec.vocab)
     from transformers import DynamicCache
     from tqdm import tqdm
