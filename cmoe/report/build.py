@@ -16,11 +16,15 @@ import html
 from pathlib import Path
 
 from cmoe.errors import CmoeError
-from cmoe.runfolder import read_metrics, read_passes, read_timeline
-from cmoe.timeline import COLUMNS, read_parquet
+from cmoe.runfolder import read_metrics, read_passes, read_timeline, read_timeline_file
+from cmoe.timeline import COLUMNS
 from cmoe.util import write_text_atomic
 
 MAX_SPANS = 100_000
+# What a report reads of every policy's metrics: a run's table, and a predicted/measured comparison.
+RUN_METRICS = ("model", "pool_gb", "batch", "decode_tokens", "tokens_per_s", "tpot_ms_mean", "tpot_ms_p99",
+               "hit_rate", "loads", "bytes_moved", "fallbacks", "skipped", "experts_fit")
+COMPARE_METRICS = ("model", "tokens_per_s", "tpot_ms_mean")
 _CSS = ("body{font-family:system-ui,sans-serif;margin:24px;color:#222}table{border-collapse:collapse;"
         "font-size:13px;margin:8px 0 16px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
         "th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}.note{color:#555;font-size:13px}")
@@ -60,8 +64,8 @@ def _metrics_table(metrics: list[dict]) -> str:
                    "skipped", "slots"], rows)
 
 
-def _read_run(folder: Path) -> tuple[list[dict], dict[str, list], dict[str, list[dict]]]:
-    metrics = read_metrics(folder)
+def _read_run(folder: Path, need: tuple[str, ...]) -> tuple[list[dict], dict[str, list], dict[str, list[dict]]]:
+    metrics = read_metrics(folder, need)
     spans = {m["policy"]: read_timeline(folder, m["policy"]) for m in metrics}
     passes = {m["policy"]: read_passes(folder, m["policy"], required=False) for m in metrics}
     return metrics, spans, passes
@@ -73,7 +77,7 @@ def _kind(metrics: list[dict]) -> str:
 
 def run_report(folder: Path, max_spans: int) -> tuple[str, str]:
     from cmoe.report.figures import limit_spans, passes_figure, timeline_figure
-    metrics, spans, passes = _read_run(folder)
+    metrics, spans, passes = _read_run(folder, RUN_METRICS)
     kind = _kind(metrics)
     m0 = metrics[0]
     title = f"{m0['model']}: {kind}, pool {m0['pool_gb']:g} GB, batch {m0['batch']}"
@@ -90,8 +94,8 @@ def run_report(folder: Path, max_spans: int) -> tuple[str, str]:
 
 def compare_report(predicted: Path, measured: Path, max_spans: int) -> tuple[str, str]:
     from cmoe.report.figures import limit_spans, timeline_figure
-    pm, ps, _ = _read_run(predicted)
-    mm, ms, mpasses = _read_run(measured)
+    pm, ps, _ = _read_run(predicted, COMPARE_METRICS)
+    mm, ms, mpasses = _read_run(measured, COMPARE_METRICS)
     common = [m["policy"] for m in mm if m["policy"] in ps]
     if not common:
         raise CmoeError(f"{predicted} and {measured} share no policy: run the same policies in both")
@@ -155,10 +159,17 @@ def sweep_report(path: Path) -> tuple[str, str]:
     import pyarrow.parquet as pq
 
     from cmoe.report.figures import sweep_figure
-    rows = pq.read_table(path).to_pylist()
-    need = {"trace", "profile", "batch", "policy", "pool_gb", "tokens_per_s", "error"}
-    if not rows or not need <= set(rows[0]):
-        raise CmoeError(f"{path} is not a sweep table (cmoe sweep --out): it lacks {sorted(need - set(rows[0] if rows else ()))}")
+    try:
+        table = pq.read_table(path)
+    except Exception as e:                        # pyarrow raises several types for a bad file
+        raise CmoeError(f"{path} could not be read ({type(e).__name__}): write it again") from None
+    missing = {"trace", "profile", "batch", "policy", "pool_gb", "tokens_per_s", "error"} - set(table.schema.names)
+    if missing:
+        raise CmoeError(f"{path} is neither a timeline nor a sweep table (cmoe sweep --out): it lacks "
+                        f"{', '.join(sorted(missing))}")
+    rows = table.to_pylist()
+    if not rows:
+        raise CmoeError(f"{path} has no rows: give a sweep table with at least one grid point")
     figs = _Figures()
     blocks = []
     for heading, fig in sweep_figure(rows):
@@ -172,7 +183,7 @@ def sweep_report(path: Path) -> tuple[str, str]:
 
 def timeline_report(path: Path, max_spans: int) -> tuple[str, str]:
     from cmoe.report.figures import limit_spans, timeline_figure
-    groups, note = limit_spans([(path.stem, read_parquet(path))], max_spans)
+    groups, note = limit_spans([(path.stem, read_timeline_file(path))], max_spans)
     blocks = [f"<p class='note'>{html.escape(note)}</p>" if note else "", _Figures().div(timeline_figure(groups, path.stem))]
     return f"timeline: {path.name}", "".join(blocks)
 
@@ -212,8 +223,12 @@ def build_report(inputs: list[Path], out: Path | None = None, max_spans: int = M
 
 def report_line(inputs: list[Path], out: Path | None = None) -> str:
     """What simulate, sweep, execute, validate and run print about their report: where it is, or,
-    on a machine without plotly (the GPU image has none), how to build it elsewhere."""
+    on a machine without plotly (the GPU image has none), how to build it elsewhere. The command's
+    own output is written by then, so a report that cannot be built is a note, not a failure."""
     import importlib.util
     if importlib.util.find_spec("plotly") is None:
         return f"no report here (plotly is not installed): run cmoe report {' '.join(map(str, inputs))} where it is"
-    return f"report: {build_report(inputs, out)}"
+    try:
+        return f"report: {build_report(inputs, out)}"
+    except CmoeError as e:
+        return f"no report: {e}"

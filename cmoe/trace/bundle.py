@@ -24,8 +24,6 @@ reports the first problem as one line. Imports neither torch nor simpy.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +36,7 @@ from cmoe.errors import CmoeError
 from cmoe.padding import slot_bytes
 from cmoe.quant import QuantRecipe
 from cmoe.spec import ModelSpec
+from cmoe.util import atomic_dir
 
 FORMAT = "cmoe-trace"
 FORMAT_VERSION = 1
@@ -133,37 +132,21 @@ def validate(t: Trace) -> None:
         raise CmoeError("trace expert_bytes must be positive")
 
 
+MARKER = ("meta.json",)          # a bundle always has it: --force replaces only bundles
+
+
 def write(t: Trace, path: str | Path, overwrite: bool = False, parquet: bool = False) -> Path:
-    """Write a bundle atomically: build it under a temporary name, then rename it into place."""
+    """Write a bundle atomically: build it under a temporary name, then rename it into place
+    (`overwrite`: replace an existing bundle whole)."""
     validate(t)
     path = Path(path)
-    if path.exists() and not overwrite:
-        raise CmoeError(f"{path} already exists: choose another --out or pass --force to replace it")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_dir(path, overwrite, MARKER) as tmp:
         save_file(t.arrays(), str(tmp / "routes.safetensors"), metadata={"format": FORMAT})
         (tmp / "meta.json").write_text(json.dumps(t.meta(), indent=1, sort_keys=True) + "\n")
         if parquet:
             from cmoe.trace.tables import write_routes_parquet
             write_routes_parquet(t, tmp / "routes.parquet")
-        _swap_into_place(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
-
-
-def _swap_into_place(tmp: Path, path: Path) -> None:
-    if path.exists():
-        old = path.parent / f".{path.name}.old-{os.getpid()}"
-        os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, path)
 
 
 def read(path: str | Path) -> Trace:
