@@ -13,19 +13,20 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from cmoe.util import write_text_atomic
+from cmoe.util import atomic_dir, check_output, write_text_atomic
+
+# What marks a folder as one `cmoe run` wrote (--force replaces only those).
+RUN_ALL_FOLDER = ("validation.json", "predicted", "measured", "profile.json")
 
 
 def run_all(out: Path, *, spec_name: str | None, model_dir: Path | None, trace_src: str | None, policies: tuple[str, ...],
             pool_gb: float, batch: int, tokens: int, quant: str | None, device: str, profile: str | None,
-            slots: int | None = None, layers: int = 4, repeat: int = 1, echo=print) -> list[dict]:
-    from cmoe.executor.run import ExecConfig, execute, prepare
-    from cmoe.executor.run import table as exec_table
-    from cmoe.executor.run import write_outputs as write_exec
-    from cmoe.hw import load_profile
+            slots: int | None = None, layers: int = 4, repeat: int = 1, echo=print, force: bool = False) -> list[dict]:
+    """Everything goes into `out`, built under a temporary name and renamed into place at the end
+    (`force`: replace an existing one whole), so an error or a Ctrl-C leaves nothing partial."""
+    check_output(out, force, folder=True, marker=RUN_ALL_FOLDER)      # before torch is even imported
+    from cmoe.executor.run import ExecConfig, prepare
     from cmoe.report.build import report_line
-    from cmoe.sim.api import table as sim_table
-    from cmoe.validate import format_validation, validate_folders
     if spec_name is None and model_dir is None:          # the embedded trained model and its trace
         from cmoe.data import default_model
         model_dir, trace_src = default_model(), trace_src or "embedded"
@@ -39,19 +40,35 @@ def run_all(out: Path, *, spec_name: str | None, model_dir: Path | None, trace_s
     if w.trace is None:
         from cmoe.errors import CmoeError
         raise CmoeError("cmoe run needs a trace to replay (--trace), so that both engines see the same routing")
-    out.mkdir(parents=True, exist_ok=True)
-    from cmoe.executor.run import build
+    with atomic_dir(out, force, RUN_ALL_FOLDER) as tmp:
+        vals = _run_into(tmp, out, w, cfg, profile, model_dir, layers, repeat, echo)
+    echo(report_line([out / "predicted", out / "measured"], out / "report.html"))
+    return vals
+
+
+def _run_into(out: Path, final: Path, w, cfg, profile: str | None, model_dir: Path | None, layers: int, repeat: int,
+              echo) -> list[dict]:
+    """Calibrate (or take the profile), simulate, execute and validate, writing into `out`: the
+    temporary folder that becomes `final`."""
+    from cmoe.executor.run import build, execute
+    from cmoe.executor.run import table as exec_table
+    from cmoe.executor.run import write_outputs as write_exec
+    from cmoe.hw import load_profile
+    from cmoe.sim.api import table as sim_table
+    from cmoe.validate import format_validation, validate_folders
     build(w, cfg)
     if profile is None:                                   # calibrate once, on this machine and this model
         from cmoe.executor.measure import calibrate
-        from cmoe.profile_fit import beside
+        from cmoe.profile_fit import beside, noise_of
         prof, m = calibrate(w.device, w.spec, w.fmt, layers, model_dir, name=f"calibrated-{w.device.type}", built=w)
         echo(beside(prof, m))
+        cal = noise_of(m)
+        echo(cal.line())
         write_text_atomic(out / "profile.json", json.dumps(prof.to_dict(), indent=1))
         write_text_atomic(out / "profile.measurements.json", json.dumps(m, indent=1))
-        echo(f"wrote {out / 'profile.json'}")
+        echo(f"wrote {final / 'profile.json'}")
     else:
-        prof = load_profile(profile)
+        prof, cal = load_profile(profile), _profile_noise(profile)
     sims = predict(w, cfg, prof, out / "predicted")
     echo("predicted:\n" + sim_table(sims))
     results = execute(w, cfg)
@@ -61,6 +78,7 @@ def run_all(out: Path, *, spec_name: str | None, model_dir: Path | None, trace_s
     for v in vals:
         echo(format_validation(v))
     doc: object = vals
+    errors, spreads = [v["tokens_per_s"]["error"] for v in vals], None
     if repeat > 1:                      # the same configuration again, policies in reverse order each time
         from cmoe.executor.run import run_policy
         from cmoe.validate import against_repeats, format_repeats
@@ -73,21 +91,38 @@ def run_all(out: Path, *, spec_name: str | None, model_dir: Path | None, trace_s
         echo(f"against the mean of {repeat} measured runs (the machine's own noise is the spread):\n"
              + format_repeats(rows))
         doc = {"runs": runs, "against_mean": rows}
+        errors, spreads = [r["error"] for r in rows], [r["spread"] for r in rows]
+    from cmoe.profile_fit import run_verdict
+    echo(run_verdict(cal, errors, spreads))
     write_text_atomic(out / "validation.json", json.dumps(doc, indent=1))
-    echo(report_line([out / "predicted", out / "measured"], out / "report.html"))
     return vals
+
+
+def _profile_noise(profile: str):
+    """The noise verdict of a profile file's calibration, from the measurements calibrate wrote
+    beside it; None for a built-in profile or a file without them."""
+    from cmoe.profile_fit import noise_of
+    raw = Path(profile).with_suffix(".measurements.json")
+    if not raw.is_file():
+        return None
+    try:
+        return noise_of(json.loads(raw.read_text()))
+    except (json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError):
+        return None                     # not calibrate's: the verdict says the noise is unknown
 
 
 def predict(w, cfg, prof, out: Path) -> list:
     """Simulate exactly what the executor will run (its trace, expert format, bf16 non-expert
-    weights, batch, pool and slots) under every policy of `cfg`, and write the run folder."""
+    weights, batch, pool and slots, and its passes: the first batch of requests, `--tokens`
+    decode steps) under every policy of `cfg`, and write the run folder."""
     from cmoe.executor.run import budget_recipe
     from cmoe.quant import expert_bytes
     from cmoe.sim.api import write_outputs as write_sim
     from cmoe.sim.run import SimConfig, simulate
     rec = budget_recipe(w.fmt)
     t = replace(w.trace, recipe=rec, expert_bytes=expert_bytes(w.spec, rec))
-    sims = [simulate(t, prof, SimConfig(policy=p, pool_gb=cfg.pool_gb, batch=cfg.batch, slots=cfg.slots))
+    sims = [simulate(t, prof, SimConfig(policy=p, pool_gb=cfg.pool_gb, batch=cfg.batch, slots=cfg.slots,
+                                        include_prefill=cfg.include_prefill, groups=1, decode_steps=cfg.tokens))
             for p in cfg.policies]
     write_sim(out, t, prof, sims)
     return sims

@@ -88,8 +88,9 @@ def test_simulate_default_prints_one_row_per_policy(tmp_path):
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
     assert lines[0].startswith("mixtral-8x7b (w4a16), h200, pool 20 GB, batch 1")
-    rows = {ln.split()[0]: ln.split() for ln in lines[2:8]}
-    assert list(rows) == ["upper", "ondemand", "lru-prefetch", "lfu-fallback", "static", "commit"]
+    assert lines[1].startswith("every column over 1024 decode passes (1024 tokens); prefill apart")
+    rows = {ln.split()[0]: ln.split() for ln in lines[3:10]}
+    assert list(rows) == ["upper", "ondemand", "lru-prefetch", "lfu-fallback", "static", "commit", "oracle"]
     assert rows["upper"][2] == "1.00" and rows["upper"][5] == "1.000"
     assert all(float(v[2]) < 1 for k, v in rows.items() if k != "upper")
     import json

@@ -66,7 +66,7 @@ def test_cuda_streams_order_loads_and_reads(checkpoints, tiny_trace):
         assert {s[0] for s in r.log.spans} == {"gpu"}
         assert r.log.slot_mismatches == 0
         got = [(p.pass_index, p.layer, p.needed, p.loads, p.gpu, p.cpu, p.skipped) for p in r.log.plans]
-        if r.policy != "commit":
+        if r.policy not in ("commit", "oracle"):
             got = [g if g[1] >= 0 else g[:3] + ((),) + g[4:] for g in got]
         assert got == _pure_replay(tiny_trace, r.policy, r.layout, 2, 8)
         _check_slot_reuse(r)

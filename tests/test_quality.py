@@ -38,8 +38,10 @@ def test_teacher_forced_runs_on_a_checkpoint(checkpoints):
     rows = {r["variant"]: r for r in res["rows"]}
     assert res["tokens"] == 40
     assert rows["exact"]["kl_mean"] == 0.0 and rows["exact"]["top1_agreement"] == 1.0 and rows["exact"]["skipped"] == 0
-    assert rows["commit"]["kl_mean"] >= 0 and rows["commit-no-owa"]["kl_mean"] >= 0
-    assert rows["commit"]["skipped"] == rows["commit-no-owa"]["skipped"] > 0       # same predictions, same misses
+    # this seeded model's router is nearly uniform: 12 routed experts skipped, a tiny but nonzero KL
+    assert 0 < rows["commit"]["kl_mean"] < 1e-4 and 0 < rows["commit-no-owa"]["kl_mean"] < 1e-4
+    assert rows["commit"]["kl_mean"] != rows["commit-no-owa"]["kl_mean"]            # OWA changes the weights
+    assert rows["commit"]["skipped"] == rows["commit-no-owa"]["skipped"] == 12     # same predictions, same misses
     acc = res["pred_accuracy"]
-    assert len(acc["per_layer"]) == 3 and all(0 <= a <= 1 for a in acc["per_layer"])
+    assert acc["per_layer"] == pytest.approx([82 / 82, 79 / 82, 73 / 82])       # 41 tokens x top-2 per layer
     assert sum(b["n"] for b in acc["by_certainty"]) == 3 * 41            # every (token, layer) of the 41 once

@@ -146,16 +146,17 @@ EAGER_H200 = replace(H200, copy_fifo=True, host_layer_us=900.0, host_expert_us=1
 
 
 @pytest.mark.parametrize("profile", [H200, EAGER_H200], ids=["h200", "eager-fifo"])
-@pytest.mark.parametrize("policy", ["ondemand", "lru-prefetch", "lfu-fallback", "commit"])
+@pytest.mark.parametrize("policy", ["ondemand", "lru-prefetch", "lfu-fallback", "commit", "oracle"])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_pool_bounds_and_no_slot_overwritten_while_read(policy, batch, profile):
     t = generate(preset("mixtral-8x7b"), recipe("w4a16"), SyntheticParams(requests=8, prompt_len=8, decode_len=24))
     cfg = SimConfig(policy=policy, pool_gb=16, batch=batch)
     from cmoe.sim.run import layout_for
     layout, budget = layout_for(t, cfg)
-    p = make_policy(policy, layout, 8, popularity(t))
+    passes = make_passes(t, batch)
+    p = make_policy(policy, layout, 8, popularity(t), [q.needed for q in passes])
     from cmoe.sim.engine import costs_for
-    sim = Simulation(p, profile, costs_for(t, t.spec, t.recipe), make_passes(t, batch), record_log=True)
+    sim = Simulation(p, profile, costs_for(t, t.spec, t.recipe), passes, record_log=True)
     run = sim.simulate()
     assert layout.used_bytes <= budget["expert_bytes"]
     assert max(run.occupancy) <= layout.total_slots

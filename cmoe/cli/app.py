@@ -9,9 +9,10 @@ from typing import Annotated, Optional
 import typer
 
 from cmoe import __version__
-from cmoe.cli.common import one_line_errors
+from cmoe.cli.common import OneLineGroup, one_line_errors, positive
+from cmoe.runfolder import MARKER as RUN_FOLDER
 
-app = typer.Typer(name="cmoe", no_args_is_help=True, add_completion=False,
+app = typer.Typer(name="cmoe", no_args_is_help=True, add_completion=False, cls=OneLineGroup,
                   help="Trace, simulate and execute offloaded mixture-of-experts inference (CommitMoE and baselines).")
 
 
@@ -36,18 +37,18 @@ def trace(
     synthetic: Annotated[Optional[str], typer.Option(help="Generate a calibrated synthetic trace for this preset instead (e.g. mixtral-8x7b).")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Bundle folder to write [default: trace-<name>].")] = None,
     quant: Annotated[str, typer.Option(help="Recipe for expert sizes: bf16, w4a16, w8a16, mixed, gptq-w4, a format like w4g128+w8g128:0.25, or 'checkpoint' (sizes as stored).")] = "w4a16",
-    max_new_tokens: Annotated[int, typer.Option(help="Greedy decode steps per prompt (checkpoint tracing).")] = 32,
-    max_prompt_tokens: Annotated[int, typer.Option(help="Truncate prompts to this many tokens.")] = 512,
+    max_new_tokens: Annotated[int, typer.Option(min=0, help="Greedy decode steps per prompt (checkpoint tracing).")] = 32,
+    max_prompt_tokens: Annotated[int, typer.Option(min=1, help="Truncate prompts to this many tokens.")] = 512,
     record_logits: Annotated[bool, typer.Option(help="Also store the full router logits [T, M, E].")] = False,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     allow_pickle: Annotated[bool, typer.Option(help="Allow pickle .bin weights (they can run code when loaded).")] = False,
-    requests: Annotated[int, typer.Option(help="Synthetic: number of requests.")] = 4,
-    prompt_len: Annotated[int, typer.Option(help="Synthetic: prefill tokens per request.")] = 64,
-    decode_len: Annotated[int, typer.Option(help="Synthetic: decode tokens per request.")] = 256,
-    skew: Annotated[float, typer.Option(help="Synthetic: Zipf exponent of expert popularity (0 = uniform).")] = 0.2,
-    repetition: Annotated[Optional[float], typer.Option(help="Synthetic: first-expert repetition rate for every layer [default: Mixtral's Table 5 profile].")] = None,
-    pred_acc: Annotated[float, typer.Option(help="Synthetic: share of true experts the commit prediction holds.")] = 0.85,
-    seed: Annotated[int, typer.Option(help="Synthetic: random seed.")] = 0,
+    requests: Annotated[int, typer.Option(min=1, max=100_000, help="Synthetic: number of requests.")] = 4,
+    prompt_len: Annotated[int, typer.Option(min=1, max=1_000_000, help="Synthetic: prefill tokens per request.")] = 64,
+    decode_len: Annotated[int, typer.Option(min=1, max=1_000_000, help="Synthetic: decode tokens per request.")] = 256,
+    skew: Annotated[float, typer.Option(min=0.0, help="Synthetic: Zipf exponent of expert popularity (0 = uniform).")] = 0.2,
+    repetition: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Synthetic: first-expert repetition rate for every layer [default: Mixtral's Table 5 profile].")] = None,
+    pred_acc: Annotated[float, typer.Option(min=0.0, max=1.0, help="Synthetic: share of true experts the commit prediction holds.")] = 0.85,
+    seed: Annotated[int, typer.Option(min=0, help="Synthetic: random seed.")] = 0,
     parquet: Annotated[bool, typer.Option(help="Also write routes.parquet (one row per token and layer).")] = False,
     force: Annotated[bool, typer.Option(help="Replace an existing bundle.")] = False,
 ) -> None:
@@ -72,10 +73,14 @@ def stats(
     bundle_dir: Annotated[str, typer.Argument(metavar="TRACE", help="A trace bundle folder, or 'embedded'.")],
     *,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the statistics as JSON here.")] = None,
+    force: Annotated[bool, typer.Option(help="Replace an existing --json file.")] = False,
 ) -> None:
     """Statistics of a trace: load, entropy, repetition, reuse, prediction accuracy, bytes per token."""
     from dataclasses import asdict
 
+    from cmoe.util import check_output
+    if json_out:
+        check_output(json_out, force, flag="--json")
     from cmoe.trace.load import load_trace
     from cmoe.trace.stats import format_table, layer_stats, summary
     t = load_trace(bundle_dir)
@@ -91,39 +96,41 @@ def stats(
 @one_line_errors
 def simulate(
     *,
-    pool_gb: Annotated[float, typer.Option(help="GPU memory for the model in GB: resident weights, KV cache and the expert pool.")] = 20.0,
+    pool_gb: Annotated[float, typer.Option(callback=positive, help="GPU memory for the model in GB: resident weights, KV cache and the expert pool.")] = 20.0,
     trace: Annotated[str, typer.Option(help="A trace bundle folder, 'embedded' (the shipped trained model's trace), or synthetic:PRESET.")] = "synthetic:mixtral-8x7b",
     profile: Annotated[str, typer.Option(help="Hardware profile: h200, rtx4090 or a profile JSON file.")] = "h200",
     policies: Annotated[Optional[str], typer.Option(help="Comma-separated policies [default: all six].")] = None,
-    batch: Annotated[int, typer.Option(help="Requests decoded together.")] = 1,
+    batch: Annotated[int, typer.Option(min=1, max=1024, help="Requests decoded together.")] = 1,
     quant: Annotated[Optional[str], typer.Option(help="Recompute expert sizes under this recipe (e.g. w4a16, mixed).")] = None,
-    slots: Annotated[Optional[int], typer.Option(help="Pin the expert slots per block instead of deriving them from --pool-gb.")] = None,
+    slots: Annotated[Optional[int], typer.Option(min=1, help="Pin the expert slots per block instead of deriving them from --pool-gb.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Folder for metrics.json, timelines (Parquet, Chrome trace) and policy JSON files.")] = None,
+    force: Annotated[bool, typer.Option(help="Replace an existing --out folder whole.")] = False,
 ) -> None:
     """Replay a trace through the SimPy model under each policy; print a row per policy."""
+    from cmoe.cli.common import policy_names
+    from cmoe.util import check_output
+    if out:
+        check_output(out, force, folder=True, marker=RUN_FOLDER)
+    names = policy_names(policies)
     from cmoe.hw import load_profile
-    from cmoe.sim.api import parse_policies, run_policies, table, write_outputs
+    from cmoe.sim.api import out_of_memory, run_policies, table, write_outputs
     from cmoe.trace.load import load_trace
-    names = parse_policies(policies)
     prof = load_profile(profile)
     t = load_trace(trace, quant, batch)
-    results = run_policies(t, prof, names, pool_gb, batch, slots)
+    try:
+        results = run_policies(t, prof, names, pool_gb, batch, slots)
+        if out:
+            write_outputs(out, t, prof, results, force)
+    except MemoryError:
+        from cmoe.errors import CmoeError
+        raise CmoeError(out_of_memory(t, len(names), out is not None)) from None
     typer.echo(f"{t.spec.name} ({t.recipe.name}), {prof.name}, pool {pool_gb:g} GB, batch {batch}, "
                f"{results[0].metrics['decode_tokens']} decode tokens")
     typer.echo(table(results))
     if out:
         from cmoe.report.build import report_line
-        write_outputs(out, t, prof, results)
         typer.echo(f"wrote {out}/metrics.json, timeline-*.parquet, timeline-*.json (Perfetto), policy-*.json")
         typer.echo(report_line([out]))
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        from cmoe.errors import CmoeError
-        raise CmoeError(f"'{text}' is not a comma-separated list of numbers") from None
 
 
 @app.command()
@@ -136,14 +143,19 @@ def sweep(
     policies: Annotated[Optional[str], typer.Option(help="Comma-separated policies [default: all six].")] = None,
     batch: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1",
     quant: Annotated[Optional[str], typer.Option(help="Recompute expert sizes under this recipe.")] = None,
-    jobs: Annotated[int, typer.Option(help="Parallel worker processes.")] = 2,
+    jobs: Annotated[int, typer.Option(min=1, max=256, help="Parallel worker processes.")] = 2,
     out: Annotated[Path, typer.Option(help="Parquet table to write, one row per grid point.")] = Path("sweep.parquet"),
+    force: Annotated[bool, typer.Option(help="Replace an existing --out table.")] = False,
 ) -> None:
     """Run a grid of pool sizes x policies x traces x profiles x batches in parallel; write one Parquet table."""
-    from cmoe.sim.api import parse_policies, sweep as run_sweep, write_sweep
-    rows = run_sweep([x for x in traces.split(",") if x], [x for x in profiles.split(",") if x], _floats(pool_gb),
-                     parse_policies(policies), [int(b) for b in _floats(batch)], quant, jobs)
-    write_sweep(rows, out)
+    from cmoe.cli.common import names, numbers, policy_names
+    from cmoe.util import check_output
+    check_output(out, force)
+    grid = (names(traces, "--traces"), names(profiles, "--profiles"), numbers(pool_gb, "--pool-gb"),
+            policy_names(policies), numbers(batch, "--batch", integer=True))
+    from cmoe.sim.api import check_sweep, sweep as run_sweep, write_sweep
+    rows = check_sweep(run_sweep(*grid, quant, jobs))
+    write_sweep(rows, out, force)
     bad = sum(1 for r in rows if r["error"])
     typer.echo(f"wrote {out}: {len(rows)} rows" + (f" ({bad} could not run; see the error column)" if bad else ""))
     from cmoe.report.build import report_line
@@ -160,19 +172,23 @@ def execute(
     data: Annotated[Optional[Path], typer.Option(help="Prompts for live routing, .txt or .jsonl (default: four built-in prompts).")] = None,
     policy: Annotated[str, typer.Option(help="Comma-separated policies, or 'all'.")] = "commit",
     policy_json: Annotated[Optional[Path], typer.Option(help="A policy file written by cmoe simulate --out; sets policy, pool and batch.")] = None,
-    pool_gb: Annotated[float, typer.Option(help="GPU memory for the model in GB: resident weights, KV cache and the expert pool.")] = 20.0,
-    batch: Annotated[int, typer.Option(help="Requests decoded together.")] = 1,
-    tokens: Annotated[int, typer.Option(help="Decode steps.")] = 256,
+    pool_gb: Annotated[float, typer.Option(callback=positive, help="GPU memory for the model in GB: resident weights, KV cache and the expert pool.")] = 20.0,
+    batch: Annotated[int, typer.Option(min=1, max=1024, help="Requests decoded together.")] = 1,
+    tokens: Annotated[int, typer.Option(min=1, help="Decode steps.")] = 256,
     quant: Annotated[Optional[str], typer.Option(help="Expert format: w4g128 (default), w4g32/64/256, bf16 or fp32.")] = None,
     device: Annotated[str, typer.Option(help="cuda (default), cuda:N or cpu.")] = "cuda",
-    seed: Annotated[int, typer.Option(help="Seed of random weights and of replayed token ids.")] = 0,
-    slots: Annotated[Optional[int], typer.Option(help="Pin the expert slots per block instead of deriving them from --pool-gb.")] = None,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of random weights and of replayed token ids.")] = 0,
+    slots: Annotated[Optional[int], typer.Option(min=1, help="Pin the expert slots per block instead of deriving them from --pool-gb.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Folder for metrics.json and the measured timeline-POLICY.parquet/.json.")] = None,
+    force: Annotated[bool, typer.Option(help="Replace an existing --out folder whole.")] = False,
 ) -> None:
     """Run offloaded decoding for real (GPU, or CPU for tests) and measure it."""
+    from cmoe.cli.common import policy_names
+    from cmoe.util import check_output
+    if out:
+        check_output(out, force, folder=True, marker=RUN_FOLDER)
+    names = policy_names(policy, "--policy")
     from cmoe.executor.run import ExecConfig, execute as run_execute, prepare, table, write_outputs
-    from cmoe.policy.policies import POLICIES
-    names = POLICIES if policy == "all" else tuple(p.strip() for p in policy.split(",") if p.strip())
     cfg = ExecConfig(policies=tuple(names), pool_gb=pool_gb, batch=batch, tokens=tokens, device=device,
                      quant=quant, seed=seed, slots=slots, progress=True)
     w, cfg = prepare(spec_name=spec, model_dir=model, trace_src=trace, data=data, cfg=cfg, policy_json=policy_json)
@@ -182,7 +198,7 @@ def execute(
                f"{m['decode_tokens']} decode tokens, measured")
     typer.echo(table(results))
     if out:
-        write_outputs(out, results)
+        write_outputs(out, results, force)
         typer.echo(f"wrote {out}/metrics.json, timeline-*.parquet, timeline-*.json (Perfetto), passes-*.json")
         from cmoe.report.build import report_line
         typer.echo(report_line([out]))
@@ -194,18 +210,22 @@ def report(
     inputs: Annotated[list[Path], typer.Argument(metavar="INPUT...", help="A run folder (simulate/execute --out), a sweep or timeline .parquet, or two run folders: predicted, then measured.")],
     *,
     out: Annotated[Optional[Path], typer.Option(help="HTML file to write [default: report.html in the folder, X.html beside X.parquet, compare.html in the measured folder].")] = None,
-    max_spans: Annotated[int, typer.Option(help="Most timeline spans drawn; whole passes from the first are kept.")] = 100_000,
+    max_spans: Annotated[int, typer.Option(min=1, help="Most timeline spans drawn; whole passes from the first are kept.")] = 100_000,
     chrome: Annotated[Optional[Path], typer.Option(help="Instead: export a timeline .parquet as Chrome Trace Event JSON (Perfetto) to this file.")] = None,
+    force: Annotated[bool, typer.Option(help="Replace an existing --out or --chrome file.")] = False,
 ) -> None:
     """One self-contained HTML report (plotly.js embedded, works offline); or a Chrome trace export."""
+    from cmoe.util import check_output
+    for path, flag in ((out, "--out"), (chrome, "--chrome")):
+        if path is not None:
+            check_output(path, force, flag=flag)
     if chrome is not None:
-        from cmoe.report.build import _parquet_columns
         from cmoe.report.chrome import write_chrome_trace
-        from cmoe.timeline import COLUMNS, read_parquet
-        if len(inputs) != 1 or inputs[0].suffix != ".parquet" or not set(COLUMNS) <= _parquet_columns(inputs[0]):
+        from cmoe.runfolder import read_timeline_file
+        if len(inputs) != 1 or inputs[0].suffix != ".parquet":
             from cmoe.errors import CmoeError
             raise CmoeError("--chrome takes one timeline .parquet file (timeline-POLICY.parquet)")
-        typer.echo(f"wrote {write_chrome_trace(read_parquet(inputs[0]), chrome)}")
+        typer.echo(f"wrote {write_chrome_trace(read_timeline_file(inputs[0]), chrome)}")
         return
     from cmoe.report.build import build_report
     typer.echo(f"report: {build_report(inputs, out, max_spans)}")
@@ -219,11 +239,14 @@ def validate(
     *,
     policy: Annotated[Optional[str], typer.Option(help="Comma-separated policies [default: every policy the measured run has].")] = None,
     out: Annotated[Optional[Path], typer.Option(help="JSON file for the errors [default: MEASURED/validation.json].")] = None,
+    force: Annotated[bool, typer.Option(help="Replace an existing --out file (the default one is always rewritten).")] = False,
 ) -> None:
     """Predicted against measured: error per op kind, per layer, per token and end to end, and where it comes from."""
-    from cmoe.util import write_text_atomic
+    from cmoe.util import check_output, write_text_atomic
+    check_output(out or measured[0] / "validation.json", force or out is None)
+    from cmoe.cli.common import policy_names
     from cmoe.validate import against_repeats, format_repeats, format_validation, validate_folders
-    names = [p.strip() for p in policy.split(",") if p.strip()] if policy else None
+    names = policy_names(policy, "--policy") if policy is not None else None
     runs = [validate_folders(predicted, m, names) for m in measured]
     for v in runs[0]:
         typer.echo(format_validation(v))
@@ -250,22 +273,26 @@ def calibrate(
     name: Annotated[Optional[str], typer.Option(help="Profile name [default: the device's name].")] = None,
     out: Annotated[Path, typer.Option(help="Profile JSON to write (use it with --profile); the raw measurements go beside it.")] = Path("profile.json"),
     refit: Annotated[Optional[Path], typer.Option(help="Measure nothing: fit a profile to measurements written by an earlier calibrate.")] = None,
+    strict: Annotated[bool, typer.Option(help="Refuse to write a profile when the repeats say the machine was noisy (wide spread, or copy/expert times that fall with size).")] = False,
 ) -> None:
     """Measure this machine for the simulator: copies, bandwidths, expert and layer times, CPU experts; write a profile."""
     from cmoe.util import write_text_atomic
+    raw = refit
     if refit is not None:
         from cmoe.profile_fit import refit_profile
         prof, m = refit_profile(refit, name)
     else:
         from cmoe.executor.measure import calibrate as measure_and_fit
         from cmoe.executor.run import resolve_device
-        from cmoe.spec import from_checkpoint, preset
-        shapes = from_checkpoint(model) if model else preset(spec)
+        from cmoe.checkpoint import check_checkpoint
+        from cmoe.spec import preset
+        shapes = check_checkpoint(model, float_experts=True) if model else preset(spec)
         prof, m = measure_and_fit(resolve_device(device), shapes, quant, layers, model, name)
         raw = write_text_atomic(out.with_suffix(".measurements.json"), json.dumps(m, indent=1))
         typer.echo(f"wrote {raw}: the measurements (refit with --refit)")
-    from cmoe.profile_fit import beside
+    from cmoe.profile_fit import beside, noise_of, verdict
     typer.echo(beside(prof, m))
+    typer.echo(verdict(noise_of(m), strict, str(raw)))
     write_text_atomic(out, json.dumps(prof.to_dict(), indent=1))
     typer.echo(f"wrote {out}: use it with cmoe simulate --profile {out}")
 
@@ -278,23 +305,24 @@ def run_cmd(
     model: Annotated[Optional[Path], typer.Option(help="Or a local checkpoint, needs --trace (neither: the embedded trained model and its trace).")] = None,
     trace: Annotated[Optional[str], typer.Option(help="Trace to replay in both engines (with --spec and no trace: synthetic:SPEC).")] = None,
     policy: Annotated[str, typer.Option(help="Comma-separated policies, or 'all'.")] = "commit",
-    pool_gb: Annotated[float, typer.Option(help="GPU memory for the model in GB.")] = 20.0,
-    batch: Annotated[int, typer.Option(help="Requests decoded together.")] = 1,
-    tokens: Annotated[int, typer.Option(help="Decode steps executed.")] = 64,
+    pool_gb: Annotated[float, typer.Option(callback=positive, help="GPU memory for the model in GB.")] = 20.0,
+    batch: Annotated[int, typer.Option(min=1, max=1024, help="Requests decoded together.")] = 1,
+    tokens: Annotated[int, typer.Option(min=1, help="Decode steps executed.")] = 64,
     quant: Annotated[Optional[str], typer.Option(help="Expert format (default w4g128).")] = None,
     device: Annotated[str, typer.Option(help="cuda (default) or cpu.")] = "cuda",
     profile: Annotated[Optional[str], typer.Option(help="Use this profile instead of calibrating first.")] = None,
-    slots: Annotated[Optional[int], typer.Option(help="Pin the expert slots per block (default for the embedded model: 4 of 8).")] = None,
-    repeat: Annotated[int, typer.Option(help="Execute the policies this many times (measured-2/, ...): the error against their mean and their spread.")] = 1,
+    slots: Annotated[Optional[int], typer.Option(min=1, help="Pin the expert slots per block (default for the embedded model: 4 of 8).")] = None,
+    repeat: Annotated[int, typer.Option(min=1, max=100, help="Execute the policies this many times (measured-2/, ...): the error against their mean and their spread.")] = 1,
     out: Annotated[Path, typer.Option(help="Folder for profile, predicted/, measured/, validation.json, report.html.")] = Path("cmoe-run"),
+    force: Annotated[bool, typer.Option(help="Replace an existing --out folder whole.")] = False,
 ) -> None:
     """Calibrate, simulate, execute and validate one configuration in one go."""
+    from cmoe.cli.common import policy_names
     from cmoe.pipeline import run_all
-    from cmoe.policy.policies import POLICIES
-    names = POLICIES if policy == "all" else tuple(p.strip() for p in policy.split(",") if p.strip())
+    names = policy_names(policy, "--policy")
     run_all(out, spec_name=spec, model_dir=model, trace_src=trace, policies=tuple(names), pool_gb=pool_gb,
             batch=batch, tokens=tokens, quant=quant, device=device, profile=profile, slots=slots, repeat=repeat,
-            echo=typer.echo)
+            echo=typer.echo, force=force)
 
 
 @app.command()
@@ -303,13 +331,19 @@ def quality(
     *,
     model: Annotated[Optional[Path], typer.Option(help="A local checkpoint (default: the embedded trained model).")] = None,
     data: Annotated[Optional[Path], typer.Option(help="Held-out text to score, UTF-8 (default: the embedded held-out sample).")] = None,
-    tokens: Annotated[int, typer.Option(help="Positions to score.")] = 1024,
-    window: Annotated[int, typer.Option(help="Score in windows of this many tokens, each from an empty cache (the embedded model was trained on 256).")] = 256,
+    tokens: Annotated[int, typer.Option(min=1, help="Positions to score.")] = 1024,
+    window: Annotated[int, typer.Option(min=2, help="Score in windows of this many tokens, each from an empty cache (the embedded model was trained on 256).")] = 256,
     variants: Annotated[str, typer.Option(help="Comma-separated: commit, commit-no-owa.")] = "commit,commit-no-owa",
     device: Annotated[str, typer.Option(help="cpu (default) or cuda.")] = "cpu",
     out: Annotated[Optional[Path], typer.Option(help="Also write the table as JSON here.")] = None,
+    force: Annotated[bool, typer.Option(help="Replace an existing --out file.")] = False,
 ) -> None:
     """The quality cost of committing: KL, top-1 agreement and perplexity against exact routing; prediction accuracy per layer."""
+    from cmoe.cli.common import names
+    from cmoe.util import check_output
+    if out:
+        check_output(out, force)
+    kinds = names(variants, "--variants")
     from cmoe.data import default_heldout, default_model
     from cmoe.executor.quality_run import PUBLISHED, run_quality
     from cmoe.quality import format_quality
@@ -318,8 +352,7 @@ def quality(
         from cmoe.errors import CmoeError
         raise CmoeError(f"{data} does not exist: pass --data a UTF-8 text file")
     text = (data or default_heldout()).read_bytes()
-    res = run_quality(mdir, text, tokens, [v.strip() for v in variants.split(",") if v.strip()], device,
-                      window)
+    res = run_quality(mdir, text, tokens, kinds, device, window)
     typer.echo(f"{mdir.name}: {res['tokens']} positions in windows of {res['window']}, teacher-forced, every expert resident")
     typer.echo(format_quality(res["rows"], res["pred_accuracy"], PUBLISHED))
     if out:

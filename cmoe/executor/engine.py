@@ -32,6 +32,10 @@ the host these host spans are what the compute spans measure; when the GPU is be
 a load) the host runs ahead and the two differ: the simulator models both (`cmoe.sim.engine`).
 `lead_us` (calibration only) queues that much GPU sleep before each layer's experts and before
 each pass, so the host gets ahead and the compute spans measure the GPU's own time.
+
+Hits, stalls and loads are counted by `cmoe.metrics`'s rules, shared with the simulator: each
+GPU expert's marks (when its pending copy landed, when the stream and the host reached its
+kernel) are kept until they resolve, then `metrics.classify` says hit, late or demand.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import torch.nn.functional as F
 
 from cmoe.executor.kernels import ExpertViews, ffn
 from cmoe.executor.streams import Clock, DevicePool
+from cmoe.metrics import RunRecord, classify
 from cmoe.policy.owa import owa_weights
 from cmoe.policy.policies import Policy
 from cmoe.quality import log_softmax
@@ -80,18 +85,8 @@ class PlanRecord:
 
 
 @dataclass
-class RunLog:
-    spans: list = field(default_factory=list)
-    pass_us: list = field(default_factory=list)       # (pass, decode, tokens, us)
+class RunLog(RunRecord):
     plans: list = field(default_factory=list)
-    loads: int = 0
-    bytes_moved: int = 0
-    gpu_experts: int = 0
-    hits: int = 0
-    fallbacks: int = 0
-    skipped: int = 0
-    occupancy: list = field(default_factory=list)          # per pass: experts resident at its end
-    pass_hits: list = field(default_factory=list)          # per pass: (hits, experts run)
     slot_mismatches: int | None = None     # slots whose bytes differ from their expert's (checked on request)
 
 
@@ -119,6 +114,9 @@ class Engine:
         for s in shims:
             s.engine = self
         self._pending: list = []                     # spans whose marks are not resolved yet
+        self._experts: list = []                     # (pass, own load, landed mark, due mark, host issue us)
+        self._cpu_waits: list = []                   # (pass, GPU done mark, host us when CPU results return)
+        self._landed: dict = {}                      # (layer, expert) -> end mark of its latest load
         self._prev_end: float | None = None
         self._cpu_views: dict = {}
         self._predicting = False
@@ -230,8 +228,8 @@ class Engine:
         t0, t1 = self.pool.load(ld.layer, ld.slot, ld.expert, src, self.clock)
         nbytes = self.pool.raw[ld.layer][ld.slot].numel()
         self._span(self.spec.moe_layers[ld.layer], "copy0", "load", ld.expert, t0, t1, nbytes)
-        self.log.loads += 1
-        self.log.bytes_moved += nbytes
+        self._landed[(ld.layer, ld.expert)] = t1
+        self.log.loaded(self.cur.index, nbytes)
 
     # --- the MoE layer --------------------------------------------------------------------
     def moe_layer(self, m: int, hidden: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -262,10 +260,9 @@ class Engine:
 
         loaded_now = {ld.expert for ld in plan.loads if ld.layer == m}
         later = self._issue(plan.loads, defer=set(plan.gpu))
-        self.log.gpu_experts += len(plan.gpu)
-        self.log.hits += sum(1 for e in plan.gpu if e not in loaded_now)
-        self.log.fallbacks += len(plan.cpu)
-        self.log.skipped += len(plan.skipped)
+        tally = self.log.at(self.cur.index)
+        tally.fallbacks += len(plan.cpu)
+        tally.skipped += len(plan.skipped)
 
         out = torch.zeros_like(hidden)
         self._span(d, "host", "host_route", -1, self.h_synced, clock.host())
@@ -278,10 +275,13 @@ class Engine:
             torch.cuda._sleep(self._lead_cycles)
         t_plan = clock.mark(cs)
         self._span(d, "compute", "route", -1, t_in, t_plan)
+        due = t_plan
         for j, e in enumerate(gpu):
             s = plan.slots[e]
             assert pool.expert[m][s] == e, f"slot {s} of layer {m} holds {pool.expert[m][s]}, plan says {e}"
             h0 = clock.host()
+            landed = self._landed[(m, e)] if pool.pending[m][s] else None
+            self._experts.append((self.cur.index, e in loaded_now, landed, due, h0))
             pool.before_read(m, s)
             t0 = clock.mark(cs)
             if dense:
@@ -290,7 +290,7 @@ class Engine:
                 r = rows_dev[e]
                 y = ffn(hidden.index_select(0, r), pool.views[m][s], self.act)
                 out.index_add_(0, r, y * wdev[j].index_select(0, r)[:, None].to(out.dtype))
-            t1 = clock.mark(cs)
+            t1 = due = clock.mark(cs)
             pool.after_read(m, s)
             self._span(d, "compute", "expert", e, t0, t1, pool.raw[m][s].numel())
             for ld in [x for x in later if x.victim == e]:     # the slot's earlier expert has been read
@@ -300,7 +300,9 @@ class Engine:
         for ld in later:                 # victims that were not computed (no rows): issue now
             self._load(ld)
         if cpu:
+            gpu_done = clock.mark(cs)
             self._cpu_experts(m, d, cpu, order, wmat, hidden, x_host, out)
+            self._cpu_waits.append((self.cur.index, gpu_done, clock.host()))
         if self.record_plans:
             self.log.plans.append(PlanRecord(
                 self.cur.index, m, tuple(needed), tuple(predicted) if predicted is not None else None,
@@ -393,13 +395,29 @@ class Engine:
                 continue
             self.log.spans.append((self.source, p, layer, stream, op, expert, self.clock.us(a), self.clock.us(b), nbytes))
         self._pending = keep
+        c = self.clock
+        keep = []
+        for x in self._experts:
+            p, own, landed, due, h0 = x
+            if not final and not (c.done(due) and (landed is None or c.done(landed))):
+                keep.append(x)
+                continue
+            self.log.ran(p, *classify(own, None if landed is None else c.us(landed), max(c.us(due), h0)))
+        self._experts = keep
+        keep = []
+        for x in self._cpu_waits:
+            p, gpu_done, back = x
+            if not final and not c.done(gpu_done):
+                keep.append(x)
+                continue
+            self.log.at(p).stall_us += max(0.0, back - c.us(gpu_done))
+        self._cpu_waits = keep
 
     # --- passes ---------------------------------------------------------------------------
     def run_pass(self, p: PassInput, cache) -> torch.Tensor:
         """One forward pass; returns the last position's logits [B, V] (on the device)."""
         self.cur = p
         self.begun = False
-        hits0, ran0 = self.log.hits, self.log.gpu_experts + self.log.fallbacks
         self.logits = [None] * self.M
         self.pred_gpu = [None] * self.M
         self.token_pred = [None] * self.M
@@ -428,7 +446,6 @@ class Engine:
         self._prev_end = self.clock.us(end)
         self.log.pass_us.append((p.index, p.decode, int(p.active.sum()), us))
         self.log.occupancy.append(self.policy.pool.occupancy())
-        self.log.pass_hits.append((self.log.hits - hits0, self.log.gpu_experts + self.log.fallbacks - ran0))
         self._resolve(final=False)
         return logits
 

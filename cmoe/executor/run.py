@@ -10,23 +10,23 @@ real run, and the trace's choice replaces its answer.
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from cmoe.checkpoint import check_checkpoint
 from cmoe.errors import CmoeError
 from cmoe.executor.engine import Engine, PassInput, RunLog
 from cmoe.executor.layout import expert_layout, slot_size
+from cmoe.metrics import summary
 from cmoe.policy.budget import expert_budget
-from cmoe.policy.policies import POLICIES, make_policy
+from cmoe.policy.policies import POLICIES, make_policy, needs_future
 from cmoe.policy.pool import PoolLayout, plan_layout
 from cmoe.quant import QuantRecipe
-from cmoe.spec import ModelSpec, from_checkpoint, preset
+from cmoe.spec import ModelSpec, preset
 from cmoe.trace.bundle import Trace, fingerprint
-from cmoe.util import percentile
 
 DEFAULT_PROMPTS = ("The mixture of experts routes each token to a few of its experts.",
                    "def fibonacci(n):\n    if n < 2:\n        return n",
@@ -147,7 +147,7 @@ def prepare(*, spec_name: str | None, model_dir: Path | None, trace_src: str | N
     if cfg.tokens < 1 or cfg.batch < 1:
         raise CmoeError("--tokens and --batch must be at least 1")
     device = resolve_device(cfg.device)
-    spec = preset(spec_name) if spec_name else from_checkpoint(model_dir)
+    spec = preset(spec_name) if spec_name else check_checkpoint(model_dir, float_experts=True)
     layout_override = None
     if policy_json is not None:
         name, pool_gb, batch, layout_override = read_policy_json(policy_json, spec)
@@ -156,8 +156,13 @@ def prepare(*, spec_name: str | None, model_dir: Path | None, trace_src: str | N
     if trace_src:
         trace = load_trace(trace_src, None, cfg.batch)
         check_trace_matches(trace, spec)
+        from cmoe.trace.passes import check_predictions
+        check_predictions(trace, cfg.policies)
     elif spec_name:
         raise CmoeError("random weights route at random: give --trace BUNDLE (or synthetic:PRESET) to replay routing")
+    elif future := [p for p in cfg.policies if needs_future(p)]:
+        raise CmoeError(f"policy {future[0]} reads the routing's future, which only a replayed trace has: "
+                        f"pass --trace, or leave {future[0]} out of --policy")
     fmt = cfg.quant or (trace.recipe.expert if trace is not None and trace.recipe.name != "checkpoint" else "w4g128")
     if fmt == "w4g128" and spec.hidden % 128 and device.type == "cpu":
         fmt = "w4g32"
@@ -265,46 +270,26 @@ def _replay_passes(w: Workload, cfg: ExecConfig):
     reqs = np.unique(t.request)[: cfg.batch]
     if reqs.size < cfg.batch:
         raise CmoeError(f"the trace has {reqs.size} requests but --batch {cfg.batch} needs {cfg.batch}")
-    passes = [p for p in make_passes(_subset(t, reqs), cfg.batch, cfg.include_prefill)]
-    out, decodes = [], 0
+    out = []
     gen = np.random.default_rng(cfg.seed)
     vocab = w.spec.vocab
-    for p in passes:
-        if p.decode:
-            if decodes == cfg.tokens:
-                break
-            decodes += 1
-        idx = p.tokens
-        sub = _subset_rows(t, reqs, idx)
+    for p in make_passes(t, cfg.batch, cfg.include_prefill, groups=1, decode_steps=cfg.tokens):
+        sub = p.tokens
         B = cfg.batch
-        n = idx.size // B
+        n = sub.size // B
         req = t.request[sub]
-        if idx.size % B or not np.array_equal(np.sort(req, kind="stable"), req) \
+        if sub.size % B or not np.array_equal(np.sort(req, kind="stable"), req) \
                 or not all((req == r).sum() == n for r in reqs):
             raise CmoeError("replay needs every request of a batch to have the same number of prompt tokens "
                             "and decode steps: use --batch 1 for this trace")
         if t.token_ids is not None:
             ids = t.token_ids[sub] % vocab
         else:
-            ids = gen.integers(0, vocab, idx.size)
+            ids = gen.integers(0, vocab, sub.size)
         pos = t.step[sub].astype(np.int64)
         out.append((p, ids.reshape(B, n), pos.reshape(B, n),
                     {"experts": t.experts[sub], "weights": t.weights[sub], "pred": t.pred_experts[sub]}))
     return out
-
-
-def _subset(t: Trace, reqs: np.ndarray) -> Trace:
-    keep = np.isin(t.request, reqs)
-    arrays = {k: getattr(t, k)[keep] for k in ("experts", "weights", "pred_experts", "request", "step", "phase")}
-    for k in ("token_ids", "router_logits"):
-        if getattr(t, k) is not None:
-            arrays[k] = getattr(t, k)[keep]
-    return replace(t, **arrays)
-
-
-def _subset_rows(t: Trace, reqs: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    """Map pass token indices (into the subset) back to rows of the full trace."""
-    return np.nonzero(np.isin(t.request, reqs))[0][idx]
 
 
 def run_policy(w: Workload, cfg: ExecConfig, policy_name: str) -> ExecResult:
@@ -313,12 +298,13 @@ def run_policy(w: Workload, cfg: ExecConfig, policy_name: str) -> ExecResult:
     from cmoe.trace.passes import popularity
     layout, budget = layout_for(w, cfg, policy_name)
     pop = popularity(w.trace) if w.trace is not None else [[0] * w.spec.num_experts for _ in range(w.spec.num_moe_layers)]
-    policy = make_policy(policy_name, layout, w.spec.num_experts, pop)
+    passes = _replay_passes(w, cfg) if w.trace is not None else None
+    future = [p.needed for p, *_ in passes] if passes is not None else None
+    policy = make_policy(policy_name, layout, w.spec.num_experts, pop, future)
     eng = Engine(w.model, w.shims, w.spec, w.store, policy, w.device, cfg.record_plans, cfg.owa, cfg.lead_us)
     dev = w.device
     cache = DynamicCache(config=w.model.config)
     logits_out = []
-    passes = _replay_passes(w, cfg) if w.trace is not None else None
     try:
         if passes is not None:
             for i, (p, ids, pos, rows) in enumerate(passes):
@@ -373,45 +359,27 @@ def _live(eng: Engine, w: Workload, cfg: ExecConfig, cache) -> list:
 # --- metrics ------------------------------------------------------------------------------------
 
 def metrics(log: RunLog, w: Workload, cfg: ExecConfig, policy: str, layout: PoolLayout) -> dict:
+    """`cmoe.metrics.summary`'s figures, plus what only a measured run has: the copies' achieved
+    bandwidth and where a decode pass's time went, by op."""
     dec_passes = {p for p, d, _, _ in log.pass_us if d}
-    dec = [(n, us) for _, d, n, us in log.pass_us if d]
-    pre = [us for _, d, _, us in log.pass_us if not d]
-    dec_tokens, dec_us = sum(n for n, _ in dec), sum(us for _, us in dec)
     by_op: dict[str, float] = {}
-    stall = 0.0
-    per_pass: dict[int, list] = {}
     for s in log.spans:
         if s[1] in dec_passes:
             by_op[s[4]] = by_op.get(s[4], 0.0) + (s[7] - s[6])
-            if s[3] == "compute":
-                per_pass.setdefault(s[1], []).append(s)
-    for spans in per_pass.values():
-        spans.sort(key=lambda s: s[6])
-        for a, b in zip(spans, spans[1:]):
-            if b[4] == "expert" and b[6] > a[7]:
-                stall += b[6] - a[7]
     loads = [s for s in log.spans if s[4] == "load"]
     load_us = sum(s[7] - s[6] for s in loads)
     n_dec = max(len(dec_passes), 1)
-    lat = [us for _, us in dec]
     return {
         "source": "gpu" if w.device.type == "cuda" else "cpu", "policy": policy, "pool_gb": cfg.pool_gb,
         "batch": cfg.batch, "model": w.spec.name, "expert_format": w.fmt,
         "trace_id": fingerprint(w.trace) if w.trace is not None else None,
         "device": torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else "cpu",
-        "tokens_per_s": dec_tokens / dec_us * 1e6 if dec_us else float("nan"),
-        "tpot_ms_mean": statistics.fmean(lat) / 1e3 if lat else float("nan"),
-        "tpot_ms_p50": percentile(lat, 0.5) / 1e3, "tpot_ms_p99": percentile(lat, 0.99) / 1e3,
-        "prefill_ms": sum(pre) / 1e3, "decode_tokens": dec_tokens,
-        "stall_ms": stall / 1e3, "bytes_moved": log.bytes_moved, "loads": log.loads,
+        **summary(log),
         "h2d_gbps": sum(s[8] for s in loads) / load_us / 1e3 if load_us else float("nan"),
-        "hit_rate": log.hits / (log.gpu_experts + log.fallbacks) if log.gpu_experts + log.fallbacks else 1.0,
-        "fallbacks": log.fallbacks, "skipped": log.skipped,
         "expert_ms_per_pass": by_op.get("expert", 0.0) / n_dec / 1e3,
         "outside_experts_ms_per_pass": (by_op.get("attention", 0.0) + by_op.get("head", 0.0)) / n_dec / 1e3,
         "route_ms_per_pass": by_op.get("route", 0.0) / n_dec / 1e3,
         "cpu_expert_ms_per_pass": by_op.get("cpu_expert", 0.0) / n_dec / 1e3,
-        "mean_occupancy": statistics.fmean(log.occupancy) if log.occupancy else 0,
         "experts_fit": layout.total_slots, "pool_expert_bytes": layout.used_bytes,
     }
 
@@ -422,17 +390,20 @@ def execute(w: Workload, cfg: ExecConfig) -> list[ExecResult]:
     return [run_policy(w, cfg, p) for p in cfg.policies]
 
 
-def write_outputs(out: Path, results: list[ExecResult]) -> None:
+def write_outputs(out: Path, results: list[ExecResult], force: bool = False) -> None:
+    """The run folder, built whole under a temporary name and renamed into place (`force`: replace
+    an existing run folder whole)."""
     from cmoe.report.chrome import write_chrome_trace
-    from cmoe.report.passes import pass_rows, write_passes
+    from cmoe.report.passes import write_passes
+    from cmoe.runfolder import MARKER
     from cmoe.timeline import write_parquet
-    from cmoe.util import write_text_atomic
-    out.mkdir(parents=True, exist_ok=True)
-    for r in results:
-        write_parquet(r.log.spans, out / f"timeline-{r.policy}.parquet")
-        write_chrome_trace(r.log.spans, out / f"timeline-{r.policy}.json")
-        write_passes(pass_rows(r.log.pass_us, r.log.occupancy, r.log.pass_hits), out / f"passes-{r.policy}.json")
-    write_text_atomic(out / "metrics.json", json.dumps([r.metrics for r in results], indent=1))
+    from cmoe.util import atomic_dir, write_text_atomic
+    with atomic_dir(out, force, MARKER) as tmp:
+        for r in results:
+            write_parquet(r.log.spans, tmp / f"timeline-{r.policy}.parquet")
+            write_chrome_trace(r.log.spans, tmp / f"timeline-{r.policy}.json")
+            write_passes(r.log.pass_rows(), tmp / f"passes-{r.policy}.json")
+        write_text_atomic(tmp / "metrics.json", json.dumps([r.metrics for r in results], indent=1))
 
 
 def table(results: list[ExecResult]) -> str:

@@ -19,6 +19,7 @@ engine then waits for its kernel to finish before the copy starts.
 | lfu-fallback | MoE-Infinity: LFU eviction; a miss runs on the CPU, and is admitted to the pool in the background if it is used more often than the victim |
 | static | Fiddler/ktransformers: each layer's most used experts pinned, the rest on the CPU |
 | commit | CommitMoE: layer m+1's prediction is committed while layer m runs and loaded at once; layer m+1 computes only committed experts (OWA re-weights them); nothing on the CPU |
+| oracle | the bound: exact routing, Belady eviction (the resident used furthest in the future goes) and about a pass of lookahead (once a layer has run, its block is loaded for its next pass), from the trace's future |
 
 Prefill passes are exact for every policy (commit included): a prompt touches nearly every
 expert, so committing a subset would change the outputs of many tokens for no saving.
@@ -26,11 +27,12 @@ expert, so committing a subset would change the outputs of many tokens for no sa
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 
 from cmoe.policy.pool import PoolLayout, SlotPool
 
-POLICIES = ("upper", "ondemand", "lru-prefetch", "lfu-fallback", "static", "commit")
+POLICIES = ("upper", "ondemand", "lru-prefetch", "lfu-fallback", "static", "commit", "oracle")
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,10 @@ class Policy:
     name = "base"
     exact = True                 # outputs equal exact routing
     uses_prediction = False      # reads the next layer's predicted experts
+    uses_future = False          # reads the trace's future (only a replayed trace has one)
 
-    def __init__(self, layout: PoolLayout, num_experts: int, popularity: list[list[int]]):
+    def __init__(self, layout: PoolLayout, num_experts: int, popularity: list[list[int]],
+                 future: list | None = None):
         self.layout, self.E = layout, num_experts
         self.pool = SlotPool(layout)
         self.popularity = popularity
@@ -212,11 +216,80 @@ class Commit(Policy):
         return p
 
 
-_CLASSES = {c.name: c for c in (Upper, OnDemand, LruPrefetch, LfuFallback, Static, Commit)}
+class Oracle(Policy):
+    """What the hardware allows with exact routing: every load Belady's optimal eviction must make
+    (per block, the resident whose next use lies furthest ahead is evicted, one never used again
+    first), each issued about as early as it can be: once layer m's kernels are issued (at layer
+    m+1's plan; the last layer's at the next pass's start), block m is loaded with what layer m
+    needs in the next pass, so a load has about a pass to land. Waiting one layer keeps every
+    eviction free: a slot the layer has just read or loaded may go, its copy queued behind the
+    kernel. Needs the future: `future[k][m]`, the experts pass k needs in layer m."""
+    name = "oracle"
+    uses_future = True
+
+    def __init__(self, layout, num_experts, popularity, future=None):
+        super().__init__(layout, num_experts, popularity, future)
+        assert future is not None, "oracle needs the trace's future"
+        self.future = future
+        self.k = -1                                       # the pass being run
+        self.uses: list[dict[int, list[int]]] = [{} for _ in layout.slots]   # [m] expert -> passes needing it
+        for k, layers in enumerate(future):
+            for m, need in enumerate(layers):
+                for e in need:
+                    self.uses[m].setdefault(e, []).append(k)
+        self.after = 0                                    # victims are judged by their next use after this pass
+
+    def next_use(self, m: int, e: int) -> float:
+        ks = self.uses[m].get(e, ())
+        i = bisect_right(ks, self.after)
+        return ks[i] if i < len(ks) else float("inf")
+
+    def victim(self, m, protect):
+        cands = [v for v in self.pool.where[m] if v not in protect]
+        return max(cands, key=lambda v: (self.next_use(m, v), v)) if cands else None
+
+    def _ahead(self, m: int, k: int) -> list[Load]:
+        """Load block m with what pass k needs there (victims judged from pass k on)."""
+        if not 0 <= k < len(self.future):
+            return []
+        need = list(self.future[k][m])
+        self.after = k
+        return self.ensure(m, need, "prefetch", protect=set(need))[0]
+
+    def begin_pass(self, decode, pred0):
+        self.decode = decode
+        self.k += 1
+        return self._ahead(len(self.layout.slots) - 1, self.k) if self.k else []
+
+    def plan(self, m, needed, predicted_next):
+        assert list(needed) == list(self.future[self.k][m]), f"pass {self.k} layer {m}: the future disagrees with the trace"
+        self.after = self.k
+        p = self.exact_plan(m, needed)
+        if m:
+            p.loads += self._ahead(m - 1, self.k + 1)
+        return p
 
 
-def make_policy(name: str, layout: PoolLayout, num_experts: int, popularity: list[list[int]]) -> Policy:
+_CLASSES = {c.name: c for c in (Upper, OnDemand, LruPrefetch, LfuFallback, Static, Commit, Oracle)}
+
+
+def needs_predictions(name: str) -> bool:
+    """Does the policy read next-layer predictions (a trace without them cannot drive it)?"""
+    return name in _CLASSES and _CLASSES[name].uses_prediction
+
+
+def needs_future(name: str) -> bool:
+    """Does the policy read the routing's future (only a replayed trace has one)?"""
+    return name in _CLASSES and _CLASSES[name].uses_future
+
+
+def make_policy(name: str, layout: PoolLayout, num_experts: int, popularity: list[list[int]],
+                future: list | None = None) -> Policy:
+    """`future`: per pass, per MoE layer, the experts needed (the replayed passes' `needed`), for
+    the policies that read it (oracle); None where the routing is live."""
     from cmoe.errors import CmoeError
     if name not in _CLASSES:
         raise CmoeError(f"unknown policy '{name}': choose from {', '.join(POLICIES)}")
-    return _CLASSES[name](layout, num_experts, popularity)
+    if needs_future(name) and future is None:
+        raise CmoeError(f"policy {name} reads the routing's future, which only a replayed trace has: pass --trace")
+    return _CLASSES[name](layout, num_experts, popularity, future)

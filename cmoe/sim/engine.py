@@ -29,7 +29,10 @@ Processes and resources:
 - CPU worker: fallback experts run one after another on the host after it has issued the GPU
   experts, between the two halves of the GPU->CPU->GPU round trip; the layer ends when both the
   GPU experts and the CPU results are done.
-Op times come from the HardwareProfile; sizes from the trace's exact expert bytes.
+Op times come from the HardwareProfile; sizes from the trace's exact expert bytes. A GPU op that
+(attention or an expert) that
+starts while a copy is in flight runs `copy_compute_slowdown` slower (the copy's HBM traffic).
+What counts as a hit, a stall or a load is `cmoe.metrics`'s, shared with the executor.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from dataclasses import dataclass, field
 import simpy
 
 from cmoe.hw import HardwareProfile
+from cmoe.metrics import RunRecord, classify
 from cmoe.policy.policies import Load, Policy
 from cmoe.quant import format_bits
 from cmoe.trace.passes import Pass
@@ -67,20 +71,8 @@ class Costs:
 
 
 @dataclass
-class SimRun:
-    spans: list[tuple] = field(default_factory=list)
-    pass_us: list[tuple[int, bool, int, float]] = field(default_factory=list)   # (pass, decode, tokens, latency)
+class SimRun(RunRecord):
     log: list[tuple] = field(default_factory=list)                              # (t, what, layer, slot, expert)
-    loads: int = 0
-    bytes_moved: int = 0
-    needed: int = 0
-    gpu_experts: int = 0        # experts computed on the GPU
-    hits: int = 0               # ... whose weights were already in the pool when the kernel was due
-    fallbacks: int = 0
-    skipped: int = 0
-    stall_us: float = 0.0
-    occupancy: list[int] = field(default_factory=list)        # per pass: experts resident at its end
-    pass_hits: list[tuple[int, int]] = field(default_factory=list)   # per pass: (hits, experts run)
 
 
 class Simulation:
@@ -108,9 +100,11 @@ class Simulation:
         self.ready[(ld.layer, ld.expert)] = self.env.event()
         self.seq += 1
         self.in_flight += 1
+        nbytes = self.c.expert_bytes[ld.layer][ld.expert]
+        self.run.loaded(pass_idx, nbytes)
         cost = self.hw.host_load_us
         if self.hw.copy_on_host:
-            cost += self.hw.h2d_us(self.c.expert_bytes[ld.layer][ld.expert])
+            cost += self.hw.h2d_us(nbytes)
         if self.hw.copy_fifo:
             self.queue.put(ld)
             return cost
@@ -144,8 +138,6 @@ class Simulation:
             if self.record_log:
                 run.log.append((start, "load_start", ld.layer, ld.slot, ld.expert))
                 run.log.append((env.now, "load_end", ld.layer, ld.slot, ld.expert))
-            run.loads += 1
-            run.bytes_moved += nbytes
             self.ready[(ld.layer, ld.expert)].succeed()
             self.in_flight -= 1
             if self.in_flight == 0 and self.drained is not None:
@@ -182,7 +174,8 @@ class Simulation:
             H = max(H, G, env.now)
             yield from self._sync(H)
             self.pass_index = ps.index
-            hits0, ran0 = run.hits, run.gpu_experts + run.fallbacks
+            tally = run.at(ps.index)
+            slow = 1.0 + hw.copy_compute_slowdown
             n = ps.num_tokens
             layer_gpu = hw.layer_us(n, c.attn_bytes) + hw.attn_us_per_ctx_token * ps.context
             layer_host = hw.host_layer(n)
@@ -213,6 +206,8 @@ class Simulation:
                 if c.shared_bytes:
                     gpu += hw.expert_us(c.shared_bytes, c.dense_bits, n, c.shared_bytes)
                     host += hw.host_expert(n)
+                if self.in_flight:
+                    gpu *= slow
                 G = max(max(G, H) + gpu, H + host)          # self._op, inlined: the hot path
                 H += host
                 self._span(ps.index, d, "compute", "attention", -1, last, G)
@@ -222,12 +217,11 @@ class Simulation:
                 nxt = list(ps.predicted[m + 1]) if m + 1 < M else None
                 plan = pol.plan(m, list(ps.needed[m]), nxt)
                 votes = dict(zip(ps.needed[m], ps.votes[m]))
-                run.needed += len(ps.needed[m])
-                run.fallbacks += len(plan.cpu)
-                run.skipped += len(plan.skipped)
-                run.gpu_experts += len(plan.gpu)
+                tally.fallbacks += len(plan.cpu)
+                tally.skipped += len(plan.skipped)
                 later: dict[int, list[Load]] = {}
                 now_loads = plan.loads
+                loaded = {ld.expert for ld in plan.loads if ld.layer == m}
                 if fifo:                      # a victim this layer still reads: its load waits behind its kernel
                     now_loads, gpu_set = [], set(plan.gpu)
                     for ld in plan.loads:
@@ -236,7 +230,6 @@ class Simulation:
                         else:
                             now_loads.append(ld)
                 else:
-                    loaded = {ld.expert for ld in plan.loads if ld.layer == m}
                     for e in plan.gpu:        # reads of resident experts; a loaded one is read after its write
                         if e not in loaded:
                             self.slots[m][plan.slots[e]].pending += 1
@@ -254,16 +247,18 @@ class Simulation:
                     ev = self.ready.get((m, e))
                     if ev is not None and not ev.triggered and due > env.now:
                         yield env.timeout(due - env.now)    # the copy may land before the kernel is due
-                    if ev is None or ev.triggered:
-                        run.hits += 1
-                        start = due
-                    else:
+                    landed = None
+                    if ev is not None and not ev.triggered:
                         yield ev
-                        run.stall_us += env.now - due
-                        start = env.now
+                        landed = env.now
+                    kind, wait = classify(e in loaded, landed, due)
+                    run.ran(ps.index, kind, wait)
+                    start = due + wait
                     rows = n if all_rows else votes.get(e, 1)
                     issue = hw.host_expert(rows)
                     dur = hw.expert_us(c.expert_bytes[m][e], c.expert_bits[m][e], rows, c.expert_params)
+                    if self.in_flight:
+                        dur *= slow
                     G = max(start + dur, H + issue - hw.host_expert_tail_us)     # the end mark precedes the tail
                     H += issue
                     self._span(ps.index, d, "compute", "expert", e, start, G, c.expert_bytes[m][e])
@@ -289,7 +284,7 @@ class Simulation:
                     self._span(ps.index, d, "cpu", "roundtrip", -1, cpu_t, cpu_t + hw.roundtrip_us / 2)
                     H = cpu_t + hw.roundtrip_us / 2
                     if H > G:                 # the GPU waits for the CPU's results
-                        run.stall_us += H - G
+                        tally.stall_us += H - G
                         G = H
                 last = max(G, H)
             H, G = self._op(H, G, hw.host_head_us, hw.head_us)
@@ -300,7 +295,6 @@ class Simulation:
             run.pass_us.append((ps.index, ps.decode, n, G - prev_end))
             prev_end = G
             run.occupancy.append(pol.pool.occupancy())
-            run.pass_hits.append((run.hits - hits0, run.gpu_experts + run.fallbacks - ran0))
 
     def simulate(self) -> SimRun:
         self.env.run()

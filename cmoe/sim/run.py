@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 
 from cmoe.errors import CmoeError
 from cmoe.hw import HardwareProfile
+from cmoe.metrics import summary
 from cmoe.padding import padding_table
 from cmoe.policy.budget import expert_budget
 from cmoe.policy.policies import make_policy
 from cmoe.policy.pool import PoolLayout, plan_layout
 from cmoe.sim.engine import SimRun, Simulation, costs_for
 from cmoe.trace.bundle import Trace, fingerprint
-from cmoe.trace.passes import make_passes, popularity
-from cmoe.util import percentile
+from cmoe.trace.passes import check_predictions, make_passes, popularity
 
 
 @dataclass(frozen=True)
@@ -24,6 +23,8 @@ class SimConfig:
     batch: int = 1
     include_prefill: bool = True
     slots: int | None = None          # pin the slots per block instead of deriving them from pool_gb
+    groups: int | None = None         # replay only the first groups of `batch` requests ...
+    decode_steps: int | None = None   # ... and at most this many decode steps each (what the executor runs)
 
 
 @dataclass
@@ -77,30 +78,20 @@ def layout_for(trace: Trace, cfg: SimConfig) -> tuple[PoolLayout, dict]:
 
 def simulate(trace: Trace, profile: HardwareProfile, cfg: SimConfig, record_log: bool = False) -> SimResult:
     check_compatible(trace, profile, cfg.pool_gb)
+    check_predictions(trace, [cfg.policy])
     layout, budget = layout_for(trace, cfg)
-    passes = make_passes(trace, cfg.batch, cfg.include_prefill)
-    policy = make_policy(cfg.policy, layout, trace.spec.num_experts, popularity(trace))
+    passes = make_passes(trace, cfg.batch, cfg.include_prefill, cfg.groups, cfg.decode_steps)
+    policy = make_policy(cfg.policy, layout, trace.spec.num_experts, popularity(trace), [p.needed for p in passes])
     run = Simulation(policy, profile, costs_for(trace, trace.spec, trace.recipe), passes, record_log).simulate()
     return SimResult(cfg, layout, budget, run, metrics(trace, layout, run, cfg))
 
 
 def metrics(trace: Trace, layout: PoolLayout, run: SimRun, cfg: SimConfig) -> dict:
-    dec = [(n, us) for _, d, n, us in run.pass_us if d]
-    pre = [(n, us) for _, d, n, us in run.pass_us if not d]
-    dec_tokens, dec_us = sum(n for n, _ in dec), sum(us for _, us in dec)
-    lat = [us for _, us in dec]
     pads = padding_table(trace.expert_bytes)
     waste = sum(p.waste_bytes * n / p.num_experts for p, n in zip(pads, layout.slots))
     return {
         "policy": cfg.policy, "pool_gb": cfg.pool_gb, "batch": cfg.batch, "model": trace.spec.name,
-        "trace_id": fingerprint(trace),
-        "tokens_per_s": dec_tokens / dec_us * 1e6 if dec_us else float("nan"),
-        "tpot_ms_mean": statistics.fmean(lat) / 1e3 if lat else float("nan"),
-        "tpot_ms_p50": percentile(lat, 0.5) / 1e3, "tpot_ms_p99": percentile(lat, 0.99) / 1e3,
-        "prefill_ms": sum(us for _, us in pre) / 1e3, "decode_tokens": dec_tokens,
-        "stall_ms": run.stall_us / 1e3, "bytes_moved": run.bytes_moved, "loads": run.loads,
-        "hit_rate": run.hits / (run.gpu_experts + run.fallbacks) if run.gpu_experts + run.fallbacks else 1.0, "fallbacks": run.fallbacks,
-        "skipped": run.skipped, "mean_occupancy": statistics.fmean(run.occupancy) if run.occupancy else 0,
+        "trace_id": fingerprint(trace), **summary(run),
         "experts_fit": layout.total_slots, "padding_waste_bytes": int(waste),
         "pool_expert_bytes": layout.used_bytes,
     }

@@ -10,6 +10,7 @@ from cmoe.quant import recipe
 from cmoe.spec import preset
 from cmoe.trace import bundle
 from cmoe.trace.synthetic import SyntheticParams, generate
+from cmoe.util import check_output
 
 
 def run_trace(out: Path, model: Path | None = None, data: Path | None = None, synthetic: str | None = None,
@@ -20,13 +21,25 @@ def run_trace(out: Path, model: Path | None = None, data: Path | None = None, sy
     if model is None and synthetic is None:            # the embedded trained model and its held-out prompts
         from cmoe.data import default_model, default_prompts
         model, data = default_model(), data or default_prompts()
-    if out.exists() and not overwrite:
-        raise CmoeError(f"{out} already exists: choose another --out or pass --force to replace it")
+    check_output(out, overwrite, folder=True, marker=bundle.MARKER)
     if synthetic is not None:
         t = generate(preset(synthetic), recipe(quant), params)
     else:
         if data is None:
             raise CmoeError("tracing a checkpoint needs --data FILE (prompts, .txt or .jsonl)")
+        _check_positions(model, trace_opts.get("max_new_tokens", 0))
         from cmoe.trace.hf import TraceOptions, trace_checkpoint
         t = trace_checkpoint(model, data, TraceOptions(quant=quant, **trace_opts))
     return bundle.write(t, out, overwrite=overwrite, parquet=parquet)
+
+
+def _check_positions(model: Path, new_tokens: int) -> None:
+    """Refuse decode steps that run past the model's positions (a prompt needs at least one)."""
+    import json
+    try:
+        limit = json.loads((Path(model) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return                                        # the checkpoint's own checks say what is wrong
+    if isinstance(limit, int) and new_tokens + 1 > limit:
+        raise CmoeError(f"--max-new-tokens {new_tokens} runs past the model's max_position_embeddings ({limit}): "
+                        f"give at most {limit - 1} (less the prompt's tokens)")

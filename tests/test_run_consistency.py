@@ -1,0 +1,83 @@
+"""`cmoe run --device cpu` on the embedded model, as the README's main job runs it: the int4 experts
+compute what the dequantized float model computes, and the predicted and measured tables count
+the same loads, hits, fallbacks and skipped experts over the same passes."""
+
+import json
+
+import pytest
+import torch
+
+from cmoe.data import default_model
+from cmoe.executor.kernels import dequantize, quantize
+from cmoe.executor.run import ExecConfig, _replay_passes, execute, prepare
+from cmoe.hw import PROFILES, HardwareProfile
+from cmoe.policy.policies import POLICIES
+
+EXACT = ("upper", "ondemand", "lru-prefetch", "lfu-fallback", "static")
+
+
+def _reference_logits(model_dir, passes, group: int) -> list[torch.Tensor]:
+    """Unmodified transformers with every expert dequantized from its int4 codes, fed the same
+    tokens and forced to the same (replayed) routing: last-position logits per pass."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    current = {}
+    with torch.no_grad():
+        for m, layer in enumerate(ref.model.layers):
+            ex = layer.mlp.experts
+            for e in range(ex.gate_up_proj.shape[0]):
+                ex.gate_up_proj[e] = dequantize(*quantize(ex.gate_up_proj[e], group), group)
+                ex.down_proj[e] = dequantize(*quantize(ex.down_proj[e], group), group)
+
+            def routed(_mod, args, m=m):
+                h = args[0]
+                idx = torch.as_tensor(current["rows"]["experts"][:, m], dtype=torch.long)
+                w = torch.as_tensor(current["rows"]["weights"][:, m], dtype=h.dtype)
+                return (h, idx, w)
+            ex.register_forward_pre_hook(routed)
+    cache = DynamicCache(config=ref.config)
+    out = []
+    with torch.no_grad():
+        for _p, ids, pos, rows in passes:
+            current["rows"] = rows
+            lg = ref(input_ids=torch.as_tensor(ids), position_ids=torch.as_tensor(pos), past_key_values=cache,
+                     use_cache=True).logits[:, -1]
+            out.append(lg)
+    return out
+
+
+def test_int4_main_job_picks_the_dequantized_models_next_tokens():
+    cfg = ExecConfig(policies=EXACT, slots=4, pool_gb=20.0, batch=1, tokens=12, device="cpu", keep_logits=True)
+    w, cfg = prepare(spec_name=None, model_dir=default_model(), trace_src="embedded", data=None, cfg=cfg)
+    assert w.fmt == "w4g128"                       # what the main job runs: int4 experts
+    ref = _reference_logits(default_model(), _replay_passes(w, cfg), 128)
+    want = [lg.argmax(-1).tolist() for lg in ref]
+    for r in execute(w, cfg):
+        assert [lg.argmax(-1).tolist() for lg in r.logits] == want, r.policy
+        err = max(((a - b).norm() / b.norm()).item() for a, b in zip(r.logits, ref))
+        assert err < 1e-4, (r.policy, err)
+
+
+def _cpu_profile() -> HardwareProfile:
+    """The executor on a CPU: the host copies, one copy stream in issue order."""
+    from dataclasses import replace
+    return replace(PROFILES["h200"], name="cpu-test", copy_on_host=True, copy_fifo=True)
+
+
+@pytest.mark.slow
+def test_predicted_and_measured_count_the_same_over_the_same_passes(tmp_path):
+    from cmoe.pipeline import run_all
+    prof = tmp_path / "cpu.json"
+    prof.write_text(json.dumps(_cpu_profile().to_dict()))
+    out = tmp_path / "run"
+    run_all(out, spec_name=None, model_dir=None, trace_src=None, policies=tuple(POLICIES), pool_gb=20.0,
+            batch=1, tokens=16, quant=None, device="cpu", profile=str(prof), echo=lambda *_: None)
+    pred = {m["policy"]: m for m in json.loads((out / "predicted" / "metrics.json").read_text())}
+    meas = {m["policy"]: m for m in json.loads((out / "measured" / "metrics.json").read_text())}
+    keys = ("scope", "decode_passes", "decode_tokens", "loads", "prefill_loads", "bytes_moved", "hits", "late",
+            "demand", "fallbacks", "skipped", "hit_rate")
+    for p in POLICIES:
+        assert {k: pred[p][k] for k in keys} == {k: meas[p][k] for k in keys}, p
+        assert pred[p]["decode_passes"] == 16 and pred[p]["late"] == 0      # the host copies: nothing in flight
+    assert pred["ondemand"]["demand"] > 0 and pred["commit"]["skipped"] > 0 and pred["static"]["fallbacks"] > 0
+    assert pred["upper"]["hit_rate"] == 1.0 and pred["upper"]["loads"] == 0
