@@ -104,17 +104,12 @@ def _ours(e: OSError, *paths: Path) -> bool:
 
 
 @contextmanager
-def atomic_path(path: str | Path):
-    """Yield a temporary name beside `path`; on success rename it into place, on failure remove
-    it. A reader never sees half a file; an OSError of the write is one line."""
-    path = Path(path)
-    check_output(path, force=True)
-    tmp = _temp_name(path, "tmp")
+def _guarded(path: Path, tmp: Path):
+    """A write of `path` through `tmp`: its OSError becomes one line, `tmp` never outlives it."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale(path)
-        yield tmp
-        os.replace(tmp, path)
+        yield
     except OSError as e:
         if not _ours(e, tmp, path):
             raise
@@ -124,25 +119,29 @@ def atomic_path(path: str | Path):
 
 
 @contextmanager
+def atomic_path(path: str | Path):
+    """Yield a temporary name beside `path`; on success rename it into place, on failure remove
+    it. A reader never sees half a file; an OSError of the write is one line."""
+    path = Path(path)
+    check_output(path, force=True)
+    tmp = _temp_name(path, "tmp")
+    with _guarded(path, tmp):
+        yield tmp
+        os.replace(tmp, path)
+
+
+@contextmanager
 def atomic_dir(path: str | Path, force: bool = False, marker: tuple[str, ...] = ()):
     """Yield an empty temporary folder beside `path` to build an output folder in; on success it
     takes the place of `path` (with `force`, replacing an existing one whole), on any failure or
     interrupt it is removed and `path` is left as it was. `marker`: see `check_output`."""
     path = check_output(path, force, folder=True, marker=marker)
     tmp = _temp_name(path, "tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale(path)
+    with _guarded(path, tmp):
         _remove(tmp)
         tmp.mkdir()
         yield tmp
         _swap_into_place(tmp, path)
-    except OSError as e:
-        if not _ours(e, tmp, path):
-            raise
-        raise _cannot_write(path, e) from None
-    finally:
-        _remove(tmp)
 
 
 def _swap_into_place(tmp: Path, path: Path) -> None:
