@@ -36,13 +36,13 @@ def tiny_trace(layers, experts, pred):
                  recipe=recipe("w4a16"), expert_bytes=[[1000, 1000]] * M)
 
 
-def run_tiny(t, policy, slots=1):
+def run_tiny(t, policy, slots=1, profile=FLAT):
     M = t.spec.num_moe_layers
     layout = PoolLayout((1024,) * M, (slots,) * M, 1024 * slots * M)
     costs = Costs(expert_bytes=t.expert_bytes, expert_bits=[[4, 4]] * M, expert_params=0, attn_bytes=0,
                   dense_bytes=0, shared_bytes=0, dense_bits=16, moe_layers=t.spec.moe_layers)
     p = make_policy(policy, layout, 2, popularity(t))
-    return Simulation(p, FLAT, costs, make_passes(t, 1), record_log=True).simulate()
+    return Simulation(p, profile, costs, make_passes(t, 1), record_log=True).simulate()
 
 
 def test_ondemand_one_layer_two_experts_by_hand():
@@ -67,6 +67,18 @@ def test_commit_loads_the_next_layer_while_this_one_runs():
     assert run.stall_us == 0 and run.pass_us[-1][3] == 24
     ondemand = run_tiny(t, "ondemand")
     assert ondemand.pass_us[-1][3] == 25 and ondemand.stall_us == 1
+
+
+def test_an_op_that_starts_while_a_copy_is_in_flight_runs_slower():
+    """The commit case above with copy_compute_slowdown 0.5: layer 0's expert starts at 34 while
+    layer 1's load (34-35) is in flight, so its 2 us take 3; layer 1's attention starts after the
+    copy has landed and keeps its 10 us."""
+    t = tiny_trace([0, 1], [[0, 0], [0, 1]], [[0, 0], [0, 1]])
+    run = run_tiny(t, "commit", profile=replace(FLAT, copy_compute_slowdown=0.5))
+    assert run.spans[-5:] == [
+        ("sim", 1, 0, "compute", "attention", -1, 24, 34, 0), ("sim", 1, 1, "copy0", "load", 1, 34, 35, 1000),
+        ("sim", 1, 0, "compute", "expert", 0, 34, 37, 1000),
+        ("sim", 1, 1, "compute", "attention", -1, 37, 47, 0), ("sim", 1, 1, "compute", "expert", 1, 47, 49, 1000)]
 
 
 def test_static_runs_misses_on_the_cpu():

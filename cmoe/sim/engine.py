@@ -82,6 +82,8 @@ class Simulation:
         self.env = simpy.Environment()
         self.queue = simpy.Store(self.env) if profile.copy_fifo else simpy.PriorityStore(self.env)
         self.in_flight = 0                     # loads issued and not landed
+        self.queued_us = 0.0                   # link time of the issued loads no engine has started
+        self.link_busy_until = 0.0             # when the copies now moving will have landed
         self.drained: simpy.Event | None = None
         self.pass_index = 0
         self.slots = [[_Slot() for _ in range(n)] for n in policy.layout.slots]
@@ -102,6 +104,7 @@ class Simulation:
         self.in_flight += 1
         nbytes = self.c.expert_bytes[ld.layer][ld.expert]
         self.run.loaded(pass_idx, nbytes)
+        self.queued_us += self.hw.h2d_us(nbytes)
         cost = self.hw.host_load_us
         if self.hw.copy_on_host:
             cost += self.hw.h2d_us(nbytes)
@@ -132,7 +135,10 @@ class Simulation:
                 yield env.timeout(st.free_at - env.now)
             nbytes = self.c.expert_bytes[ld.layer][ld.expert]
             start = env.now
-            yield env.timeout(hw.h2d_us(nbytes))
+            dur = hw.h2d_us(nbytes)
+            self.queued_us -= dur
+            self.link_busy_until = max(self.link_busy_until, start + dur)
+            yield env.timeout(dur)
             run.spans.append(("sim", self.pass_index, self.c.moe_layers[ld.layer], name, "load", ld.expert,
                               start, env.now, nbytes))
             if self.record_log:
@@ -148,6 +154,12 @@ class Simulation:
                 self._release(st)
 
     # compute ----------------------------------------------------------------------------------
+    def _copying(self, t: float) -> bool:
+        """Will a copy be moving when an op starts at `t`? Queued copies are taken to follow the
+        moving ones back to back (slot waits aside), spread over the copy engines."""
+        busy = max(self.link_busy_until, self.env.now) + self.queued_us / self.hw.copy_engines
+        return t < busy
+
     def _span(self, p: int, layer: int, stream: str, op: str, expert: int, start: float, end: float, nbytes: int = 0):
         self.run.spans.append(("sim", p, layer, stream, op, expert, start, end, nbytes))
 
@@ -206,7 +218,7 @@ class Simulation:
                 if c.shared_bytes:
                     gpu += hw.expert_us(c.shared_bytes, c.dense_bits, n, c.shared_bytes)
                     host += hw.host_expert(n)
-                if self.in_flight:
+                if self.in_flight and self._copying(max(G, H)):
                     gpu *= slow
                 G = max(max(G, H) + gpu, H + host)          # self._op, inlined: the hot path
                 H += host
@@ -257,7 +269,7 @@ class Simulation:
                     rows = n if all_rows else votes.get(e, 1)
                     issue = hw.host_expert(rows)
                     dur = hw.expert_us(c.expert_bytes[m][e], c.expert_bits[m][e], rows, c.expert_params)
-                    if self.in_flight:
+                    if self.in_flight and self._copying(start):
                         dur *= slow
                     G = max(start + dur, H + issue - hw.host_expert_tail_us)     # the end mark precedes the tail
                     H += issue
