@@ -1,0 +1,462 @@
+"""Expert kernels at the bandwidth limit, measured on one GPU in one run: the Triton MoE-layer
+kernels (`cmoe.executor.kernels_triton`) against torch's `_weight_int4pack_mm` (tinygemm W4A16)
+and bf16 `F.linear`, for one Mixtral-8x7B expert (H=4096, F=14336, g=128; w13, w2, and the
+whole expert) and for a whole layer (8 experts, top-2 routing of M rows), M = 1..64.
+
+Effective bandwidth = weight bytes the step must read (codes + scales for int4, 2 B a weight
+for bf16; for the layer, the distinct experts its rows route to) / time, beside the HBM ceiling
+(a device-to-device copy, bytes read + written). Times are medians of CUDA-graph replays, each
+graph a run of calls rotating over 4 experts' weights (16 for the layer: two layers' worth) so
+nothing sits in the 60 MB L2 between calls. gemlite is not installed on the machine: skipped.
+
+    python benchmarks/expert_kernel_h200.py --out $OUT            # sweep configs, then the table
+    python benchmarks/expert_kernel_h200.py --out $OUT --no-sweep # CONFIGS as committed
+    python benchmarks/expert_kernel_h200.py --out $OUT --no-sweep --diag   # + split-K w13 diagnosis
+
+Writes $OUT/expert_kernel_h200.json; prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cmoe.executor.kernels import dequantize, pack_cuda  # noqa: E402
+from cmoe.executor.layout import slot_size  # noqa: E402
+from cmoe.executor.moe_kernel import moe_reference, tiled_layout, write_codes  # noqa: E402
+
+H, FF, G = 4096, 14336, 128
+EX = None
+MS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def hbm_tbps() -> float:
+    n = 2 * 2**30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    a.random_()
+    b = torch.empty_like(a)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(6):
+        s.record()
+        b.copy_(a)
+        e.record()
+        torch.cuda.synchronize()
+        best = min(best, s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * n / best / 1e12
+
+
+def graph_us(fns, reps: int = 24, replays: int = 7) -> float:
+    """Median time of one call, from replays of a CUDA graph of `reps` calls rotating over fns."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for r in range(reps):
+            fns[r % len(fns)]()
+    g.replay()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(replays):
+        s.record()
+        g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e) * 1e3 / reps)
+    del g
+    return statistics.median(ts)
+
+
+def _regs(launch) -> dict:
+    try:
+        k = launch()
+        return {"regs": k.n_regs, "spills": k.n_spills}
+    except Exception:                                                      # noqa: BLE001
+        return {}
+
+
+class Experts:
+    """n experts of random codes and scales, in the tiled pool, tinygemm's packing and bf16."""
+
+    def __init__(self, n: int, gen: torch.Generator):
+        self.lay = tiled_layout(f"w4g{G}", H, FF)
+        self.pool = torch.empty(n, slot_size(self.lay), dtype=torch.uint8, device="cuda")
+        self.tg, self.bf = [], []
+        for e in range(n):
+            mats = {}
+            for name, (o, i) in (("w13", (2 * FF, H)), ("w2", (H, FF))):
+                codes = torch.randint(0, 16, (o, i), dtype=torch.int32, generator=gen, device="cuda")
+                sz = torch.stack([torch.rand(i // G, o, generator=gen, device="cuda") * 0.004 + 0.001,
+                                  (torch.rand(i // G, o, generator=gen, device="cuda") - 0.5) * 0.01], -1)
+                sz = sz.to(torch.bfloat16)
+                write_codes(self.pool[e], self.lay, name, codes, sz)
+                mats[name] = (pack_cuda(codes), sz, dequantize(codes, sz, G).to(torch.bfloat16))
+                del codes
+            self.tg.append({k: v[:2] for k, v in mats.items()})
+            self.bf.append({k: v[2] for k, v in mats.items()})
+        torch.cuda.synchronize()
+
+    def int4_bytes(self, name: str) -> int:
+        return self.lay.part(name).nbytes + self.lay.part(f"{name}_sz").nbytes
+
+
+def tg_mm(x, w):
+    return torch.ops.aten._weight_int4pack_mm(x, w[0], G, w[1])
+
+
+def tg_expert(x, ex):
+    a, b = tg_mm(x, ex["w13"]).chunk(2, dim=-1)
+    return tg_mm(F.silu(a) * b, ex["w2"])
+
+
+def bf_expert(x, ex):
+    a, b = F.linear(x, ex["w13"]).chunk(2, dim=-1)
+    return F.linear(F.silu(a) * b, ex["w2"])
+
+
+def layer_torch(x, rows_of, experts, expert_fn):
+    """The layer the executor's way: per routed expert, its rows, the expert, index_add."""
+    out = torch.zeros_like(x)
+    for e, (r, w) in rows_of.items():
+        y = expert_fn(x.index_select(0, r), experts[e])
+        out.index_add_(0, r, y * w[:, None])
+    return out
+
+
+def _rel_err(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _layer_ref(x, ids, wts, deq32):
+    """The layer from experts 0-7's bytes (slots 0-7), fp32 math, h rounded to bf16 as the kernels do."""
+    from cmoe.executor.moe_kernel import dequantized
+    out = torch.zeros(x.shape[0], H, dtype=torch.float32, device="cuda")
+    for e in sorted(set(ids.reshape(-1).tolist())):
+        if e not in deq32:
+            deq32[e] = dequantized(EX.pool[e], EX.lay)
+        w13, w2 = deq32[e]
+        rr, cc = (ids == e).nonzero(as_tuple=True)
+        r = rr.cuda()
+        a, b = (x.float().index_select(0, r) @ w13.T).chunk(2, dim=-1)
+        h = (F.silu(a) * b).to(torch.bfloat16).float()
+        out.index_add_(0, r, (h @ w2.T) * wts[rr, cc].cuda()[:, None])
+    return out
+
+
+def _diag(pool, lay, gen) -> dict:
+    """The layer at M=8 (8 experts, top-2): h from w13 split 2 against w13 unsplit, and w2 alone on
+    the unsplit h, against the fp32 reference, three runs each."""
+    from cmoe.executor.kernels_triton import KernelConfig, Workspace
+    from cmoe.executor.kernels_triton import moe as K
+    M = 8
+    lg = torch.Generator().manual_seed(100 + M)
+    ids = torch.stack([torch.randperm(8, generator=lg)[:2] for _ in range(M)]).int()
+    w = torch.rand(M, 2, generator=lg)
+    w = w / w.sum(-1, keepdim=True)
+    x = torch.randn(M, H, generator=gen, device="cuda").to(torch.bfloat16)
+    table = torch.arange(8, dtype=torch.int32, device="cuda")
+    ref = _layer_ref(x, ids, w, {})
+    a = KernelConfig(16, 64, 2, 3, 128, 16, 4, 3, deq=False, deq2=True, split13=2)
+    out = {}
+    K.EXPERIMENTAL_SPLIT13 = True                 # the diagnosis is of that path
+    for name, cfg in (("split13=2", a), ("split13=1", replace(a, split13=1)),
+                      ("split13=2,w2 64/1", replace(a, bn2=64, warps2=1, deq2=False)),
+                      ("split13=2,deq", replace(a, deq=True)), ("split13=4", replace(a, split13=4))):
+        ws = Workspace(M, 2, H, FF, 8, "cuda")
+        errs, hs = [], []
+        for _ in range(3):
+            y = K.moe_triton(x, ids.cuda(), w.cuda(), table, pool, lay, workspace=ws, config=cfg,
+                             out_dtype=torch.float32)
+            errs.append(_rel_err(y, ref))
+            hs.append(ws.h.clone())
+        out[name] = {"layer_rel_err": errs, "h_run_to_run": max(_rel_err(h, hs[0]) for h in hs[1:]),
+                     "gu_left": None if ws.gu is None else float(ws.gu.abs().max()),
+                     "cnt_left": None if ws.cnt is None else int(ws.cnt.abs().max())}
+        out[name]["h"] = hs[0]
+    K.EXPERIMENTAL_SPLIT13 = False
+    h1 = out["split13=1"]["h"]
+    for name in out:
+        out[name]["h_vs_unsplit"] = _rel_err(out[name].pop("h"), h1)
+    print("diag", json.dumps(out), flush=True)
+    return out
+
+
+def _fallbacks(M: int, committed):
+    """Configurations tried after the sweep's best (or without a sweep): the committed one, the
+    same without split-K of w13, and the plain ones measured before split-K existed."""
+    from cmoe.executor.kernels_triton import KernelConfig
+    out = [committed, replace(committed, split13=1)]
+    if M <= 16:
+        out += [KernelConfig(16, 32, 2, 3, 64, 16, 1, 3, deq=False, deq2=False),
+                KernelConfig(16, 128, 4, 3, 128, 16, 4, 3, deq=True, deq2=True)]
+    elif M <= 32:
+        out += [KernelConfig(32, 64, 4, 4, 64, 8, 4, 3, deq=False, deq2=True)]
+    else:
+        out += [KernelConfig(64, 64, 4, 3, 64, 4, 4, 3, deq=False, deq2=True)]
+    return out
+
+
+def candidates(bm: int):
+    """(w13 configs, w2 configs) tried for a row block bm (compiled in parallel, a few seconds)."""
+    from cmoe.executor.kernels_triton import KernelConfig
+    base = KernelConfig(bm, 32, 2, 3, 64, 16, 1, 3)
+    if bm <= 16:
+        s13, st13, sp13 = ((32, 1), (32, 2), (64, 2), (64, 4), (128, 4)), (3, 4), (1,)
+        s2, st2, sp2 = ((32, 1), (32, 2), (64, 1), (64, 2), (128, 4)), (3,), (8, 16, 32)
+    else:
+        s13, st13, sp13 = ((32, 1), (32, 2), (64, 2), (64, 4)), (3,), (1,)
+        s2, st2, sp2 = ((32, 1), (64, 2), (64, 4), (128, 4)), (3,), (4, 8, 16)
+    c13, c2 = [], []
+    for bn, w in s13:
+        for st in st13:
+            for deq in (True, False):
+                for sp in sp13:
+                    c13.append(replace(base, bn13=bn, warps13=w, stages13=st, deq=deq, split13=sp))
+    for bn, w in s2:
+        for st in st2:
+            for deq in (True, False):
+                for sp in sp2:
+                    c2.append(replace(base, bn2=bn, split2=sp, warps2=w, stages2=st, deq2=deq))
+    return c13, c2
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--diag", action="store_true", help="localize a wrong layer at M=8 (w13 split-K vs w2)")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ms = [int(v) for v in args.ms.split(",")]
+    import triton
+
+    from cmoe.executor.kernels_triton import CONFIGS, Workspace, moe_triton, pick_config
+    from cmoe.executor.kernels_triton import moe as K
+
+    res: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                 "shape": {"H": H, "F": FF, "g": G}, "gemlite": "not installed on the machine: skipped"}
+    try:
+        res["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                       text=True).stdout.strip()
+    except OSError:
+        pass
+    t0 = time.time()
+    res["hbm_copy_tbps"] = hbm_tbps()
+    print(f"HBM copy {res['hbm_copy_tbps']:.2f} TB/s", flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    global EX
+    ex = EX = Experts(16, gen)
+    lay, pool = ex.lay, ex.pool
+    print(f"built 16 experts in {time.time() - t0:.0f} s", flush=True)
+    b13, b2 = ex.int4_bytes("w13"), ex.int4_bytes("w2")
+    bf13, bf2 = 2 * 2 * FF * H, 2 * H * FF
+    res["bytes"] = {"w13_int4": b13, "w2_int4": b2, "expert_int4": lay.nbytes, "w13_bf16": bf13, "w2_bf16": bf2}
+    tables = [torch.tensor([r], dtype=torch.int32, device="cuda") for r in range(4)]
+
+    # correctness at Mixtral shapes first (one expert and a layer), against the torch reference
+    x8 = torch.randn(8, H, generator=gen, device="cuda").to(torch.bfloat16)
+    ids8 = torch.stack([torch.randperm(8, generator=gen, device="cuda")[:2] for _ in range(8)]).int()
+    w8 = torch.rand(8, 2, generator=gen, device="cuda")
+    t8 = torch.arange(8, dtype=torch.int32, device="cuda")
+    got = moe_triton(x8, ids8, w8, t8, pool, lay, out_dtype=torch.float32).clone()
+    ref = moe_reference(x8, ids8, w8, t8, pool, lay, out_dtype=torch.float32)
+    res["check_rel_err_layer_m8"] = ((got - ref).norm() / ref.norm()).item()
+    y_tg = tg_expert(x8, ex.tg[3]).float()
+    y_bf = bf_expert(x8, ex.bf[3]).float()
+    y_me = moe_triton(x8, torch.zeros(8, 1, dtype=torch.int32, device="cuda"), torch.ones(8, 1, device="cuda"),
+                      tables[3], pool, lay, out_dtype=torch.float32)
+    res["check_rel_err_expert_vs_tinygemm"] = ((y_me - y_tg).norm() / y_tg.norm()).item()
+    res["check_rel_err_tinygemm_vs_bf16"] = ((y_tg - y_bf).norm() / y_bf.norm()).item()
+    print({k: v for k, v in res.items() if k.startswith("check")}, flush=True)
+
+    def single(M):
+        x = torch.randn(M, H, generator=gen, device="cuda").to(torch.bfloat16)
+        ids = torch.zeros(M, 1, dtype=torch.int32, device="cuda")
+        wts = torch.ones(M, 1, device="cuda")
+        ws = Workspace(M, 1, H, FF, 1, "cuda")
+        K.launch_route(ws, ids)
+        ws.h.copy_(torch.randn(M, FF, generator=gen, device="cuda").to(torch.bfloat16))
+        return x, ids, wts, ws
+
+    # --- sweep: per row block, compile every candidate in parallel, time w13 and w2 alone
+    best: dict[int, dict] = {}
+    if not args.no_sweep:
+        sweep = []
+        for bm, m_list in ((16, [m for m in ms if m <= 16]), (32, [m for m in ms if 16 < m <= 32]),
+                           (64, [m for m in ms if 32 < m <= 64])):
+            if not m_list:
+                continue
+            c13, c2 = candidates(bm)
+            data = {M: single(M) for M in m_list}
+            tc = time.time()
+            with ThreadPoolExecutor(16) as pool_ex, triton.AsyncCompileMode(pool_ex, ignore_errors=True):
+                for M, (x, ids, wts, ws) in data.items():
+                    for c in c13:
+                        K.launch_w13(ws, x, tables[0], pool, lay, 1, c, warmup=True)
+                    for c in c2:
+                        K.launch_w2(ws, wts, tables[0], pool, lay, 1, M, c, warmup=True)
+                    break              # one M compiles all: the row count is no specialization
+            print(f"bm={bm}: compiled {len(c13)}+{len(c2)} configs in {time.time() - tc:.0f} s", flush=True)
+            for M, (x, ids, wts, ws) in data.items():
+                r13, r2 = [], []
+                for c in c13:
+                    try:
+                        us = graph_us([lambda t=t, c=c: K.launch_w13(ws, x, t, pool, lay, 1, c) for t in tables])
+                    except Exception as err:                       # noqa: BLE001 (a config that fails)
+                        us = float("nan")
+                        print("w13 failed", c, repr(err)[:200], flush=True)
+                    r13.append((us, c))
+                    sweep.append({"M": M, "kernel": "w13", "us": us, "tbps": b13 / us / 1e6, **asdict(c),
+                                  **_regs(lambda c=c: K.launch_w13(ws, x, tables[0], pool, lay, 1, c))})
+                for c in c2:
+                    try:
+                        us = graph_us([lambda t=t, c=c: K.launch_w2(ws, wts, t, pool, lay, 1, M, c) for t in tables])
+                    except Exception as err:                       # noqa: BLE001
+                        us = float("nan")
+                        print("w2 failed", c, repr(err)[:200], flush=True)
+                    r2.append((us, c))
+                    sweep.append({"M": M, "kernel": "w2", "us": us, "tbps": b2 / us / 1e6, **asdict(c),
+                                  **_regs(lambda c=c: K.launch_w2(ws, wts, tables[0], pool, lay, 1, M, c))})
+                ok13 = [r for r in r13 if r[0] == r[0]]
+                ok2 = [r for r in r2 if r[0] == r[0]]
+                u13, c13b = min(ok13, key=lambda r: r[0])
+                u2, c2b = min(ok2, key=lambda r: r[0])
+                cfg = replace(c13b, bn2=c2b.bn2, split2=c2b.split2, warps2=c2b.warps2, stages2=c2b.stages2,
+                              deq2=c2b.deq2, asm=c13b.asm and c2b.asm)
+                asm_same = c13b.asm == c2b.asm
+                best[M] = {"config": cfg, "w13_us": u13, "w2_us": u2, "asm_agree": asm_same}
+                if M == m_list[0] and bm == 16:                 # the compiled code, to read here
+                    for nm, fn in (("w13", lambda: K.launch_w13(ws, x, tables[0], pool, lay, 1, c13b)),
+                                   ("w2", lambda: K.launch_w2(ws, wts, tables[0], pool, lay, 1, M, c2b))):
+                        (out / f"best_{nm}_bm{bm}.ptx").write_text(fn().asm["ptx"])
+                print(f"M={M}: best w13 {u13:.1f} us ({b13 / u13 / 1e6:.2f} TB/s) {c13b}\n"
+                      f"      best w2  {u2:.1f} us ({b2 / u2 / 1e6:.2f} TB/s) {c2b}", flush=True)
+                (out / "sweep.json").write_text(json.dumps(sweep, indent=1))
+        res["sweep_best"] = {M: {**asdict(b["config"]), "w13_us": b["w13_us"], "w2_us": b["w2_us"]}
+                             for M, b in best.items()}
+        print(f"sweep done at {time.time() - t0:.0f} s", flush=True)
+    res["configs_committed"] = {m: asdict(c) for m, c in CONFIGS.items()}
+    if args.diag:
+        res["diag"] = _diag(pool, lay, gen)
+
+    # --- the table: per M, candidate configurations (the sweep's best first, then the committed
+    # one and safer ones); each is checked on the single expert and on its layer against fp32
+    # dequantized weights, and only a correct one is kept (the fastest layer among them)
+    deq32 = {}
+    rows = []
+    for M in ms:
+        cands = []
+        if M in best:
+            cands.append(best[M]["config"])
+        cands += [c for c in _fallbacks(M, pick_config(M)) if c not in cands]
+        x, ids, wts, ws = single(M)
+        hM = torch.randn(M, FF, generator=gen, device="cuda").to(torch.bfloat16)
+        lg = torch.Generator().manual_seed(100 + M)
+        ids2 = torch.stack([torch.randperm(8, generator=lg)[:2] for _ in range(M)]).int()
+        w2t = torch.rand(M, 2, generator=lg)
+        w2t = w2t / w2t.sum(-1, keepdim=True)
+        nexp = len(set(ids2.reshape(-1).tolist()))
+        ids2d, w2d = ids2.cuda(), w2t.cuda()
+        lay_tables = [torch.arange(8, dtype=torch.int32, device="cuda") + 8 * i for i in range(2)]
+        ref_layer = _layer_ref(x, ids2, w2t, deq32)
+        ref_one = _layer_ref(x, torch.zeros(M, 1, dtype=torch.int32), torch.ones(M, 1), deq32)
+        tried = []
+        for cfg in cands:
+            wsl = Workspace(M, 2, H, FF, 8, "cuda")
+            errs = []
+            for _ in range(3):                   # three runs: a race shows as a changing error
+                got = moe_triton(x, ids2d, w2d, lay_tables[0], pool, lay, workspace=wsl, config=cfg,
+                                 out_dtype=torch.float32)
+                errs.append(_rel_err(got, ref_layer))
+            one = moe_triton(x, ids, wts, tables[0], pool, lay, workspace=ws, config=cfg, out_dtype=torch.float32)
+            e1 = _rel_err(one, ref_one)
+            rec = {"config": asdict(cfg), "layer_rel_err": errs, "expert_rel_err": e1}
+            if max(errs + [e1]) < 1e-2:
+                rec["layer_us"] = graph_us([lambda t=t: moe_triton(x, ids2d, w2d, t, pool, lay, workspace=wsl,
+                                                                   config=cfg) for t in lay_tables])
+            print(f"M={M} candidate {cfg}: errors layer {[f'{v:.1e}' for v in errs]} expert {e1:.1e}"
+                  f" layer {rec.get('layer_us', float('nan')):.1f} us", flush=True)
+            tried.append(rec)
+        ok = [t for t in tried if "layer_us" in t]
+        if not ok:
+            print(f"M={M}: no candidate passed", flush=True)
+            continue
+        pick = min(ok, key=lambda t: t["layer_us"])
+        from cmoe.executor.kernels_triton import KernelConfig
+        cfg = KernelConfig(**pick["config"])
+        wsl = Workspace(M, 2, H, FF, 8, "cuda")
+        r = {"M": M, "config": asdict(cfg), "candidates": tried, "layer_rel_err": max(pick["layer_rel_err"]),
+             "expert_rel_err": pick["expert_rel_err"], "layer_experts": nexp}
+        r["w13_mine"] = graph_us([lambda t=t: K.launch_w13(ws, x, t, pool, lay, 1, cfg) for t in tables])
+        r["w2_mine"] = graph_us([lambda t=t: K.launch_w2(ws, wts, t, pool, lay, 1, M, cfg) for t in tables])
+        r["expert_mine"] = graph_us([lambda t=t: moe_triton(x, ids, wts, t, pool, lay, workspace=ws, config=cfg)
+                                     for t in tables])
+        r["layer_mine"] = graph_us([lambda t=t: moe_triton(x, ids2d, w2d, t, pool, lay, workspace=wsl, config=cfg)
+                                    for t in lay_tables])
+        r["w13_tg"] = graph_us([lambda e=e: tg_mm(x, ex.tg[e]["w13"]) for e in range(4)])
+        r["w2_tg"] = graph_us([lambda e=e: tg_mm(hM, ex.tg[e]["w2"]) for e in range(4)])
+        r["expert_tg"] = graph_us([lambda e=e: tg_expert(x, ex.tg[e]) for e in range(4)])
+        r["w13_bf"] = graph_us([lambda e=e: F.linear(x, ex.bf[e]["w13"]) for e in range(4)])
+        r["w2_bf"] = graph_us([lambda e=e: F.linear(hM, ex.bf[e]["w2"]) for e in range(4)])
+        r["expert_bf"] = graph_us([lambda e=e: bf_expert(x, ex.bf[e]) for e in range(4)])
+        rows_of = {}
+        for e in sorted(set(ids2.reshape(-1).tolist())):
+            rr, cc = (ids2 == e).nonzero(as_tuple=True)
+            rows_of[e] = (rr.cuda(), w2t[rr, cc].cuda().to(torch.bfloat16))
+        for name, fn, store in (("tg", tg_expert, ex.tg), ("bf", bf_expert, ex.bf)):
+            sets = [{e: store[e + 8 * i] for e in range(8)} for i in range(2)]
+            r[f"layer_{name}"] = graph_us([lambda s=s: layer_torch(x, rows_of, s, fn) for s in sets])
+        for k in ("w13", "w2", "expert", "layer"):
+            nb_i4 = {"w13": b13, "w2": b2, "expert": lay.nbytes, "layer": nexp * lay.nbytes}[k]
+            nb_bf = {"w13": bf13, "w2": bf2, "expert": bf13 + bf2, "layer": nexp * (bf13 + bf2)}[k]
+            for impl, nb in (("mine", nb_i4), ("tg", nb_i4), ("bf", nb_bf)):
+                r[f"{k}_{impl}_tbps"] = nb / r[f"{k}_{impl}"] / 1e6
+        rows.append(r)
+        print(f"M={M} done ({time.time() - t0:.0f} s)", flush=True)
+        res["table"] = rows
+        (out / "expert_kernel_h200.json").write_text(json.dumps(res, indent=1, default=str))
+
+    hbm = res["hbm_copy_tbps"]
+    print(f"\n{res['gpu']}, torch {res['torch']}, triton {res['triton']}, {res['date']}; HBM copy {hbm:.2f} TB/s")
+    print("effective TB/s (weight bytes / time); mine = Triton, tg = torch _weight_int4pack_mm, bf = bf16 F.linear")
+    hdr = f"{'M':>3} | " + " | ".join(f"{k:^20}" for k in ("w13", "w2", "expert", "layer (8 exp, top-2)"))
+    print(hdr)
+    print(f"{'':>3} | " + " | ".join(f"{'mine':>6} {'tg':>6} {'bf':>6}" for _ in range(4)))
+    for r in rows:
+        print(f"{r['M']:>3} | " + " | ".join(
+            f"{r[k + '_mine_tbps']:6.2f} {r[k + '_tg_tbps']:6.2f} {r[k + '_bf_tbps']:6.2f}"
+            for k in ("w13", "w2", "expert", "layer")))
+    print("\nmicroseconds:")
+    for r in rows:
+        print(f"{r['M']:>3} | " + " | ".join(
+            f"{r[k + '_mine']:6.1f} {r[k + '_tg']:6.1f} {r[k + '_bf']:6.1f}" for k in ("w13", "w2", "expert", "layer"))
+              + f"  (layer reads {r['layer_experts']} experts; rel err layer {r['layer_rel_err']:.1e},"
+                f" expert {r['expert_rel_err']:.1e})")
+    print("\nconfigs:")
+    for r in rows:
+        print(r["M"], r["config"])
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TORCH_CUDNN_V8_API_DISABLED", "1")
+    main()
