@@ -51,9 +51,26 @@ def trace(
     seed: Annotated[int, typer.Option(min=0, help="Synthetic: random seed.")] = 0,
     parquet: Annotated[bool, typer.Option(help="Also write routes.parquet (one row per token and layer).")] = False,
     force: Annotated[bool, typer.Option(help="Replace an existing bundle.")] = False,
+    import_log: Annotated[Optional[Path], typer.Option("--import", help="Turn a routing log into a bundle: vLLM/SGLang routed experts (.npy, .npz or a folder of .npy) or Megatron RouterTracer .jsonl; with --spec or --model.")] = None,
+    spec: Annotated[Optional[str], typer.Option(help="--import: the preset the log came from (e.g. mixtral-8x7b).")] = None,
+    prompt_tokens: Annotated[Optional[int], typer.Option(min=0, help="--import: the first N tokens of each request are its prompt (needed for vLLM logs) [default: 1 for Megatron].")] = None,
+    export: Annotated[Optional[str], typer.Option(help="Write the routes of --trace in another system's format instead: vllm (one .npy per request, into --out).")] = None,
+    trace_src: Annotated[Optional[str], typer.Option("--trace", help="--export: the bundle to export (a folder, embedded or synthetic:PRESET).")] = None,
 ) -> None:
-    """Record routing (and commit predictions) from a checkpoint, or generate a synthetic trace."""
-    from cmoe.trace.run import run_trace
+    """Record routing (and commit predictions) from a checkpoint, generate a synthetic trace, or
+    import (export) another system's routing log."""
+    from cmoe.trace.run import export_trace, import_trace, run_trace
+    if export is not None:
+        if trace_src is None or out is None:
+            from cmoe.errors import CmoeError
+            raise CmoeError("--export needs --trace BUNDLE (what to export) and --out DIR (where)")
+        files = export_trace(trace_src, export, out)
+        typer.echo(f"wrote {len(files)} request files to {out}")
+        return
+    if import_log is not None:
+        out = out or Path(f"trace-{import_log.stem}")
+        typer.echo(f"wrote {import_trace(out, import_log, spec, model, quant, prompt_tokens, force, parquet)}")
+        return
     from cmoe.trace.synthetic import MIXTRAL_REPETITION, SyntheticParams
     rep = ((0.0, repetition), (1.0, repetition)) if repetition is not None else MIXTRAL_REPETITION
     params = SyntheticParams(requests=requests, prompt_len=prompt_len, decode_len=decode_len, skew=skew,

@@ -43,3 +43,27 @@ def _check_positions(model: Path, new_tokens: int) -> None:
     if isinstance(limit, int) and new_tokens + 1 > limit:
         raise CmoeError(f"--max-new-tokens {new_tokens} runs past the model's max_position_embeddings ({limit}): "
                         f"give at most {limit - 1} (less the prompt's tokens)")
+
+
+def import_trace(out: Path, log: Path, spec_name: str | None, model: Path | None, quant: str = "w4a16",
+                 prompt_tokens: int | None = None, overwrite: bool = False, parquet: bool = False) -> Path:
+    """A routing log from vLLM, SGLang or Megatron (`cmoe.trace.logs`) as a bundle, for the model
+    named by a preset or a checkpoint's config.json."""
+    from cmoe.spec import from_checkpoint
+    from cmoe.trace.logs import import_log
+    if (spec_name is None) == (model is None):
+        raise CmoeError("--import needs the model the log came from: pass one of --spec PRESET or --model DIR")
+    check_output(out, overwrite, folder=True, marker=bundle.MARKER)
+    spec = preset(spec_name) if spec_name else from_checkpoint(model)
+    t = import_log(Path(log), spec, recipe(quant), prompt_tokens)
+    return bundle.write(t, out, overwrite=overwrite, parquet=parquet)
+
+
+def export_trace(src: str, fmt: str, out: Path) -> list[Path]:
+    """A bundle's routes in another system's format (`vllm`: one .npy per request)."""
+    from cmoe.trace.load import load_trace
+    from cmoe.trace.logs import export_vllm
+    if fmt != "vllm":
+        raise CmoeError(f"--export {fmt}: cmoe writes the vllm format (one .npy per request)")
+    check_output(out, False, folder=True)
+    return export_vllm(load_trace(src), out)

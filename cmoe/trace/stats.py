@@ -98,7 +98,9 @@ def layer_stats(t: Trace) -> list[LayerStats]:
 def summary(t: Trace, layers: list[LayerStats] | None = None) -> dict:
     layers = layers or layer_stats(t)
     s = t.spec
-    mean = lambda k: float(np.nanmean([getattr(x, k) for x in layers]))  # noqa: E731
+    def mean(k: str) -> float:                       # nan where no layer has the figure (no predictions)
+        xs = np.array([getattr(x, k) for x in layers], dtype=float)
+        return float(np.nanmean(xs)) if np.isfinite(xs).any() else float("nan")
     return {"model": s.name, "tokens": t.num_tokens, "requests": int(len(np.unique(t.request))),
             "decode_tokens": int((t.phase == DECODE).sum()), "max_load": mean("max_load"),
             "entropy": mean("entropy"), "rep_first": mean("rep_first"), "rep_any": mean("rep_any"),
@@ -123,4 +125,6 @@ def format_table(t: Trace) -> str:
               "consecutive tokens keep the first expert / share any expert;\nreuse: mean tokens between "
               "uses of an expert; pred_acc: share of true experts in the commit prediction; MB/token: "
               "expert bytes one decode token reads")
+    if not np.isfinite(sm["pred_acc"]):
+        legend += "\nthis trace holds no next-layer predictions (an imported log): pred_acc is nan"
     return "\n".join([title, head, *rows, foot, legend])
