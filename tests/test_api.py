@@ -1,0 +1,39 @@
+"""The Python API gives what the CLI gives."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import cmoe
+
+
+def test_import_cmoe_loads_nothing_heavy():
+    code = "import sys, cmoe; print(sorted(m for m in ('torch', 'simpy', 'polars', 'cmoe.api') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_simulate_equals_the_cli_row(tmp_path):
+    from typer.testing import CliRunner
+
+    from cmoe.cli.app import app
+    rows = cmoe.simulate("embedded", pool_gb=20, policies=["ondemand", "oracle"], slots=4)
+    assert [r.metrics["policy"] for r in rows] == ["ondemand", "oracle"]
+    r = CliRunner().invoke(app, ["simulate", "--trace", "embedded", "--policies", "ondemand,oracle", "--slots", "4",
+                                 "--out", str(tmp_path / "o")])
+    assert r.exit_code == 0, r.output
+    cli = json.loads((tmp_path / "o" / "metrics.json").read_text())
+    assert [x.metrics for x in rows] == cli
+
+
+def test_execute_on_the_cpu_and_bad_names():
+    from cmoe.data import default_model
+    res = cmoe.execute(model=default_model(), trace="embedded", policies=["upper", "oracle"], tokens=2,
+                       device="cpu", slots=4)
+    assert [r.metrics["decode_tokens"] for r in res] == [2, 2] and res[1].metrics["fallbacks"] == 0
+    with pytest.raises(cmoe.CmoeError, match="unknown policy 'fastest'"):
+        cmoe.simulate("embedded", policies="fastest")
+    with pytest.raises(AttributeError):
+        cmoe.nothing_here
