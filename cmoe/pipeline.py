@@ -21,9 +21,14 @@ RUN_ALL_FOLDER = ("validation.json", "predicted", "measured", "profile.json")
 
 def run_all(out: Path, *, spec_name: str | None, model_dir: Path | None, trace_src: str | None, policies: tuple[str, ...],
             pool_gb: float, batch: int, tokens: int, quant: str | None, device: str, profile: str | None,
-            slots: int | None = None, layers: int = 4, repeat: int = 1, echo=print, force: bool = False) -> list[dict]:
+            slots: int | None = None, layers: int = 4, repeat: int = 1, echo=print, force: bool = False,
+            detail=None, progress: bool = True) -> dict:
     """Everything goes into `out`, built under a temporary name and renamed into place at the end
-    (`force`: replace an existing one whole), so an error or a Ctrl-C leaves nothing partial."""
+    (`force`: replace an existing one whole), so an error or a Ctrl-C leaves nothing partial.
+    `echo` gets what a person needs (a note on the defaults, the summary: `summary_text`),
+    `detail` the long sections as they come (calibration table, both engines' tables, every
+    policy's validation; default: echo). Returns the summary document (`summary_doc`)."""
+    detail = echo if detail is None else detail
     check_output(out, force, folder=True, marker=RUN_ALL_FOLDER)      # before torch is even imported
     from cmoe.executor.run import ExecConfig, prepare
     from cmoe.report.build import report_line
@@ -34,20 +39,22 @@ def run_all(out: Path, *, spec_name: str | None, model_dir: Path | None, trace_s
             slots = 4
             echo("the embedded model (8 experts per layer) with 4 expert slots per layer (--slots to change)")
     cfg = ExecConfig(policies=policies, pool_gb=pool_gb, batch=batch, tokens=tokens, device=device, quant=quant,
-                     slots=slots, progress=True)
+                     slots=slots, progress=progress)
     w, cfg = prepare(spec_name=spec_name, model_dir=model_dir, trace_src=trace_src or
                      (f"synthetic:{spec_name}" if spec_name else None), data=None, cfg=cfg)
     if w.trace is None:
         from cmoe.errors import CmoeError
         raise CmoeError("cmoe run needs a trace to replay (--trace), so that both engines see the same routing")
     with atomic_dir(out, force, RUN_ALL_FOLDER) as tmp:
-        vals = _run_into(tmp, out, w, cfg, profile, model_dir, layers, repeat, echo)
-    echo(report_line([out / "predicted", out / "measured"], out / "report.html"))
-    return vals
+        doc = _run_into(tmp, out, w, cfg, profile, model_dir, layers, repeat, detail)
+    doc["report"] = report_line([out / "predicted", out / "measured"], out / "report.html")
+    doc["out"] = str(out)
+    echo(summary_text(doc))
+    return doc
 
 
 def _run_into(out: Path, final: Path, w, cfg, profile: str | None, model_dir: Path | None, layers: int, repeat: int,
-              echo) -> list[dict]:
+              echo) -> dict:
     """Calibrate (or take the profile), simulate, execute and validate, writing into `out`: the
     temporary folder that becomes `final`."""
     from cmoe.executor.run import build, execute
@@ -60,7 +67,8 @@ def _run_into(out: Path, final: Path, w, cfg, profile: str | None, model_dir: Pa
     if profile is None:                                   # calibrate once, on this machine and this model
         from cmoe.executor.measure import calibrate
         from cmoe.profile_fit import beside, noise_of
-        prof, m = calibrate(w.device, w.spec, w.fmt, layers, model_dir, name=f"calibrated-{w.device.type}", built=w)
+        prof, m = calibrate(w.device, w.spec, w.fmt, layers, model_dir, name=f"calibrated-{w.device.type}", built=w,
+                            progress=cfg.progress)
         echo(beside(prof, m))
         cal = noise_of(m)
         echo(cal.line())
@@ -93,9 +101,50 @@ def _run_into(out: Path, final: Path, w, cfg, profile: str | None, model_dir: Pa
         doc = {"runs": runs, "against_mean": rows}
         errors, spreads = [r["error"] for r in rows], [r["spread"] for r in rows]
     from cmoe.profile_fit import run_verdict
-    echo(run_verdict(cal, errors, spreads))
     write_text_atomic(out / "validation.json", json.dumps(doc, indent=1))
-    return vals
+    return summary_doc(w, cfg, sims, results, errors, run_verdict(cal, errors, spreads))
+
+
+def summary_doc(w, cfg, sims, results, errors, noise: str) -> dict:
+    """What `cmoe run` opens with (and prints with --json): per policy, predicted and measured
+    tokens/s and the error, the measured ratio to upper and to oracle, hits and loads."""
+    meas = {r.policy: r.metrics for r in results}
+    rows = []
+    for s, err in zip(sims, errors):
+        p, m = s.config.policy, meas[s.config.policy]
+        rows.append({"policy": p, "predicted_tok_s": s.metrics["tokens_per_s"], "measured_tok_s": m["tokens_per_s"],
+                     "error": err, "hit_rate": m["hit_rate"], "loads": m["loads"], "fallbacks": m["fallbacks"],
+                     "skipped": m["skipped"]})
+    for bound in ("upper", "oracle"):
+        ref = meas.get(bound, {}).get("tokens_per_s")
+        for r in rows:
+            r[f"x_{bound}"] = r["measured_tok_s"] / ref if ref else None
+    return {"model": w.spec.name, "device": w.device.type, "batch": cfg.batch, "decode_tokens": cfg.tokens,
+            "pool_gb": cfg.pool_gb, "slots": cfg.slots, "expert_format": w.fmt, "policies": rows, "noise": noise}
+
+
+def summary_text(doc: dict) -> str:
+    """A screenful: the fastest policy against the bounds, one row per policy, the noise verdict."""
+    rows = doc["policies"]
+    best = max(rows, key=lambda r: r["measured_tok_s"])
+    ratio = lambda r, b: f"{r[b]:.2f}x {b[2:]}" if r[b] is not None else None  # noqa: E731
+    against = ", ".join(x for x in (ratio(best, "x_upper"), ratio(best, "x_oracle")) if x)
+    errs = [abs(r["error"]) for r in rows]
+    lines = [f"{doc['model']} on {doc['device']}, batch {doc['batch']}, {doc['decode_tokens']} decode tokens, "
+             f"{doc['expert_format']} experts: fastest measured {best['policy']} at {best['measured_tok_s']:.1f} tok/s"
+             + (f" ({against})" if against else "") + f"; predicted within {max(errs) * 100:.1f}% "
+             f"(mean {sum(errs) / len(errs) * 100:.1f}%)",
+             f"{'policy':<13} {'predicted':>10} {'measured':>9} {'error':>7} {'x upper':>7} {'x oracle':>8} "
+             f"{'hit':>6} {'loads':>6} {'fallback':>8} {'skipped':>7}"]
+    for r in rows:
+        x = lambda k: f"{r[k]:.2f}" if r[k] is not None else "-"  # noqa: E731
+        lines.append(f"{r['policy']:<13} {r['predicted_tok_s']:10.1f} {r['measured_tok_s']:9.1f} {r['error'] * 100:+6.1f}% "
+                     f"{x('x_upper'):>7} {x('x_oracle'):>8} {r['hit_rate']:6.3f} {r['loads']:6d} {r['fallbacks']:8d} "
+                     f"{r['skipped']:7d}")
+    lines += ["(tokens/s over decode passes, predicted and measured; hit, loads, fallback, skipped: measured)",
+              doc["noise"], f"{doc['report']}; calibration, both engines' tables and per-layer errors: "
+              f"{doc['out']}/validation.json, or --verbose"]
+    return "\n".join(lines)
 
 
 def _profile_noise(profile: str):

@@ -108,7 +108,7 @@ def test_cmoe_run_calibrates_simulates_executes_and_validates(checkpoints, tiny_
     out = tmp_path / "run"
     r = CliRunner().invoke(app, ["run", "--model", str(checkpoints["mixtral"]), "--trace", str(tiny_trace),
                                  "--device", "cpu", "--quant", "fp32", "--policy", "ondemand,commit",
-                                 "--pool-gb", "0.2686", "--tokens", "4", "--repeat", "2", "--out", str(out)])
+                                 "--pool-gb", "0.2686", "--tokens", "4", "--repeat", "2", "--out", str(out), "--verbose"])
     assert r.exit_code == 0, r.output
     for f in ("profile.json", "profile.measurements.json", "predicted/metrics.json", "measured/metrics.json",
               "measured-2/metrics.json", "validation.json", "report.html"):

@@ -81,3 +81,31 @@ def test_predicted_and_measured_count_the_same_over_the_same_passes(tmp_path):
         assert pred[p]["decode_passes"] == 16 and pred[p]["late"] == 0      # the host copies: nothing in flight
     assert pred["ondemand"]["demand"] > 0 and pred["commit"]["skipped"] > 0 and pred["static"]["fallbacks"] > 0
     assert pred["upper"]["hit_rate"] == 1.0 and pred["upper"]["loads"] == 0
+
+
+def test_the_main_job_fits_a_screen_with_the_summary_first_and_json_on_request(tmp_path):
+    from typer.testing import CliRunner
+
+    from cmoe.cli.app import app
+    prof = tmp_path / "cpu.json"
+    prof.write_text(json.dumps(_cpu_profile().to_dict()))
+    base = ["run", "--device", "cpu", "--policy", "upper,ondemand,oracle", "--tokens", "4", "--profile", str(prof)]
+    r = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) <= 12, r.output
+    assert lines[0].startswith("the embedded model")
+    assert lines[1].startswith("tiny-moe on cpu, batch 1, 4 decode tokens, w4g128 experts: fastest measured ")
+    assert lines[2].split() == ["policy", "predicted", "measured", "error", "x", "upper", "x", "oracle", "hit",
+                                "loads", "fallback", "skipped"]
+    assert [ln.split()[0] for ln in lines[3:6]] == ["upper", "ondemand", "oracle"]
+    assert any(ln.startswith("noise: ") for ln in lines)
+    r = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "b"), "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert [p["policy"] for p in doc["policies"]] == ["upper", "ondemand", "oracle"]
+    assert doc["policies"][0]["x_upper"] == 1.0 and doc["policies"][2]["x_oracle"] == 1.0
+    meas = {m["policy"]: m for m in json.loads((tmp_path / "b" / "measured" / "metrics.json").read_text())}
+    assert doc["policies"][1]["measured_tok_s"] == meas["ondemand"]["tokens_per_s"]
+    r = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "c"), "--quiet"])
+    assert r.exit_code == 0 and r.output == ""

@@ -332,14 +332,25 @@ def run_cmd(
     repeat: Annotated[int, typer.Option(min=1, max=100, help="Execute the policies this many times (measured-2/, ...): the error against their mean and their spread.")] = 1,
     out: Annotated[Path, typer.Option(help="Folder for profile, predicted/, measured/, validation.json, report.html.")] = Path("cmoe-run"),
     force: Annotated[bool, typer.Option(help="Replace an existing --out folder whole.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also print the calibration table, both engines' tables and every policy's validation as they come.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout, nothing else.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors (the results are in --out).")] = False,
 ) -> None:
-    """Calibrate, simulate, execute and validate one configuration in one go."""
+    """Calibrate, simulate, execute and validate one configuration in one go; prints a summary."""
+    import json
+    import sys
+
     from cmoe.cli.common import policy_names
     from cmoe.pipeline import run_all
     names = policy_names(policy, "--policy")
-    run_all(out, spec_name=spec, model_dir=model, trace_src=trace, policies=tuple(names), pool_gb=pool_gb,
-            batch=batch, tokens=tokens, quant=quant, device=device, profile=profile, slots=slots, repeat=repeat,
-            echo=typer.echo, force=force)
+    silent = quiet or json_out
+    say = (lambda *_: None) if silent else typer.echo
+    doc = run_all(out, spec_name=spec, model_dir=model, trace_src=trace, policies=tuple(names), pool_gb=pool_gb,
+                  batch=batch, tokens=tokens, quant=quant, device=device, profile=profile, slots=slots, repeat=repeat,
+                  echo=say, force=force, detail=typer.echo if verbose and not silent else (lambda *_: None),
+                  progress=sys.stderr.isatty() and not silent)
+    if json_out:
+        typer.echo(json.dumps(doc, indent=1))
 
 
 @app.command()

@@ -198,13 +198,13 @@ def device_label_and_memory(device: torch.device) -> tuple[str, int]:
 
 
 def calibrate(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4, model_dir=None,
-              name: str | None = None, built=None):
+              name: str | None = None, built=None, progress: bool = True):
     """Measure, then fit a profile (weight widths not measured keep the h200 profile's speeds).
     Returns the profile and the measurements it was fitted to. `built`: measure the layers on this
     already built workload (see `layers`)."""
     from cmoe.hw import H200
     from cmoe.profile_fit import fit_profile, noise, with_expert_classes
-    m = measure(device, spec, fmt, num_layers, model_dir, built=built)
+    m = measure(device, spec, fmt, num_layers, model_dir, progress=progress, built=built)
     label, mem = device_label_and_memory(device)
     m["device"] = {"label": label, "memory_bytes": mem, "date": time.strftime("%Y-%m-%d")}
     m["noise"] = noise(m["repeats"]).to_dict()
