@@ -114,19 +114,24 @@ def summary(rec: RunRecord) -> dict:
     pre_us = sum(us for _, d, _, us in rec.pass_us if not d)
     dec_tokens, dec_us = sum(n for n, _ in dec), sum(us for _, us in dec)
     lat = [us for _, us in dec]
-    ran = rec.total("ran", True)
+    keep = {p for p, d, _, _ in rec.pass_us if d}
+    counts = [c for p, c in rec.per_pass.items() if p in keep]        # rec.total(name, True), filtered once
+
+    def total(name: str):
+        return sum(getattr(c, name) for c in counts)
+    ran = total("ran")
     return {
         "scope": SCOPE, "decode_passes": len(dec),
         "tokens_per_s": dec_tokens / dec_us * 1e6 if dec_us else float("nan"),
         "tpot_ms_mean": statistics.fmean(lat) / 1e3 if lat else float("nan"),
         "tpot_ms_p50": percentile(lat, 0.5) / 1e3, "tpot_ms_p99": percentile(lat, 0.99) / 1e3,
         "prefill_ms": pre_us / 1e3, "prefill_loads": int(rec.total("loads", False)), "decode_tokens": dec_tokens,
-        "stall_ms": rec.total("stall_us", True) / 1e3, "bytes_moved": int(rec.total("bytes_moved", True)),
-        "loads": int(rec.total("loads", True)),
-        "hit_rate": rec.total("hits", True) / ran if ran else 1.0,
-        "hits": int(rec.total("hits", True)), "late": int(rec.total("late", True)),
-        "demand": int(rec.total("demand", True)),
-        "fallbacks": int(rec.total("fallbacks", True)), "skipped": int(rec.total("skipped", True)),
+        "stall_ms": total("stall_us") / 1e3, "bytes_moved": int(total("bytes_moved")),
+        "loads": int(total("loads")),
+        "hit_rate": total("hits") / ran if ran else 1.0,
+        "hits": int(total("hits")), "late": int(total("late")),
+        "demand": int(total("demand")),
+        "fallbacks": int(total("fallbacks")), "skipped": int(total("skipped")),
         "mean_occupancy": statistics.fmean(occ) if (occ := [o for (_, d, _, _), o in zip(rec.pass_us, rec.occupancy) if d])
         else 0,
     }

@@ -232,12 +232,20 @@ class Oracle(Policy):
         assert future is not None, "oracle needs the trace's future"
         self.future = future
         self.k = -1                                       # the pass being run
-        self.uses: list[dict[int, list[int]]] = [{} for _ in layout.slots]   # [m] expert -> passes needing it
-        for k, layers in enumerate(future):
-            for m, need in enumerate(layers):
-                for e in need:
-                    self.uses[m].setdefault(e, []).append(k)
+        self._uses: list[dict[int, list[int]]] | None = None
         self.after = 0                                    # victims are judged by their next use after this pass
+
+    @property
+    def uses(self) -> list[dict[int, list[int]]]:
+        """[m] expert -> the passes needing it, ascending; built on first use (the compiled
+        replay reads the future from its own arrays and never needs it)."""
+        if self._uses is None:
+            self._uses = [{} for _ in self.layout.slots]
+            for k, layers in enumerate(self.future):
+                for m, need in enumerate(layers):
+                    for e in need:
+                        self._uses[m].setdefault(e, []).append(k)
+        return self._uses
 
     def next_use(self, m: int, e: int) -> float:
         ks = self.uses[m].get(e, ())

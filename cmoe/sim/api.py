@@ -1,17 +1,14 @@
-"""`cmoe simulate` and `cmoe sweep` as library calls: pick the trace, run policies, write outputs."""
+"""`cmoe simulate` as library calls: run policies on a trace, write outputs (`cmoe sweep` is
+`cmoe.sweep`)."""
 
 from __future__ import annotations
 
-import itertools
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
-from cmoe.errors import CmoeError
-from cmoe.hw import HardwareProfile, load_profile
+from cmoe.hw import HardwareProfile
 from cmoe.sim.run import SimConfig, SimResult, simulate
 from cmoe.trace.bundle import Trace
-from cmoe.trace.load import load_trace
 from cmoe.util import atomic_dir, write_text_atomic
 
 # Peak memory of a simulation, per token, MoE layer and policy (its spans), measured on the default
@@ -22,8 +19,10 @@ MEM_BASE = 100e6
 
 
 def run_policies(t: Trace, profile: HardwareProfile, policies: list[str], pool_gb: float, batch: int,
-                 slots: int | None = None) -> list[SimResult]:
-    return [simulate(t, profile, SimConfig(policy=p, pool_gb=pool_gb, batch=batch, slots=slots)) for p in policies]
+                 slots: int | None = None, engine: str = "replay", timeline: bool = True) -> list[SimResult]:
+    """`timeline=False`: metrics only, no spans kept (cmoe simulate without --out)."""
+    return [simulate(t, profile, SimConfig(policy=p, pool_gb=pool_gb, batch=batch, slots=slots, engine=engine),
+                     timeline=timeline) for p in policies]
 
 
 def table(results: list[SimResult]) -> str:
@@ -59,62 +58,3 @@ def write_outputs(out: Path, t: Trace, profile: HardwareProfile, results: list[S
             write_passes(r.run.pass_rows(), tmp / f"passes-{name}.json")
             write_text_atomic(tmp / f"policy-{name}.json", json.dumps(r.policy_json(t, profile), indent=1))
         write_text_atomic(tmp / "metrics.json", json.dumps([r.metrics for r in results], indent=1))
-
-
-@dataclass(frozen=True)
-class SweepPoint:
-    trace: str
-    profile: str
-    pool_gb: float
-    policy: str
-    batch: int
-    quant: str | None
-
-
-def _run_point(p: SweepPoint) -> dict:
-    base = {"trace": p.trace, "profile": p.profile, "pool_gb": p.pool_gb, "policy": p.policy, "batch": p.batch}
-    try:
-        t = load_trace(p.trace, p.quant, p.batch)
-        r = simulate(t, load_profile(p.profile), SimConfig(policy=p.policy, pool_gb=p.pool_gb, batch=p.batch))
-        return {**base, **{k: v for k, v in r.metrics.items() if k not in base}, "error": ""}
-    except CmoeError as e:
-        return {**base, "error": str(e)}
-    except MemoryError:
-        return {**base, "error": "out of memory: a shorter trace or a smaller batch needs less"}
-
-
-def sweep(traces: list[str], profiles: list[str], pools: list[float], policies: list[str], batches: list[int],
-          quant: str | None, jobs: int, progress: bool = True) -> list[dict]:
-    from concurrent.futures import ProcessPoolExecutor
-
-    from tqdm import tqdm
-    for pr in profiles:
-        load_profile(pr)                                    # fail fast on a bad name
-    points = [SweepPoint(*x, quant) for x in itertools.product(traces, profiles, pools, policies, batches)]
-    if not points:
-        raise CmoeError("the sweep's grid is empty: give at least one trace, profile, pool size, policy and batch")
-    if jobs <= 1:
-        rows = [_run_point(p) for p in tqdm(points, disable=None if progress else True, desc="sweep")]
-    else:
-        with ProcessPoolExecutor(jobs) as ex:
-            rows = list(tqdm(ex.map(_run_point, points), total=len(points), disable=None if progress else True, desc="sweep"))
-    return rows
-
-
-def check_sweep(rows: list[dict]) -> list[dict]:
-    """Refuse a sweep none of whose points ran, naming the first point's error; else the rows."""
-    if rows and all(r["error"] for r in rows):
-        r = rows[0]
-        raise CmoeError(f"none of the {len(rows)} grid points could run; the first ({r['trace']}, {r['profile']}, "
-                        f"pool {r['pool_gb']:g} GB, {r['policy']}, batch {r['batch']}): {r['error']}")
-    return rows
-
-
-def write_sweep(rows: list[dict], path: Path, force: bool = False) -> Path:
-    import polars as pl
-
-    from cmoe.util import atomic_path, check_output
-    check_output(path, force)
-    with atomic_path(path) as tmp:
-        pl.DataFrame(rows, infer_schema_length=None).write_parquet(tmp)
-    return path

@@ -75,9 +75,16 @@ class SimRun(RunRecord):
     log: list[tuple] = field(default_factory=list)                              # (t, what, layer, slot, expert)
 
 
+class _NoSpans(list):
+    """Where no timeline is asked for: spans are dropped as they come (memory flat in trace length)."""
+
+    def append(self, span) -> None:
+        pass
+
+
 class Simulation:
     def __init__(self, policy: Policy, profile: HardwareProfile, costs: Costs, passes: list[Pass],
-                 record_log: bool = False):
+                 record_log: bool = False, keep_spans: bool = True):
         self.policy, self.hw, self.c, self.passes = policy, profile, costs, passes
         self.env = simpy.Environment()
         self.queue = simpy.Store(self.env) if profile.copy_fifo else simpy.PriorityStore(self.env)
@@ -88,7 +95,7 @@ class Simulation:
         self.pass_index = 0
         self.slots = [[_Slot() for _ in range(n)] for n in policy.layout.slots]
         self.ready: dict[tuple[int, int], simpy.Event] = {}
-        self.run = SimRun()
+        self.run = SimRun() if keep_spans or record_log else SimRun(spans=_NoSpans())
         self.record_log = record_log
         self.seq = 0
         for i in range(profile.copy_engines):

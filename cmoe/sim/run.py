@@ -13,7 +13,10 @@ from cmoe.policy.policies import make_policy
 from cmoe.policy.pool import PoolLayout, plan_layout
 from cmoe.sim.engine import SimRun, Simulation, costs_for
 from cmoe.trace.bundle import Trace, fingerprint
-from cmoe.trace.passes import check_predictions, make_passes, popularity
+from cmoe.trace.pass_arrays import Future, PassArrays, build, to_passes
+from cmoe.trace.passes import check_predictions, popularity
+
+ENGINES = ("replay", "simpy")   # the compiled replay (cmoe.sim.replay), or the SimPy model of record
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,7 @@ class SimConfig:
     slots: int | None = None          # pin the slots per block instead of deriving them from pool_gb
     groups: int | None = None         # replay only the first groups of `batch` requests ...
     decode_steps: int | None = None   # ... and at most this many decode steps each (what the executor runs)
+    engine: str = "replay"            # replay: the same spans and metrics as simpy, ~26x faster (BENCHMARKS.md)
 
 
 @dataclass
@@ -76,18 +80,68 @@ def layout_for(trace: Trace, cfg: SimConfig) -> tuple[PoolLayout, dict]:
     return plan_layout(trace.slot_bytes, spec.num_experts, budget["expert_bytes"], spec.top_k), budget
 
 
-def simulate(trace: Trace, profile: HardwareProfile, cfg: SimConfig, record_log: bool = False) -> SimResult:
+def check_engine(engine: str) -> None:
+    if engine not in ENGINES:
+        raise CmoeError(f"unknown engine '{engine}': choose replay (fast, the same results) or simpy")
+
+
+_CACHE: list = []           # the last few (trace, key, value): passes and per-trace constants, most recent last
+
+
+def _cached(trace: Trace, key: tuple, make):
+    for t, k, v in _CACHE:
+        if t is trace and k == key:
+            return v
+    v = make()
+    _CACHE[:] = [*_CACHE[-7:], (trace, key, v)]
+    return v
+
+
+def clear_cache() -> None:
+    """Forget the passes and per-trace constants (benchmarks time whole calls)."""
+    _CACHE.clear()
+
+
+def passes_for(trace: Trace, cfg: SimConfig) -> PassArrays:
+    """The trace's passes for cfg, built once per trace and batch (policies of a run share them)."""
+    key = (cfg.batch, cfg.include_prefill, cfg.groups, cfg.decode_steps)
+    return _cached(trace, ("passes", *key), lambda: build(trace, *key))
+
+
+def _facts(trace: Trace) -> tuple:
+    """What a run needs of the trace whatever its settings: (popularity, Costs, padding table)."""
+    return _cached(trace, ("facts",), lambda: (popularity(trace), costs_for(trace, trace.spec, trace.recipe),
+                                              padding_table(trace.expert_bytes)))
+
+
+def _have_numba() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("numba") is not None
+
+
+def simulate(trace: Trace, profile: HardwareProfile, cfg: SimConfig, record_log: bool = False,
+             timeline: bool = True) -> SimResult:
+    """One policy on one trace. `timeline=False`: no spans are kept (metrics only; memory stays
+    flat in trace length)."""
+    check_engine(cfg.engine)
     check_compatible(trace, profile, cfg.pool_gb)
     check_predictions(trace, [cfg.policy])
     layout, budget = layout_for(trace, cfg)
-    passes = make_passes(trace, cfg.batch, cfg.include_prefill, cfg.groups, cfg.decode_steps)
-    policy = make_policy(cfg.policy, layout, trace.spec.num_experts, popularity(trace), [p.needed for p in passes])
-    run = Simulation(policy, profile, costs_for(trace, trace.spec, trace.recipe), passes, record_log).simulate()
+    pa = passes_for(trace, cfg)
+    pop, costs, _ = _facts(trace)
+    if cfg.engine == "simpy" or not _have_numba():      # the GPU image has no numba: same results, slower
+        passes = to_passes(pa)
+        policy = make_policy(cfg.policy, layout, trace.spec.num_experts, pop, [p.needed for p in passes])
+        run = Simulation(policy, profile, costs, passes, record_log, keep_spans=timeline).simulate()
+    else:
+        from cmoe.sim.replay import Replay
+        policy = make_policy(cfg.policy, layout, trace.spec.num_experts, pop, Future(pa))
+        run = Replay(policy, profile, costs, pa, record_log, keep_spans=timeline).simulate()
     return SimResult(cfg, layout, budget, run, metrics(trace, layout, run, cfg))
 
 
 def metrics(trace: Trace, layout: PoolLayout, run: SimRun, cfg: SimConfig) -> dict:
-    pads = padding_table(trace.expert_bytes)
+    pads = _facts(trace)[2]
     waste = sum(p.waste_bytes * n / p.num_experts for p, n in zip(pads, layout.slots))
     return {
         "policy": cfg.policy, "pool_gb": cfg.pool_gb, "batch": cfg.batch, "model": trace.spec.name,

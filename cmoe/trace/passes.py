@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cmoe.errors import CmoeError
-from cmoe.trace.bundle import DECODE, PREFILL, Trace
+from cmoe.trace.bundle import DECODE, Trace
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Pass:
 
 def ranked(rows: list[list[int]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Token rows of expert ids -> experts by descending count (ties: first seen, i.e. by the
-    first token's weight order) and their counts. Plain Python: passes are small."""
+    first token's weight order) and their counts."""
     counts: dict[int, int] = {}
     for row in rows:
         for e in row:
@@ -45,37 +45,10 @@ def ranked(rows: list[list[int]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
 def make_passes(t: Trace, batch: int, include_prefill: bool = True, groups: int | None = None,
                 decode_steps: int | None = None) -> list[Pass]:
     """Every group of `batch` requests (or the first `groups`), each with at most `decode_steps`
-    decode passes: what `cmoe execute` replays is `groups=1, decode_steps=--tokens`."""
-    if batch < 1:
-        raise CmoeError(f"batch must be at least 1, got {batch}")
-    reqs = np.unique(t.request)
-    if reqs.size < batch:
-        raise CmoeError(f"the trace has {reqs.size} requests but batch {batch} needs at least {batch}: "
-                        f"trace more prompts or generate with --requests {batch}")
-    M = t.spec.num_moe_layers
-    experts, pred = t.experts.tolist(), t.pred_experts.tolist()       # [T][M][K]
-    passes: list[Pass] = []
-    starts = list(range(0, reqs.size - batch + 1, batch))[:groups]
-    for g in starts:
-        group = reqs[g:g + batch]
-        in_group = np.isin(t.request, group)
-        todo = []
-        if include_prefill:
-            pre = np.nonzero(in_group & (t.phase == PREFILL))[0]
-            if pre.size:
-                todo.append((False, pre))
-        dec = np.nonzero(in_group & (t.phase == DECODE))[0]
-        order = np.lexsort((t.request[dec], t.step[dec]))
-        dec, steps = dec[order], t.step[dec[order]]
-        for s in np.unique(steps)[:decode_steps]:
-            todo.append((True, dec[steps == s]))
-        for decode, idx in todo:
-            rows = idx.tolist()
-            need = [ranked([experts[i][m] for i in rows]) for m in range(M)]
-            guess = [ranked([pred[i][m] for i in rows])[0] for m in range(M)]
-            passes.append(Pass(len(passes), decode, idx, tuple(r[0] for r in need), tuple(guess),
-                               tuple(r[1] for r in need), int(t.step[idx].astype(np.int64).sum()) + len(rows)))
-    return passes
+    decode passes: what `cmoe execute` replays is `groups=1, decode_steps=--tokens`. Built for
+    all passes at once (`cmoe.trace.pass_arrays`; each (pass, layer) ranked as `ranked` does)."""
+    from cmoe.trace.pass_arrays import build, to_passes
+    return to_passes(build(t, batch, include_prefill, groups, decode_steps))
 
 
 def has_predictions(t: Trace) -> bool:

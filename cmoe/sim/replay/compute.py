@@ -1,0 +1,176 @@
+"""The compute process of `cmoe.sim.engine.Simulation._compute`, line for line, over decisions
+already made (`decide.Decisions`) and the clock of `clock.py`. Read the two side by side: the
+names (H, G, last, t_in, due, ...) and the order of every sum are the engine's."""
+
+from __future__ import annotations
+
+from numba import njit
+
+from cmoe.sim.replay.clock import (DRAINED, ENGINES, ERR, FIFO, G_, H_, HALF_RT, HEAD, HEAD_SPAN, HOST_HEAD,
+                                   HOST_PASS_START, HOST_SYNC, HX0, HX1, IN_FLIGHT, NOW, OP_ATTN,
+                                   OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, PARAMS,
+                                   PASS_INDEX, PASS_START, PREV_END, CPU_TOK, SLOW, TAIL, TFLOPS,
+                                   W_DRAINED, W_READY, _advance, copying, _issue, _release, _span, _sync, pmax)
+
+
+@njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False)
+def _votes(x, p, m, e, M):
+    """votes.get(e, 1): the tokens routed to e in pass p, layer m."""
+    i = p * M + m
+    for j in range(x.votes_ptr[i], x.votes_ptr[i + 1]):
+        if x.votes_e[j] == e:
+            return x.votes_n[j]
+    return 1
+
+
+@njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False)
+def _own(d, l0, l1, m, e):
+    """Is e in {ld.expert for ld in plan.loads if ld.layer == m}?"""
+    for i in range(l0, l1):
+        if d.l_layer[i] == m and d.l_e[i] == e:
+            return True
+    return False
+
+
+@njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False)
+def _deferred(d, g0, g1, i, m, fifo):
+    """FIFO: a load overwriting an expert this layer still reads waits behind its kernel."""
+    if not fifo or d.l_layer[i] != m or d.l_victim[i] < 0:
+        return False
+    for g in range(g0, g1):
+        if d.g_e[g] == d.l_victim[i]:
+            return True
+    return False
+
+
+@njit(cache=True, _nrt=False)
+def run(c, x, o, d, p0, p1, M):
+    """Passes [p0, p1) with their decisions in `d` (step 0 of a pass: begin_pass; 1 + m: layer m)."""
+    H, G, prev_end = c.F[H_], c.F[G_], c.F[PREV_END]
+    slow = x.hwf[SLOW]
+    fifo = x.hwi[FIFO]
+    half = x.hwf[HALF_RT]
+    cpu = 1 + x.hwi[ENGINES]                            # the CPU's stream code
+    for p in range(p0, p1):
+        j0 = (p - p0) * (M + 1)
+        if c.I[IN_FLIGHT]:                              # the device is synchronised between passes
+            c.I[DRAINED] = 1
+            _advance(c, x, o, W_DRAINED, 0)
+        H = pmax(pmax(H, G), c.F[NOW])
+        _sync(c, x, o, H)
+        c.I[PASS_INDEX] = p
+        n = x.ntok[p]
+        last = H
+        H2 = H + x.hwf[HOST_PASS_START]
+        G = pmax(pmax(G, H) + x.hwf[PASS_START], H2)
+        H = H2
+        if x.commit_decode[p]:
+            H = pmax(H, G) + x.hwf[HOST_SYNC]
+            _sync(c, x, o, H)
+        for i in range(d.l_ptr[j0], d.l_ptr[j0 + 1]):
+            _sync(c, x, o, H)
+            H += _issue(c, x, o, d.l_layer[i], d.l_e[i], d.l_slot[i], d.l_kind[i], p, M)
+        prev_layer = -1
+        for m in range(M):
+            j = j0 + 1 + m
+            dl = x.moe_layers[m]
+            for dense in range(prev_layer + 1, dl):
+                H2 = H + x.dense_host[p]
+                G = pmax(pmax(G, H) + x.dense_gpu[p], H2)
+                H = H2
+                _span(c, o, x, p, dense, 0, OP_DENSE, -1, last, G, 0, -1, -1)
+                last = G
+            prev_layer = dl
+            gpu, host = x.attn_gpu[p], x.attn_host[p]
+            if c.I[IN_FLIGHT] and copying(c, x, pmax(G, H)):
+                gpu *= slow
+            G = pmax(pmax(G, H) + gpu, H + host)
+            H += host
+            _span(c, o, x, p, dl, 0, OP_ATTN, -1, last, G, 0, -1, -1)
+            t_in = G
+            H = pmax(H, G) + x.route_host[p]
+            g0, g1, c0, c1, l0, l1 = d.g_ptr[j], d.g_ptr[j + 1], d.c_ptr[j], d.c_ptr[j + 1], d.l_ptr[j], d.l_ptr[j + 1]
+            o.fallbacks[p] += c1 - c0
+            o.skipped[p] += d.skipped[j]
+            if not fifo:                                # reads of resident experts; a loaded one is read after its write
+                for g in range(g0, g1):
+                    if not _own(d, l0, l1, m, d.g_e[g]):
+                        c.spend[m, d.g_slot[g]] += 1
+            for i in range(l0, l1):
+                if _deferred(d, g0, g1, i, m, fifo):
+                    continue
+                if H > c.F[NOW]:
+                    _sync(c, x, o, H)
+                H += _issue(c, x, o, d.l_layer[i], d.l_e[i], d.l_slot[i], d.l_kind[i], p, M)
+            if c1 > c0:                                 # the hidden states go to the host first
+                _span(c, o, x, p, dl, cpu, OP_RT, -1, H, H + half, 0, -1, -1)
+                H += half
+            if H > t_in:
+                _span(c, o, x, p, dl, 0, OP_ROUTE, -1, t_in, H, 0, -1, -1)
+            for g in range(g0, g1):
+                e, slot = d.g_e[g], d.g_slot[g]
+                due = pmax(G, H)
+                pending = c.rinst[m, e] >= 0 and not c.rtrig[m, e]
+                if pending and due > c.F[NOW]:
+                    _sync(c, x, o, due)         # the copy may land before the kernel is due
+                waited = False
+                landed = 0.0
+                if c.rinst[m, e] >= 0 and not c.rtrig[m, e]:
+                    _advance(c, x, o, W_READY, c.rinst[m, e])
+                    waited, landed = True, c.F[NOW]
+                wait = pmax(0.0, landed - due) if waited else 0.0
+                if _own(d, l0, l1, m, e):
+                    o.demand[p] += 1
+                elif wait > 0:
+                    o.late[p] += 1
+                else:
+                    o.hits[p] += 1
+                o.stall[p] += wait
+                start = due + wait
+                rows = n if x.all_rows[p] else _votes(x, p, m, e, M)
+                extra = rows - 1 if rows > 1 else 0
+                issue = x.hwf[HX0] + x.hwf[HX1] * extra
+                dur = x.xfix[m, e] + 2 * x.hwi[PARAMS] * extra / x.hwf[TFLOPS] * 1e6
+                if c.I[IN_FLIGHT] and copying(c, x, start):
+                    dur *= slow
+                G = pmax(start + dur, H + issue - x.hwf[TAIL])
+                H += issue
+                _span(c, o, x, p, dl, 0, OP_EXPERT, e, start, G, x.ebytes[m, e], m, slot)
+                c.sfree[m, slot] = pmax(c.sfree[m, slot], G)
+                if fifo:
+                    for i in range(l0, l1):
+                        if _deferred(d, g0, g1, i, m, fifo) and d.l_victim[i] == e:
+                            _sync(c, x, o, H)
+                            H += _issue(c, x, o, d.l_layer[i], d.l_e[i], d.l_slot[i], d.l_kind[i], p, M)
+                else:
+                    c.spend[m, slot] -= not _own(d, l0, l1, m, e)
+                    _release(c, x, m, slot)
+            if c1 > c0:                                 # the host runs them, then sends the results back
+                cpu_t = H
+                for k in range(c0, c1):
+                    e = d.c_e[k]
+                    rows = _votes(x, p, m, e, M)
+                    if x.hwf[CPU_TOK]:
+                        dur = x.cpu1[m, e] + x.hwf[CPU_TOK] * (rows - 1 if rows > 1 else 0)
+                    else:
+                        dur = x.cpu1[m, e] * pmax(1.0, rows / 8)
+                    _span(c, o, x, p, dl, cpu, OP_CPU, e, cpu_t, cpu_t + dur, x.ebytes[m, e], -1, -1)
+                    cpu_t += dur
+                _span(c, o, x, p, dl, cpu, OP_RT, -1, cpu_t, cpu_t + half, 0, -1, -1)
+                H = cpu_t + half
+                if H > G:                               # the GPU waits for the CPU's results
+                    o.stall[p] += H - G
+                    G = H
+            last = pmax(G, H)
+        H2 = H + x.hwf[HOST_HEAD]
+        G = pmax(pmax(G, H) + x.hwf[HEAD], H2)
+        H = H2
+        if x.hwi[HEAD_SPAN]:
+            _span(c, o, x, p, -1, 0, OP_HEAD, -1, last, G, 0, -1, -1)
+        H = pmax(H, G)                                  # the host waits for the logits
+        _sync(c, x, o, H)
+        o.pass_us[p] = G - prev_end
+        prev_end = G
+        if c.I[ERR]:
+            break
+    c.F[H_], c.F[G_], c.F[PREV_END] = H, G, prev_end

@@ -1,0 +1,130 @@
+"""`Replay`: the SimPy model's results without SimPy. Same constructor and result as
+`cmoe.sim.engine.Simulation` (a `SimRun`: spans, per-pass figures, occupancy, the slot log),
+the same policy object, the same costs; passes as `PassArrays` (or a list of `Pass`).
+
+No policy reads the clock, so a run is a fixed schedule: the passes are cut into chunks; for
+each, the policy's decisions are made first (its compiled twin, `decide.py`, or the object's own
+`plan` for a class without one), then the clock replays them (`compute.py` over `clock.py`).
+Memory: with `keep_spans=False` a run holds its per-pass figures and one chunk's decisions, so
+it stays flat in trace length; spans, when kept, are columns until the end.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cmoe.hw import HardwareProfile
+from cmoe.metrics import PassCounts
+from cmoe.policy.policies import Policy
+from cmoe.sim.engine import Costs, SimRun
+from cmoe.sim.replay import clock as ck
+from cmoe.sim.replay.compute import run as run_passes
+from cmoe.sim.replay.decide import decide, decisions
+from cmoe.sim.replay.spans import Spans
+from cmoe.sim.replay.state import decide_python, export, has_twin, pass_data, restore
+from cmoe.trace.pass_arrays import PassArrays, from_passes
+
+CHUNK_CELLS = 1 << 16          # (pass, layer, expert) cells of decisions held at once (~7 MB of buffers)
+
+
+def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, keep_spans: bool) -> ck.Costs:
+    """Every cost the clock reads, computed with the profile's own methods (per distinct size and
+    token count), so the arithmetic is the SimPy model's."""
+    M, E = len(c.moe_layers), policy.E
+    h2d, xfix, cpu1, eb = np.zeros((M, E)), np.zeros((M, E)), np.zeros((M, E)), np.zeros((M, E), np.int64)
+    memo: dict = {}
+    for m in range(M):
+        for e in range(E):
+            b, bits = c.expert_bytes[m][e], c.expert_bits[m][e]
+            if (b, bits) not in memo:
+                memo[b, bits] = (hw.h2d_us(b), hw.expert_us(b, bits, 1, c.expert_params), hw.cpu_expert_us(b, 1))
+            h2d[m, e], xfix[m, e], cpu1[m, e] = memo[b, bits]
+            eb[m, e] = b
+    ns, inv = np.unique(pa.ntok, return_inverse=True)
+    predict = hw.predict_layer_us if policy.uses_prediction else 0.0
+    per_n = np.array([[hw.layer_us(n, c.attn_bytes), hw.host_layer(n), hw.host_sync_us + hw.host_route(n) + predict,
+                       hw.host_expert(n),
+                       hw.expert_us(c.dense_bytes, c.dense_bits, n, c.dense_bytes) if c.dense_bytes else 0.0,
+                       hw.expert_us(c.shared_bytes, c.dense_bits, n, c.shared_bytes) if c.shared_bytes else 0.0]
+                      for n in ns.tolist()]).reshape(-1, 6)[inv]
+    layer_gpu = per_n[:, 0] + hw.attn_us_per_ctx_token * pa.context
+    layer_host = per_n[:, 1]
+    commit_decode = pa.decode & (policy.name == "commit")
+    route_host = per_n[:, 2].copy()
+    route_host[commit_decode] += hw.commit_route_us
+    dense_host, dense_gpu = layer_host + per_n[:, 3], layer_gpu + per_n[:, 4]
+    attn_gpu = layer_gpu + per_n[:, 5] if c.shared_bytes else layer_gpu
+    attn_host = layer_host + per_n[:, 3] if c.shared_bytes else layer_host
+    hwf = np.array([1.0 + hw.copy_compute_slowdown, hw.host_load_us, hw.host_expert_us, hw.host_expert_us_per_token,
+                    hw.host_expert_tail_us, hw.roundtrip_us / 2, hw.cpu_expert_us_per_token, hw.matmul_tflops * 1e12,
+                    hw.host_sync_us, hw.pass_start_us, hw.host_pass_start_us, hw.head_us, hw.host_head_us])
+    hwi = np.array([hw.copy_engines, hw.copy_fifo, hw.copy_on_host, c.expert_params, keep_spans,
+                    bool(hw.head_us or hw.host_head_us)], np.int64)
+    c_ = np.ascontiguousarray                    # one array type everywhere: numba compiles once
+    return ck.Costs(h2d, xfix, eb, cpu1, np.array(c.moe_layers, np.int64), hwf, hwi, c_(layer_gpu), c_(layer_host),
+                    c_(route_host), c_(dense_gpu), c_(dense_host), c_(attn_gpu), c_(attn_host), c_(pa.ntok),
+                    c_(commit_decode), c_(pa.ntok <= hw.dense_rows), c_(pa.need_ptr), c_(pa.need), c_(pa.votes))
+
+
+class Replay:
+    def __init__(self, policy: Policy, profile: HardwareProfile, costs: Costs, passes, record_log: bool = False,
+                 keep_spans: bool = True):
+        self.policy, self.hw, self.c = policy, profile, costs
+        self.pa = passes if isinstance(passes, PassArrays) else from_passes(passes, len(costs.moe_layers))
+        self.record_log, self.keep = record_log, keep_spans or record_log
+
+    def simulate(self) -> SimRun:
+        pa, pol, M = self.pa, self.policy, len(self.c.moe_layers)
+        P, E = pa.num_passes, pol.E
+        x = cost_tables(pol, self.hw, self.c, pa, self.keep)
+        c = ck.new_clock(M, E, max(pol.layout.slots), self.hw.copy_engines, (M + 1) * 2 * E + 16)
+        out = ck.new_out(0, P)
+        spans = Spans(self.hw.copy_engines, self.keep)
+        ck.start(c, x, out)
+        twin = has_twin(pol)
+        st, pd = (export(pol, pa), pass_data(pa)) if twin else (None, None)
+        chunk = max(1, CHUNK_CELLS // ((M + 1) * E))
+        d = decisions(min(chunk, P) * (M + 1), min(chunk, P), E)
+        occupancy = np.zeros(P, np.int64)
+        for p0 in range(0, P, chunk):
+            p1 = min(P, p0 + chunk)
+            if twin:
+                decide(st, d, pd, p0, p1, P)
+            else:
+                decide_python(pol, pa, d, p0, p1)
+            occupancy[p0:p1] = d.occupancy[:p1 - p0]
+            cap = (p1 - p0) * (4 * M + max(self.c.moe_layers) + 3) + int(d.n[0] + d.n[1] + d.n[2] + c.I[ck.IN_FLIGHT]) + 8
+            o = spans.buffer(out, cap)
+            c.I[ck.NSPAN] = 0
+            run_passes(c, x, o, d, p0, p1, M)
+            self._check(c)
+            spans.keep_chunk(o, int(c.I[ck.NSPAN]))
+        o = spans.buffer(out, int(c.I[ck.IN_FLIGHT]) + 8)
+        c.I[ck.NSPAN] = 0
+        ck.finish(c, x, o)
+        self._check(c)
+        spans.keep_chunk(o, int(c.I[ck.NSPAN]))
+        if twin:
+            restore(pol, st)
+        return self._record(out, occupancy, spans)
+
+    @staticmethod
+    def _check(c) -> None:
+        err = int(c.I[ck.ERR])
+        assert err != ck.ERR_TWICE, "a load's ready event triggered twice (the SimPy model fails here too)"
+        assert err != ck.ERR_RING, "replay buffers overflowed"
+
+    def _record(self, out, occupancy, spans: Spans) -> SimRun:
+        pa = self.pa
+        run = SimRun()
+        dec, ntok = pa.decode.tolist(), pa.ntok.tolist()
+        cols = [getattr(out, f).tolist() for f in ("hits", "late", "demand", "fallbacks", "skipped", "loads",
+                                                   "bytes_moved", "stall")]
+        run.per_pass = {p: PassCounts(*row) for p, row in enumerate(zip(*cols))}
+        run.pass_us = list(zip(range(pa.num_passes), dec, ntok, out.pass_us.tolist()))
+        run.occupancy = occupancy.tolist()
+        if self.keep:
+            run.spans, log = spans.tuples(self.record_log)
+            if self.record_log:
+                run.log = log
+        return run

@@ -1,0 +1,244 @@
+"""The compiled replay against the SimPy model of record: identical spans, per-pass figures,
+occupancy, slot logs and metrics (compared with ==), on every policy, several models, batch > 1
+and profiles that exercise every mechanism (priority and FIFO copy queues, one and two copy
+engines, host copies, slow hosts, CPU fallbacks, the copy/compute slowdown, integer times whose
+ties SimPy breaks by event order); the compiled policy twins against the Python classes; the
+vectorised passes against the old per-pass code; memory without timelines."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from cmoe.hw import H200, HardwareProfile
+from cmoe.policy.policies import POLICIES, OnDemand, make_policy
+from cmoe.policy.pool import PoolLayout
+from cmoe.quant import recipe
+from cmoe.sim.engine import Costs, Simulation, costs_for
+from cmoe.sim.replay import Replay
+from cmoe.sim.run import SimConfig, layout_for, simulate
+from cmoe.spec import ModelSpec, preset
+from cmoe.trace.bundle import DECODE, PREFILL, Trace
+from cmoe.trace.pass_arrays import Future, build, to_passes
+from cmoe.trace.passes import make_passes, popularity, ranked
+from cmoe.trace.synthetic import SyntheticParams, generate
+
+EAGER = replace(H200, copy_fifo=True, host_layer_us=900.0, host_expert_us=150.0, host_expert_tail_us=10.0,
+                host_route_us=100.0, host_sync_us=80.0, predict_layer_us=150.0, host_head_us=400.0,
+                host_load_us=7.0, commit_route_us=30.0, head_us=50.0, pass_start_us=20.0)
+TWO_ENGINES = replace(H200, copy_engines=2, dense_rows=4, cpu_expert_us_per_token=3.0)
+ON_HOST = replace(EAGER, copy_on_host=True, copy_engines=2, host_expert_us_per_token=4.0, host_attn_us_per_token=2.0)
+# integer times everywhere: copies and kernels end on the same instants, SimPy's event order decides
+FLAT = HardwareProfile(name="flat", gpu_mem_bytes=10**12, h2d_pinned=((1, 1.0),), d2h_pinned=((1, 1.0),),
+                       h2d_pageable_gbps=1.0, copy_engines=1, hbm_gbps=1e12, matmul_tflops=1e12,
+                       expert_gbps=(("int4", 0.5), ("int8", 0.5), ("bf16", 0.5)), launch_us=0.0,
+                       layer_fixed_us=10.0, attn_us_per_token=0.0, cpu_expert_gbps=0.1, roundtrip_us=4.0,
+                       copy_compute_slowdown=0.5)
+FLAT2 = replace(FLAT, copy_engines=2, host_layer_us=3.0, host_expert_us=1.0, host_sync_us=1.0)
+FLAT_FIFO = replace(FLAT, copy_fifo=True, host_layer_us=12.0, host_expert_us=2.0, host_route_us=1.0)
+
+
+def same_run(a, b) -> None:
+    assert a.pass_us == b.pass_us
+    assert a.per_pass == b.per_pass
+    assert a.occupancy == b.occupancy
+    assert a.spans == b.spans
+    assert a.log == b.log
+
+
+def both(t, policy, profile, batch, pool_gb=None, slots=None, costs=None):
+    """(SimPy run, replay run, the two policy objects) on the same passes and layout."""
+    cfg = SimConfig(policy=policy, pool_gb=pool_gb or 20, batch=batch, slots=slots)
+    layout = layout_for(t, cfg)[0] if costs is None else PoolLayout((1024,) * t.spec.num_moe_layers,
+                                                                    (slots,) * t.spec.num_moe_layers, 0)
+    costs = costs or costs_for(t, t.spec, t.recipe)
+    passes, pa = make_passes(t, batch), build(t, batch)
+    pa_s = make_policy(policy, layout, t.spec.num_experts, popularity(t), [p.needed for p in passes])
+    pb = make_policy(policy, layout, t.spec.num_experts, popularity(t), Future(pa))
+    a = Simulation(pa_s, profile, costs, passes, record_log=True).simulate()
+    b = Replay(pb, profile, costs, pa, record_log=True).simulate()
+    return a, b, pa_s, pb
+
+
+def trace_of(model, requests, decode, seed=0, prompt=6, quant="w4a16"):
+    return generate(preset(model), recipe(quant), SyntheticParams(requests=requests, prompt_len=prompt,
+                                                                  decode_len=decode, seed=seed))
+
+
+CASES = [  # model, pool GB, batch, profile
+    ("mixtral-8x7b", 20, 1, H200), ("mixtral-8x7b", 16, 4, EAGER), ("mixtral-8x7b", 14, 2, TWO_ENGINES),
+    ("deepseek-v2-lite", 6, 1, H200), ("deepseek-v2-lite", 6, 3, ON_HOST), ("qwen1.5-moe-a2.7b", 6, 2, EAGER),
+    ("olmoe-1b-7b", 3, 4, TWO_ENGINES),
+]
+
+
+@pytest.mark.parametrize("model,pool,batch,profile", CASES, ids=[f"{m}-b{b}-{p.name}-{i}" for i, (m, _, b, p) in enumerate(CASES)])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_replay_equals_simpy(model, pool, batch, profile, policy):
+    t = trace_of(model, requests=2 * batch, decode=12, seed=batch)
+    a, b, pa, pb = both(t, policy, profile, batch, pool)
+    same_run(a, b)
+    assert [list(w.items()) for w in pa.pool.where] == [list(w.items()) for w in pb.pool.where]
+    assert pa.pool.free == pb.pool.free and pa.freq == pb.freq
+
+
+def tiny(M, E, T, seed, requests=1, K=1):
+    """Random hand-sized traces on the FLAT profiles: 1000-byte experts copy in 1 us, run in 2."""
+    rng = np.random.default_rng(seed)
+    spec = ModelSpec(name="tiny", family="mixtral", num_layers=M, hidden=4, expert_ffn=4, num_experts=E, top_k=K,
+                     num_heads=1, num_kv_heads=1, head_dim=4, vocab=8, moe_layers=tuple(range(M)))
+    ex = np.stack([rng.permutation(E)[:K] for _ in range(T * M)]).reshape(T, M, K).astype(np.int16)
+    pred = np.where(rng.random((T, M, K)) < 0.7, ex, rng.integers(0, E, (T, M, K))).astype(np.int16)
+    req = np.repeat(np.arange(requests, dtype=np.int32), T // requests)
+    step = np.tile(np.arange(T // requests, dtype=np.int32), requests)
+    return Trace(experts=ex, weights=np.ones((T, M, K), np.float32), pred_experts=pred, request=req, step=step,
+                 phase=np.where(step < 2, PREFILL, DECODE).astype(np.uint8), spec=spec, recipe=recipe("w4a16"),
+                 expert_bytes=[[1000 * (1 + (e % 3 == 0)) for e in range(E)] for _ in range(M)])
+
+
+def tiny_costs(t):
+    M = t.spec.num_moe_layers
+    return Costs(expert_bytes=t.expert_bytes, expert_bits=[[4] * t.spec.num_experts] * M, expert_params=0,
+                 attn_bytes=0, dense_bytes=0, shared_bytes=0, dense_bits=16, moe_layers=t.spec.moe_layers)
+
+
+@pytest.mark.parametrize("profile", [FLAT, FLAT2, FLAT_FIFO], ids=["flat", "flat-2-engines", "flat-fifo"])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("seed", range(3))
+def test_replay_breaks_ties_as_simpy_does(profile, policy, seed):
+    t = tiny(M=3, E=4, T=24, seed=seed, requests=2 + seed % 2, K=2)
+    batch = 1 + seed % 2
+    slots = 4 if policy == "upper" else 2 + (seed == 2)
+    a, b, _, _ = both(t, policy, profile, batch, slots=slots, costs=tiny_costs(t))
+    same_run(a, b)
+
+
+class MyLru(OnDemand):
+    """A policy the replay has no compiled twin for: its own `plan` decides, in Python."""
+    name = "my-lru"
+
+
+def test_a_policy_without_a_twin_decides_in_python():
+    t = trace_of("mixtral-8x7b", requests=2, decode=10)
+    costs, layout = costs_for(t, t.spec, t.recipe), layout_for(t, SimConfig(policy="ondemand", pool_gb=16))[0]
+    passes, pa = make_passes(t, 1), build(t, 1)
+    a = Simulation(MyLru(layout, 8, popularity(t)), H200, costs, passes).simulate()
+    b = Replay(MyLru(layout, 8, popularity(t)), H200, costs, pa).simulate()
+    same_run(a, b)
+
+
+def test_replay_takes_pass_objects_too():
+    t = trace_of("olmoe-1b-7b", requests=2, decode=8)
+    costs, layout = costs_for(t, t.spec, t.recipe), layout_for(t, SimConfig(policy="commit", pool_gb=3))[0]
+    passes = make_passes(t, 2)
+    a = Simulation(make_policy("commit", layout, 64, popularity(t)), EAGER, costs, passes).simulate()
+    b = Replay(make_policy("commit", layout, 64, popularity(t)), EAGER, costs, passes).simulate()
+    same_run(a, b)
+
+
+@pytest.mark.parametrize("policy", ["commit", "oracle", "lfu-fallback"])
+def test_simulate_gives_the_same_metrics_on_both_engines(policy):
+    t = trace_of("deepseek-v2-lite", requests=4, decode=16)
+    for batch in (1, 2):
+        a = simulate(t, H200, SimConfig(policy=policy, pool_gb=6, batch=batch, engine="simpy"))
+        b = simulate(t, H200, SimConfig(policy=policy, pool_gb=6, batch=batch, engine="replay"))
+        assert a.metrics == b.metrics and a.run.spans == b.run.spans
+
+
+def test_without_a_timeline_no_span_is_kept_and_the_metrics_are_the_same():
+    t = trace_of("mixtral-8x7b", requests=2, decode=16)
+    a = simulate(t, H200, SimConfig(policy="lru-prefetch", pool_gb=16))
+    b = simulate(t, H200, SimConfig(policy="lru-prefetch", pool_gb=16), timeline=False)
+    assert a.metrics == b.metrics and a.run.spans and b.run.spans == []
+
+
+def test_memory_without_a_timeline_stays_flat_in_trace_length():
+    """Extra peak memory per decode token (numpy and Python objects; the compiled code allocates
+    nothing), between two lengths past one chunk of decisions: the per-pass figures the metrics
+    need (~0.6 KB), not the ~35 KB of spans SimPy keeps per Mixtral token."""
+    import tracemalloc
+    peaks = []
+    for decode in (512, 2048):
+        t = trace_of("mixtral-8x7b", requests=2, decode=decode)
+        simulate(t, H200, SimConfig(policy="ondemand", pool_gb=16), timeline=False)      # compiled, passes built
+        tracemalloc.start()
+        simulate(t, H200, SimConfig(policy="ondemand", pool_gb=16), timeline=False)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    per_token = (peaks[1] - peaks[0]) / (2 * (2048 - 512))
+    assert per_token < 1500, per_token
+
+
+def test_an_unknown_engine_is_one_line():
+    from cmoe.errors import CmoeError
+    t = trace_of("mixtral-8x7b", requests=1, decode=2)
+    with pytest.raises(CmoeError, match="unknown engine 'fast': choose replay"):
+        simulate(t, H200, SimConfig(engine="fast"))
+
+
+# passes ------------------------------------------------------------------------------------------
+def old_make_passes(t, batch, include_prefill=True, groups=None, decode_steps=None):
+    """The per-pass code make_passes had before it was vectorised, the reference."""
+    reqs = np.unique(t.request)
+    M = t.spec.num_moe_layers
+    experts, pred = t.experts.tolist(), t.pred_experts.tolist()
+    out = []
+    for g in list(range(0, reqs.size - batch + 1, batch))[:groups]:
+        in_group = np.isin(t.request, reqs[g:g + batch])
+        todo = []
+        if include_prefill:
+            pre = np.nonzero(in_group & (t.phase == PREFILL))[0]
+            if pre.size:
+                todo.append((False, pre))
+        dec = np.nonzero(in_group & (t.phase == DECODE))[0]
+        order = np.lexsort((t.request[dec], t.step[dec]))
+        dec, steps = dec[order], t.step[dec[order]]
+        for s in np.unique(steps)[:decode_steps]:
+            todo.append((True, dec[steps == s]))
+        for decode, idx in todo:
+            rows = idx.tolist()
+            need = [ranked([experts[i][m] for i in rows]) for m in range(M)]
+            guess = [ranked([pred[i][m] for i in rows])[0] for m in range(M)]
+            out.append((len(out), decode, idx.tolist(), tuple(r[0] for r in need), tuple(guess),
+                        tuple(r[1] for r in need), int(t.step[idx].astype(np.int64).sum()) + len(rows)))
+    return out
+
+
+def as_tuples(passes):
+    return [(p.index, p.decode, p.tokens.tolist(), p.needed, p.predicted, p.votes, p.context) for p in passes]
+
+
+def messy_trace(seed):
+    """Requests out of order, shuffled tokens, -1 (no expert) and repeated experts in a row."""
+    t = trace_of("deepseek-v2-lite", requests=7, decode=5, seed=seed, prompt=3)
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(t.num_tokens)
+    ex = t.experts[perm].copy()
+    ex[rng.random(ex.shape) < 0.1] = -1
+    ex[:, :, 2] = np.where(rng.random(ex.shape[:2]) < 0.2, ex[:, :, 0], ex[:, :, 2])
+    return replace(t, experts=ex, pred_experts=t.pred_experts[perm], request=(t.request[perm] * 3) % 7,
+                   step=t.step[perm], phase=t.phase[perm], weights=t.weights[perm])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_vectorised_passes_equal_the_per_pass_code(seed, monkeypatch):
+    import cmoe.trace.pass_arrays as pass_arrays
+    monkeypatch.setattr(pass_arrays, "BLOCK_TOKENS", [4096, 5, 1][seed])          # passes ranked in blocks
+    t = messy_trace(seed)
+    for batch in (1, 2, 3):
+        for kw in ({}, {"include_prefill": False}, {"groups": 1}, {"decode_steps": 2}, {"groups": 2, "decode_steps": 0},
+                   {"decode_steps": -1}, {"groups": -1}):
+            assert as_tuples(make_passes(t, batch, **kw)) == old_make_passes(t, batch, **kw), (batch, kw)
+            assert as_tuples(to_passes(build(t, batch, **kw))) == old_make_passes(t, batch, **kw)
+
+
+def test_every_configuration_runs_one_compiled_version():
+    """The arrays handed to the compiled code have one type whatever the model, policy, batch or
+    timeline: a second version would be a second compile (~30 s) on a user's first run."""
+    from cmoe.sim.replay import clock, compute, decide
+    for model, pool in (("deepseek-v2-lite", 6), ("mixtral-8x7b", 20)):
+        t = trace_of(model, requests=2, decode=3)
+        for policy, batch, timeline in (("commit", 2, True), ("oracle", 1, False), ("upper", 1, True)):
+            simulate(t, EAGER if batch == 2 else H200, SimConfig(policy=policy, pool_gb=pool, batch=batch), timeline=timeline)
+    for f in (decide.decide, compute.run, clock.start, clock.finish):
+        assert len(f.signatures) == 1, (f.__name__, f.signatures)
