@@ -4,6 +4,7 @@ Scenario: a synthetic trace (4 requests x 256 decode tokens after a 64-token pre
 each policy, for Mixtral-8x7B (32 layers, 8 experts, top-2) at a 20 GB pool and for
 DeepSeek-V2-Lite (26 MoE layers, 64 experts, top-6) at a 6 GB pool. Wall time covers cutting
 the trace into passes and the SimPy run. Target (issue 3): >= 1,000 simulated Mixtral tokens/s.
+The SimPy model, named: `simulate` runs the compiled replay by default (benchmarks/replay_speed.py).
 
     .venv/bin/python benchmarks/sim_speed.py
 """
@@ -28,7 +29,7 @@ for model, pool in CASES:
         walls = []
         for _ in range(REPEATS):
             t0 = time.perf_counter()
-            r = simulate(t, H200, SimConfig(policy=pol, pool_gb=pool))
+            r = simulate(t, H200, SimConfig(policy=pol, pool_gb=pool, engine="simpy"))
             walls.append(time.perf_counter() - t0)
         w = sorted(walls)[REPEATS // 2]
         n = r.metrics["decode_tokens"]
