@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from cmoe.errors import CmoeError
@@ -114,6 +115,7 @@ def _facts(trace: Trace) -> tuple:
                                               padding_table(trace.expert_bytes)))
 
 
+@functools.cache
 def _have_numba() -> bool:
     import importlib.util
     return importlib.util.find_spec("numba") is not None

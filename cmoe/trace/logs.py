@@ -29,9 +29,6 @@ from cmoe.quant import QuantRecipe, expert_bytes
 from cmoe.spec import ModelSpec
 from cmoe.trace.bundle import DECODE, PREFILL, Trace
 
-FORMATS = ("vllm", "megatron")
-
-
 def log_format(path: Path) -> str:
     """Which kind of log a path holds, by its shape on disk."""
     if path.is_dir() or path.suffix in (".npy", ".npz"):
