@@ -49,6 +49,36 @@ def make_checkpoint(family: str, path, seed: int = 0):
     return path
 
 
+def fused_config(family: str):
+    """Tiny shapes the one-launch int4 layer kernel takes (in-features in runs of 32)."""
+    cfg = tiny_config(family)
+    cfg.hidden_size = 64
+    for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(cfg, name, None):
+            setattr(cfg, name, 64 if name != "moe_intermediate_size" else 32)
+    if family == "olmoe":
+        cfg.intermediate_size = 32
+    if family == "mixtral":
+        cfg.intermediate_size = 64
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def fused_checkpoints(tmp_path_factory):
+    """family -> a tiny checkpoint with shapes the tiled int4 kernel takes (H = 64, F = 32 or 64)."""
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import AutoModelForCausalLM
+    root = tmp_path_factory.mktemp("fused")
+    out = {}
+    for f in FAMILIES:
+        torch.manual_seed(7)
+        model = AutoModelForCausalLM.from_config(fused_config(f))
+        model.save_pretrained(root / f)
+        out[f] = root / f
+    return out
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """family -> path of a tiny saved checkpoint (built once per test session)."""

@@ -138,6 +138,8 @@ def _dequantize_experts(group: int):
     def apply(model):
         with torch.no_grad():
             for layer in model.model.layers:
+                if not hasattr(layer.mlp, "experts"):          # a dense layer
+                    continue
                 ex = layer.mlp.experts
                 for e in range(ex.gate_up_proj.shape[0]):
                     ex.gate_up_proj[e] = dequantize(*quantize(ex.gate_up_proj[e], group), group)

@@ -224,6 +224,7 @@ def execute(
     slots: Annotated[Optional[int], typer.Option(min=1, help="Pin the expert slots per block instead of deriving them from --pool-gb.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Folder for metrics.json and the measured timeline-POLICY.parquet/.json.")] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing --out folder whole.")] = False,
+    engine: Annotated[str, typer.Option(help="lean (CUDA graphs, static KV cache, one kernel launch per MoE layer) or hf (transformers' forward: the reference).")] = "lean",
 ) -> None:
     """Run offloaded decoding for real (GPU, or CPU for tests) and measure it."""
     from cmoe.cli.common import policy_names
@@ -233,13 +234,17 @@ def execute(
     names = policy_names(policy, "--policy")
     from cmoe.executor.run import ExecConfig, execute as run_execute, prepare, table, write_outputs
     cfg = ExecConfig(policies=tuple(names), pool_gb=pool_gb, batch=batch, tokens=tokens, device=device,
-                     quant=quant, seed=seed, slots=slots, progress=True)
+                     quant=quant, seed=seed, slots=slots, progress=True, engine=engine)
     w, cfg = prepare(spec_name=spec, model_dir=model, trace_src=trace, data=data, cfg=cfg, policy_json=policy_json)
     results = run_execute(w, cfg)
     m = results[0].metrics
     typer.echo(f"{w.spec.name} ({w.fmt} experts), {m['device']}, pool {cfg.pool_gb:g} GB, batch {cfg.batch}, "
                f"{m['decode_tokens']} decode tokens, measured")
     typer.echo(table(results))
+    cap = [r.metrics["capture_ms"] for r in results if r.metrics.get("capture_ms")]
+    if cap:
+        typer.echo(f"first decode pass: CUDA graphs warmed up and captured in {min(cap):.0f}-{max(cap):.0f} ms per "
+                   f"policy (not counted in the passes' times)")
     if out:
         write_outputs(out, results, force)
         typer.echo(f"wrote {out}/metrics.json, timeline-*.parquet, timeline-*.json (Perfetto), passes-*.json")

@@ -92,7 +92,7 @@ class RunLog(RunRecord):
 
 class Engine:
     def __init__(self, model, shims, spec: ModelSpec, store, policy: Policy, device: torch.device,
-                 record_plans: bool = False, owa: bool = True, lead_us: float = 0.0):
+                 record_plans: bool = False, owa: bool = True, lead_us: float = 0.0, hooks: bool = True):
         self.model, self.spec, self.store, self.policy, self.device = model, spec, store, policy, device
         self.cuda = device.type == "cuda"
         self.source = "gpu" if self.cuda else "cpu"
@@ -102,7 +102,7 @@ class Engine:
             # whichever policy ran first look ~1.8x slower. Flash/efficient kernels need no plans.
             torch.backends.cuda.enable_cudnn_sdp(False)
         self.M = spec.num_moe_layers
-        self.pool = DevicePool(policy.layout, store.layout, device)
+        self.pool = DevicePool(policy.layout, store.layout, device, views=store.packing != "tiled")
         self.clock = Clock(device)
         self.record_plans = record_plans
         self.log = RunLog()
@@ -111,8 +111,9 @@ class Engine:
         self.owa = owa                                 # commit: re-weight with OWA, or keep the prediction's weights
         layers = model.model.layers
         self.gates = [layers[d].mlp.gate for d in spec.moe_layers]
-        for s in shims:
-            s.engine = self
+        if hooks:
+            for s in shims:
+                s.engine = self
         self._pending: list = []                     # spans whose marks are not resolved yet
         self._experts: list = []                     # (pass, own load, landed mark, due mark, host issue us)
         self._cpu_waits: list = []                   # (pass, GPU done mark, host us when CPU results return)
@@ -122,7 +123,7 @@ class Engine:
         self._predicting = False
         self._lead_cycles = _sleep_cycles(lead_us, device) if lead_us and self.cuda else 0
         self.handles = []
-        for m in range(self.M):
+        for m in range(self.M if hooks else 0):
             self.handles.append(self.gates[m].register_forward_hook(self._on_gate(m)))
             self.handles.append(self._source(m).register_forward_hook(self._on_source(m)))
         self._warm()
@@ -191,6 +192,9 @@ class Engine:
         """Per token, experts by weight (highest first) and those weights. Replay mode takes the
         trace's instead; a trace keeps no weights for its predictions, so those count as equal."""
         r = self.cur.replay
+        if r is not None and "lists" in r:
+            rows, ws = r["lists"][kind]
+            return rows[m], ws[m]
         if r is not None:
             ex = r["pred"][:, m] if kind == "pred" else r["experts"][:, m]
             rows = [[int(e) for e in row if e >= 0] for row in ex]
@@ -326,6 +330,14 @@ class Engine:
             parts += [nxt[0].float(), nxt[1].float()]
         host = torch.cat(parts, 1).cpu().numpy()
         self.h_synced = self.clock.host()
+        K2 = nxt[0].shape[1] if nxt is not None else 0
+        return self._parse_routes(m, host, K, K2, live)
+
+    def _parse_routes(self, m: int, host: np.ndarray, K: int, K2: int, live: list[int]):
+        """The read-back's columns (top-k ids, weights, [commit: router logits], [the next layer's
+        predicted ids and weights]) as `_read_routes` returns them."""
+        E = self.spec.num_experts
+        decode_commit = self.commit and self.cur.decode
         rows, wsorted = self._ranked_rows(host[:, :K], host[:, K:2 * K], m, "route")
         col, scores = 2 * K, None
         if decode_commit:
@@ -333,8 +345,7 @@ class Engine:
             col += E
         needed = list(ranked([rows[i] for i in live])[0])
         predicted = None
-        if nxt is not None:
-            K2 = nxt[0].shape[1]
+        if K2:
             prow = self._keep_prediction(m + 1, host[:, col:col + K2], host[:, col + K2:col + 2 * K2])
             predicted = list(ranked([prow[i] for i in live])[0])
         return rows, wsorted, scores, needed, predicted

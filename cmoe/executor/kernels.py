@@ -66,8 +66,14 @@ def _part(out: torch.Tensor, layout: ExpertLayout, name: str) -> torch.Tensor:
 
 def write_int4(out: torch.Tensor, layout: ExpertLayout, name: str, codes: torch.Tensor, sz: torch.Tensor,
                device_type: str) -> None:
-    """Matrix `name` of an expert, as codes and scales, into its slot bytes in `device_type`'s packing."""
-    packed = pack_cuda(codes) if device_type == "cuda" else pack_cpu(codes)
+    """Matrix `name` of an expert, as codes and scales, into its slot bytes in a packing: "cuda"
+    (torch's CUDA int4 kernel), "cpu" (its CPU kernel) or "tiled" (`cmoe.executor.moe_kernel`'s
+    layer kernel, on either device)."""
+    if device_type == "tiled":
+        from cmoe.executor.moe_kernel import pack_tiled
+        packed = pack_tiled(codes)
+    else:
+        packed = pack_cuda(codes) if device_type == "cuda" else pack_cpu(codes)
     _part(out, layout, name).copy_(packed.reshape(-1).view(torch.uint8))
     _part(out, layout, f"{name}_sz").copy_(sz.reshape(-1).view(torch.uint8))
 

@@ -32,6 +32,7 @@ DEFAULT_PROMPTS = ("The mixture of experts routes each token to a few of its exp
                    "def fibonacci(n):\n    if n < 2:\n        return n",
                    "Offloading keeps the experts in host memory and copies them over PCIe when needed.",
                    "A commit router predicts the next layer's experts from the current hidden state.")
+ENGINES = ("lean", "hf")
 _MATCH = ("family", "num_layers", "hidden", "expert_ffn", "num_experts", "top_k", "moe_layers")
 
 
@@ -49,6 +50,7 @@ class ExecConfig:
     seed: int = 0
     lead_us: float = 0.0              # calibration: GPU sleep queued ahead of each layer's experts (see Engine)
     include_prefill: bool = True
+    engine: str = "lean"              # lean (graphs, static cache, one launch per layer) or hf (the reference)
     record_plans: bool = False
     keep_logits: bool = False
     progress: bool = False
@@ -141,6 +143,8 @@ def prepare(*, spec_name: str | None, model_dir: Path | None, trace_src: str | N
     from cmoe.trace.load import load_trace
     if (spec_name is None) == (model_dir is None):
         raise CmoeError("pass exactly one of --spec PRESET (random weights at its shapes) or --model DIR (a checkpoint)")
+    if cfg.engine not in ENGINES:
+        raise CmoeError(f"unknown engine '{cfg.engine}': choose from {', '.join(ENGINES)}")
     bad = [p for p in cfg.policies if p not in POLICIES]
     if bad:
         raise CmoeError(f"unknown policy '{bad[0]}': choose from {', '.join(POLICIES)}")
@@ -248,17 +252,39 @@ def check_gpu_fits(need: dict[str, int], pool_gb: float, free: int, gpu: str) ->
 def build(w: Workload, cfg: ExecConfig) -> None:
     """The long part: experts into the host store, non-expert weights onto the device."""
     from cmoe.executor.model import load_checkpoint_model, random_model
-    from cmoe.executor.store import checkpoint_store, random_store
+    from cmoe.executor.store import checkpoint_store, packing_for, random_store
     dtype = torch.bfloat16 if w.device.type == "cuda" else torch.float32
     twins = any(p in ("lfu-fallback", "static") for p in cfg.policies)
+    packing = packing_for(w.fmt, w.device, cfg.engine == "lean" and fusable(w.spec))
     if w.model_dir is None:
-        w.store = random_store(w.spec, w.fmt, w.device, cfg.seed, cfg.progress)
+        w.store = random_store(w.spec, w.fmt, w.device, cfg.seed, cfg.progress, packing)
         if twins:
             w.store.build_cpu_twins(cfg.progress)
         w.model, w.shims = random_model(w.spec, w.device, dtype, cfg.seed)
     else:
-        w.store, others = checkpoint_store(w.model_dir, w.spec, w.fmt, w.device, twins, cfg.progress)
+        w.store, others = checkpoint_store(w.model_dir, w.spec, w.fmt, w.device, twins, cfg.progress, packing)
         w.model, w.shims = load_checkpoint_model(w.model_dir, w.spec, others, w.device, dtype)
+
+
+def fusable(spec: ModelSpec) -> bool:
+    """Whether the one-launch layer kernel takes these shapes (its tiled int4 layout packs in-features
+    in runs of 32); other shapes run the per-expert loop."""
+    return spec.hidden % 32 == 0 and spec.expert_ffn % 32 == 0
+
+
+def engine_for(w: Workload, cfg: ExecConfig, policy, record_plans: bool | None = None):
+    from cmoe.executor.lean import LeanEngine
+    cls = LeanEngine if cfg.engine == "lean" else Engine
+    rp = cfg.record_plans if record_plans is None else record_plans
+    return cls(w.model, w.shims, w.spec, w.store, policy, w.device, rp, cfg.owa, cfg.lead_us)
+
+
+def new_cache(w: Workload, cfg: ExecConfig):
+    if cfg.engine == "lean":
+        from cmoe.executor.kv import StaticKV
+        return StaticKV(cfg.batch, max_len(w, cfg), w.device)
+    from transformers import DynamicCache
+    return DynamicCache(config=w.model.config)
 
 
 # --- passes -------------------------------------------------------------------------------------
@@ -287,23 +313,37 @@ def _replay_passes(w: Workload, cfg: ExecConfig):
         else:
             ids = gen.integers(0, vocab, sub.size)
         pos = t.step[sub].astype(np.int64)
-        out.append((p, ids.reshape(B, n), pos.reshape(B, n),
-                    {"experts": t.experts[sub], "weights": t.weights[sub], "pred": t.pred_experts[sub]}))
+        out.append((p, ids.reshape(B, n), pos.reshape(B, n), _replay_rows(t, sub, p)))
     return out
 
 
-def run_policy(w: Workload, cfg: ExecConfig, policy_name: str) -> ExecResult:
-    from transformers import DynamicCache
+def _replay_rows(t: Trace, sub: np.ndarray, p) -> dict:
+    """A pass's trace rows, and the same as per-layer Python lists (each token's experts and
+    weights, its predicted experts, the pass's ranked needs), made before the timed run so the
+    engines' per-layer step only looks them up."""
+    ex, wt, pr = t.experts[sub], t.weights[sub], t.pred_experts[sub]
+    M = ex.shape[1]
+    rows = [[[e for e in r if e >= 0] for r in ex[:, m].tolist()] for m in range(M)]
+    wrows = [[[v for v, e in zip(wr, er) if e >= 0] for wr, er in zip(wt[:, m].tolist(), ex[:, m].tolist())]
+             for m in range(M)]
+    prows = [[[e for e in r if e >= 0] for r in pr[:, m].tolist()] for m in range(M)]
+    return {"experts": ex, "weights": wt, "pred": pr,
+            "lists": {"route": (rows, wrows), "pred": (prows, [[[1.0 / len(x)] * len(x) for x in r] for r in prows])},
+            "needed": [list(x) for x in p.needed], "predicted": [list(x) for x in p.predicted]}
 
+
+def run_policy(w: Workload, cfg: ExecConfig, policy_name: str) -> ExecResult:
     from cmoe.trace.passes import popularity
     layout, budget = layout_for(w, cfg, policy_name)
     pop = popularity(w.trace) if w.trace is not None else [[0] * w.spec.num_experts for _ in range(w.spec.num_moe_layers)]
     passes = _replay_passes(w, cfg) if w.trace is not None else None
     future = [p.needed for p, *_ in passes] if passes is not None else None
     policy = make_policy(policy_name, layout, w.spec.num_experts, pop, future)
-    eng = Engine(w.model, w.shims, w.spec, w.store, policy, w.device, cfg.record_plans, cfg.owa, cfg.lead_us)
+    if w.store.packing == "tiled" and cfg.engine != "lean":
+        raise CmoeError("this store is packed for the lean engine's layer kernel: build it again for --engine hf")
+    eng = engine_for(w, cfg, policy)
     dev = w.device
-    cache = DynamicCache(config=w.model.config)
+    cache = new_cache(w, cfg)
     logits_out = []
     try:
         if passes is not None:
@@ -376,6 +416,9 @@ def metrics(log: RunLog, w: Workload, cfg: ExecConfig, policy: str, layout: Pool
         "device": torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else "cpu",
         **summary(log),
         "h2d_gbps": sum(s[8] for s in loads) / load_us / 1e3 if load_us else float("nan"),
+        "engine": cfg.engine,
+        # first-request cost: warm-up and CUDA-graph capture on the first decode pass (lean, CUDA)
+        "capture_ms": (getattr(log, "capture_us", None) or 0.0) / 1e3,
         "expert_ms_per_pass": by_op.get("expert", 0.0) / n_dec / 1e3,
         "outside_experts_ms_per_pass": (by_op.get("attention", 0.0) + by_op.get("head", 0.0)) / n_dec / 1e3,
         "route_ms_per_pass": by_op.get("route", 0.0) / n_dec / 1e3,

@@ -27,9 +27,19 @@ from cmoe.executor.layout import ExpertLayout, expert_layout, slot_size
 from cmoe.spec import ModelSpec
 
 
+def packing_for(fmt: str, device: torch.device, fused: bool) -> str:
+    """How a store packs its int4 experts: "tiled" for the one-launch layer kernel (`fused`: the
+    lean engine, on either device), else the torch int4 kernel's layout of the device ("cuda" or
+    "cpu"). Float formats have one layout; they report their device."""
+    if fused and fmt.startswith("w4"):
+        return "tiled"
+    return device.type
+
+
 class HostStore:
-    def __init__(self, spec: ModelSpec, fmt: str, device: torch.device):
+    def __init__(self, spec: ModelSpec, fmt: str, device: torch.device, packing: str | None = None):
         self.spec, self.fmt, self.device = spec, fmt, device
+        self.packing = packing or device.type
         self.layout: ExpertLayout = expert_layout(fmt, spec.hidden, spec.expert_ffn)
         self.slot = slot_size(self.layout)
         pin = device.type == "cuda"
@@ -54,7 +64,7 @@ class HostStore:
 
     def cpu_expert(self, m: int, e: int) -> torch.Tensor:
         """Bytes of expert (m, e) in the CPU kernel's layout."""
-        if self.device.type == "cpu":
+        if self.packing == "cpu":
             return self.blocks[m][e]
         assert self.cpu_twins is not None, "CPU twins were not built"
         return self.cpu_twins[m][e]
@@ -63,7 +73,7 @@ class HostStore:
         """Quantize and pack one expert's float weights into its host buffer (and CPU twin)."""
         dev = self.device
         buf = torch.zeros(self.slot, dtype=torch.uint8, device=dev)
-        expert_bytes_of(self.layout, w13.to(dev, torch.float32), w2.to(dev, torch.float32), dev.type, buf)
+        expert_bytes_of(self.layout, w13.to(dev, torch.float32), w2.to(dev, torch.float32), self.packing, buf)
         self.blocks[m][e].copy_(buf)
         if self.cpu_twins is not None:
             twin = torch.zeros(self.slot, dtype=torch.uint8)
@@ -72,7 +82,7 @@ class HostStore:
 
     def build_cpu_twins(self, progress: bool = False) -> None:
         """The CPU-layout copy of every random expert (same codes and scales), built on demand."""
-        if self.device.type == "cpu" or self.cpu_twins is not None:
+        if self.packing == "cpu" or self.cpu_twins is not None:
             return
         assert self.seed is not None, "checkpoint stores build their twins while loading"
         self.cpu_twins = [self._empty(False) for _ in range(self.spec.num_moe_layers)]
@@ -111,18 +121,21 @@ def random_expert(layout: ExpertLayout, seed: int, dev: torch.device, pack_for: 
             write_dense(buf, layout, name, torch.randn((o, i), generator=gen, device=dev) * 0.02)
 
 
-def random_store(spec: ModelSpec, fmt: str, device: torch.device, seed: int = 0, progress: bool = False) -> HostStore:
-    """Seeded random experts of `spec`'s exact shapes. Expert (m, e) depends only on (seed, m, e)."""
-    store = HostStore(spec, fmt, device)
+def random_store(spec: ModelSpec, fmt: str, device: torch.device, seed: int = 0, progress: bool = False,
+                 packing: str | None = None) -> HostStore:
+    """Seeded random experts of `spec`'s exact shapes. Expert (m, e) depends only on (seed, m, e)
+    (and not on the packing: the same codes and scales in every layout)."""
+    store = HostStore(spec, fmt, device, packing)
     store.seed = seed
-    store._fill_random(store.blocks, device.type, progress)
+    store._fill_random(store.blocks, store.packing, progress)
     return store
 
 
 # --- checkpoints ------------------------------------------------------------------------------
 
 def checkpoint_store(model_dir: Path, spec: ModelSpec, fmt: str, device: torch.device,
-                     keep_cpu_twins: bool, progress: bool = False) -> tuple[HostStore, list[tuple[str, Path]]]:
+                     keep_cpu_twins: bool, progress: bool = False,
+                     packing: str | None = None) -> tuple[HostStore, list[tuple[str, Path]]]:
     """Stream a checkpoint's expert tensors into a HostStore. Returns the store and the names of
     the other (non-expert) tensors with their files, for the model loader. The checkpoint has
     passed `check_checkpoint(..., float_experts=True)`: every expert stored as float weights,
@@ -131,8 +144,8 @@ def checkpoint_store(model_dir: Path, spec: ModelSpec, fmt: str, device: torch.d
     from tqdm import tqdm
 
     from cmoe.checkpoint import _CANON, _FUSED, _PER_EXPERT, safetensors_files
-    store = HostStore(spec, fmt, device)
-    if keep_cpu_twins and device.type == "cuda":
+    store = HostStore(spec, fmt, device, packing)
+    if keep_cpu_twins and store.packing != "cpu":
         store.cpu_twins = [store._empty(False) for _ in range(spec.num_moe_layers)]
     moe_index = {d: m for m, d in enumerate(spec.moe_layers)}
     pending: dict[tuple[int, int], dict[str, torch.Tensor]] = {}

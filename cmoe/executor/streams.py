@@ -53,7 +53,7 @@ class Clock:
 class DevicePool:
     """One pre-allocated buffer carved into equal slots per block, plus the copy stream."""
 
-    def __init__(self, layout: PoolLayout, expert: ExpertLayout, device: torch.device):
+    def __init__(self, layout: PoolLayout, expert: ExpertLayout, device: torch.device, views: bool = True):
         self.layout, self.device = layout, device
         self.cuda = device.type == "cuda"
         for m, sb in enumerate(layout.slot_bytes):
@@ -61,11 +61,13 @@ class DevicePool:
         self.buf = torch.empty(layout.used_bytes, dtype=torch.uint8, device=device)
         self.views: list[list[ExpertViews]] = []
         self.raw: list[list[torch.Tensor]] = []
+        self.blocks: list[torch.Tensor] = []                      # [slots, slot bytes] per block
         off = 0
         for sb, n in zip(layout.slot_bytes, layout.slots):
             raw = [self.buf[off + s * sb: off + s * sb + expert.nbytes] for s in range(n)]
             self.raw.append(raw)
-            self.views.append([ExpertViews(expert, r, device.type) for r in raw])
+            self.blocks.append(self.buf[off: off + sb * n].view(n, sb))
+            self.views.append([ExpertViews(expert, r, device.type) for r in raw] if views else [])
             off += sb * n
         self.expert = [[-1] * n for n in layout.slots]           # what physically sits in each slot
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -85,7 +87,7 @@ class DevicePool:
             dst.copy_(src[: dst.numel()], non_blocking=True)
             t1 = clock.mark(self.copy_stream)
             if self.cuda:
-                self.ready[m][slot].record(self.copy_stream)
+                self.ready[m][slot] = t1              # the end mark is the event a reader waits for
         self.expert[m][slot] = e
         self.pending[m][slot] = True
         return t0, t1
@@ -100,3 +102,10 @@ class DevicePool:
         if self.cuda:
             self.read[m][slot].record(torch.cuda.current_stream(self.device))
         self.was_read[m][slot] = True
+
+    def mark_read(self, m: int, slots, event) -> None:
+        """One kernel read all of `slots`: one event (recorded after it) stands for each."""
+        for s in slots:
+            if self.cuda:
+                self.read[m][s] = event
+            self.was_read[m][s] = True

@@ -1,0 +1,185 @@
+"""Measured on a GPU: the lean engine (CUDA graphs, static KV cache, one launch per MoE layer)
+against the reference engine (transformers' forward, per-expert torch int4 kernels), Mixtral-8x7B
+shapes, W4A16 g128 experts with random seeded weights, a synthetic trace replayed (prompt 64,
+N decode tokens).
+
+Every row is read against two bounds measured on the same card in the same run:
+- the HBM floor: the bytes a decode pass must read (resident non-expert weights, plus each
+  expert it ran, once) over the measured device-to-device bandwidth;
+- the link-bound limit: the run's own loads per decode pass times one expert's measured
+  pinned host-to-device copy time.
+Also per run: the host's own time per MoE layer (its `host_*` spans except the waits, i.e. issue,
+planning and dispatch) and its wait at the read-back, from the measured host lane, and the
+first-request cost (warm-up and graph capture).
+
+Writes results.json under --out after every run (a run cut short keeps its figures).
+
+    python benchmarks/lean_h200.py --out $OUT --tokens 256 --batches 1,4,8 --pools 16,20,26
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from executor_h200 import h2d_gbps, hbm_gbps  # noqa: E402
+
+from cmoe.executor.run import ExecConfig, budget_recipe, build, prepare, run_policy  # noqa: E402
+from cmoe.policy.policies import POLICIES  # noqa: E402
+from cmoe.quant import non_expert_bytes  # noqa: E402
+from cmoe.timeline import write_parquet  # noqa: E402
+
+HOST_WORK = ("host_attention", "host_route", "host_expert", "host_predict")
+
+
+def decode_stats(r, spec, hbm: float, load_s: float) -> dict:
+    log = r.log
+    dec = {p for p, d, _, _ in log.pass_us if d}
+    n = max(len(dec), 1)
+    M = spec.num_moe_layers
+    ne = non_expert_bytes(spec, budget_recipe("w4g128"))
+    resident = sum(ne.values()) - ne["embeddings"]              # one embedding row per token: ~0
+    expert_bytes = sum(s[8] for s in log.spans if s[4] == "expert" and s[1] in dec) / n
+    host = [s for s in log.spans if s[3] == "host" and s[1] in dec]
+    work = sum(s[7] - s[6] for s in host if s[4] in HOST_WORK) / n / M
+    sync = sum(s[7] - s[6] for s in host if s[4] == "host_sync") / n / M
+    loads = sum(1 for s in log.spans if s[4] == "load" and s[1] in dec) / n
+    pass_ms = [us / 1e3 for p, d, _, us in log.pass_us if d]
+    floor = (resident + expert_bytes) / (hbm * 1e9) * 1e3
+    return {"pass_ms_mean": float(np.mean(pass_ms)), "pass_ms_median": float(np.median(pass_ms)),
+            "hbm_floor_ms": floor, "link_limit_ms": loads * load_s * 1e3, "loads_per_pass": loads,
+            "host_work_us_per_layer": work, "host_sync_us_per_layer": sync,
+            "capture_ms": (getattr(log, "capture_us", None) or 0.0) / 1e3}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--batches", default="1,4,8")
+    ap.add_argument("--pools", default="16,20,26")
+    ap.add_argument("--policies", default=",".join(p for p in POLICIES if p != "upper"))
+    ap.add_argument("--engines", default="lean,hf")
+    ap.add_argument("--hf-policies", default="upper", help="policies the reference engine also runs")
+    ap.add_argument("--hf-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of lean upper per batch")
+    ap.add_argument("--spec", default="mixtral-8x7b")
+    ap.add_argument("--budget-s", type=float, default=560.0, help="stop starting runs after this many seconds")
+    ap.add_argument("--profile", default="", help="cProfile a 16-token lean run of these policies (comma list) at batch 1")
+    ap.add_argument("--host-profile", action="store_true", help="time the host's step by phase (CMOE_HOST_PROFILE)")
+    ap.add_argument("--norm-ablation", action="store_true",
+                    help="also run lean upper with transformers' own RMSNorm (CMOE_FUSED_NORM=0)")
+    a = ap.parse_args()
+    if a.host_profile:
+        import os
+        os.environ["CMOE_HOST_PROFILE"] = "1"
+    t_start = time.perf_counter()
+    a.out.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    res = {"date": time.strftime("%Y-%m-%d"), "card": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "commit": commit, "spec": a.spec, "tokens": a.tokens, "hbm_gbps": hbm_gbps(),
+           "h2d_gbps_one_expert": h2d_gbps(93_585_408), "runs": []}
+    load_s = 93_585_408 / (res["h2d_gbps_one_expert"] * 1e9)
+    print(f"HBM {res['hbm_gbps']:.0f} GB/s, H2D {res['h2d_gbps_one_expert']:.1f} GB/s", flush=True)
+    engines = a.engines.split(",")
+    batches = [int(b) for b in a.batches.split(",")]
+    pools = [float(p) for p in a.pools.split(",")]
+    policies = [p for p in a.policies.split(",") if p]
+    built: dict = {}
+    model = shims = None
+
+    def workload(engine: str, batch: int, pool: float, pols):
+        nonlocal model, shims
+        cfg = ExecConfig(policies=tuple(pols), pool_gb=pool, batch=batch, tokens=a.tokens, device="cuda", engine=engine)
+        w, cfg = prepare(spec_name=a.spec, model_dir=None, trace_src=f"synthetic:{a.spec}", data=None, cfg=cfg)
+        if engine not in built:
+            t0 = time.perf_counter()
+            build(w, cfg)
+            built[engine] = w.store
+            if model is None:
+                model, shims = w.model, w.shims
+            res[f"build_s_{engine}"] = time.perf_counter() - t0
+            print(f"built the {engine} store ({w.store.packing}, {w.store.nbytes / 1e9:.1f} GB) in "
+                  f"{res[f'build_s_{engine}']:.0f} s", flush=True)
+        w.store, w.model, w.shims = built[engine], model, shims
+        return w, cfg
+
+    def one(engine, w, cfg, p, tag=""):
+        t0 = time.perf_counter()
+        r = run_policy(w, cfg, p)
+        m = dict(r.metrics, engine=engine, wall_s=time.perf_counter() - t0, tag=tag,
+                 **decode_stats(r, w.spec, res["hbm_gbps"], load_s))
+        ph = getattr(r.log, "host_phases", None)
+        if ph:
+            n = max(ph.pop("layers", 1), 1)
+            m["host_phases_us_per_layer"] = {k: v / n for k, v in ph.items()}
+            print("   host phases, us per layer:", ", ".join(f"{k} {v / n:.1f}" for k, v in ph.items()), flush=True)
+        res["runs"].append(m)
+        print(f"{engine:<4} b{cfg.batch} {cfg.pool_gb:4.0f}GB {p:<13} {m['tokens_per_s']:8.1f} tok/s "
+              f"{m['pass_ms_mean']:7.2f} ms/pass (floor {m['hbm_floor_ms']:.2f}, link {m['link_limit_ms']:.2f}) "
+              f"loads/pass {m['loads_per_pass']:5.1f} host {m['host_work_us_per_layer']:5.1f} us/layer "
+              f"sync {m['host_sync_us_per_layer']:6.1f} capture {m['capture_ms']:.0f} ms ({m['wall_s']:.0f} s)", flush=True)
+        (a.out / "results.json").write_text(json.dumps(res, indent=1))
+        return r
+
+    def left() -> bool:
+        return time.perf_counter() - t_start < a.budget_s
+
+    for batch in batches:
+        for engine in engines:
+            pols = ["upper"] + (policies if engine == "lean" else [p for p in a.hf_policies.split(",") if p != "upper"])
+            w, cfg = workload(engine, batch, pools[0], pols)
+            run_policy(w, replace(cfg, tokens=4), "upper")        # warm-up: kernels, allocator
+            if engine == "lean" and batch == batches[0] and a.profile:
+                import cProfile
+                import pstats
+                for pp in a.profile.split(","):
+                    wp, cp = workload(engine, batch, pools[0], [pp])
+                    run_policy(wp, replace(cp, tokens=4), pp)
+                    pr = cProfile.Profile()
+                    pr.enable()
+                    rr = run_policy(wp, replace(cp, tokens=16), pp)
+                    pr.disable()
+                    print(f"--- profile {pp}: {rr.metrics['tpot_ms_mean']:.2f} ms/token under the profiler", flush=True)
+                    pstats.Stats(pr).sort_stats("tottime").print_stats(22)
+            if engine == "lean" and a.norm_ablation:
+                import os
+                os.environ["CMOE_FUSED_NORM"] = "0"
+                one(engine, w, cfg, "upper", tag="transformers RMSNorm")
+                os.environ["CMOE_FUSED_NORM"] = "1"
+            reps = a.repeats if engine == "lean" else 1
+            tok = a.tokens if engine == "lean" else min(a.tokens, a.hf_tokens)
+            for i in range(reps):
+                if not left():
+                    break
+                r = one(engine, w, replace(cfg, tokens=tok), "upper", tag=f"repeat {i}")
+                if batch == 1 and i == 0:
+                    write_parquet(r.log.spans, a.out / f"timeline-{engine}-b1-upper.parquet")
+                del r
+            others = pols[1:]
+            for pool in (pools if engine == "lean" else pools[:1]):
+                for p in others:
+                    if not left():
+                        break
+                    w2, cfg2 = workload(engine, batch, pool, [p])
+                    r = one(engine, w2, replace(cfg2, tokens=tok), p)
+                    if batch == 1 and pool == pools[0] and p == "commit":
+                        write_parquet(r.log.spans, a.out / f"timeline-{engine}-b1-commit.parquet")
+                    del r
+    res["wall_s"] = time.perf_counter() - t_start
+    (a.out / "results.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
