@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--engines", default="lean,hf")
     ap.add_argument("--hf-policies", default="upper", help="policies the reference engine also runs")
     ap.add_argument("--hf-tokens", type=int, default=64)
+    ap.add_argument("--policy-tokens", type=int, default=0, help="decode tokens of the non-upper runs (0: --tokens)")
     ap.add_argument("--repeats", type=int, default=3, help="runs of lean upper per batch")
     ap.add_argument("--spec", default="mixtral-8x7b")
     ap.add_argument("--budget-s", type=float, default=560.0, help="stop starting runs after this many seconds")
@@ -173,7 +174,8 @@ def main() -> None:
                     if not left():
                         break
                     w2, cfg2 = workload(engine, batch, pool, [p])
-                    r = one(engine, w2, replace(cfg2, tokens=tok), p)
+                    ptok = min(tok, a.policy_tokens) if a.policy_tokens else tok
+                    r = one(engine, w2, replace(cfg2, tokens=ptok), p)
                     if batch == 1 and pool == pools[0] and p == "commit":
                         write_parquet(r.log.spans, a.out / f"timeline-{engine}-b1-commit.parquet")
                     del r
