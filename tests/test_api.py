@@ -21,7 +21,7 @@ def test_simulate_equals_the_cli_row(tmp_path):
     from cmoe.cli.app import app
     rows = cmoe.simulate("embedded", pool_gb=20, policies=["ondemand", "oracle"], slots=4)
     assert [r.metrics["policy"] for r in rows] == ["ondemand", "oracle"]
-    r = CliRunner().invoke(app, ["simulate", "--trace", "embedded", "--policies", "ondemand,oracle", "--slots", "4",
+    r = CliRunner().invoke(app, ["simulate", "--trace", "embedded", "--policy", "ondemand,oracle", "--slots", "4",
                                  "--out", str(tmp_path / "o")])
     assert r.exit_code == 0, r.output
     cli = json.loads((tmp_path / "o" / "metrics.json").read_text())

@@ -38,14 +38,14 @@ def hidden(folder: Path) -> list[str]:
 def sim_run(tmp_path_factory) -> Path:
     """A run folder of `cmoe simulate` (embedded trace, commit only), to copy and spoil."""
     out = tmp_path_factory.mktemp("sim") / "run"
-    r = run("simulate", "--trace", "embedded", "--policies", "commit", "--out", out)
+    r = run("simulate", "--trace", "embedded", "--policy", "commit", "--out", out)
     assert r.exit_code == 0, r.output
     return out
 
 
 # --- numbers out of range: refused at the boundary --------------------------------------------
 
-SYN = ("trace", "--synthetic", "olmoe-1b-7b", "--requests", 1, "--decode-len", 4)
+SYN = ("trace", "--synthetic", "olmoe-1b-7b", "--requests", 1, "--tokens", 4)
 NUMBERS = [
     (("simulate", "--pool-gb", "nan"), "invalid value for '--pool-gb': nan is not a finite number above 0"),
     (("simulate", "--pool-gb", "inf"), "inf is not a finite number above 0"),
@@ -60,12 +60,12 @@ NUMBERS = [
     (("simulate", "--batch", 100000), "'--batch'"),
     (("simulate", "--trace", "embedded", "--batch", 9), "the trace has 8 requests but batch 9 needs at least 9"),
     (("simulate", "--slots", 0), "'--slots'"),
-    (("simulate", "--policies", ",,"), "--policies ',,' names no policy: choose from upper, ondemand"),
-    (("simulate", "--policies", "commit,commit"), "--policies names commit twice"),
+    (("simulate", "--policy", ",,"), "--policy ',,' names no policy: choose from upper, ondemand"),
+    (("simulate", "--policy", "commit,commit"), "--policy names commit twice"),
     (("execute", "--policy", ""), "--policy '' names no policy"),
     (("run", "--policy", ""), "--policy '' names no policy"),
     (("execute", "--tokens", 0), "'--tokens'"),
-    (("trace", "--max-new-tokens", -1), "'--max-new-tokens'"),
+    (("trace", "--tokens", -1), "'--tokens'"),
     (("trace", "--max-prompt-tokens", 0), "'--max-prompt-tokens'"),
     (("quality", "--tokens", -5), "'--tokens'"),
     (("quality", "--variants", ",,"), "--variants ',,' gives no value"),
@@ -73,8 +73,8 @@ NUMBERS = [
     (("sweep", "--pool-gb", "20,-4"), "--pool-gb has -4"),
     (("sweep", "--pool-gb", ","), "--pool-gb ',' gives no value"),
     (("sweep", "--batch", "1.5"), "--batch has 1.5: give whole numbers above 0"),
-    (("sweep", "--policies", ",,"), "names no policy"),
-    (("sweep", "--traces", ","), "--traces ',' gives no value"),
+    (("sweep", "--policy", ",,"), "names no policy"),
+    (("sweep", "--trace", ","), "--trace ',' gives no value"),
     (("sweep", "--jobs", 0), "'--jobs'"),
     (("report", "x", "--max-spans", 0), "'--max-spans'"),
     (("run", "--repeat", 0), "'--repeat'"),
@@ -101,8 +101,8 @@ def test_every_float_option_is_checked_finite(capsys):
 
 
 def test_decode_steps_past_the_models_positions(tmp_path):
-    line = one_line(run("trace", "--max-new-tokens", 100_000_000, "--out", tmp_path / "t"))
-    assert line == ("error: --max-new-tokens 100000000 runs past the model's max_position_embeddings (1024): "
+    line = one_line(run("trace", "--tokens", 100_000_000, "--out", tmp_path / "t"))
+    assert line == ("error: --tokens 100000000 runs past the model's max_position_embeddings (1024): "
                     "give at most 1023 (less the prompt's tokens)")
     assert not (tmp_path / "t").exists()
 
@@ -112,8 +112,8 @@ def test_decode_steps_past_the_models_positions(tmp_path):
 WRITERS = {    # command -> (its arguments with the output last, the output's option, is it a folder)
     "trace": ((*SYN, "--out"), "--out", True),
     "stats": (("stats", "embedded", "--json"), "--json", False),
-    "simulate": (("simulate", "--trace", "embedded", "--policies", "commit", "--out"), "--out", True),
-    "sweep": (("sweep", "--traces", "embedded", "--policies", "commit", "--pool-gb", 20, "--jobs", 1, "--out"),
+    "simulate": (("simulate", "--trace", "embedded", "--policy", "commit", "--out"), "--out", True),
+    "sweep": (("sweep", "--trace", "embedded", "--policy", "commit", "--pool-gb", 20, "--jobs", 1, "--out"),
               "--out", False),
     "execute": (("execute", "--model", MODEL, "--trace", "embedded", "--device", "cpu", "--tokens", 2, "--out"),
                 "--out", True),
@@ -172,7 +172,7 @@ def test_force_replaces_a_run_folder_whole(sim_run, tmp_path):
     out = tmp_path / "o"
     shutil.copytree(sim_run, out)
     (out / "notes.txt").write_text("stale")
-    r = run("simulate", "--trace", "embedded", "--policies", "upper", "--out", out, "--force")
+    r = run("simulate", "--trace", "embedded", "--policy", "upper", "--out", out, "--force")
     assert r.exit_code == 0, r.output
     assert sorted(os.listdir(out)) == ["metrics.json", "passes-upper.json", "policy-upper.json", "report.html",
                                        "timeline-upper.json", "timeline-upper.parquet"]
@@ -184,7 +184,7 @@ def test_force_does_not_replace_a_folder_cmoe_did_not_write(tmp_path):
     out = tmp_path / "mine"
     out.mkdir()
     (out / "thesis.tex").write_text("years of work")
-    line = one_line(run("simulate", "--trace", "embedded", "--policies", "commit", "--out", out, "--force"))
+    line = one_line(run("simulate", "--trace", "embedded", "--policy", "commit", "--out", out, "--force"))
     assert line == (f"error: {out} is not an output of cmoe (it has no metrics.json), so --force does not replace it: "
                     f"choose another --out or remove it yourself")
     assert os.listdir(out) == ["thesis.tex"]
@@ -226,7 +226,7 @@ def test_interrupted_simulate_keeps_nothing(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(spans, path)
     monkeypatch.setattr(chrome, "write_chrome_trace", second_call_interrupted)
-    r = run("simulate", "--trace", "embedded", "--policies", "upper,commit", "--out", tmp_path / "o")
+    r = run("simulate", "--trace", "embedded", "--policy", "upper,commit", "--out", tmp_path / "o")
     assert r.exit_code == 130 and r.output.splitlines()[-1] == "interrupted; nothing partial was kept"
     assert len(calls) == 2 and os.listdir(tmp_path) == []
 
@@ -322,18 +322,18 @@ def test_out_of_memory_says_how_much_and_what_to_do(tmp_path, monkeypatch):
     def exhausted(*a, **k):
         raise MemoryError
     monkeypatch.setattr(api, "run_policies", exhausted)
-    line = one_line(run("simulate", "--trace", "embedded", "--policies", "upper,commit"))
+    line = one_line(run("simulate", "--trace", "embedded", "--policy", "upper,commit"))
     assert line == ("error: out of memory: simulating 1,792 tokens x 8 MoE layers x 2 policies needs about 0.1 GB: "
-                    "simulate a shorter trace (fewer requests or decode steps) or fewer --policies")
-    line = one_line(run("simulate", "--trace", "embedded", "--policies", "upper,commit", "--out", tmp_path / "o"))
+                    "simulate a shorter trace (fewer requests or decode steps) or fewer --policy names")
+    line = one_line(run("simulate", "--trace", "embedded", "--policy", "upper,commit", "--out", tmp_path / "o"))
     assert line.endswith("needs about 0.2 GB (0.1 GB without --out): simulate a shorter trace (fewer requests or "
-                         "decode steps) or fewer --policies, or drop --out")
+                         "decode steps) or fewer --policy names, or drop --out")
     assert os.listdir(tmp_path) == []
 
 
 def test_a_sweep_where_every_point_fails_says_why_and_writes_nothing(tmp_path):
     out = tmp_path / "s.parquet"
-    line = one_line(run("sweep", "--traces", "embedded", "--pool-gb", "0.001,0.002", "--policies", "commit",
+    line = one_line(run("sweep", "--trace", "embedded", "--pool-gb", "0.001,0.002", "--policy", "commit",
                         "--jobs", 1, "--out", out))
     assert line.startswith("error: none of the 2 grid points could run; the first (embedded, h200, pool 0.001 GB, "
                            "commit, batch 1): a 0.00 GB pool cannot hold tiny-moe's resident weights")

@@ -97,7 +97,7 @@ def test_cpu_calibration_gives_a_profile_the_simulator_runs(checkpoints, tiny_tr
     assert prof.name == "cpu" and prof.layer_fixed_us > 0 and dict(prof.expert_gbps)["bf16"] > 0
     assert json.loads(out.read_text())["sources"]["hbm_gbps"].startswith("measured by cmoe calibrate on cpu")
     r = CliRunner().invoke(app, ["simulate", "--trace", str(tiny_trace), "--profile", str(out), "--pool-gb", "0.2686",
-                                 "--policies", "upper,commit"])
+                                 "--policy", "upper,commit"])
     assert r.exit_code == 0, r.output
 
 

@@ -127,7 +127,7 @@ def prompts_file(tmp_path_factory):
 
 def _cli(command: str, model: Path, prompts: Path, out: Path) -> list[str]:
     args = {"trace": ["trace", "--model", model, "--data", prompts, "--out", out, "--device", "cpu",
-                      "--max-new-tokens", 1],
+                      "--tokens", 1],
             "execute": ["execute", "--model", model, "--device", "cpu", "--tokens", 4, "--quant", "fp32"],
             "quality": ["quality", "--model", model, "--tokens", 4, "--device", "cpu"],
             "calibrate": ["calibrate", "--model", model, "--device", "cpu", "--quant", "fp32", "--out", out / "p.json"]}

@@ -19,7 +19,7 @@ def test_help_and_version():
 
 
 def test_synthetic_trace_then_stats(tmp_path):
-    r = run("trace", "--synthetic", "mixtral-8x7b", "--out", tmp_path / "t", "--requests", 2, "--decode-len", 20)
+    r = run("trace", "--synthetic", "mixtral-8x7b", "--out", tmp_path / "t", "--requests", 2, "--tokens", 20)
     assert r.exit_code == 0, r.output
     r = run("stats", tmp_path / "t", "--json", tmp_path / "s.json")
     assert r.exit_code == 0
@@ -31,7 +31,7 @@ def test_synthetic_trace_then_stats(tmp_path):
 
 def test_checkpoint_trace_then_stats(checkpoints, prompts, tmp_path):
     r = run("trace", "--model", checkpoints["olmoe"], "--data", prompts, "--out", tmp_path / "t",
-            "--max-new-tokens", 3, "--device", "cpu", "--parquet")
+            "--tokens", 3, "--device", "cpu", "--parquet")
     assert r.exit_code == 0, r.output
     assert (tmp_path / "t" / "routes.parquet").is_file()
     assert run("stats", tmp_path / "t").exit_code == 0
@@ -103,14 +103,14 @@ def test_simulate_default_prints_one_row_per_policy(tmp_path):
 
 def test_simulate_and_sweep_errors():
     _one_line_error(run("simulate", "--pool-gb", 4), "needs at least 2 slots")
-    _one_line_error(run("simulate", "--policies", "magic"), "unknown policy 'magic'")
+    _one_line_error(run("simulate", "--policy", "magic"), "unknown policy 'magic'")
     _one_line_error(run("simulate", "--profile", "tpu9"), "unknown hardware profile 'tpu9'")
     _one_line_error(run("sweep", "--pool-gb", "x,y"), "not a comma-separated list")
 
 
 def test_sweep_writes_one_table(tmp_path):
-    r = run("sweep", "--pool-gb", "4,20", "--policies", "upper,commit", "--traces", "synthetic:olmoe-1b-7b",
-            "--profiles", "h200,rtx4090", "--jobs", 1, "--out", tmp_path / "s.parquet")
+    r = run("sweep", "--pool-gb", "4,20", "--policy", "upper,commit", "--trace", "synthetic:olmoe-1b-7b",
+            "--profile", "h200,rtx4090", "--jobs", 1, "--out", tmp_path / "s.parquet")
     assert r.exit_code == 0, r.output
     import polars as pl
     df = pl.read_parquet(tmp_path / "s.parquet")

@@ -38,7 +38,7 @@ def test_trace_with_no_model_uses_the_embedded_one(tmp_path):
     from typer.testing import CliRunner
 
     from cmoe.cli.app import app
-    r = CliRunner().invoke(app, ["trace", "--out", str(tmp_path / "t"), "--max-new-tokens", "4", "--device", "cpu"])
+    r = CliRunner().invoke(app, ["trace", "--out", str(tmp_path / "t"), "--tokens", "4", "--device", "cpu"])
     assert r.exit_code == 0, r.output
     from cmoe.trace import bundle
     t = bundle.read(tmp_path / "t")
@@ -49,6 +49,6 @@ def test_simulate_runs_on_the_embedded_trace():
     from typer.testing import CliRunner
 
     from cmoe.cli.app import app
-    r = CliRunner().invoke(app, ["simulate", "--trace", "embedded", "--slots", "4", "--policies", "upper,commit"])
+    r = CliRunner().invoke(app, ["simulate", "--trace", "embedded", "--slots", "4", "--policy", "upper,commit"])
     assert r.exit_code == 0, r.output
     assert "tiny-moe" in r.output

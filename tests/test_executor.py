@@ -383,8 +383,8 @@ def _cli(*args):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
-def test_no_cuda_without_device_cpu_is_one_line():
-    r = _cli("execute", "--spec", "mixtral-8x7b", "--trace", "synthetic:mixtral-8x7b")
+def test_no_cuda_with_device_cuda_is_one_line():
+    r = _cli("execute", "--spec", "mixtral-8x7b", "--trace", "synthetic:mixtral-8x7b", "--device", "cuda")
     assert r.exit_code == 2
     assert r.output.strip() == "error: no CUDA GPU is visible here: pass --device cpu to run the same engine on the CPU"
 
@@ -410,7 +410,7 @@ def test_bad_input_is_one_line_before_any_work(args, message):
 
 def test_execute_cli_writes_metrics_and_timelines_and_accepts_a_policy_file(checkpoints, tiny_trace, tmp_path):
     from cmoe.timeline import read_parquet
-    sim = _cli("simulate", "--trace", str(tiny_trace), "--policies", "ondemand", "--pool-gb", "0.2686",
+    sim = _cli("simulate", "--trace", str(tiny_trace), "--policy", "ondemand", "--pool-gb", "0.2686",
                "--out", str(tmp_path / "sim"))
     assert sim.exit_code == 0, sim.output
     pj = tmp_path / "sim" / "policy-ondemand.json"

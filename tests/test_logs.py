@@ -53,9 +53,9 @@ def test_a_megatron_log_becomes_a_bundle_that_stats_and_simulate_read(tmp_path):
     assert t.phase.tolist() == [PREFILL] + [DECODE] * 5 + [PREFILL] + [DECODE] * 5      # first token: the prompt
     assert t.experts[7, 3].tolist() == want[(1, 4)][1]
     assert _cli("stats", tmp_path / "b").exit_code == 0
-    r = _cli("simulate", "--trace", tmp_path / "b", "--policies", "upper,ondemand,oracle", "--pool-gb", "20")
+    r = _cli("simulate", "--trace", tmp_path / "b", "--policy", "upper,ondemand,oracle", "--pool-gb", "20")
     assert r.exit_code == 0, r.output
-    r = _cli("simulate", "--trace", tmp_path / "b", "--policies", "commit", "--pool-gb", "20")
+    r = _cli("simulate", "--trace", tmp_path / "b", "--policy", "commit", "--pool-gb", "20")
     assert r.exit_code == 2 and r.output.strip().startswith("error: policy commit needs next-layer predictions")
 
 

@@ -23,10 +23,10 @@ def test_a_trace_without_predictions_is_refused_by_policies_that_need_them(tmp_p
     assert has_predictions(t) and not has_predictions(bare)
     runner = CliRunner()
     for policy in ("commit", "lru-prefetch"):
-        r = runner.invoke(app, ["simulate", "--trace", str(path), "--policies", policy, "--pool-gb", "1"])
+        r = runner.invoke(app, ["simulate", "--trace", str(path), "--policy", policy, "--pool-gb", "1"])
         assert r.exit_code == 2, r.output
         lines = [ln for ln in r.output.splitlines() if ln.strip()]
         assert len(lines) == 1 and lines[0].startswith(f"error: policy {policy} needs next-layer predictions")
         assert "Traceback" not in r.output
-    r = runner.invoke(app, ["simulate", "--trace", str(path), "--policies", "ondemand,upper", "--pool-gb", "1"])
+    r = runner.invoke(app, ["simulate", "--trace", str(path), "--policy", "ondemand,upper", "--pool-gb", "1"])
     assert r.exit_code == 0, r.output

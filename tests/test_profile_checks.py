@@ -53,7 +53,7 @@ def _bad_profile(tmp_path, change: dict):
 def test_bad_profile_is_one_line_naming_the_field(tmp_path, case):
     change, fragment = CASES[case]
     r = CliRunner().invoke(app, ["simulate", "--profile", str(_bad_profile(tmp_path, change)),
-                                 "--trace", "embedded", "--slots", "4", "--policies", "upper"])
+                                 "--trace", "embedded", "--slots", "4", "--policy", "upper"])
     assert r.exit_code == 2, r.output
     assert r.output.startswith("error: ") and r.output.count("\n") == 1, r.output
     assert "Traceback" not in r.output and isinstance(r.exception, SystemExit)      # no crash underneath

@@ -176,7 +176,7 @@ def test_commands_say_how_to_get_a_report_where_plotly_is_missing(tmp_path, monk
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "plotly" else real(name, *a))
     out = tmp_path / "sim"
-    r = CliRunner().invoke(app, ["simulate", "--trace", "embedded", "--slots", "4", "--policies", "upper", "--out", str(out)])
+    r = CliRunner().invoke(app, ["simulate", "--trace", "embedded", "--slots", "4", "--policy", "upper", "--out", str(out)])
     assert r.exit_code == 0, r.output
     assert f"no report here (plotly is not installed): run cmoe report {out} where it is" in r.output
     assert (out / "metrics.json").is_file() and not (out / "report.html").exists()

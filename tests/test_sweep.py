@@ -111,7 +111,7 @@ runner = CliRunner()
 def test_cli_sweep_from_a_points_file_and_resumed(tmp_path):
     (tmp_path / "p.csv").write_text("policy,slots,decode_steps,include_prefill\ncommit,4,3,false\noracle,3,2,\n")
     out = tmp_path / "s.parquet"
-    args = ["sweep", "--points", str(tmp_path / "p.csv"), "--traces", "embedded", "--jobs", "1", "--out", str(out)]
+    args = ["sweep", "--points", str(tmp_path / "p.csv"), "--trace", "embedded", "--jobs", "1", "--out", str(out)]
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
     assert r.output.splitlines()[0] == f"wrote {out}: 2 points run"

@@ -95,7 +95,7 @@ def test_simulator_against_cpu_executor_end_to_end(tmp_path, checkpoints, tiny_t
 
     from cmoe.cli.app import app
     run = CliRunner().invoke
-    r = run(app, ["simulate", "--trace", str(tiny_trace), "--policies", "ondemand", "--pool-gb", "0.2686",
+    r = run(app, ["simulate", "--trace", str(tiny_trace), "--policy", "ondemand", "--pool-gb", "0.2686",
                   "--out", str(tmp_path / "sim")])
     assert r.exit_code == 0, r.output
     r = run(app, ["execute", "--model", str(checkpoints["mixtral"]), "--trace", str(tiny_trace), "--device", "cpu",

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from cmoe import __version__
-from cmoe.cli.common import OneLineGroup, one_line_errors, positive
+from cmoe.cli.common import OneLineGroup, gigabytes, one_line_errors, positive
 from cmoe.runfolder import MARKER as RUN_FOLDER
 
 SWEEP_GRID = {"pool_gb": "12,16,20,24,28", "traces": "synthetic:mixtral-8x7b", "profiles": "h200", "batch": "1"}
@@ -37,31 +37,35 @@ def trace(
     model: Annotated[Optional[Path], typer.Option(help="Local Hugging Face checkpoint folder, safetensors (neither this nor --synthetic: the embedded trained model).")] = None,
     data: Annotated[Optional[Path], typer.Option(help="Prompts: a .txt file (one per line) or .jsonl (prompt/text field); the embedded model has its own.")] = None,
     synthetic: Annotated[Optional[str], typer.Option(help="Generate a calibrated synthetic trace for this preset instead (e.g. mixtral-8x7b).")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Bundle folder to write [default: trace-<name>].")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Bundle folder to write (default: trace-<name>).")] = None,
     quant: Annotated[str, typer.Option(help="Recipe for expert sizes: bf16, w4a16, w8a16, mixed, gptq-w4, a format like w4g128+w8g128:0.25, or 'checkpoint' (sizes as stored).")] = "w4a16",
-    max_new_tokens: Annotated[int, typer.Option(min=0, help="Greedy decode steps per prompt (checkpoint tracing).")] = 32,
+    tokens: Annotated[Optional[int], typer.Option(min=0, help="Decode steps per request: greedy steps per prompt of a checkpoint (default: 32), or a synthetic trace's (default: 256).")] = None,
     max_prompt_tokens: Annotated[int, typer.Option(min=1, help="Truncate prompts to this many tokens.")] = 512,
     record_logits: Annotated[bool, typer.Option(help="Also store the full router logits [T, M, E].")] = False,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    device: Annotated[str, typer.Option(help="auto (cuda when a GPU is visible, else cpu), cuda, cuda:N or cpu.")] = "auto",
     allow_pickle: Annotated[bool, typer.Option(help="Allow pickle .bin weights (they can run code when loaded).")] = False,
     requests: Annotated[int, typer.Option(min=1, max=100_000, help="Synthetic: number of requests.")] = 4,
-    prompt_len: Annotated[int, typer.Option(min=1, max=1_000_000, help="Synthetic: prefill tokens per request.")] = 64,
-    decode_len: Annotated[int, typer.Option(min=1, max=1_000_000, help="Synthetic: decode tokens per request.")] = 256,
     skew: Annotated[float, typer.Option(min=0.0, help="Synthetic: Zipf exponent of expert popularity (0 = uniform).")] = 0.2,
-    repetition: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Synthetic: first-expert repetition rate for every layer [default: Mixtral's Table 5 profile].")] = None,
+    repetition: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Synthetic: first-expert repetition rate for every layer (default: Mixtral's Table 5 profile).")] = None,
     pred_acc: Annotated[float, typer.Option(min=0.0, max=1.0, help="Synthetic: share of true experts the commit prediction holds.")] = 0.85,
     seed: Annotated[int, typer.Option(min=0, help="Synthetic: random seed.")] = 0,
     parquet: Annotated[bool, typer.Option(help="Also write routes.parquet (one row per token and layer).")] = False,
     force: Annotated[bool, typer.Option(help="Replace an existing bundle.")] = False,
     import_log: Annotated[Optional[Path], typer.Option("--import", help="Turn a routing log into a bundle: vLLM/SGLang routed experts (.npy, .npz or a folder of .npy) or Megatron RouterTracer .jsonl; with --spec or --model.")] = None,
     spec: Annotated[Optional[str], typer.Option(help="--import: the preset the log came from (e.g. mixtral-8x7b).")] = None,
-    prompt_tokens: Annotated[Optional[int], typer.Option(min=0, help="--import: the first N tokens of each request are its prompt (needed for vLLM logs) [default: 1 for Megatron].")] = None,
+    prompt_tokens: Annotated[Optional[int], typer.Option(min=0, max=1_000_000, help="Prompt tokens per request: a synthetic trace's (default: 64), or with --import the first N tokens of each request (needed for vLLM logs) (default: 1 for Megatron).")] = None,
     export: Annotated[Optional[str], typer.Option(help="Write the routes of --trace in another system's format instead: vllm (one .npy per request, into --out).")] = None,
     trace_src: Annotated[Optional[str], typer.Option("--trace", help="--export: the bundle to export (a folder, embedded or synthetic:PRESET).")] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", min=0, hidden=True)] = None,
+    decode_len: Annotated[Optional[int], typer.Option("--decode-len", min=1, max=1_000_000, hidden=True)] = None,
+    prompt_len: Annotated[Optional[int], typer.Option("--prompt-len", min=1, max=1_000_000, hidden=True)] = None,
 ) -> None:
     """Record routing (and commit predictions) from a checkpoint, generate a synthetic trace, or
     import (export) another system's routing log."""
+    from cmoe.cli.common import one_of
     from cmoe.trace.run import export_trace, import_trace, run_trace
+    tokens = one_of(one_of(tokens, max_new_tokens, "--tokens", "--max-new-tokens"), decode_len, "--tokens", "--decode-len")
+    prompt_tokens = one_of(prompt_tokens, prompt_len, "--prompt-tokens", "--prompt-len")
     if export is not None:
         if trace_src is None or out is None:
             from cmoe.errors import CmoeError
@@ -75,12 +79,16 @@ def trace(
         return
     from cmoe.trace.synthetic import MIXTRAL_REPETITION, SyntheticParams
     rep = ((0.0, repetition), (1.0, repetition)) if repetition is not None else MIXTRAL_REPETITION
-    params = SyntheticParams(requests=requests, prompt_len=prompt_len, decode_len=decode_len, skew=skew,
+    if synthetic and (prompt_tokens == 0 or (tokens or 0) > 1_000_000):
+        from cmoe.errors import CmoeError
+        raise CmoeError("a synthetic trace takes --prompt-tokens from 1 and --tokens up to 1000000")
+    params = SyntheticParams(requests=requests, prompt_len=64 if prompt_tokens is None else prompt_tokens,
+                             decode_len=256 if tokens is None else max(tokens, 1), skew=skew,
                              repetition=rep, pred_acc=pred_acc, seed=seed)
     name = synthetic or (model.name if model else "tiny-moe")
     out = out or Path(f"trace-{name}")
     path = run_trace(out, model=model, data=data, synthetic=synthetic, quant=quant, params=params,
-                     overwrite=force, parquet=parquet, max_new_tokens=max_new_tokens,
+                     overwrite=force, parquet=parquet, max_new_tokens=32 if tokens is None else tokens,
                      max_prompt_tokens=max_prompt_tokens, record_logits=record_logits, device=device,
                      allow_pickle=allow_pickle)
     typer.echo(f"wrote {path}")
@@ -115,19 +123,21 @@ def stats(
 @one_line_errors
 def simulate(
     *,
-    pool_gb: Annotated[float, typer.Option(callback=positive, help="GPU memory for the model in GB: resident weights, KV cache and the expert pool.")] = 20.0,
+    pool_gb: Annotated[float, typer.Option(parser=gigabytes, callback=positive, help="GPU memory for the model in GB (20, 20GB or 20G): resident weights, KV cache and the expert pool.")] = 20.0,
     trace: Annotated[str, typer.Option(help="A trace bundle folder, 'embedded' (the shipped trained model's trace), or synthetic:PRESET.")] = "synthetic:mixtral-8x7b",
     profile: Annotated[str, typer.Option(help="Hardware profile: h200, rtx4090 or a profile JSON file.")] = "h200",
-    policies: Annotated[Optional[str], typer.Option(help="Comma-separated policies [default: all six].")] = None,
+    policy: Annotated[Optional[str], typer.Option(help="Comma-separated policies, or 'all' (default: all).")] = None,
     batch: Annotated[int, typer.Option(min=1, max=1024, help="Requests decoded together.")] = 1,
     quant: Annotated[Optional[str], typer.Option(help="Recompute expert sizes under this recipe (e.g. w4a16, mixed).")] = None,
     slots: Annotated[Optional[int], typer.Option(min=1, help="Pin the expert slots per block instead of deriving them from --pool-gb.")] = None,
     engine: Annotated[str, typer.Option(help="replay (compiled: the same spans and metrics as simpy, ~26x faster) or simpy (the SimPy model of record).")] = "replay",
     out: Annotated[Optional[Path], typer.Option(help="Folder for metrics.json, timelines (Parquet, Chrome trace) and policy JSON files.")] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing --out folder whole.")] = False,
+    policies: Annotated[Optional[str], typer.Option("--policies", hidden=True)] = None,
 ) -> None:
     """Replay a trace through the simulator under each policy; print a row per policy (timelines only with --out)."""
-    from cmoe.cli.common import policy_names
+    from cmoe.cli.common import one_of, policy_names
+    policies = one_of(policy, policies, "--policy", "--policies")
     from cmoe.sim.run import check_engine
     from cmoe.util import check_output
     if out:
@@ -159,10 +169,10 @@ def simulate(
 @one_line_errors
 def sweep(
     *,
-    pool_gb: Annotated[str, typer.Option(help="Comma-separated pool sizes in GB.")] = SWEEP_GRID["pool_gb"],
-    traces: Annotated[str, typer.Option(help="Comma-separated trace bundles or synthetic:PRESET.")] = SWEEP_GRID["traces"],
-    profiles: Annotated[str, typer.Option(help="Comma-separated hardware profiles.")] = SWEEP_GRID["profiles"],
-    policies: Annotated[Optional[str], typer.Option(help="Comma-separated policies [default: all six].")] = None,
+    pool_gb: Annotated[str, typer.Option(help="Comma-separated pool sizes in GB (20, 20GB or 20G each).")] = SWEEP_GRID["pool_gb"],
+    trace: Annotated[Optional[str], typer.Option(help="Comma-separated trace bundles or synthetic:PRESET (default: " + SWEEP_GRID["traces"] + ").")] = None,
+    profile: Annotated[Optional[str], typer.Option(help="Comma-separated hardware profiles (default: " + SWEEP_GRID["profiles"] + ").")] = None,
+    policy: Annotated[Optional[str], typer.Option(help="Comma-separated policies, or 'all' (default: all).")] = None,
     batch: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = SWEEP_GRID["batch"],
     quant: Annotated[Optional[str], typer.Option(help="Recompute expert sizes under this recipe.")] = None,
     points: Annotated[Optional[Path], typer.Option(help="Instead of the grid: a YAML, JSON or CSV file of points, each giving any of trace, profile, quant, policy, pool_gb, batch, slots, include_prefill, groups, decode_steps, engine (grid options given one value fill what a point leaves out).")] = None,
@@ -173,9 +183,17 @@ def sweep(
     retry_errors: Annotated[bool, typer.Option(help="With --resume, run again the points whose row has an error.")] = False,
     out: Annotated[Path, typer.Option(help="Parquet table, one row per point, rewritten as points finish.")] = Path("sweep.parquet"),
     force: Annotated[bool, typer.Option(help="Replace an existing --out table.")] = False,
+    traces: Annotated[Optional[str], typer.Option("--traces", hidden=True)] = None,
+    profiles: Annotated[Optional[str], typer.Option("--profiles", hidden=True)] = None,
+    policies: Annotated[Optional[str], typer.Option("--policies", hidden=True)] = None,
 ) -> None:
     """Run a grid (or a file) of simulation points on local processes or Ray; stream one Parquet table, resumable."""
-    from cmoe.cli.common import names, numbers, policy_names
+    from cmoe.cli.common import names, numbers, one_of, policy_names
+    traces = one_of(trace, traces, "--trace", "--traces")
+    traces = SWEEP_GRID["traces"] if traces is None else traces
+    profiles = one_of(profile, profiles, "--profile", "--profiles")
+    profiles = SWEEP_GRID["profiles"] if profiles is None else profiles
+    policies = one_of(policy, policies, "--policy", "--policies")
     from cmoe.errors import CmoeError
     from cmoe.sim.run import check_engine
     from cmoe.util import check_output
@@ -183,7 +201,7 @@ def sweep(
         raise CmoeError("--resume keeps the points in --out and --force replaces it: give one of them")
     check_output(out, force or resume)
     check_engine(engine)
-    axes = {"trace": (names(traces, "--traces"), traces, "traces"), "profile": (names(profiles, "--profiles"), profiles, "profiles"),
+    axes = {"trace": (names(traces, "--trace"), traces, "traces"), "profile": (names(profiles, "--profile"), profiles, "profiles"),
             "pool_gb": (numbers(pool_gb, "--pool-gb"), pool_gb, "pool_gb"), "policy": (policy_names(policies), policies, None),
             "batch": (numbers(batch, "--batch", integer=True), batch, "batch")}
     from cmoe.sweep import grid, points_file, sweep as run_sweep
@@ -215,11 +233,11 @@ def execute(
     data: Annotated[Optional[Path], typer.Option(help="Prompts for live routing, .txt or .jsonl (default: four built-in prompts).")] = None,
     policy: Annotated[str, typer.Option(help="Comma-separated policies, or 'all'.")] = "commit",
     policy_json: Annotated[Optional[Path], typer.Option(help="A policy file written by cmoe simulate --out; sets policy, pool and batch.")] = None,
-    pool_gb: Annotated[float, typer.Option(callback=positive, help="GPU memory for the model in GB: resident weights, KV cache and the expert pool.")] = 20.0,
+    pool_gb: Annotated[float, typer.Option(parser=gigabytes, callback=positive, help="GPU memory for the model in GB (20, 20GB or 20G): resident weights, KV cache and the expert pool.")] = 20.0,
     batch: Annotated[int, typer.Option(min=1, max=1024, help="Requests decoded together.")] = 1,
     tokens: Annotated[int, typer.Option(min=1, help="Decode steps.")] = 256,
     quant: Annotated[Optional[str], typer.Option(help="Expert format: w4g128 (default), w4g32/64/256, bf16 or fp32.")] = None,
-    device: Annotated[str, typer.Option(help="cuda (default), cuda:N or cpu.")] = "cuda",
+    device: Annotated[str, typer.Option(help="auto (cuda when a GPU is visible, else cpu), cuda, cuda:N or cpu.")] = "auto",
     seed: Annotated[int, typer.Option(min=0, help="Seed of random weights and of replayed token ids.")] = 0,
     slots: Annotated[Optional[int], typer.Option(min=1, help="Pin the expert slots per block instead of deriving them from --pool-gb.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Folder for metrics.json and the measured timeline-POLICY.parquet/.json.")] = None,
@@ -257,7 +275,7 @@ def execute(
 def report(
     inputs: Annotated[list[Path], typer.Argument(metavar="INPUT...", help="A run folder (simulate/execute --out), a sweep or timeline .parquet, or two run folders: predicted, then measured.")],
     *,
-    out: Annotated[Optional[Path], typer.Option(help="HTML file to write [default: report.html in the folder, X.html beside X.parquet, compare.html in the measured folder].")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="HTML file to write (default: report.html in the folder, X.html beside X.parquet, compare.html in the measured folder).")] = None,
     max_spans: Annotated[int, typer.Option(min=1, help="Most timeline spans drawn; whole passes from the first are kept.")] = 100_000,
     chrome: Annotated[Optional[Path], typer.Option(help="Instead: export a timeline .parquet as Chrome Trace Event JSON (Perfetto) to this file.")] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing --out or --chrome file.")] = False,
@@ -285,8 +303,8 @@ def validate(
     predicted: Annotated[Path, typer.Argument(help="Folder written by cmoe simulate --out.")],
     measured: Annotated[list[Path], typer.Argument(help="Folder(s) written by cmoe execute --out (same trace, policy, pool, batch); several runs of one configuration also give the error against their mean and their spread.")],
     *,
-    policy: Annotated[Optional[str], typer.Option(help="Comma-separated policies [default: every policy the measured run has].")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="JSON file for the errors [default: MEASURED/validation.json].")] = None,
+    policy: Annotated[Optional[str], typer.Option(help="Comma-separated policies (default: every policy the measured run has).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="JSON file for the errors (default: MEASURED/validation.json).")] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing --out file (the default one is always rewritten).")] = False,
 ) -> None:
     """Predicted against measured: error per op kind, per layer, per token and end to end, and where it comes from."""
@@ -313,12 +331,12 @@ def validate(
 @one_line_errors
 def calibrate(
     *,
-    device: Annotated[str, typer.Option(help="cuda (default), cuda:N or cpu (a CPU profile, for tests and CPU runs).")] = "cuda",
+    device: Annotated[str, typer.Option(help="auto (cuda when a GPU is visible, else cpu), cuda, cuda:N or cpu. (cpu: a CPU profile, for tests and CPU runs)")] = "auto",
     spec: Annotated[str, typer.Option(help="Model shapes to measure experts and layers with (a preset).")] = "mixtral-8x7b",
     model: Annotated[Optional[Path], typer.Option(help="Or a local checkpoint: its shapes and its own layers.")] = None,
     quant: Annotated[str, typer.Option(help="Expert format the executor will run: w4g128, bf16, fp32, ...")] = "w4g128",
     layers: Annotated[int, typer.Option(help="Decoder layers of the preset to build for the per-layer measurement.")] = 4,
-    name: Annotated[Optional[str], typer.Option(help="Profile name [default: the device's name].")] = None,
+    name: Annotated[Optional[str], typer.Option(help="Profile name (default: the device's name).")] = None,
     out: Annotated[Path, typer.Option(help="Profile JSON to write (use it with --profile); the raw measurements go beside it.")] = Path("profile.json"),
     refit: Annotated[Optional[Path], typer.Option(help="Measure nothing: fit a profile to measurements written by an earlier calibrate.")] = None,
     strict: Annotated[bool, typer.Option(help="Refuse to write a profile when the repeats say the machine was noisy (wide spread, or copy/expert times that fall with size).")] = False,
@@ -353,11 +371,11 @@ def run_cmd(
     model: Annotated[Optional[Path], typer.Option(help="Or a local checkpoint, needs --trace (neither: the embedded trained model and its trace).")] = None,
     trace: Annotated[Optional[str], typer.Option(help="Trace to replay in both engines (with --spec and no trace: synthetic:SPEC).")] = None,
     policy: Annotated[str, typer.Option(help="Comma-separated policies, or 'all'.")] = "commit",
-    pool_gb: Annotated[float, typer.Option(callback=positive, help="GPU memory for the model in GB.")] = 20.0,
+    pool_gb: Annotated[float, typer.Option(parser=gigabytes, callback=positive, help="GPU memory for the model in GB (20, 20GB or 20G).")] = 20.0,
     batch: Annotated[int, typer.Option(min=1, max=1024, help="Requests decoded together.")] = 1,
     tokens: Annotated[int, typer.Option(min=1, help="Decode steps executed.")] = 64,
     quant: Annotated[Optional[str], typer.Option(help="Expert format (default w4g128).")] = None,
-    device: Annotated[str, typer.Option(help="cuda (default) or cpu.")] = "cuda",
+    device: Annotated[str, typer.Option(help="auto (cuda when a GPU is visible, else cpu), cuda, cuda:N or cpu.")] = "auto",
     profile: Annotated[Optional[str], typer.Option(help="Use this profile instead of calibrating first.")] = None,
     slots: Annotated[Optional[int], typer.Option(min=1, help="Pin the expert slots per block (default for the embedded model: 4 of 8).")] = None,
     repeat: Annotated[int, typer.Option(min=1, max=100, help="Execute the policies this many times (measured-2/, ...): the error against their mean and their spread.")] = 1,
@@ -374,6 +392,8 @@ def run_cmd(
     from cmoe.cli.common import policy_names
     from cmoe.pipeline import run_all
     names = policy_names(policy, "--policy")
+    from cmoe.cli.common import device_name
+    device = device_name(device)
     silent = quiet or json_out
     say = (lambda *_: None) if silent else typer.echo
     doc = run_all(out, spec_name=spec, model_dir=model, trace_src=trace, policies=tuple(names), pool_gb=pool_gb,
@@ -393,7 +413,7 @@ def quality(
     tokens: Annotated[int, typer.Option(min=1, help="Positions to score.")] = 1024,
     window: Annotated[int, typer.Option(min=2, help="Score in windows of this many tokens, each from an empty cache (the embedded model was trained on 256).")] = 256,
     variants: Annotated[str, typer.Option(help="Comma-separated: commit, commit-no-owa.")] = "commit,commit-no-owa",
-    device: Annotated[str, typer.Option(help="cpu (default) or cuda.")] = "cpu",
+    device: Annotated[str, typer.Option(help="auto (cuda when a GPU is visible, else cpu), cuda, cuda:N or cpu.")] = "auto",
     out: Annotated[Optional[Path], typer.Option(help="Also write the table as JSON here.")] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing --out file.")] = False,
 ) -> None:
@@ -411,7 +431,8 @@ def quality(
         from cmoe.errors import CmoeError
         raise CmoeError(f"{data} does not exist: pass --data a UTF-8 text file")
     text = (data or default_heldout()).read_bytes()
-    res = run_quality(mdir, text, tokens, kinds, device, window)
+    from cmoe.cli.common import device_name
+    res = run_quality(mdir, text, tokens, kinds, device_name(device), window)
     typer.echo(f"{mdir.name}: {res['tokens']} positions in windows of {res['window']}, teacher-forced, every expert resident")
     typer.echo(format_quality(res["rows"], res["pred_accuracy"], PUBLISHED))
     if out:

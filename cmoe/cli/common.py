@@ -78,11 +78,46 @@ def positive(value: float | None) -> float | None:
     return value
 
 
-def numbers(text: str, flag: str, integer: bool = False) -> list:
-    """A comma-separated list of finite numbers above 0 (whole ones with `integer`), at least one."""
+def gigabytes(value) -> float:
+    """A size in GB as users write it: 20, 20.5, 20GB, 20G, "20 GB" (any case). Typer's parser for
+    --pool-gb; `positive` then checks it is above 0."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    s = str(value).strip().lower().replace(" ", "")
+    for suffix in ("gb", "g"):
+        if s.endswith(suffix):
+            s = s[: -len(suffix)]
+            break
     try:
-        xs = [float(x) for x in text.split(",") if x.strip()]
+        return float(s)
     except ValueError:
+        raise typer.BadParameter(f"'{value}' is not a size in GB (e.g. 20, 20GB or 20G)") from None
+
+
+def one_of(new, old, new_flag: str, old_flag: str):
+    """An option spelt two ways: the current name, or the name earlier versions used (still taken,
+    hidden from --help). Giving both is refused."""
+    if old is None:
+        return new
+    if new is not None:
+        raise CmoeError(f"{old_flag} is the old name of {new_flag}: give one of them")
+    return old
+
+
+def device_name(device: str) -> str:
+    """--device as given, with `auto` made concrete: cuda when a GPU is visible, else cpu."""
+    if device != "auto":
+        return device
+    from cmoe.executor.run import resolve_device
+    return resolve_device("auto").type
+
+
+def numbers(text: str, flag: str, integer: bool = False) -> list:
+    """A comma-separated list of finite numbers above 0 (whole ones with `integer`), at least one:
+    sizes may carry a GB or G suffix."""
+    try:
+        xs = [gigabytes(x) for x in text.split(",") if x.strip()]
+    except (ValueError, typer.BadParameter):
         raise CmoeError(f"{flag} '{text}' is not a comma-separated list of numbers") from None
     if not xs:
         raise CmoeError(f"{flag} '{text}' gives no value: the grid would be empty")
@@ -100,7 +135,7 @@ def names(text: str, flag: str) -> list[str]:
     return xs
 
 
-def policy_names(text: str | None, flag: str = "--policies") -> list[str]:
+def policy_names(text: str | None, flag: str = "--policy") -> list[str]:
     """A comma-separated list of policies; None or 'all': every policy. Empty, unknown or repeated
     names are refused."""
     from cmoe.policy.policies import POLICIES

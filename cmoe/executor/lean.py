@@ -301,8 +301,10 @@ class LeanEngine(Engine):
             pin = self.cuda
             k["ids_h"] = torch.full((M, N, K), -1, dtype=torch.int32, pin_memory=pin)
             k["w_h"] = torch.zeros((M, N, K), dtype=torch.float32, pin_memory=pin)
+        E = self.spec.num_experts
+        waves = min(N * K, E) + 1                          # a layer never runs in more launches
         k["table_h"] = torch.from_numpy(self._table_host) if not self.cuda else \
-            torch.empty((M, self.spec.num_experts), dtype=torch.int32, pin_memory=True)
+            torch.empty((M, waves, E), dtype=torch.int32, pin_memory=True)
         k["table_np"] = k["table_h"].numpy()
         if host_ids:
             k["ids_np"], k["w_np"] = k["ids_h"].numpy(), k["w_h"].numpy()
@@ -505,7 +507,7 @@ class LeanEngine(Engine):
         due = t_plan
         for k, wave in enumerate(waves):
             h0 = clock.host()
-            self._set_table(m, {e: plan.slots[e] for e in wave}, pinned=k == 0)
+            self._set_table(m, {e: plan.slots[e] for e in wave}, wave=k)
             for e in wave:
                 s = plan.slots[e]
                 assert self.pool.expert[m][s] == e, f"slot {s} of layer {m} holds {self.pool.expert[m][s]}, plan says {e}"
@@ -595,19 +597,22 @@ class LeanEngine(Engine):
         ev.synchronize()
         return pin.numpy()
 
-    def _set_table(self, m: int, slots: dict[int, int], pinned: bool = True) -> None:
-        """Row m of the device's expert -> slot table. The first launch of a layer writes it through
-        its pinned staging row (non-blocking); a later wave's row by a blocking copy, since the
-        staging row may not have been read yet."""
-        use_stage = self.cuda and pinned
-        row = self.kin["table_np"][m] if use_stage else self._table_host[m]
+    def _set_table(self, m: int, slots: dict[int, int], wave: int = 0) -> None:
+        """Row m of the device's expert -> slot table, for one launch (`wave`) of the layer: written
+        into its own pinned staging row and copied without blocking, on the compute stream, so
+        the launch after it reads it and a later wave's row never overwrites one not yet read."""
+        if not self.cuda:
+            row = self._table_host[m]
+            row.fill(-1)
+            for e, s in slots.items():
+                row[e] = s
+            self.table[m].copy_(torch.from_numpy(row))
+            return
+        row = self.kin["table_np"][m, wave]
         row.fill(-1)
         for e, s in slots.items():
             row[e] = s
-        if use_stage:
-            self.table[m].copy_(self.kin["table_h"][m], non_blocking=True)
-        else:
-            self.table[m].copy_(torch.from_numpy(row).to(self.device))
+        self.table[m].copy_(self.kin["table_h"][m, wave], non_blocking=True)
 
     def _write_assignment(self, m: int, assign: dict, N: int) -> None:
         """commit in decode: each row's committed experts and OWA weights, the kernel's inputs."""

@@ -180,7 +180,12 @@ def measure(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4
              ("expert", lambda: expert(device, spec, fmt)),
              ("layers", lambda: layers(device, spec, fmt, num_layers, model_dir, built=built))]
     from cmoe.executor.engine import DENSE_ROWS
-    out: dict = {"dense_rows": DENSE_ROWS, "repeats": {}}
+    from cmoe.executor.run import fusable
+    # the lean engine's layer kernel runs only the routed (row, expert) pairs; the per-expert loop
+    # (float formats, shapes the tiled layout does not take) runs every expert on all of up to
+    # DENSE_ROWS rows, and the simulator copies whichever this machine's executor does
+    fused = fmt.startswith("w4") and fusable(spec)
+    out: dict = {"dense_rows": 0 if fused else DENSE_ROWS, "repeats": {}}
     for name, fn in tqdm(steps, desc="calibrate", disable=not progress):
         got = fn()
         out["repeats"].update(got.pop("repeats", {}))

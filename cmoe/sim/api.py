@@ -38,9 +38,9 @@ def out_of_memory(t: Trace, policies: int, with_out: bool) -> str:
             f"polic{'y' if policies == 1 else 'ies'}")
     if not with_out:
         return (f"out of memory: simulating {what} needs about {need / 1e9:.1f} GB: simulate a shorter trace "
-                f"(fewer requests or decode steps) or fewer --policies")
+                f"(fewer requests or decode steps) or fewer --policy names")
     return (f"out of memory: simulating {what} needs about {need / 1e9:.1f} GB ({bare / 1e9:.1f} GB without --out): "
-            f"simulate a shorter trace (fewer requests or decode steps) or fewer --policies, or drop --out")
+            f"simulate a shorter trace (fewer requests or decode steps) or fewer --policy names, or drop --out")
 
 
 def write_outputs(out: Path, t: Trace, profile: HardwareProfile, results: list[SimResult], force: bool = False) -> None:

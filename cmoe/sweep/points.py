@@ -112,7 +112,7 @@ def read_points(path: str | Path, defaults: dict | None = None) -> list[dict]:
                       if isinstance(p, dict) else p, f"{path} point {i + 1}") for i, p in enumerate(raw)]
 
 
-_FLAGS = {"trace": "--traces", "profile": "--profiles", "pool_gb": "--pool-gb", "policy": "--policies", "batch": "--batch"}
+_FLAGS = {"trace": "--trace", "profile": "--profile", "pool_gb": "--pool-gb", "policy": "--policy", "batch": "--batch"}
 
 
 def points_file(path: str | Path, given: dict[str, list], quant: str | None = None, engine: str = "replay") -> list[dict]:

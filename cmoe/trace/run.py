@@ -41,7 +41,7 @@ def _check_positions(model: Path, new_tokens: int) -> None:
     except (OSError, ValueError, AttributeError):
         return                                        # the checkpoint's own checks say what is wrong
     if isinstance(limit, int) and new_tokens + 1 > limit:
-        raise CmoeError(f"--max-new-tokens {new_tokens} runs past the model's max_position_embeddings ({limit}): "
+        raise CmoeError(f"--tokens {new_tokens} runs past the model's max_position_embeddings ({limit}): "
                         f"give at most {limit - 1} (less the prompt's tokens)")
 
 
