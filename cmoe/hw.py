@@ -62,6 +62,9 @@ class HardwareProfile:
     copy_on_host: bool = False                      # the host thread copies (the executor on a CPU): a load costs host time
     dense_rows: int = 0                             # up to this many rows in a pass, every expert runs on all of them
                                                     # (the executor's dense path); above, on its own tokens
+    silent_upper: bool = False                      # upper has no host step between a layer's attention and its
+                                                    # experts (the lean executor's one-launch kernel): no read-back
+                                                    # wait, no planning, no per-expert issue
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

@@ -48,7 +48,7 @@ def test_fused_layer_kernel_reproduces_the_dequantized_model(fused_checkpoints, 
     """int4 experts in the tiled layout, one launch per layer (the torch reference on the CPU),
     every exact policy, batch 2 with left padding: the unmodified model with the same dequantized
     experts, to fp32 rounding."""
-    w, results = run_exec(fused_checkpoints[family], EXACT, fmt="w4g32")
+    w, results = run_exec(fused_checkpoints[family], EXACT, fmt="w4g32", kernel="fused")
     assert w.store.packing == "tiled"
     ref = reference_logits(fused_checkpoints[family], w.prompts, 4, _dequantize_experts(32))
     for r in results:
@@ -62,7 +62,7 @@ def test_fused_layer_kernel_reproduces_the_dequantized_model(fused_checkpoints, 
 def test_lean_and_reference_engines_decide_alike(fused_checkpoints):
     """Both engines, every policy (commit included), live routing: identical plans and counts."""
     pols = [p for p in POLICIES if p != "oracle"]
-    _, lean = run_exec(fused_checkpoints["qwen2_moe"], pols, fmt="w4g32")
+    _, lean = run_exec(fused_checkpoints["qwen2_moe"], pols, fmt="w4g32", kernel="fused")
     _, ref = run_exec(fused_checkpoints["qwen2_moe"], pols, fmt="w4g32", engine="hf")
     for a, b in zip(lean, ref):
         assert [(p.pass_index, p.layer, p.needed, p.loads, p.gpu, p.cpu, p.skipped) for p in a.log.plans] == \
@@ -74,7 +74,7 @@ def test_lean_and_reference_engines_decide_alike(fused_checkpoints):
 
 
 def test_upper_decode_has_no_host_step(fused_checkpoints):
-    _, (r,) = run_exec(fused_checkpoints["mixtral"], ["upper"], fmt="w4g32")
+    _, (r,) = run_exec(fused_checkpoints["mixtral"], ["upper"], fmt="w4g32", kernel="fused")
     dec = {p for p, d, _, _ in r.log.pass_us if d}
     host_ops = {s[4] for s in r.log.spans if s[1] in dec and s[3] == "host"}
     assert host_ops == {"host_attention", "host_head"}
@@ -87,10 +87,10 @@ def test_upper_decode_has_no_host_step(fused_checkpoints):
 def test_marks_resolve_late_as_on_a_busy_gpu(fused_checkpoints, monkeypatch):
     """On a GPU a pass's marks may not have happened when the next pass settles; here no mark is
     ever ready before the end, and the timeline is the same as when each was ready at once."""
-    _, ready = run_exec(fused_checkpoints["mixtral"], ["upper", "ondemand"], fmt="w4g32")
+    _, ready = run_exec(fused_checkpoints["mixtral"], ["upper", "ondemand"], fmt="w4g32", kernel="fused")
     from cmoe.executor.streams import Clock
     monkeypatch.setattr(Clock, "done", lambda self, h: False)
-    _, late = run_exec(fused_checkpoints["mixtral"], ["upper", "ondemand"], fmt="w4g32")
+    _, late = run_exec(fused_checkpoints["mixtral"], ["upper", "ondemand"], fmt="w4g32", kernel="fused")
     for a, b in zip(ready, late):
         key = lambda s: (s[1], s[2], s[3], s[4], s[5])   # noqa: E731
         assert sorted(map(key, a.log.spans)) == sorted(map(key, b.log.spans)), a.policy

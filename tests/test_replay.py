@@ -242,3 +242,22 @@ def test_every_configuration_runs_one_compiled_version():
             simulate(t, EAGER if batch == 2 else H200, SimConfig(policy=policy, pool_gb=pool, batch=batch), timeline=timeline)
     for f in (decide.decide, compute.run, clock.start, clock.finish):
         assert len(f.signatures) == 1, (f.__name__, f.signatures)
+
+
+def test_silent_upper_skips_the_host_step_in_both_engines():
+    """A profile of the lean executor (`silent_upper`): upper pays no read-back wait, planning or
+    per-expert issue, in SimPy and in the replay alike (to the bit); the other policies still do."""
+    t = generate(preset("mixtral-8x7b"), recipe("w4a16"), SyntheticParams(requests=1, prompt_len=8, decode_len=12))
+    silent = replace(EAGER, silent_upper=True)
+    a, b, _, _ = both(t, "upper", silent, 1)
+    same_run(a, b)
+    loud, _, _, _ = both(t, "upper", EAGER, 1)
+    dec = [us for _, d, _, us in a.pass_us if d]
+    assert sum(dec) < sum(us for _, d, _, us in loud.pass_us if d)
+    # with the host ahead, the host-side layer cost alone paces nothing: every layer's experts follow
+    # its attention with no route span between them
+    assert not [s for s in a.spans if s[4] == "route" and s[1] > 0]
+    c, d, _, _ = both(t, "ondemand", silent, 1)
+    same_run(c, d)
+    e, _, _, _ = both(t, "ondemand", EAGER, 1)
+    assert c.pass_us == e.pass_us

@@ -184,8 +184,10 @@ def measure(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4
     # the lean engine's layer kernel runs only the routed (row, expert) pairs; the per-expert loop
     # (float formats, shapes the tiled layout does not take) runs every expert on all of up to
     # DENSE_ROWS rows, and the simulator copies whichever this machine's executor does
-    fused = fmt.startswith("w4") and fusable(spec)
-    out: dict = {"dense_rows": 0 if fused else DENSE_ROWS, "repeats": {}}
+    fused = fmt.startswith("w4") and fusable(spec) and cuda          # what ExecConfig's kernel="auto" runs
+    if built is not None and built.store is not None:
+        fused = built.store.packing == "tiled"
+    out: dict = {"dense_rows": 0 if fused else DENSE_ROWS, "silent_upper": fused, "repeats": {}}
     for name, fn in tqdm(steps, desc="calibrate", disable=not progress):
         got = fn()
         out["repeats"].update(got.pop("repeats", {}))

@@ -51,6 +51,9 @@ class ExecConfig:
     lead_us: float = 0.0              # calibration: GPU sleep queued ahead of each layer's experts (see Engine)
     include_prefill: bool = True
     engine: str = "lean"              # lean (graphs, static cache, one launch per layer) or hf (the reference)
+    kernel: str = "auto"              # lean's int4 experts: fused (one launch per layer), loop (per expert), auto:
+                                      # fused on CUDA; on a CPU the loop, whose torch int4 kernel is far faster
+                                      # there than the fused kernel's plain-torch reference
     record_plans: bool = False
     keep_logits: bool = False
     progress: bool = False
@@ -145,6 +148,8 @@ def prepare(*, spec_name: str | None, model_dir: Path | None, trace_src: str | N
         raise CmoeError("pass exactly one of --spec PRESET (random weights at its shapes) or --model DIR (a checkpoint)")
     if cfg.engine not in ENGINES:
         raise CmoeError(f"unknown engine '{cfg.engine}': choose from {', '.join(ENGINES)}")
+    if cfg.kernel not in ("auto", "fused", "loop"):
+        raise CmoeError(f"unknown kernel '{cfg.kernel}': choose from auto, fused, loop")
     bad = [p for p in cfg.policies if p not in POLICIES]
     if bad:
         raise CmoeError(f"unknown policy '{bad[0]}': choose from {', '.join(POLICIES)}")
@@ -255,7 +260,7 @@ def build(w: Workload, cfg: ExecConfig) -> None:
     from cmoe.executor.store import checkpoint_store, packing_for, random_store
     dtype = torch.bfloat16 if w.device.type == "cuda" else torch.float32
     twins = any(p in ("lfu-fallback", "static") for p in cfg.policies)
-    packing = packing_for(w.fmt, w.device, cfg.engine == "lean" and fusable(w.spec))
+    packing = packing_for(w.fmt, w.device, uses_fused(cfg, w.spec, w.device))
     if w.model_dir is None:
         w.store = random_store(w.spec, w.fmt, w.device, cfg.seed, cfg.progress, packing)
         if twins:
@@ -270,6 +275,13 @@ def fusable(spec: ModelSpec) -> bool:
     """Whether the one-launch layer kernel takes these shapes (its tiled int4 layout packs in-features
     in runs of 32); other shapes run the per-expert loop."""
     return spec.hidden % 32 == 0 and spec.expert_ffn % 32 == 0
+
+
+def uses_fused(cfg: ExecConfig, spec: ModelSpec, device: torch.device) -> bool:
+    """Whether the lean engine runs int4 experts through the one-launch layer kernel."""
+    if cfg.engine != "lean" or not fusable(spec) or cfg.kernel == "loop":
+        return False
+    return cfg.kernel == "fused" or device.type == "cuda"
 
 
 def engine_for(w: Workload, cfg: ExecConfig, policy, record_plans: bool | None = None):

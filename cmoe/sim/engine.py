@@ -185,6 +185,7 @@ class Simulation:
         M = len(c.moe_layers)
         fifo = hw.copy_fifo
         predict_us = hw.predict_layer_us if pol.uses_prediction else 0.0
+        silent = hw.silent_upper and pol.name == "upper"     # no host step between attention and experts
         H = G = prev_end = 0.0
         for ps in self.passes:
             if self.in_flight:                   # the device is synchronised between passes, copies included
@@ -232,7 +233,8 @@ class Simulation:
                 self._span(ps.index, d, "compute", "attention", -1, last, G)
                 t_in = G
                 # the routing read-back waits for the GPU; then reading, planning, issuing loads
-                H = max(H, G) + route_host
+                if not silent:
+                    H = max(H, G) + route_host
                 nxt = list(ps.predicted[m + 1]) if m + 1 < M else None
                 plan = pol.plan(m, list(ps.needed[m]), nxt)
                 votes = dict(zip(ps.needed[m], ps.votes[m]))
@@ -274,7 +276,7 @@ class Simulation:
                     run.ran(ps.index, kind, wait)
                     start = due + wait
                     rows = n if all_rows else votes.get(e, 1)
-                    issue = hw.host_expert(rows)
+                    issue = 0.0 if silent else hw.host_expert(rows)
                     dur = hw.expert_us(c.expert_bytes[m][e], c.expert_bits[m][e], rows, c.expert_params)
                     if self.in_flight and self._copying(start):
                         dur *= slow

@@ -60,7 +60,7 @@ Costs = namedtuple("Costs", [
 # Costs.hwf
 SLOW, HOST_LOAD, HX0, HX1, TAIL, HALF_RT, CPU_TOK, TFLOPS, HOST_SYNC, PASS_START, HOST_PASS_START, HEAD, HOST_HEAD = range(13)
 # Costs.hwi
-ENGINES, FIFO, ON_HOST, PARAMS, KEEP, HEAD_SPAN = range(6)
+ENGINES, FIFO, ON_HOST, PARAMS, KEEP, HEAD_SPAN, SILENT = range(7)
 Out = namedtuple("Out", [
     "sp_pass", "sp_layer", "sp_stream", "sp_op", "sp_expert", "sp_start", "sp_end", "sp_bytes", "sp_m", "sp_slot",
     "hits", "late", "demand", "fallbacks", "skipped", "loads", "bytes_moved", "stall", "pass_us",   # per pass

@@ -7,7 +7,7 @@ from __future__ import annotations
 from numba import njit
 
 from cmoe.sim.replay.clock import (DRAINED, ENGINES, ERR, FIFO, G_, H_, HALF_RT, HEAD, HEAD_SPAN, HOST_HEAD,
-                                   HOST_PASS_START, HOST_SYNC, HX0, HX1, IN_FLIGHT, NOW, OP_ATTN,
+                                   HOST_PASS_START, HOST_SYNC, HX0, HX1, IN_FLIGHT, NOW, OP_ATTN, SILENT,
                                    OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, PARAMS,
                                    PASS_INDEX, PASS_START, PREV_END, CPU_TOK, SLOW, TAIL, TFLOPS,
                                    W_DRAINED, W_READY, _advance, copying, _issue, _release, _span, _sync, pmax)
@@ -88,7 +88,8 @@ def run(c, x, o, d, p0, p1, M):
             H += host
             _span(c, o, x, p, dl, 0, OP_ATTN, -1, last, G, 0, -1, -1)
             t_in = G
-            H = pmax(H, G) + x.route_host[p]
+            if not x.hwi[SILENT]:
+                H = pmax(H, G) + x.route_host[p]
             g0, g1, c0, c1, l0, l1 = d.g_ptr[j], d.g_ptr[j + 1], d.c_ptr[j], d.c_ptr[j + 1], d.l_ptr[j], d.l_ptr[j + 1]
             o.fallbacks[p] += c1 - c0
             o.skipped[p] += d.skipped[j]
@@ -129,7 +130,7 @@ def run(c, x, o, d, p0, p1, M):
                 start = due + wait
                 rows = n if x.all_rows[p] else _votes(x, p, m, e, M)
                 extra = rows - 1 if rows > 1 else 0
-                issue = x.hwf[HX0] + x.hwf[HX1] * extra
+                issue = 0.0 if x.hwi[SILENT] else x.hwf[HX0] + x.hwf[HX1] * extra
                 dur = x.xfix[m, e] + 2 * x.hwi[PARAMS] * extra / x.hwf[TFLOPS] * 1e6
                 if c.I[IN_FLIGHT] and copying(c, x, start):
                     dur *= slow
