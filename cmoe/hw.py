@@ -65,6 +65,15 @@ class HardwareProfile:
     silent_upper: bool = False                      # upper has no host step between a layer's attention and its
                                                     # experts (the lean executor's one-launch kernel): no read-back
                                                     # wait, no planning, no per-expert issue
+    # Measured shapes (calibrate, from enough points): where given, they replace the lines above.
+    # (rows, us) pairs, rows ascending; read piecewise-linearly, held flat below the first point and
+    # past the last one when the last piece falls, extended along the last piece when it rises.
+    expert_rows_us: tuple = ()                      # one expert of expert_rows_bytes, class expert_rows_class
+    expert_rows_bytes: int = 0
+    expert_rows_class: str = ""
+    host_layer_points: tuple = ()                   # host_layer(tokens)
+    host_route_points: tuple = ()                   # host_route(tokens)
+    host_expert_points: tuple = ()                  # host_expert(rows)
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -82,6 +91,13 @@ class HardwareProfile:
                          "of bytes > 0, GB/s positive, sizes ascending", ascending=True)
         _check_pairs(self.name, "expert_gbps", self.expert_gbps, lambda k: k in ("int4", "int8", "bf16"),
                      "[class, GB/s]: class int4, int8 or bf16 (each once), GB/s positive", ascending=False)
+        for table in ("expert_rows_us", "host_layer_points", "host_route_points", "host_expert_points"):
+            if getattr(self, table):
+                _check_pairs(self.name, table, getattr(self, table), _whole(1)[0], "[rows, us]: a whole number "
+                             "of rows >= 1, us >= 0, rows ascending", ascending=True, rate=_NON_NEGATIVE[0])
+        if self.expert_rows_us and not (self.expert_rows_bytes > 0 and self.expert_rows_class in ("int4", "int8", "bf16")):
+            raise _bad(self.name, "expert_rows_bytes", self.expert_rows_bytes,
+                       "above 0, with expert_rows_class int4, int8 or bf16, when expert_rows_us is given")
         if not isinstance(self.sources, dict):
             raise _bad(self.name, "sources", self.sources, "an object of field -> where its figure comes from")
 
@@ -113,7 +129,10 @@ class HardwareProfile:
         return table[key]
 
     def expert_us(self, nbytes: int, bits: float, tokens: int, params: int) -> float:
-        """One expert (three matrices) over `tokens` tokens; params = weights in the expert."""
+        """One expert (three matrices) over `tokens` tokens; params = weights in the expert. From the
+        measured table where there is one for this width (scaled by bytes), else the line."""
+        if self.expert_rows_us and _width(bits) == self.expert_rows_class:
+            return table_us(self.expert_rows_us, tokens) * nbytes / self.expert_rows_bytes
         extra_flops = 2 * params * max(tokens - 1, 0)
         return (3 * self.launch_us + nbytes / (self.expert_kernel_gbps(bits) * GB) * 1e6
                 + extra_flops / (self.matmul_tflops * 1e12) * 1e6)
@@ -124,12 +143,18 @@ class HardwareProfile:
             + self.attn_us_per_token * max(tokens - 1, 0)
 
     def host_layer(self, tokens: int) -> float:
+        if self.host_layer_points:
+            return table_us(self.host_layer_points, tokens)
         return self.host_layer_us + self.host_attn_us_per_token * max(tokens - 1, 0)
 
     def host_route(self, tokens: int) -> float:
+        if self.host_route_points:
+            return table_us(self.host_route_points, tokens)
         return self.host_route_us + self.host_route_us_per_token * max(tokens - 1, 0)
 
     def host_expert(self, tokens: int) -> float:
+        if self.host_expert_points:
+            return table_us(self.host_expert_points, tokens)
         return self.host_expert_us + self.host_expert_us_per_token * max(tokens - 1, 0)
 
     def cpu_expert_us(self, nbytes: int, tokens: int) -> float:
@@ -141,7 +166,8 @@ class HardwareProfile:
     # files ----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         d = asdict(self)
-        for k in ("h2d_pinned", "d2h_pinned", "expert_gbps"):
+        for k in ("h2d_pinned", "d2h_pinned", "expert_gbps", "expert_rows_us", "host_layer_points",
+                  "host_route_points", "host_expert_points"):
             d[k] = [list(p) for p in d[k]]
         return d
 
@@ -158,13 +184,31 @@ class HardwareProfile:
                    and f.default_factory is MISSING]
         if missing:
             raise CmoeError(f"hardware profile is missing the fields {missing}: write one with cmoe calibrate")
-        for k in ("h2d_pinned", "d2h_pinned", "expert_gbps"):       # JSON lists -> tuples, checked in __post_init__
-            if isinstance(d[k], list):
+        for k in ("h2d_pinned", "d2h_pinned", "expert_gbps", "expert_rows_us", "host_layer_points",
+                  "host_route_points", "host_expert_points"):       # JSON lists -> tuples, checked in __post_init__
+            if isinstance(d.get(k), list):
                 d[k] = tuple(tuple(p) if isinstance(p, list) else p for p in d[k])
         for f in fields(cls):                                       # 1.41e11 bytes in JSON: a whole number
             if f.type == "int" and isinstance(d.get(f.name), float) and d[f.name].is_integer():
                 d[f.name] = int(d[f.name])
         return cls(**d)
+
+
+def table_us(points: tuple, x: float) -> float:
+    """A measured table read at x: piecewise-linear between points; the first value below them;
+    past the last, the last piece extended when it rises and the last value when it falls (a
+    falling cost flattens, it does not reach zero)."""
+    if x <= points[0][0] or len(points) == 1:
+        return float(points[0][1])
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    return y1 + max(y1 - y0, 0.0) * (x - x1) / (x1 - x0)
+
+
+def _width(bits: float) -> str:
+    return "int4" if bits <= 4 else "int8" if bits <= 8 else "bf16"
 
 
 def _finite(v) -> bool:
@@ -191,13 +235,14 @@ def _rule(name: str, type_: str):
     return _FLAG if type_ == "bool" else None
 
 
-def _check_pairs(profile: str, field_name: str, pts, key_ok, allowed: str, ascending: bool) -> None:
+def _check_pairs(profile: str, field_name: str, pts, key_ok, allowed: str, ascending: bool, rate=None) -> None:
     """A curve or table of (key, rate) pairs: a non-empty tuple of pairs whose key passes `key_ok`
-    and whose rate is positive (keys distinct; ascending where asked)."""
+    and whose rate is positive (or passes `rate`; keys distinct; ascending where asked)."""
+    rate = rate or _POSITIVE[0]
     if not isinstance(pts, tuple) or not pts:
         raise _bad(profile, field_name, pts, f"a non-empty list of {allowed}")
     for p in pts:
-        if not (isinstance(p, tuple) and len(p) == 2 and key_ok(p[0]) and _POSITIVE[0](p[1])):
+        if not (isinstance(p, tuple) and len(p) == 2 and key_ok(p[0]) and rate(p[1])):
             raise _bad(profile, f"{field_name} point", p, allowed)
     keys = [k for k, _ in pts]
     if (ascending and keys != sorted(keys)) or len(set(keys)) < len(keys):

@@ -111,6 +111,15 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
             classes.append((_class(oc["bits"]), oc["bytes"] / max(oa - 3 * launch_s, 1e-9) / GB))
     src = f"measured by cmoe calibrate on {device}, {date}"
     host = _host_fields(m["layer"].get("host"))
+    # the shape of an expert's time over rows, where the isolated curve is the kernel that will run
+    # (the per-expert loop): its points through in-model level at one row (a hinge stays a hinge)
+    table = {}
+    iso = best_per_size([(t, s) for t, s in ex["points"]])
+    if len(iso) >= 2 and not m.get("silent_upper"):
+        one = dict(iso).get(1, iso[0][1])
+        scale = m["layer"]["expert_in_model_s"] / one if m["layer"].get("expert_in_model_s") and one > 0 else 1.0
+        table = {"expert_rows_us": tuple((int(t), s * scale * 1e6) for t, s in iso),
+                 "expert_rows_bytes": int(ex["bytes"]), "expert_rows_class": key}
     return HardwareProfile(
         name=name, gpu_mem_bytes=gpu_mem_bytes, h2d_pinned=curve(m["h2d"]), d2h_pinned=curve(m["d2h"]),
         h2d_pageable_gbps=m["h2d_pageable"][0] / m["h2d_pageable"][1] / GB, copy_engines=1,
@@ -122,12 +131,12 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         predict_layer_us=m["layer"].get("predict_layer_s", 0.0) * 1e6,
         commit_route_us=m["layer"].get("commit_route_s", 0.0) * 1e6, copy_fifo=True,
         copy_on_host=device.lower() == "cpu", dense_rows=int(m.get("dense_rows", 0)),
-        silent_upper=bool(m.get("silent_upper", False)), **host,
+        silent_upper=bool(m.get("silent_upper", False)), **host, **table,
         sources={k: src for k in ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "hbm_gbps", "expert_gbps",
                                   "launch_us", "layer_fixed_us", "attn_us_per_token", "cpu_expert_gbps",
                                   "roundtrip_us", "copy_compute_slowdown", "pass_start_us", "head_us",
                                   "predict_layer_us", "commit_route_us", "cpu_expert_us_per_token",
-                                  "attn_us_per_ctx_token", *host)}
+                                  "attn_us_per_ctx_token", *host, *table)}
         | {"matmul_tflops": src + " (slope of expert time over tokens: the rate extra tokens cost)",
            "copy_engines": "one copy stream, as the executor uses",
            "copy_fifo": "the executor issues every load to one copy stream, which runs them in issue order",
@@ -142,7 +151,9 @@ def _class(bits: float) -> str:
 
 
 def _host_fields(h: dict | None) -> dict:
-    """The host thread's costs, from the executor's `host_*` spans (lines in tokens)."""
+    """The host thread's costs, from the executor's `host_*` spans: with two or more batch sizes, a
+    table through the points (a cost that falls with batch keeps falling: no line clamped at its
+    one-token value); the line's fields too, for profiles read by older code."""
     if not h:
         return {}
     out = {}
@@ -151,6 +162,11 @@ def _host_fields(h: dict | None) -> dict:
         slope = {"layer": "host_attn_us_per_token", "route": "host_route_us_per_token",
                  "expert": "host_expert_us_per_token"}[key]
         out[f"host_{key}_us"], out[slope] = max(a, 0.0) * 1e6, max(b, 0.0) * 1e6
+        mean: dict[int, list[float]] = {}
+        for t, sec in h[pts]:
+            mean.setdefault(int(t), []).append(sec)
+        if len(mean) >= 2:
+            out[f"host_{key}_points"] = tuple((t, max(float(np.mean(v)), 0.0) * 1e6) for t, v in sorted(mean.items()))
     out["host_expert_tail_us"] = h.get("expert_tail_s", 0.0) * 1e6
     out["host_load_us"] = h.get("load_s", 0.0) * 1e6
     out["host_sync_us"] = h["sync_s"] * 1e6

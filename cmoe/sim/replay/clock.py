@@ -56,6 +56,7 @@ Costs = namedtuple("Costs", [
     "hwf", "hwi",                                          # profile scalars (below)
     "layer_gpu", "layer_host", "route_host", "dense_gpu", "dense_host", "attn_gpu", "attn_host",
     "ntok", "commit_decode", "all_rows", "votes_ptr", "votes_e", "votes_n",   # per pass; votes per (pass, layer)
+    "xtab", "xcls", "htab",                                # expert us [class, rows], [M, E] class; host issue us [rows]
 ])
 # Costs.hwf
 SLOW, HOST_LOAD, HX0, HX1, TAIL, HALF_RT, CPU_TOK, TFLOPS, HOST_SYNC, PASS_START, HOST_PASS_START, HEAD, HOST_HEAD = range(13)

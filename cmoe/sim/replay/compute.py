@@ -7,9 +7,9 @@ from __future__ import annotations
 from numba import njit
 
 from cmoe.sim.replay.clock import (DRAINED, ENGINES, ERR, FIFO, G_, H_, HALF_RT, HEAD, HEAD_SPAN, HOST_HEAD,
-                                   HOST_PASS_START, HOST_SYNC, HX0, HX1, IN_FLIGHT, NOW, OP_ATTN, SILENT,
-                                   OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, PARAMS,
-                                   PASS_INDEX, PASS_START, PREV_END, CPU_TOK, SLOW, TAIL, TFLOPS,
+                                   HOST_PASS_START, HOST_SYNC, IN_FLIGHT, NOW, OP_ATTN, SILENT,
+                                   OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT,
+                                   PASS_INDEX, PASS_START, PREV_END, CPU_TOK, SLOW, TAIL,
                                    W_DRAINED, W_READY, _advance, copying, _issue, _release, _span, _sync, pmax)
 
 
@@ -129,9 +129,8 @@ def run(c, x, o, d, p0, p1, M):
                 o.stall[p] += wait
                 start = due + wait
                 rows = n if x.all_rows[p] else _votes(x, p, m, e, M)
-                extra = rows - 1 if rows > 1 else 0
-                issue = 0.0 if x.hwi[SILENT] else x.hwf[HX0] + x.hwf[HX1] * extra
-                dur = x.xfix[m, e] + 2 * x.hwi[PARAMS] * extra / x.hwf[TFLOPS] * 1e6
+                issue = 0.0 if x.hwi[SILENT] else x.htab[rows]
+                dur = x.xtab[x.xcls[m, e], rows]
                 if c.I[IN_FLIGHT] and copying(c, x, start):
                     dur *= slow
                 G = pmax(start + dur, H + issue - x.hwf[TAIL])

@@ -40,6 +40,16 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
                 memo[b, bits] = (hw.h2d_us(b), hw.expert_us(b, bits, 1, c.expert_params), hw.cpu_expert_us(b, 1))
             h2d[m, e], xfix[m, e], cpu1[m, e] = memo[b, bits]
             eb[m, e] = b
+    # an expert's kernel and its issue by rows, from the profile's own methods (lines or measured
+    # tables alike), for every row count a pass can give an expert
+    R = int(pa.ntok.max()) if pa.ntok.size else 1
+    keys = sorted(memo)
+    xcls = np.zeros((M, E), np.int64)
+    for m in range(M):
+        for e in range(E):
+            xcls[m, e] = keys.index((c.expert_bytes[m][e], c.expert_bits[m][e]))
+    xtab = np.array([[hw.expert_us(b, bits, max(r, 1), c.expert_params) for r in range(R + 1)] for b, bits in keys])
+    htab = np.array([hw.host_expert(max(r, 1)) for r in range(R + 1)])
     ns, inv = np.unique(pa.ntok, return_inverse=True)
     predict = hw.predict_layer_us if policy.uses_prediction else 0.0
     per_n = np.array([[hw.layer_us(n, c.attn_bytes), hw.host_layer(n), hw.host_sync_us + hw.host_route(n) + predict,
@@ -63,7 +73,8 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
     c_ = np.ascontiguousarray                    # one array type everywhere: numba compiles once
     return ck.Costs(h2d, xfix, eb, cpu1, np.array(c.moe_layers, np.int64), hwf, hwi, c_(layer_gpu), c_(layer_host),
                     c_(route_host), c_(dense_gpu), c_(dense_host), c_(attn_gpu), c_(attn_host), c_(pa.ntok),
-                    c_(commit_decode), c_(pa.ntok <= hw.dense_rows), c_(pa.need_ptr), c_(pa.need), c_(pa.votes))
+                    c_(commit_decode), c_(pa.ntok <= hw.dense_rows), c_(pa.need_ptr), c_(pa.need), c_(pa.votes),
+                    c_(xtab), c_(xcls), c_(htab))
 
 
 class Replay:
