@@ -320,7 +320,6 @@ class Engine:
         """The layer's one read-back: routing, (commit) router logits, the next layer's prediction.
         Returns per-token experts and weights (highest first), OWA scores, and the policy's inputs."""
         N, K = idx.shape
-        E = self.spec.num_experts
         decode_commit = self.commit and self.cur.decode
         parts = [idx.float(), weights.float()]
         if decode_commit:

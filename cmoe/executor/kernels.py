@@ -124,17 +124,3 @@ def ffn(x: torch.Tensor, v: ExpertViews, act=F.silu) -> torch.Tensor:
         return int4_mm(act(a) * b, v.w2, g, v.w2_sz)
     a, b = F.linear(x, v.w13.to(x.dtype)).chunk(2, dim=-1)
     return F.linear(act(a) * b, v.w2.to(x.dtype))
-
-
-def unpack_for_test(v: ExpertViews) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float weights of a slot by running the kernel on the identity (exact for any layout)."""
-    out = []
-    for name in ("w13", "w2"):
-        w = getattr(v, name)
-        o, i = v.layout.part(name).shape
-        if v.layout.group:
-            eye = torch.eye(i, dtype=torch.bfloat16 if w.is_cuda else torch.float32, device=w.device)
-            out.append(int4_mm(eye, w, v.layout.group, getattr(v, f"{name}_sz")).float().T.contiguous())
-        else:
-            out.append(w.float())
-    return out[0], out[1]

@@ -55,9 +55,7 @@ import numpy as np
 import torch
 
 from cmoe.executor.engine import Engine, PlanRecord, _loads, _slot_table
-from cmoe.executor.kv import StaticKV
 from cmoe.metrics import classify
-from cmoe.policy.owa import owa_weights
 from cmoe.trace.passes import ranked
 
 
@@ -232,7 +230,7 @@ class LeanEngine(Engine):
         """Warm up and record the decode segments, over the static inputs (first decode pass)."""
         h0 = time.perf_counter()
         dev = self.device
-        E, K = self.spec.num_experts, self.spec.top_k
+        E = self.spec.num_experts
         self.io = {"ids": torch.zeros((B, 1), dtype=torch.long, device=dev),
                    "pos": torch.zeros((B, 1), dtype=torch.long, device=dev), "mask": self.kv.decode_mask}
         self._make_kin(B, decode=True)

@@ -55,7 +55,6 @@ class LayerPlan:
 
 class Policy:
     name = "base"
-    exact = True                 # outputs equal exact routing
     uses_prediction = False      # reads the next layer's predicted experts
     uses_future = False          # reads the trace's future (only a replayed trace has one)
 
@@ -184,7 +183,6 @@ class Static(Policy):
 
 class Commit(Policy):
     name = "commit"
-    exact = False
     uses_prediction = True
 
     def __init__(self, *a, **k):

@@ -92,11 +92,6 @@ class Trace:
                 "weights_renormalized": self.spec.renormalize, "expert_bytes": self.expert_bytes,
                 "slot_bytes": self.slot_bytes, "source": self.source}
 
-    def select(self, mask: np.ndarray) -> "Trace":
-        """A trace of the tokens where `mask` is true (same model and sizes)."""
-        kw = {k: getattr(self, k)[mask] for k in (*_REQUIRED, *_OPTIONAL) if getattr(self, k) is not None}
-        return Trace(**kw, spec=self.spec, recipe=self.recipe, expert_bytes=self.expert_bytes, source=self.source)
-
 
 def validate(t: Trace) -> None:
     """Raise CmoeError with one line on the first inconsistency."""
