@@ -59,11 +59,14 @@ def test_fused_layer_kernel_reproduces_the_dequantized_model(fused_checkpoints, 
     assert m["ondemand"]["loads"] > 0 and m["static"]["fallbacks"] > 0
 
 
-def test_lean_and_reference_engines_decide_alike(fused_checkpoints):
-    """Both engines, every policy (commit included), live routing: identical plans and counts."""
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v2", "deepseek_v3"])
+def test_lean_and_reference_engines_decide_alike(fused_checkpoints, family):
+    """Both engines, every policy (commit included), live routing: identical plans and counts
+    (DeepSeek's routers return their top-k unsorted: both engines rank each token's experts by
+    weight, upper's bookkeeping after the pass included)."""
     pols = [p for p in POLICIES if p != "oracle"]
-    _, lean = run_exec(fused_checkpoints["qwen2_moe"], pols, fmt="w4g32", kernel="fused")
-    _, ref = run_exec(fused_checkpoints["qwen2_moe"], pols, fmt="w4g32", engine="hf")
+    _, lean = run_exec(fused_checkpoints[family], pols, fmt="w4g32", kernel="fused")
+    _, ref = run_exec(fused_checkpoints[family], pols, fmt="w4g32", engine="hf")
     for a, b in zip(lean, ref):
         assert [(p.pass_index, p.layer, p.needed, p.loads, p.gpu, p.cpu, p.skipped) for p in a.log.plans] == \
             [(p.pass_index, p.layer, p.needed, p.loads, p.gpu, p.cpu, p.skipped) for p in b.log.plans], a.policy
@@ -95,3 +98,28 @@ def test_marks_resolve_late_as_on_a_busy_gpu(fused_checkpoints, monkeypatch):
         key = lambda s: (s[1], s[2], s[3], s[4], s[5])   # noqa: E731
         assert sorted(map(key, a.log.spans)) == sorted(map(key, b.log.spans)), a.policy
         assert a.metrics["loads"] == b.metrics["loads"] and a.metrics["hits"] == b.metrics["hits"]
+
+
+def test_replay_of_a_trace_without_predictions(tiny_trace, checkpoints, tmp_path):
+    """An imported routing log has no predictions (all -1): exact policies replay it."""
+    from cmoe.executor.run import ExecConfig, execute, prepare
+    from cmoe.trace import bundle
+    t = bundle.read(str(tiny_trace))
+    t.pred_experts[:] = -1
+    bundle.write(t, tmp_path / "nopred")
+    cfg = ExecConfig(policies=("upper", "ondemand"), slots=2, batch=1, tokens=3, device="cpu", quant="fp32")
+    w, cfg = prepare(spec_name=None, model_dir=checkpoints["mixtral"], trace_src=str(tmp_path / "nopred"),
+                     data=None, cfg=cfg)
+    assert [r.metrics["decode_passes"] for r in execute(w, cfg)] == [3, 3]
+
+
+def test_a_sliding_window_shorter_than_the_run_is_refused():
+    from types import SimpleNamespace
+
+    from cmoe.errors import CmoeError
+    from cmoe.executor.lean import _check_window
+    _check_window(SimpleNamespace(sliding_window=None), 10_000)
+    _check_window(SimpleNamespace(sliding_window=64, use_sliding_window=False), 10_000)
+    _check_window(SimpleNamespace(sliding_window=4096), 320)
+    with pytest.raises(CmoeError, match="sliding window of 64 tokens and the run needs 320"):
+        _check_window(SimpleNamespace(sliding_window=64), 320)

@@ -190,8 +190,9 @@ class LeanEngine(Engine):
             parts += [t["pred"][m + 1][0].float(), t["pred"][m + 1][1].float()]
         return parts
 
-    def _kernel(self, m: int, table: torch.Tensor) -> torch.Tensor:
-        """The routed experts of layer m from the slots `table` points at, in x's dtype."""
+    def _kernel(self, m: int, table: torch.Tensor, out_dtype=None) -> torch.Tensor:
+        """The routed experts of layer m from the slots `table` points at, in x's dtype (or
+        out_dtype: fp32 for a wave's partial sum, rounded once when the waves are added)."""
         from cmoe.executor.moe_kernel import moe_forward
         t, k = self.t, self.kin
         x = t["x"][m]
@@ -199,7 +200,8 @@ class LeanEngine(Engine):
             ids, w = k["ids"][m], k["w"][m]
         else:                                              # the router's own choice, on the device
             ids, w = t["idx"][m].to(torch.int32), t["w"][m].float()
-        return moe_forward(x, ids, w, table, self.pool.blocks[m], self.store.layout, workspace=self._ws)
+        return moe_forward(x, ids, w, table, self.pool.blocks[m], self.store.layout, workspace=self._ws,
+                           out_dtype=out_dtype)
 
     def seg_experts(self, m: int, y: torch.Tensor | None = None) -> None:
         """X_m: the layer's routed experts (or `y`, computed already) plus the residual. Written
@@ -223,7 +225,8 @@ class LeanEngine(Engine):
         h = self.model.model.norm(h)
         t["logits_out"] = self.model.lm_head(h[:, -1])
         if self.silent:                                    # upper's bookkeeping: every layer's choice
-            t["all_idx"] = torch.stack([t["idx"][m] for m in range(self.M)]).to(torch.int32)
+            t["all_idx"] = torch.stack([torch.cat([t["idx"][m].float(), t["w"][m].float()], 1)
+                                        for m in range(self.M)])
 
     # --- graphs ----------------------------------------------------------------------------------
     def _capture(self, B: int) -> None:
@@ -313,6 +316,8 @@ class LeanEngine(Engine):
     def run_pass(self, p, cache) -> torch.Tensor:
         self.cur = p
         self.kv = cache
+        if p.index == 0:
+            _check_window(self.model.config, cache.max_len)
         self.token_pred = [None] * self.M
         self.token_pred_w = [None] * self.M
         B, n = p.input_ids.shape
@@ -368,19 +373,24 @@ class LeanEngine(Engine):
     def _keep_books(self, p, start, end):
         """What settling this pass needs later: its marks, and (upper, live) a pinned copy of every
         layer's routing, taken on the stream after the head."""
-        idx = None
+        idx = copied = None
         if self.silent and p.replay is None:
             src = self.t["all_idx"]
             idx = torch.empty(src.shape, dtype=src.dtype, pin_memory=self.cuda)
             idx.copy_(src, non_blocking=True)
+            if self.cuda:
+                copied = torch.cuda.Event()
+                copied.record()
         marks, self._upper_marks = self._upper_marks, []
-        return (p, start, end, idx, marks)
+        return (p, start, end, idx, marks, copied)
 
     def _settle(self) -> None:
         """Bookkeeping of finished passes: pass times, upper's plans and counts, span marks."""
-        for p, start, end, idx, marks in self._books:
+        for p, start, end, idx, marks, copied in self._books:
             if self.cuda:
                 end.synchronize()
+                if copied is not None:
+                    copied.synchronize()
             if self.silent:
                 self._upper_books(p, idx, marks)
             us = self.clock.us(end) - (self._prev_end if self._prev_end is not None else self.clock.us(start))
@@ -402,6 +412,10 @@ class LeanEngine(Engine):
             self.io["ids"].copy_(p.input_ids, non_blocking=True)
             self.io["pos"].copy_(p.position_ids, non_blocking=True)
         else:
+            if self.graphs is not None:
+                # the eager path replaces the inputs and workspace the graphs were captured over
+                raise RuntimeError("an eager pass after the decode graphs were captured: one engine serves "
+                                   "one prefill and its decode steps")
             if p.decode:
                 self.kv.step()
                 mask = self.kv.decode_mask
@@ -517,7 +531,7 @@ class LeanEngine(Engine):
             if one_launch:
                 self._run_x(m, graphs)
             else:
-                part = self._kernel(m, self.table[m]).float()
+                part = self._kernel(m, self.table[m], torch.float32)
                 y = part.clone() if y is None else y + part
             t1 = due = clock.mark(cs)
             self._tick("launch")
@@ -535,8 +549,7 @@ class LeanEngine(Engine):
                 y = torch.zeros(self.t["x"][m].shape, dtype=torch.float32, device=self.device)
             if cpu:
                 gpu_done = clock.mark(cs)
-                acc = self._cpu_acc(m, d, cpu, assign, x_host)
-                y = y + acc.to(self.device)
+                y = y + self._cpu_acc(m, d, cpu, assign, x_host)
                 self._cpu_waits.append((self.cur.index, gpu_done, clock.host()))
             self.seg_experts(m, y.to(self.t["x"][m].dtype))
         if self.record_plans:
@@ -644,9 +657,11 @@ class LeanEngine(Engine):
             y = ffn(x.index_select(0, r), v, self.act).float()
             acc.index_add_(0, r, y * wt[:, None])
             self._span(d, "cpu", "cpu_expert", e, h0, clock.host(), self.store.slot)
+        h0 = clock.host()
+        back = acc.to(self.device)
         if self.cuda:
-            self._span(d, "cpu", "roundtrip", -1, clock.host(), clock.host(), acc.numel() * 2)
-        return acc
+            self._span(d, "cpu", "roundtrip", -1, h0, clock.host(), acc.numel() * acc.element_size())
+        return back
 
     # --- spans and upper's bookkeeping -----------------------------------------------------------
     def _fused_span(self, d: int, experts: list[int], t0, t1) -> None:
@@ -660,11 +675,12 @@ class LeanEngine(Engine):
         live = [i for i in range(len(p.active)) if p.active[i]]
         if p.replay is None:
             allidx = idx.numpy()
+            K = allidx.shape[2] // 2
         for m, t_in, t0, t1 in marks:
             if p.replay is not None:
                 rows = [[int(e) for e in r if e >= 0] for r in p.replay["experts"][:, m]]
-            else:
-                rows = allidx[m].tolist()
+            else:                                          # by weight, as the reference engine ranks them
+                rows, _ = self._ranked_rows(allidx[m][:, :K], allidx[m][:, K:], m, "route")
             needed = list(ranked([rows[i] for i in live])[0])
             plan = self.policy.plan(m, needed, None)
             d = self.spec.moe_layers[m]
@@ -700,7 +716,19 @@ class LeanEngine(Engine):
             unfuse(self._norms)
             self._norms = []
         self.graphs = None
-        self.t = self.t_graph = None
+        self.t = self.t_graph = self.kin = self.io = self._ws = None
+        self._rb_pin = []
+        self._cap.sink = {}
+
+
+def _check_window(config, max_len: int) -> None:
+    """The static cache's mask attends to the whole context; a model that attends within a sliding
+    window shorter than the run's context would be computed wrongly, so it is refused."""
+    from cmoe.errors import CmoeError
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if window is not None and max_len > window:
+        raise CmoeError(f"this model attends within a sliding window of {window} tokens and the run needs "
+                        f"{max_len}: use --engine hf, or fewer --tokens")
 
 
 def _fresh(M: int) -> dict:

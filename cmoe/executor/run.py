@@ -340,7 +340,8 @@ def _replay_rows(t: Trace, sub: np.ndarray, p) -> dict:
              for m in range(M)]
     prows = [[[e for e in r if e >= 0] for r in pr[:, m].tolist()] for m in range(M)]
     return {"experts": ex, "weights": wt, "pred": pr,
-            "lists": {"route": (rows, wrows), "pred": (prows, [[[1.0 / len(x)] * len(x) for x in r] for r in prows])},
+            "lists": {"route": (rows, wrows),
+                      "pred": (prows, [[[1.0 / len(x)] * len(x) if x else [] for x in r] for r in prows])},
             "needed": [list(x) for x in p.needed], "predicted": [list(x) for x in p.predicted]}
 
 
@@ -351,8 +352,9 @@ def run_policy(w: Workload, cfg: ExecConfig, policy_name: str) -> ExecResult:
     passes = _replay_passes(w, cfg) if w.trace is not None else None
     future = [p.needed for p, *_ in passes] if passes is not None else None
     policy = make_policy(policy_name, layout, w.spec.num_experts, pop, future)
-    if w.store.packing == "tiled" and cfg.engine != "lean":
-        raise CmoeError("this store is packed for the lean engine's layer kernel: build it again for --engine hf")
+    if (w.store.packing == "tiled") != uses_fused(cfg, w.spec, w.device):
+        raise CmoeError(f"this host store is packed for the {'one-launch layer kernel' if w.store.packing == 'tiled' else 'per-expert loop'}"
+                        f" but engine {cfg.engine} with kernel {cfg.kernel} runs the other: build it again")
     eng = engine_for(w, cfg, policy)
     dev = w.device
     cache = new_cache(w, cfg)

@@ -24,7 +24,7 @@ def _rms_kernel(x_ptr, stride_x, w_ptr, y_ptr, n, eps, BLOCK: tl.constexpr):
     keep = offs < n
     x = tl.load(x_ptr + row * stride_x + offs, mask=keep, other=0.0).to(tl.float32)
     var = tl.sum(x * x, axis=0) / n
-    h = (x * tl.rsqrt(var + eps)).to(y_ptr.dtype.element_ty)
+    h = (x * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)      # back to x's dtype, as transformers does
     w = tl.load(w_ptr + offs, mask=keep, other=0.0)
     y = (w.to(tl.float32) * h.to(tl.float32)).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * n + offs, y, mask=keep)
