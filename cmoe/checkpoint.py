@@ -263,9 +263,25 @@ def check_checkpoint(model_dir: str | Path, allow_pickle: bool = False, float_ex
     _check_index(model_dir, headers)
     _expert_tensors(model_dir, spec, headers)
     if float_experts and (name := _first_unplain_expert(model_dir, spec, headers)):
-        raise CmoeError(f"{model_dir}: expert tensor {name} is not a bf16/fp16/fp32 weight: the executor reads "
-                        f"float expert weights, quantized checkpoints are not supported yet")
+        fmt = detect_expert_format(model_dir, spec)
+        if not EXECUTABLE_PACKED.match(fmt):
+            raise CmoeError(f"{model_dir}: expert tensor {name} is stored as {fmt}: the executor runs float expert "
+                            f"weights and compressed-tensors W4A16 (pack-quantized, symmetric, groups of 32-256) "
+                            f"as stored; trace this checkpoint (cmoe trace) to simulate it instead")
     return spec
+
+
+EXECUTABLE_PACKED = re.compile(r"^ct-w4g(32|64|128|256)$")      # quantized experts the executor runs as stored
+
+
+def executor_format(model_dir: str | Path, spec: ModelSpec) -> str | None:
+    """The executor format a checkpoint's experts already are (w4gG for compressed-tensors W4A16),
+    or None for float experts, which the executor quantizes itself."""
+    model_dir = Path(model_dir)
+    if not _first_unplain_expert(model_dir, spec, _headers(model_dir)):
+        return None
+    fmt = detect_expert_format(model_dir, spec)
+    return "w4g" + fmt.rsplit("g", 1)[1] if EXECUTABLE_PACKED.match(fmt) else None
 
 
 def _first_unplain_expert(model_dir: Path, spec: ModelSpec, headers) -> str | None:

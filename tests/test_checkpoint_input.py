@@ -99,7 +99,7 @@ CASES = {
     "expert ffn mismatch": ("mixtral", lambda d: _edit_config(d, intermediate_size=40),
                             "experts.0.w1.weight has shape [48, 32] but config.json (hidden_size 32, expert ffn 40) needs [40, 32]", None),
     "gptq without its config": ("mixtral", lambda d: _gptq(d, None),
-                                "experts.0.w1.g_idx is not a bf16/fp16/fp32 weight",
+                                "experts.0.w1.g_idx is stored as gptq-w4g16: the executor runs float expert weights and compressed-tensors W4A16",
                                 "transformers found 6 of the model's weights nowhere in it (first: model.layers.0."
                                 "mlp.experts.down_proj), so they would keep random values; the checkpoint stores "
                                 "quantized tensors (e.g. model.layers.0.mlp.experts.0.w1.g_idx) but config.json does "

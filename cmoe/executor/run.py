@@ -172,7 +172,15 @@ def prepare(*, spec_name: str | None, model_dir: Path | None, trace_src: str | N
     elif future := [p for p in cfg.policies if needs_future(p)]:
         raise CmoeError(f"policy {future[0]} reads the routing's future, which only a replayed trace has: "
                         f"pass --trace, or leave {future[0]} out of --policy")
-    fmt = cfg.quant or (trace.recipe.expert if trace is not None and trace.recipe.name != "checkpoint" else "w4g128")
+    stored = None
+    if model_dir is not None:
+        from cmoe.checkpoint import executor_format
+        stored = executor_format(model_dir, spec)
+        if stored and cfg.quant and cfg.quant != stored:
+            raise CmoeError(f"the checkpoint's experts are {stored} (compressed-tensors W4A16), which the executor "
+                            f"runs as stored: leave out --quant, or pass --quant {stored}")
+    fmt = stored or cfg.quant or (trace.recipe.expert if trace is not None and trace.recipe.name != "checkpoint"
+                                  else "w4g128")
     if fmt == "w4g128" and spec.hidden % 128 and device.type == "cpu":
         fmt = "w4g32"
     el = expert_layout(fmt, spec.hidden, spec.expert_ffn)

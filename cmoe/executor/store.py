@@ -80,6 +80,18 @@ class HostStore:
             expert_bytes_of(self.layout, w13.float().cpu(), w2.float().cpu(), "cpu", twin)
             self.cpu_twins[m][e].copy_(twin)
 
+    def put_codes(self, m: int, e: int, parts: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """One expert already quantized: {"w13": (codes [2F, H], sz), "w2": (codes [H, F], sz)}, codes
+        0..15 and sz bf16 [in/g, out, 2] (scale, zero), written as they are (no requantization)."""
+        for target, packing in ((self.blocks[m][e], self.packing), (self.cpu_twins[m][e] if self.cpu_twins is not None
+                                                                     else None, "cpu")):
+            if target is None:
+                continue
+            buf = torch.zeros(self.slot, dtype=torch.uint8, device=self.device if packing != "cpu" else "cpu")
+            for name, (codes, sz) in parts.items():
+                write_int4(buf, self.layout, name, codes.to(buf.device), sz.to(buf.device), packing)
+            target.copy_(buf)
+
     def build_cpu_twins(self, progress: bool = False) -> None:
         """The CPU-layout copy of every random expert (same codes and scales), built on demand."""
         if self.packing == "cpu" or self.cpu_twins is not None:
@@ -133,6 +145,35 @@ def random_store(spec: ModelSpec, fmt: str, device: torch.device, seed: int = 0,
 
 # --- checkpoints ------------------------------------------------------------------------------
 
+_CT_PARTS = ("weight_packed", "weight_scale", "weight_shape")     # compressed-tensors pack-quantized, symmetric
+
+
+def unpack_ct_int4(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """compressed-tensors' int32 packing of int4 values along the input dimension (value i of a row
+    at bits 4i, as unsigned = signed + 8) -> codes int32 [out, in] in 0..15. cmoe's codes are
+    the same unsigned values: w = (q - 8) * scale, the zero term 0 for a symmetric scheme."""
+    out, inp = shape
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    nib = torch.stack([(words >> (4 * k)) & 15 for k in range(8)], -1)      # [out, in/8, 8]
+    return nib.reshape(out, -1)[:, :inp].to(torch.int32)
+
+
+def _ct_codes(t: dict, group: int, model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [out, in], sz bf16 [in/g, out, 2]) of one compressed-tensors linear, exactly: a scale
+    bf16 cannot hold is refused rather than rounded."""
+    out, inp = (int(x) for x in t["weight_shape"].tolist())
+    codes = unpack_ct_int4(t["weight_packed"], (out, inp))
+    scale = t["weight_scale"]
+    if scale.shape != (out, inp // group):
+        raise CmoeError(f"{model_dir}: a compressed-tensors scale has shape {tuple(scale.shape)}, not "
+                        f"{(out, inp // group)} for groups of {group}: the checkpoint does not match its config")
+    s16 = scale.to(torch.bfloat16)
+    if not torch.equal(s16.to(scale.dtype), scale):
+        raise CmoeError(f"{model_dir}: the experts' {scale.dtype} scales do not fit bf16 exactly, and cmoe's int4 "
+                        f"kernels read bf16 scales: running them would change the weights")
+    sz = torch.stack([s16.T, torch.zeros_like(s16.T)], -1).contiguous()
+    return codes, sz
+
 def checkpoint_store(model_dir: Path, spec: ModelSpec, fmt: str, device: torch.device,
                      keep_cpu_twins: bool, progress: bool = False,
                      packing: str | None = None) -> tuple[HostStore, list[tuple[str, Path]]]:
@@ -153,8 +194,12 @@ def checkpoint_store(model_dir: Path, spec: ModelSpec, fmt: str, device: torch.d
     others: list[tuple[str, Path]] = []
     files = safetensors_files(model_dir)
 
-    def finish(m: int, e: int, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> None:
-        store.put(m, e, torch.cat([w1, w3], 0), w2)
+    def finish(m: int, e: int, w1, w3, w2) -> None:
+        if isinstance(w1, dict):                         # compressed-tensors: the checkpoint's own codes
+            c1, c3, c2 = (_ct_codes(x, store.layout.group, model_dir) for x in (w1, w3, w2))
+            store.put_codes(m, e, {"w13": (torch.cat([c1[0], c3[0]], 0), torch.cat([c1[1], c3[1]], 1)), "w2": c2})
+        else:
+            store.put(m, e, torch.cat([w1, w3], 0), w2)
         done.add((m, e))
 
     with tqdm(total=spec.num_moe_layers * spec.num_experts, disable=not progress, desc="experts") as bar:
@@ -163,12 +208,17 @@ def checkpoint_store(model_dir: Path, spec: ModelSpec, fmt: str, device: torch.d
                 for name in fh.keys():
                     pe, fu = _PER_EXPERT.match(name), _FUSED.match(name)
                     if pe and int(pe.group(1)) in moe_index:
-                        assert pe.group(4) == "weight", f"{name}: quantized experts passed the float check"
+                        suffix = pe.group(4)
+                        assert suffix in ("weight",) + _CT_PARTS, f"{name}: quantized experts passed the float check"
                         key = (moe_index[int(pe.group(1))], int(pe.group(2)))
                         assert key[1] < spec.num_experts, f"{name}: expert beyond the spec passed check_checkpoint"
                         got = pending.setdefault(key, {})
-                        got[_CANON[pe.group(3)]] = fh.get_tensor(name)
-                        if len(got) == 3:
+                        if suffix == "weight":
+                            got[_CANON[pe.group(3)]] = fh.get_tensor(name)
+                        else:
+                            got.setdefault(_CANON[pe.group(3)], {})[suffix] = fh.get_tensor(name)
+                        if len(got) == 3 and all(not isinstance(v, dict) or len(v) == len(_CT_PARTS)
+                                                 for v in got.values()):
                             finish(*key, got["w1"], got["w3"], got["w2"])
                             del pending[key]
                             bar.update(1)
