@@ -51,5 +51,8 @@ def format_quality(rows: list[dict], accuracy: dict, published: str) -> str:
     lines.append("by the predicting router's certainty (top-k softmax mass), quartiles: "
                  + ", ".join(f"{b['certainty_from']:.2f}-{b['certainty_to']:.2f}: {b['accuracy']:.2f}"
                              for b in accuracy["by_certainty"]))
+    if accuracy.get("by_distance"):
+        lines.append("looking further ahead (layer m+k's router on layer m's MLP input), by k: "
+                     + ", ".join(f"{b['distance']}: {b['accuracy']:.2f}" for b in accuracy["by_distance"]))
     lines.append(published)
     return "\n".join(lines)

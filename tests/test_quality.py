@@ -45,3 +45,20 @@ def test_teacher_forced_runs_on_a_checkpoint(checkpoints):
     acc = res["pred_accuracy"]
     assert acc["per_layer"] == pytest.approx([82 / 82, 79 / 82, 73 / 82])       # 41 tokens x top-2 per layer
     assert sum(b["n"] for b in acc["by_certainty"]) == 3 * 41            # every (token, layer) of the 41 once
+
+
+def test_prediction_accuracy_by_distance(checkpoints):
+    """Distance 1 is the commit prediction: the same share as the per-layer accuracy of every layer
+    but the first (whose prediction has another source); further distances are measured too."""
+    import numpy as np
+
+    from cmoe.executor.quality_run import prediction_accuracy
+    ids = list(range(1, 40))
+    acc = prediction_accuracy(checkpoints["deepseek_v2"], ids, "cpu")        # a dense layer, then 2 MoE layers
+    d = acc["by_distance"]
+    assert [x["distance"] for x in d] == [1] and d[0]["pairs"] == 1
+    assert d[0]["accuracy"] == pytest.approx(float(np.mean(acc["per_layer"][1:])))
+    acc6 = prediction_accuracy(checkpoints["olmoe"], ids, "cpu")             # 3 MoE layers
+    assert [(x["distance"], x["pairs"]) for x in acc6["by_distance"]] == [(1, 2), (2, 1)]
+    assert acc6["by_distance"][0]["accuracy"] == pytest.approx(float(np.mean(acc6["per_layer"][1:])))
+    assert all(0.0 <= x["accuracy"] <= 1.0 for x in acc6["by_distance"])

@@ -83,6 +83,7 @@ def prediction_accuracy(model_dir: Path, ids: list[int], device: str) -> dict:
     finally:
         rec.close()
     per_layer = [float(a) for a in acc(got["experts"], got["pred_experts"])]
+    by_distance = accuracy_by_distance(model, spec, ids)
     e, p, c = got["experts"].astype(np.int64), got["pred_experts"].astype(np.int64), got["certainty"]
     hit = (e[..., :, None] == p[..., None, :]).any(-1).mean(-1)             # [T, M] share of true experts predicted
     edges = np.quantile(c, [0, 0.25, 0.5, 0.75, 1.0])
@@ -91,4 +92,38 @@ def prediction_accuracy(model_dir: Path, ids: list[int], device: str) -> dict:
         sel = (c >= edges[q]) & ((c <= edges[q + 1]) if q == 3 else (c < edges[q + 1]))
         by_cert.append({"certainty_from": float(edges[q]), "certainty_to": float(edges[q + 1]),
                         "accuracy": float(hit[sel].mean()) if sel.any() else float("nan"), "n": int(sel.sum())})
-    return {"per_layer": per_layer, "by_certainty": by_cert}
+    return {"per_layer": per_layer, "by_certainty": by_cert, "by_distance": by_distance}
+
+
+def accuracy_by_distance(model, spec, ids: list[int]) -> list[dict]:
+    """How far ahead a router can see: for each distance k, MoE layer m+k's router applied to MoE
+    layer m's MLP input (its post-attention norm's output, the commit prediction's source), the
+    share of layer m+k's true top-k experts its own top-k holds, over every token and every m
+    with m+k in the model (one teacher-forced pass; k = 1 is the commit prediction of every
+    layer but the first). What a commit that loads d layers ahead could rely on."""
+    layers, moe = model.model.layers, spec.moe_layers
+    M, K = len(moe), spec.top_k
+    xs: list = [None] * M
+    routes: list = [None] * M
+    hooks = []
+    for m, d in enumerate(moe):
+        hooks.append(layers[d].post_attention_layernorm.register_forward_hook(
+            lambda _mod, _inp, out, m=m: xs.__setitem__(m, out.reshape(-1, out.shape[-1]))))
+        hooks.append(layers[d].mlp.gate.register_forward_hook(
+            lambda _mod, _inp, out, m=m: routes.__setitem__(m, out[2]) if routes[m] is None else None))
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids], device=model.device))
+            out = []
+            for k in range(1, M):
+                hit = n = 0
+                for m in range(M - k):
+                    pred = layers[moe[m + k]].mlp.gate(xs[m])[2]                # [T, K]
+                    true = routes[m + k]
+                    hit += int((true[:, :, None] == pred[:, None, :]).any(-1).sum())
+                    n += true.numel()
+                out.append({"distance": k, "accuracy": hit / n if n else float("nan"), "pairs": M - k})
+    finally:
+        for h in hooks:
+            h.remove()
+    return out
