@@ -123,3 +123,40 @@ def test_a_sliding_window_shorter_than_the_run_is_refused():
     _check_window(SimpleNamespace(sliding_window=4096), 320)
     with pytest.raises(CmoeError, match="sliding window of 64 tokens and the run needs 320"):
         _check_window(SimpleNamespace(sliding_window=64), 320)
+
+
+def test_commit_launches_its_committed_layers_before_the_read_back(fused_checkpoints, monkeypatch):
+    """commit in decode takes the no-wait step on every MoE layer of every decode pass (OWA on the
+    device: the logits equal the reference engine's, see test_lean_and_reference_engines_decide_alike);
+    its host lane then waits for the read-back after the experts' launch, not before."""
+    from cmoe.executor.lean import LeanEngine
+    calls = []
+    orig = LeanEngine._commit_layer
+    monkeypatch.setattr(LeanEngine, "_commit_layer", lambda self, m, g: (calls.append(m), orig(self, m, g))[1])
+    w, (r,) = run_exec(fused_checkpoints["mixtral"], ["commit"], fmt="w4g32", kernel="fused", tokens=3)
+    assert len(calls) == 3 * w.spec.num_moe_layers
+    dec = {p for p, d, _, _ in r.log.pass_us if d}
+    for p in dec:
+        lane = sorted((s for s in r.log.spans if s[1] == p and s[3] == "host" and s[2] == w.spec.moe_layers[1]
+                       and s[4] != "host_predict"),
+                      key=lambda s: s[6])
+        assert [s[4] for s in lane] == ["host_attention", "host_expert", "host_sync", "host_route"]
+
+
+def test_owa_on_the_device_equals_the_host_rule():
+    from cmoe.executor.lean import owa_device
+    from cmoe.policy.owa import owa_weights
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 8, generator=g)
+    comm = torch.zeros(8, dtype=torch.bool)
+    comm[[1, 4, 6]] = True
+    ids = torch.tensor([[4, 1], [6, -1], [-1, -1], [1, 6], [-1, -1]])
+    for renorm, sig, scale in ((True, False, 1.0), (False, False, 1.0), (False, True, 2.5)):
+        got_ids, got_w = owa_device(logits, ids, comm, 2, renorm, scale, sig)
+        s = torch.sigmoid(logits.double()) if sig else torch.softmax(logits.double(), -1)
+        for i in range(5):
+            mine = [e for e in ids[i].tolist() if e >= 0] or [max([1, 4, 6], key=lambda e: s[i, e].item())]
+            want = owa_weights(s[i].tolist(), mine, 2, renorm, scale)
+            assert [e for e in got_ids[i].tolist() if e >= 0] == mine
+            assert got_w[i, :len(mine)].tolist() == pytest.approx(want, rel=1e-6)
+            assert got_w[i, len(mine):].abs().sum() == 0

@@ -30,8 +30,10 @@ its bookkeeping happens after the pass; every other policy reads the layer's rou
 (a non-blocking copy into pinned memory, then a wait on its event), plans with the same call
 the simulator makes, issues its loads on the copy stream (a copy waits for its slot's last
 reader, the kernel waits for the copy), and writes the slot table row, a small host-to-device
-copy on the compute stream. `commit` in decode also writes each token's committed experts and
-OWA weights (the kernel's ids and weights) the same way.
+copy on the compute stream. `commit` in decode needs no wait before its experts: layer m's were
+committed at layer m-1, so the host writes each row's committed candidates, X_m weights them by
+OWA on the device from the router's live scores (`owa_device`), and only then does the host read
+the layer back and plan, while the experts run (its loads are layer m+1's).
 
 How a layer's experts run depends on the store's packing: int4 experts in the tiled layout
 ("fused": one launch per layer; Triton on CUDA, `moe_reference` on the CPU) or any other format
@@ -196,7 +198,10 @@ class LeanEngine(Engine):
         from cmoe.executor.moe_kernel import moe_forward
         t, k = self.t, self.kin
         x = t["x"][m]
-        if k["host_ids"]:
+        if k.get("owa"):                                  # commit in decode: OWA on the device
+            ids, w = owa_device(t["logits"][m], k["ids"][m], k["comm"][m], self.spec.top_k, self.spec.renormalize,
+                                self.spec.scaling, self.spec.scoring == "sigmoid")
+        elif k["host_ids"]:
             ids, w = k["ids"][m], k["w"][m]
         else:                                              # the router's own choice, on the device
             ids, w = t["idx"][m].to(torch.int32), t["w"][m].float()
@@ -309,6 +314,12 @@ class LeanEngine(Engine):
         k["table_np"] = k["table_h"].numpy()
         if host_ids:
             k["ids_np"], k["w_np"] = k["ids_h"].numpy(), k["w_h"].numpy()
+        if self.commit and decode and self.fused and self.owa:
+            # each row's committed candidates (host) and the committed set (host); weights on the device
+            k["owa"] = True
+            k["comm"] = torch.zeros((M, self.spec.num_experts), dtype=torch.bool, device=dev)
+            k["comm_h"] = torch.zeros((M, self.spec.num_experts), dtype=torch.bool, pin_memory=self.cuda)
+            k["comm_np"] = k["comm_h"].numpy()
         self.kin = k
         self._rb_pin = [None] * M
 
@@ -452,6 +463,8 @@ class LeanEngine(Engine):
 
     # --- the host's step between A_m and X_m -----------------------------------------------------
     def _host_layer(self, m: int, graphs: bool) -> None:
+        if self.kin is not None and self.kin.get("owa") and self.cur.decode:
+            return self._commit_layer(m, graphs)
         if not self.fused:                                 # the per-expert loop of the reference engine
             t = self.t
             self.logits = t["logits"]
@@ -558,6 +571,71 @@ class LeanEngine(Engine):
                 _loads(plan.loads), tuple(plan.gpu), tuple(plan.cpu), tuple(plan.skipped), tuple(self.pool.expert[m]),
                 tuple(_slot_table(self.policy.pool.where[m], len(self.pool.expert[m])))))
         self.last = clock.mark(cs)
+        self.h_last = clock.host()
+
+    def _commit_layer(self, m: int, graphs: bool) -> None:
+        """commit in decode: layer m's experts were committed at layer m-1, so its launch needs no
+        read-back; each row's committed candidates go to the device and OWA weights them there from
+        the router's live scores. The host then reads the layer back, while the experts run, and
+        plans: the same `plan` call (its GPU set is the committed one), whose loads are layer m+1's."""
+        d, clock = self.spec.moe_layers[m], self.clock
+        cs = torch.cuda.current_stream(self.device) if self.cuda else None
+        self._layer = m
+        h_in = clock.host()
+        t_in = clock.mark(cs)
+        self._span(d, "compute", "attention", -1, self.last, t_in)
+        self._span(d, "host", "host_attention", -1, self.h_last, h_in)
+        chosen = list(self.policy.committed[m])
+        keep = set(chosen)
+        k, K = self.kin, self.spec.top_k
+        N = self.t["x"][m].shape[0]
+        live = [i for i in range(N) if self.cur.active[i]]
+        ids = k["ids_np"][m]
+        ids.fill(-1)
+        for i in live:
+            mine = [e for e in dict.fromkeys(self.token_pred[m][i]) if e in keep][:K]
+            ids[i, :len(mine)] = mine
+        comm = k["comm_np"][m]
+        comm.fill(False)
+        comm[chosen] = True
+        k["ids"][m].copy_(k["ids_h"][m], non_blocking=True)
+        k["comm"][m].copy_(k["comm_h"][m], non_blocking=True)
+        slots = {e: self.policy.pool.slot_of(m, e) for e in chosen}
+        self._set_table(m, slots, 0)
+        if self._lead_cycles:
+            torch.cuda._sleep(self._lead_cycles)
+        t_plan = clock.mark(cs)                            # before the waits: a late copy shows as a gap
+        self._span(d, "compute", "route", -1, t_in, t_plan)
+        h0 = clock.host()
+        for e in chosen:
+            s = slots[e]
+            assert self.pool.expert[m][s] == e, f"slot {s} of layer {m} holds {self.pool.expert[m][s]}, commit says {e}"
+            landed = self._landed[(m, e)] if self.pool.pending[m][s] else None
+            self._experts.append((self.cur.index, False, landed, t_plan, h0))
+            self.pool.before_read(m, s)
+        t0 = clock.mark(cs)
+        self._run_x(m, graphs)
+        t1 = clock.mark(cs)
+        self._fused_span(d, chosen, t0, t1)
+        self.pool.mark_read(m, list(slots.values()), t1 if self.cuda else None)
+        self._span(d, "host", "host_expert", -1, h0, clock.host())
+        h_rb = clock.host()
+        host = self._read_back(m)                          # while the layer's experts run
+        self.h_synced = clock.host()
+        self._span(d, "host", "host_sync", -1, h_rb, self.h_synced)
+        K2 = self.t["pred"][m + 1][0].shape[1] if m + 1 < self.M else 0
+        rows, wsorted, scores, needed, predicted = self._parse_routes(m, host, K, K2, live)
+        plan = self.policy.plan(m, needed, predicted)
+        assert plan.gpu == chosen, (plan.gpu, chosen)
+        self._issue(plan.loads, defer=set())               # layer m+1's: no slot of this layer is touched
+        self.log.at(self.cur.index).skipped += len(plan.skipped)
+        if self.record_plans:
+            self.log.plans.append(PlanRecord(
+                self.cur.index, m, tuple(needed), tuple(predicted) if predicted is not None else None,
+                _loads(plan.loads), tuple(plan.gpu), (), tuple(plan.skipped), tuple(self.pool.expert[m]),
+                tuple(_slot_table(self.policy.pool.where[m], len(self.pool.expert[m])))))
+        self._span(d, "host", "host_route", -1, self.h_synced, clock.host())
+        self.last = t1
         self.h_last = clock.host()
 
     def _tick(self, phase: str | None) -> None:
@@ -719,6 +797,27 @@ class LeanEngine(Engine):
         self.t = self.t_graph = self.kin = self.io = self._ws = None
         self._rb_pin = []
         self._cap.sink = {}
+
+
+def owa_device(logits: torch.Tensor, ids: torch.Tensor, comm: torch.Tensor, top_k: int, renormalize: bool,
+               scaling: float, sigmoid: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cmoe.policy.owa.owa_weights` for every row at once, on the device (graph-safe): ids [N, K]
+    each row's committed candidates (-1: none; a row with none takes the committed expert its
+    router scores highest), comm [E] the committed set. Returns (ids int32, weights fp32)."""
+    s = torch.sigmoid(logits.float()) if sigmoid else torch.softmax(logits.float(), -1)
+    ids = ids.long()
+    none = (ids < 0).all(-1, keepdim=True)
+    best = torch.where(comm[None, :], s, torch.full_like(s, -1.0)).argmax(-1, keepdim=True)
+    first = torch.zeros_like(ids, dtype=torch.bool)
+    first[:, 0] = True
+    ids = torch.where(none & first, best, ids)
+    valid = ids >= 0
+    got = s.gather(1, ids.clamp(min=0)) * valid
+    total = got.sum(-1, keepdim=True)
+    mass = (torch.ones_like(total) if renormalize else s.topk(top_k, -1).values.sum(-1, keepdim=True)) * scaling
+    even = valid * (mass / valid.sum(-1, keepdim=True).clamp(min=1))
+    w = torch.where(total > 0, got / total.clamp(min=torch.finfo(torch.float32).tiny) * mass, even)
+    return ids.to(torch.int32), w.contiguous()
 
 
 def _check_window(config, max_len: int) -> None:
