@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cmoe.executor.kv import StaticKV
-from cmoe.executor.lean import _waves
+from cmoe.executor.lean_steps import _waves
 from cmoe.policy.policies import POLICIES, Load
 from tests.test_executor import _dequantize_experts, reference_logits, run_exec
 
@@ -144,7 +144,7 @@ def test_commit_launches_its_committed_layers_before_the_read_back(fused_checkpo
 
 
 def test_owa_on_the_device_equals_the_host_rule():
-    from cmoe.executor.lean import owa_device
+    from cmoe.executor.lean_steps import owa_device
     from cmoe.policy.owa import owa_weights
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(5, 8, generator=g)

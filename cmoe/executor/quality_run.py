@@ -102,7 +102,7 @@ def accuracy_by_distance(model, spec, ids: list[int]) -> list[dict]:
     with m+k in the model (one teacher-forced pass; k = 1 is the commit prediction of every
     layer but the first). What a commit that loads d layers ahead could rely on."""
     layers, moe = model.model.layers, spec.moe_layers
-    M, K = len(moe), spec.top_k
+    M = len(moe)
     xs: list = [None] * M
     routes: list = [None] * M
     hooks = []

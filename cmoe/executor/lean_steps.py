@@ -1,0 +1,328 @@
+"""The host's step of the lean engine between a layer's attention segment (A_m) and its experts
+segment (X_m): the read-back, the policy's plan, the loads, the slot table and the launches
+(`_host_layer`); commit's no-wait step (`_commit_layer`); and what they share. A mixin of
+`cmoe.executor.lean.LeanEngine`, apart so that "how the executor runs a layer's experts" reads in
+one file."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from cmoe.executor.engine import PlanRecord, _loads, _slot_table
+
+
+class HostSteps:
+    def _host_layer(self, m: int, graphs: bool) -> None:
+        if self.kin is not None and self.kin.get("owa") and self.cur.decode:
+            return self._commit_layer(m, graphs)
+        if not self.fused:                                 # the per-expert loop of the reference engine
+            t = self.t
+            self.logits = t["logits"]
+            self.pred_gpu = t["pred"]
+            x, idx, w = t["x"][m], t["idx"][m], t["w"][m]
+            y = self.moe_layer(m, x, idx, w)
+            h = t["mid"][m] + (t["shared"][m] + y.view(t["shared"][m].shape))
+            if graphs:
+                t["h"][m].copy_(h)
+            else:
+                t["h"][m] = h
+            return
+        d, clock = self.spec.moe_layers[m], self.clock
+        cs = torch.cuda.current_stream(self.device) if self.cuda else None
+        self._layer = m
+        h_in = clock.host()
+        t_in = clock.mark(cs)
+        self._span(d, "compute", "attention", -1, self.last, t_in)
+        self._span(d, "host", "host_attention", -1, self.h_last, h_in)
+        if self.silent:
+            self._run_x(m, graphs)
+            t1 = clock.mark(cs)
+            self._upper_marks.append((m, t_in, t_in, t1))
+            self.last, self.h_last = t1, clock.host()
+            return
+        live = [i for i in range(self.t["x"][m].shape[0]) if self.cur.active[i]]
+        self._tick(None)
+        host = self._read_back(m)
+        self._tick("read-back wait")
+        self.h_synced = clock.host()
+        K = self.spec.top_k
+        K2 = self.t["pred"][m + 1][0].shape[1] if self.policy.uses_prediction and m + 1 < self.M else 0
+        rows, wsorted, scores, needed, predicted = self._parse_routes(m, host, K, K2, live)
+        self._tick("parse routes")
+        self._span(d, "host", "host_sync", -1, h_in, self.h_synced)
+        plan = self.policy.plan(m, needed, predicted)
+        self._tick("plan")
+        assign = self._assign(m, plan, rows, wsorted, scores, live, K)
+        self._tick("assign")
+        gpu = [e for e in plan.gpu if e in assign]
+        cpu = [e for e in plan.cpu if e in assign]
+        loaded_now = {ld.expert for ld in plan.loads if ld.layer == m}
+        later = self._issue(plan.loads, defer=set(plan.gpu))
+        self._tick("issue loads")
+        tally = self.log.at(self.cur.index)
+        tally.fallbacks += len(plan.cpu)
+        tally.skipped += len(plan.skipped)
+        waves = _waves(gpu, later) or [[]]               # no GPU expert: one launch that skips all
+        if self.commit and self.cur.decode:
+            self._write_assignment(m, assign, len(rows))
+        self._tick("write ids")
+        x_host = None
+        if cpu and self.cuda:
+            h0 = clock.host()
+            x_host = self.t["x"][m].to("cpu")
+            self._span(d, "cpu", "roundtrip", -1, h0, clock.host(), x_host.numel() * x_host.element_size())
+        self._span(d, "host", "host_route", -1, self.h_synced, clock.host())
+        if self._lead_cycles:
+            torch.cuda._sleep(self._lead_cycles)
+        t_plan = clock.mark(cs)
+        self._tick("spans, mark")
+        self._span(d, "compute", "route", -1, t_in, t_plan)
+        one_launch = len(waves) <= 1 and not cpu
+        y = None
+        due = t_plan
+        for k, wave in enumerate(waves):
+            h0 = clock.host()
+            self._set_table(m, {e: plan.slots[e] for e in wave}, wave=k)
+            for e in wave:
+                s = plan.slots[e]
+                assert self.pool.expert[m][s] == e, f"slot {s} of layer {m} holds {self.pool.expert[m][s]}, plan says {e}"
+                landed = self._landed[(m, e)] if self.pool.pending[m][s] else None
+                self._experts.append((self.cur.index, e in loaded_now, landed, due, h0))
+                self.pool.before_read(m, s)
+            self._tick("table, waits")
+            t0 = clock.mark(cs)
+            if one_launch:
+                self._run_x(m, graphs)
+            else:
+                part = self._kernel(m, self.table[m], torch.float32)
+                y = part.clone() if y is None else y + part
+            t1 = due = clock.mark(cs)
+            self._tick("launch")
+            self._fused_span(d, wave, t0, t1)
+            self.pool.mark_read(m, [plan.slots[e] for e in wave], t1 if self.cuda else None)
+            for ld in [x for x in later if x.victim in wave]:
+                self._load(ld)
+                later.remove(ld)
+            self._span(d, "host", "host_expert", -1, h0, clock.host())
+        for ld in later:
+            self._load(ld)
+        self._tick("after launch")
+        if not one_launch:
+            if y is None:
+                y = torch.zeros(self.t["x"][m].shape, dtype=torch.float32, device=self.device)
+            if cpu:
+                gpu_done = clock.mark(cs)
+                y = y + self._cpu_acc(m, d, cpu, assign, x_host)
+                self._cpu_waits.append((self.cur.index, gpu_done, clock.host()))
+            self.seg_experts(m, y.to(self.t["x"][m].dtype))
+        if self.record_plans:
+            self.log.plans.append(PlanRecord(
+                self.cur.index, m, tuple(needed), tuple(predicted) if predicted is not None else None,
+                _loads(plan.loads), tuple(plan.gpu), tuple(plan.cpu), tuple(plan.skipped), tuple(self.pool.expert[m]),
+                tuple(_slot_table(self.policy.pool.where[m], len(self.pool.expert[m])))))
+        self.last = clock.mark(cs)
+        self.h_last = clock.host()
+
+    def _commit_layer(self, m: int, graphs: bool) -> None:
+        """commit in decode: layer m's experts were committed at layer m-1, so its launch needs no
+        read-back; each row's committed candidates go to the device and OWA weights them there from
+        the router's live scores. The host then reads the layer back, while the experts run, and
+        plans: the same `plan` call (its GPU set is the committed one), whose loads are layer m+1's."""
+        d, clock = self.spec.moe_layers[m], self.clock
+        cs = torch.cuda.current_stream(self.device) if self.cuda else None
+        self._layer = m
+        h_in = clock.host()
+        t_in = clock.mark(cs)
+        self._span(d, "compute", "attention", -1, self.last, t_in)
+        self._span(d, "host", "host_attention", -1, self.h_last, h_in)
+        chosen = list(self.policy.committed[m])
+        keep = set(chosen)
+        k, K = self.kin, self.spec.top_k
+        N = self.t["x"][m].shape[0]
+        live = [i for i in range(N) if self.cur.active[i]]
+        ids = k["ids_np"][m]
+        ids.fill(-1)
+        for i in live:
+            mine = [e for e in dict.fromkeys(self.token_pred[m][i]) if e in keep][:K]
+            ids[i, :len(mine)] = mine
+        comm = k["comm_np"][m]
+        comm.fill(False)
+        comm[chosen] = True
+        k["ids"][m].copy_(k["ids_h"][m], non_blocking=True)
+        k["comm"][m].copy_(k["comm_h"][m], non_blocking=True)
+        slots = {e: self.policy.pool.slot_of(m, e) for e in chosen}
+        self._set_table(m, slots, 0)
+        if self._lead_cycles:
+            torch.cuda._sleep(self._lead_cycles)
+        t_plan = clock.mark(cs)                            # before the waits: a late copy shows as a gap
+        self._span(d, "compute", "route", -1, t_in, t_plan)
+        h0 = clock.host()
+        for e in chosen:
+            s = slots[e]
+            assert self.pool.expert[m][s] == e, f"slot {s} of layer {m} holds {self.pool.expert[m][s]}, commit says {e}"
+            landed = self._landed[(m, e)] if self.pool.pending[m][s] else None
+            self._experts.append((self.cur.index, False, landed, t_plan, h0))
+            self.pool.before_read(m, s)
+        t0 = clock.mark(cs)
+        self._run_x(m, graphs)
+        t1 = clock.mark(cs)
+        self._fused_span(d, chosen, t0, t1)
+        self.pool.mark_read(m, list(slots.values()), t1 if self.cuda else None)
+        self._span(d, "host", "host_expert", -1, h0, clock.host())
+        h_rb = clock.host()
+        host = self._read_back(m)                          # while the layer's experts run
+        self.h_synced = clock.host()
+        self._span(d, "host", "host_sync", -1, h_rb, self.h_synced)
+        K2 = self.t["pred"][m + 1][0].shape[1] if m + 1 < self.M else 0
+        rows, wsorted, scores, needed, predicted = self._parse_routes(m, host, K, K2, live)
+        plan = self.policy.plan(m, needed, predicted)
+        assert plan.gpu == chosen, (plan.gpu, chosen)
+        self._issue(plan.loads, defer=set())               # layer m+1's: no slot of this layer is touched
+        self.log.at(self.cur.index).skipped += len(plan.skipped)
+        if self.record_plans:
+            self.log.plans.append(PlanRecord(
+                self.cur.index, m, tuple(needed), tuple(predicted) if predicted is not None else None,
+                _loads(plan.loads), tuple(plan.gpu), (), tuple(plan.skipped), tuple(self.pool.expert[m]),
+                tuple(_slot_table(self.policy.pool.where[m], len(self.pool.expert[m])))))
+        self._span(d, "host", "host_route", -1, self.h_synced, clock.host())
+        self.last = t1
+        self.h_last = clock.host()
+
+    def _tick(self, phase: str | None) -> None:
+        """Host time by phase of the policy's step (`CMOE_HOST_PROFILE=1`; summed in `host_phases`)."""
+        if self.host_phases is None:
+            return
+        now = time.perf_counter()
+        if phase is not None:
+            self.host_phases[phase] = self.host_phases.get(phase, 0.0) + (now - self._t_phase) * 1e6
+            if phase == "read-back wait":
+                self.host_phases["layers"] = self.host_phases.get("layers", 0) + 1
+        self._t_phase = now
+
+    def _parse_routes(self, m, host, K, K2, live):
+        """A replayed pass's routes come ready-made (`run._replay_rows`, built before the timed
+        run: the same lists and rankings the reference engine derives per layer); only commit's
+        router scores come from the read-back."""
+        r = self.cur.replay
+        if r is None or "needed" not in r or len(live) != len(self.cur.active):
+            return super()._parse_routes(m, host, K, K2, live)
+        rows, wsorted = r["lists"]["route"][0][m], r["lists"]["route"][1][m]
+        scores = None
+        if self.commit and self.cur.decode:
+            scores = self._scores(host[:, 2 * K: 2 * K + self.spec.num_experts])
+        predicted = None
+        if K2:
+            self._keep_prediction(m + 1, None, None)
+            predicted = list(r["predicted"][m + 1])
+        return rows, wsorted, scores, list(r["needed"][m]), predicted
+
+    def _run_x(self, m: int, graphs: bool) -> None:
+        if graphs and ("experts", m) in self.graphs:
+            self.graphs[("experts", m)].replay()
+        else:
+            self.seg_experts(m)
+
+    def _read_back(self, m: int) -> np.ndarray:
+        """The layer's one read-back: a non-blocking copy into pinned memory, then its event."""
+        rb = self.t["rb"][m]
+        if not self.cuda:
+            return rb.numpy()
+        pin = self._rb_pin[m]
+        if pin is None or pin.shape != rb.shape:
+            pin = self._rb_pin[m] = torch.empty(rb.shape, dtype=rb.dtype, pin_memory=True)
+        pin.copy_(rb, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        ev.synchronize()
+        return pin.numpy()
+
+    def _set_table(self, m: int, slots: dict[int, int], wave: int = 0) -> None:
+        """Row m of the device's expert -> slot table, for one launch (`wave`) of the layer: written
+        into its own pinned staging row and copied without blocking, on the compute stream, so
+        the launch after it reads it and a later wave's row never overwrites one not yet read."""
+        if not self.cuda:
+            row = self._table_host[m]
+            row.fill(-1)
+            for e, s in slots.items():
+                row[e] = s
+            self.table[m].copy_(torch.from_numpy(row))
+            return
+        row = self.kin["table_np"][m, wave]
+        row.fill(-1)
+        for e, s in slots.items():
+            row[e] = s
+        self.table[m].copy_(self.kin["table_h"][m, wave], non_blocking=True)
+
+    def _write_assignment(self, m: int, assign: dict, N: int) -> None:
+        """commit in decode: each row's committed experts and OWA weights, the kernel's inputs."""
+        k = self.kin
+        ids, w = k["ids_np"][m], k["w_np"][m]
+        ids.fill(-1)
+        w.fill(0.0)
+        fill = [0] * N
+        for e, pairs in assign.items():
+            for i, wt in pairs:
+                j = fill[i]
+                ids[i, j] = e
+                w[i, j] = wt
+                fill[i] = j + 1
+        k["ids"][m].copy_(k["ids_h"][m], non_blocking=True)
+        k["w"][m].copy_(k["w_h"][m], non_blocking=True)
+
+    def _cpu_acc(self, m, d, cpu, assign, x_host) -> torch.Tensor:
+        """CPU experts of the layer, on the host, summed with their weights (fp32, host tensor)."""
+        from cmoe.executor.kernels import ExpertViews, ffn
+        clock = self.clock
+        x = x_host if x_host is not None else self.t["x"][m]
+        acc = torch.zeros(x.shape, dtype=torch.float32)
+        for e in cpu:
+            r = torch.tensor([i for i, _ in assign[e]])
+            wt = torch.tensor([w for _, w in assign[e]], dtype=torch.float32)
+            h0 = clock.host()
+            v = self._cpu_views.get((m, e))
+            if v is None:
+                v = self._cpu_views[(m, e)] = ExpertViews(self.store.layout, self.store.cpu_expert(m, e), "cpu")
+            y = ffn(x.index_select(0, r), v, self.act).float()
+            acc.index_add_(0, r, y * wt[:, None])
+            self._span(d, "cpu", "cpu_expert", e, h0, clock.host(), self.store.slot)
+        h0 = clock.host()
+        back = acc.to(self.device)
+        if self.cuda:
+            self._span(d, "cpu", "roundtrip", -1, h0, clock.host(), acc.numel() * acc.element_size())
+        return back
+
+
+def owa_device(logits: torch.Tensor, ids: torch.Tensor, comm: torch.Tensor, top_k: int, renormalize: bool,
+               scaling: float, sigmoid: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cmoe.policy.owa.owa_weights` for every row at once, on the device (graph-safe): ids [N, K]
+    each row's committed candidates (-1: none; a row with none takes the committed expert its
+    router scores highest), comm [E] the committed set. Returns (ids int32, weights fp32)."""
+    s = torch.sigmoid(logits.float()) if sigmoid else torch.softmax(logits.float(), -1)
+    ids = ids.long()
+    none = (ids < 0).all(-1, keepdim=True)
+    best = torch.where(comm[None, :], s, torch.full_like(s, -1.0)).argmax(-1, keepdim=True)
+    first = torch.zeros_like(ids, dtype=torch.bool)
+    first[:, 0] = True
+    ids = torch.where(none & first, best, ids)
+    valid = ids >= 0
+    got = s.gather(1, ids.clamp(min=0)) * valid
+    total = got.sum(-1, keepdim=True)
+    mass = (torch.ones_like(total) if renormalize else s.topk(top_k, -1).values.sum(-1, keepdim=True)) * scaling
+    even = valid * (mass / valid.sum(-1, keepdim=True).clamp(min=1))
+    w = torch.where(total > 0, got / total.clamp(min=torch.finfo(torch.float32).tiny) * mass, even)
+    return ids.to(torch.int32), w.contiguous()
+
+
+def _waves(gpu: list[int], later: list) -> list[list[int]]:
+    """The layer's GPU experts in launches: an expert whose copy must wait for another expert of
+    the same layer to be read (a deferred load) runs in the launch after that expert's."""
+    wave_of: dict[int, int] = {}
+    after = {ld.expert: ld.victim for ld in later}
+    for e in gpu:
+        v = after.get(e)
+        wave_of[e] = wave_of[v] + 1 if v is not None and v in wave_of else 0
+    n = max(wave_of.values(), default=-1) + 1
+    return [[e for e in gpu if wave_of[e] == k] for k in range(n)]
