@@ -65,6 +65,9 @@ class HardwareProfile:
     silent_upper: bool = False                      # upper has no host step between a layer's attention and its
                                                     # experts (the lean executor's one-launch kernel): no read-back
                                                     # wait, no planning, no per-expert issue
+    commit_ahead: bool = False                      # commit in decode launches a layer's committed experts before
+                                                    # its read-back and plans the next layer while they run (the
+                                                    # lean executor's one-launch kernel)
     # Measured shapes (calibrate, from enough points): where given, they replace the lines above.
     # (rows, us) pairs, rows ascending; read piecewise-linearly, held flat below the first point and
     # past the last one when the last piece falls, extended along the last piece when it rises.

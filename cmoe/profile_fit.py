@@ -131,7 +131,8 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         predict_layer_us=m["layer"].get("predict_layer_s", 0.0) * 1e6,
         commit_route_us=m["layer"].get("commit_route_s", 0.0) * 1e6, copy_fifo=True,
         copy_on_host=device.lower() == "cpu", dense_rows=int(m.get("dense_rows", 0)),
-        silent_upper=bool(m.get("silent_upper", False)), **host, **table,
+        silent_upper=bool(m.get("silent_upper", False)), commit_ahead=bool(m.get("commit_ahead", False)),
+        **host, **table,
         sources={k: src for k in ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "hbm_gbps", "expert_gbps",
                                   "launch_us", "layer_fixed_us", "attn_us_per_token", "cpu_expert_gbps",
                                   "roundtrip_us", "copy_compute_slowdown", "pass_start_us", "head_us",
@@ -143,7 +144,9 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
            "copy_on_host": "the executor on a CPU copies on its own thread; on a GPU a copy engine does",
            "dense_rows": "the executor's DENSE_ROWS: up to that many rows every expert runs on all of them",
            "silent_upper": "the executor runs a layer's experts in one launch from a device-side slot table, "
-                           "so upper has no host step"})
+                           "so upper has no host step",
+           "commit_ahead": "the executor launches commit's committed experts before the layer's read-back "
+                           "(OWA on the device)"})
 
 
 def _class(bits: float) -> str:

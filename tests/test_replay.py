@@ -261,3 +261,18 @@ def test_silent_upper_skips_the_host_step_in_both_engines():
     same_run(c, d)
     e, _, _, _ = both(t, "ondemand", EAGER, 1)
     assert c.pass_us == e.pass_us
+
+
+@pytest.mark.parametrize("profile", [replace(EAGER, commit_ahead=True), replace(FLAT_FIFO, commit_ahead=True),
+                                     replace(ON_HOST, commit_ahead=True, copy_fifo=True)])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_commit_ahead_in_both_engines(profile, batch):
+    """The lean executor's commit (`commit_ahead`): experts before the read-back, the next layer's
+    loads after it; SimPy and the replay to the bit, late copies included; and it differs from the
+    read-back-first order, so the flag is not a no-op."""
+    t = generate(preset("mixtral-8x7b"), recipe("w4a16"), SyntheticParams(requests=3, prompt_len=6, decode_len=16))
+    a, b, _, _ = both(t, "commit", profile, batch, pool_gb=12)
+    same_run(a, b)
+    assert sum(c.late for c in a.per_pass.values()) + sum(c.hits for c in a.per_pass.values()) > 0
+    plain, _, _, _ = both(t, "commit", replace(profile, commit_ahead=False), batch, pool_gb=12)
+    assert a.spans != plain.spans

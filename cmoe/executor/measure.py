@@ -187,7 +187,8 @@ def measure(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4
     fused = fmt.startswith("w4") and fusable(spec) and cuda          # what ExecConfig's kernel="auto" runs
     if built is not None and built.store is not None:
         fused = built.store.packing == "tiled"
-    out: dict = {"dense_rows": 0 if fused else DENSE_ROWS, "silent_upper": fused, "repeats": {}}
+    out: dict = {"dense_rows": 0 if fused else DENSE_ROWS, "silent_upper": fused, "commit_ahead": fused,
+                 "repeats": {}}
     for name, fn in tqdm(steps, desc="calibrate", disable=not progress):
         got = fn()
         out["repeats"].update(got.pop("repeats", {}))

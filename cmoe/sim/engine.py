@@ -98,6 +98,7 @@ class Simulation:
         self.run = SimRun() if keep_spans or record_log else SimRun(spans=_NoSpans())
         self.record_log = record_log
         self.seq = 0
+        self.landed_at: dict = {}                         # (layer, expert) -> when its latest copy landed
         for i in range(profile.copy_engines):
             self.env.process(self._copy_engine(f"copy{i}"))
         self.env.process(self._compute())
@@ -152,6 +153,7 @@ class Simulation:
                 run.log.append((start, "load_start", ld.layer, ld.slot, ld.expert))
                 run.log.append((env.now, "load_end", ld.layer, ld.slot, ld.expert))
             self.ready[(ld.layer, ld.expert)].succeed()
+            self.landed_at[(ld.layer, ld.expert)] = env.now
             self.in_flight -= 1
             if self.in_flight == 0 and self.drained is not None:
                 self.drained.succeed()
@@ -161,6 +163,51 @@ class Simulation:
                 self._release(st)
 
     # compute ----------------------------------------------------------------------------------
+    def _ahead_layer(self, ps, m: int, d: int, plan, votes, H: float, G: float, t_in: float, route_host: float,
+                     slow: float):
+        """commit's layer when its experts run before its read-back (`commit_ahead`): the host
+        issues the experts (its clock Hx), then waits for the read-back and routes, then issues the
+        next layer's loads; the experts wait only for their own copies. Leaves (H, G) in _ahead_out."""
+        env, hw, c, run = self.env, self.hw, self.c, self.run
+        n = ps.num_tokens
+        all_rows = n <= hw.dense_rows
+        rows_of = {e: (n if all_rows else votes.get(e, 1)) for e in plan.gpu}
+        Hx = H
+        Hr = max(H + sum(hw.host_expert(rows_of[e]) for e in plan.gpu), t_in) + route_host
+        for ld in plan.loads:                    # layer m+1's: they touch no slot this layer reads
+            if Hr > env.now:
+                yield env.timeout(Hr - env.now)
+            Hr += self._issue(ld, ps.index)
+        if Hx > t_in:
+            self._span(ps.index, d, "compute", "route", -1, t_in, Hx)
+        for e in plan.gpu:
+            due = max(G, Hx)
+            ev = self.ready.get((m, e))
+            if ev is not None and not ev.triggered and due > env.now:
+                yield env.timeout(due - env.now)
+            landed = None
+            if ev is not None and not ev.triggered:
+                yield ev
+                landed = env.now
+            elif ev is not None and self.landed_at.get((m, e), -1.0) > due:
+                landed = self.landed_at[(m, e)]          # it landed after the kernel was due, before now
+            kind, wait = classify(False, landed, due)
+            run.ran(ps.index, kind, wait)
+            start = due + wait
+            issue = hw.host_expert(rows_of[e])
+            dur = hw.expert_us(c.expert_bytes[m][e], c.expert_bits[m][e], rows_of[e], c.expert_params)
+            if self.in_flight and self._copying(start):
+                dur *= slow
+            G = max(start + dur, Hx + issue - hw.host_expert_tail_us)
+            Hx += issue
+            self._span(ps.index, d, "compute", "expert", e, start, G, c.expert_bytes[m][e])
+            st = self.slots[m][plan.slots[e]]
+            st.free_at = max(st.free_at, G)
+            if self.record_log:
+                run.log.append((start, "read_start", m, plan.slots[e], e))
+                run.log.append((G, "read_end", m, plan.slots[e], e))
+        self._ahead_out = (Hr, G)
+
     def _copying(self, t: float) -> bool:
         """Will a copy be moving when an op starts at `t`? Queued copies are taken to follow the
         moving ones back to back (slot waits aside), spread over the copy engines."""
@@ -232,14 +279,22 @@ class Simulation:
                 H += host
                 self._span(ps.index, d, "compute", "attention", -1, last, G)
                 t_in = G
-                # the routing read-back waits for the GPU; then reading, planning, issuing loads
-                if not silent:
-                    H = max(H, G) + route_host
+                ahead = hw.commit_ahead and commit_decode and fifo
                 nxt = list(ps.predicted[m + 1]) if m + 1 < M else None
                 plan = pol.plan(m, list(ps.needed[m]), nxt)
                 votes = dict(zip(ps.needed[m], ps.votes[m]))
                 tally.fallbacks += len(plan.cpu)
                 tally.skipped += len(plan.skipped)
+                if ahead:
+                    # the committed experts are launched first, then the host reads the layer back
+                    # and issues the next layer's loads while they run
+                    yield from self._ahead_layer(ps, m, d, plan, votes, H, G, t_in, route_host, slow)
+                    H, G = self._ahead_out
+                    last = max(G, H)
+                    continue
+                # the routing read-back waits for the GPU; then reading, planning, issuing loads
+                if not silent:
+                    H = max(H, G) + route_host
                 later: dict[int, list[Load]] = {}
                 now_loads = plan.loads
                 loaded = {ld.expert for ld in plan.loads if ld.layer == m}

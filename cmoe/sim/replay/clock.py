@@ -47,7 +47,7 @@ Clock = namedtuple("Clock", [
     "qf", "qk1", "qk2",                                    # copy queue: FIFO ring, or heap of (pass, layer, rank) and seq
     "getq",                                                # copy engines waiting on the queue, in order
     "lm", "le", "lslot", "lk1", "lnext",                   # loads alive, by id & mask
-    "rinst", "rtrig",                                      # [M, E] the latest ready event of (layer, expert) and whether triggered
+    "rinst", "rtrig", "rland",                             # [M, E] the latest ready event of (layer, expert), triggered, when
     "spend", "swrit", "sfree", "swh", "swt",               # [M, S] per slot: pending reads, writes, free_at, waiting loads
     "eitem", "estart",                                     # per copy engine
 ])
@@ -61,7 +61,7 @@ Costs = namedtuple("Costs", [
 # Costs.hwf
 SLOW, HOST_LOAD, HX0, HX1, TAIL, HALF_RT, CPU_TOK, TFLOPS, HOST_SYNC, PASS_START, HOST_PASS_START, HEAD, HOST_HEAD = range(13)
 # Costs.hwi
-ENGINES, FIFO, ON_HOST, PARAMS, KEEP, HEAD_SPAN, SILENT = range(7)
+ENGINES, FIFO, ON_HOST, PARAMS, KEEP, HEAD_SPAN, SILENT, AHEAD = range(8)
 Out = namedtuple("Out", [
     "sp_pass", "sp_layer", "sp_stream", "sp_op", "sp_expert", "sp_start", "sp_end", "sp_bytes", "sp_m", "sp_slot",
     "hits", "late", "demand", "fallbacks", "skipped", "loads", "bytes_moved", "stall", "pass_us",   # per pass
@@ -73,7 +73,7 @@ def new_clock(M: int, E: int, S: int, engines: int, ring: int) -> Clock:
     hcap = 2 * L + 4 * engines + 16
     zi, zf = (lambda *s: np.zeros(s, np.int64)), (lambda *s: np.zeros(s, np.float64))
     return Clock(zf(6), zi(12), zf(hcap), zi(hcap), zi(hcap), zi(hcap), zi(hcap), zi(L), zi(L), zi(L), zi(engines + 1),
-                 zi(L), zi(L), zi(L), zi(L), zi(L), np.full((M, E), -1, np.int64), np.zeros((M, E), np.bool_),
+                 zi(L), zi(L), zi(L), zi(L), zi(L), np.full((M, E), -1, np.int64), np.zeros((M, E), np.bool_), zf(M, E),
                  zi(M, S), zi(M, S), zf(M, S), np.full((M, S), -1, np.int64), np.full((M, S), -1, np.int64),
                  zi(engines), zf(engines))
 
@@ -273,6 +273,7 @@ def _landed(c, x, o, eng):
     if c.rtrig[m, e]:
         c.I[ERR] = ERR_TWICE                 # SimPy would raise: the (layer, expert) event triggered twice
     c.rtrig[m, e] = True
+    c.rland[m, e] = c.F[NOW]
     _schedule(c, 0.0, NORMAL, EV_READY, c.rinst[m, e])
     c.I[IN_FLIGHT] -= 1
     if c.I[IN_FLIGHT] == 0 and c.I[DRAINED]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from numba import njit
 
 from cmoe.sim.replay.clock import (DRAINED, ENGINES, ERR, FIFO, G_, H_, HALF_RT, HEAD, HEAD_SPAN, HOST_HEAD,
-                                   HOST_PASS_START, HOST_SYNC, IN_FLIGHT, NOW, OP_ATTN, SILENT,
+                                   AHEAD, HOST_PASS_START, HOST_SYNC, IN_FLIGHT, NOW, OP_ATTN, SILENT,
                                    OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT,
                                    PASS_INDEX, PASS_START, PREV_END, CPU_TOK, SLOW, TAIL,
                                    W_DRAINED, W_READY, _advance, copying, _issue, _release, _span, _sync, pmax)
@@ -41,6 +41,53 @@ def _deferred(d, g0, g1, i, m, fifo):
         if d.g_e[g] == d.l_victim[i]:
             return True
     return False
+
+
+@njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False)
+def _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M):
+    """`Simulation._ahead_layer`, line for line: commit's experts issued before its read-back."""
+    Hx = H
+    tot = 0.0
+    for g in range(g0, g1):
+        rows = n if x.all_rows[p] else _votes(x, p, m, d.g_e[g], M)
+        tot += x.htab[rows]
+    Hr = pmax(H + tot, t_in) + x.route_host[p]
+    for i in range(l0, l1):
+        if Hr > c.F[NOW]:
+            _sync(c, x, o, Hr)
+        Hr += _issue(c, x, o, d.l_layer[i], d.l_e[i], d.l_slot[i], d.l_kind[i], p, M)
+    if Hx > t_in:
+        _span(c, o, x, p, dl, 0, OP_ROUTE, -1, t_in, Hx, 0, -1, -1)
+    for g in range(g0, g1):
+        e, slot = d.g_e[g], d.g_slot[g]
+        due = pmax(G, Hx)
+        pending = c.rinst[m, e] >= 0 and not c.rtrig[m, e]
+        if pending and due > c.F[NOW]:
+            _sync(c, x, o, due)
+        waited = False
+        landed = 0.0
+        if c.rinst[m, e] >= 0 and not c.rtrig[m, e]:
+            _advance(c, x, o, W_READY, c.rinst[m, e])
+            waited, landed = True, c.F[NOW]
+        elif c.rinst[m, e] >= 0 and c.rland[m, e] > due:
+            waited, landed = True, c.rland[m, e]
+        wait = pmax(0.0, landed - due) if waited else 0.0
+        if wait > 0:
+            o.late[p] += 1
+        else:
+            o.hits[p] += 1
+        o.stall[p] += wait
+        start = due + wait
+        rows = n if x.all_rows[p] else _votes(x, p, m, e, M)
+        issue = x.htab[rows]
+        dur = x.xtab[x.xcls[m, e], rows]
+        if c.I[IN_FLIGHT] and copying(c, x, start):
+            dur *= slow
+        G = pmax(start + dur, Hx + issue - x.hwf[TAIL])
+        Hx += issue
+        _span(c, o, x, p, dl, 0, OP_EXPERT, e, start, G, x.ebytes[m, e], m, slot)
+        c.sfree[m, slot] = pmax(c.sfree[m, slot], G)
+    return Hr, G
 
 
 @njit(cache=True, _nrt=False)
@@ -88,9 +135,15 @@ def run(c, x, o, d, p0, p1, M):
             H += host
             _span(c, o, x, p, dl, 0, OP_ATTN, -1, last, G, 0, -1, -1)
             t_in = G
+            g0, g1, c0, c1, l0, l1 = d.g_ptr[j], d.g_ptr[j + 1], d.c_ptr[j], d.c_ptr[j + 1], d.l_ptr[j], d.l_ptr[j + 1]
+            if x.hwi[AHEAD] and x.commit_decode[p]:     # Simulation._ahead_layer
+                o.fallbacks[p] += c1 - c0
+                o.skipped[p] += d.skipped[j]
+                H, G = _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M)
+                last = pmax(G, H)
+                continue
             if not x.hwi[SILENT]:
                 H = pmax(H, G) + x.route_host[p]
-            g0, g1, c0, c1, l0, l1 = d.g_ptr[j], d.g_ptr[j + 1], d.c_ptr[j], d.c_ptr[j + 1], d.l_ptr[j], d.l_ptr[j + 1]
             o.fallbacks[p] += c1 - c0
             o.skipped[p] += d.skipped[j]
             if not fifo:                                # reads of resident experts; a loaded one is read after its write
