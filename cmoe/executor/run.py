@@ -23,7 +23,7 @@ from cmoe.executor.layout import expert_layout, slot_size
 from cmoe.metrics import summary
 from cmoe.policy.budget import expert_budget
 from cmoe.policy.policies import POLICIES, make_policy, needs_future
-from cmoe.policy.pool import PoolLayout, plan_layout
+from cmoe.policy.pool import PoolLayout, layout_for_policy
 from cmoe.quant import QuantRecipe
 from cmoe.spec import ModelSpec, preset
 from cmoe.trace.bundle import Trace, fingerprint
@@ -214,20 +214,13 @@ def layout_for(w: Workload, cfg: ExecConfig, policy: str) -> tuple[PoolLayout, d
     spec = w.spec
     slot = slot_size(expert_layout(w.fmt, spec.hidden, spec.expert_ffn))
     budget = expert_budget(spec, budget_recipe(w.fmt), int(cfg.pool_gb * 1e9), cfg.batch, max_len(w, cfg))
-    if policy == "upper":
-        return PoolLayout((slot,) * spec.num_moe_layers, (spec.num_experts,) * spec.num_moe_layers,
-                          slot * spec.num_experts * spec.num_moe_layers), budget
-    if cfg.slots is not None:
-        if not spec.top_k <= cfg.slots <= spec.num_experts:
-            raise CmoeError(f"--slots must lie between top_k ({spec.top_k}) and the expert count ({spec.num_experts})")
-        n = (cfg.slots,) * spec.num_moe_layers
-        return PoolLayout((slot,) * spec.num_moe_layers, n, slot * sum(n)), budget
-    if w.policy_layout is not None:
+    if w.policy_layout is not None and policy != "upper" and cfg.slots is None:     # a policy file's, as is
         if min(w.policy_layout.slot_bytes) < slot:
             raise CmoeError(f"the policy file's slots ({min(w.policy_layout.slot_bytes)} B) are smaller than one "
                             f"{w.fmt} expert ({slot} B): simulate with the same --quant")
         return w.policy_layout, budget
-    return plan_layout([slot] * spec.num_moe_layers, spec.num_experts, budget["expert_bytes"], spec.top_k), budget
+    return layout_for_policy(policy, [slot] * spec.num_moe_layers, spec.num_experts, spec.top_k,
+                             budget["expert_bytes"], cfg.slots), budget
 
 
 def _check_memory(w: Workload, cfg: ExecConfig, slot: int) -> None:

@@ -31,6 +31,21 @@ class PoolLayout:
         return sum(self.slots)
 
 
+def layout_for_policy(policy: str, slot_bytes, num_experts: int, top_k: int, budget_bytes: int,
+                      slots: int | None = None) -> PoolLayout:
+    """The one pool layout rule both engines use: `upper` holds every expert; `slots` pins the
+    slots per block (between top_k and the expert count); otherwise `plan_layout` fills the budget."""
+    slot_bytes = tuple(slot_bytes)
+    if policy == "upper":
+        return PoolLayout(slot_bytes, (num_experts,) * len(slot_bytes), sum(slot_bytes) * num_experts)
+    if slots is not None:
+        if not top_k <= slots <= num_experts:
+            raise CmoeError(f"--slots must lie between top_k ({top_k}) and the expert count ({num_experts})")
+        n = (slots,) * len(slot_bytes)
+        return PoolLayout(slot_bytes, n, sum(a * b for a, b in zip(slot_bytes, n)))
+    return plan_layout(list(slot_bytes), num_experts, budget_bytes, top_k)
+
+
 def plan_layout(slot_bytes: list[int], num_experts: int, budget_bytes: int, min_slots: int) -> PoolLayout:
     """Equal slot counts per block, the leftover bytes going one slot at a time to blocks in order.
     A block never gets more slots than it has experts."""

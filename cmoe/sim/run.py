@@ -11,7 +11,7 @@ from cmoe.metrics import summary
 from cmoe.padding import padding_table
 from cmoe.policy.budget import expert_budget
 from cmoe.policy.policies import make_policy
-from cmoe.policy.pool import PoolLayout, plan_layout
+from cmoe.policy.pool import PoolLayout, layout_for_policy
 from cmoe.sim.engine import SimRun, Simulation, costs_for
 from cmoe.trace.bundle import Trace, fingerprint
 from cmoe.trace.pass_arrays import Future, PassArrays, build, to_passes
@@ -70,15 +70,8 @@ def layout_for(trace: Trace, cfg: SimConfig) -> tuple[PoolLayout, dict]:
     spec = trace.spec
     max_len = int(trace.step.max()) + 1 if trace.num_tokens else 1
     budget = expert_budget(spec, trace.recipe, int(cfg.pool_gb * 1e9), cfg.batch, max_len)
-    if cfg.policy == "upper":
-        return PoolLayout(tuple(trace.slot_bytes), (spec.num_experts,) * spec.num_moe_layers,
-                          sum(trace.slot_bytes) * spec.num_experts), budget
-    if cfg.slots is not None:
-        if not spec.top_k <= cfg.slots <= spec.num_experts:
-            raise CmoeError(f"--slots must lie between top_k ({spec.top_k}) and the expert count ({spec.num_experts})")
-        n = (cfg.slots,) * spec.num_moe_layers
-        return PoolLayout(tuple(trace.slot_bytes), n, sum(a * b for a, b in zip(trace.slot_bytes, n))), budget
-    return plan_layout(trace.slot_bytes, spec.num_experts, budget["expert_bytes"], spec.top_k), budget
+    return layout_for_policy(cfg.policy, trace.slot_bytes, spec.num_experts, spec.top_k, budget["expert_bytes"],
+                             cfg.slots), budget
 
 
 def check_engine(engine: str) -> None:
