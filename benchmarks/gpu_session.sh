@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# What a session on the lent H200 runs, in calls that each fit the device's 10-minute limit:
+#   bash benchmarks/gpu_session.sh tests      # the GPU tests (about 2 minutes)
+#   bash benchmarks/gpu_session.sh b1         # lean and reference engines, batch 1, pools 16/20/26, all policies
+#   bash benchmarks/gpu_session.sh b48        # batches 8 and 4, pools 20/16/26, the GPU-only policies
+#   bash benchmarks/gpu_session.sh cpu48      # batches 4 and 8, lfu-fallback and static (their CPU twins
+#                                             # take ~150 s to build, so they get a call of their own)
+# Results go under $OUT (the device tool brings them back); carry .whl (simpy) with the call.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=$PWD:/tmp/site
+OUT=${OUT:-/tmp/out}
+B="python3 benchmarks/lean_h200.py --tokens 256 --policy-tokens 128 --repeats 3 --hf-tokens 64 --budget-s 520"
+case "${1:-}" in
+  tests) timeout 300 python3 -m pytest -q -m gpu tests/test_lean_gpu.py tests/test_executor_gpu.py \
+           tests/test_moe_kernel_gpu.py -p no:cacheprovider | tail -15 ;;
+  b1) timeout 570 $B --out "$OUT/b1" --batches 1 --pools 16,20,26 --engines lean,hf \
+        --policies ondemand,lru-prefetch,lfu-fallback,static,commit,oracle ;;
+  b48) timeout 570 $B --out "$OUT/b48" --batches 8,4 --pools 20,16,26 --engines hf,lean \
+         --policies ondemand,lru-prefetch,commit,oracle ;;
+  cpu48) timeout 570 $B --out "$OUT/cpu48" --batches 4,8 --pools 20,16,26 --engines lean --repeats 0 \
+           --policies lfu-fallback,static ;;
+  *) echo "usage: $0 tests|b1|b48|cpu48" >&2; exit 2 ;;
+esac
