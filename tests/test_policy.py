@@ -114,3 +114,14 @@ def test_pool_place_asserts():
     pool.place(0, 3, None)
     with pytest.raises(AssertionError, match="no free slot"):
         pool.place(0, 4, None)
+
+
+def test_policies_are_described_by_traits():
+    """The engines read traits, not names: which policy holds every expert, which computes on the
+    CPU, which commits; an unknown name has none."""
+    from cmoe.policy.policies import POLICIES, trait
+    got = {t: sorted(p for p in POLICIES if trait(p, t)) for t in ("holds_all", "cpu_experts", "commits",
+                                                                   "uses_prediction", "uses_future")}
+    assert got == {"holds_all": ["upper"], "cpu_experts": ["lfu-fallback", "static"], "commits": ["commit"],
+                   "uses_prediction": ["commit", "lru-prefetch"], "uses_future": ["oracle"]}
+    assert not trait("magic", "holds_all")

@@ -107,7 +107,7 @@ class Engine:
         self.record_plans = record_plans
         self.log = RunLog()
         self.act = F.silu
-        self.commit = policy.name == "commit"
+        self.commit = policy.commits
         self.owa = owa                                 # commit: re-weight with OWA, or keep the prediction's weights
         layers = model.model.layers
         self.gates = [layers[d].mlp.gate for d in spec.moe_layers]

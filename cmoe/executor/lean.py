@@ -82,9 +82,9 @@ class LeanEngine(HostSteps, Engine):
         self.layers = model.model.layers
         self.fused = store.packing == "tiled"
         self.use_graphs = self.cuda if graphs is None else (graphs and self.cuda)
-        self.upper = policy.name == "upper"
+        self.upper = policy.holds_all
         self.silent = self.upper and self.fused          # no host step between A_m and X_m
-        self.has_cpu = policy.name in ("lfu-fallback", "static")
+        self.has_cpu = policy.cpu_experts
         self.t: dict = _fresh(self.M)
         self._cap = _Capture(self.t)
         for s in shims:

@@ -22,7 +22,7 @@ from cmoe.executor.engine import Engine, PassInput, RunLog
 from cmoe.executor.layout import expert_layout, slot_size
 from cmoe.metrics import summary
 from cmoe.policy.budget import expert_budget
-from cmoe.policy.policies import POLICIES, make_policy, needs_future
+from cmoe.policy.policies import POLICIES, make_policy, needs_future, trait
 from cmoe.policy.pool import PoolLayout, layout_for_policy
 from cmoe.quant import QuantRecipe
 from cmoe.spec import ModelSpec, preset
@@ -214,7 +214,7 @@ def layout_for(w: Workload, cfg: ExecConfig, policy: str) -> tuple[PoolLayout, d
     spec = w.spec
     slot = slot_size(expert_layout(w.fmt, spec.hidden, spec.expert_ffn))
     budget = expert_budget(spec, budget_recipe(w.fmt), int(cfg.pool_gb * 1e9), cfg.batch, max_len(w, cfg))
-    if w.policy_layout is not None and policy != "upper" and cfg.slots is None:     # a policy file's, as is
+    if w.policy_layout is not None and not trait(policy, "holds_all") and cfg.slots is None:     # a policy file's, as is
         if min(w.policy_layout.slot_bytes) < slot:
             raise CmoeError(f"the policy file's slots ({min(w.policy_layout.slot_bytes)} B) are smaller than one "
                             f"{w.fmt} expert ({slot} B): simulate with the same --quant")
@@ -226,7 +226,7 @@ def layout_for(w: Workload, cfg: ExecConfig, policy: str) -> tuple[PoolLayout, d
 def _check_memory(w: Workload, cfg: ExecConfig, slot: int) -> None:
     spec = w.spec
     store_bytes = slot * spec.num_experts * spec.num_moe_layers
-    twins = any(p in ("lfu-fallback", "static") for p in cfg.policies) and w.device.type == "cuda"
+    twins = any(trait(p, "cpu_experts") for p in cfg.policies) and w.device.type == "cuda"
     host_need = store_bytes * (2 if twins else 1)
     if w.device.type == "cpu":            # the pool and the model live in host memory too (fp32: twice bf16)
         host_need += max(layout_for(w, cfg, p)[0].used_bytes for p in cfg.policies)
@@ -247,7 +247,7 @@ def _check_memory(w: Workload, cfg: ExecConfig, slot: int) -> None:
 
 def check_gpu_fits(need: dict[str, int], pool_gb: float, free: int, gpu: str) -> None:
     """The pool, and what each policy really allocates (upper holds every expert), against free memory."""
-    if pool_gb * 1e9 > free and any(p != "upper" for p in need):
+    if pool_gb * 1e9 > free and any(not trait(p, "holds_all") for p in need):
         raise CmoeError(f"a {pool_gb:g} GB pool does not fit the {free / 1e9:.1f} GB free on the {gpu}: lower --pool-gb")
     for p, n in need.items():
         if n > free:
@@ -260,7 +260,7 @@ def build(w: Workload, cfg: ExecConfig) -> None:
     from cmoe.executor.model import load_checkpoint_model, random_model
     from cmoe.executor.store import checkpoint_store, packing_for, random_store
     dtype = torch.bfloat16 if w.device.type == "cuda" else torch.float32
-    twins = any(p in ("lfu-fallback", "static") for p in cfg.policies)
+    twins = any(trait(p, "cpu_experts") for p in cfg.policies)
     packing = packing_for(w.fmt, w.device, uses_fused(cfg, w.spec, w.device))
     if w.model_dir is None:
         w.store = random_store(w.spec, w.fmt, w.device, cfg.seed, cfg.progress, packing)

@@ -57,6 +57,10 @@ class Policy:
     name = "base"
     uses_prediction = False      # reads the next layer's predicted experts
     uses_future = False          # reads the trace's future (only a replayed trace has one)
+    # traits the engines read instead of names
+    holds_all = False            # every expert resident, never moved (the pool layout, the lean host step)
+    cpu_experts = False          # computes missing experts on the CPU (host copies of the experts)
+    commits = False              # decode computes only the experts committed a layer earlier (OWA weights)
 
     def __init__(self, layout: PoolLayout, num_experts: int, popularity: list[list[int]],
                  future: list | None = None):
@@ -127,6 +131,7 @@ class Policy:
 
 class Upper(Policy):
     name = "upper"
+    holds_all = True
 
     def plan(self, m, needed, predicted_next):
         return LayerPlan(gpu=list(needed), slots={e: self.pool.slot_of(m, e) for e in needed})
@@ -154,6 +159,7 @@ class LruPrefetch(Policy):
 
 class LfuFallback(Policy):
     name = "lfu-fallback"
+    cpu_experts = True
 
     def victim(self, m, protect):
         cands = [v for v in self.pool.where[m] if v not in protect]
@@ -174,6 +180,7 @@ class LfuFallback(Policy):
 
 class Static(Policy):
     name = "static"
+    cpu_experts = True
 
     def plan(self, m, needed, predicted_next):
         gpu = [e for e in needed if self.pool.resident(m, e)]
@@ -183,6 +190,7 @@ class Static(Policy):
 
 class Commit(Policy):
     name = "commit"
+    commits = True
     uses_prediction = True
 
     def __init__(self, *a, **k):
@@ -282,6 +290,11 @@ _CLASSES = {c.name: c for c in (Upper, OnDemand, LruPrefetch, LfuFallback, Stati
 def needs_predictions(name: str) -> bool:
     """Does the policy read next-layer predictions (a trace without them cannot drive it)?"""
     return name in _CLASSES and _CLASSES[name].uses_prediction
+
+
+def trait(name: str, what: str) -> bool:
+    """A policy's trait (holds_all, cpu_experts, commits, uses_prediction, uses_future) by name."""
+    return name in _CLASSES and bool(getattr(_CLASSES[name], what))
 
 
 def needs_future(name: str) -> bool:

@@ -232,7 +232,7 @@ class Simulation:
         M = len(c.moe_layers)
         fifo = hw.copy_fifo
         predict_us = hw.predict_layer_us if pol.uses_prediction else 0.0
-        silent = hw.silent_upper and pol.name == "upper"     # no host step between attention and experts
+        silent = hw.silent_upper and pol.holds_all     # no host step between attention and experts
         H = G = prev_end = 0.0
         for ps in self.passes:
             if self.in_flight:                   # the device is synchronised between passes, copies included
@@ -247,7 +247,7 @@ class Simulation:
             layer_gpu = hw.layer_us(n, c.attn_bytes) + hw.attn_us_per_ctx_token * ps.context
             layer_host = hw.host_layer(n)
             route_host = hw.host_sync_us + hw.host_route(n) + predict_us
-            commit_decode = ps.decode and pol.name == "commit"
+            commit_decode = ps.decode and pol.commits
             if commit_decode:
                 route_host += hw.commit_route_us
             all_rows = n <= hw.dense_rows                         # every expert runs on all the pass's rows

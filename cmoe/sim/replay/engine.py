@@ -59,7 +59,7 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
                       for n in ns.tolist()]).reshape(-1, 6)[inv]
     layer_gpu = per_n[:, 0] + hw.attn_us_per_ctx_token * pa.context
     layer_host = per_n[:, 1]
-    commit_decode = pa.decode & (policy.name == "commit")
+    commit_decode = pa.decode & policy.commits
     route_host = per_n[:, 2].copy()
     route_host[commit_decode] += hw.commit_route_us
     dense_host, dense_gpu = layer_host + per_n[:, 3], layer_gpu + per_n[:, 4]
@@ -69,8 +69,8 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
                     hw.host_expert_tail_us, hw.roundtrip_us / 2, hw.cpu_expert_us_per_token, hw.matmul_tflops * 1e12,
                     hw.host_sync_us, hw.pass_start_us, hw.host_pass_start_us, hw.head_us, hw.host_head_us])
     hwi = np.array([hw.copy_engines, hw.copy_fifo, hw.copy_on_host, c.expert_params, keep_spans,
-                    bool(hw.head_us or hw.host_head_us), hw.silent_upper and policy.name == "upper",
-                    hw.commit_ahead and policy.name == "commit" and hw.copy_fifo], np.int64)
+                    bool(hw.head_us or hw.host_head_us), hw.silent_upper and policy.holds_all,
+                    hw.commit_ahead and policy.commits and hw.copy_fifo], np.int64)
     c_ = np.ascontiguousarray                    # one array type everywhere: numba compiles once
     return ck.Costs(h2d, xfix, eb, cpu1, np.array(c.moe_layers, np.int64), hwf, hwi, c_(layer_gpu), c_(layer_host),
                     c_(route_host), c_(dense_gpu), c_(dense_host), c_(attn_gpu), c_(attn_host), c_(pa.ntok),
