@@ -21,6 +21,17 @@ from cmoe.spec import from_checkpoint, preset
 EXACT = [p for p in POLICIES if p not in ("commit", "oracle")]      # oracle needs a replayed trace
 
 
+def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids, attention mask and positions of a left-padded batch, as the executor builds them."""
+    B, L = len(prompts), max(map(len, prompts))
+    ids = torch.zeros((B, L), dtype=torch.long)
+    mask = torch.zeros((B, L), dtype=torch.long)
+    for b, q in enumerate(prompts):
+        ids[b, L - len(q):] = torch.tensor(q)
+        mask[b, L - len(q):] = 1
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def reference_logits(model_dir, prompts: list[list[int]], steps: int, replace_experts=None) -> list[torch.Tensor]:
     """The unmodified transformers model, run the way the executor runs it: left padding,
     positions from the mask, greedy decoding with a KV cache; last-position logits per pass."""
@@ -28,13 +39,8 @@ def reference_logits(model_dir, prompts: list[list[int]], steps: int, replace_ex
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     if replace_experts is not None:
         replace_experts(ref)
-    B, L = len(prompts), max(map(len, prompts))
-    ids = torch.zeros((B, L), dtype=torch.long)
-    mask = torch.zeros((B, L), dtype=torch.long)
-    for b, q in enumerate(prompts):
-        ids[b, L - len(q):] = torch.tensor(q)
-        mask[b, L - len(q):] = 1
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, pos = left_padded(prompts)
+    B = len(prompts)
     cache = DynamicCache(config=ref.config)
     out = []
     with torch.no_grad():

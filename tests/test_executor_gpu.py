@@ -28,7 +28,7 @@ def test_cuda_int4_kernel_computes_the_dequantized_matrix():
 
 
 def test_cuda_executor_matches_the_dequantized_model(int4_checkpoint):
-    from tests.test_executor import _dequantize_experts
+    from tests.test_executor import _dequantize_experts, left_padded
     cfg = ExecConfig(policies=("upper", "ondemand", "lfu-fallback", "static"), slots=3, batch=2, tokens=4,
                      device="cuda", quant="w4g32", keep_logits=True, record_plans=True)
     w, cfg = prepare(spec_name=None, model_dir=int4_checkpoint, trace_src=None, data=None, cfg=cfg)
@@ -36,13 +36,7 @@ def test_cuda_executor_matches_the_dequantized_model(int4_checkpoint):
     from transformers import AutoModelForCausalLM
     ref = AutoModelForCausalLM.from_pretrained(int4_checkpoint, dtype=torch.float32).eval()
     _dequantize_experts(32)(ref)
-    B, L = len(w.prompts), max(map(len, w.prompts))
-    ids = torch.zeros((B, L), dtype=torch.long)
-    mask = torch.zeros((B, L), dtype=torch.long)
-    for b, q in enumerate(w.prompts):
-        ids[b, L - len(q):] = torch.tensor(q)
-        mask[b, L - len(q):] = 1
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, pos = left_padded(w.prompts)
     with torch.no_grad():
         want = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1]
     for r in results:                       # prefill logits, bf16 on the GPU against fp32 on the CPU

@@ -40,17 +40,12 @@ def _teacher_logits(model_dir, prompts, fed, group):
     engine chose, so the comparison never forks."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from tests.test_executor import _dequantize_experts
+    from tests.test_executor import _dequantize_experts, left_padded
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     _dequantize_experts(group)(ref)
     ref = ref.cuda()
-    B, L = len(prompts), max(map(len, prompts))
-    ids = torch.zeros((B, L), dtype=torch.long)
-    mask = torch.zeros((B, L), dtype=torch.long)
-    for b, q in enumerate(prompts):
-        ids[b, L - len(q):] = torch.tensor(q)
-        mask[b, L - len(q):] = 1
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, pos = left_padded(prompts)
+    B = len(prompts)
     ids, mask, pos = ids.cuda(), mask.cuda(), pos.cuda()
     cache = DynamicCache(config=ref.config)
     out = []

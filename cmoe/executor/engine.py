@@ -172,10 +172,12 @@ class Engine:
                 self._begin_pass()
         return hook
 
-    def _begin_pass(self) -> None:
+    def _begin_pass(self, pred=None) -> None:
+        """The policy's loads at the start of the pass (commit: from the layer-0 prediction, `pred`
+        or the one the hooks kept)."""
         pred0: list[int] = []
         if self.commit and self.cur.decode:
-            idx, w = self.pred_gpu[0]
+            idx, w = pred if pred is not None else self.pred_gpu[0]
             host = torch.cat([idx.float(), w.float()], 1).cpu().numpy()
             K = idx.shape[1]
             rows = self._keep_prediction(0, host[:, :K], host[:, K:])

@@ -56,7 +56,7 @@ import time
 import numpy as np
 import torch
 
-from cmoe.executor.engine import Engine, PlanRecord, _loads, _slot_table
+from cmoe.executor.engine import Engine, PlanRecord, _slot_table
 from cmoe.executor.lean_steps import HostSteps, owa_device
 from cmoe.metrics import classify
 from cmoe.trace.passes import ranked
@@ -359,7 +359,7 @@ class LeanEngine(HostSteps, Engine):
                 self._static_out = False
                 self._in_graph = False
                 self.seg_pre()
-            self._begin()
+            self._begin_pass(self.t["pred"][0])
             for m in range(self.M):
                 if graphs:
                     self.graphs[("attn", m)].replay()
@@ -445,22 +445,6 @@ class LeanEngine(HostSteps, Engine):
             k["w_h"].copy_(torch.from_numpy(np.ascontiguousarray(wt.transpose(1, 0, 2)).astype(np.float32)))
             k["ids"].copy_(k["ids_h"], non_blocking=True)
             k["w"].copy_(k["w_h"], non_blocking=True)
-
-    def _begin(self) -> None:
-        """The policy's loads at the start of the pass (commit: from the layer-0 prediction)."""
-        pred0: list[int] = []
-        if self.commit and self.cur.decode:
-            idx, w = self.t["pred"][0]
-            host = torch.cat([idx.float(), w.float()], 1).cpu().numpy()
-            K = idx.shape[1]
-            rows = self._keep_prediction(0, host[:, :K], host[:, K:])
-            pred0 = list(ranked([r for r, a in zip(rows, self.cur.active) if a])[0])
-        self._layer = -1
-        loads = self.policy.begin_pass(self.cur.decode, pred0)
-        self._issue(loads, defer=set())
-        if self.record_plans:
-            self.log.plans.append(PlanRecord(self.cur.index, -1, (), tuple(pred0), _loads(loads), (), (), (), (), ()))
-        self.begun = True
 
     # --- spans and upper's bookkeeping -----------------------------------------------------------
     def _fused_span(self, d: int, experts: list[int], t0, t1) -> None:

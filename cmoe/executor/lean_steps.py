@@ -30,13 +30,7 @@ class HostSteps:
             else:
                 t["h"][m] = h
             return
-        d, clock = self.spec.moe_layers[m], self.clock
-        cs = torch.cuda.current_stream(self.device) if self.cuda else None
-        self._layer = m
-        h_in = clock.host()
-        t_in = clock.mark(cs)
-        self._span(d, "compute", "attention", -1, self.last, t_in)
-        self._span(d, "host", "host_attention", -1, self.h_last, h_in)
+        d, clock, cs, h_in, t_in = self._enter_layer(m)
         if self.silent:
             self._run_x(m, graphs)
             t1 = clock.mark(cs)
@@ -126,11 +120,9 @@ class HostSteps:
         self.last = clock.mark(cs)
         self.h_last = clock.host()
 
-    def _commit_layer(self, m: int, graphs: bool) -> None:
-        """commit in decode: layer m's experts were committed at layer m-1, so its launch needs no
-        read-back; each row's committed candidates go to the device and OWA weights them there from
-        the router's live scores. The host then reads the layer back, while the experts run, and
-        plans: the same `plan` call (its GPU set is the committed one), whose loads are layer m+1's."""
+    def _enter_layer(self, m: int):
+        """The host reaches layer m's step: the attention segment's spans end here.
+        Returns (decoder layer, clock, compute stream, host time, mark)."""
         d, clock = self.spec.moe_layers[m], self.clock
         cs = torch.cuda.current_stream(self.device) if self.cuda else None
         self._layer = m
@@ -138,6 +130,14 @@ class HostSteps:
         t_in = clock.mark(cs)
         self._span(d, "compute", "attention", -1, self.last, t_in)
         self._span(d, "host", "host_attention", -1, self.h_last, h_in)
+        return d, clock, cs, h_in, t_in
+
+    def _commit_layer(self, m: int, graphs: bool) -> None:
+        """commit in decode: layer m's experts were committed at layer m-1, so its launch needs no
+        read-back; each row's committed candidates go to the device and OWA weights them there from
+        the router's live scores. The host then reads the layer back, while the experts run, and
+        plans: the same `plan` call (its GPU set is the committed one), whose loads are layer m+1's."""
+        d, clock, cs, h_in, t_in = self._enter_layer(m)
         chosen = list(self.policy.committed[m])
         keep = set(chosen)
         k, K = self.kin, self.spec.top_k

@@ -180,13 +180,14 @@ def measure(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4
              ("expert", lambda: expert(device, spec, fmt)),
              ("layers", lambda: layers(device, spec, fmt, num_layers, model_dir, built=built))]
     from cmoe.executor.engine import DENSE_ROWS
-    from cmoe.executor.run import fusable
+    from cmoe.executor.run import ExecConfig, uses_fused
     # the lean engine's layer kernel runs only the routed (row, expert) pairs; the per-expert loop
     # (float formats, shapes the tiled layout does not take) runs every expert on all of up to
     # DENSE_ROWS rows, and the simulator copies whichever this machine's executor does
-    fused = fmt.startswith("w4") and fusable(spec) and cuda          # what ExecConfig's kernel="auto" runs
     if built is not None and built.store is not None:
         fused = built.store.packing == "tiled"
+    else:
+        fused = fmt.startswith("w4") and uses_fused(ExecConfig(device=device.type), spec, device)
     out: dict = {"dense_rows": 0 if fused else DENSE_ROWS, "silent_upper": fused, "commit_ahead": fused,
                  "repeats": {}}
     for name, fn in tqdm(steps, desc="calibrate", disable=not progress):

@@ -163,6 +163,22 @@ class Simulation:
                 self._release(st)
 
     # compute ----------------------------------------------------------------------------------
+    def _await_copy(self, m: int, e: int, due: float):
+        """The kernel of (m, e) is due at `due`: wait for the copy still pending for it, if any.
+        Returns when that copy landed, or None when none was pending at `due`. A copy that landed
+        between `due` and now (the host was ahead of the stream: `commit_ahead`) is found by its
+        landing time; on the read-back-first path the clock never passes `due` before this."""
+        env = self.env
+        ev = self.ready.get((m, e))
+        if ev is not None and not ev.triggered and due > env.now:
+            yield env.timeout(due - env.now)     # the copy may land before the kernel is due
+        if ev is not None and not ev.triggered:
+            yield ev
+            return env.now
+        if ev is not None and self.landed_at.get((m, e), -1.0) > due:
+            return self.landed_at[(m, e)]
+        return None
+
     def _ahead_layer(self, ps, m: int, d: int, plan, votes, H: float, G: float, t_in: float, route_host: float,
                      slow: float):
         """commit's layer when its experts run before its read-back (`commit_ahead`): the host
@@ -182,15 +198,7 @@ class Simulation:
             self._span(ps.index, d, "compute", "route", -1, t_in, Hx)
         for e in plan.gpu:
             due = max(G, Hx)
-            ev = self.ready.get((m, e))
-            if ev is not None and not ev.triggered and due > env.now:
-                yield env.timeout(due - env.now)
-            landed = None
-            if ev is not None and not ev.triggered:
-                yield ev
-                landed = env.now
-            elif ev is not None and self.landed_at.get((m, e), -1.0) > due:
-                landed = self.landed_at[(m, e)]          # it landed after the kernel was due, before now
+            landed = yield from self._await_copy(m, e, due)
             kind, wait = classify(False, landed, due)
             run.ran(ps.index, kind, wait)
             start = due + wait
@@ -320,13 +328,7 @@ class Simulation:
                     self._span(ps.index, d, "compute", "route", -1, t_in, H)
                 for e in plan.gpu:
                     due = max(G, H)
-                    ev = self.ready.get((m, e))
-                    if ev is not None and not ev.triggered and due > env.now:
-                        yield env.timeout(due - env.now)    # the copy may land before the kernel is due
-                    landed = None
-                    if ev is not None and not ev.triggered:
-                        yield ev
-                        landed = env.now
+                    landed = yield from self._await_copy(m, e, due)
                     kind, wait = classify(e in loaded, landed, due)
                     run.ran(ps.index, kind, wait)
                     start = due + wait

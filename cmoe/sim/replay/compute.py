@@ -44,6 +44,19 @@ def _deferred(d, g0, g1, i, m, fifo):
 
 
 @njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False)
+def _await_copy(c, x, o, m, e, due):
+    """`Simulation._await_copy`: (whether a copy was pending at `due`, when it landed)."""
+    if c.rinst[m, e] >= 0 and not c.rtrig[m, e] and due > c.F[NOW]:
+        _sync(c, x, o, due)                 # the copy may land before the kernel is due
+    if c.rinst[m, e] >= 0 and not c.rtrig[m, e]:
+        _advance(c, x, o, W_READY, c.rinst[m, e])
+        return True, c.F[NOW]
+    if c.rinst[m, e] >= 0 and c.rland[m, e] > due:
+        return True, c.rland[m, e]
+    return False, 0.0
+
+
+@njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False)
 def _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M):
     """`Simulation._ahead_layer`, line for line: commit's experts issued before its read-back."""
     Hx = H
@@ -61,16 +74,7 @@ def _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M):
     for g in range(g0, g1):
         e, slot = d.g_e[g], d.g_slot[g]
         due = pmax(G, Hx)
-        pending = c.rinst[m, e] >= 0 and not c.rtrig[m, e]
-        if pending and due > c.F[NOW]:
-            _sync(c, x, o, due)
-        waited = False
-        landed = 0.0
-        if c.rinst[m, e] >= 0 and not c.rtrig[m, e]:
-            _advance(c, x, o, W_READY, c.rinst[m, e])
-            waited, landed = True, c.F[NOW]
-        elif c.rinst[m, e] >= 0 and c.rland[m, e] > due:
-            waited, landed = True, c.rland[m, e]
+        waited, landed = _await_copy(c, x, o, m, e, due)
         wait = pmax(0.0, landed - due) if waited else 0.0
         if wait > 0:
             o.late[p] += 1
@@ -164,14 +168,7 @@ def run(c, x, o, d, p0, p1, M):
             for g in range(g0, g1):
                 e, slot = d.g_e[g], d.g_slot[g]
                 due = pmax(G, H)
-                pending = c.rinst[m, e] >= 0 and not c.rtrig[m, e]
-                if pending and due > c.F[NOW]:
-                    _sync(c, x, o, due)         # the copy may land before the kernel is due
-                waited = False
-                landed = 0.0
-                if c.rinst[m, e] >= 0 and not c.rtrig[m, e]:
-                    _advance(c, x, o, W_READY, c.rinst[m, e])
-                    waited, landed = True, c.F[NOW]
+                waited, landed = _await_copy(c, x, o, m, e, due)
                 wait = pmax(0.0, landed - due) if waited else 0.0
                 if _own(d, l0, l1, m, e):
                     o.demand[p] += 1
