@@ -1,16 +1,28 @@
 """The routed experts of one MoE layer, straight from the pool slots, in Triton.
 
-Four launches back to back, no host sync (CUDA-graph safe with a fixed Workspace per batch size):
+Four launches back to back (five with split-K of w13), no host sync (CUDA-graph safe with a fixed
+Workspace per batch size):
 
 1. `_route_kernel` (one program does the routing, all programs zero the fp32 accumulator): the
    (row, j) pairs sorted by expert, stably, and one segment per distinct expert (id, start, end).
-2. `_expert_mm` with IS_W13: grid (F / BN, segments * row chunks). A CTA reads BN gate rows and
-   the BN matching up rows of its segment's expert from the slot (slot table -> pool row), over
-   all of K = H, and writes silu(gate) * up in bf16 into h [pairs, F], rows in sorted order.
+2. `_expert_mm` with IS_W13: grid (F / BN, segments * row chunks, S = split13). A CTA reads BN
+   gate rows and the BN matching up rows of its segment's expert from the slot (slot table -> pool
+   row) over 1/S of K = H. S = 1: it writes silu(gate) * up in bf16 into h [pairs, F], rows in
+   sorted order. S > 1 (at small M there are only F / BN CTAs of work otherwise): it stores its
+   fp32 partial gate and up sums, plain stores, into Workspace.part [S, pairs, 2F] (no atomics, no
+   counters: every element written once), and 2b. `_gate_up_kernel` (grid F / BF x the same
+   segments * row chunks, skipping exactly what w13 skips) adds the S partials in the order
+   s = 0..S-1, applies silu(g) * u in fp32 as the unsplit path does and writes h: deterministic,
+   and h differs from the unsplit one only by the order of the fp32 sums.
 3. `_expert_mm` without IS_W13: grid (H / BN, segments * row chunks, SPLIT): a CTA reads BN rows
    of w2 over 1/SPLIT of K = F, multiplies the segment's rows of h, scales by each pair's routing
    weight and adds into acc [M, H] fp32 with atomics (split-K and the sum over the k experts).
 4. acc -> out dtype (a torch copy).
+
+Both split-Ks cut K the same way (`k_split`): into whole k-units of max(128, g) (whole tiled
+blocks and whole groups), ceil(units / S) units a split, the k tail (K % 128, g = 32/64) in the
+last split; an uneven split is fine (the last one has fewer units), and S is capped so that no
+split is empty.
 
 The inner step is a tensor-core dot per 16-k "plane" with the weights as the A operand
 (out^T [BN, BM] = W [BN, 16] @ x^T [16, BM], rows padded to BM >= 16): one int32 word holds 8
@@ -72,15 +84,6 @@ def _mma(a, b, acc):
     if _INTERPRET:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _fence():
-    """fence.acq_rel.gpu in every thread (a threadfence): orders this thread's atomics before the
-    CTA's arrival count, and the last CTA's reads after it."""
-    if not _INTERPRET:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu;\nmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)
 
 
 @triton.jit
@@ -237,7 +240,7 @@ def _step(acc_g, acc_u, a_g, a_u, xs, pg, pu, xt, ones, IS_W13: tl.constexpr, DE
 @triton.jit(do_not_specialize=["E", "TOPK", "NCH", "UPS", "SPLIT"])
 def _expert_mm(x_ptr, stride_x, pool_ptr, slot_bytes, table_ptr, E,
                seg_e_ptr, seg_s_ptr, seg_end_ptr, order_ptr, wt_ptr,
-               out_ptr, stride_o, w_off, sz_off, N, K, TOPK, NCH, UPS, SPLIT, gu_ptr, cnt_ptr,
+               out_ptr, stride_o, w_off, sz_off, N, K, TOPK, NCH, UPS, SPLIT, part_ptr, stride_ps,
                G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, IS_W13: tl.constexpr,
                ASM: tl.constexpr, DEQ: tl.constexpr, T64: tl.constexpr, T32: tl.constexpr,
                SPLIT13: tl.constexpr):
@@ -396,33 +399,58 @@ def _expert_mm(x_ptr, stride_x, pool_ptr, slot_bytes, table_ptr, E,
                         acc_u = _flush(acc_u, a_u, xs, ua)
     omask = mn[:, None] & mrow[None, :]
     if IS_W13:
-        optr = out_ptr + pos.to(tl.int64)[None, :] * stride_o + rn[:, None]
         if SPLIT13:
-            # split-K: partial sums into gu [pairs, 2F] fp32; the CTA that finishes a tile last
-            # applies silu(g) * u, writes h and leaves gu and the tile's counter at zero again
-            gptr = gu_ptr + pos.to(tl.int64)[None, :] * (2 * N) + rn[:, None]
-            tl.atomic_add(gptr, acc_g, mask=omask, sem="relaxed")
-            tl.atomic_add(gptr + N, acc_u, mask=omask, sem="relaxed")
-            _fence()
-            tl.debug_barrier()
-            cptr = cnt_ptr + pid_s * tl.num_programs(0) + pid_n
-            done = tl.atomic_add(cptr, 1, sem="acq_rel", scope="gpu")
-            if done == SPLIT - 1:
-                _fence()
-                g = tl.load(gptr, mask=omask, other=0.0, cache_modifier=".cg")
-                up = tl.load(gptr + N, mask=omask, other=0.0, cache_modifier=".cg")
-                h = g * tl.sigmoid(g) * up
-                tl.store(optr, h.to(out_ptr.dtype.element_ty), mask=omask)
-                tl.store(gptr, zero, mask=omask)
-                tl.store(gptr + N, zero, mask=omask)
-                tl.atomic_xchg(cptr, 0, sem="relaxed", scope="gpu")
+            # split-K: this split's fp32 partial sums, plain stores into part [S, pairs, 2F] (gate in
+            # columns 0..F-1, up in F..2F-1); `_gate_up_kernel` adds them and writes h
+            pptr = part_ptr + pid_k.to(tl.int64) * stride_ps + pos.to(tl.int64)[None, :] * (2 * N) + rn[:, None]
+            tl.store(pptr, acc_g, mask=omask)
+            tl.store(pptr + N, acc_u, mask=omask)
         else:
             h = acc_g * tl.sigmoid(acc_g) * acc_u
+            optr = out_ptr + pos.to(tl.int64)[None, :] * stride_o + rn[:, None]
             tl.store(optr, h.to(out_ptr.dtype.element_ty), mask=omask)
     else:
         wt = tl.load(wt_ptr + pair, mask=mrow, other=0.0).to(tl.float32)
         optr = out_ptr + (pair // TOPK).to(tl.int64)[None, :] * stride_o + rn[:, None]
         tl.atomic_add(optr, acc_g * wt[None, :], mask=omask, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["E", "NCH"])
+def _gate_up_kernel(part_ptr, stride_ps, h_ptr, stride_h, table_ptr, E, seg_e_ptr, seg_s_ptr, seg_end_ptr,
+                    N, NCH, S: tl.constexpr, BM: tl.constexpr, RB: tl.constexpr, BF: tl.constexpr):
+    """The split-K w13's second half: grid (F / BF, segments * row chunks), the w13 launch's row
+    chunks (BM rows of a segment, skipped exactly where `_expert_mm` skips them, so only what it
+    wrote is read), RB rows at a time: h = silu(g) * u from g, u = the sum of the S partials of
+    part [S, pairs, 2F] in the order s = 0, 1, .., S-1 (deterministic), fp32, h in h's dtype."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    seg = pid_s // NCH
+    ch = pid_s % NCH
+    e = tl.load(seg_e_ptr + seg)
+    if (e < 0) | (e >= E):
+        return
+    slot = tl.load(table_ptr + e)
+    if slot < 0:
+        return
+    start = tl.load(seg_s_ptr + seg) + ch * BM
+    end = tl.load(seg_end_ptr + seg)
+    if start >= end:
+        return
+    rn = pid_n * BF + tl.arange(0, BF)
+    mn = rn < N
+    nsub = (tl.minimum(end - start, BM) + RB - 1) // RB       # RB divides BM: rows stay in the chunk
+    for r in range(nsub):
+        pos = start + r * RB + tl.arange(0, RB)
+        m = (pos < end)[:, None] & mn[None, :]
+        p = part_ptr + pos.to(tl.int64)[:, None] * (2 * N) + rn[None, :]
+        g = tl.load(p, mask=m, other=0.0)
+        u = tl.load(p + N, mask=m, other=0.0)
+        for s in tl.static_range(1, S):
+            q = p + s * stride_ps.to(tl.int64)
+            g += tl.load(q, mask=m, other=0.0)
+            u += tl.load(q + N, mask=m, other=0.0)
+        h = g * tl.sigmoid(g) * u
+        tl.store(h_ptr + pos.to(tl.int64)[:, None] * stride_h + rn[None, :], h.to(h_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -474,7 +502,7 @@ class KernelConfig:
     asm: bool = True     # unpacking (and dequantizing) by inline PTX
     deq: bool = True     # w13: dequantize to bf16 in registers, one accumulator (else fp32 affine per group)
     deq2: bool = True    # the same for w2
-    split13: int = 1     # split-K of w13: EXPERIMENTAL, off (see EXPERIMENTAL_SPLIT13)
+    split13: int = 1     # split-K of w13 (partials in Workspace.part, summed by `_gate_up_kernel`)
 
 
 # by batch rows M (the smallest bucket >= M): the configurations benchmarks/expert_kernel_h200.py
@@ -501,7 +529,8 @@ def pick_config(M: int) -> KernelConfig:
 
 class Workspace:
     """Scratch buffers for one (M, k, H, F, E) on one device: allocate once, reuse on every call
-    (and inside CUDA graphs). `out` and `acc` are overwritten by the next call."""
+    (and inside CUDA graphs). `out` and `acc` are overwritten by the next call; `part` (split-K
+    of w13 only) is allocated by the first call that splits w13 (see split_buffers)."""
 
     def __init__(self, M: int, topk: int, hidden: int, ffn: int, num_experts: int, device, dtype=torch.bfloat16):
         P = M * topk
@@ -516,24 +545,21 @@ class Workspace:
         self.h = torch.empty(P, ffn, dtype=dtype, device=device)
         self.acc = torch.empty(M, hidden, dtype=torch.float32, device=device)
         self.out = torch.empty(M, hidden, dtype=dtype, device=device)
-        self.gu = self.cnt = None            # split-K of w13 only: zeroed once, left at zero by the kernel
+        self.part = None                     # split-K of w13 only: see split_buffers
 
-    def split_buffers(self, n_counters: int):
-        if self.cnt is None or self.cnt.numel() < n_counters:
-            dev = self.h.device
-            self.gu = torch.zeros(self.P, 2 * self.h.shape[1], dtype=torch.float32, device=dev)
-            self.cnt = torch.zeros(n_counters, dtype=torch.int32, device=dev)
-        return self.gu, self.cnt
+    def split_buffers(self, splits: int) -> torch.Tensor:
+        """fp32 [S >= splits, P, 2F]: the partial gate and up sums of w13's splits (gate in columns
+        0..F-1, up in F..2F-1; rows in sorted order, as h). Allocated on the first call that needs
+        it (or more splits), never zeroed: every element the reduction reads was stored by the same
+        call's w13 launch. Call with the largest split before capturing a CUDA graph (a warm-up
+        call does it), so that the capture does not allocate."""
+        if self.part is None or self.part.shape[0] < splits:
+            self.part = torch.empty(splits, self.P, 2 * self.h.shape[1], dtype=torch.float32,
+                                    device=self.h.device)
+        return self.part
 
 
 _WS: dict[tuple, Workspace] = {}
-
-# Split-K of the w13 kernel (fp32 partial sums by atomics, the last CTA of a tile applies silu and
-# resets the sums and its counter) is right in Triton's interpreter but gave wrong h on the H200
-# (2026-12-01) whenever a segment had more than a couple of rows (layer error 0.3-0.4 at M = 8, 16;
-# exact with one row), so launches refuse it until that is understood.
-EXPERIMENTAL_SPLIT13 = False
-
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
@@ -555,25 +581,52 @@ def _run(kernel, grid, args, kw, warmup: bool):
     return kernel[grid](*args, **kw)
 
 
+def k_split(K: int, group: int, want: int) -> tuple[int, int]:
+    """(splits, units per split) of a K = `K` reduction split `want` ways, for both kernels.
+
+    The unit of the split is the kernels' k-unit, U = max(128, group) k: whole BLOCK_K blocks of
+    the tiled layout and whole groups (g <= 128 divides 128; g = 256 is one unit of two blocks),
+    so no split starts inside a block or a group and each split's affine part is complete. Split
+    s covers units [s * ups, min(units, (s + 1) * ups)); the k tail (K % 128 = 32, 64, 96, only
+    g = 32, 64) goes to the last split. Uneven splits are allowed: ups = ceil(units / want), and
+    the count is then reduced to ceil(units / ups), so every split has at least one unit (a split
+    never exceeds the units; K < 128, only a tail, is one split)."""
+    units = K // max(128, group)
+    split = max(1, min(want, units))
+    ups = triton.cdiv(units, split)
+    if units:
+        split = triton.cdiv(units, ups)
+    return split, ups
+
+
 def launch_w13(ws: Workspace, x, slot_table, pool, layout, topk: int, cfg: KernelConfig, warmup=False):
+    """gate/up with SiLU into ws.h; with split13 > 1 two launches (the split w13, its reduction).
+    Returns the w13 launch's kernel (with warmup: both are compiled)."""
     H, Fd = layout.hidden, layout.ffn
     E = slot_table.numel()
-    nch = triton.cdiv(x.shape[0], cfg.bm)
+    M = x.shape[0]
+    nch = triton.cdiv(M, cfg.bm)
     t = H % 128
-    units = H // max(128, layout.group)
-    split = max(1, min(cfg.split13, units))
-    if split > 1 and not EXPERIMENTAL_SPLIT13:
-        raise ValueError("split13 > 1 is experimental and known wrong on the H200: set "
-                         "cmoe.executor.kernels_triton.moe.EXPERIMENTAL_SPLIT13 to try it")
+    split, ups = k_split(H, layout.group, cfg.split13)
     tiles = triton.cdiv(Fd, cfg.bn13)
-    gu, cnt = ws.split_buffers(tiles * ws.A * nch) if split > 1 else (ws.h, ws.order)
+    part = ws.split_buffers(split) if split > 1 else ws.acc
     args = (x, x.stride(0), pool, pool.stride(0), slot_table, E,
             ws.seg_e, ws.seg_s, ws.seg_end, ws.order, ws.order,
             ws.h, ws.h.stride(0), layout.part("w13").offset, layout.part("w13_sz").offset,
-            Fd, H, topk, nch, triton.cdiv(units, split), split, gu, cnt)
+            Fd, H, topk, nch, ups, split, part, part.stride(0))
     kw = dict(G=layout.group, BN=cfg.bn13, BM=cfg.bm, IS_W13=True, ASM=cfg.asm, DEQ=cfg.deq,
               T64=t >= 64, T32=t % 64 == 32, SPLIT13=split > 1, num_warps=cfg.warps13, num_stages=cfg.stages13)
-    return _run(_expert_mm, (tiles, ws.A * nch, split), args, kw, warmup)
+    k13 = _run(_expert_mm, (tiles, ws.A * nch, split), args, kw, warmup)
+    if split > 1:
+        # RB rows a step (a segment has <= M rows; a loop covers the chunk), ~1024 elements a CTA and
+        # 4 a thread: all S partials' loads are issued at once (S * 8 registers a thread, no spills)
+        rb = min(cfg.bm, _next_pow2(M))
+        bf = min(_next_pow2(Fd), 512, max(32, 1024 // rb))
+        args = (part, part.stride(0), ws.h, ws.h.stride(0), slot_table, E, ws.seg_e, ws.seg_s, ws.seg_end,
+                Fd, nch)
+        kw = dict(S=split, BM=cfg.bm, RB=rb, BF=bf, num_warps=max(1, min(8, rb * bf // 128)))
+        _run(_gate_up_kernel, (triton.cdiv(Fd, bf), ws.A * nch), args, kw, warmup)
+    return k13
 
 
 def launch_w2(ws: Workspace, topk_weights, slot_table, pool, layout, topk: int, M: int, cfg: KernelConfig,
@@ -581,13 +634,12 @@ def launch_w2(ws: Workspace, topk_weights, slot_table, pool, layout, topk: int, 
     H, Fd = layout.hidden, layout.ffn
     E = slot_table.numel()
     nch = triton.cdiv(M, cfg.bm)
-    units = Fd // max(128, layout.group)
-    split = max(1, min(cfg.split2, units))
+    split, ups = k_split(Fd, layout.group, cfg.split2)
     t = Fd % 128
     args = (ws.h, ws.h.stride(0), pool, pool.stride(0), slot_table, E,
             ws.seg_e, ws.seg_s, ws.seg_end, ws.order, topk_weights,
             ws.acc, ws.acc.stride(0), layout.part("w2").offset, layout.part("w2_sz").offset,
-            H, Fd, topk, nch, triton.cdiv(units, split), split, ws.acc, ws.order)
+            H, Fd, topk, nch, ups, split, ws.acc, 0)
     kw = dict(G=layout.group, BN=cfg.bn2, BM=cfg.bm, IS_W13=False, ASM=cfg.asm, DEQ=cfg.deq2,
               T64=t >= 64, T32=t % 64 == 32, SPLIT13=False, num_warps=cfg.warps2, num_stages=cfg.stages2)
     return _run(_expert_mm, (triton.cdiv(H, cfg.bn2), ws.A * nch, split), args, kw, warmup)
