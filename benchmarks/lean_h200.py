@@ -81,6 +81,10 @@ def main() -> None:
     ap.add_argument("--host-profile", action="store_true", help="time the host's step by phase (CMOE_HOST_PROFILE)")
     ap.add_argument("--norm-ablation", action="store_true",
                     help="also run lean upper with transformers' own RMSNorm (CMOE_FUSED_NORM=0)")
+    ap.add_argument("--attn-ablation", action="store_true",
+                    help="also run lean upper with transformers' own attention (CMOE_FAST_ATTN=0)")
+    ap.add_argument("--steps-ablation", action="store_true",
+                    help="also run lean upper with torch's router top-k and residual sums (CMOE_FUSED_STEPS=0)")
     a = ap.parse_args()
     if a.host_profile:
         import os
@@ -161,6 +165,16 @@ def main() -> None:
                 os.environ["CMOE_FUSED_NORM"] = "0"
                 one(engine, w, cfg, "upper", tag="transformers RMSNorm")
                 os.environ["CMOE_FUSED_NORM"] = "1"
+            if engine == "lean" and a.attn_ablation:
+                import os
+                os.environ["CMOE_FAST_ATTN"] = "0"
+                one(engine, w, cfg, "upper", tag="transformers attention")
+                os.environ["CMOE_FAST_ATTN"] = "1"
+            if engine == "lean" and a.steps_ablation:
+                import os
+                os.environ["CMOE_FUSED_STEPS"] = "0"
+                one(engine, w, cfg, "upper", tag="torch router and residual")
+                os.environ["CMOE_FUSED_STEPS"] = "1"
             reps = a.repeats if engine == "lean" else 1
             tok = a.tokens if engine == "lean" else min(a.tokens, a.hf_tokens)
             for i in range(reps):

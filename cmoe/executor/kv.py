@@ -42,6 +42,11 @@ class StaticKV:
         v.index_copy_(2, self._write, value_states)
         return k, v
 
+    @property
+    def decoding(self) -> bool:
+        """True while writes go to the one decode slot (`aim_decode`, `step`), not a prefill's range."""
+        return self._write is self.slots
+
     # --- what the engine calls before a pass -----------------------------------------------------
     def prefill(self, n: int, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """Positions 0..n-1 for a first pass of n tokens per row; returns its mask [B, 1, n, max_len]."""

@@ -69,10 +69,15 @@ class _Capture:
 
     def __init__(self, sink: dict):
         self.sink = sink
+        self.zeros: dict = {}                      # read only: the MoE blocks add to it, never into it
 
     def moe_layer(self, m, hidden, idx, weights):
         self.sink["x"][m], self.sink["idx"][m], self.sink["w"][m] = hidden, idx, weights
-        return torch.zeros_like(hidden)
+        key = (hidden.shape, hidden.dtype, hidden.device)
+        z = self.zeros.get(key)                    # one zero tensor per shape: no memset per layer
+        if z is None:
+            z = self.zeros[key] = torch.zeros_like(hidden)
+        return z
 
 
 class LeanEngine(HostSteps, Engine):
@@ -111,6 +116,12 @@ class LeanEngine(HostSteps, Engine):
         if self.cuda and os.environ.get("CMOE_FUSED_NORM", "1") != "0":
             from cmoe.executor.kernels_triton.norm import fuse_norms
             self._norms = fuse_norms(model)
+        from cmoe.executor import attention
+        self._attn = attention.install(model, spec.family, self.cuda)
+        self._steps = self.cuda and os.environ.get("CMOE_FUSED_STEPS", "1") != "0"
+        if self._steps:                                    # router top-k and X_m's sum in one launch each
+            from cmoe.executor.kernels_triton.steps import fuse_routers
+            self._norms += fuse_routers(model)
         self.has_shared = spec.shared_ffn > 0               # else the MoE block's output is the routed sum
         self._books: list = []
         self.host_phases = {} if os.environ.get("CMOE_HOST_PROFILE") == "1" else None
@@ -213,9 +224,15 @@ class LeanEngine(HostSteps, Engine):
         """X_m: the layer's routed experts (or `y`, computed already) plus the residual. Written
         into the same tensor every time, the next segment's input."""
         t = self.t
+        mid, shared = t["mid"][m], t["shared"][m]
+        if y is None and self._steps and self.fused:        # one launch: the cast, the sums, the copy
+            from cmoe.executor.kernels_triton.steps import residual_sum
+            acc = self._kernel(m, self.table[m], out_dtype=torch.float32)
+            dst = t["h"][m] if self._static_out and t["h"][m] is not None else None
+            t["h"][m] = residual_sum(mid, acc.view(mid.shape), shared if self.has_shared else None, dst)
+            return
         if y is None:
             y = self._kernel(m, self.table[m])
-        mid, shared = t["mid"][m], t["shared"][m]
         y = y.view(shared.shape).to(shared.dtype)
         out = mid + (shared + y) if self.has_shared else mid + y
         if self._static_out and t["h"][m] is not None:
@@ -498,6 +515,10 @@ class LeanEngine(HostSteps, Engine):
             from cmoe.executor.kernels_triton.norm import unfuse
             unfuse(self._norms)
             self._norms = []
+        if self._attn:
+            from cmoe.executor import attention
+            attention.uninstall(self._attn)
+            self._attn = []
         self.graphs = None
         self.t = self.t_graph = self.kin = self.io = self._ws = None
         self._rb_pin = []

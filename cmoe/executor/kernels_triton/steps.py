@@ -1,0 +1,129 @@
+"""Two small steps of a decoder layer in one launch each (CUDA; the lean engine's graphs).
+
+`route_topk`: the softmax top-k routers (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): after the
+router's matmul, softmax in fp32, the top k, the optional renormalisation and the cast, in
+one launch instead of transformers' five or six. Ties go to the lower expert id. exp and the
+divisions are the accurate ones (libdevice expf, IEEE division), but the sum's order differs
+from torch's, so a probability can differ in its last bit (the GPU tests bound it).
+
+`residual_sum`: X_m's end, out = mid + (shared + y) with y the experts' fp32 sum rounded to the
+activations' dtype, each sum rounded as torch's element-wise adds round (bit-equal to the three
+launches it replaces: the cast, the add, the copy into the segment's output).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _exp(x):
+    if _INTERPRET:                      # the interpreter has no libdevice
+        return tl.exp(x)
+    return libdevice.exp(x)
+
+
+@triton.jit
+def _div(a, b):
+    if _INTERPRET:
+        return a / b
+    return tl.math.div_rn(a, b)
+
+
+@triton.jit
+def _route_topk(logits_ptr, stride, w_ptr, idx_ptr, E, K: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr,
+                RENORM: tl.constexpr):
+    r = tl.program_id(0)
+    e = tl.arange(0, EP)
+    m = e < E
+    x = tl.load(logits_ptr + r * stride + e, mask=m, other=float("-inf")).to(tl.float32)
+    p = _exp(x - tl.max(x, 0))
+    p = tl.where(m, p, 0.0)
+    p = _div(p, tl.broadcast_to(tl.sum(p, 0), [EP]))
+    work = tl.where(m, p, -1.0)
+    kk = tl.arange(0, KP)
+    vals = tl.zeros([KP], tl.float32)
+    ids = tl.zeros([KP], tl.int64)
+    for j in tl.static_range(K):
+        v = tl.max(work, 0)
+        i = tl.min(tl.where(work == v, e, EP), 0)
+        vals = tl.where(kk == j, v, vals)
+        ids = tl.where(kk == j, i.to(tl.int64), ids)
+        work = tl.where(e == i, -1.0, work)
+    if RENORM:
+        vals = _div(vals, tl.broadcast_to(tl.sum(tl.where(kk < K, vals, 0.0), 0), [KP]))
+    km = kk < K
+    tl.store(w_ptr + r * K + kk, vals.to(w_ptr.dtype.element_ty), mask=km)
+    tl.store(idx_ptr + r * K + kk, ids, mask=km)
+
+
+def route_topk(logits: torch.Tensor, k: int, renorm: bool, out_dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, E] -> (weights [N, k] in out_dtype, expert ids [N, k] int64), as the routers do."""
+    N, E = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    w = torch.empty((N, k), dtype=out_dtype, device=logits.device)
+    idx = torch.empty((N, k), dtype=torch.int64, device=logits.device)
+    EP = triton.next_power_of_2(E)
+    _route_topk[(N,)](logits, logits.stride(0), w, idx, E, K=k, EP=EP, KP=triton.next_power_of_2(k),
+                      RENORM=renorm, num_warps=1 if EP <= 128 else 4)
+    return w, idx
+
+
+# router class -> (renormalise: attribute name or True, scores in the logits' dtype)
+ROUTERS = {"MixtralTopKRouter": (True, False), "Qwen2MoeTopKRouter": ("norm_topk_prob", True),
+           "Qwen3MoeTopKRouter": ("norm_topk_prob", True), "OlmoeTopKRouter": ("norm_topk_prob", True)}
+
+
+def fuse_routers(model) -> list:
+    """Point every softmax top-k router of `model` at `route_topk` (its matmul stays torch's).
+    Returns what `unfuse` in norm.py needs to put them back."""
+    import torch.nn.functional as F
+    done = []
+    for mod in model.modules():
+        how = ROUTERS.get(type(mod).__name__)
+        if how is None or getattr(mod, "training", False):
+            continue
+        renorm = how[0] if how[0] is True else bool(getattr(mod, how[0]))
+
+        def fwd(hidden_states, _m=mod, _renorm=renorm, _cast=how[1]):
+            logits = F.linear(hidden_states.reshape(-1, _m.hidden_dim), _m.weight)
+            w, idx = route_topk(logits, _m.top_k, _renorm, logits.dtype if _cast else torch.float32)
+            return logits, w, idx
+        mod.forward = fwd
+        done.append(mod)
+    return done
+
+
+@triton.jit
+def _residual_sum(mid_ptr, acc_ptr, sh_ptr, out_ptr, n, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < n
+    dt = out_ptr.dtype.element_ty
+    y = tl.load(acc_ptr + offs, mask=keep, other=0.0).to(dt, fp_downcast_rounding="rtne").to(tl.float32)
+    if HAS_SHARED:
+        s = tl.load(sh_ptr + offs, mask=keep, other=0.0).to(tl.float32)
+        y = (s + y).to(dt, fp_downcast_rounding="rtne").to(tl.float32)
+    mid = tl.load(mid_ptr + offs, mask=keep, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, (mid + y).to(dt, fp_downcast_rounding="rtne"), mask=keep)
+
+
+def residual_sum(mid: torch.Tensor, acc: torch.Tensor, shared: torch.Tensor | None, out: torch.Tensor | None):
+    """mid + (shared + y), y = acc (fp32) in mid's dtype; written into `out` when given."""
+    if out is None:
+        out = torch.empty_like(mid)
+    n = mid.numel()
+    for t in (mid, acc, out) + ((shared,) if shared is not None else ()):
+        if not t.is_contiguous() or t.numel() != n:
+            raise ValueError("residual_sum takes contiguous tensors of one size")
+    BLOCK = 1024
+    _residual_sum[(triton.cdiv(n, BLOCK),)](mid, acc, shared if shared is not None else mid, out, n,
+                                            HAS_SHARED=shared is not None, BLOCK=BLOCK, num_warps=4)
+    return out

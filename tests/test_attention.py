@@ -1,0 +1,140 @@
+"""The lean decode attention (`cmoe.executor.attention`) against the attention modules it stands
+in for, on the CPU: for each covered family, a prefill through the module's own forward, then
+decode steps through the module and through the lean step on a copy of the cache; the rotation
+and the cache writes equal transformers' exactly in bf16, the outputs agree to fp32 rounding,
+and the lean engine takes the lean step in every decode pass (and only there). The Triton
+kernels run against the same references under Triton's interpreter where Triton is installed,
+and on CUDA in the GPU tests."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+
+from cmoe.executor import attention
+from cmoe.executor.kv import StaticKV
+from tests.conftest import tiny_config
+
+COVERED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+
+def _model(family, dtype=torch.float32, clip=None):
+    from transformers import AutoModelForCausalLM
+    cfg = tiny_config(family)
+    cfg.num_hidden_layers = 1
+    if clip is not None:
+        cfg.clip_qkv = clip
+    if family == "qwen2_moe":
+        cfg.qkv_bias = True
+    torch.manual_seed(3)
+    m = AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+    if family == "qwen2_moe":
+        with torch.no_grad():
+            for p in (m.model.layers[0].self_attn.q_proj.bias, m.model.layers[0].self_attn.k_proj.bias):
+                p.normal_(0, 0.5)
+    return m
+
+
+def _steps(model, fast: bool, B=2, n=5, steps=3):
+    """Prefill n tokens (row 0 left-padded by two), then `steps` decode steps, through layer 0's
+    attention module; returns each decode step's output and the cache."""
+    attn = model.model.layers[0].self_attn
+    H = model.config.hidden_size
+    gen = torch.Generator().manual_seed(11)
+    dt = next(model.parameters()).dtype
+    kv = StaticKV(B, n + steps, torch.device("cpu"))
+    mask_in = torch.ones(B, n, dtype=torch.long)
+    mask_in[0, :2] = 0
+    pos = (mask_in.cumsum(1) - 1).clamp(min=0)
+    x = torch.randn(B, n, H, generator=gen).to(dt)
+    with torch.no_grad():
+        pe = model.model.rotary_emb(x, pos)
+        attn(hidden_states=x, position_embeddings=pe, attention_mask=kv.prefill(n, mask_in), past_key_values=kv)
+        outs = []
+        for s in range(steps):
+            kv.step()
+            xs = torch.randn(B, 1, H, generator=gen).to(dt)
+            p = pos[:, -1:] + 1 + s
+            pe = model.model.rotary_emb(xs, p)
+            outs.append(attn(hidden_states=xs, position_embeddings=pe, attention_mask=kv.decode_mask,
+                             past_key_values=kv)[0])
+    return outs, kv
+
+
+@pytest.mark.parametrize("family", COVERED)
+def test_lean_decode_attention_equals_the_module(family, monkeypatch):
+    ref = _model(family, clip=2.0 if family == "olmoe" else None)
+    lean = copy.deepcopy(ref)
+    (fd,) = attention.install(lean, family, cuda=False)
+    calls = []
+    monkeypatch.setattr(attention, "attend", lambda *a: calls.append(1) or _attend(*a))
+    a, kv_a = _steps(ref, fast=False)
+    b, kv_b = _steps(lean, fast=True)
+    assert len(calls) == 3                                # every decode step, never the prefill
+    for x, y in zip(a, b):
+        assert torch.allclose(x, y, atol=1e-6, rtol=1e-5), (x - y).abs().max()
+    assert torch.allclose(kv_a.keys[0], kv_b.keys[0], atol=1e-6) and torch.allclose(kv_a.values[0], kv_b.values[0], atol=1e-6)
+    # the module's weights are views of the stacked projection: no copy, the same numbers
+    qp = lean.model.layers[0].self_attn.q_proj.weight
+    assert qp.data_ptr() == fd.w.data_ptr() and torch.equal(qp, ref.model.layers[0].self_attn.q_proj.weight)
+    attention.uninstall([fd])
+    assert "forward" not in lean.model.layers[0].self_attn.__dict__
+
+
+_attend = attention.attend
+
+
+def test_rotation_and_cache_writes_equal_transformers_in_bf16():
+    from transformers.models.mixtral.modeling_mixtral import apply_rotary_pos_emb
+    gen = torch.Generator().manual_seed(5)
+    B, Hq, Hkv, D, L = 3, 8, 2, 16, 7
+    q, k, v = (torch.randn(B, h, D, generator=gen).to(torch.bfloat16) for h in (Hq, Hkv, Hkv))
+    cos, sin = (torch.randn(B, D, generator=gen).to(torch.bfloat16) for _ in range(2))
+    keys, values = torch.zeros(B, Hkv, L, D, dtype=torch.bfloat16), torch.zeros(B, Hkv, L, D, dtype=torch.bfloat16)
+    slot = torch.tensor([4])
+    qr = attention.rope_write(q, k, v, cos, sin, keys, values, slot)
+    q4, k4 = apply_rotary_pos_emb(q[:, :, None], k[:, :, None], cos[:, None], sin[:, None])
+    assert torch.equal(qr, q4[:, :, 0]) and torch.equal(keys[:, :, 4], k4[:, :, 0]) and torch.equal(values[:, :, 4], v)
+    assert keys[:, :, :4].abs().sum() == 0 and keys[:, :, 5:].abs().sum() == 0
+
+
+def test_families_it_does_not_cover_and_the_switch(monkeypatch):
+    ds = _model("deepseek_v2")
+    assert attention.install(ds, "deepseek_v2", cuda=False) == []
+    monkeypatch.setenv("CMOE_FAST_ATTN", "0")
+    assert attention.install(_model("mixtral"), "mixtral", cuda=False) == []
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter on the CPU)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_decode_attention_equals_the_reference(dtype):
+    """The rotated keys equal transformers' bit for bit on CUDA (the interpreter's bf16 rounding
+    differs); the output agrees with SDPA over the repeated cache to the dtype's rounding."""
+    import os
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1")
+    from cmoe.executor.kernels_triton.attention import decode_attention
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(9)
+    for B, Hq, Hkv, D, L in ((1, 32, 8, 128, 200), (3, 4, 2, 8, 21), (2, 6, 6, 48, 70)):
+        qkv = torch.randn(B, (Hq + 2 * Hkv) * D, generator=gen).to(dtype).to(dev)
+        q, k, v = (t.reshape(B, -1, D) for t in qkv.split([Hq * D, Hkv * D, Hkv * D], -1))
+        cos, sin = (torch.randn(B, D, generator=gen).to(dtype).to(dev) for _ in range(2))
+        keys = torch.randn(B, Hkv, L, D, generator=gen).to(dtype).to(dev)
+        values = torch.randn(B, Hkv, L, D, generator=gen).to(dtype).to(dev)
+        valid = torch.rand(B, L, generator=gen).to(dev) < 0.6
+        slot = torch.tensor([L - 3], device=dev)
+        valid[:, L - 3] = True
+        k1, v1, k2, v2 = keys.clone(), values.clone(), keys.clone(), values.clone()
+        ref = attention.attend(attention.rope_write(q, k, v, cos, sin, k1, v1, slot), k1, v1, valid, D ** -0.5)
+        out = decode_attention(q, k, v, cos, sin, k2, v2, slot, valid, D ** -0.5)
+        assert torch.equal(v1, v2)
+        if dev == "cuda" or dtype == torch.float32:       # the interpreter rounds bf16 its own way
+            assert torch.equal(k1, k2)
+        else:
+            assert torch.allclose(k1.float(), k2.float(), atol=3e-2, rtol=2e-2)
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert err < (1e-5 if dtype == torch.float32 else 3e-2), (B, Hq, Hkv, D, L, err)   # bf16: p rounds too

@@ -1,0 +1,70 @@
+"""The lean engine's one-launch steps (`cmoe.executor.kernels_triton.steps`) against the torch
+operations they replace: the routers' softmax top-k (Mixtral's fp32 scores, Qwen's and OLMoE's
+cast, with and without renormalisation) and X_m's residual sum. On CUDA, or on the CPU under
+Triton's interpreter (TRITON_INTERPRET=1) where Triton is installed; the CPU suite runs the
+torch operations themselves (the engine uses them there)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="needs Triton on CUDA, or its interpreter (TRITON_INTERPRET=1)")
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _router(cls, E, k, norm, H=64):
+    import transformers as tf
+    if cls == "mixtral":
+        from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter as R
+        cfg = tf.MixtralConfig(hidden_size=H, num_local_experts=E, num_experts_per_tok=k)
+    else:
+        from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter as R
+        cfg = tf.Qwen2MoeConfig(hidden_size=H, num_experts=E, num_experts_per_tok=k, norm_topk_prob=norm)
+    torch.manual_seed(E + k)
+    r = R(cfg)
+    torch.nn.init.normal_(r.weight, 0, 0.5)
+    return r
+
+
+@pytest.mark.parametrize("cls,E,k,norm", [("mixtral", 8, 2, True), ("qwen", 60, 4, False), ("qwen", 128, 8, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_topk_equals_the_router(cls, E, k, norm, dtype):
+    from cmoe.executor.kernels_triton.steps import fuse_routers
+    r = _router(cls, E, k, norm).to(DEV, dtype).eval()
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(2)).to(DEV, dtype)
+    with torch.no_grad():
+        lg, w, idx = r(x)
+        mods = fuse_routers(r)
+        lg2, w2, idx2 = r(x)
+    assert mods == [r]
+    assert torch.equal(lg, lg2) and w2.dtype == w.dtype
+    tol = 1e-6 if w.dtype == torch.float32 else 1e-2
+    assert torch.allclose(w.float(), w2.float(), atol=tol, rtol=tol), (w.float() - w2.float()).abs().max()
+    # the same experts, but equal logits (frequent in bf16 over many experts) may come in another
+    # order (this kernel puts the lower id first): wherever the ids differ, the logits tie
+    differ = idx != idx2
+    assert torch.equal(lg.gather(1, idx)[differ], lg.gather(1, idx2)[differ])
+    if dtype == torch.float32:
+        assert torch.equal(idx, idx2)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_residual_sum_equals_the_adds(shared):
+    from cmoe.executor.kernels_triton.steps import residual_sum
+    g = torch.Generator().manual_seed(4)
+    dt = torch.float32 if DEV == "cpu" else torch.bfloat16      # the interpreter rounds bf16 its own way
+    mid = torch.randn(3, 1, 3000, generator=g).to(DEV, dt)
+    acc = torch.randn(3, 3000, generator=g).to(DEV)
+    sh = torch.randn(3, 1, 3000, generator=g).to(DEV, dt)
+    y = acc.to(dt).view(mid.shape)
+    ref = mid + (sh + y) if shared else mid + y
+    out = torch.empty_like(mid)
+    got = residual_sum(mid, acc.view(mid.shape), sh if shared else None, out)
+    assert got is out and torch.equal(got, ref)
