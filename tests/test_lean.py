@@ -128,13 +128,20 @@ def test_a_sliding_window_shorter_than_the_run_is_refused():
 def test_commit_launches_its_committed_layers_before_the_read_back(fused_checkpoints, monkeypatch):
     """commit in decode takes the no-wait step on every MoE layer of every decode pass (OWA on the
     device: the logits equal the reference engine's, see test_lean_and_reference_engines_decide_alike);
-    its host lane then waits for the read-back after the experts' launch, not before."""
+    its host lane then waits for the read-back after the experts' launch, not before, and the
+    read-back's copy is queued ahead of the launch."""
     from cmoe.executor.lean import LeanEngine
-    calls = []
+    calls, order = [], []
     orig = LeanEngine._commit_layer
     monkeypatch.setattr(LeanEngine, "_commit_layer", lambda self, m, g: (calls.append(m), orig(self, m, g))[1])
+    for name in ("_read_back_start", "_run_x", "_read_back_wait"):
+        real = getattr(LeanEngine, name)
+        monkeypatch.setattr(LeanEngine, name, lambda *a, _n=name, _f=real: (order.append(_n), _f(*a))[1])
     w, (r,) = run_exec(fused_checkpoints["mixtral"], ["commit"], fmt="w4g32", kernel="fused", tokens=3)
     assert len(calls) == 3 * w.spec.num_moe_layers
+    # the read-back copy is queued before the experts (so its wait ends with A_m), waited for after
+    n = len(order) - 3 * len(calls)
+    assert order[n:] == ["_read_back_start", "_run_x", "_read_back_wait"] * len(calls)
     dec = {p for p, d, _, _ in r.log.pass_us if d}
     for p in dec:
         lane = sorted((s for s in r.log.spans if s[1] == p and s[3] == "host" and s[2] == w.spec.moe_layers[1]
@@ -160,3 +167,19 @@ def test_owa_on_the_device_equals_the_host_rule():
             assert [e for e in got_ids[i].tolist() if e >= 0] == mine
             assert got_w[i, :len(mine)].tolist() == pytest.approx(want, rel=1e-6)
             assert got_w[i, len(mine):].abs().sum() == 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
+def test_decode_passes_take_the_lean_attention(fused_checkpoints, monkeypatch, family):
+    """Every decode pass of every layer goes through the lean attention step, no prefill does;
+    MLA (DeepSeek) keeps its module's own. The logits are checked against the unmodified model
+    in test_fused_layer_kernel_reproduces_the_dequantized_model."""
+    from cmoe.executor import attention
+    calls = []
+    real = attention.attend
+    monkeypatch.setattr(attention, "attend", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    _, (r,) = run_exec(fused_checkpoints[family], ["upper"], fmt="w4g32", kernel="fused", tokens=4)
+    decode = sum(1 for _, d, _, _ in r.log.pass_us if d)
+    layers = len(r.layout.slots) + (1 if family == "deepseek_v2" else 0)
+    assert decode == 4                                    # --tokens 4: a prefill, then 4 decode passes
+    assert calls == ([2] * decode * layers if family == "qwen3_moe" else [])

@@ -166,14 +166,15 @@ class HostSteps:
             landed = self._landed[(m, e)] if self.pool.pending[m][s] else None
             self._experts.append((self.cur.index, False, landed, t_plan, h0))
             self.pool.before_read(m, s)
-        t0 = clock.mark(cs)
+        started = self._read_back_start(m)                 # queued before the experts: the wait
+        t0 = clock.mark(cs)                                # below ends with A_m, not with X_m
         self._run_x(m, graphs)
         t1 = clock.mark(cs)
         self._fused_span(d, chosen, t0, t1)
         self.pool.mark_read(m, list(slots.values()), t1 if self.cuda else None)
         self._span(d, "host", "host_expert", -1, h0, clock.host())
         h_rb = clock.host()
-        host = self._read_back(m)                          # while the layer's experts run
+        host = self._read_back_wait(started)               # while the layer's experts run
         self.h_synced = clock.host()
         self._span(d, "host", "host_sync", -1, h_rb, self.h_synced)
         K2 = self.t["pred"][m + 1][0].shape[1] if m + 1 < self.M else 0
@@ -227,15 +228,26 @@ class HostSteps:
 
     def _read_back(self, m: int) -> np.ndarray:
         """The layer's one read-back: a non-blocking copy into pinned memory, then its event."""
+        return self._read_back_wait(self._read_back_start(m))
+
+    def _read_back_start(self, m: int):
+        """Queue the read-back copy on the compute stream (behind A_m, ahead of anything queued
+        later, such as commit's experts) and record its event; `_read_back_wait` waits for it."""
         rb = self.t["rb"][m]
         if not self.cuda:
-            return rb.numpy()
+            return rb.numpy(), None
         pin = self._rb_pin[m]
         if pin is None or pin.shape != rb.shape:
             pin = self._rb_pin[m] = torch.empty(rb.shape, dtype=rb.dtype, pin_memory=True)
         pin.copy_(rb, non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()
+        return pin, ev
+
+    def _read_back_wait(self, started) -> np.ndarray:
+        pin, ev = started
+        if ev is None:
+            return pin
         ev.synchronize()
         return pin.numpy()
 
