@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cmoe.executor.run import ExecConfig, build, prepare, run_policy  # noqa: E402
 from cmoe.policy.policies import POLICIES  # noqa: E402
-from cmoe.quant import non_expert_bytes  # noqa: E402
-from cmoe.timeline import write_parquet  # noqa: E402
+from cmoe.core.quant import non_expert_bytes  # noqa: E402
+from cmoe.core.timeline import write_parquet  # noqa: E402
 
 
 def hbm_gbps() -> float:

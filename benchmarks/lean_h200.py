@@ -37,8 +37,8 @@ from executor_h200 import h2d_gbps, hbm_gbps  # noqa: E402
 
 from cmoe.executor.run import ExecConfig, budget_recipe, build, prepare, run_policy  # noqa: E402
 from cmoe.policy.policies import POLICIES  # noqa: E402
-from cmoe.quant import non_expert_bytes  # noqa: E402
-from cmoe.timeline import write_parquet  # noqa: E402
+from cmoe.core.quant import non_expert_bytes  # noqa: E402
+from cmoe.core.timeline import write_parquet  # noqa: E402
 
 HOST_WORK = ("host_attention", "host_route", "host_expert", "host_predict")
 

@@ -15,11 +15,11 @@ say what memory each model had, so every model gets a pool that holds half of it
     .venv/bin/python benchmarks/paper_tables.py
 """
 
-from cmoe.hw import H200, RTX4090
+from cmoe.core.hw import H200, RTX4090
 from cmoe.policy.budget import WORKSPACE_BYTES, kv_bytes
-from cmoe.quant import non_expert_bytes, recipe
+from cmoe.core.quant import non_expert_bytes, recipe
 from cmoe.sim.api import run_policies
-from cmoe.spec import preset
+from cmoe.core.spec import preset
 from cmoe.trace.synthetic import SyntheticParams, generate
 
 REC = recipe("w4a16")

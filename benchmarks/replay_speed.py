@@ -31,14 +31,14 @@ DECODE = 256
 
 
 def trace(model: str, decode: int = DECODE):
-    from cmoe.quant import recipe
-    from cmoe.spec import preset
+    from cmoe.core.quant import recipe
+    from cmoe.core.spec import preset
     from cmoe.trace.synthetic import SyntheticParams, generate
     return generate(preset(model), recipe("w4a16"), SyntheticParams(decode_len=decode))
 
 
 def one_call(t, pool: float, policy: str, engine: str, timeline: bool = False) -> tuple[float, dict]:
-    from cmoe.hw import H200
+    from cmoe.core.hw import H200
     from cmoe.sim import run
     run.clear_cache()
     t0 = time.process_time()
@@ -66,7 +66,7 @@ def memory_child(model: str, pool: float, decode: int, engine: str, timeline: bo
     the process held before it, in MB, printed as JSON. A short call first imports and loads
     everything; the kernel's peak counter is then reset (/proc/self/clear_refs)."""
     import gc
-    from cmoe.hw import H200
+    from cmoe.core.hw import H200
     from cmoe.sim import run
     cfg = run.SimConfig(policy="ondemand", pool_gb=pool, engine=engine)
     run.simulate(trace(model, 4), H200, cfg, timeline=timeline)

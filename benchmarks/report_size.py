@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cmoe.hw import load_profile  # noqa: E402
+from cmoe.core.hw import load_profile  # noqa: E402
 from cmoe.report.build import build_report  # noqa: E402
 from cmoe.sim.api import write_outputs  # noqa: E402
 from cmoe.sim.run import SimConfig, simulate  # noqa: E402

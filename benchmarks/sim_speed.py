@@ -11,10 +11,10 @@ The SimPy model, named: `simulate` runs the compiled replay by default (benchmar
 
 import time
 
-from cmoe.hw import H200
-from cmoe.quant import recipe
+from cmoe.core.hw import H200
+from cmoe.core.quant import recipe
 from cmoe.sim.run import SimConfig, simulate
-from cmoe.spec import preset
+from cmoe.core.spec import preset
 from cmoe.trace.synthetic import SyntheticParams, generate
 
 CASES = (("mixtral-8x7b", 20.0), ("deepseek-v2-lite", 6.0))

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cmoe.executor.run import ExecConfig, build, prepare, run_policy  # noqa: E402
 from cmoe.executor.run import write_outputs as write_exec  # noqa: E402
 from cmoe.policy.policies import POLICIES  # noqa: E402
-from cmoe.util import write_text_atomic  # noqa: E402
+from cmoe.core.util import write_text_atomic  # noqa: E402
 
 
 def main() -> None:
@@ -80,11 +80,11 @@ def main() -> None:
     res["build_s"] = time.perf_counter() - t0
     print(f"built store ({w.store.nbytes / 1e9:.1f} GB pinned) and model in {res['build_s']:.0f} s", flush=True)
     if a.profile:
-        from cmoe.hw import load_profile
+        from cmoe.core.hw import load_profile
         prof = load_profile(a.profile)
     else:                                 # as cmoe run does: on this machine, on the model just built
-        from cmoe.executor.measure import calibrate
-        from cmoe.profile_fit import beside
+        from cmoe.calibrate.measure import calibrate
+        from cmoe.calibrate.profile_fit import beside
         t0 = time.perf_counter()
         prof, m = calibrate(w.device, w.spec, w.fmt, a.layers, where["model_dir"],
                             name=f"calibrated-{card.split()[-1].lower()}", built=w)
@@ -129,7 +129,7 @@ def main() -> None:
             for r in again:
                 entry["policies"][r.policy].update(again_tok_s=r.metrics["tokens_per_s"], again_wall=r.metrics["wall"])
             if can_predict:
-                from cmoe.validate import format_validation, validate_folders
+                from cmoe.analysis.validate import format_validation, validate_folders
                 for f in (here / "predicted").glob("timeline-*.json"):
                     f.unlink()
                 vals = validate_folders(here / "predicted", here / "measured", list(policies))

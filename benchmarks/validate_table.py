@@ -21,12 +21,12 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cmoe.hw import load_profile  # noqa: E402
+from cmoe.core.hw import load_profile  # noqa: E402
 from cmoe.pipeline import predict  # noqa: E402
-from cmoe.spec import preset  # noqa: E402
+from cmoe.core.spec import preset  # noqa: E402
 from cmoe.trace.load import load_trace  # noqa: E402
-from cmoe.util import write_text_atomic  # noqa: E402
-from cmoe.validate import against_repeats, validate_folders  # noqa: E402
+from cmoe.core.util import write_text_atomic  # noqa: E402
+from cmoe.analysis.validate import against_repeats, validate_folders  # noqa: E402
 
 
 def main() -> None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from cmoe.errors import CmoeError
-from cmoe.hw import HardwareProfile, load_profile
+from cmoe.core.errors import CmoeError
+from cmoe.core.hw import HardwareProfile, load_profile
 from cmoe.trace.bundle import Trace
 from cmoe.trace.load import load_trace
 
@@ -36,7 +36,7 @@ def simulate(trace: Trace | str, *, profile: str | HardwareProfile = "h200", pol
              pool_gb: float = 20.0, batch: int = 1, slots: int | None = None) -> list:
     """Simulate each policy on a trace (a Trace, a bundle path, `embedded` or `synthetic:PRESET`).
     Returns one `cmoe.sim.run.SimResult` per policy: `.metrics` (the row `cmoe simulate` prints,
-    defined in `cmoe.metrics`) and `.run` (spans and per-pass counts)."""
+    defined in `cmoe.core.metrics`) and `.run` (spans and per-pass counts)."""
     from cmoe.sim.run import SimConfig
     from cmoe.sim.run import simulate as one
     t = load_trace(trace, None, batch) if isinstance(trace, str) else trace

@@ -13,7 +13,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from cmoe.util import atomic_dir, check_output, write_text_atomic
+from cmoe.core.util import atomic_dir, check_output, write_text_atomic
 
 # What marks a folder as one `cmoe run` wrote (--force replaces only those).
 RUN_ALL_FOLDER = ("validation.json", "predicted", "measured", "profile.json")
@@ -43,7 +43,7 @@ def run_all(out: Path, *, spec_name: str | None, model_dir: Path | None, trace_s
     w, cfg = prepare(spec_name=spec_name, model_dir=model_dir, trace_src=trace_src or
                      (f"synthetic:{spec_name}" if spec_name else None), data=None, cfg=cfg)
     if w.trace is None:
-        from cmoe.errors import CmoeError
+        from cmoe.core.errors import CmoeError
         raise CmoeError("cmoe run needs a trace to replay (--trace), so that both engines see the same routing")
     with atomic_dir(out, force, RUN_ALL_FOLDER) as tmp:
         doc = _run_into(tmp, out, w, cfg, profile, model_dir, layers, repeat, detail)
@@ -60,13 +60,13 @@ def _run_into(out: Path, final: Path, w, cfg, profile: str | None, model_dir: Pa
     from cmoe.executor.run import build, execute
     from cmoe.executor.run import table as exec_table
     from cmoe.executor.run import write_outputs as write_exec
-    from cmoe.hw import load_profile
+    from cmoe.core.hw import load_profile
     from cmoe.sim.api import table as sim_table
-    from cmoe.validate import format_validation, validate_folders
+    from cmoe.analysis.validate import format_validation, validate_folders
     build(w, cfg)
     if profile is None:                                   # calibrate once, on this machine and this model
-        from cmoe.executor.measure import calibrate
-        from cmoe.profile_fit import beside, noise_of
+        from cmoe.calibrate.measure import calibrate
+        from cmoe.calibrate.profile_fit import beside, noise_of
         prof, m = calibrate(w.device, w.spec, w.fmt, layers, model_dir, name=f"calibrated-{w.device.type}", built=w,
                             progress=cfg.progress)
         echo(beside(prof, m))
@@ -89,7 +89,7 @@ def _run_into(out: Path, final: Path, w, cfg, profile: str | None, model_dir: Pa
     errors, spreads = [v["tokens_per_s"]["error"] for v in vals], None
     if repeat > 1:                      # the same configuration again, policies in reverse order each time
         from cmoe.executor.run import run_policy
-        from cmoe.validate import against_repeats, format_repeats
+        from cmoe.analysis.validate import against_repeats, format_repeats
         runs = [vals]
         for k in range(2, repeat + 1):
             again = [run_policy(w, cfg, p) for p in reversed(cfg.policies)][::-1]
@@ -100,7 +100,7 @@ def _run_into(out: Path, final: Path, w, cfg, profile: str | None, model_dir: Pa
              + format_repeats(rows))
         doc = {"runs": runs, "against_mean": rows}
         errors, spreads = [r["error"] for r in rows], [r["spread"] for r in rows]
-    from cmoe.profile_fit import run_verdict
+    from cmoe.calibrate.profile_fit import run_verdict
     write_text_atomic(out / "validation.json", json.dumps(doc, indent=1))
     return summary_doc(w, cfg, sims, results, errors, run_verdict(cal, errors, spreads))
 
@@ -150,7 +150,7 @@ def summary_text(doc: dict) -> str:
 def _profile_noise(profile: str):
     """The noise verdict of a profile file's calibration, from the measurements calibrate wrote
     beside it; None for a built-in profile or a file without them."""
-    from cmoe.profile_fit import noise_of
+    from cmoe.calibrate.profile_fit import noise_of
     raw = Path(profile).with_suffix(".measurements.json")
     if not raw.is_file():
         return None
@@ -165,7 +165,7 @@ def predict(w, cfg, prof, out: Path) -> list:
     weights, batch, pool and slots, and its passes: the first batch of requests, `--tokens`
     decode steps) under every policy of `cfg`, and write the run folder."""
     from cmoe.executor.run import budget_recipe
-    from cmoe.quant import expert_bytes
+    from cmoe.core.quant import expert_bytes
     from cmoe.sim.api import write_outputs as write_sim
     from cmoe.sim.run import SimConfig, simulate
     rec = budget_recipe(w.fmt)

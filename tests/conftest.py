@@ -112,8 +112,8 @@ def int4_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_trace(tmp_path_factory, checkpoints):
     """A synthetic trace with the tiny Mixtral's shapes (fp32 experts), for replay tests."""
-    from cmoe.quant import QuantRecipe
-    from cmoe.spec import from_checkpoint
+    from cmoe.core.quant import QuantRecipe
+    from cmoe.core.spec import from_checkpoint
     from cmoe.trace import bundle
     from cmoe.trace.synthetic import SyntheticParams, generate
     spec = from_checkpoint(checkpoints["mixtral"])

@@ -193,7 +193,7 @@ def test_force_does_not_replace_a_folder_cmoe_did_not_write(tmp_path):
 # --- interrupted writers leave nothing ----------------------------------------------------------
 
 def test_atomic_dir_leaves_nothing_when_the_writer_fails(tmp_path):
-    from cmoe.util import atomic_dir
+    from cmoe.core.util import atomic_dir
     with pytest.raises(ValueError):
         with atomic_dir(tmp_path / "o") as tmp:
             (tmp / "a.json").write_text("{}")
@@ -209,7 +209,7 @@ def test_atomic_dir_leaves_nothing_when_the_writer_fails(tmp_path):
 
 
 def test_a_dead_writers_temporary_folder_is_cleared(tmp_path):
-    from cmoe.util import atomic_dir
+    from cmoe.core.util import atomic_dir
     (tmp_path / ".o.tmp-999999999").mkdir()            # no such process: killed long ago
     with atomic_dir(tmp_path / "o") as tmp:
         (tmp / "metrics.json").write_text("[]")
@@ -300,7 +300,7 @@ def test_report_refuses_files_that_are_not_its_tables(tmp_path):
     line = one_line(run("report", tmp_path / "other.parquet"))
     assert line == (f"error: {tmp_path / 'other.parquet'} is neither a timeline nor a sweep table (cmoe sweep --out): "
                     f"it lacks batch, error, policy, pool_gb, profile, tokens_per_s, trace")
-    from cmoe.timeline import COLUMNS
+    from cmoe.core.timeline import COLUMNS
     _timeline_like(tmp_path / "typed.parquet", **{c: ["1"] for c in COLUMNS})
     one_line(run("report", tmp_path / "typed.parquet"),
              "typed.parquet is not a timeline: column step is missing or of another type")

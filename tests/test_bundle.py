@@ -3,9 +3,9 @@ import json
 import numpy as np
 import pytest
 
-from cmoe.errors import CmoeError
-from cmoe.quant import recipe
-from cmoe.spec import preset
+from cmoe.core.errors import CmoeError
+from cmoe.core.quant import recipe
+from cmoe.core.spec import preset
 from cmoe.trace import bundle
 from cmoe.trace.synthetic import SyntheticParams, generate
 

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from cmoe.hw import GB, H200, load_profile
-from cmoe.profile_fit import beside, fit_line, fit_profile
+from cmoe.core.hw import GB, H200, load_profile
+from cmoe.calibrate.profile_fit import beside, fit_line, fit_profile
 
 
 def test_fit_line_exact():

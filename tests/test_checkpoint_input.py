@@ -13,10 +13,10 @@ torch = pytest.importorskip("torch")
 
 from typer.testing import CliRunner  # noqa: E402
 
-from cmoe.checkpoint import check_checkpoint, detect_expert_format  # noqa: E402
+from cmoe.core.checkpoint import check_checkpoint, detect_expert_format  # noqa: E402
 from cmoe.cli.app import app  # noqa: E402
-from cmoe.errors import CmoeError  # noqa: E402
-from cmoe.spec import from_checkpoint  # noqa: E402
+from cmoe.core.errors import CmoeError  # noqa: E402
+from cmoe.core.spec import from_checkpoint  # noqa: E402
 from tests.conftest import FAMILIES  # noqa: E402
 
 runner = CliRunner()
@@ -47,8 +47,8 @@ def _gptq(d: Path, quantization_config: dict | None) -> None:
     """Experts as GPTQ tensors (4 bits, groups of 16), with or without their quantization_config."""
     from safetensors.numpy import load_file, save_file
 
-    from cmoe.checkpoint import _PER_EXPERT
-    from cmoe.quantize import gptq_tensors
+    from cmoe.core.checkpoint import _PER_EXPERT
+    from tests.gptq_pack import gptq_tensors
     out = {}
     for name, w in load_file(str(d / ST)).items():
         if not _PER_EXPERT.match(name):
@@ -73,7 +73,7 @@ def _flip(d: Path, at: int) -> None:
 
 def _missing_shard(d: Path) -> None:
     (d / ST).rename(d / "model-00001-of-00002.safetensors")
-    from cmoe.checkpoint import read_header
+    from cmoe.core.checkpoint import read_header
     names = list(read_header(d / "model-00001-of-00002.safetensors"))
     wm = {n: "model-00001-of-00002.safetensors" for n in names}
     wm["lm_head.weight"] = "model-00002-of-00002.safetensors"
@@ -260,7 +260,7 @@ def _with_experts(src: Path, d: Path, tensors, qc: dict | None) -> Path:
     """src with every expert matrix replaced by `tensors(out, in)` (zeros of the right shapes)."""
     from safetensors.torch import load_file, save_file
 
-    from cmoe.checkpoint import _PER_EXPERT
+    from cmoe.core.checkpoint import _PER_EXPERT
     d.mkdir()
     shutil.copy(src / "config.json", d / "config.json")
     out = {}
@@ -297,7 +297,7 @@ def test_trace_refuses_a_format_it_cannot_size(checkpoints, prompts_file, tmp_pa
 
 def test_fp8_sizes_by_hand():
     """The checkpoint formats' bytes for one 48 x 32 matrix, as stored above."""
-    from cmoe.quant import format_bits, tensor_bytes
+    from cmoe.core.quant import format_bits, tensor_bytes
     assert tensor_bytes("fp8-b16", F, H) == {"weight": F * H, "weight_scale_inv": 3 * 2 * 4}
     assert tensor_bytes("fp8-ch", F, H) == {"weight": F * H, "weight_scale": F * 4}
     assert tensor_bytes("ct-w4g16", F, H) == {"weight_packed": F * H // 2, "weight_scale": F * 2 * 2, "weight_shape": 16}

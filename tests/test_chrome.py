@@ -57,7 +57,7 @@ def test_end_points_are_rounded_so_touching_spans_still_touch():
 
 
 def test_no_overlap_on_a_simulated_timeline():
-    from cmoe.hw import H200
+    from cmoe.core.hw import H200
     from cmoe.sim.run import SimConfig, simulate
     from cmoe.trace.load import load_trace
     run = simulate(load_trace("embedded", None, 1), H200, SimConfig(policy="commit", pool_gb=20, slots=4)).run

@@ -96,7 +96,7 @@ def test_simulate_default_prints_one_row_per_policy(tmp_path):
     import json
     pol = json.loads((tmp_path / "o" / "policy-commit.json").read_text())
     assert pol["policy"] == "commit" and pol["layout"]["slots"][0] >= 2
-    from cmoe.timeline import COLUMNS, read_parquet
+    from cmoe.core.timeline import COLUMNS, read_parquet
     spans = read_parquet(tmp_path / "o" / "timeline-commit.parquet")
     assert spans and len(spans[0]) == len(COLUMNS) and spans[0][0] == "sim"
 

@@ -118,7 +118,7 @@ def test_compressed_tensors_experts_run_as_stored(int4_checkpoint, ct_checkpoint
 
 
 def test_another_quant_for_stored_experts_is_refused(ct_checkpoint):
-    from cmoe.errors import CmoeError
+    from cmoe.core.errors import CmoeError
     from tests.test_executor import run_exec
     with pytest.raises(CmoeError, match="runs as stored: leave out --quant, or pass --quant w4g32"):
         run_exec(ct_checkpoint[0], ["upper"], fmt="w4g128")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from cmoe.data import default_heldout, default_model, default_prompts, default_trace
-from cmoe.spec import from_checkpoint
+from cmoe.core.spec import from_checkpoint
 
 
 def test_the_embedded_model_is_small_trained_and_moe():

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from cmoe.errors import CmoeError
+from cmoe.core.errors import CmoeError
 from cmoe.executor.kernels import ExpertViews, dequantize, expert_bytes_of, ffn, int4_mm, pack_cpu, quantize
 from cmoe.executor.layout import expert_layout, slot_size
 from cmoe.executor.run import ExecConfig, execute, prepare
 from cmoe.policy.policies import POLICIES, make_policy
-from cmoe.quant import expert_tensor_bytes
-from cmoe.spec import from_checkpoint, preset
+from cmoe.core.quant import expert_tensor_bytes
+from cmoe.core.spec import from_checkpoint, preset
 
 EXACT = [p for p in POLICIES if p not in ("commit", "oracle")]      # oracle needs a replayed trace
 
@@ -323,7 +323,7 @@ def test_measured_timeline_orders_loads_before_reads(checkpoints, tiny_trace):
     read of the slot's previous expert ended. On the CPU the copies are synchronous, so what this
     checks here is the engine's issue order (which plan step each span belongs to) and the host
     lane; the same check runs on CUDA events, where the order is the streams', in the GPU test."""
-    from cmoe.timeline import COLUMNS
+    from cmoe.core.timeline import COLUMNS
     cfg = ExecConfig(policies=("ondemand", "commit"), slots=2, batch=1, tokens=8, device="cpu", quant="fp32",
                      record_plans=True)
     w, cfg = prepare(spec_name=None, model_dir=checkpoints["mixtral"], trace_src=str(tiny_trace), data=None, cfg=cfg)
@@ -415,7 +415,7 @@ def test_bad_input_is_one_line_before_any_work(args, message):
 
 
 def test_execute_cli_writes_metrics_and_timelines_and_accepts_a_policy_file(checkpoints, tiny_trace, tmp_path):
-    from cmoe.timeline import read_parquet
+    from cmoe.core.timeline import read_parquet
     sim = _cli("simulate", "--trace", str(tiny_trace), "--policy", "ondemand", "--pool-gb", "0.2686",
                "--out", str(tmp_path / "sim"))
     assert sim.exit_code == 0, sim.output

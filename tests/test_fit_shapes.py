@@ -10,8 +10,8 @@ from dataclasses import replace
 
 import pytest
 
-from cmoe.hw import H200, HardwareProfile, table_us
-from cmoe.profile_fit import fit_line, fit_profile
+from cmoe.core.hw import H200, HardwareProfile, table_us
+from cmoe.calibrate.profile_fit import fit_line, fit_profile
 from tests.test_calibrate import _synthetic
 
 # the H200 probe of issue 15: in-model expert time (us) at 1, 2, 4, 8, 16 rows; host cost per expert
@@ -60,8 +60,8 @@ def test_table_reading():
 
 
 def test_both_simulator_engines_read_the_tables_alike():
-    from cmoe.quant import recipe
-    from cmoe.spec import preset
+    from cmoe.core.quant import recipe
+    from cmoe.core.spec import preset
     from cmoe.trace.synthetic import SyntheticParams, generate
     from tests.test_replay import EAGER, both, same_run
     p = fit_profile("shapes", _measured(), H200.gpu_mem_bytes, "test", "2026-12-01")

@@ -116,7 +116,7 @@ def test_replay_of_a_trace_without_predictions(tiny_trace, checkpoints, tmp_path
 def test_a_sliding_window_shorter_than_the_run_is_refused():
     from types import SimpleNamespace
 
-    from cmoe.errors import CmoeError
+    from cmoe.core.errors import CmoeError
     from cmoe.executor.lean import _check_window
     _check_window(SimpleNamespace(sliding_window=None), 10_000)
     _check_window(SimpleNamespace(sliding_window=64, use_sliding_window=False), 10_000)

@@ -6,8 +6,8 @@ import numpy as np
 from typer.testing import CliRunner
 
 from cmoe.cli.app import app
-from cmoe.quant import recipe
-from cmoe.spec import preset
+from cmoe.core.quant import recipe
+from cmoe.core.spec import preset
 from cmoe.trace import bundle
 from cmoe.trace.bundle import DECODE, PREFILL
 from cmoe.trace.logs import export_vllm, import_log

@@ -1,6 +1,6 @@
-"""cmoe.metrics: one definition of every figure both engines report."""
+"""cmoe.core.metrics: one definition of every figure both engines report."""
 
-from cmoe.metrics import DEMAND, HIT, LATE, RunRecord, classify, summary
+from cmoe.core.metrics import DEMAND, HIT, LATE, RunRecord, classify, summary
 
 
 def test_classify_by_hand():

@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cmoe.errors import CmoeError
+from cmoe.core.errors import CmoeError
 from cmoe.executor.kernels import dequantize
 from cmoe.executor.layout import FORMATS, expert_layout, slot_size
 from cmoe.executor.moe_kernel import (BLOCK_K, moe_forward, moe_reference, pack_tiled, read_expert,
                                       route_reference, tiled_layout, unpack_tiled, write_codes)
-from cmoe.quant import expert_tensor_bytes
-from cmoe.spec import preset
+from cmoe.core.quant import expert_tensor_bytes
+from cmoe.core.spec import preset
 
 GROUPS = (32, 64, 128, 256)
 

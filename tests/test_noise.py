@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from cmoe.errors import CmoeError
-from cmoe.profile_fit import Noise, noise, noise_of, run_verdict, spread, verdict
+from cmoe.core.errors import CmoeError
+from cmoe.calibrate.profile_fit import Noise, noise, noise_of, run_verdict, spread, verdict
 
 US = 1e-6
 CLEAN = {

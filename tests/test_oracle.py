@@ -8,7 +8,7 @@ from itertools import combinations
 import numpy as np
 import pytest
 
-from cmoe.errors import CmoeError
+from cmoe.core.errors import CmoeError
 from cmoe.policy.policies import make_policy
 from cmoe.policy.pool import PoolLayout
 
@@ -73,8 +73,8 @@ def test_oracle_needs_the_future():
 
 def _decode_trace(needs: list[tuple[int, ...]], E: int):
     """One MoE layer, top-1, one request decoding one token per need."""
-    from cmoe.quant import recipe
-    from cmoe.spec import ModelSpec
+    from cmoe.core.quant import recipe
+    from cmoe.core.spec import ModelSpec
     from cmoe.trace.bundle import DECODE, Trace
     spec = ModelSpec(name="tiny", family="mixtral", num_layers=1, hidden=4, expert_ffn=4, num_experts=E, top_k=1,
                      num_heads=1, num_kv_heads=1, head_dim=4, vocab=8, moe_layers=(0,))
@@ -86,7 +86,7 @@ def _decode_trace(needs: list[tuple[int, ...]], E: int):
 
 
 def test_oracle_in_the_simulator_loads_what_the_brute_force_allows():
-    from cmoe.hw import PROFILES
+    from cmoe.core.hw import PROFILES
     from cmoe.sim.run import SimConfig, simulate
     needs = [(2,), (0,), (1,), (2,), (2,), (0,), (1,), (1,), (2,), (0,)]
     r = simulate(_decode_trace(needs, 3), PROFILES["h200"], SimConfig(policy="oracle", pool_gb=20, slots=2))

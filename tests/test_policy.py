@@ -2,7 +2,7 @@
 
 import pytest
 
-from cmoe.errors import CmoeError
+from cmoe.core.errors import CmoeError
 from cmoe.policy.owa import owa_weights
 from cmoe.policy.policies import Load, make_policy
 from cmoe.policy.pool import PoolLayout, SlotPool, VariableAllocator, plan_layout

@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from cmoe.cli.app import app
-from cmoe.errors import CmoeError
-from cmoe.hw import H200, HardwareProfile
+from cmoe.core.errors import CmoeError
+from cmoe.core.hw import H200, HardwareProfile
 
 GOOD = H200.to_dict()
 

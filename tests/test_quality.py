@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from cmoe.quality import agreement, compare, kl_divergence, perplexity
+from cmoe.quality.measures import agreement, compare, kl_divergence, perplexity
 
 
 def test_kl_by_hand():
@@ -32,7 +32,7 @@ def test_agreement_and_perplexity_by_hand():
 
 
 def test_teacher_forced_runs_on_a_checkpoint(checkpoints):
-    from cmoe.executor.quality_run import run_quality
+    from cmoe.quality.run import run_quality
     text = list(b"def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n")
     res = run_quality(checkpoints["mixtral"], [t % 64 for t in text], 40, ["commit", "commit-no-owa"])
     rows = {r["variant"]: r for r in res["rows"]}
@@ -52,7 +52,7 @@ def test_prediction_accuracy_by_distance(checkpoints):
     but the first (whose prediction has another source); further distances are measured too."""
     import numpy as np
 
-    from cmoe.executor.quality_run import prediction_accuracy
+    from cmoe.quality.run import prediction_accuracy
     ids = list(range(1, 40))
     acc = prediction_accuracy(checkpoints["deepseek_v2"], ids, "cpu")        # a dense layer, then 2 MoE layers
     d = acc["by_distance"]

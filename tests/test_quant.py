@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 
-from cmoe.checkpoint import checkpoint_expert_bytes, checkpoint_expert_tensors, detect_expert_format
-from cmoe.errors import CmoeError
-from cmoe.padding import SLOT_ALIGN, padding_table
-from cmoe.quant import QuantRecipe, expert_bytes, non_expert_bytes, recipe, tensor_bytes
-from cmoe.quantize import gptq_dequantize, gptq_tensors
-from cmoe.spec import preset
+from cmoe.core.checkpoint import checkpoint_expert_bytes, checkpoint_expert_tensors, detect_expert_format
+from cmoe.core.errors import CmoeError
+from cmoe.core.padding import SLOT_ALIGN, padding_table
+from cmoe.core.quant import QuantRecipe, expert_bytes, non_expert_bytes, recipe, tensor_bytes
+from tests.gptq_pack import gptq_dequantize, gptq_tensors
+from cmoe.core.spec import preset
 
 
 def test_mixtral_w4a16_expert_by_hand():
@@ -78,8 +78,8 @@ def _quantize_checkpoint(src, dst, rec):
     import shutil
 
     from safetensors.numpy import load_file, save_file
-    from cmoe.checkpoint import _PER_EXPERT
-    from cmoe.spec import from_checkpoint
+    from cmoe.core.checkpoint import _PER_EXPERT
+    from cmoe.core.spec import from_checkpoint
     spec = from_checkpoint(src)
     dst.mkdir()
     shutil.copy(src / "config.json", dst / "config.json")
@@ -121,7 +121,7 @@ def test_quantized_weights_are_accurate():
 
 
 def test_plain_checkpoint_sizes_from_headers(checkpoints):
-    from cmoe.spec import from_checkpoint
+    from cmoe.core.spec import from_checkpoint
     for family in ("mixtral", "deepseek_v2", "qwen2_moe"):
         spec = from_checkpoint(checkpoints[family])
         t = checkpoint_expert_tensors(checkpoints[family], spec)
@@ -130,7 +130,7 @@ def test_plain_checkpoint_sizes_from_headers(checkpoints):
 
 
 def test_pickle_only_checkpoint_is_refused(tmp_path):
-    from cmoe.checkpoint import safetensors_files
+    from cmoe.core.checkpoint import safetensors_files
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04")
     with pytest.raises(CmoeError, match="only pickle weights"):
         safetensors_files(tmp_path)

@@ -10,14 +10,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from cmoe.hw import H200, HardwareProfile
+from cmoe.core.hw import H200, HardwareProfile
 from cmoe.policy.policies import POLICIES, OnDemand, make_policy
 from cmoe.policy.pool import PoolLayout
-from cmoe.quant import recipe
+from cmoe.core.quant import recipe
 from cmoe.sim.engine import Costs, Simulation, costs_for
 from cmoe.sim.replay import Replay
 from cmoe.sim.run import SimConfig, layout_for, simulate
-from cmoe.spec import ModelSpec, preset
+from cmoe.core.spec import ModelSpec, preset
 from cmoe.trace.bundle import DECODE, PREFILL, Trace
 from cmoe.trace.pass_arrays import Future, build, to_passes
 from cmoe.trace.passes import make_passes, popularity, ranked
@@ -170,7 +170,7 @@ def test_memory_without_a_timeline_stays_flat_in_trace_length():
 
 
 def test_an_unknown_engine_is_one_line():
-    from cmoe.errors import CmoeError
+    from cmoe.core.errors import CmoeError
     t = trace_of("mixtral-8x7b", requests=1, decode=2)
     with pytest.raises(CmoeError, match="unknown engine 'fast': choose replay"):
         simulate(t, H200, SimConfig(engine="fast"))

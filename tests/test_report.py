@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from cmoe.errors import CmoeError
-from cmoe.hw import load_profile
-from cmoe.quant import recipe
+from cmoe.core.errors import CmoeError
+from cmoe.core.hw import load_profile
+from cmoe.core.quant import recipe
 from cmoe.report.build import build_report
 from cmoe.sim.api import write_outputs
 from cmoe.sim.run import SimConfig, simulate
-from cmoe.spec import preset
-from cmoe.timeline import read_parquet
+from cmoe.core.spec import preset
+from cmoe.core.timeline import read_parquet
 from cmoe.trace.synthetic import SyntheticParams, generate
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -10,7 +10,7 @@ import torch
 from cmoe.data import default_model
 from cmoe.executor.kernels import dequantize, quantize
 from cmoe.executor.run import ExecConfig, _replay_passes, execute, prepare
-from cmoe.hw import PROFILES, HardwareProfile
+from cmoe.core.hw import PROFILES, HardwareProfile
 from cmoe.policy.policies import POLICIES
 
 EXACT = ("upper", "ondemand", "lru-prefetch", "lfu-fallback", "static")

@@ -5,14 +5,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from cmoe.errors import CmoeError
-from cmoe.hw import H200, RTX4090, HardwareProfile
+from cmoe.core.errors import CmoeError
+from cmoe.core.hw import H200, RTX4090, HardwareProfile
 from cmoe.policy.policies import make_policy
 from cmoe.policy.pool import PoolLayout
-from cmoe.quant import recipe
+from cmoe.core.quant import recipe
 from cmoe.sim.engine import Costs, Simulation
 from cmoe.sim.run import SimConfig, simulate
-from cmoe.spec import ModelSpec, preset
+from cmoe.core.spec import ModelSpec, preset
 from cmoe.trace.bundle import DECODE, Trace
 from cmoe.trace.passes import make_passes, popularity
 from cmoe.trace.synthetic import SyntheticParams, generate

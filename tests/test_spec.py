@@ -1,7 +1,7 @@
 import pytest
 
-from cmoe.errors import CmoeError
-from cmoe.spec import PRESETS, from_checkpoint, from_config, preset
+from cmoe.core.errors import CmoeError
+from cmoe.core.spec import PRESETS, from_checkpoint, from_config, preset
 from tests.conftest import FAMILIES, tiny_config
 
 

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cmoe.cli.app import app
-from cmoe.errors import CmoeError
+from cmoe.core.errors import CmoeError
 from cmoe.sweep import grid, normalise, point_id, points_file, read_points, run_point, sweep
 
 TINY = {"trace": "embedded", "slots": 4, "groups": 1}

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from cmoe.quant import recipe
-from cmoe.spec import preset
+from cmoe.core.quant import recipe
+from cmoe.core.spec import preset
 from cmoe.trace import bundle
 from cmoe.trace.stats import layer_stats, random_rep_any, summary
 from cmoe.trace.synthetic import SyntheticParams, generate, popularity

@@ -5,7 +5,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from cmoe.spec import from_checkpoint  # noqa: E402
+from cmoe.core.spec import from_checkpoint  # noqa: E402
 from cmoe.trace.bundle import DECODE, PREFILL  # noqa: E402
 from cmoe.trace.hf import TraceOptions, trace_checkpoint  # noqa: E402
 from tests.conftest import FAMILIES  # noqa: E402
@@ -96,7 +96,7 @@ def test_a_weight_missing_from_the_checkpoint_is_refused_not_left_random(checkpo
 
     from safetensors.numpy import load_file, save_file
 
-    from cmoe.errors import CmoeError
+    from cmoe.core.errors import CmoeError
     d = tmp_path / "holed"
     shutil.copytree(checkpoints["qwen3_moe"], d)
     weights = load_file(str(d / "model.safetensors"))

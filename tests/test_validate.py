@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from cmoe.errors import CmoeError
-from cmoe.timeline import write_parquet
-from cmoe.validate import format_validation, read_run, validate, validate_folders
+from cmoe.core.errors import CmoeError
+from cmoe.core.timeline import write_parquet
+from cmoe.analysis.validate import format_validation, read_run, validate, validate_folders
 
 BASE = {"policy": "commit", "model": "m", "trace_id": "abc", "batch": 1, "experts_fit": 4, "tokens_per_s": 1.0,
         "tpot_ms_mean": 1.0}
@@ -116,7 +116,7 @@ def test_repeated_measurements_give_the_error_against_their_mean_and_their_sprea
     from typer.testing import CliRunner
 
     from cmoe.cli.app import app
-    from cmoe.validate import against_repeats
+    from cmoe.analysis.validate import against_repeats
     again = _folder(tmp_path / "m2", MEAS, [{"pass": 1, "decode": True, "tokens": 1, "us": 400}])
     rows = against_repeats([validate_folders(runs[0], runs[1]), validate_folders(runs[0], again)])
     mean = (1e6 / 440 + 1e6 / 400) / 2
@@ -131,7 +131,7 @@ def test_repeated_measurements_give_the_error_against_their_mean_and_their_sprea
 
 
 def test_repeats_of_different_configurations_are_refused(runs):
-    from cmoe.validate import against_repeats
+    from cmoe.analysis.validate import against_repeats
     one = validate_folders(runs[0], runs[1])
     with pytest.raises(CmoeError, match="the measured folders hold different policies"):
         against_repeats([one, one + one])

@@ -10,7 +10,7 @@ import typer
 
 from cmoe import __version__
 from cmoe.cli.common import OneLineGroup, gigabytes, one_line_errors, positive
-from cmoe.runfolder import MARKER as RUN_FOLDER
+from cmoe.analysis.runfolder import MARKER as RUN_FOLDER
 
 SWEEP_GRID = {"pool_gb": "12,16,20,24,28", "traces": "synthetic:mixtral-8x7b", "profiles": "h200", "batch": "1"}
 
@@ -68,7 +68,7 @@ def trace(
     prompt_tokens = one_of(prompt_tokens, prompt_len, "--prompt-tokens", "--prompt-len")
     if export is not None:
         if trace_src is None or out is None:
-            from cmoe.errors import CmoeError
+            from cmoe.core.errors import CmoeError
             raise CmoeError("--export needs --trace BUNDLE (what to export) and --out DIR (where)")
         files = export_trace(trace_src, export, out)
         typer.echo(f"wrote {len(files)} request files to {out}")
@@ -80,7 +80,7 @@ def trace(
     from cmoe.trace.synthetic import MIXTRAL_REPETITION, SyntheticParams
     rep = ((0.0, repetition), (1.0, repetition)) if repetition is not None else MIXTRAL_REPETITION
     if synthetic and (prompt_tokens == 0 or (tokens or 0) > 1_000_000):
-        from cmoe.errors import CmoeError
+        from cmoe.core.errors import CmoeError
         raise CmoeError("a synthetic trace takes --prompt-tokens from 1 and --tokens up to 1000000")
     params = SyntheticParams(requests=requests, prompt_len=64 if prompt_tokens is None else prompt_tokens,
                              decode_len=256 if tokens is None else max(tokens, 1), skew=skew,
@@ -105,7 +105,7 @@ def stats(
     """Statistics of a trace: load, entropy, repetition, reuse, prediction accuracy, bytes per token."""
     from dataclasses import asdict
 
-    from cmoe.util import check_output
+    from cmoe.core.util import check_output
     if json_out:
         check_output(json_out, force, flag="--json")
     from cmoe.trace.load import load_trace
@@ -113,7 +113,7 @@ def stats(
     t = load_trace(bundle_dir)
     typer.echo(format_table(t))
     if json_out:
-        from cmoe.util import write_text_atomic
+        from cmoe.core.util import write_text_atomic
         layers = layer_stats(t)
         write_text_atomic(json_out, json.dumps({"summary": summary(t, layers),
                                                 "layers": [asdict(x) for x in layers]}, indent=1))
@@ -139,12 +139,12 @@ def simulate(
     from cmoe.cli.common import one_of, policy_names
     policies = one_of(policy, policies, "--policy", "--policies")
     from cmoe.sim.run import check_engine
-    from cmoe.util import check_output
+    from cmoe.core.util import check_output
     if out:
         check_output(out, force, folder=True, marker=RUN_FOLDER)
     names = policy_names(policies)
     check_engine(engine)
-    from cmoe.hw import load_profile
+    from cmoe.core.hw import load_profile
     from cmoe.sim.api import out_of_memory, run_policies, table, write_outputs
     from cmoe.trace.load import load_trace
     prof = load_profile(profile)
@@ -154,7 +154,7 @@ def simulate(
         if out:
             write_outputs(out, t, prof, results, force)
     except MemoryError:
-        from cmoe.errors import CmoeError
+        from cmoe.core.errors import CmoeError
         raise CmoeError(out_of_memory(t, len(names), out is not None)) from None
     typer.echo(f"{t.spec.name} ({t.recipe.name}), {prof.name}, pool {pool_gb:g} GB, batch {batch}, "
                f"{results[0].metrics['decode_tokens']} decode tokens")
@@ -194,9 +194,9 @@ def sweep(
     profiles = one_of(profile, profiles, "--profile", "--profiles")
     profiles = SWEEP_GRID["profiles"] if profiles is None else profiles
     policies = one_of(policy, policies, "--policy", "--policies")
-    from cmoe.errors import CmoeError
+    from cmoe.core.errors import CmoeError
     from cmoe.sim.run import check_engine
-    from cmoe.util import check_output
+    from cmoe.core.util import check_output
     if resume and force:
         raise CmoeError("--resume keeps the points in --out and --force replaces it: give one of them")
     check_output(out, force or resume)
@@ -246,7 +246,7 @@ def execute(
 ) -> None:
     """Run offloaded decoding for real (GPU, or CPU for tests) and measure it."""
     from cmoe.cli.common import policy_names
-    from cmoe.util import check_output
+    from cmoe.core.util import check_output
     if out:
         check_output(out, force, folder=True, marker=RUN_FOLDER)
     names = policy_names(policy, "--policy")
@@ -281,15 +281,15 @@ def report(
     force: Annotated[bool, typer.Option(help="Replace an existing --out or --chrome file.")] = False,
 ) -> None:
     """One self-contained HTML report (plotly.js embedded, works offline); or a Chrome trace export."""
-    from cmoe.util import check_output
+    from cmoe.core.util import check_output
     for path, flag in ((out, "--out"), (chrome, "--chrome")):
         if path is not None:
             check_output(path, force, flag=flag)
     if chrome is not None:
         from cmoe.report.chrome import write_chrome_trace
-        from cmoe.runfolder import read_timeline_file
+        from cmoe.analysis.runfolder import read_timeline_file
         if len(inputs) != 1 or inputs[0].suffix != ".parquet":
-            from cmoe.errors import CmoeError
+            from cmoe.core.errors import CmoeError
             raise CmoeError("--chrome takes one timeline .parquet file (timeline-POLICY.parquet)")
         typer.echo(f"wrote {write_chrome_trace(read_timeline_file(inputs[0]), chrome)}")
         return
@@ -308,10 +308,10 @@ def validate(
     force: Annotated[bool, typer.Option(help="Replace an existing --out file (the default one is always rewritten).")] = False,
 ) -> None:
     """Predicted against measured: error per op kind, per layer, per token and end to end, and where it comes from."""
-    from cmoe.util import check_output, write_text_atomic
+    from cmoe.core.util import check_output, write_text_atomic
     check_output(out or measured[0] / "validation.json", force or out is None)
     from cmoe.cli.common import policy_names
-    from cmoe.validate import against_repeats, format_repeats, format_validation, validate_folders
+    from cmoe.analysis.validate import against_repeats, format_repeats, format_validation, validate_folders
     names = policy_names(policy, "--policy") if policy is not None else None
     runs = [validate_folders(predicted, m, names) for m in measured]
     for v in runs[0]:
@@ -342,21 +342,21 @@ def calibrate(
     strict: Annotated[bool, typer.Option(help="Refuse to write a profile when the repeats say the machine was noisy (wide spread, or copy/expert times that fall with size).")] = False,
 ) -> None:
     """Measure this machine for the simulator: copies, bandwidths, expert and layer times, CPU experts; write a profile."""
-    from cmoe.util import write_text_atomic
+    from cmoe.core.util import write_text_atomic
     raw = refit
     if refit is not None:
-        from cmoe.profile_fit import refit_profile
+        from cmoe.calibrate.profile_fit import refit_profile
         prof, m = refit_profile(refit, name)
     else:
-        from cmoe.executor.measure import calibrate as measure_and_fit
+        from cmoe.calibrate.measure import calibrate as measure_and_fit
         from cmoe.executor.run import resolve_device
-        from cmoe.checkpoint import check_checkpoint
-        from cmoe.spec import preset
+        from cmoe.core.checkpoint import check_checkpoint
+        from cmoe.core.spec import preset
         shapes = check_checkpoint(model, float_experts=True) if model else preset(spec)
         prof, m = measure_and_fit(resolve_device(device), shapes, quant, layers, model, name)
         raw = write_text_atomic(out.with_suffix(".measurements.json"), json.dumps(m, indent=1))
         typer.echo(f"wrote {raw}: the measurements (refit with --refit)")
-    from cmoe.profile_fit import beside, noise_of, verdict
+    from cmoe.calibrate.profile_fit import beside, noise_of, verdict
     typer.echo(beside(prof, m))
     typer.echo(verdict(noise_of(m), strict, str(raw)))
     write_text_atomic(out, json.dumps(prof.to_dict(), indent=1))
@@ -419,16 +419,16 @@ def quality(
 ) -> None:
     """The quality cost of committing: KL, top-1 agreement and perplexity against exact routing; prediction accuracy per layer."""
     from cmoe.cli.common import names
-    from cmoe.util import check_output
+    from cmoe.core.util import check_output
     if out:
         check_output(out, force)
     kinds = names(variants, "--variants")
     from cmoe.data import default_heldout, default_model
-    from cmoe.executor.quality_run import PUBLISHED, run_quality
-    from cmoe.quality import format_quality
+    from cmoe.quality.run import PUBLISHED, run_quality
+    from cmoe.quality.measures import format_quality
     mdir = model or default_model()
     if data is not None and not data.is_file():
-        from cmoe.errors import CmoeError
+        from cmoe.core.errors import CmoeError
         raise CmoeError(f"{data} does not exist: pass --data a UTF-8 text file")
     text = (data or default_heldout()).read_bytes()
     from cmoe.cli.common import device_name
@@ -436,7 +436,7 @@ def quality(
     typer.echo(f"{mdir.name}: {res['tokens']} positions in windows of {res['window']}, teacher-forced, every expert resident")
     typer.echo(format_quality(res["rows"], res["pred_accuracy"], PUBLISHED))
     if out:
-        from cmoe.util import write_text_atomic
+        from cmoe.core.util import write_text_atomic
         write_text_atomic(out, json.dumps(res, indent=1))
 
 

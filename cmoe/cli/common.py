@@ -4,7 +4,7 @@ the boundary (numbers, lists, policy names), before any work. No logic lives in 
 Every way a command can fail reaches the user as one line starting `error:`, exit code 2:
 a CmoeError from the library, a value typer refuses (a range, a type, an unknown option: see
 `OneLineGroup`), a float that is not finite (every float option, by `one_line_errors`), and
-running out of memory. Ctrl-C exits 130; the writers (cmoe.util) leave nothing partial behind.
+running out of memory. Ctrl-C exits 130; the writers (cmoe.core.util) leave nothing partial behind.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import typer
 from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
-from cmoe.errors import CmoeError
+from cmoe.core.errors import CmoeError
 
 OUT_OF_MEMORY = ("ran out of memory: give a smaller input (a shorter trace, fewer policies, a smaller batch) "
                  "or use a machine with more memory")

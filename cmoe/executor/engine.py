@@ -33,7 +33,7 @@ a load) the host runs ahead and the two differ: the simulator models both (`cmoe
 `lead_us` (calibration only) queues that much GPU sleep before each layer's experts and before
 each pass, so the host gets ahead and the compute spans measure the GPU's own time.
 
-Hits, stalls and loads are counted by `cmoe.metrics`'s rules, shared with the simulator: each
+Hits, stalls and loads are counted by `cmoe.core.metrics`'s rules, shared with the simulator: each
 GPU expert's marks (when its pending copy landed, when the stream and the host reached its
 kernel) are kept until they resolve, then `metrics.classify` says hit, late or demand.
 """
@@ -48,11 +48,11 @@ import torch.nn.functional as F
 
 from cmoe.executor.kernels import ExpertViews, ffn
 from cmoe.executor.streams import Clock, DevicePool
-from cmoe.metrics import RunRecord, classify
+from cmoe.core.metrics import RunRecord, classify
 from cmoe.policy.owa import owa_weights
 from cmoe.policy.policies import Policy
-from cmoe.quality import log_softmax
-from cmoe.spec import ModelSpec
+from cmoe.quality.measures import log_softmax
+from cmoe.core.spec import ModelSpec
 from cmoe.trace.hf import prediction_source
 from cmoe.trace.passes import ranked
 

@@ -12,7 +12,7 @@ first, as transformers 5 fuses them), which saves a kernel launch per expert:
 
 The int4 packing is device specific (torch's CUDA tinygemm layout, or its CPU twin); both take
 F*H/2 bytes per matrix, so the slot size is the same on either device and equals the byte count
-`cmoe.quant` gives for the format: the simulator and the executor size the pool identically.
+`cmoe.core.quant` gives for the format: the simulator and the executor size the pool identically.
 Every part starts on a 16-byte boundary (vector loads); with real model shapes no padding falls
 between parts.
 """
@@ -22,8 +22,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from cmoe.errors import CmoeError
-from cmoe.padding import align
+from cmoe.core.errors import CmoeError
+from cmoe.core.padding import align
 
 _INT4 = re.compile(r"^w4g(\d+)$")
 PART_ALIGN = 16

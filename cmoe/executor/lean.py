@@ -58,7 +58,7 @@ import torch
 
 from cmoe.executor.engine import Engine, PlanRecord, _slot_table
 from cmoe.executor.lean_steps import HostSteps, owa_device
-from cmoe.metrics import classify
+from cmoe.core.metrics import classify
 from cmoe.trace.passes import ranked
 
 
@@ -528,7 +528,7 @@ class LeanEngine(HostSteps, Engine):
 def _check_window(config, max_len: int) -> None:
     """The static cache's mask attends to the whole context; a model that attends within a sliding
     window shorter than the run's context would be computed wrongly, so it is refused."""
-    from cmoe.errors import CmoeError
+    from cmoe.core.errors import CmoeError
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     if window is not None and max_len > window:
         raise CmoeError(f"this model attends within a sliding window of {window} tokens and the run needs "

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cmoe.errors import CmoeError
-from cmoe.spec import ModelSpec
+from cmoe.core.errors import CmoeError
+from cmoe.core.spec import ModelSpec
 
 
 class ExpertsShim(nn.Module):

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cmoe.errors import CmoeError
+from cmoe.core.errors import CmoeError
 from cmoe.executor.kernels import dequantize, quantize
 from cmoe.executor.layout import ExpertLayout, expert_layout
 

@@ -16,16 +16,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cmoe.checkpoint import check_checkpoint
-from cmoe.errors import CmoeError
+from cmoe.core.checkpoint import check_checkpoint
+from cmoe.core.errors import CmoeError
 from cmoe.executor.engine import Engine, PassInput, RunLog
 from cmoe.executor.layout import expert_layout, slot_size
-from cmoe.metrics import summary
+from cmoe.core.metrics import summary
 from cmoe.policy.budget import expert_budget
 from cmoe.policy.policies import POLICIES, make_policy, needs_future, trait
 from cmoe.policy.pool import PoolLayout, layout_for_policy
-from cmoe.quant import QuantRecipe
-from cmoe.spec import ModelSpec, preset
+from cmoe.core.quant import QuantRecipe
+from cmoe.core.spec import ModelSpec, preset
 from cmoe.trace.bundle import Trace, fingerprint
 
 DEFAULT_PROMPTS = ("The mixture of experts routes each token to a few of its experts.",
@@ -174,7 +174,7 @@ def prepare(*, spec_name: str | None, model_dir: Path | None, trace_src: str | N
                         f"pass --trace, or leave {future[0]} out of --policy")
     stored = None
     if model_dir is not None:
-        from cmoe.checkpoint import executor_format
+        from cmoe.core.checkpoint import executor_format
         stored = executor_format(model_dir, spec)
         if stored and cfg.quant and cfg.quant != stored:
             raise CmoeError(f"the checkpoint's experts are {stored} (compressed-tensors W4A16), which the executor "
@@ -414,7 +414,7 @@ def _live(eng: Engine, w: Workload, cfg: ExecConfig, cache) -> list:
 # --- metrics ------------------------------------------------------------------------------------
 
 def metrics(log: RunLog, w: Workload, cfg: ExecConfig, policy: str, layout: PoolLayout) -> dict:
-    """`cmoe.metrics.summary`'s figures, plus what only a measured run has: the copies' achieved
+    """`cmoe.core.metrics.summary`'s figures, plus what only a measured run has: the copies' achieved
     bandwidth and where a decode pass's time went, by op."""
     dec_passes = {p for p, d, _, _ in log.pass_us if d}
     by_op: dict[str, float] = {}
@@ -453,9 +453,9 @@ def write_outputs(out: Path, results: list[ExecResult], force: bool = False) -> 
     an existing run folder whole)."""
     from cmoe.report.chrome import write_chrome_trace
     from cmoe.report.passes import write_passes
-    from cmoe.runfolder import MARKER
-    from cmoe.timeline import write_parquet
-    from cmoe.util import atomic_dir, write_text_atomic
+    from cmoe.analysis.runfolder import MARKER
+    from cmoe.core.timeline import write_parquet
+    from cmoe.core.util import atomic_dir, write_text_atomic
     with atomic_dir(out, force, MARKER) as tmp:
         for r in results:
             write_parquet(r.log.spans, tmp / f"timeline-{r.policy}.parquet")

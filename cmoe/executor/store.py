@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from cmoe.errors import CmoeError
+from cmoe.core.errors import CmoeError
 from cmoe.executor.kernels import expert_bytes_of, write_dense, write_int4
 from cmoe.executor.layout import ExpertLayout, expert_layout, slot_size
-from cmoe.spec import ModelSpec
+from cmoe.core.spec import ModelSpec
 
 
 def packing_for(fmt: str, device: torch.device, fused: bool) -> str:
@@ -184,7 +184,7 @@ def checkpoint_store(model_dir: Path, spec: ModelSpec, fmt: str, device: torch.d
     from safetensors import safe_open
     from tqdm import tqdm
 
-    from cmoe.checkpoint import _CANON, _FUSED, _PER_EXPERT, safetensors_files
+    from cmoe.core.checkpoint import _CANON, _FUSED, _PER_EXPERT, safetensors_files
     store = HostStore(spec, fmt, device, packing)
     if keep_cpu_twins and store.packing != "cpu":
         store.cpu_twins = [store._empty(False) for _ in range(spec.num_moe_layers)]

@@ -3,9 +3,9 @@ non-expert weights, the KV cache for the batch and a fixed workspace. Pure arith
 
 from __future__ import annotations
 
-from cmoe.errors import CmoeError
-from cmoe.quant import QuantRecipe, non_expert_bytes
-from cmoe.spec import ModelSpec
+from cmoe.core.errors import CmoeError
+from cmoe.core.quant import QuantRecipe, non_expert_bytes
+from cmoe.core.spec import ModelSpec
 
 WORKSPACE_BYTES = 256 * 2**20      # activations, routing buffers, kernel workspace
 

@@ -306,7 +306,7 @@ def make_policy(name: str, layout: PoolLayout, num_experts: int, popularity: lis
                 future: list | None = None) -> Policy:
     """`future`: per pass, per MoE layer, the experts needed (the replayed passes' `needed`), for
     the policies that read it (oracle); None where the routing is live."""
-    from cmoe.errors import CmoeError
+    from cmoe.core.errors import CmoeError
     if name not in _CLASSES:
         raise CmoeError(f"unknown policy '{name}': choose from {', '.join(POLICIES)}")
     if needs_future(name) and future is None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from cmoe.errors import CmoeError
-from cmoe.padding import align
+from cmoe.core.errors import CmoeError
+from cmoe.core.padding import align
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from cmoe.errors import CmoeError
-from cmoe.runfolder import read_metrics, read_passes, read_timeline, read_timeline_file
-from cmoe.timeline import COLUMNS
-from cmoe.util import write_text_atomic
+from cmoe.core.errors import CmoeError
+from cmoe.analysis.runfolder import read_metrics, read_passes, read_timeline, read_timeline_file
+from cmoe.core.timeline import COLUMNS
+from cmoe.core.util import write_text_atomic
 
 MAX_SPANS = 100_000
 # What a report reads of every policy's metrics: a run's table, and a predicted/measured comparison.

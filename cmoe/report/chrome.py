@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cmoe.timeline import Span
-from cmoe.util import write_text_atomic
+from cmoe.core.timeline import Span
+from cmoe.core.util import write_text_atomic
 
 
 def tracks(spans: list[Span]) -> list[tuple[str, Span]]:

@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from cmoe.report.chrome import tracks
-from cmoe.timeline import Span
+from cmoe.core.timeline import Span
 
 OP_COLORS = {"attention": "#4C78A8", "dense": "#9ECAE9", "shared": "#72B7B2", "route": "#B279A2",
              "expert": "#F58518", "head": "#54A24B", "load": "#E45756", "cpu_expert": "#9D755D",

@@ -1,5 +1,5 @@
 """Writing the per-pass figures both engines keep (`passes-POLICY.json`, rows from
-`cmoe.metrics.RunRecord.pass_rows`): latency, experts resident at the pass's end, and hits among
+`cmoe.core.metrics.RunRecord.pass_rows`): latency, experts resident at the pass's end, and hits among
 the experts it ran. Plain data, no plotly."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cmoe.util import write_text_atomic
+from cmoe.core.util import write_text_atomic
 
 
 def write_passes(rows: list[dict], path: str | Path) -> Path:

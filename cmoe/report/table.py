@@ -1,5 +1,5 @@
 """The one-row-per-policy table that `cmoe simulate` and `cmoe execute` print, from metrics dicts
-(predicted or measured: the same keys, `cmoe.metrics`). Measured runs add the achieved H2D
+(predicted or measured: the same keys, `cmoe.core.metrics`). Measured runs add the achieved H2D
 bandwidth. The first line says the scope: every column covers the decode passes only."""
 
 from __future__ import annotations

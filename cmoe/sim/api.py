@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cmoe.hw import HardwareProfile
+from cmoe.core.hw import HardwareProfile
 from cmoe.sim.run import SimConfig, SimResult, simulate
 from cmoe.trace.bundle import Trace
-from cmoe.util import atomic_dir, write_text_atomic
+from cmoe.core.util import atomic_dir, write_text_atomic
 
 # Peak memory of a simulation, per token, MoE layer and policy (its spans), measured on the default
 # study (1,280 tokens x 32 layers x 6 policies: 0.19 GB, 0.72 GB with --out and its report).
@@ -48,8 +48,8 @@ def write_outputs(out: Path, t: Trace, profile: HardwareProfile, results: list[S
     an existing run folder whole)."""
     from cmoe.report.chrome import write_chrome_trace
     from cmoe.report.passes import write_passes
-    from cmoe.runfolder import MARKER
-    from cmoe.timeline import write_parquet
+    from cmoe.analysis.runfolder import MARKER
+    from cmoe.core.timeline import write_parquet
     with atomic_dir(out, force, MARKER) as tmp:
         for r in results:
             name = r.config.policy

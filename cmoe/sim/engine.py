@@ -32,7 +32,7 @@ Processes and resources:
 Op times come from the HardwareProfile; sizes from the trace's exact expert bytes. A GPU op that
 (attention or an expert) that
 starts while a copy is in flight runs `copy_compute_slowdown` slower (the copy's HBM traffic).
-What counts as a hit, a stall or a load is `cmoe.metrics`'s, shared with the executor.
+What counts as a hit, a stall or a load is `cmoe.core.metrics`'s, shared with the executor.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from dataclasses import dataclass, field
 
 import simpy
 
-from cmoe.hw import HardwareProfile
-from cmoe.metrics import RunRecord, classify
+from cmoe.core.hw import HardwareProfile
+from cmoe.core.metrics import RunRecord, classify
 from cmoe.policy.policies import Load, Policy
-from cmoe.quant import format_bits
+from cmoe.core.quant import format_bits
 from cmoe.trace.passes import Pass
 
 _RANK = {"demand": 0, "commit": 1, "prefetch": 2, "admit": 3}
@@ -381,7 +381,7 @@ class Simulation:
 
 
 def costs_for(trace, spec, rec) -> Costs:
-    from cmoe.quant import matrix_bytes, non_expert_bytes
+    from cmoe.core.quant import matrix_bytes, non_expert_bytes
     ne = non_expert_bytes(spec, rec)
     fmts = [rec.expert_formats(spec.num_experts, m) for m in range(spec.num_moe_layers)]
     dense = sum(matrix_bytes(rec.dense, o, i) for o, i in spec.mlp_shapes(spec.dense_ffn).values()) if spec.dense_ffn else 0

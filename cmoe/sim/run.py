@@ -5,10 +5,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from cmoe.errors import CmoeError
-from cmoe.hw import HardwareProfile
-from cmoe.metrics import summary
-from cmoe.padding import padding_table
+from cmoe.core.errors import CmoeError
+from cmoe.core.hw import HardwareProfile
+from cmoe.core.metrics import summary
+from cmoe.core.padding import padding_table
 from cmoe.policy.budget import expert_budget
 from cmoe.policy.policies import make_policy
 from cmoe.policy.pool import PoolLayout, layout_for_policy
@@ -50,7 +50,7 @@ class SimResult:
 
 
 def check_compatible(trace: Trace, profile: HardwareProfile, pool_gb: float) -> None:
-    from cmoe.quant import format_bits
+    from cmoe.core.quant import format_bits
     have = dict(profile.expert_gbps)
     fmts = {trace.recipe.expert, trace.recipe.dense, *(f for f, _ in trace.recipe.mixed)}
     for f in fmts:

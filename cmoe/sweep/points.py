@@ -17,7 +17,7 @@ import itertools
 import json
 from pathlib import Path
 
-from cmoe.errors import CmoeError
+from cmoe.core.errors import CmoeError
 from cmoe.trace.load import DEFAULT_TRACE
 
 # setting -> (type, default)

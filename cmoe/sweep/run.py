@@ -17,7 +17,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from cmoe.errors import CmoeError
+from cmoe.core.errors import CmoeError
 from cmoe.sweep.points import SETTINGS, point_id
 from cmoe.sweep.table import SweepTable
 
@@ -46,7 +46,7 @@ def _cached(p: dict):
 
 def run_point(p: dict) -> dict:
     """One point's row: settings, id, metrics, and its error if it could not run."""
-    from cmoe.hw import load_profile
+    from cmoe.core.hw import load_profile
     from cmoe.sim.run import SimConfig, simulate
     row = {**p, "point_id": point_id(p)}
     t0 = time.perf_counter()
@@ -155,7 +155,7 @@ def sweep(points: list[dict], out: Path, *, jobs: int = 2, ray: str | None = Non
     from tqdm import tqdm
     if not points:
         raise CmoeError("the sweep has no points: give at least one trace, profile, pool size, policy and batch")
-    from cmoe.hw import load_profile
+    from cmoe.core.hw import load_profile
     for pr in dict.fromkeys(p["profile"] for p in points):
         load_profile(pr)                                    # fail fast on a bad name or file
     ids = [point_id(p) for p in points]

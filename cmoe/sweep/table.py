@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from cmoe.errors import CmoeError
+from cmoe.core.errors import CmoeError
 
 FLUSH_S = 2.0                    # at most this long between rewrites of the table
 
@@ -53,7 +53,7 @@ class SweepTable:
             return
         import polars as pl
 
-        from cmoe.util import atomic_path
+        from cmoe.core.util import atomic_path
         rows = sorted(self.rows.values(), key=lambda r: self.pos[r["point_id"]]) + self.old
         cols = list(dict.fromkeys(k for r in rows for k in r))
         tail = [c for c in ("error", "traceback", "wall_s") if c in cols]

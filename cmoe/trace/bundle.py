@@ -32,11 +32,11 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from cmoe import __version__
-from cmoe.errors import CmoeError
-from cmoe.padding import slot_bytes
-from cmoe.quant import QuantRecipe
-from cmoe.spec import ModelSpec
-from cmoe.util import atomic_dir
+from cmoe.core.errors import CmoeError
+from cmoe.core.padding import slot_bytes
+from cmoe.core.quant import QuantRecipe
+from cmoe.core.spec import ModelSpec
+from cmoe.core.util import atomic_dir
 
 FORMAT = "cmoe-trace"
 FORMAT_VERSION = 1

@@ -14,7 +14,7 @@ Prompts run one at a time: prefill, then greedy decode with a KV cache. Tokens c
 checkpoint's tokenizer when it has one, else from bytes (id = byte value mod vocab), which is
 what the small self-made checkpoints of the tests need.
 
-Loading is a boundary: the checkpoint first passes `cmoe.checkpoint.check_checkpoint`; whatever
+Loading is a boundary: the checkpoint first passes `cmoe.core.checkpoint.check_checkpoint`; whatever
 transformers then raises (a missing optional package included) becomes one line, and a model
 whose weights transformers did not all find in the checkpoint (it would run on their random
 initial values) is refused.
@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cmoe.checkpoint import check_checkpoint, checkpoint_expert_bytes, detect_expert_format, safetensors_files
-from cmoe.errors import CmoeError
-from cmoe.quant import QuantRecipe, expert_bytes, recipe
-from cmoe.spec import ModelSpec
+from cmoe.core.checkpoint import check_checkpoint, checkpoint_expert_bytes, detect_expert_format, safetensors_files
+from cmoe.core.errors import CmoeError
+from cmoe.core.quant import QuantRecipe, expert_bytes, recipe
+from cmoe.core.spec import ModelSpec
 from cmoe.trace.bundle import DECODE, PREFILL, Trace
 
 

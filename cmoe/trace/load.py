@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cmoe.quant import expert_bytes, recipe
-from cmoe.spec import preset
+from cmoe.core.quant import expert_bytes, recipe
+from cmoe.core.spec import preset
 from cmoe.trace import bundle
 from cmoe.trace.bundle import Trace
 from cmoe.trace.synthetic import SyntheticParams, generate

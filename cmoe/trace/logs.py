@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from cmoe.errors import CmoeError
-from cmoe.quant import QuantRecipe, expert_bytes
-from cmoe.spec import ModelSpec
+from cmoe.core.errors import CmoeError
+from cmoe.core.quant import QuantRecipe, expert_bytes
+from cmoe.core.spec import ModelSpec
 from cmoe.trace.bundle import DECODE, PREFILL, Trace
 
 def log_format(path: Path) -> str:
@@ -134,7 +134,7 @@ def _trace(per_req: list[np.ndarray], spec: ModelSpec, rec: QuantRecipe, prompt_
 def export_vllm(t: Trace, folder: Path) -> list[Path]:
     """One int32 `[tokens, num_hidden_layers, top_k]` .npy per request (dense layers zero rows),
     tokens by position: what vLLM returns. Weights and predictions have no place in it."""
-    from cmoe.util import atomic_dir
+    from cmoe.core.util import atomic_dir
     files = []
     with atomic_dir(folder, force=False) as tmp:
         for r in np.unique(t.request):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cmoe.errors import CmoeError
+from cmoe.core.errors import CmoeError
 from cmoe.trace.bundle import DECODE, PREFILL, Trace
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cmoe.errors import CmoeError
-from cmoe.quant import recipe
-from cmoe.spec import preset
+from cmoe.core.errors import CmoeError
+from cmoe.core.quant import recipe
+from cmoe.core.spec import preset
 from cmoe.trace import bundle
 from cmoe.trace.synthetic import SyntheticParams, generate
-from cmoe.util import check_output
+from cmoe.core.util import check_output
 
 
 def run_trace(out: Path, model: Path | None = None, data: Path | None = None, synthetic: str | None = None,
@@ -49,7 +49,7 @@ def import_trace(out: Path, log: Path, spec_name: str | None, model: Path | None
                  prompt_tokens: int | None = None, overwrite: bool = False, parquet: bool = False) -> Path:
     """A routing log from vLLM, SGLang or Megatron (`cmoe.trace.logs`) as a bundle, for the model
     named by a preset or a checkpoint's config.json."""
-    from cmoe.spec import from_checkpoint
+    from cmoe.core.spec import from_checkpoint
     from cmoe.trace.logs import import_log
     if (spec_name is None) == (model is None):
         raise CmoeError("--import needs the model the log came from: pass one of --spec PRESET or --model DIR")

@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from cmoe.errors import CmoeError
-from cmoe.quant import QuantRecipe, expert_bytes
-from cmoe.spec import ModelSpec
+from cmoe.core.errors import CmoeError
+from cmoe.core.quant import QuantRecipe, expert_bytes
+from cmoe.core.spec import ModelSpec
 from cmoe.trace.bundle import DECODE, PREFILL, Trace
 
 MIXTRAL_REPETITION = ((0.0, 0.14), (0.5, 0.26), (1.0, 0.23))

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from cmoe.hw import HardwareProfile
-from cmoe.metrics import PassCounts
+from cmoe.core.hw import HardwareProfile
+from cmoe.core.metrics import PassCounts
 from cmoe.policy.policies import Policy
 from cmoe.sim.engine import Costs, SimRun
 from cmoe.sim.replay import clock as ck

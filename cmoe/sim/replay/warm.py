@@ -8,10 +8,10 @@ import time
 
 def warm() -> float:
     """Run every compiled path once; returns the seconds it took (about 30 s cold, 0.3 s cached)."""
-    from cmoe.hw import H200
-    from cmoe.quant import recipe
+    from cmoe.core.hw import H200
+    from cmoe.core.quant import recipe
     from cmoe.sim.run import SimConfig, simulate
-    from cmoe.spec import preset
+    from cmoe.core.spec import preset
     from cmoe.trace.synthetic import SyntheticParams, generate
     t0 = time.perf_counter()
     t = generate(preset("mixtral-8x7b"), recipe("w4a16"), SyntheticParams(requests=1, prompt_len=2, decode_len=2))

@@ -108,7 +108,7 @@ class RunRecord:
 
 def summary(rec: RunRecord) -> dict:
     """The metrics every engine reports, over decode passes (the scope), prefill apart."""
-    from cmoe.util import percentile
+    from cmoe.core.util import percentile
 
     dec = [(n, us) for _, d, n, us in rec.pass_us if d]
     pre_us = sum(us for _, d, _, us in rec.pass_us if not d)

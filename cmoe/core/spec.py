@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from cmoe.errors import CmoeError
+from cmoe.core.errors import CmoeError
 
 FAMILIES = ("mixtral", "deepseek_v2", "deepseek_v3", "qwen2_moe", "qwen3_moe", "olmoe")
 

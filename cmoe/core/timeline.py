@@ -26,7 +26,7 @@ def arrow_table(spans: list[Span]):
 def write_parquet(spans: list[Span], path: str | Path) -> Path:
     import pyarrow.parquet as pq
 
-    from cmoe.util import atomic_path
+    from cmoe.core.util import atomic_path
     with atomic_path(path) as tmp:
         pq.write_table(arrow_table(spans), tmp, compression="zstd")
     return Path(path)

@@ -9,8 +9,8 @@ import json
 from numbers import Real
 from pathlib import Path
 
-from cmoe.errors import CmoeError
-from cmoe.timeline import COLUMNS, Span
+from cmoe.core.errors import CmoeError
+from cmoe.core.timeline import COLUMNS, Span
 
 MARKER = ("metrics.json",)       # a run folder always has it: --force replaces only such folders
 PASS_FIELDS = ("pass", "decode", "tokens", "us")
@@ -36,7 +36,7 @@ def read_metrics(folder: Path, need: tuple[str, ...] = ()) -> list[dict]:
 
 
 def _schema():
-    from cmoe.timeline import arrow_table
+    from cmoe.core.timeline import arrow_table
     return arrow_table([]).schema
 
 

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cmoe.errors import CmoeError
-from cmoe.runfolder import read_metrics, read_passes, read_timeline
+from cmoe.core.errors import CmoeError
+from cmoe.analysis.runfolder import read_metrics, read_passes, read_timeline
 
 NON_EXPERT = {"attention", "dense", "shared", "route", "head"}
 KINDS = ("non-expert", "expert", "load", "cpu_expert")

@@ -4,7 +4,7 @@ one just built, or the preset cut to its first layers) under `upper`, `commit`, 
 (`lead_us`) lets the host get ahead, so its compute spans are the GPU's own time; on the CPU both
 sides are the same run. Means, not best-of: throughput pays for the slow passes too. The host's
 layer time of each of the two eager runs is kept under `repeats` ("host, layer"), so that the noise
-verdict (`cmoe.profile_fit.noise`) sees how far two runs of the same model disagree, and so is an
+verdict (`cmoe.calibrate.profile_fit.noise`) sees how far two runs of the same model disagree, and so is an
 expert kernel's mean time at batch 1 and 8 (it may not fall with rows).
 """
 
@@ -15,7 +15,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from cmoe.spec import ModelSpec
+from cmoe.core.spec import ModelSpec
 
 
 def _per_layer(log, ops: tuple[str, ...], first: int | None) -> tuple[float, float]:
@@ -99,7 +99,7 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
     the runs will use, in the state they will find it); otherwise the model is built here, cut to
     its first `num_layers` layers (same per-layer shapes)."""
     from cmoe.executor.run import ExecConfig, Workload, budget_recipe, build, run_policy
-    from cmoe.quant import non_expert_bytes
+    from cmoe.core.quant import non_expert_bytes
     from cmoe.trace.synthetic import SyntheticParams, generate
     if built is not None:
         spec, model_dir = built.spec, built.model_dir

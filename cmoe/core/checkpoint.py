@@ -20,7 +20,7 @@ few kilobytes of reading. Names understood (layer L, expert E):
   [E, 2F, H] and `down_proj` [E, H, F] (and their quantized companions), split evenly by E.
 
 The storage format (`detect_expert_format`) comes from config.json's `quantization_config`
-first and the tensors second, and is refused unless cmoe.quant's sizes of that format are the
+first and the tensors second, and is refused unless cmoe.core.quant's sizes of that format are the
 bytes stored.
 """
 
@@ -32,9 +32,9 @@ import re
 import struct
 from pathlib import Path
 
-from cmoe.errors import CmoeError
-from cmoe.quant import expert_tensor_bytes
-from cmoe.spec import ModelSpec, from_checkpoint
+from cmoe.core.errors import CmoeError
+from cmoe.core.quant import expert_tensor_bytes
+from cmoe.core.spec import ModelSpec, from_checkpoint
 
 _PER_EXPERT = re.compile(
     r"^(?:model\.)?layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.(.+)$")
@@ -426,7 +426,7 @@ def _fp8_from_scales(model_dir: Path, w1: dict[str, dict], f: int, h: int) -> st
 
 
 def detect_expert_format(model_dir: Path, spec: ModelSpec) -> str:
-    """The storage format of the first expert, as a cmoe format name (see cmoe.quant): plain
+    """The storage format of the first expert, as a cmoe format name (see cmoe.core.quant): plain
     float weights by their dtype, else from quantization_config, else from the tensors; refused
     unless that format's sizes are the first expert's stored bytes."""
     stored = sum(checkpoint_expert_tensors(model_dir, spec)[0][0].values())

@@ -48,8 +48,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from cmoe.errors import CmoeError
-from cmoe.hw import GB, HardwareProfile
+from cmoe.core.errors import CmoeError
+from cmoe.core.hw import GB, HardwareProfile
 
 Points = list[tuple[float, float]]
 
@@ -237,7 +237,7 @@ def refit_profile(path, name: str | None = None) -> tuple[HardwareProfile, dict]
     import json
     from pathlib import Path
 
-    from cmoe.hw import H200
+    from cmoe.core.hw import H200
     try:
         m = json.loads(Path(path).read_text())
         dev = m["device"]

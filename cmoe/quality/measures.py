@@ -1,5 +1,5 @@
 """What committing costs in output quality: next-token distributions of a variant against exact
-routing over the same text. Pure numpy (floor 2); `cmoe.executor.quality_run` produces the
+routing over the same text. Pure numpy (floor 2); `cmoe.quality.run` produces the
 logits by teacher forcing the executor.
 
 - KL divergence KL(p_exact || p_variant) per position, in nats, averaged;

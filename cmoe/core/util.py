@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from glob import escape
 from pathlib import Path
 
-from cmoe.errors import CmoeError
+from cmoe.core.errors import CmoeError
 
 
 def check_output(path: str | Path, force: bool = False, folder: bool = False, marker: tuple[str, ...] = (),

@@ -16,7 +16,7 @@ Floor 1: plain data and arithmetic, no torch. A *format* is how one weight matri
 | `bnb-int8`     | bitsandbytes LLM.int8: weight int8 [out, in], SCB fp32 [out]                    |
 
 The checkpoint formats (`ct-`, `fp8`, `bnb-int8`) describe what `cmoe trace --quant checkpoint`
-finds in a quantized checkpoint; `cmoe.checkpoint` checks that these sizes are the stored ones.
+finds in a quantized checkpoint; `cmoe.core.checkpoint` checks that these sizes are the stored ones.
 
 A recipe names one format for attention, one for dense weights (shared experts, dense MLPs,
 embeddings, head) and the formats of the routed experts. A *mixed* recipe gives a fraction of
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cmoe.errors import CmoeError
-from cmoe.spec import ModelSpec
+from cmoe.core.errors import CmoeError
+from cmoe.core.spec import ModelSpec
 
 _GROUPED = re.compile(r"^(?:(gptq|awq|ct)-)?w([1-8])g(\d+)$")
 _FP8 = re.compile(r"^fp8(?:-(ch)|-b(\d+))?$")

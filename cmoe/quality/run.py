@@ -1,7 +1,7 @@
 """`cmoe quality`: teacher-force a held-out text through the executor under exact routing and
 under each commit variant, token by token (each a decode pass, so commit applies at every
 position), with every expert resident so that only the routing rule differs; then compare the
-next-token distributions (`cmoe.quality`). The commit prediction accuracy per layer comes from
+next-token distributions (`cmoe.quality.measures`). The commit prediction accuracy per layer comes from
 the tracer's hooks over the same text.
 
 Variants: `commit` (the committed experts re-weighted by OWA from the true router scores) and
@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cmoe.errors import CmoeError
-from cmoe.quality import compare
+from cmoe.core.errors import CmoeError
+from cmoe.quality.measures import compare
 
 VARIANTS = {"exact": ("upper", True), "commit": ("commit", True), "commit-no-owa": ("commit", False)}
 PUBLISHED = ("published next-layer prediction accuracy: about 80% from the previous layer's gate (FATE-style), "
@@ -33,7 +33,7 @@ def run_quality(model_dir: Path, text: bytes | list[int], tokens: int, variants:
     if bad:
         raise CmoeError(f"unknown variant '{bad[0]}': choose from commit, commit-no-owa")
     if isinstance(text, bytes):                       # through the model's own tokenizer (or bytes)
-        from cmoe.checkpoint import check_checkpoint
+        from cmoe.core.checkpoint import check_checkpoint
         from cmoe.trace.hf import tokenizer_for
         text = tokenizer_for(Path(model_dir), check_checkpoint(model_dir).vocab)(text.decode("utf-8", errors="replace"))
     ids = list(text)[: tokens + tokens // max(window - 1, 1) + 1]

@@ -6,7 +6,7 @@ log-size between measured points (small copies are far slower: 5.3 GB/s at 64 Ki
 64 MiB on the H200). Expert FFN time is a launch cost per matrix, plus the expert's bytes over the
 kernel's effective bandwidth for its weight format, plus the matmul work of the extra tokens.
 Every figure of a built-in profile names its source in `sources`. `cmoe calibrate` measures a
-profile on the machine at hand (`cmoe/executor/measure.py`, fitted by `cmoe/profile_fit.py`).
+profile on the machine at hand (`cmoe/calibrate/measure.py`, fitted by `cmoe/calibrate/profile_fit.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
-from cmoe.errors import CmoeError
+from cmoe.core.errors import CmoeError
 
 GB = 1e9
 

@@ -2,9 +2,9 @@
 copies across sizes, device memory bandwidth, a large matmul, launch cost, one expert's FFN
 against tokens, the host CPU running the same expert, the hidden-state round trip, the slowdown
 a side-stream copy causes; and, from the executor's own timeline (`measure_model.py`), what the
-model costs on the host and on the GPU. Returns the dictionary `cmoe.profile_fit.fit_profile`
+model costs on the host and on the GPU. Returns the dictionary `cmoe.calibrate.profile_fit.fit_profile`
 reads; every microbenchmark time is the best of several repeats, and every repeat is kept under
-`repeats` (`Timings`), which `cmoe.profile_fit.noise` judges.
+`repeats` (`Timings`), which `cmoe.calibrate.profile_fit.noise` judges.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import time
 import numpy as np
 import torch
 
-from cmoe.errors import CmoeError
+from cmoe.core.errors import CmoeError
 from cmoe.executor.kernels import ExpertViews, ffn
 from cmoe.executor.layout import expert_layout, slot_size
 from cmoe.executor.store import random_expert
-from cmoe.spec import ModelSpec
+from cmoe.core.spec import ModelSpec
 
 
 REPEATS = 9     # of a microbenchmark: the fit takes the fastest; the spread needs more than one slow repeat
@@ -26,7 +26,7 @@ REPEATS = 9     # of a microbenchmark: the fit takes the fastest; the spread nee
 
 class Timings:
     """Best-of-N timer that keeps every repeat: `best` returns the fastest and files all of them
-    under `curves[what]` (the measurements' `repeats`, see `cmoe.profile_fit`)."""
+    under `curves[what]` (the measurements' `repeats`, see `cmoe.calibrate.profile_fit`)."""
 
     def __init__(self, device: torch.device):
         self.times = _timer(device)
@@ -173,7 +173,7 @@ def measure(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4
             progress: bool = True, built=None) -> dict:
     from tqdm import tqdm
 
-    from cmoe.executor.measure_model import layers
+    from cmoe.calibrate.measure_model import layers
     cuda = device.type == "cuda"
     sizes = [2**k for k in range(16, 29, 2)] if cuda else [2**k for k in range(16, 25, 2)]
     steps = [("copies", lambda: copies(device, sizes)), ("compute", lambda: compute(device)),
@@ -211,8 +211,8 @@ def calibrate(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int =
     """Measure, then fit a profile (weight widths not measured keep the h200 profile's speeds).
     Returns the profile and the measurements it was fitted to. `built`: measure the layers on this
     already built workload (see `layers`)."""
-    from cmoe.hw import H200
-    from cmoe.profile_fit import fit_profile, noise, with_expert_classes
+    from cmoe.core.hw import H200
+    from cmoe.calibrate.profile_fit import fit_profile, noise, with_expert_classes
     m = measure(device, spec, fmt, num_layers, model_dir, progress=progress, built=built)
     label, mem = device_label_and_memory(device)
     m["device"] = {"label": label, "memory_bytes": mem, "date": time.strftime("%Y-%m-%d")}

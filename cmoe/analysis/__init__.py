@@ -1,0 +1,1 @@
+"""Reading finished runs: run folders (`runfolder`) and predicted against measured (`validate`)."""

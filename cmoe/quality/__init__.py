@@ -1,0 +1,2 @@
+"""`cmoe quality`: the measures (`measures`: KL, agreement, perplexity; pure) and the executor
+runs that produce their inputs (`run`)."""
