@@ -83,6 +83,8 @@ def main() -> None:
                     help="also run lean upper with transformers' own RMSNorm (CMOE_FUSED_NORM=0)")
     ap.add_argument("--attn-ablation", action="store_true",
                     help="also run lean upper with transformers' own attention (CMOE_FAST_ATTN=0)")
+    ap.add_argument("--wave-ablation", action="store_true",
+                    help="run each policy also with its launch waves eager (CMOE_WAVE_GRAPHS=0), first")
     ap.add_argument("--steps-ablation", action="store_true",
                     help="also run lean upper with torch's router top-k and residual sums (CMOE_FUSED_STEPS=0)")
     a = ap.parse_args()
@@ -191,6 +193,11 @@ def main() -> None:
                         break
                     w2, cfg2 = workload(engine, batch, pool, [p])
                     ptok = min(tok, a.policy_tokens) if a.policy_tokens else tok
+                    if a.wave_ablation and engine == "lean":
+                        import os
+                        os.environ["CMOE_WAVE_GRAPHS"] = "0"
+                        one(engine, w2, replace(cfg2, tokens=ptok), p, tag="eager waves")
+                        os.environ["CMOE_WAVE_GRAPHS"] = "1"
                     r = one(engine, w2, replace(cfg2, tokens=ptok), p)
                     if batch == 1 and pool == pools[0] and p == "commit":
                         write_parquet(r.log.spans, a.out / f"timeline-{engine}-b1-commit.parquet")

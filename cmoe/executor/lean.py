@@ -41,7 +41,10 @@ through the reference engine's per-expert loop (`Engine.moe_layer`, host-synchro
 A layer whose plan loads an expert into a slot another expert of the same layer still reads
 (the batch needs more experts than the block has slots) runs in waves: the launch for the
 first wave, the deferred copy, the launch for the next; so do layers with CPU experts
-(`lfu-fallback`, `static`), whose results are added on the device before the residual.
+(`lfu-fallback`, `static`), whose results are added on the device before the residual. Under
+graphs a wave is one replay of the layer's wave graph (the launch, added into an fp32 sum) and
+a finish graph rounds the sum and adds the residual, instead of ~5 eager launches and two
+element-wise ops a wave (`CMOE_WAVE_GRAPHS=0` keeps them eager).
 
 Spans keep the reference engine's names and meanings (`cmoe.executor.engine`), with one
 difference: a fused launch's time is split evenly among the experts it ran, in plan order, so
@@ -112,6 +115,7 @@ class LeanEngine(HostSteps, Engine):
             for m in range(self.M):
                 self.table[m] = torch.tensor(_expert_to_slot(policy.pool.where[m], E), dtype=torch.int32)
         self._ws = None
+        self._wave_acc = None                              # graphs: a layer's fp32 sum over its waves
         self._norms = []
         if self.cuda and os.environ.get("CMOE_FUSED_NORM", "1") != "0":
             from cmoe.executor.kernels_triton.norm import fuse_norms
@@ -240,6 +244,16 @@ class LeanEngine(HostSteps, Engine):
         else:
             t["h"][m] = out
 
+    def _wave_add(self, m: int) -> None:
+        """One launch wave of layer m under a graph: the experts the table row names, added in
+        fp32 to the layer's running sum (the eager path's order: 0 + wave 1 + wave 2 ...)."""
+        self._wave_acc.add_(self._kernel(m, self.table[m], torch.float32))
+
+    def _wave_finish(self, m: int) -> None:
+        """After layer m's last wave: the sum rounded once, the residual, and the sum zeroed."""
+        self.seg_experts(m, self._wave_acc.to(self.t["x"][m].dtype))
+        self._wave_acc.zero_()
+
     def seg_head(self) -> None:
         t = self.t
         h = t["h"][self.M - 1]
@@ -286,6 +300,10 @@ class LeanEngine(HostSteps, Engine):
                 fn(*a)
             g[name] = gr
 
+        waves = self.fused and not self.has_cpu and not self.silent and not self.commit \
+            and os.environ.get("CMOE_WAVE_GRAPHS", "1") != "0"
+        if waves:                                          # a layer in launch waves: one replay a wave
+            self._wave_acc = torch.zeros((B, self.spec.hidden), dtype=torch.float32, device=dev)
         rec("pre", self.seg_pre)
         for m in range(self.M):
             rec(("attn", m), self.seg_attn, m)
@@ -293,6 +311,11 @@ class LeanEngine(HostSteps, Engine):
                 rec(("experts", m), self.seg_experts, m)
             else:                                          # eager experts write into this buffer
                 self.t["h"][m] = torch.empty_like(self.t["mid"][m])
+            if waves:
+                rec(("wave", m), self._wave_add, m)
+                self._static_out = True                    # finish writes X_m's own output tensor
+                rec(("finish", m), self._wave_finish, m)
+                self._static_out = False
         rec("head", self.seg_head)
         torch.cuda.synchronize(dev)
         self.graphs = g
@@ -520,7 +543,7 @@ class LeanEngine(HostSteps, Engine):
             attention.uninstall(self._attn)
             self._attn = []
         self.graphs = None
-        self.t = self.t_graph = self.kin = self.io = self._ws = None
+        self.t = self.t_graph = self.kin = self.io = self._ws = self._wave_acc = None
         self._rb_pin = []
         self._cap.sink = {}
 

@@ -75,6 +75,7 @@ class HostSteps:
         self._tick("spans, mark")
         self._span(d, "compute", "route", -1, t_in, t_plan)
         one_launch = len(waves) <= 1 and not cpu
+        wave_graphs = not one_launch and not cpu and graphs and ("wave", m) in self.graphs
         y = None
         due = t_plan
         for k, wave in enumerate(waves):
@@ -90,6 +91,8 @@ class HostSteps:
             t0 = clock.mark(cs)
             if one_launch:
                 self._run_x(m, graphs)
+            elif wave_graphs:
+                self.graphs[("wave", m)].replay()
             else:
                 part = self._kernel(m, self.table[m], torch.float32)
                 y = part.clone() if y is None else y + part
@@ -104,7 +107,9 @@ class HostSteps:
         for ld in later:
             self._load(ld)
         self._tick("after launch")
-        if not one_launch:
+        if wave_graphs:
+            self.graphs[("finish", m)].replay()
+        elif not one_launch:
             if y is None:
                 y = torch.zeros(self.t["x"][m].shape, dtype=torch.float32, device=self.device)
             if cpu:
