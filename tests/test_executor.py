@@ -193,7 +193,7 @@ def _expert_ref(model_dir, spec, m: int, e: int, x: torch.Tensor) -> torch.Tenso
 
 def _moe_call(eng, m: int, x, true_experts, pred_experts, logits):
     """Drive one decode MoE layer of the engine by hand, as the model's forward would."""
-    from cmoe.executor.engine import PassInput
+    from cmoe.executor.records import PassInput
     eng.cur = PassInput(0, True, torch.zeros((1, 1), dtype=torch.long), torch.zeros((1, 1), dtype=torch.long),
                         None, np.ones(1, bool))
     eng.logits = [None] * eng.M

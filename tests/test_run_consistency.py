@@ -9,7 +9,8 @@ import torch
 
 from cmoe.data import default_model
 from cmoe.executor.kernels import dequantize, quantize
-from cmoe.executor.run import ExecConfig, _replay_passes, execute, prepare
+from cmoe.executor.replay_rows import replay_passes
+from cmoe.executor.run import ExecConfig, execute, prepare
 from cmoe.core.hw import PROFILES, HardwareProfile
 from cmoe.policy.policies import POLICIES
 
@@ -50,7 +51,7 @@ def test_int4_main_job_picks_the_dequantized_models_next_tokens():
     cfg = ExecConfig(policies=EXACT, slots=4, pool_gb=20.0, batch=1, tokens=12, device="cpu", keep_logits=True)
     w, cfg = prepare(spec_name=None, model_dir=default_model(), trace_src="embedded", data=None, cfg=cfg)
     assert w.fmt == "w4g128"                       # what the main job runs: int4 experts
-    ref = _reference_logits(default_model(), _replay_passes(w, cfg), 128)
+    ref = _reference_logits(default_model(), replay_passes(w, cfg), 128)
     want = [lg.argmax(-1).tolist() for lg in ref]
     for r in execute(w, cfg):
         assert [lg.argmax(-1).tolist() for lg in r.logits] == want, r.policy

@@ -40,18 +40,16 @@ kernel) are kept until they resolve, then `metrics.classify` says hit, late or d
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cmoe.executor.kernels import ExpertViews, ffn
+from cmoe.executor.kernels import ffn
+from cmoe.executor.records import PassInput, PlanRecord, RunLog, _loads, _slot_table
+from cmoe.executor.routes import Routes
 from cmoe.executor.streams import Clock, DevicePool
-from cmoe.core.metrics import RunRecord, classify
-from cmoe.policy.owa import owa_weights
+from cmoe.core.metrics import classify
 from cmoe.policy.policies import Policy
-from cmoe.quality.measures import log_softmax
 from cmoe.core.spec import ModelSpec
 from cmoe.trace.hf import prediction_source
 from cmoe.trace.passes import ranked
@@ -59,38 +57,7 @@ from cmoe.trace.passes import ranked
 DENSE_ROWS = 16          # up to this many rows, every expert runs on all rows (weights 0 for the rest)
 
 
-@dataclass
-class PassInput:
-    index: int
-    decode: bool
-    input_ids: torch.Tensor                  # [B, n]
-    position_ids: torch.Tensor               # [B, n]
-    attention_mask: torch.Tensor | None      # [B, past + n] or None
-    active: np.ndarray                       # [B*n] bool: rows that are real tokens (not padding)
-    replay: dict | None = None               # trace rows: experts/weights/pred [B*n, M, K]
-
-
-@dataclass
-class PlanRecord:
-    pass_index: int
-    layer: int                 # MoE layer; -1 for the loads issued when the pass begins
-    needed: tuple
-    predicted_next: tuple | None
-    loads: tuple
-    gpu: tuple
-    cpu: tuple
-    skipped: tuple
-    physical: tuple            # (slot -> expert) after the loads were issued
-    logical: tuple             # the policy's pool index, as (slot -> expert)
-
-
-@dataclass
-class RunLog(RunRecord):
-    plans: list = field(default_factory=list)
-    slot_mismatches: int | None = None     # slots whose bytes differ from their expert's (checked on request)
-
-
-class Engine:
+class Engine(Routes):
     def __init__(self, model, shims, spec: ModelSpec, store, policy: Policy, device: torch.device,
                  record_plans: bool = False, owa: bool = True, lead_us: float = 0.0, hooks: bool = True):
         self.model, self.spec, self.store, self.policy, self.device = model, spec, store, policy, device
@@ -189,36 +156,6 @@ class Engine:
             self.log.plans.append(PlanRecord(self.cur.index, -1, (), tuple(pred0), _loads(loads), (), (), (), (), ()))
         self.begun = True
 
-    # --- routing helpers ------------------------------------------------------------------
-    def _ranked_rows(self, idx: np.ndarray, w: np.ndarray, m: int, kind: str) -> tuple[list, list]:
-        """Per token, experts by weight (highest first) and those weights. Replay mode takes the
-        trace's instead; a trace keeps no weights for its predictions, so those count as equal."""
-        r = self.cur.replay
-        if r is not None and "lists" in r:
-            rows, ws = r["lists"][kind]
-            return rows[m], ws[m]
-        if r is not None:
-            ex = r["pred"][:, m] if kind == "pred" else r["experts"][:, m]
-            rows = [[int(e) for e in row if e >= 0] for row in ex]
-            if kind == "pred":
-                return rows, [[1.0 / len(x)] * len(x) for x in rows]
-            return rows, [[float(v) for v, e in zip(wr, er) if e >= 0] for wr, er in zip(r["weights"][:, m], ex)]
-        order = np.argsort(-w, axis=1, kind="stable")
-        return (np.take_along_axis(idx, order, 1).astype(np.int64).tolist(),
-                np.take_along_axis(w, order, 1).astype(np.float64).tolist())
-
-    def _keep_prediction(self, m: int, idx: np.ndarray, w: np.ndarray) -> list[list[int]]:
-        """Record each token's predicted experts for layer m (and, without OWA, their weights)."""
-        rows, ws = self._ranked_rows(idx, w, m, "pred")
-        self.token_pred[m] = rows
-        if not self.owa:
-            self.token_pred_w[m] = [dict(zip(r, x)) for r, x in zip(rows, ws)]
-        return rows
-
-    def _scores(self, logits: np.ndarray) -> np.ndarray:
-        x = logits.astype(np.float64)
-        return 1 / (1 + np.exp(-x)) if self.spec.scoring == "sigmoid" else np.exp(log_softmax(x))
-
     # --- loads ----------------------------------------------------------------------------
     def _issue(self, loads, defer: set[int]) -> list:
         later = []
@@ -239,14 +176,45 @@ class Engine:
 
     # --- the MoE layer --------------------------------------------------------------------
     def moe_layer(self, m: int, hidden: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Layer m's experts on `hidden` [N, H]: read back and plan, issue the loads, run the GPU
+        experts in plan order (each after its own slot's copy), then the CPU ones; [N, H] out."""
         assert self.begun, "the pass began without the layer-0 prediction hook firing"
-        d, pool, clock = self.spec.moe_layers[m], self.pool, self.clock
+        d, clock = self.spec.moe_layers[m], self.clock
         self._layer = m
         cs = torch.cuda.current_stream(self.device) if self.cuda else None
         h_in = clock.host()
         t_in = clock.mark(cs)
         self._span(d, "compute", "attention", -1, self.last, t_in)
         self._span(d, "host", "host_attention", -1, self.h_last, h_in)
+        st = self._plan_experts(m, d, hidden, idx, weights, h_in)
+        out = torch.zeros_like(hidden)
+        x_host = None
+        if st["cpu"] and self.cuda:                # hidden states to the host before the GPU gets busy
+            h0 = clock.host()
+            x_host = hidden.to("cpu")
+            self._span(d, "cpu", "roundtrip", -1, h0, clock.host(), x_host.numel() * x_host.element_size())
+        if self._lead_cycles:
+            torch.cuda._sleep(self._lead_cycles)
+        t_plan = clock.mark(cs)
+        self._span(d, "compute", "route", -1, t_in, t_plan)
+        self._gpu_experts(m, d, hidden, out, st, t_plan)
+        if st["cpu"]:
+            gpu_done = clock.mark(cs)
+            self._cpu_experts(m, d, st["cpu"], st["order"], st["wmat"], hidden, x_host, out)
+            self._cpu_waits.append((self.cur.index, gpu_done, clock.host()))
+        if self.record_plans:
+            plan, pool = st["plan"], self.pool
+            self.log.plans.append(PlanRecord(
+                self.cur.index, m, tuple(st["needed"]), tuple(st["predicted"]) if st["predicted"] is not None else None,
+                _loads(plan.loads), tuple(plan.gpu), tuple(plan.cpu), tuple(plan.skipped), tuple(pool.expert[m]),
+                tuple(_slot_table(self.policy.pool.where[m], len(pool.expert[m])))))
+        self.last = clock.mark(cs)
+        self.h_last = clock.host()
+        return out
+
+    def _plan_experts(self, m, d, hidden, idx, weights, h_in) -> dict:
+        """The read-back, the plan, each expert's row weights ([experts, N], on the device too),
+        and the loads issued (those into a slot this layer still reads deferred)."""
         live = [i for i in range(hidden.shape[0]) if self.cur.active[i]]
         rows, wsorted, scores, needed, predicted = self._read_routes(m, idx, weights, live)
         self._span(d, "host", "host_sync", -1, h_in, self.h_synced)
@@ -260,42 +228,36 @@ class Engine:
         for j, e in enumerate(order):
             for i, w in assign[e]:
                 wmat[j, i] = w
-        wdev = torch.from_numpy(wmat).to(self.device)
         dense = N <= DENSE_ROWS
-        rows_dev = {} if dense else {e: torch.tensor([i for i, _ in assign[e]]).to(self.device) for e in order}
-
-        loaded_now = {ld.expert for ld in plan.loads if ld.layer == m}
-        later = self._issue(plan.loads, defer=set(plan.gpu))
+        st = {"plan": plan, "needed": needed, "predicted": predicted, "gpu": gpu, "cpu": cpu, "order": order,
+              "wmat": wmat, "wdev": torch.from_numpy(wmat).to(self.device), "dense": dense,
+              "rows_dev": {} if dense else {e: torch.tensor([i for i, _ in assign[e]]).to(self.device) for e in order},
+              "loaded_now": {ld.expert for ld in plan.loads if ld.layer == m}}
+        st["later"] = self._issue(plan.loads, defer=set(plan.gpu))
         tally = self.log.at(self.cur.index)
         tally.fallbacks += len(plan.cpu)
         tally.skipped += len(plan.skipped)
+        self._span(d, "host", "host_route", -1, self.h_synced, self.clock.host())
+        return st
 
-        out = torch.zeros_like(hidden)
-        self._span(d, "host", "host_route", -1, self.h_synced, clock.host())
-        x_host = None
-        if cpu and self.cuda:                      # hidden states to the host before the GPU gets busy
-            h0 = clock.host()
-            x_host = hidden.to("cpu")
-            self._span(d, "cpu", "roundtrip", -1, h0, clock.host(), x_host.numel() * x_host.element_size())
-        if self._lead_cycles:
-            torch.cuda._sleep(self._lead_cycles)
-        t_plan = clock.mark(cs)
-        self._span(d, "compute", "route", -1, t_in, t_plan)
-        due = t_plan
-        for j, e in enumerate(gpu):
+    def _gpu_experts(self, m, d, hidden, out, st, due) -> None:
+        """The planned GPU experts in order, into `out`; after each, the loads waiting for its slot."""
+        pool, clock, plan, later = self.pool, self.clock, st["plan"], st["later"]
+        cs = torch.cuda.current_stream(self.device) if self.cuda else None
+        for j, e in enumerate(st["gpu"]):
             s = plan.slots[e]
             assert pool.expert[m][s] == e, f"slot {s} of layer {m} holds {pool.expert[m][s]}, plan says {e}"
             h0 = clock.host()
             landed = self._landed[(m, e)] if pool.pending[m][s] else None
-            self._experts.append((self.cur.index, e in loaded_now, landed, due, h0))
+            self._experts.append((self.cur.index, e in st["loaded_now"], landed, due, h0))
             pool.before_read(m, s)
             t0 = clock.mark(cs)
-            if dense:
-                out.add_(ffn(hidden, pool.views[m][s], self.act) * wdev[j][:, None].to(out.dtype))
+            if st["dense"]:
+                out.add_(ffn(hidden, pool.views[m][s], self.act) * st["wdev"][j][:, None].to(out.dtype))
             else:
-                r = rows_dev[e]
+                r = st["rows_dev"][e]
                 y = ffn(hidden.index_select(0, r), pool.views[m][s], self.act)
-                out.index_add_(0, r, y * wdev[j].index_select(0, r)[:, None].to(out.dtype))
+                out.index_add_(0, r, y * st["wdev"][j].index_select(0, r)[:, None].to(out.dtype))
             t1 = due = clock.mark(cs)
             pool.after_read(m, s)
             self._span(d, "compute", "expert", e, t0, t1, pool.raw[m][s].numel())
@@ -305,95 +267,7 @@ class Engine:
             self._span(d, "host", "host_expert", e, h0, clock.host())
         for ld in later:                 # victims that were not computed (no rows): issue now
             self._load(ld)
-        if cpu:
-            gpu_done = clock.mark(cs)
-            self._cpu_experts(m, d, cpu, order, wmat, hidden, x_host, out)
-            self._cpu_waits.append((self.cur.index, gpu_done, clock.host()))
-        if self.record_plans:
-            self.log.plans.append(PlanRecord(
-                self.cur.index, m, tuple(needed), tuple(predicted) if predicted is not None else None,
-                _loads(plan.loads), tuple(plan.gpu), tuple(plan.cpu), tuple(plan.skipped), tuple(pool.expert[m]),
-                tuple(_slot_table(self.policy.pool.where[m], len(pool.expert[m])))))
-        self.last = clock.mark(cs)
-        self.h_last = clock.host()
-        return out
 
-    def _read_routes(self, m: int, idx: torch.Tensor, weights: torch.Tensor, live: list[int]):
-        """The layer's one read-back: routing, (commit) router logits, the next layer's prediction.
-        Returns per-token experts and weights (highest first), OWA scores, and the policy's inputs."""
-        N, K = idx.shape
-        decode_commit = self.commit and self.cur.decode
-        parts = [idx.float(), weights.float()]
-        if decode_commit:
-            parts.append(self.logits[m].float().reshape(N, -1))
-        nxt = self.pred_gpu[m + 1] if m + 1 < self.M else None
-        if nxt is not None:
-            parts += [nxt[0].float(), nxt[1].float()]
-        host = torch.cat(parts, 1).cpu().numpy()
-        self.h_synced = self.clock.host()
-        K2 = nxt[0].shape[1] if nxt is not None else 0
-        return self._parse_routes(m, host, K, K2, live)
-
-    def _parse_routes(self, m: int, host: np.ndarray, K: int, K2: int, live: list[int]):
-        """The read-back's columns (top-k ids, weights, [commit: router logits], [the next layer's
-        predicted ids and weights]) as `_read_routes` returns them."""
-        E = self.spec.num_experts
-        decode_commit = self.commit and self.cur.decode
-        rows, wsorted = self._ranked_rows(host[:, :K], host[:, K:2 * K], m, "route")
-        col, scores = 2 * K, None
-        if decode_commit:
-            scores = self._scores(host[:, col:col + E])
-            col += E
-        needed = list(ranked([rows[i] for i in live])[0])
-        predicted = None
-        if K2:
-            prow = self._keep_prediction(m + 1, host[:, col:col + K2], host[:, col + K2:col + 2 * K2])
-            predicted = list(ranked([prow[i] for i in live])[0])
-        return rows, wsorted, scores, needed, predicted
-
-    def _assign(self, m, plan, rows, wsorted, scores, live, K) -> dict[int, list[tuple[int, float]]]:
-        """expert -> [(row, weight)]: the routed experts with the router's weights, or, for commit
-        in decode, each token's own predicted experts among the committed ones with OWA weights."""
-        assign: dict[int, list[tuple[int, float]]] = {}
-        if self.commit and self.cur.decode:
-            chosen = set(plan.gpu)
-            for i in live:
-                mine = [e for e in dict.fromkeys(self.token_pred[m][i]) if e in chosen]
-                if not mine:                       # none of its guesses was committed: its best committed
-                    mine = [max(plan.gpu, key=lambda e: scores[i][e])]
-                if self.owa:
-                    ws = owa_weights(scores[i].tolist(), mine, K, self.spec.renormalize, self.spec.scaling)
-                else:                              # trust the early router: its own weights, as predicted
-                    pw = self.token_pred_w[m][i]
-                    ws = [pw.get(e, 0.0) for e in mine]
-                for e, w in zip(mine, ws):
-                    assign.setdefault(e, []).append((i, w))
-        else:
-            for i in live:
-                for e, w in zip(rows[i], wsorted[i]):
-                    assign.setdefault(e, []).append((i, w))
-        return assign
-
-    def _cpu_experts(self, m, d, cpu, order, wmat, hidden, x_host, out) -> None:
-        clock = self.clock
-        x = x_host if x_host is not None else hidden
-        acc = torch.zeros(x.shape, dtype=torch.float32)
-        for e in cpu:
-            j = order.index(e)
-            r = torch.from_numpy(np.nonzero(wmat[j])[0])
-            h0 = clock.host()
-            v = self._cpu_views.get((m, e))
-            if v is None:
-                v = self._cpu_views[(m, e)] = ExpertViews(self.store.layout, self.store.cpu_expert(m, e), "cpu")
-            y = ffn(x.index_select(0, r), v, self.act).float()
-            acc.index_add_(0, r, y * torch.from_numpy(wmat[j]).index_select(0, r)[:, None])
-            self._span(d, "cpu", "cpu_expert", e, h0, clock.host(), self.store.slot)
-        h0 = clock.host()
-        out.add_(acc.to(self.device, out.dtype))
-        if self.cuda:
-            self._span(d, "cpu", "roundtrip", -1, h0, clock.host(), acc.numel() * out.element_size())
-
-    # --- spans ----------------------------------------------------------------------------
     def _span(self, layer, stream, op, expert, a, b, nbytes=0) -> None:
         self._pending.append((self.cur.index, layer, stream, op, expert, a, b, nbytes))
 
@@ -491,14 +365,3 @@ def _sleep_cycles(us: float, device: torch.device) -> int:
     e.record()
     e.synchronize()
     return int(n * us / (s.elapsed_time(e) * 1e3))
-
-
-def _loads(loads) -> tuple:
-    return tuple((ld.layer, ld.expert, ld.slot, ld.victim, ld.kind) for ld in loads)
-
-
-def _slot_table(where, n: int) -> list[int]:
-    t = [-1] * n
-    for e, s in where.items():
-        t[s] = e
-    return t

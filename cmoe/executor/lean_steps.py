@@ -11,25 +11,17 @@ import time
 import numpy as np
 import torch
 
-from cmoe.executor.engine import PlanRecord, _loads, _slot_table
+from cmoe.executor.records import PlanRecord, _loads, _slot_table
 
 
 class HostSteps:
     def _host_layer(self, m: int, graphs: bool) -> None:
+        """Layer m's step between A_m and X_m: the policy's plan from the read-back, its loads,
+        the launches (one, or one per wave), then the CPU experts and the residual if any."""
         if self.kin is not None and self.kin.get("owa") and self.cur.decode:
             return self._commit_layer(m, graphs)
         if not self.fused:                                 # the per-expert loop of the reference engine
-            t = self.t
-            self.logits = t["logits"]
-            self.pred_gpu = t["pred"]
-            x, idx, w = t["x"][m], t["idx"][m], t["w"][m]
-            y = self.moe_layer(m, x, idx, w)
-            h = t["mid"][m] + (t["shared"][m] + y.view(t["shared"][m].shape))
-            if graphs:
-                t["h"][m].copy_(h)
-            else:
-                t["h"][m] = h
-            return
+            return self._loop_layer(m, graphs)
         d, clock, cs, h_in, t_in = self._enter_layer(m)
         if self.silent:
             self._run_x(m, graphs)
@@ -37,6 +29,50 @@ class HostSteps:
             self._upper_marks.append((m, t_in, t_in, t1))
             self.last, self.h_last = t1, clock.host()
             return
+        st = self._plan_layer(m, d, h_in, graphs)
+        if self._lead_cycles:
+            torch.cuda._sleep(self._lead_cycles)
+        t_plan = clock.mark(cs)
+        self._tick("spans, mark")
+        self._span(d, "compute", "route", -1, t_in, t_plan)
+        y = self._launch_waves(m, d, st, t_plan, graphs)
+        if st["wave_graphs"]:
+            self.graphs[("finish", m)].replay()
+        elif not st["one_launch"]:
+            if y is None:
+                y = torch.zeros(self.t["x"][m].shape, dtype=torch.float32, device=self.device)
+            if st["cpu"]:
+                gpu_done = clock.mark(cs)
+                y = y + self._cpu_acc(m, d, st["cpu"], st["assign"], st["x_host"])
+                self._cpu_waits.append((self.cur.index, gpu_done, clock.host()))
+            self.seg_experts(m, y.to(self.t["x"][m].dtype))
+        if self.record_plans:
+            plan = st["plan"]
+            self.log.plans.append(PlanRecord(
+                self.cur.index, m, tuple(st["needed"]), tuple(st["predicted"]) if st["predicted"] is not None else None,
+                _loads(plan.loads), tuple(plan.gpu), tuple(plan.cpu), tuple(plan.skipped), tuple(self.pool.expert[m]),
+                tuple(_slot_table(self.policy.pool.where[m], len(self.pool.expert[m])))))
+        self.last = clock.mark(cs)
+        self.h_last = clock.host()
+
+    def _loop_layer(self, m: int, graphs: bool) -> None:
+        """Experts in another format than the tiled int4: the reference engine's per-expert loop."""
+        t = self.t
+        self.logits = t["logits"]
+        self.pred_gpu = t["pred"]
+        x, idx, w = t["x"][m], t["idx"][m], t["w"][m]
+        y = self.moe_layer(m, x, idx, w)
+        h = t["mid"][m] + (t["shared"][m] + y.view(t["shared"][m].shape))
+        if graphs:
+            t["h"][m].copy_(h)
+        else:
+            t["h"][m] = h
+
+    def _plan_layer(self, m: int, d: int, h_in: float, graphs: bool) -> dict:
+        """The read-back, the same `plan` call as the simulator, each expert's rows, the loads
+        issued (those into a slot this layer still reads deferred to after its wave), the waves,
+        and the CPU experts' input taken to the host. Returns what the launches need."""
+        clock = self.clock
         live = [i for i in range(self.t["x"][m].shape[0]) if self.cur.active[i]]
         self._tick(None)
         host = self._read_back(m)
@@ -69,29 +105,33 @@ class HostSteps:
             x_host = self.t["x"][m].to("cpu")
             self._span(d, "cpu", "roundtrip", -1, h0, clock.host(), x_host.numel() * x_host.element_size())
         self._span(d, "host", "host_route", -1, self.h_synced, clock.host())
-        if self._lead_cycles:
-            torch.cuda._sleep(self._lead_cycles)
-        t_plan = clock.mark(cs)
-        self._tick("spans, mark")
-        self._span(d, "compute", "route", -1, t_in, t_plan)
         one_launch = len(waves) <= 1 and not cpu
         wave_graphs = not one_launch and not cpu and graphs and ("wave", m) in self.graphs
+        return {"plan": plan, "needed": needed, "predicted": predicted, "assign": assign, "cpu": cpu,
+                "later": later, "loaded_now": loaded_now, "waves": waves, "x_host": x_host,
+                "one_launch": one_launch, "wave_graphs": wave_graphs}
+
+    def _launch_waves(self, m: int, d: int, st: dict, due, graphs: bool):
+        """Each wave: its slot-table row, the waits on its slots' copies, its launch (the layer's
+        graph, the wave graph, or an eager launch into an fp32 sum, returned), then the loads
+        that waited for its reads."""
+        clock, plan, later = self.clock, st["plan"], st["later"]
+        cs = torch.cuda.current_stream(self.device) if self.cuda else None
         y = None
-        due = t_plan
-        for k, wave in enumerate(waves):
+        for k, wave in enumerate(st["waves"]):
             h0 = clock.host()
             self._set_table(m, {e: plan.slots[e] for e in wave}, wave=k)
             for e in wave:
                 s = plan.slots[e]
                 assert self.pool.expert[m][s] == e, f"slot {s} of layer {m} holds {self.pool.expert[m][s]}, plan says {e}"
                 landed = self._landed[(m, e)] if self.pool.pending[m][s] else None
-                self._experts.append((self.cur.index, e in loaded_now, landed, due, h0))
+                self._experts.append((self.cur.index, e in st["loaded_now"], landed, due, h0))
                 self.pool.before_read(m, s)
             self._tick("table, waits")
             t0 = clock.mark(cs)
-            if one_launch:
+            if st["one_launch"]:
                 self._run_x(m, graphs)
-            elif wave_graphs:
+            elif st["wave_graphs"]:
                 self.graphs[("wave", m)].replay()
             else:
                 part = self._kernel(m, self.table[m], torch.float32)
@@ -107,23 +147,7 @@ class HostSteps:
         for ld in later:
             self._load(ld)
         self._tick("after launch")
-        if wave_graphs:
-            self.graphs[("finish", m)].replay()
-        elif not one_launch:
-            if y is None:
-                y = torch.zeros(self.t["x"][m].shape, dtype=torch.float32, device=self.device)
-            if cpu:
-                gpu_done = clock.mark(cs)
-                y = y + self._cpu_acc(m, d, cpu, assign, x_host)
-                self._cpu_waits.append((self.cur.index, gpu_done, clock.host()))
-            self.seg_experts(m, y.to(self.t["x"][m].dtype))
-        if self.record_plans:
-            self.log.plans.append(PlanRecord(
-                self.cur.index, m, tuple(needed), tuple(predicted) if predicted is not None else None,
-                _loads(plan.loads), tuple(plan.gpu), tuple(plan.cpu), tuple(plan.skipped), tuple(self.pool.expert[m]),
-                tuple(_slot_table(self.policy.pool.where[m], len(self.pool.expert[m])))))
-        self.last = clock.mark(cs)
-        self.h_last = clock.host()
+        return y
 
     def _enter_layer(self, m: int):
         """The host reaches layer m's step: the attention segment's spans end here.
@@ -209,7 +233,7 @@ class HostSteps:
         self._t_phase = now
 
     def _parse_routes(self, m, host, K, K2, live):
-        """A replayed pass's routes come ready-made (`run._replay_rows`, built before the timed
+        """A replayed pass's routes come ready-made (`replay_rows.replay_rows`, built before the timed
         run: the same lists and rankings the reference engine derives per layer); only commit's
         router scores come from the read-back."""
         r = self.cur.replay

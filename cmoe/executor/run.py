@@ -18,7 +18,10 @@ import torch
 
 from cmoe.core.checkpoint import check_checkpoint
 from cmoe.core.errors import CmoeError
-from cmoe.executor.engine import Engine, PassInput, RunLog
+from cmoe.executor.checks import check_gpu_fits, check_trace_matches, mem_available, read_policy_json, resolve_device
+from cmoe.executor.engine import Engine
+from cmoe.executor.records import PassInput, RunLog
+from cmoe.executor.replay_rows import replay_passes
 from cmoe.executor.layout import expert_layout, slot_size
 from cmoe.core.metrics import summary
 from cmoe.policy.budget import expert_budget
@@ -33,7 +36,6 @@ DEFAULT_PROMPTS = ("The mixture of experts routes each token to a few of its exp
                    "Offloading keeps the experts in host memory and copies them over PCIe when needed.",
                    "A commit router predicts the next layer's experts from the current hidden state.")
 ENGINES = ("lean", "hf")
-_MATCH = ("family", "num_layers", "hidden", "expert_ffn", "num_experts", "top_k", "moe_layers")
 
 
 @dataclass(frozen=True)
@@ -83,61 +85,9 @@ class ExecResult:
     logits: list = field(default_factory=list)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name in ("cuda", "auto"):
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if name == "cuda":
-            raise CmoeError("no CUDA GPU is visible here: pass --device cpu to run the same engine on the CPU")
-        return torch.device("cpu")
-    if name == "cpu":
-        return torch.device("cpu")
-    if name.startswith("cuda:"):
-        if not torch.cuda.is_available():
-            raise CmoeError("no CUDA GPU is visible here: pass --device cpu to run the same engine on the CPU")
-        return torch.device(name)
-    raise CmoeError(f"unknown device '{name}': use cuda, cuda:N or cpu")
-
-
-def check_trace_matches(trace: Trace, spec: ModelSpec) -> None:
-    diff = [k for k in _MATCH if getattr(trace.spec, k) != getattr(spec, k)]
-    if diff:
-        k = diff[0]
-        raise CmoeError(f"the trace was recorded on {trace.spec.name} ({k} = {getattr(trace.spec, k)}) but the model "
-                        f"is {spec.name} ({k} = {getattr(spec, k)}): trace this model with cmoe trace")
-
-
 def budget_recipe(fmt: str) -> QuantRecipe:
     """What actually sits on the device: experts in `fmt`, everything else in bf16."""
     return QuantRecipe("executor", expert=fmt, attention="bf16", dense="bf16")
-
-
-def read_policy_json(path: Path, spec: ModelSpec) -> tuple[str, float, int, PoolLayout]:
-    try:
-        d = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CmoeError(f"cannot read policy file {path}: {e}") from None
-    if not isinstance(d, dict) or d.get("format") != "cmoe-policy":
-        raise CmoeError(f"{path} is not a cmoe policy file (written by cmoe simulate --out)")
-    if d.get("format_version") != 1:
-        raise CmoeError(f"{path} has policy format version {d.get('format_version')}; this cmoe reads version 1")
-    if d.get("model") != spec.name:
-        raise CmoeError(f"{path} was made for {d.get('model')}, not {spec.name}")
-    lay = d["layout"]
-    layout = PoolLayout(tuple(lay["slot_bytes"]), tuple(lay["slots"]), int(d["budget"]["expert_bytes"]))
-    if len(layout.slots) != spec.num_moe_layers:
-        raise CmoeError(f"{path} has {len(layout.slots)} blocks but {spec.name} has {spec.num_moe_layers} MoE layers")
-    return d["policy"], float(d["pool_gb"]), int(d["batch"]), layout
-
-
-def _mem_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def prepare(*, spec_name: str | None, model_dir: Path | None, trace_src: str | None, data: Path | None,
@@ -231,7 +181,7 @@ def _check_memory(w: Workload, cfg: ExecConfig, slot: int) -> None:
     if w.device.type == "cpu":            # the pool and the model live in host memory too (fp32: twice bf16)
         host_need += max(layout_for(w, cfg, p)[0].used_bytes for p in cfg.policies)
         host_need += 2 * layout_for(w, cfg, cfg.policies[0])[1]["resident_bytes"]
-    avail = _mem_available()
+    avail = mem_available()
     if avail is not None and host_need > avail:
         raise CmoeError(f"the host store needs {host_need / 1e9:.1f} GB of host memory but {avail / 1e9:.1f} GB is "
                         f"available: use a smaller model or free memory")
@@ -243,16 +193,6 @@ def _check_memory(w: Workload, cfg: ExecConfig, slot: int) -> None:
         layout, budget = layout_for(w, cfg, p)
         need[p] = layout.used_bytes + budget["resident_bytes"] + budget["kv_bytes"] + budget["workspace_bytes"]
     check_gpu_fits(need, cfg.pool_gb, free, torch.cuda.get_device_name(w.device))
-
-
-def check_gpu_fits(need: dict[str, int], pool_gb: float, free: int, gpu: str) -> None:
-    """The pool, and what each policy really allocates (upper holds every expert), against free memory."""
-    if pool_gb * 1e9 > free and any(not trait(p, "holds_all") for p in need):
-        raise CmoeError(f"a {pool_gb:g} GB pool does not fit the {free / 1e9:.1f} GB free on the {gpu}: lower --pool-gb")
-    for p, n in need.items():
-        if n > free:
-            raise CmoeError(f"policy {p} needs {n / 1e9:.1f} GB on the {gpu} but {free / 1e9:.1f} GB is free: "
-                            f"lower --pool-gb or drop '{p}'")
 
 
 def build(w: Workload, cfg: ExecConfig) -> None:
@@ -302,55 +242,11 @@ def new_cache(w: Workload, cfg: ExecConfig):
 
 # --- passes -------------------------------------------------------------------------------------
 
-def _replay_passes(w: Workload, cfg: ExecConfig):
-    """The first `batch` requests of the trace: their prefill and up to `tokens` decode steps."""
-    from cmoe.trace.passes import make_passes
-    t = w.trace
-    reqs = np.unique(t.request)[: cfg.batch]
-    if reqs.size < cfg.batch:
-        raise CmoeError(f"the trace has {reqs.size} requests but --batch {cfg.batch} needs {cfg.batch}")
-    out = []
-    gen = np.random.default_rng(cfg.seed)
-    vocab = w.spec.vocab
-    for p in make_passes(t, cfg.batch, cfg.include_prefill, groups=1, decode_steps=cfg.tokens):
-        sub = p.tokens
-        B = cfg.batch
-        n = sub.size // B
-        req = t.request[sub]
-        if sub.size % B or not np.array_equal(np.sort(req, kind="stable"), req) \
-                or not all((req == r).sum() == n for r in reqs):
-            raise CmoeError("replay needs every request of a batch to have the same number of prompt tokens "
-                            "and decode steps: use --batch 1 for this trace")
-        if t.token_ids is not None:
-            ids = t.token_ids[sub] % vocab
-        else:
-            ids = gen.integers(0, vocab, sub.size)
-        pos = t.step[sub].astype(np.int64)
-        out.append((p, ids.reshape(B, n), pos.reshape(B, n), _replay_rows(t, sub, p)))
-    return out
-
-
-def _replay_rows(t: Trace, sub: np.ndarray, p) -> dict:
-    """A pass's trace rows, and the same as per-layer Python lists (each token's experts and
-    weights, its predicted experts, the pass's ranked needs), made before the timed run so the
-    engines' per-layer step only looks them up."""
-    ex, wt, pr = t.experts[sub], t.weights[sub], t.pred_experts[sub]
-    M = ex.shape[1]
-    rows = [[[e for e in r if e >= 0] for r in ex[:, m].tolist()] for m in range(M)]
-    wrows = [[[v for v, e in zip(wr, er) if e >= 0] for wr, er in zip(wt[:, m].tolist(), ex[:, m].tolist())]
-             for m in range(M)]
-    prows = [[[e for e in r if e >= 0] for r in pr[:, m].tolist()] for m in range(M)]
-    return {"experts": ex, "weights": wt, "pred": pr,
-            "lists": {"route": (rows, wrows),
-                      "pred": (prows, [[[1.0 / len(x)] * len(x) if x else [] for x in r] for r in prows])},
-            "needed": [list(x) for x in p.needed], "predicted": [list(x) for x in p.predicted]}
-
-
 def run_policy(w: Workload, cfg: ExecConfig, policy_name: str) -> ExecResult:
     from cmoe.trace.passes import popularity
     layout, budget = layout_for(w, cfg, policy_name)
     pop = popularity(w.trace) if w.trace is not None else [[0] * w.spec.num_experts for _ in range(w.spec.num_moe_layers)]
-    passes = _replay_passes(w, cfg) if w.trace is not None else None
+    passes = replay_passes(w, cfg) if w.trace is not None else None
     future = [p.needed for p, *_ in passes] if passes is not None else None
     policy = make_policy(policy_name, layout, w.spec.num_experts, pop, future)
     if (w.store.packing == "tiled") != uses_fused(cfg, w.spec, w.device):

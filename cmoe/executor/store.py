@@ -184,63 +184,81 @@ def checkpoint_store(model_dir: Path, spec: ModelSpec, fmt: str, device: torch.d
     from safetensors import safe_open
     from tqdm import tqdm
 
-    from cmoe.core.checkpoint import _CANON, _FUSED, _PER_EXPERT, safetensors_files
+    from cmoe.core.checkpoint import _FUSED, _PER_EXPERT, safetensors_files
     store = HostStore(spec, fmt, device, packing)
     if keep_cpu_twins and store.packing != "cpu":
         store.cpu_twins = [store._empty(False) for _ in range(spec.num_moe_layers)]
     moe_index = {d: m for m, d in enumerate(spec.moe_layers)}
-    pending: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-    done: set[tuple[int, int]] = set()
+    take = _Collector(store, spec, model_dir)
     others: list[tuple[str, Path]] = []
-    files = safetensors_files(model_dir)
-
-    def finish(m: int, e: int, w1, w3, w2) -> None:
-        if isinstance(w1, dict):                         # compressed-tensors: the checkpoint's own codes
-            c1, c3, c2 = (_ct_codes(x, store.layout.group, model_dir) for x in (w1, w3, w2))
-            store.put_codes(m, e, {"w13": (torch.cat([c1[0], c3[0]], 0), torch.cat([c1[1], c3[1]], 1)), "w2": c2})
-        else:
-            store.put(m, e, torch.cat([w1, w3], 0), w2)
-        done.add((m, e))
-
     with tqdm(total=spec.num_moe_layers * spec.num_experts, disable=not progress, desc="experts") as bar:
-        for path in files:
+        for path in safetensors_files(model_dir):
             with safe_open(str(path), framework="pt") as fh:
                 for name in fh.keys():
                     pe, fu = _PER_EXPERT.match(name), _FUSED.match(name)
                     if pe and int(pe.group(1)) in moe_index:
-                        suffix = pe.group(4)
-                        assert suffix in ("weight",) + _CT_PARTS, f"{name}: quantized experts passed the float check"
-                        key = (moe_index[int(pe.group(1))], int(pe.group(2)))
-                        assert key[1] < spec.num_experts, f"{name}: expert beyond the spec passed check_checkpoint"
-                        got = pending.setdefault(key, {})
-                        if suffix == "weight":
-                            got[_CANON[pe.group(3)]] = fh.get_tensor(name)
-                        else:
-                            got.setdefault(_CANON[pe.group(3)], {})[suffix] = fh.get_tensor(name)
-                        if len(got) == 3 and all(not isinstance(v, dict) or len(v) == len(_CT_PARTS)
-                                                 for v in got.values()):
-                            finish(*key, got["w1"], got["w3"], got["w2"])
-                            del pending[key]
-                            bar.update(1)
+                        bar.update(take.per_expert(fh, name, pe, moe_index[int(pe.group(1))]))
                     elif fu and int(fu.group(1)) in moe_index:
-                        assert not fu.group(3), f"{name}: quantized fused experts passed the float check"
-                        m = moe_index[int(fu.group(1))]
-                        t = fh.get_tensor(name)
-                        assert t.shape[0] == spec.num_experts, f"{name}: fused experts passed check_checkpoint"
-                        for e in range(t.shape[0]):
-                            got = pending.setdefault((m, e), {})
-                            if fu.group(2) == "gate_up_proj":
-                                got["w1"], got["w3"] = t[e].chunk(2, 0)
-                            else:
-                                got["w2"] = t[e]
-                            if len(got) == 3:
-                                finish(m, e, got["w1"], got["w3"], got["w2"])
-                                del pending[(m, e)]
-                                bar.update(1)
+                        bar.update(take.fused(fh, name, fu, moe_index[int(fu.group(1))]))
                     else:
                         others.append((name, path))
-    missing = spec.num_moe_layers * spec.num_experts - len(done)
+    missing = spec.num_moe_layers * spec.num_experts - len(take.done)
     if missing:
-        m, e = next((m, e) for m in range(spec.num_moe_layers) for e in range(spec.num_experts) if (m, e) not in done)
+        m, e = next((m, e) for m in range(spec.num_moe_layers) for e in range(spec.num_experts)
+                    if (m, e) not in take.done)
         raise CmoeError(f"{model_dir}: {missing} experts have no complete weights (first: MoE layer {m}, expert {e})")
     return store, others
+
+
+class _Collector:
+    """Gathers each expert's w1, w3, w2 as the checkpoint's tensors stream by (per-expert tensors,
+    or fused [E, ...] ones) and puts the expert into the store once all three are there."""
+
+    def __init__(self, store: HostStore, spec: ModelSpec, model_dir: Path):
+        self.store, self.spec, self.model_dir = store, spec, model_dir
+        self.pending: dict[tuple[int, int], dict] = {}
+        self.done: set[tuple[int, int]] = set()
+
+    def _finish(self, m: int, e: int) -> int:
+        got = self.pending.pop((m, e))
+        w1, w3, w2 = got["w1"], got["w3"], got["w2"]
+        if isinstance(w1, dict):                         # compressed-tensors: the checkpoint's own codes
+            c1, c3, c2 = (_ct_codes(x, self.store.layout.group, self.model_dir) for x in (w1, w3, w2))
+            self.store.put_codes(m, e, {"w13": (torch.cat([c1[0], c3[0]], 0), torch.cat([c1[1], c3[1]], 1)),
+                                        "w2": c2})
+        else:
+            self.store.put(m, e, torch.cat([w1, w3], 0), w2)
+        self.done.add((m, e))
+        return 1
+
+    def per_expert(self, fh, name: str, pe, m: int) -> int:
+        """One tensor of one expert (`...experts.E.w1.weight`, or a compressed-tensors part)."""
+        from cmoe.core.checkpoint import _CANON
+        suffix = pe.group(4)
+        assert suffix in ("weight",) + _CT_PARTS, f"{name}: quantized experts passed the float check"
+        key = (m, int(pe.group(2)))
+        assert key[1] < self.spec.num_experts, f"{name}: expert beyond the spec passed check_checkpoint"
+        got = self.pending.setdefault(key, {})
+        if suffix == "weight":
+            got[_CANON[pe.group(3)]] = fh.get_tensor(name)
+        else:
+            got.setdefault(_CANON[pe.group(3)], {})[suffix] = fh.get_tensor(name)
+        if len(got) == 3 and all(not isinstance(v, dict) or len(v) == len(_CT_PARTS) for v in got.values()):
+            return self._finish(*key)
+        return 0
+
+    def fused(self, fh, name: str, fu, m: int) -> int:
+        """A layer's experts in one tensor [E, ...] (`gate_up_proj` or `down_proj`)."""
+        assert not fu.group(3), f"{name}: quantized fused experts passed the float check"
+        t = fh.get_tensor(name)
+        assert t.shape[0] == self.spec.num_experts, f"{name}: fused experts passed check_checkpoint"
+        n = 0
+        for e in range(t.shape[0]):
+            got = self.pending.setdefault((m, e), {})
+            if fu.group(2) == "gate_up_proj":
+                got["w1"], got["w3"] = t[e].chunk(2, 0)
+            else:
+                got["w2"] = t[e]
+            if len(got) == 3:
+                n += self._finish(m, e)
+        return n

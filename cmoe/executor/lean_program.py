@@ -1,0 +1,217 @@
+"""The lean engine's device program (`cmoe.executor.lean`): its segments P, A_m, X_m and H as
+device work only, run eagerly or recorded into CUDA graphs, and the capture of those graphs on
+the first decode pass. A mixin of `LeanEngine`: the host's side of a layer is in `lean_steps`,
+the pass loop and bookkeeping in `lean`. Shapes: B rows (batch), N = B * tokens, H hidden,
+E experts, M MoE layers; `t` holds each segment's tensors by layer (`_fresh`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from cmoe.executor.lean_steps import owa_device
+
+
+class _Capture:
+    """Stands in for the engine behind each experts shim: keeps the layer's MLP input and routing
+    (tensors on the device) and returns zeros, so the MoE block's own forward computes its shared
+    part alone (0 + shared is exact) and the routed part is added after, by X_m."""
+
+    def __init__(self, sink: dict):
+        self.sink = sink
+        self.zeros: dict = {}                      # read only: the MoE blocks add to it, never into it
+
+    def moe_layer(self, m, hidden, idx, weights):
+        self.sink["x"][m], self.sink["idx"][m], self.sink["w"][m] = hidden, idx, weights
+        key = (hidden.shape, hidden.dtype, hidden.device)
+        z = self.zeros.get(key)                    # one zero tensor per shape: no memset per layer
+        if z is None:
+            z = self.zeros[key] = torch.zeros_like(hidden)
+        return z
+
+
+def _fresh(M: int) -> dict:
+    return {"x": [None] * M, "idx": [None] * M, "w": [None] * M, "logits": [None] * M, "mid": [None] * M,
+            "shared": [None] * M, "pred": [None] * M, "rb": [None] * M, "h": [None] * M}
+
+
+class Segments:
+    def _decoder(self, d: int, h: torch.Tensor) -> torch.Tensor:
+        io = self.io
+        out = self.layers[d](h, attention_mask=io["mask"], position_ids=io["pos"], past_key_values=self.kv,
+                             position_embeddings=self.t["pe"])
+        return out[0] if isinstance(out, tuple) else out
+
+    def _predict(self, m: int, src: torch.Tensor) -> None:
+        """MoE layer m's router on an earlier hidden state. Eager, its host time is a `host_predict`
+        span; inside a graph it costs the host nothing (its GPU time lies in `attention`)."""
+        h0 = self.clock.host()
+        self._predicting = True
+        try:
+            _, w, idx = self.gates[m](src.reshape(-1, src.shape[-1]))
+        finally:
+            self._predicting = False
+        self.t["pred"][m] = (idx, w)
+        if not self._in_graph:
+            self._span(self.spec.moe_layers[m], "host", "host_predict", -1, h0, self.clock.host())
+
+    def seg_pre(self) -> None:
+        t, io = self.t, self.io
+        h = self.model.model.embed_tokens(io["ids"])
+        t["pe"] = self.model.model.rotary_emb(h, io["pos"])
+        for d in self._dense_before[0]:
+            h = self._decoder(d, h)
+        t["h_in0"] = h
+        if self.commit and self.cur.decode:
+            if self.spec.moe_layers[0] == 0:                # the source is layer 0's input norm
+                t["src0"] = self.layers[0].input_layernorm(h)
+            self._predict(0, t["src0"])
+
+    def seg_attn(self, m: int) -> None:
+        t = self.t
+        h = t["h_in0"] if m == 0 else t["h"][m - 1]
+        for d in self._dense_before[m] if m else ():
+            h = self._decoder(d, h)
+        self._decoder(self.spec.moe_layers[m], h)           # hooks keep mid, x, routing, shared
+        if self.policy.uses_prediction and m + 1 < self.M:
+            self._predict(m + 1, t["x"][m])
+        if not self.silent:
+            t["rb"][m] = torch.cat(self._readback_parts(m), 1)
+
+    def _readback_parts(self, m: int) -> list:
+        t = self.t
+        parts = [t["idx"][m].float(), t["w"][m].float()]
+        if self.commit and self.cur.decode:
+            parts.append(t["logits"][m].float().reshape(parts[0].shape[0], -1))
+        if self.policy.uses_prediction and m + 1 < self.M:
+            parts += [t["pred"][m + 1][0].float(), t["pred"][m + 1][1].float()]
+        return parts
+
+    def _kernel(self, m: int, table: torch.Tensor, out_dtype=None) -> torch.Tensor:
+        """The routed experts of layer m from the slots `table` points at, in x's dtype (or
+        out_dtype: fp32 for a wave's partial sum, rounded once when the waves are added)."""
+        from cmoe.executor.moe_kernel import moe_forward
+        t, k = self.t, self.kin
+        x = t["x"][m]
+        if k.get("owa"):                                  # commit in decode: OWA on the device
+            ids, w = owa_device(t["logits"][m], k["ids"][m], k["comm"][m], self.spec.top_k, self.spec.renormalize,
+                                self.spec.scaling, self.spec.scoring == "sigmoid")
+        elif k["host_ids"]:
+            ids, w = k["ids"][m], k["w"][m]
+        else:                                              # the router's own choice, on the device
+            ids, w = t["idx"][m].to(torch.int32), t["w"][m].float()
+        return moe_forward(x, ids, w, table, self.pool.blocks[m], self.store.layout, workspace=self._ws,
+                           out_dtype=out_dtype)
+
+    def seg_experts(self, m: int, y: torch.Tensor | None = None) -> None:
+        """X_m: the layer's routed experts (or `y`, computed already) plus the residual. Written
+        into the same tensor every time, the next segment's input."""
+        t = self.t
+        mid, shared = t["mid"][m], t["shared"][m]
+        if y is None and self._steps and self.fused:        # one launch: the cast, the sums, the copy
+            from cmoe.executor.kernels_triton.steps import residual_sum
+            acc = self._kernel(m, self.table[m], out_dtype=torch.float32)
+            dst = t["h"][m] if self._static_out and t["h"][m] is not None else None
+            t["h"][m] = residual_sum(mid, acc.view(mid.shape), shared if self.has_shared else None, dst)
+            return
+        if y is None:
+            y = self._kernel(m, self.table[m])
+        y = y.view(shared.shape).to(shared.dtype)
+        out = mid + (shared + y) if self.has_shared else mid + y
+        if self._static_out and t["h"][m] is not None:
+            t["h"][m].copy_(out)
+        else:
+            t["h"][m] = out
+
+    def _wave_add(self, m: int) -> None:
+        """One launch wave of layer m under a graph: the experts the table row names, added in
+        fp32 to the layer's running sum (the eager path's order: 0 + wave 1 + wave 2 ...)."""
+        self._wave_acc.add_(self._kernel(m, self.table[m], torch.float32))
+
+    def _wave_finish(self, m: int) -> None:
+        """After layer m's last wave: the sum rounded once, the residual, and the sum zeroed."""
+        self.seg_experts(m, self._wave_acc.to(self.t["x"][m].dtype))
+        self._wave_acc.zero_()
+
+    def seg_head(self) -> None:
+        t = self.t
+        h = t["h"][self.M - 1]
+        for d in self._dense_after:
+            h = self._decoder(d, h)
+        h = self.model.model.norm(h)
+        t["logits_out"] = self.model.lm_head(h[:, -1])
+        if self.silent:                                    # upper's bookkeeping: every layer's choice
+            t["all_idx"] = torch.stack([torch.cat([t["idx"][m].float(), t["w"][m].float()], 1)
+                                        for m in range(self.M)])
+
+    # --- graphs ----------------------------------------------------------------------------------
+    def _capture(self, B: int) -> None:
+        """Warm up and record the decode segments, over the static inputs (first decode pass)."""
+        h0 = time.perf_counter()
+        dev = self.device
+        E = self.spec.num_experts
+        self.io = {"ids": torch.zeros((B, 1), dtype=torch.long, device=dev),
+                   "pos": torch.zeros((B, 1), dtype=torch.long, device=dev), "mask": self.kv.decode_mask}
+        self._make_kin(B, decode=True)
+        if self.fused:
+            from cmoe.executor.kernels_triton import Workspace
+            self._ws = Workspace(B, self._kin_k, self.spec.hidden, self.spec.expert_ffn, E, dev)
+        self.kv.aim_decode()                             # warm-up writes where this pass will write
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        self.t = _fresh(self.M)
+        self._cap.sink = self.t
+        self._static_out = False
+        self._in_graph = True
+        with torch.cuda.stream(side), torch.no_grad():    # warm-up: compiles kernels, sizes buffers
+            for _ in range(2):
+                self._program_eager()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        torch.cuda.synchronize(dev)
+        self.t = _fresh(self.M)
+        self._cap.sink = self.t
+        pool = torch.cuda.graph_pool_handle()
+        g = {}
+
+        def rec(name, fn, *a):
+            gr = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gr, pool=pool), torch.no_grad():
+                fn(*a)
+            g[name] = gr
+
+        waves = self.fused and not self.has_cpu and not self.silent and not self.commit \
+            and os.environ.get("CMOE_WAVE_GRAPHS", "1") != "0"
+        if waves:                                          # a layer in launch waves: one replay a wave
+            self._wave_acc = torch.zeros((B, self.spec.hidden), dtype=torch.float32, device=dev)
+        rec("pre", self.seg_pre)
+        for m in range(self.M):
+            rec(("attn", m), self.seg_attn, m)
+            if self.fused and not self.has_cpu:
+                rec(("experts", m), self.seg_experts, m)
+            else:                                          # eager experts write into this buffer
+                self.t["h"][m] = torch.empty_like(self.t["mid"][m])
+            if waves:
+                rec(("wave", m), self._wave_add, m)
+                self._static_out = True                    # finish writes X_m's own output tensor
+                rec(("finish", m), self._wave_finish, m)
+                self._static_out = False
+        rec("head", self.seg_head)
+        torch.cuda.synchronize(dev)
+        self.graphs = g
+        self.t_graph = self.t
+        self._static_out = True
+        self._in_graph = False
+        self.log.capture_us = (time.perf_counter() - h0) * 1e6
+
+    def _program_eager(self) -> None:
+        self.seg_pre()
+        for m in range(self.M):
+            self.seg_attn(m)
+            if self.fused:
+                self.seg_experts(m)
+            else:
+                self.t["h"][m] = self.t["mid"][m] + self.t["shared"][m]
+        self.seg_head()

@@ -1,0 +1,53 @@
+"""The executor's named records: one pass's input, one layer's plan as executed, and a run's log
+(the metrics record both engines fill, `cmoe.core.metrics.RunRecord`, plus the plans)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cmoe.core.metrics import RunRecord
+
+
+@dataclass
+class PassInput:
+    index: int
+    decode: bool
+    input_ids: torch.Tensor                  # [B, n]
+    position_ids: torch.Tensor               # [B, n]
+    attention_mask: torch.Tensor | None      # [B, past + n] or None
+    active: np.ndarray                       # [B*n] bool: rows that are real tokens (not padding)
+    replay: dict | None = None               # trace rows: experts/weights/pred [B*n, M, K]
+
+
+@dataclass
+class PlanRecord:
+    pass_index: int
+    layer: int                 # MoE layer; -1 for the loads issued when the pass begins
+    needed: tuple
+    predicted_next: tuple | None
+    loads: tuple
+    gpu: tuple
+    cpu: tuple
+    skipped: tuple
+    physical: tuple            # (slot -> expert) after the loads were issued
+    logical: tuple             # the policy's pool index, as (slot -> expert)
+
+
+@dataclass
+class RunLog(RunRecord):
+    plans: list = field(default_factory=list)
+    slot_mismatches: int | None = None     # slots whose bytes differ from their expert's (checked on request)
+
+
+def _loads(loads) -> tuple:
+    return tuple((ld.layer, ld.expert, ld.slot, ld.victim, ld.kind) for ld in loads)
+
+
+def _slot_table(where, n: int) -> list[int]:
+    t = [-1] * n
+    for e, s in where.items():
+        t[s] = e
+    return t

@@ -1,0 +1,123 @@
+"""How both engines read a layer's routes back and turn them into work: each token's experts by
+weight (or a replayed trace's), the predictions kept for commit, the router's scores, the plan's
+experts with their rows and weights (`_assign`: the routed ones, or commit's OWA-weighted
+committed ones), and the CPU experts' loop. A mixin of `cmoe.executor.engine.Engine`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cmoe.executor.kernels import ExpertViews, ffn
+from cmoe.policy.owa import owa_weights
+from cmoe.quality.measures import log_softmax
+from cmoe.trace.passes import ranked
+
+
+class Routes:
+    def _ranked_rows(self, idx: np.ndarray, w: np.ndarray, m: int, kind: str) -> tuple[list, list]:
+        """Per token, experts by weight (highest first) and those weights. Replay mode takes the
+        trace's instead; a trace keeps no weights for its predictions, so those count as equal."""
+        r = self.cur.replay
+        if r is not None and "lists" in r:
+            rows, ws = r["lists"][kind]
+            return rows[m], ws[m]
+        if r is not None:
+            ex = r["pred"][:, m] if kind == "pred" else r["experts"][:, m]
+            rows = [[int(e) for e in row if e >= 0] for row in ex]
+            if kind == "pred":
+                return rows, [[1.0 / len(x)] * len(x) for x in rows]
+            return rows, [[float(v) for v, e in zip(wr, er) if e >= 0] for wr, er in zip(r["weights"][:, m], ex)]
+        order = np.argsort(-w, axis=1, kind="stable")
+        return (np.take_along_axis(idx, order, 1).astype(np.int64).tolist(),
+                np.take_along_axis(w, order, 1).astype(np.float64).tolist())
+
+    def _keep_prediction(self, m: int, idx: np.ndarray, w: np.ndarray) -> list[list[int]]:
+        """Record each token's predicted experts for layer m (and, without OWA, their weights)."""
+        rows, ws = self._ranked_rows(idx, w, m, "pred")
+        self.token_pred[m] = rows
+        if not self.owa:
+            self.token_pred_w[m] = [dict(zip(r, x)) for r, x in zip(rows, ws)]
+        return rows
+
+    def _scores(self, logits: np.ndarray) -> np.ndarray:
+        x = logits.astype(np.float64)
+        return 1 / (1 + np.exp(-x)) if self.spec.scoring == "sigmoid" else np.exp(log_softmax(x))
+
+    def _read_routes(self, m: int, idx: torch.Tensor, weights: torch.Tensor, live: list[int]):
+        """The layer's one read-back: routing, (commit) router logits, the next layer's prediction.
+        Returns per-token experts and weights (highest first), OWA scores, and the policy's inputs."""
+        N, K = idx.shape
+        decode_commit = self.commit and self.cur.decode
+        parts = [idx.float(), weights.float()]
+        if decode_commit:
+            parts.append(self.logits[m].float().reshape(N, -1))
+        nxt = self.pred_gpu[m + 1] if m + 1 < self.M else None
+        if nxt is not None:
+            parts += [nxt[0].float(), nxt[1].float()]
+        host = torch.cat(parts, 1).cpu().numpy()
+        self.h_synced = self.clock.host()
+        K2 = nxt[0].shape[1] if nxt is not None else 0
+        return self._parse_routes(m, host, K, K2, live)
+
+    def _parse_routes(self, m: int, host: np.ndarray, K: int, K2: int, live: list[int]):
+        """The read-back's columns (top-k ids, weights, [commit: router logits], [the next layer's
+        predicted ids and weights]) as `_read_routes` returns them."""
+        E = self.spec.num_experts
+        decode_commit = self.commit and self.cur.decode
+        rows, wsorted = self._ranked_rows(host[:, :K], host[:, K:2 * K], m, "route")
+        col, scores = 2 * K, None
+        if decode_commit:
+            scores = self._scores(host[:, col:col + E])
+            col += E
+        needed = list(ranked([rows[i] for i in live])[0])
+        predicted = None
+        if K2:
+            prow = self._keep_prediction(m + 1, host[:, col:col + K2], host[:, col + K2:col + 2 * K2])
+            predicted = list(ranked([prow[i] for i in live])[0])
+        return rows, wsorted, scores, needed, predicted
+
+    def _assign(self, m, plan, rows, wsorted, scores, live, K) -> dict[int, list[tuple[int, float]]]:
+        """expert -> [(row, weight)]: the routed experts with the router's weights, or, for commit
+        in decode, each token's own predicted experts among the committed ones with OWA weights."""
+        assign: dict[int, list[tuple[int, float]]] = {}
+        if self.commit and self.cur.decode:
+            chosen = set(plan.gpu)
+            for i in live:
+                mine = [e for e in dict.fromkeys(self.token_pred[m][i]) if e in chosen]
+                if not mine:                       # none of its guesses was committed: its best committed
+                    mine = [max(plan.gpu, key=lambda e: scores[i][e])]
+                if self.owa:
+                    ws = owa_weights(scores[i].tolist(), mine, K, self.spec.renormalize, self.spec.scaling)
+                else:                              # trust the early router: its own weights, as predicted
+                    pw = self.token_pred_w[m][i]
+                    ws = [pw.get(e, 0.0) for e in mine]
+                for e, w in zip(mine, ws):
+                    assign.setdefault(e, []).append((i, w))
+        else:
+            for i in live:
+                for e, w in zip(rows[i], wsorted[i]):
+                    assign.setdefault(e, []).append((i, w))
+        return assign
+
+    def _cpu_experts(self, m, d, cpu, order, wmat, hidden, x_host, out) -> None:
+        clock = self.clock
+        x = x_host if x_host is not None else hidden
+        acc = torch.zeros(x.shape, dtype=torch.float32)
+        for e in cpu:
+            j = order.index(e)
+            r = torch.from_numpy(np.nonzero(wmat[j])[0])
+            h0 = clock.host()
+            v = self._cpu_views.get((m, e))
+            if v is None:
+                v = self._cpu_views[(m, e)] = ExpertViews(self.store.layout, self.store.cpu_expert(m, e), "cpu")
+            y = ffn(x.index_select(0, r), v, self.act).float()
+            acc.index_add_(0, r, y * torch.from_numpy(wmat[j]).index_select(0, r)[:, None])
+            self._span(d, "cpu", "cpu_expert", e, h0, clock.host(), self.store.slot)
+        h0 = clock.host()
+        out.add_(acc.to(self.device, out.dtype))
+        if self.cuda:
+            self._span(d, "cpu", "roundtrip", -1, h0, clock.host(), acc.numel() * out.element_size())
+
+    # --- spans ----------------------------------------------------------------------------
