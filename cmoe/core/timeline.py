@@ -2,17 +2,31 @@
 
 Columns: source (sim or gpu), step (pass index), layer (decoder layer, -1 for none), stream
 (compute, copy0.., cpu), op (attention, dense, shared, expert, load, cpu_expert, roundtrip),
-expert (-1 for none), start_us, end_us, bytes. Spans are recorded as tuples in a list and
-turned into a table once at the end. Parquet is written with pyarrow, which the GPU machine has,
+expert (-1 for none), start_us, end_us, bytes. Spans are recorded as `Span`s (named tuples: read
+by name, `s.op`, `s.end_us`) in a list and turned into a table once at the end. Parquet is written with pyarrow, which the GPU machine has,
 so neither side needs polars to write a timeline.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
-COLUMNS = ("source", "step", "layer", "stream", "op", "expert", "start_us", "end_us", "bytes")
-Span = tuple  # (source, step, layer, stream, op, expert, start_us, end_us, bytes)
+
+class Span(NamedTuple):
+    """One interval of one lane of a run's timeline (the simulator's or the executor's)."""
+    source: str        # "sim", "gpu" or "cpu"
+    step: int          # pass index
+    layer: int         # decoder layer, -1 for none
+    stream: str        # compute, copy0, ..., cpu, host
+    op: str            # attention, expert, load, route, head, cpu_expert, roundtrip, host_* ...
+    expert: int        # -1 for none
+    start_us: float
+    end_us: float
+    bytes: int = 0
+
+
+COLUMNS = Span._fields
 
 
 def arrow_table(spans: list[Span]):
@@ -35,4 +49,4 @@ def write_parquet(spans: list[Span], path: str | Path) -> Path:
 def read_parquet(path: str | Path) -> list[Span]:
     import pyarrow.parquet as pq
     t = pq.read_table(path).to_pydict()
-    return list(zip(*(t[c] for c in COLUMNS)))
+    return [Span(*r) for r in zip(*(t[c] for c in COLUMNS))]

@@ -49,6 +49,7 @@ from cmoe.executor.records import PassInput, PlanRecord, RunLog, _loads, _slot_t
 from cmoe.executor.routes import Routes
 from cmoe.executor.streams import Clock, DevicePool
 from cmoe.core.metrics import classify
+from cmoe.core.timeline import Span
 from cmoe.policy.policies import Policy
 from cmoe.core.spec import ModelSpec
 from cmoe.trace.hf import prediction_source
@@ -89,6 +90,16 @@ class Engine(Routes):
         self._cpu_views: dict = {}
         self._predicting = False
         self._lead_cycles = _sleep_cycles(lead_us, device) if lead_us and self.cuda else 0
+        # the current pass (set by run_pass and the per-layer steps)
+        self.cur: PassInput | None = None            # the pass being run
+        self.begun = False                           # its layer-0 prediction and first loads are out
+        self._layer = -1                             # the MoE layer whose step runs now
+        self.last = self.h_last = None               # GPU mark and host time where the last layer's work ended
+        self.h_synced = 0.0                          # host time the last read-back finished
+        self.logits: list = [None] * self.M          # per MoE layer: router logits on the device (commit)
+        self.pred_gpu: list = [None] * self.M        # per MoE layer: the early router's choice on the device
+        self.token_pred: list = [None] * self.M      # per MoE layer: each token's predicted experts
+        self.token_pred_w: list = [None] * self.M    # ... and their weights (commit without OWA)
         self.handles = []
         for m in range(self.M if hooks else 0):
             self.handles.append(self.gates[m].register_forward_hook(self._on_gate(m)))
@@ -279,7 +290,7 @@ class Engine(Routes):
             if not final and not (self.clock.done(a) and self.clock.done(b)):
                 keep.append(sp)
                 continue
-            self.log.spans.append((self.source, p, layer, stream, op, expert, self.clock.us(a), self.clock.us(b), nbytes))
+            self.log.spans.append(Span(self.source, p, layer, stream, op, expert, self.clock.us(a), self.clock.us(b), nbytes))
         self._pending = keep
         c = self.clock
         keep = []

@@ -63,6 +63,7 @@ from cmoe.executor.records import PlanRecord, _slot_table
 from cmoe.executor.lean_program import Segments, _Capture, _fresh
 from cmoe.executor.lean_steps import HostSteps
 from cmoe.core.metrics import classify
+from cmoe.core.timeline import Span
 from cmoe.trace.passes import ranked
 
 
@@ -87,7 +88,11 @@ class LeanEngine(HostSteps, Segments, Engine):
             self.handles.append(self.gates[m].register_forward_hook(self._on_logits(m)))
         self.handles.append(self._source(0).register_forward_hook(self._on_src0))
         self.graphs = None
-        self.kin = None
+        self.kin = None                                    # kernel inputs the host writes (`_make_kin`)
+        self._kin_k = 0
+        self._rb_pin: list = []                            # per MoE layer: the read-back's pinned buffer
+        self.io: dict | None = None                        # the pass's inputs: ids, positions, mask
+        self.kv = None                                     # the run's StaticKV
         self.log.capture_us = None
         self._dense_before = [list(range(0, d[0]))] + [list(range(d[m - 1] + 1, d[m])) for m in range(1, self.M)]
         self._dense_after = list(range(d[-1] + 1, spec.num_layers))
@@ -332,7 +337,7 @@ class LeanEngine(HostSteps, Segments, Engine):
             a, b = self.clock.us(t0), self.clock.us(t1)
             step = (b - a) / len(experts)
             for j, e in enumerate(experts):
-                self.log.spans.append((self.source, p, d, "compute", "expert", e, a + j * step,
+                self.log.spans.append(Span(self.source, p, d, "compute", "expert", e, a + j * step,
                                        b if j == len(experts) - 1 else a + (j + 1) * step, nbytes))
         self._fused = keep
         super()._resolve(final)
