@@ -4,7 +4,7 @@ one just built, or the preset cut to its first layers) under `upper`, `commit`, 
 (`lead_us`) lets the host get ahead, so its compute spans are the GPU's own time; on the CPU both
 sides are the same run. Means, not best-of: throughput pays for the slow passes too. The host's
 layer time of each of the two eager runs is kept under `repeats` ("host, layer"), so that the noise
-verdict (`cmoe.calibrate.profile_fit.noise`) sees how far two runs of the same model disagree, and so is an
+verdict (`cmoe.calibrate.noise.noise`) sees how far two runs of the same model disagree, and so is an
 expert kernel's mean time at batch 1 and 8 (it may not fall with rows).
 """
 
@@ -84,6 +84,37 @@ def _load_cost(log, upper_route_us: float, cuda: bool) -> float:
     return max(per, 0.0) / 1e6
 
 
+class _ModelRuns:
+    """The short runs `layers` makes of one model, and what they have measured so far: the GPU's
+    side (`gpu`), the host's (`host`), CPU experts and round trips, and batch 1's own figures
+    (`one`). `w`: the workload of the latest run, whose model and store the next one reuses."""
+
+    def __init__(self, device: torch.device, spec: ModelSpec, fmt: str, model_dir, tokens: int, built):
+        from cmoe.executor.run import budget_recipe
+        self.device, self.spec, self.fmt, self.model_dir, self.tokens = device, spec, fmt, model_dir, tokens
+        self.rec = budget_recipe(fmt)
+        self.cuda = device.type == "cuda"
+        self.first = spec.moe_layers[0]
+        self.L, self.M = spec.num_layers, spec.num_moe_layers
+        self.gpu: dict[str, list] = {"points": [], "expert": []}
+        self.host: dict[str, list] = {"layer": [], "route": [], "expert": [], "expert_span": [], "sync": [],
+                                      "layer_runs": []}
+        self.cpu_pts: list = []
+        self.trips: list = []
+        self.one: dict[str, float] = {}
+        self.w = built
+
+    def on(self, params):
+        """A workload replaying a synthetic trace on the model and store already there (if any)."""
+        from cmoe.executor.run import Workload
+        from cmoe.trace.synthetic import generate
+        nw = Workload(spec=self.spec, device=self.device, fmt=self.fmt, trace=generate(self.spec, self.rec, params),
+                      model_dir=self.model_dir)
+        if self.w is not None:
+            nw.store, nw.model, nw.shims = self.w.store, self.w.model, self.w.shims
+        return nw
+
+
 def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, model_dir=None, tokens: int = 32,
            built=None) -> dict:
     """What the executor's own timeline says a model costs outside the experts, on the GPU and on
@@ -98,110 +129,124 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
     `built`: a Workload already built (its model, store and spec are used as they are: the model
     the runs will use, in the state they will find it); otherwise the model is built here, cut to
     its first `num_layers` layers (same per-layer shapes)."""
-    from cmoe.executor.run import ExecConfig, Workload, budget_recipe, build, run_policy
-    from cmoe.core.quant import non_expert_bytes
-    from cmoe.trace.synthetic import SyntheticParams, generate
     if built is not None:
         spec, model_dir = built.spec, built.model_dir
     elif model_dir is None:
         keep = tuple(d for d in spec.moe_layers if d < num_layers)
         spec = replace(spec, num_layers=num_layers, moe_layers=keep)
-    rec = budget_recipe(fmt)
-    cuda = device.type == "cuda"
-    first = spec.moe_layers[0]
-    L, M = spec.num_layers, spec.num_moe_layers
-    gpu: dict[str, list] = {"points": [], "expert": []}
-    host: dict[str, list] = {"layer": [], "route": [], "expert": [], "expert_span": [], "sync": [], "layer_runs": []}
-    cpu_pts, trips = [], []
-    w = built
-
-    def on(params: SyntheticParams) -> Workload:
-        """A workload replaying a synthetic trace on the model and store already there (if any)."""
-        nw = Workload(spec=spec, device=device, fmt=fmt, trace=generate(spec, rec, params), model_dir=model_dir)
-        if w is not None:
-            nw.store, nw.model, nw.shims = w.store, w.model, w.shims
-        return nw
-
+    r = _ModelRuns(device, spec, fmt, model_dir, tokens, built)
     # every batch bucket the benchmarks use on a GPU, so the host's costs are tables, not lines
     # through two points; a CPU keeps two (its main job runs batch 1, and it is slow)
-    for batch in ((1, 2, 4, 8, 16) if cuda else (1, 8)):
-        w = on(SyntheticParams(requests=batch, prompt_len=16, decode_len=tokens + 4, seed=batch))
-        tr = w.trace
-        cfg = ExecConfig(policies=("upper",), pool_gb=1e3, batch=batch, tokens=tokens, device=device.type)
-        if w.store is None:
-            build(w, replace(cfg, policies=("upper", "static")))
-        run_policy(w, cfg, "upper")                               # warm-up over the same lengths
-        # the host's side from ondemand with every expert resident: upper's work, plus the host step
-        # every other policy takes (read-back, plan, dispatch), which the lean engine's upper skips
-        hc = replace(cfg, policies=("ondemand",), slots=spec.num_experts)
-        run_policy(w, hc, "ondemand")
-        eager = [run_policy(w, hc, "ondemand").log for _ in range(2)]
-        queued = run_policy(w, replace(cfg, lead_us=LEAD_US), "upper").log if cuda else eager[0]
-        ne, start = _per_layer(queued, ("attention",), first)
-        gpu["points"].append((batch, ne / L / 1e6))
-        gpu["expert"].append((batch, _mean(queued, "expert")))
-        per_run = [_per_layer(e, ("host_attention",), first) for e in eager]
-        host["layer_runs"].append([batch, [float(ne_r) / L / 1e6 for ne_r, _ in per_run]])
-        h_ne, h_start = np.mean(per_run, axis=0)
-        h_route = np.mean([_per_layer(e, ("host_route",), None)[0] for e in eager])
-        host["layer"].append((batch, h_ne / L / 1e6))
-        host["route"].append((batch, h_route / M / 1e6))
-        host["expert"].append((batch, np.mean([_mean(e, "host_expert") for e in eager])))
-        # on a host-bound GPU an expert's compute span is the host's time between its two marks
-        host["expert_span"].append((batch, np.mean([_mean(e, "expert") for e in eager])))
-        host["sync"] += [_mean(e, "host_sync", np.median) for e in eager]
-        if batch == 1:
-            gpu_start, gpu_head = start / 1e6, _mean(queued, "head")
-            host_start, host_head = h_start / 1e6, float(np.mean([_mean(e, "host_head") for e in eager]))
-            cc = replace(cfg, policies=("commit",), slots=spec.num_experts)
-            run_policy(w, cc, "commit")
-            c_log = run_policy(w, cc, "commit").log
-            # the early router itself, timed on its own (every policy that predicts runs it), and
-            # what commit's larger read-back and OWA add to the route (a difference of two runs'
-            # host times: noisy, so only the route's part)
-            c_route, _ = _per_layer(c_log, ("host_route",), None)
-            c_pred, _ = _per_layer(c_log, ("host_predict",), None)
-            predict = c_pred / M / 1e6
-            commit_route = max(c_route - h_route, 0.0) / M / 1e6
-            # what issuing a load costs the host: ondemand with top_k slots misses often
-            od = run_policy(w, replace(cfg, policies=("ondemand",), slots=spec.top_k, tokens=min(tokens, 8)),
-                            "ondemand")
-            host_load = _load_cost(od.log, h_route, cuda)
-        if batch in (1, 8) and (not cuda or w.store.cpu_twins is not None):
-            st = run_policy(w, replace(cfg, policies=("static",), slots=spec.top_k, tokens=min(tokens, 8)), "static").log
-            p, t = _cpu_points(st, tr, batch, spec)
-            cpu_pts += p
-            trips += t
-    # attention against context: the GPU-time run again, one request with a long prompt
-    prompt = LONG_PROMPT if cuda else LONG_PROMPT // 8
-    lw = on(SyntheticParams(requests=1, prompt_len=prompt, decode_len=8 + 4, seed=3))
-    lc = ExecConfig(policies=("upper",), pool_gb=1e3, batch=1, tokens=8, device=device.type,
-                    lead_us=LEAD_US if cuda else 0.0)
+    for batch in ((1, 2, 4, 8, 16) if r.cuda else (1, 8)):
+        _measure_batch(r, batch)
+    return _result(r, _context_points(r))
+
+
+def _measure_batch(r: _ModelRuns, batch: int) -> None:
+    """One batch size: warm up on `upper`, then the host's side from two eager `ondemand` runs with
+    every expert resident and the GPU's from a queued `upper` run (on a CPU, the first eager run);
+    at batch 1 also predicting and loads (`_batch_one`), at 1 and 8 CPU experts in the model."""
+    from cmoe.executor.run import ExecConfig, build, run_policy
+    from cmoe.trace.synthetic import SyntheticParams
+    spec, gpu, host, L, M = r.spec, r.gpu, r.host, r.L, r.M
+    r.w = w = r.on(SyntheticParams(requests=batch, prompt_len=16, decode_len=r.tokens + 4, seed=batch))
+    cfg = ExecConfig(policies=("upper",), pool_gb=1e3, batch=batch, tokens=r.tokens, device=r.device.type)
+    if w.store is None:
+        build(w, replace(cfg, policies=("upper", "static")))
+    run_policy(w, cfg, "upper")                               # warm-up over the same lengths
+    # the host's side from ondemand with every expert resident: upper's work, plus the host step
+    # every other policy takes (read-back, plan, dispatch), which the lean engine's upper skips
+    hc = replace(cfg, policies=("ondemand",), slots=spec.num_experts)
+    run_policy(w, hc, "ondemand")
+    eager = [run_policy(w, hc, "ondemand").log for _ in range(2)]
+    queued = run_policy(w, replace(cfg, lead_us=LEAD_US), "upper").log if r.cuda else eager[0]
+    ne, start = _per_layer(queued, ("attention",), r.first)
+    gpu["points"].append((batch, ne / L / 1e6))
+    gpu["expert"].append((batch, _mean(queued, "expert")))
+    per_run = [_per_layer(e, ("host_attention",), r.first) for e in eager]
+    host["layer_runs"].append([batch, [float(ne_r) / L / 1e6 for ne_r, _ in per_run]])
+    h_ne, h_start = np.mean(per_run, axis=0)
+    h_route = np.mean([_per_layer(e, ("host_route",), None)[0] for e in eager])
+    host["layer"].append((batch, h_ne / L / 1e6))
+    host["route"].append((batch, h_route / M / 1e6))
+    host["expert"].append((batch, np.mean([_mean(e, "host_expert") for e in eager])))
+    # on a host-bound GPU an expert's compute span is the host's time between its two marks
+    host["expert_span"].append((batch, np.mean([_mean(e, "expert") for e in eager])))
+    host["sync"] += [_mean(e, "host_sync", np.median) for e in eager]
+    if batch == 1:
+        _batch_one(r, cfg, start, h_start, eager, queued, h_route)
+    if batch in (1, 8) and (not r.cuda or w.store.cpu_twins is not None):
+        st = run_policy(w, replace(cfg, policies=("static",), slots=spec.top_k, tokens=min(r.tokens, 8)), "static").log
+        p, t = _cpu_points(st, w.trace, batch, spec)
+        r.cpu_pts += p
+        r.trips += t
+
+
+def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, queued, h_route: float) -> None:
+    """Batch 1's own figures into `r.one`: the pass's start-up and LM head on both sides; what
+    predicting adds per MoE layer and what commit adds to the route (two `commit` runs, every
+    expert resident); and what issuing one load costs the host (`ondemand` with top_k slots)."""
+    from cmoe.executor.run import run_policy
+    w, spec, M = r.w, r.spec, r.M
+    one = r.one
+    one["gpu_start"], one["gpu_head"] = start / 1e6, _mean(queued, "head")
+    one["host_start"], one["host_head"] = h_start / 1e6, float(np.mean([_mean(e, "host_head") for e in eager]))
+    cc = replace(cfg, policies=("commit",), slots=spec.num_experts)
+    run_policy(w, cc, "commit")
+    c_log = run_policy(w, cc, "commit").log
+    # the early router itself, timed on its own (every policy that predicts runs it), and
+    # what commit's larger read-back and OWA add to the route (a difference of two runs'
+    # host times: noisy, so only the route's part)
+    c_route, _ = _per_layer(c_log, ("host_route",), None)
+    c_pred, _ = _per_layer(c_log, ("host_predict",), None)
+    one["predict"] = c_pred / M / 1e6
+    one["commit_route"] = max(c_route - h_route, 0.0) / M / 1e6
+    # what issuing a load costs the host: ondemand with top_k slots misses often
+    od = run_policy(w, replace(cfg, policies=("ondemand",), slots=spec.top_k, tokens=min(r.tokens, 8)),
+                    "ondemand")
+    one["host_load"] = _load_cost(od.log, h_route, r.cuda)
+
+
+def _context_points(r: _ModelRuns) -> list:
+    """Attention against context: the GPU-time run again, one request with a long prompt. Returns
+    [(mean keys per decode token, seconds per layer)] of the batch-1 runs and of this one."""
+    from cmoe.executor.run import ExecConfig, run_policy
+    from cmoe.trace.synthetic import SyntheticParams
+    prompt = LONG_PROMPT if r.cuda else LONG_PROMPT // 8
+    lw = r.on(SyntheticParams(requests=1, prompt_len=prompt, decode_len=8 + 4, seed=3))
+    lc = ExecConfig(policies=("upper",), pool_gb=1e3, batch=1, tokens=8, device=r.device.type,
+                    lead_us=LEAD_US if r.cuda else 0.0)
     run_policy(lw, lc, "upper")
-    ne_long, _ = _per_layer(run_policy(lw, lc, "upper").log, ("attention",), first)
-    ctx = [(16 + (tokens + 1) / 2, gpu["points"][0][1]), (prompt + 4.5, ne_long / L / 1e6)]  # mean keys per decode token
-    ne_bytes = non_expert_bytes(spec, rec)
-    per_layer = (ne_bytes["attention"] + ne_bytes["norms"]) // spec.num_layers
+    ne_long, _ = _per_layer(run_policy(lw, lc, "upper").log, ("attention",), r.first)
+    return [(16 + (r.tokens + 1) / 2, r.gpu["points"][0][1]), (prompt + 4.5, ne_long / r.L / 1e6)]  # mean keys per decode token
+
+
+def _result(r: _ModelRuns, ctx: list) -> dict:
+    """What `layers` returns: the measurements `cmoe.calibrate.profile_fit` fits, in its units."""
+    from cmoe.core.quant import non_expert_bytes
+    gpu, host, one = r.gpu, r.host, r.one
+    ne_bytes = non_expert_bytes(r.spec, r.rec)
+    per_layer = (ne_bytes["attention"] + ne_bytes["norms"]) // r.spec.num_layers
     tail = [(t, max(a[1] - b[1], 0.0)) for t, a, b in zip((1, 8), host["expert"], host["expert_span"])]
-    out = {"layer": {"resident_bytes": int(per_layer), "points": gpu["points"], "head_s": gpu_head,
-                     "pass_start_s": gpu_start, "expert_in_model_s": gpu["expert"][0][1],
-                     "expert_points": gpu["expert"], "predict_layer_s": predict, "commit_route_s": commit_route,
-                     "context_points": ctx,
+    out = {"layer": {"resident_bytes": int(per_layer), "points": gpu["points"], "head_s": one["gpu_head"],
+                     "pass_start_s": one["gpu_start"], "expert_in_model_s": gpu["expert"][0][1],
+                     "expert_points": gpu["expert"], "predict_layer_s": one["predict"],
+                     "commit_route_s": one["commit_route"], "context_points": ctx,
                      "host": {"layer_points": host["layer"], "route_points": host["route"],
                               "expert_points": host["expert"], "expert_tail_s": float(np.mean([x for _, x in tail])),
-                              "load_s": host_load, "sync_s": float(np.median(host["sync"])),
-                              "pass_start_s": host_start, "head_s": host_head}},
+                              "load_s": one["host_load"], "sync_s": float(np.median(host["sync"])),
+                              "pass_start_s": one["host_start"], "head_s": one["host_head"]}},
            "repeats": {"host, layer": {"unit": "tokens", "grows": False, "points": host["layer_runs"]},
                        # one mean per batch: no spread, but 8 rows may not take less than 1
                        "expert in model": {"unit": "tokens", "grows": True,
                                            "points": [[t, [x]] for t, x in gpu["expert"]]}}}
-    if cpu_pts:
+    if r.cpu_pts:
         by: dict[int, list] = {}
-        for t, x in cpu_pts:
+        for t, x in r.cpu_pts:
             by.setdefault(int(t), []).append(x)
         # means, not medians: CPU experts have a long tail (on the H200's host 2-9% of them took
         # over 9 ms against a 1.8 ms median), and throughput pays for it
         out["cpu_expert_in_model"] = {"points": [(t, float(np.mean(v))) for t, v in sorted(by.items())],
                                       "count": [(t, len(v)) for t, v in sorted(by.items())]}
-        out["roundtrip_in_model"] = float(np.median(trips)) if trips else None
+        out["roundtrip_in_model"] = float(np.median(r.trips)) if r.trips else None
     return out

@@ -38,18 +38,25 @@ A busy machine measures anything (an int4 expert at 0.0045 GB/s, a 4 MiB copy sl
 one) and the fit believes it, so the repeats are kept and judged: `noise` gives each point's spread,
 (max - min) / median of its repeats, and the curves that fall where they must grow (copy time with
 size, expert time with rows); `Noise.line` is the one-line verdict calibrate prints and `--strict`
-turns into a refusal; `run_verdict` is the line `cmoe run` prints beside its errors.
+turns into a refusal; `run_verdict` is the line `cmoe run` prints beside its errors (the verdict
+lives in `cmoe.calibrate.noise`; its names are re-exported here).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
+from cmoe.calibrate.noise import (FALL_SLACK, JITTER_S, SPREAD_LIMIT, Noise, noise, point_label, run_verdict,
+                                  size_label, spread, verdict)
 from cmoe.core.errors import CmoeError
 from cmoe.core.hw import GB, HardwareProfile
+
+__all__ = ["FALL_SLACK", "JITTER_S", "Noise", "SPREAD_LIMIT", "beside", "best_per_size", "curve", "fit_line",
+           "fit_profile", "noise", "noise_of", "point_label", "refit_profile", "run_verdict", "spread", "verdict",
+           "with_expert_classes"]   # the noise verdict lives in cmoe.calibrate.noise
 
 Points = list[tuple[float, float]]
 
@@ -79,47 +86,19 @@ def curve(points: Points) -> tuple[tuple[int, float], ...]:
 
 
 def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) -> HardwareProfile:
-    ex = m["expert"]
-    a, b = fit_line([(t - 1, s) for t, s in ex["points"]])         # seconds at one token; per extra token
-    a = m["layer"].get("expert_in_model_s", a)                      # inside the running model, if measured
-    host_side = bool(m["layer"].get("host"))
+    """The HardwareProfile `name` that measurements `m` (see the module docstring) give; its
+    sources say they were measured on `device` on `date`."""
     # with the host measured on its own, launching is the host's cost and the in-model time is the GPU's
-    launch_s = 0.0 if host_side else m["launch"]
-    expert_bw = ex["bytes"] / max(a - 3 * launch_s, 1e-9) / GB
-    rate = 2 * ex["params"] / b / 1e12 if b > 0 else m["matmul"][0] / m["matmul"][1] / 1e12
+    launch_s = 0.0 if m["layer"].get("host") else m["launch"]
+    key, classes, rate = _expert_fit(m, launch_s)
     hbm = m["hbm"][0] / m["hbm"][1] / GB
-    la, lb = fit_line([(t - 1, s) for t, s in m["layer"]["points"]])
-    la -= m["layer"].get("resident_bytes", 0) / (hbm * GB)          # the profile adds weight reads itself
-    ctx = m["layer"].get("context_points")                          # [(mean keys per token, seconds per layer)]
-    per_key = 0.0
-    if ctx and ctx[1][0] > ctx[0][0]:
-        per_key = max((ctx[1][1] - ctx[0][1]) / (ctx[1][0] - ctx[0][0]), 0.0)
-        la -= per_key * ctx[0][0]                                   # the short runs' keys, now priced per key
+    la, lb, per_key = _layer_fit(m, hbm)
     cpu = m["cpu_expert"]
-    ca, cb = fit_line([(t - 1, s) for t, s in cpu["points"]])
-    if m.get("cpu_expert_in_model"):                                # inside the running model, if measured
-        inm = m["cpu_expert_in_model"]
-        ca, cb = fit_line([(t - 1, s) for t, s in inm["points"]], [n for _, n in inm.get("count", [])] or None)
+    ca, cb = _cpu_expert_fit(m)
     roundtrip = m.get("roundtrip_in_model") or m["roundtrip"]
-    key = _class(ex["bits"])
-    classes = [(key, expert_bw)]
-    for oc in m.get("expert_classes") or []:                       # other widths: the isolated loop's intercept
-        if "points" not in oc:
-            continue
-        oa, _ = fit_line([(t - 1, s) for t, s in oc["points"]])
-        if _class(oc["bits"]) != key:
-            classes.append((_class(oc["bits"]), oc["bytes"] / max(oa - 3 * launch_s, 1e-9) / GB))
     src = f"measured by cmoe calibrate on {device}, {date}"
     host = _host_fields(m["layer"].get("host"))
-    # the shape of an expert's time over rows, where the isolated curve is the kernel that will run
-    # (the per-expert loop): its points through in-model level at one row (a hinge stays a hinge)
-    table = {}
-    iso = best_per_size([(t, s) for t, s in ex["points"]])
-    if len(iso) >= 2 and not m.get("silent_upper"):
-        one = dict(iso).get(1, iso[0][1])
-        scale = m["layer"]["expert_in_model_s"] / one if m["layer"].get("expert_in_model_s") and one > 0 else 1.0
-        table = {"expert_rows_us": tuple((int(t), s * scale * 1e6) for t, s in iso),
-                 "expert_rows_bytes": int(ex["bytes"]), "expert_rows_class": key}
+    table = _expert_rows_table(m, key)
     return HardwareProfile(
         name=name, gpu_mem_bytes=gpu_mem_bytes, h2d_pinned=curve(m["h2d"]), d2h_pinned=curve(m["d2h"]),
         h2d_pageable_gbps=m["h2d_pageable"][0] / m["h2d_pageable"][1] / GB, copy_engines=1,
@@ -133,20 +112,78 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         copy_on_host=device.lower() == "cpu", dense_rows=int(m.get("dense_rows", 0)),
         silent_upper=bool(m.get("silent_upper", False)), commit_ahead=bool(m.get("commit_ahead", False)),
         **host, **table,
-        sources={k: src for k in ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "hbm_gbps", "expert_gbps",
-                                  "launch_us", "layer_fixed_us", "attn_us_per_token", "cpu_expert_gbps",
-                                  "roundtrip_us", "copy_compute_slowdown", "pass_start_us", "head_us",
-                                  "predict_layer_us", "commit_route_us", "cpu_expert_us_per_token",
-                                  "attn_us_per_ctx_token", *host, *table)}
-        | {"matmul_tflops": src + " (slope of expert time over tokens: the rate extra tokens cost)",
-           "copy_engines": "one copy stream, as the executor uses",
-           "copy_fifo": "the executor issues every load to one copy stream, which runs them in issue order",
-           "copy_on_host": "the executor on a CPU copies on its own thread; on a GPU a copy engine does",
-           "dense_rows": "the executor's DENSE_ROWS: up to that many rows every expert runs on all of them",
-           "silent_upper": "the executor runs a layer's experts in one launch from a device-side slot table, "
-                           "so upper has no host step",
-           "commit_ahead": "the executor launches commit's committed experts before the layer's read-back "
-                           "(OWA on the device)"})
+        sources={k: src for k in (*_MEASURED, *host, *table)}
+        | {"matmul_tflops": src + " (slope of expert time over tokens: the rate extra tokens cost)", **_EXECUTOR})
+
+
+_MEASURED = ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "hbm_gbps", "expert_gbps", "launch_us", "layer_fixed_us",
+             "attn_us_per_token", "cpu_expert_gbps", "roundtrip_us", "copy_compute_slowdown", "pass_start_us", "head_us",
+             "predict_layer_us", "commit_route_us", "cpu_expert_us_per_token", "attn_us_per_ctx_token")
+_EXECUTOR = {      # the fields the executor's design sets, not a measurement
+    "copy_engines": "one copy stream, as the executor uses",
+    "copy_fifo": "the executor issues every load to one copy stream, which runs them in issue order",
+    "copy_on_host": "the executor on a CPU copies on its own thread; on a GPU a copy engine does",
+    "dense_rows": "the executor's DENSE_ROWS: up to that many rows every expert runs on all of them",
+    "silent_upper": "the executor runs a layer's experts in one launch from a device-side slot table, "
+                    "so upper has no host step",
+    "commit_ahead": "the executor launches commit's committed experts before the layer's read-back "
+                    "(OWA on the device)"}
+
+
+def _expert_fit(m: dict, launch_s: float) -> tuple[str, list[tuple[str, float]], float]:
+    """An expert's kernel: (its weight class, [(class, GB/s)] of it and of the other widths
+    measured, the rate in TFLOP/s that extra tokens cost). Its time at one token is the one inside
+    the running model where measured; the other widths' come from the isolated loop's intercept."""
+    ex = m["expert"]
+    a, b = fit_line([(t - 1, s) for t, s in ex["points"]])         # seconds at one token; per extra token
+    a = m["layer"].get("expert_in_model_s", a)                      # inside the running model, if measured
+    expert_bw = ex["bytes"] / max(a - 3 * launch_s, 1e-9) / GB
+    rate = 2 * ex["params"] / b / 1e12 if b > 0 else m["matmul"][0] / m["matmul"][1] / 1e12
+    key = _class(ex["bits"])
+    classes = [(key, expert_bw)]
+    for oc in m.get("expert_classes") or []:                       # other widths: the isolated loop's intercept
+        if "points" not in oc:
+            continue
+        oa, _ = fit_line([(t - 1, s) for t, s in oc["points"]])
+        if _class(oc["bits"]) != key:
+            classes.append((_class(oc["bits"]), oc["bytes"] / max(oa - 3 * launch_s, 1e-9) / GB))
+    return key, classes, rate
+
+
+def _layer_fit(m: dict, hbm: float) -> tuple[float, float, float]:
+    """A decoder layer's non-expert time: (seconds at one token less its weight reads and the
+    short runs' keys, seconds per extra token, seconds per key attended)."""
+    la, lb = fit_line([(t - 1, s) for t, s in m["layer"]["points"]])
+    la -= m["layer"].get("resident_bytes", 0) / (hbm * GB)          # the profile adds weight reads itself
+    ctx = m["layer"].get("context_points")                          # [(mean keys per token, seconds per layer)]
+    per_key = 0.0
+    if ctx and ctx[1][0] > ctx[0][0]:
+        per_key = max((ctx[1][1] - ctx[0][1]) / (ctx[1][0] - ctx[0][0]), 0.0)
+        la -= per_key * ctx[0][0]                                   # the short runs' keys, now priced per key
+    return la, lb, per_key
+
+
+def _cpu_expert_fit(m: dict) -> tuple[float, float]:
+    """A CPU expert's (seconds at one token, per extra token): inside the running model where
+    measured (each point counted as often as it was seen), else the isolated loop's."""
+    ca, cb = fit_line([(t - 1, s) for t, s in m["cpu_expert"]["points"]])
+    if m.get("cpu_expert_in_model"):                                # inside the running model, if measured
+        inm = m["cpu_expert_in_model"]
+        ca, cb = fit_line([(t - 1, s) for t, s in inm["points"]], [n for _, n in inm.get("count", [])] or None)
+    return ca, cb
+
+
+def _expert_rows_table(m: dict, key: str) -> dict:
+    """The shape of an expert's time over rows, where the isolated curve is the kernel that will run
+    (the per-expert loop): its points through in-model level at one row (a hinge stays a hinge)."""
+    ex = m["expert"]
+    iso = best_per_size([(t, s) for t, s in ex["points"]])
+    if len(iso) < 2 or m.get("silent_upper"):
+        return {}
+    one = dict(iso).get(1, iso[0][1])
+    scale = m["layer"]["expert_in_model_s"] / one if m["layer"].get("expert_in_model_s") and one > 0 else 1.0
+    return {"expert_rows_us": tuple((int(t), s * scale * 1e6) for t, s in iso),
+            "expert_rows_bytes": int(ex["bytes"]), "expert_rows_class": key}
 
 
 def _class(bits: float) -> str:
@@ -197,11 +234,11 @@ def beside(p: HardwareProfile, m: dict) -> str:
         rows.append(f"{label:<28} {seconds * 1e6:10.1f}us {fit} {sp}")
     for kind, pts, fn in (("H2D pinned", m["h2d"], p.h2d_us), ("D2H pinned", m["d2h"], p.d2h_us)):
         for b, s in best_per_size(pts):
-            row(f"{kind} {_size(b)}", s, fn(b))
+            row(f"{kind} {size_label(b)}", s, fn(b))
     for kind, key in (("H2D pageable", "h2d_pageable_points"), ("D2H pageable", "d2h_pageable_points")):
         for b, s in best_per_size(m.get(key) or []):
-            row(f"{kind} {_size(b)}", s, p.h2d_us(b, pinned=False) if kind.startswith("H2D") else None)
-    row(f"device copy {_size(m['hbm'][0])}", m["hbm"][1], m["hbm"][0] / (p.hbm_gbps * GB) * 1e6)
+            row(f"{kind} {size_label(b)}", s, p.h2d_us(b, pinned=False) if kind.startswith("H2D") else None)
+    row(f"device copy {size_label(m['hbm'][0])}", m["hbm"][1], m["hbm"][0] / (p.hbm_gbps * GB) * 1e6)
     row("matmul", m["matmul"][1], None)             # the profile's rate is the experts' extra-token slope
     for ex, what in [(m["expert"], "expert")] + [(oc, f"{oc['format']} expert") for oc in m.get("expert_classes") or []
                                                  if "points" in oc]:
@@ -228,10 +265,6 @@ def beside(p: HardwareProfile, m: dict) -> str:
     return "\n".join(rows)
 
 
-def _size(b: int) -> str:
-    return f"{b / 2**20:g} MiB" if b >= 2**20 else f"{b / 2**10:g} KiB"
-
-
 def refit_profile(path, name: str | None = None) -> tuple[HardwareProfile, dict]:
     """Fit again to measurements `cmoe calibrate` wrote (after the fitting itself changed)."""
     import json
@@ -248,101 +281,6 @@ def refit_profile(path, name: str | None = None) -> tuple[HardwareProfile, dict]
     return with_expert_classes(prof, H200), m
 
 
-# the noise verdict ---------------------------------------------------------------------------
-# Seen on the lent H200 (2026-12-01, seven calibrations): quiet, the first repeat is often the
-# slowest by 20-60%, so a range would flag every run; with 9 repeats the relative IQRs of judged
-# points stay under 15% but for the latency-bound 64-256 KiB copies (up to 29%, a few us), which
-# also swap order by about 1 us. Pageable copies spread 20-35% at any size, quiet: shown, not
-# judged (the profile keeps only their largest point; loads are pinned). Under a GPU + CPU hog the
-# CPU expert (13x) and the round trip (35x) slowed with every repeat alike, which no spread can see
-# (the verdict caught only the 64 KiB copy's 33%): curves that fall are the other witness.
-SPREAD_LIMIT = 0.25     # relative IQR of one point's repeats above which the machine was busy ...
-JITTER_S = 10e-6        # ... unless the IQR is below this: driver and launch jitter, far below a decode layer
-FALL_SLACK = 0.05       # a bigger copy or more rows may time this much (and JITTER_S) faster before it counts
-
-
-def spread(seconds: list[float]) -> float:
-    """Relative IQR of one point's repeats: (75th - 25th percentile) / median; one slow repeat
-    (the first, often) does not decide it."""
-    q1, med, q3 = np.percentile(seconds, [25, 50, 75])
-    return float((q3 - q1) / med)
-
-
-def _at(unit: str | None, x) -> str:
-    return _size(int(x)) if unit == "bytes" else f"{x} tokens" if unit == "tokens" else ""
-
-
-def point_label(what: str, unit: str | None, x) -> str:
-    """A point's name, as the measured-vs-fitted table spells its row."""
-    return f"{what} {_at(unit, x)}" if unit == "bytes" else f"{what}, {_at(unit, x)}" if unit == "tokens" else what
-
-
-@dataclass(frozen=True)
-class Noise:
-    """What a calibration's repeats say about the machine it ran on."""
-    spreads: tuple[tuple[str, float], ...]      # (point, spread) of every point measured more than once
-    falls: tuple[str, ...]                      # "D2H pinned 16 MiB faster than 4 MiB": curves that do not grow
-    wide: tuple[tuple[str, float], ...] = ()    # the spreads over `limit` (and JITTER_S)
-    widest: tuple[str, float] | None = None     # the widest spread of the judged points
-    limit: float = SPREAD_LIMIT
-
-    @property
-    def quiet(self) -> bool:
-        return not self.wide and not self.falls
-
-    def summary(self) -> str:
-        """quiet or noisy, and why, in a few words."""
-        if self.quiet:
-            if self.widest is None:
-                return "quiet as far as one repeat per point can tell (no spread recorded)"
-            what, s = self.widest
-            return (f"quiet (spreads within {self.limit * 100:.0f}% or {JITTER_S * 1e6:.0f} us; widest {s * 100:.1f}% "
-                    f"at {what})")
-        why = []
-        if self.wide:
-            what, s = max(self.wide, key=lambda p: p[1])
-            why.append(f"{len(self.wide)} point{'s' * (len(self.wide) > 1)} spread over {self.limit * 100:.0f}% "
-                       f"(worst {s * 100:.1f}% at {what})")
-        if self.falls:
-            more = f" and {len(self.falls) - 1} more curve falls" if len(self.falls) > 1 else ""
-            why.append(self.falls[0] + more)
-        return "noisy: " + " and ".join(why)
-
-    def line(self) -> str:
-        """The one line calibrate prints."""
-        if self.quiet:
-            return f"calibration {self.summary()}; copy and expert times grow with size and rows"
-        return (f"warning: calibration {self.summary()}: the machine was busy and the profile may be off; "
-                "rerun cmoe calibrate on a quiet machine (--strict refuses such a profile)")
-
-    def to_dict(self) -> dict:
-        return {"quiet": self.quiet, "spread_metric": "relative IQR", "limit": self.limit, "jitter_s": JITTER_S,
-                "fall_slack": FALL_SLACK, "spread": [list(p) for p in self.spreads], "wide": [k for k, _ in self.wide],
-                "falls": list(self.falls), "verdict": self.line()}
-
-
-def noise(repeats: dict, limit: float = SPREAD_LIMIT) -> Noise:
-    """Judge `repeats` ({what: {"unit", "grows", "judged" (default true), "points": [(x, [seconds])]}}):
-    every point's spread (wide: over `limit` and JITTER_S), and each growing curve's best times in
-    order of x, which may not fall by more than FALL_SLACK and JITTER_S from one point to the next.
-    A curve with "judged": false is only shown (its spread kept, never a reason to warn)."""
-    spreads, wide, falls, widest = [], [], [], None
-    for what, c in repeats.items():
-        unit, pts, judged = c.get("unit"), sorted((x, list(ts)) for x, ts in c["points"]), c.get("judged", True)
-        for x, ts in pts:
-            if len(ts) > 1:
-                spreads.append((point_label(what, unit, x), spread(ts)))
-                if judged:
-                    widest = max(widest or spreads[-1], spreads[-1], key=lambda p: p[1])
-                if judged and spreads[-1][1] > limit and spreads[-1][1] * float(np.median(ts)) > JITTER_S:
-                    wide.append(spreads[-1])
-        if judged and c.get("grows"):
-            best = [(x, min(ts)) for x, ts in pts]
-            falls += [f"{point_label(what, unit, x1)} faster than {_at(unit, x0)}"
-                      for (x0, t0), (x1, t1) in zip(best, best[1:]) if t1 < t0 * (1 - FALL_SLACK) and t0 - t1 > JITTER_S]
-    return Noise(tuple(spreads), tuple(falls), tuple(wide), widest, limit)
-
-
 def noise_of(m: dict) -> Noise:
     """The verdict on measurements calibrate wrote; files from before the repeats were kept give
     their copy and expert curves (best times only: falls, no spread)."""
@@ -352,33 +290,3 @@ def noise_of(m: dict) -> Noise:
            "expert": ("tokens", (m.get("expert") or {}).get("points"))}
     return noise({k: {"unit": u, "grows": True, "points": [(x, [s]) for x, s in best_per_size(pts)]}
                   for k, (u, pts) in old.items() if pts})
-
-
-def verdict(n: Noise, strict: bool, measurements: str) -> str:
-    """The line calibrate prints; with `strict`, a noisy verdict is a refusal instead."""
-    if strict and not n.quiet:
-        raise CmoeError(f"calibration is too noisy to trust ({n.summary()}); no profile written, the measurements "
-                        f"are in {measurements}: rerun cmoe calibrate on a quiet machine, or without --strict")
-    return n.line()
-
-
-def run_verdict(cal: Noise | None, errors: list[float], run_spreads: list[float] | None) -> str:
-    """The line `cmoe run` prints beside its errors: how noisy the calibration (None: not measured
-    here) and the repeated runs ((max - min) / mean of each policy's tokens/s; None: one run) were,
-    and whether the errors stand above that noise."""
-    lo, hi = min(errors), max(errors)
-    err = f"error {lo * 100:+.1f}%" if len(errors) == 1 else f"errors {lo * 100:+.1f}% to {hi * 100:+.1f}%"
-    parts = [err, "calibration not measured (a profile without its measurements)" if cal is None
-             else f"calibration {cal.summary()}"]
-    parts.append(f"repeated runs spread up to {max(run_spreads) * 100:.1f}%" if run_spreads
-                 else "one run, its own spread not measured (--repeat 3 measures it)")
-    worst = max(abs(e) for e in errors)
-    if cal is not None and not cal.quiet:
-        then = "recalibrate on a quiet machine before reading these errors"
-    elif run_spreads and max(run_spreads) >= worst:
-        then = "the runs' own noise is as large as the errors, which say little about the model"
-    elif run_spreads or cal is not None:
-        then = "the errors stand above the noise measured"
-    else:
-        then = "nothing here measured the machine's noise"
-    return "noise: " + "; ".join(parts) + ": " + then

@@ -29,9 +29,9 @@ Processes and resources:
 - CPU worker: fallback experts run one after another on the host after it has issued the GPU
   experts, between the two halves of the GPU->CPU->GPU round trip; the layer ends when both the
   GPU experts and the CPU results are done.
-Op times come from the HardwareProfile; sizes from the trace's exact expert bytes. A GPU op that
-(attention or an expert) that
-starts while a copy is in flight runs `copy_compute_slowdown` slower (the copy's HBM traffic).
+Op times come from the HardwareProfile (`cmoe.sim.costs` works out what a model and a pass need of
+it); sizes from the trace's exact expert bytes. A GPU op (attention or an expert) that starts while
+a copy is in flight runs `copy_compute_slowdown` slower (the copy's HBM traffic).
 What counts as a hit, a stall or a load is `cmoe.core.metrics`'s, shared with the executor.
 """
 
@@ -44,8 +44,10 @@ import simpy
 from cmoe.core.hw import HardwareProfile
 from cmoe.core.metrics import RunRecord, classify
 from cmoe.policy.policies import Load, Policy
-from cmoe.core.quant import format_bits
+from cmoe.sim.costs import Costs, PassCosts, costs_for
 from cmoe.trace.passes import Pass
+
+__all__ = ["Costs", "SimRun", "Simulation", "costs_for"]     # Costs and costs_for live in cmoe.sim.costs
 
 _RANK = {"demand": 0, "commit": 1, "prefetch": 2, "admit": 3}
 
@@ -55,19 +57,6 @@ class _Slot:
 
     def __init__(self):
         self.pending, self.writes, self.free_at, self.waiting = 0, 0, 0.0, []
-
-
-@dataclass
-class Costs:
-    """Per-model constants the compute process needs, precomputed once."""
-    expert_bytes: list[list[int]]             # [M][E]
-    expert_bits: list[list[float]]            # [M][E]
-    expert_params: int
-    attn_bytes: int                           # resident weights read per decoder layer
-    dense_bytes: int                          # one dense (non-MoE) MLP
-    shared_bytes: int
-    dense_bits: float
-    moe_layers: tuple[int, ...]
 
 
 @dataclass
@@ -179,43 +168,6 @@ class Simulation:
             return self.landed_at[(m, e)]
         return None
 
-    def _ahead_layer(self, ps, m: int, d: int, plan, votes, H: float, G: float, t_in: float, route_host: float,
-                     slow: float):
-        """commit's layer when its experts run before its read-back (`commit_ahead`): the host
-        issues the experts (its clock Hx), then waits for the read-back and routes, then issues the
-        next layer's loads; the experts wait only for their own copies. Leaves (H, G) in _ahead_out."""
-        env, hw, c, run = self.env, self.hw, self.c, self.run
-        n = ps.num_tokens
-        all_rows = n <= hw.dense_rows
-        rows_of = {e: (n if all_rows else votes.get(e, 1)) for e in plan.gpu}
-        Hx = H
-        Hr = max(H + sum(hw.host_expert(rows_of[e]) for e in plan.gpu), t_in) + route_host
-        for ld in plan.loads:                    # layer m+1's: they touch no slot this layer reads
-            if Hr > env.now:
-                yield env.timeout(Hr - env.now)
-            Hr += self._issue(ld, ps.index)
-        if Hx > t_in:
-            self._span(ps.index, d, "compute", "route", -1, t_in, Hx)
-        for e in plan.gpu:
-            due = max(G, Hx)
-            landed = yield from self._await_copy(m, e, due)
-            kind, wait = classify(False, landed, due)
-            run.ran(ps.index, kind, wait)
-            start = due + wait
-            issue = hw.host_expert(rows_of[e])
-            dur = hw.expert_us(c.expert_bytes[m][e], c.expert_bits[m][e], rows_of[e], c.expert_params)
-            if self.in_flight and self._copying(start):
-                dur *= slow
-            G = max(start + dur, Hx + issue - hw.host_expert_tail_us)
-            Hx += issue
-            self._span(ps.index, d, "compute", "expert", e, start, G, c.expert_bytes[m][e])
-            st = self.slots[m][plan.slots[e]]
-            st.free_at = max(st.free_at, G)
-            if self.record_log:
-                run.log.append((start, "read_start", m, plan.slots[e], e))
-                run.log.append((G, "read_end", m, plan.slots[e], e))
-        self._ahead_out = (Hr, G)
-
     def _copying(self, t: float) -> bool:
         """Will a copy be moving when an op starts at `t`? Queued copies are taken to follow the
         moving ones back to back (slot waits aside), spread over the copy engines."""
@@ -236,158 +188,199 @@ class Simulation:
         return H2, max(max(G, H) + gpu, H2)
 
     def _compute(self):
-        env, hw, c, pol, run = self.env, self.hw, self.c, self.policy, self.run
-        M = len(c.moe_layers)
-        fifo = hw.copy_fifo
-        predict_us = hw.predict_layer_us if pol.uses_prediction else 0.0
-        silent = hw.silent_upper and pol.holds_all     # no host step between attention and experts
+        """The compute process: each pass in turn (its start, then every MoE layer after the dense
+        layers before it: its attention and router, then its experts; then the LM head), on the
+        host's clock H and the compute stream's G."""
+        c, hw, pol, run = self.c, self.hw, self.policy, self.run
+        self._M = len(c.moe_layers)
+        self._predict_us = hw.predict_layer_us if pol.uses_prediction else 0.0
+        self._silent = hw.silent_upper and pol.holds_all     # no host step between attention and experts
         H = G = prev_end = 0.0
         for ps in self.passes:
-            if self.in_flight:                   # the device is synchronised between passes, copies included
-                self.drained = env.event()
-                yield self.drained
-            H = max(H, G, env.now)
-            yield from self._sync(H)
-            self.pass_index = ps.index
-            tally = run.at(ps.index)
-            slow = 1.0 + hw.copy_compute_slowdown
-            n = ps.num_tokens
-            layer_gpu = hw.layer_us(n, c.attn_bytes) + hw.attn_us_per_ctx_token * ps.context
-            layer_host = hw.host_layer(n)
-            route_host = hw.host_sync_us + hw.host_route(n) + predict_us
-            commit_decode = ps.decode and pol.commits
-            if commit_decode:
-                route_host += hw.commit_route_us
-            all_rows = n <= hw.dense_rows                         # every expert runs on all the pass's rows
-            last = H
-            # embedding, masks, the pass's first sync: counted with layer 0's attention
-            H, G = self._op(H, G, hw.host_pass_start_us, hw.pass_start_us)
-            if commit_decode:                          # layer 0's prediction is read back before it runs
-                H = max(H, G) + hw.host_sync_us
-                yield from self._sync(H)
-            for ld in pol.begin_pass(ps.decode, list(ps.predicted[0])):
-                yield from self._sync(H)
-                H += self._issue(ld, ps.index)
+            x, H, G, last = yield from self._begin_pass(ps, H, G)
+            n, p = x.n, x.p
             prev_layer = -1
-            for m in range(M):
-                d = c.moe_layers[m]
-                for dense in range(prev_layer + 1, d):           # dense decoder layers before this one
-                    H, G = self._op(H, G, layer_host + hw.host_expert(n),
-                                    layer_gpu + hw.expert_us(c.dense_bytes, c.dense_bits, n, c.dense_bytes))
-                    self._span(ps.index, dense, "compute", "dense", -1, last, G)
-                    last = G
+            for m, d in enumerate(c.moe_layers):
+                if d > prev_layer + 1:                   # dense decoder layers before this one
+                    H, G, last = self._dense_layers(x, prev_layer + 1, d, H, G, last)
                 prev_layer = d
-                gpu, host = layer_gpu, layer_host
+                gpu, host = x.layer_gpu, x.layer_host
                 if c.shared_bytes:
                     gpu += hw.expert_us(c.shared_bytes, c.dense_bits, n, c.shared_bytes)
                     host += hw.host_expert(n)
                 if self.in_flight and self._copying(max(G, H)):
-                    gpu *= slow
+                    gpu *= x.slow
                 G = max(max(G, H) + gpu, H + host)          # self._op, inlined: the hot path
                 H += host
-                self._span(ps.index, d, "compute", "attention", -1, last, G)
-                t_in = G
-                ahead = hw.commit_ahead and commit_decode and fifo
-                nxt = list(ps.predicted[m + 1]) if m + 1 < M else None
-                plan = pol.plan(m, list(ps.needed[m]), nxt)
-                votes = dict(zip(ps.needed[m], ps.votes[m]))
-                tally.fallbacks += len(plan.cpu)
-                tally.skipped += len(plan.skipped)
-                if ahead:
-                    # the committed experts are launched first, then the host reads the layer back
-                    # and issues the next layer's loads while they run
-                    yield from self._ahead_layer(ps, m, d, plan, votes, H, G, t_in, route_host, slow)
-                    H, G = self._ahead_out
-                    last = max(G, H)
-                    continue
-                # the routing read-back waits for the GPU; then reading, planning, issuing loads
-                if not silent:
-                    H = max(H, G) + route_host
-                later: dict[int, list[Load]] = {}
-                now_loads = plan.loads
-                loaded = {ld.expert for ld in plan.loads if ld.layer == m}
-                if fifo:                      # a victim this layer still reads: its load waits behind its kernel
-                    now_loads, gpu_set = [], set(plan.gpu)
-                    for ld in plan.loads:
-                        if ld.layer == m and ld.victim in gpu_set:
-                            later.setdefault(ld.victim, []).append(ld)
-                        else:
-                            now_loads.append(ld)
-                else:
-                    for e in plan.gpu:        # reads of resident experts; a loaded one is read after its write
-                        if e not in loaded:
-                            self.slots[m][plan.slots[e]].pending += 1
-                for ld in now_loads:
-                    if H > env.now:
-                        yield env.timeout(H - env.now)
-                    H += self._issue(ld, ps.index)
-                if plan.cpu:                  # the hidden states go to the host first (first half of the trip)
-                    self._span(ps.index, d, "cpu", "roundtrip", -1, H, H + hw.roundtrip_us / 2)
-                    H += hw.roundtrip_us / 2
-                if H > t_in:
-                    self._span(ps.index, d, "compute", "route", -1, t_in, H)
-                for e in plan.gpu:
-                    due = max(G, H)
-                    landed = yield from self._await_copy(m, e, due)
-                    kind, wait = classify(e in loaded, landed, due)
-                    run.ran(ps.index, kind, wait)
-                    start = due + wait
-                    rows = n if all_rows else votes.get(e, 1)
-                    issue = 0.0 if silent else hw.host_expert(rows)
-                    dur = hw.expert_us(c.expert_bytes[m][e], c.expert_bits[m][e], rows, c.expert_params)
-                    if self.in_flight and self._copying(start):
-                        dur *= slow
-                    G = max(start + dur, H + issue - hw.host_expert_tail_us)     # the end mark precedes the tail
-                    H += issue
-                    self._span(ps.index, d, "compute", "expert", e, start, G, c.expert_bytes[m][e])
-                    st = self.slots[m][plan.slots[e]]
-                    st.free_at = max(st.free_at, G)
-                    if self.record_log:
-                        run.log.append((start, "read_start", m, plan.slots[e], e))
-                        run.log.append((G, "read_end", m, plan.slots[e], e))
-                    if fifo:
-                        for ld in later.pop(e, ()):
-                            yield from self._sync(H)
-                            H += self._issue(ld, ps.index)
-                    else:
-                        st.pending -= e not in loaded
-                        self._release(st)
-                if plan.cpu:
-                    # the host runs them once it has issued the GPU experts, then sends the results back
-                    cpu_t = H
-                    for e in plan.cpu:
-                        dur = hw.cpu_expert_us(c.expert_bytes[m][e], votes.get(e, 1))
-                        self._span(ps.index, d, "cpu", "cpu_expert", e, cpu_t, cpu_t + dur, c.expert_bytes[m][e])
-                        cpu_t += dur
-                    self._span(ps.index, d, "cpu", "roundtrip", -1, cpu_t, cpu_t + hw.roundtrip_us / 2)
-                    H = cpu_t + hw.roundtrip_us / 2
-                    if H > G:                 # the GPU waits for the CPU's results
-                        tally.stall_us += H - G
-                        G = H
+                run.spans.append(("sim", p, d, "compute", "attention", -1, last, G, 0))     # self._span
+                H, G = yield from self._moe_layer(x, m, d, H, G)
                 last = max(G, H)
             H, G = self._op(H, G, hw.host_head_us, hw.head_us)
             if hw.head_us or hw.host_head_us:
-                self._span(ps.index, -1, "compute", "head", -1, last, G)
+                self._span(p, -1, "compute", "head", -1, last, G)
             H = max(H, G)                           # the host waits for the logits
             yield from self._sync(H)
-            run.pass_us.append((ps.index, ps.decode, n, G - prev_end))
+            run.pass_us.append((p, ps.decode, n, G - prev_end))
             prev_end = G
             run.occupancy.append(pol.pool.occupancy())
+
+    def _begin_pass(self, ps: Pass, H: float, G: float):
+        """A pass's start: wait for every copy to land (the device is synchronised between
+        passes), work out the pass's per-layer costs, run its start-up (embedding, masks, its first
+        sync: counted with layer 0's attention) and issue the policy's loads for the pass. Returns
+        (the pass's costs, H, G, where layer 0's attention span starts)."""
+        env, hw, pol = self.env, self.hw, self.policy
+        if self.in_flight:                   # the device is synchronised between passes, copies included
+            self.drained = env.event()
+            yield self.drained
+        H = max(H, G, env.now)
+        yield from self._sync(H)
+        self.pass_index = ps.index
+        x = PassCosts(ps, self.run.at(ps.index), hw, self.c, pol.commits, self._predict_us)
+        last = H
+        H, G = self._op(H, G, hw.host_pass_start_us, hw.pass_start_us)
+        if x.commit_decode:                        # layer 0's prediction is read back before it runs
+            H = max(H, G) + hw.host_sync_us
+            yield from self._sync(H)
+        for ld in pol.begin_pass(ps.decode, list(ps.predicted[0])):
+            yield from self._sync(H)
+            H += self._issue(ld, ps.index)
+        return x, H, G, last
+
+    def _dense_layers(self, x: PassCosts, first: int, end: int, H: float, G: float, last: float):
+        """The dense (non-MoE) decoder layers `first` to `end` - 1, all arithmetic: one clock step
+        each, a span from `last`. Returns (H, G, where the next span starts)."""
+        hw, c, n = self.hw, self.c, x.n
+        for dense in range(first, end):
+            H, G = self._op(H, G, x.layer_host + hw.host_expert(n),
+                            x.layer_gpu + hw.expert_us(c.dense_bytes, c.dense_bits, n, c.dense_bytes))
+            self._span(x.p, dense, "compute", "dense", -1, last, G)
+            last = G
+        return H, G, last
+
+    def _moe_layer(self, x: PassCosts, m: int, d: int, H: float, G: float):
+        """MoE layer m (decoder layer d) once its router has run: the policy's plan; then either
+        commit's experts ahead of the read-back (`_ahead_layer`), or the routing read-back (it waits
+        for the GPU), the loads, the GPU experts as their copies land and the CPU fallbacks.
+        Returns (H, G)."""
+        env, hw, ps = self.env, self.hw, x.ps
+        t_in = G
+        nxt = list(ps.predicted[m + 1]) if m + 1 < self._M else None
+        plan = self.policy.plan(m, list(ps.needed[m]), nxt)
+        votes = dict(zip(ps.needed[m], ps.votes[m]))
+        x.tally.fallbacks += len(plan.cpu)
+        x.tally.skipped += len(plan.skipped)
+        if x.ahead:
+            return (yield from self._ahead_layer(x, m, d, plan, votes, H, G))
+        if not self._silent:
+            H = max(H, G) + x.route_host
+        later: dict[int, list[Load]] = {}
+        now_loads = plan.loads
+        loaded = {ld.expert for ld in plan.loads if ld.layer == m}
+        if x.fifo:                    # a victim this layer still reads: its load waits behind its kernel
+            now_loads, gpu_set = [], set(plan.gpu)
+            for ld in plan.loads:
+                if ld.layer == m and ld.victim in gpu_set:
+                    later.setdefault(ld.victim, []).append(ld)
+                else:
+                    now_loads.append(ld)
+        else:
+            for e in plan.gpu:        # reads of resident experts; a loaded one is read after its write
+                if e not in loaded:
+                    self.slots[m][plan.slots[e]].pending += 1
+        for ld in now_loads:
+            if H > env.now:
+                yield env.timeout(H - env.now)
+            H += self._issue(ld, x.p)
+        if plan.cpu:                  # the hidden states go to the host first (first half of the trip)
+            self._span(x.p, d, "cpu", "roundtrip", -1, H, H + hw.roundtrip_us / 2)
+            H += hw.roundtrip_us / 2
+        if H > t_in:
+            self._span(x.p, d, "compute", "route", -1, t_in, H)
+        H, G = yield from self._gpu_experts(x, m, d, plan, votes, loaded, later, H, G, self._silent)
+        if plan.cpu:
+            H, G = self._cpu_experts(x, m, d, plan, votes, H, G)
+        return H, G
+
+    def _ahead_layer(self, x: PassCosts, m: int, d: int, plan, votes: dict, H: float, G: float):
+        """commit's layer when its experts run before its read-back (`commit_ahead`): the host
+        issues the experts (its clock Hx), then waits for the read-back and routes, then issues the
+        next layer's loads while they run; the experts wait only for their own copies. Returns
+        (H, G)."""
+        env, hw = self.env, self.hw
+        t_in = G
+        rows_of = {e: (x.n if x.all_rows else votes.get(e, 1)) for e in plan.gpu}
+        Hx = H
+        Hr = max(H + sum(hw.host_expert(rows_of[e]) for e in plan.gpu), t_in) + x.route_host
+        for ld in plan.loads:                    # layer m+1's: they touch no slot this layer reads
+            if Hr > env.now:
+                yield env.timeout(Hr - env.now)
+            Hr += self._issue(ld, x.p)
+        if Hx > t_in:
+            self._span(x.p, d, "compute", "route", -1, t_in, Hx)
+        _, G = yield from self._gpu_experts(x, m, d, plan, votes, set(), {}, Hx, G, False)
+        return Hr, G
+
+    def _gpu_experts(self, x: PassCosts, m: int, d: int, plan, votes: dict, loaded: set[int],
+                     later: dict[int, list[Load]], H: float, G: float, silent: bool):
+        """The plan's GPU experts in turn: each kernel once its copy (if one is pending) has landed
+        and the host has issued it (nothing to issue when `silent`), slowed while a copy moves.
+        `loaded`: the experts this layer loads itself. With one FIFO copy stream, `later`'s loads
+        are issued right after the kernel of the expert whose slot they overwrite; with the
+        priority queue, a kernel's end releases its slot to the loads waiting for it. Returns
+        (H, G)."""
+        hw, c, run, p = self.hw, self.c, self.run, x.p
+        ready, landed_at = self.ready, self.landed_at
+        for e in plan.gpu:
+            due = max(G, H)
+            ev = ready.get((m, e))
+            if ev is None or (ev.triggered and landed_at.get((m, e), -1.0) <= due):
+                landed = None         # what _await_copy would say at once: no copy to wait for or to count
+            else:
+                landed = yield from self._await_copy(m, e, due)
+            kind, wait = classify(e in loaded, landed, due)
+            run.ran(p, kind, wait)
+            start = due + wait
+            rows = x.n if x.all_rows else votes.get(e, 1)
+            issue = 0.0 if silent else hw.host_expert(rows)
+            dur = hw.expert_us(c.expert_bytes[m][e], c.expert_bits[m][e], rows, c.expert_params)
+            if self.in_flight and self._copying(start):
+                dur *= x.slow
+            G = max(start + dur, H + issue - hw.host_expert_tail_us)     # the end mark precedes the tail
+            H += issue
+            run.spans.append(("sim", p, d, "compute", "expert", e, start, G, c.expert_bytes[m][e]))   # self._span
+            st = self.slots[m][plan.slots[e]]
+            st.free_at = max(st.free_at, G)
+            if self.record_log:
+                run.log.append((start, "read_start", m, plan.slots[e], e))
+                run.log.append((G, "read_end", m, plan.slots[e], e))
+            if x.fifo:
+                for ld in later.pop(e, ()):
+                    yield from self._sync(H)
+                    H += self._issue(ld, p)
+            else:
+                st.pending -= e not in loaded
+                self._release(st)
+        return H, G
+
+    def _cpu_experts(self, x: PassCosts, m: int, d: int, plan, votes: dict, H: float, G: float):
+        """The fallback experts: the host runs them one after another once it has issued the GPU
+        experts, then sends the results back (the trip's second half); the GPU waits for them, a
+        stall. Returns (H, G)."""
+        hw, c = self.hw, self.c
+        cpu_t = H
+        for e in plan.cpu:
+            dur = hw.cpu_expert_us(c.expert_bytes[m][e], votes.get(e, 1))
+            self._span(x.p, d, "cpu", "cpu_expert", e, cpu_t, cpu_t + dur, c.expert_bytes[m][e])
+            cpu_t += dur
+        self._span(x.p, d, "cpu", "roundtrip", -1, cpu_t, cpu_t + hw.roundtrip_us / 2)
+        H = cpu_t + hw.roundtrip_us / 2
+        if H > G:                 # the GPU waits for the CPU's results
+            x.tally.stall_us += H - G
+            G = H
+        return H, G
 
     def simulate(self) -> SimRun:
         self.env.run()
         self.run.spans.sort(key=lambda s: (s[6], s[7], s[3]))       # canonical order: by start, end, stream
         return self.run
-
-
-def costs_for(trace, spec, rec) -> Costs:
-    from cmoe.core.quant import matrix_bytes, non_expert_bytes
-    ne = non_expert_bytes(spec, rec)
-    fmts = [rec.expert_formats(spec.num_experts, m) for m in range(spec.num_moe_layers)]
-    dense = sum(matrix_bytes(rec.dense, o, i) for o, i in spec.mlp_shapes(spec.dense_ffn).values()) if spec.dense_ffn else 0
-    shared = sum(matrix_bytes(rec.dense, o, i) for o, i in spec.mlp_shapes(spec.shared_ffn).values()) if spec.shared_ffn else 0
-    return Costs(expert_bytes=trace.expert_bytes, expert_bits=[[format_bits(f) for f in row] for row in fmts],
-                 expert_params=3 * spec.hidden * spec.expert_ffn,
-                 attn_bytes=(ne["attention"] + ne["norms"]) // spec.num_layers,
-                 dense_bytes=dense, shared_bytes=shared,
-                 dense_bits=format_bits(rec.dense), moe_layers=spec.moe_layers)

@@ -1,0 +1,141 @@
+"""The noise verdict on a calibration: what the repeats of its measurements say about the machine
+it ran on (`noise` gives a `Noise`), the line `cmoe calibrate` prints (`verdict`; `--strict` makes
+a noisy one a refusal) and the line `cmoe run` prints beside its errors (`run_verdict`). The
+measurements' own repeats are read by `cmoe.calibrate.profile_fit.noise_of`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cmoe.core.errors import CmoeError
+
+# Seen on the lent H200 (2026-12-01, seven calibrations): quiet, the first repeat is often the
+# slowest by 20-60%, so a range would flag every run; with 9 repeats the relative IQRs of judged
+# points stay under 15% but for the latency-bound 64-256 KiB copies (up to 29%, a few us), which
+# also swap order by about 1 us. Pageable copies spread 20-35% at any size, quiet: shown, not
+# judged (the profile keeps only their largest point; loads are pinned). Under a GPU + CPU hog the
+# CPU expert (13x) and the round trip (35x) slowed with every repeat alike, which no spread can see
+# (the verdict caught only the 64 KiB copy's 33%): curves that fall are the other witness.
+SPREAD_LIMIT = 0.25     # relative IQR of one point's repeats above which the machine was busy ...
+JITTER_S = 10e-6        # ... unless the IQR is below this: driver and launch jitter, far below a decode layer
+FALL_SLACK = 0.05       # a bigger copy or more rows may time this much (and JITTER_S) faster before it counts
+
+
+def spread(seconds: list[float]) -> float:
+    """Relative IQR of one point's repeats: (75th - 25th percentile) / median; one slow repeat
+    (the first, often) does not decide it."""
+    q1, med, q3 = np.percentile(seconds, [25, 50, 75])
+    return float((q3 - q1) / med)
+
+
+def _at(unit: str | None, x) -> str:
+    return size_label(int(x)) if unit == "bytes" else f"{x} tokens" if unit == "tokens" else ""
+
+
+def point_label(what: str, unit: str | None, x) -> str:
+    """A point's name, as the measured-vs-fitted table spells its row."""
+    return f"{what} {_at(unit, x)}" if unit == "bytes" else f"{what}, {_at(unit, x)}" if unit == "tokens" else what
+
+
+@dataclass(frozen=True)
+class Noise:
+    """What a calibration's repeats say about the machine it ran on."""
+    spreads: tuple[tuple[str, float], ...]      # (point, spread) of every point measured more than once
+    falls: tuple[str, ...]                      # "D2H pinned 16 MiB faster than 4 MiB": curves that do not grow
+    wide: tuple[tuple[str, float], ...] = ()    # the spreads over `limit` (and JITTER_S)
+    widest: tuple[str, float] | None = None     # the widest spread of the judged points
+    limit: float = SPREAD_LIMIT
+
+    @property
+    def quiet(self) -> bool:
+        return not self.wide and not self.falls
+
+    def summary(self) -> str:
+        """quiet or noisy, and why, in a few words."""
+        if self.quiet:
+            if self.widest is None:
+                return "quiet as far as one repeat per point can tell (no spread recorded)"
+            what, s = self.widest
+            return (f"quiet (spreads within {self.limit * 100:.0f}% or {JITTER_S * 1e6:.0f} us; widest {s * 100:.1f}% "
+                    f"at {what})")
+        why = []
+        if self.wide:
+            what, s = max(self.wide, key=lambda p: p[1])
+            why.append(f"{len(self.wide)} point{'s' * (len(self.wide) > 1)} spread over {self.limit * 100:.0f}% "
+                       f"(worst {s * 100:.1f}% at {what})")
+        if self.falls:
+            more = f" and {len(self.falls) - 1} more curve falls" if len(self.falls) > 1 else ""
+            why.append(self.falls[0] + more)
+        return "noisy: " + " and ".join(why)
+
+    def line(self) -> str:
+        """The one line calibrate prints."""
+        if self.quiet:
+            return f"calibration {self.summary()}; copy and expert times grow with size and rows"
+        return (f"warning: calibration {self.summary()}: the machine was busy and the profile may be off; "
+                "rerun cmoe calibrate on a quiet machine (--strict refuses such a profile)")
+
+    def to_dict(self) -> dict:
+        return {"quiet": self.quiet, "spread_metric": "relative IQR", "limit": self.limit, "jitter_s": JITTER_S,
+                "fall_slack": FALL_SLACK, "spread": [list(p) for p in self.spreads], "wide": [k for k, _ in self.wide],
+                "falls": list(self.falls), "verdict": self.line()}
+
+
+def noise(repeats: dict, limit: float = SPREAD_LIMIT) -> Noise:
+    """Judge `repeats` ({what: {"unit", "grows", "judged" (default true), "points": [(x, [seconds])]}}):
+    every point's spread (wide: over `limit` and JITTER_S), and each growing curve's best times in
+    order of x, which may not fall by more than FALL_SLACK and JITTER_S from one point to the next.
+    A curve with "judged": false is only shown (its spread kept, never a reason to warn)."""
+    spreads, wide, falls, widest = [], [], [], None
+    for what, c in repeats.items():
+        unit, pts, judged = c.get("unit"), sorted((x, list(ts)) for x, ts in c["points"]), c.get("judged", True)
+        for x, ts in pts:
+            if len(ts) > 1:
+                spreads.append((point_label(what, unit, x), spread(ts)))
+                if judged:
+                    widest = max(widest or spreads[-1], spreads[-1], key=lambda p: p[1])
+                if judged and spreads[-1][1] > limit and spreads[-1][1] * float(np.median(ts)) > JITTER_S:
+                    wide.append(spreads[-1])
+        if judged and c.get("grows"):
+            best = [(x, min(ts)) for x, ts in pts]
+            falls += [f"{point_label(what, unit, x1)} faster than {_at(unit, x0)}"
+                      for (x0, t0), (x1, t1) in zip(best, best[1:]) if t1 < t0 * (1 - FALL_SLACK) and t0 - t1 > JITTER_S]
+    return Noise(tuple(spreads), tuple(falls), tuple(wide), widest, limit)
+
+
+def size_label(b: int) -> str:
+    """A byte count as the tables spell it: 4 MiB, 64 KiB."""
+    return f"{b / 2**20:g} MiB" if b >= 2**20 else f"{b / 2**10:g} KiB"
+
+
+def verdict(n: Noise, strict: bool, measurements: str) -> str:
+    """The line calibrate prints; with `strict`, a noisy verdict is a refusal instead."""
+    if strict and not n.quiet:
+        raise CmoeError(f"calibration is too noisy to trust ({n.summary()}); no profile written, the measurements "
+                        f"are in {measurements}: rerun cmoe calibrate on a quiet machine, or without --strict")
+    return n.line()
+
+
+def run_verdict(cal: Noise | None, errors: list[float], run_spreads: list[float] | None) -> str:
+    """The line `cmoe run` prints beside its errors: how noisy the calibration (None: not measured
+    here) and the repeated runs ((max - min) / mean of each policy's tokens/s; None: one run) were,
+    and whether the errors stand above that noise."""
+    lo, hi = min(errors), max(errors)
+    err = f"error {lo * 100:+.1f}%" if len(errors) == 1 else f"errors {lo * 100:+.1f}% to {hi * 100:+.1f}%"
+    parts = [err, "calibration not measured (a profile without its measurements)" if cal is None
+             else f"calibration {cal.summary()}"]
+    parts.append(f"repeated runs spread up to {max(run_spreads) * 100:.1f}%" if run_spreads
+                 else "one run, its own spread not measured (--repeat 3 measures it)")
+    worst = max(abs(e) for e in errors)
+    if cal is not None and not cal.quiet:
+        then = "recalibrate on a quiet machine before reading these errors"
+    elif run_spreads and max(run_spreads) >= worst:
+        then = "the runs' own noise is as large as the errors, which say little about the model"
+    elif run_spreads or cal is not None:
+        then = "the errors stand above the noise measured"
+    else:
+        then = "nothing here measured the machine's noise"
+    return "noise: " + "; ".join(parts) + ": " + then
