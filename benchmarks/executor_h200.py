@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cmoe.executor.run import ExecConfig, build, prepare, run_policy  # noqa: E402
 from cmoe.policy.policies import POLICIES  # noqa: E402
 from cmoe.core.quant import non_expert_bytes  # noqa: E402
-from cmoe.core.timeline import write_parquet  # noqa: E402
+from cmoe.core.timeline import STEP, OP, BYTES, write_parquet  # noqa: E402
 
 
 def hbm_gbps() -> float:
@@ -69,7 +69,7 @@ def upper_floor_ms(r, spec, hbm: float) -> float:
     ne = non_expert_bytes(spec, budget_recipe("w4g128"))
     resident = sum(ne.values()) - ne["embeddings"] // 2           # the embedding table: one row per token, ~0
     dec = {p for p, d, _, _ in r.log.pass_us if d}
-    expert = sum(s[8] for s in r.log.spans if s[4] == "expert" and s[1] in dec) / max(len(dec), 1)
+    expert = sum(s[BYTES] for s in r.log.spans if s[OP] == "expert" and s[STEP] in dec) / max(len(dec), 1)
     return (resident + expert) / (hbm * 1e9) * 1e3
 
 

@@ -38,7 +38,7 @@ from executor_h200 import h2d_gbps, hbm_gbps  # noqa: E402
 from cmoe.executor.run import ExecConfig, budget_recipe, build, prepare, run_policy  # noqa: E402
 from cmoe.policy.policies import POLICIES  # noqa: E402
 from cmoe.core.quant import non_expert_bytes  # noqa: E402
-from cmoe.core.timeline import write_parquet  # noqa: E402
+from cmoe.core.timeline import STEP, STREAM, OP, START, END, BYTES, write_parquet  # noqa: E402
 
 HOST_WORK = ("host_attention", "host_route", "host_expert", "host_predict")
 
@@ -50,11 +50,11 @@ def decode_stats(r, spec, hbm: float, load_s: float) -> dict:
     M = spec.num_moe_layers
     ne = non_expert_bytes(spec, budget_recipe("w4g128"))
     resident = sum(ne.values()) - ne["embeddings"]              # one embedding row per token: ~0
-    expert_bytes = sum(s[8] for s in log.spans if s[4] == "expert" and s[1] in dec) / n
-    host = [s for s in log.spans if s[3] == "host" and s[1] in dec]
-    work = sum(s[7] - s[6] for s in host if s[4] in HOST_WORK) / n / M
-    sync = sum(s[7] - s[6] for s in host if s[4] == "host_sync") / n / M
-    loads = sum(1 for s in log.spans if s[4] == "load" and s[1] in dec) / n
+    expert_bytes = sum(s[BYTES] for s in log.spans if s[OP] == "expert" and s[STEP] in dec) / n
+    host = [s for s in log.spans if s[STREAM] == "host" and s[STEP] in dec]
+    work = sum(s[END] - s[START] for s in host if s[OP] in HOST_WORK) / n / M
+    sync = sum(s[END] - s[START] for s in host if s[OP] == "host_sync") / n / M
+    loads = sum(1 for s in log.spans if s[OP] == "load" and s[STEP] in dec) / n
     pass_ms = [us / 1e3 for p, d, _, us in log.pass_us if d]
     floor = (resident + expert_bytes) / (hbm * 1e9) * 1e3
     return {"pass_ms_mean": float(np.mean(pass_ms)), "pass_ms_median": float(np.median(pass_ms)),

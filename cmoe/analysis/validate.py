@@ -32,6 +32,7 @@ import numpy as np
 
 from cmoe.core.errors import CmoeError
 from cmoe.analysis.runfolder import read_metrics, read_passes, read_timeline
+from cmoe.core.timeline import STEP, LAYER, STREAM, OP, EXPERT, START, END
 
 NON_EXPERT = {"attention", "dense", "shared", "route", "head"}
 KINDS = ("non-expert", "expert", "load", "cpu_expert")
@@ -77,7 +78,7 @@ def _errors(pred: np.ndarray, meas: np.ndarray) -> dict:
 def _keyed(spans, steps: set[int]) -> dict[str, dict[tuple, float]]:
     out: dict[str, dict[tuple, float]] = {k: {} for k in KINDS}
     for s in spans:
-        step, layer, op, expert, dur = s[1], s[2], s[4], s[5], s[7] - s[6]
+        step, layer, op, expert, dur = s[STEP], s[LAYER], s[OP], s[EXPERT], s[END] - s[START]
         if step not in steps:
             continue
         if op in NON_EXPERT:
@@ -94,13 +95,13 @@ def _layer_times(spans, steps: set[int]) -> dict[tuple[int, int], float]:
     """(pass, layer) -> compute-stream wall time of that layer, stalls included."""
     by_step: dict[int, list] = {}
     for s in spans:
-        if s[1] in steps and s[3] == "compute" and s[2] >= 0:
-            by_step.setdefault(s[1], []).append(s)
+        if s[STEP] in steps and s[STREAM] == "compute" and s[LAYER] >= 0:
+            by_step.setdefault(s[STEP], []).append(s)
     out = {}
     for step, ss in by_step.items():
-        t = min(s[6] for s in ss)
-        for layer in sorted({s[2] for s in ss}):
-            end = max(s[7] for s in ss if s[2] == layer)
+        t = min(s[START] for s in ss)
+        for layer in sorted({s[LAYER] for s in ss}):
+            end = max(s[END] for s in ss if s[LAYER] == layer)
             out[(step, layer)] = end - t
             t = end
     return out
@@ -109,8 +110,8 @@ def _layer_times(spans, steps: set[int]) -> dict[tuple[int, int], float]:
 def _components(run: Run, steps: set[int]) -> dict[str, float]:
     """Mean decode pass split into non-expert compute, expert compute and the rest (us)."""
     lat = {p["pass"]: p["us"] for p in run.passes if p["pass"] in steps}
-    ne = sum(s[7] - s[6] for s in run.spans if s[1] in steps and s[3] == "compute" and s[4] in NON_EXPERT)
-    ex = sum(s[7] - s[6] for s in run.spans if s[1] in steps and s[4] == "expert")
+    ne = sum(s[END] - s[START] for s in run.spans if s[STEP] in steps and s[STREAM] == "compute" and s[OP] in NON_EXPERT)
+    ex = sum(s[END] - s[START] for s in run.spans if s[STEP] in steps and s[OP] == "expert")
     n = max(len(lat), 1)
     total = sum(lat.values())
     return {"non-expert compute": ne / n, "expert compute": ex / n, "waits and gaps": (total - ne - ex) / n,

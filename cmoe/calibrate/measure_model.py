@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from cmoe.core.spec import ModelSpec
+from cmoe.core.timeline import STEP, LAYER, OP, EXPERT, START, END
 
 
 def _per_layer(log, ops: tuple[str, ...], first: int | None) -> tuple[float, float]:
@@ -25,9 +26,9 @@ def _per_layer(log, ops: tuple[str, ...], first: int | None) -> tuple[float, flo
     per: dict[int, dict[int, float]] = {}
     dec = {p for p, d, _, _ in log.pass_us if d}
     for s in log.spans:
-        if s[1] in dec and s[4] in ops:
-            layer = per.setdefault(s[1], {})
-            layer[s[2]] = layer.get(s[2], 0.0) + s[7] - s[6]
+        if s[STEP] in dec and s[OP] in ops:
+            layer = per.setdefault(s[STEP], {})
+            layer[s[LAYER]] = layer.get(s[LAYER], 0.0) + s[END] - s[START]
     tot, st = [], []
     for att in per.values():
         others = [v for k, v in att.items() if k != first]
@@ -41,7 +42,7 @@ def _mean(log, op: str, stat=np.mean) -> float:
     """Mean (or `stat`) duration of the decode passes' `op` spans, in seconds; 0 when the run has
     none (an engine that never does that step pays nothing for it)."""
     dec = {p for p, d, _, _ in log.pass_us if d}
-    xs = [s[7] - s[6] for s in log.spans if s[1] in dec and s[4] == op]
+    xs = [s[END] - s[START] for s in log.spans if s[STEP] in dec and s[OP] == op]
     return float(stat(xs)) / 1e6 if xs else 0.0
 
 
@@ -59,14 +60,14 @@ def _cpu_points(log, tr, batch: int, spec: ModelSpec) -> tuple[list, list]:
     dec = {p for p, d, _, _ in log.pass_us if d}
     pts, trips = [], {}
     for s in log.spans:
-        if s[1] not in dec:
+        if s[STEP] not in dec:
             continue
-        if s[4] == "cpu_expert":
-            ps, m = passes[s[1]], moe[s[2]]
+        if s[OP] == "cpu_expert":
+            ps, m = passes[s[STEP]], moe[s[LAYER]]
             votes = dict(zip(ps.needed[m], ps.votes[m]))
-            pts.append((votes.get(s[5], 1), (s[7] - s[6]) / 1e6))
-        elif s[4] == "roundtrip":
-            trips[(s[1], s[2])] = trips.get((s[1], s[2]), 0.0) + (s[7] - s[6]) / 1e6
+            pts.append((votes.get(s[EXPERT], 1), (s[END] - s[START]) / 1e6))
+        elif s[OP] == "roundtrip":
+            trips[(s[STEP], s[LAYER])] = trips.get((s[STEP], s[LAYER]), 0.0) + (s[END] - s[START]) / 1e6
     return pts, list(trips.values())
 
 
@@ -74,13 +75,13 @@ def _load_cost(log, upper_route_us: float, cuda: bool) -> float:
     """Host seconds per load: the route phase's excess over `upper`'s (per pass, us) spread over
     the loads issued, less the copy itself where the host copies (on a CPU)."""
     dec = {p for p, d, _, _ in log.pass_us if d}
-    loads = [s for s in log.spans if s[1] in dec and s[4] == "load"]
+    loads = [s for s in log.spans if s[STEP] in dec and s[OP] == "load"]
     if not loads:
         return 0.0
     route, _ = _per_layer(log, ("host_route",), None)
     per = (route - upper_route_us) * len(dec) / len(loads)
     if not cuda:
-        per -= float(np.mean([s[7] - s[6] for s in loads]))
+        per -= float(np.mean([s[END] - s[START] for s in loads]))
     return max(per, 0.0) / 1e6
 
 

@@ -49,7 +49,7 @@ from cmoe.executor.records import PassInput, PlanRecord, RunLog, _loads, _slot_t
 from cmoe.executor.routes import Routes
 from cmoe.executor.streams import Clock, DevicePool
 from cmoe.core.metrics import classify
-from cmoe.core.timeline import Span
+from cmoe.core.timeline import STREAM, START, END, Span
 from cmoe.policy.policies import Policy
 from cmoe.core.spec import ModelSpec
 from cmoe.trace.hf import prediction_source
@@ -361,7 +361,7 @@ class Engine(Routes):
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self._resolve(final=True)
-        self.log.spans.sort(key=lambda s: (s[6], s[7], s[3]))
+        self.log.spans.sort(key=lambda s: (s[START], s[END], s[STREAM]))
         return self.log
 
 

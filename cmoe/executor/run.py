@@ -30,6 +30,7 @@ from cmoe.policy.pool import PoolLayout, layout_for_policy
 from cmoe.core.quant import QuantRecipe
 from cmoe.core.spec import ModelSpec, preset
 from cmoe.trace.bundle import Trace, fingerprint
+from cmoe.core.timeline import STEP, OP, START, END, BYTES
 
 DEFAULT_PROMPTS = ("The mixture of experts routes each token to a few of its experts.",
                    "def fibonacci(n):\n    if n < 2:\n        return n",
@@ -315,10 +316,10 @@ def metrics(log: RunLog, w: Workload, cfg: ExecConfig, policy: str, layout: Pool
     dec_passes = {p for p, d, _, _ in log.pass_us if d}
     by_op: dict[str, float] = {}
     for s in log.spans:
-        if s[1] in dec_passes:
-            by_op[s[4]] = by_op.get(s[4], 0.0) + (s[7] - s[6])
-    loads = [s for s in log.spans if s[4] == "load"]
-    load_us = sum(s[7] - s[6] for s in loads)
+        if s[STEP] in dec_passes:
+            by_op[s[OP]] = by_op.get(s[OP], 0.0) + (s[END] - s[START])
+    loads = [s for s in log.spans if s[OP] == "load"]
+    load_us = sum(s[END] - s[START] for s in loads)
     n_dec = max(len(dec_passes), 1)
     return {
         "source": "gpu" if w.device.type == "cuda" else "cpu", "policy": policy, "pool_gb": cfg.pool_gb,
@@ -326,7 +327,7 @@ def metrics(log: RunLog, w: Workload, cfg: ExecConfig, policy: str, layout: Pool
         "trace_id": fingerprint(w.trace) if w.trace is not None else None,
         "device": torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else "cpu",
         **summary(log),
-        "h2d_gbps": sum(s[8] for s in loads) / load_us / 1e3 if load_us else float("nan"),
+        "h2d_gbps": sum(s[BYTES] for s in loads) / load_us / 1e3 if load_us else float("nan"),
         "engine": cfg.engine,
         # first-request cost: warm-up and CUDA-graph capture on the first decode pass (lean, CUDA)
         "capture_ms": (getattr(log, "capture_us", None) or 0.0) / 1e3,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from cmoe.core.errors import CmoeError
 from cmoe.analysis.runfolder import read_metrics, read_passes, read_timeline, read_timeline_file
-from cmoe.core.timeline import COLUMNS
+from cmoe.core.timeline import STEP, OP, START, END, BYTES, COLUMNS
 from cmoe.core.util import write_text_atomic
 
 MAX_SPANS = 100_000
@@ -124,25 +124,25 @@ def compare_report(predicted: Path, measured: Path, max_spans: int) -> tuple[str
 
 def _aligned(pred: list, meas: list) -> tuple[list, list]:
     """The passes both runs have (a measured run often covers fewer), each shifted to start at 0."""
-    steps = {s[1] for s in pred} & {s[1] for s in meas}
+    steps = {s[STEP] for s in pred} & {s[STEP] for s in meas}
 
     def keep(spans):
-        kept = [s for s in spans if s[1] in steps]
-        t0 = min((s[6] for s in kept), default=0.0)
-        return [s[:6] + (s[6] - t0, s[7] - t0, s[8]) for s in kept]
+        kept = [s for s in spans if s[STEP] in steps]
+        t0 = min((s[START] for s in kept), default=0.0)
+        return [s[:6] + (s[START] - t0, s[END] - t0, s[BYTES]) for s in kept]
     return keep(pred), keep(meas)
 
 
 def _op_table(pred: list, meas: list, decode: set[int] | None) -> str:
     """Time per decode pass by op (`decode`: the decode passes; None: every pass with experts).
     The host thread's lane is measured only: the simulator models it but draws no spans for it."""
-    dec = decode if decode else ({s[1] for s in meas if s[4] == "expert"} or {s[1] for s in meas})
+    dec = decode if decode else ({s[STEP] for s in meas if s[OP] == "expert"} or {s[STEP] for s in meas})
 
     def per_pass(spans):
         tot: dict[str, float] = {}
         for s in spans:
-            if s[1] in dec:
-                tot[s[4]] = tot.get(s[4], 0.0) + s[7] - s[6]
+            if s[STEP] in dec:
+                tot[s[OP]] = tot.get(s[OP], 0.0) + s[END] - s[START]
         return {k: v / max(len(dec), 1) for k, v in tot.items()}
     a, b = per_pass(pred), per_pass(meas)
     rows = []

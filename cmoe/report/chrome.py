@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cmoe.core.timeline import Span
+from cmoe.core.timeline import SOURCE, STREAM, START, END, Span
 from cmoe.core.util import write_text_atomic
 
 
@@ -19,16 +19,16 @@ def tracks(spans: list[Span]) -> list[tuple[str, Span]]:
     """Assign each span a track name so that spans on one track never overlap."""
     ends: dict[tuple[str, str], list[float]] = {}
     out = []
-    for s in sorted(spans, key=lambda s: (s[0], s[3], s[6], s[7])):
-        lanes = ends.setdefault((s[0], s[3]), [])
+    for s in sorted(spans, key=lambda s: (s[SOURCE], s[STREAM], s[START], s[END])):
+        lanes = ends.setdefault((s[SOURCE], s[STREAM]), [])
         for i, end in enumerate(lanes):
-            if end <= s[6]:
-                lanes[i] = s[7]
+            if end <= s[START]:
+                lanes[i] = s[END]
                 break
         else:
-            lanes.append(s[7])
+            lanes.append(s[END])
             i = len(lanes) - 1
-        out.append((s[3] if i == 0 else f"{s[3]}#{i}", s))
+        out.append((s[STREAM] if i == 0 else f"{s[STREAM]}#{i}", s))
     return out
 
 

@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from cmoe.report.chrome import tracks
-from cmoe.core.timeline import Span
+from cmoe.core.timeline import STEP, LAYER, OP, EXPERT, START, END, BYTES, Span
 
 OP_COLORS = {"attention": "#4C78A8", "dense": "#9ECAE9", "shared": "#72B7B2", "route": "#B279A2",
              "expert": "#F58518", "head": "#54A24B", "load": "#E45756", "cpu_expert": "#9D755D",
@@ -32,18 +32,18 @@ def limit_spans(groups: list[tuple[str, list[Span]]], max_spans: int) -> tuple[l
     total = sum(len(s) for _, s in groups)
     if total <= max_spans:
         return groups, ""
-    steps = sorted({s[1] for _, spans in groups for s in spans})
+    steps = sorted({s[STEP] for _, spans in groups for s in spans})
     counts: dict[int, int] = {}
     for _, spans in groups:
         for s in spans:
-            counts[s[1]] = counts.get(s[1], 0) + 1
+            counts[s[STEP]] = counts.get(s[STEP], 0) + 1
     kept, n = set(), 0
     for st in steps:
         if n + counts[st] > max_spans and kept:
             break
         kept.add(st)
         n += counts[st]
-    out = [(label, [s for s in spans if s[1] in kept]) for label, spans in groups]
+    out = [(label, [s for s in spans if s[STEP] in kept]) for label, spans in groups]
     return out, (f"showing passes {min(kept)}-{max(kept)} of {len(steps)} ({n:,} of {total:,} spans); "
                  f"raise --max-spans to see more")
 
@@ -58,16 +58,16 @@ def timeline_figure(groups: list[tuple[str, list[Span]]], title: str = "timeline
             if track not in lane_of:
                 lane_of[track] = len(lanes)
                 lanes.append(f"{label} | {track}")
-            by_op.setdefault(s[4], []).append((lane_of[track], s))
+            by_op.setdefault(s[OP], []).append((lane_of[track], s))
         for op, items in sorted(by_op.items()):
             n = len(items)
             x = np.full(3 * n, np.nan)                       # start, end, gap: float64 keeps 0.1 us
             y = np.full(3 * n, np.nan, dtype=np.float32)
             cd = np.zeros((3 * n, 5), dtype=np.float32)      # pass, layer, expert, MB, duration us
-            x[0::3] = [s[6] for _, s in items]
-            x[1::3] = [s[7] for _, s in items]
+            x[0::3] = [s[START] for _, s in items]
+            x[1::3] = [s[END] for _, s in items]
             y[0::3] = y[1::3] = [lane for lane, _ in items]
-            info = np.array([(s[1], s[2], s[5], s[8] / 1e6, s[7] - s[6]) for _, s in items], dtype=np.float32)
+            info = np.array([(s[STEP], s[LAYER], s[EXPERT], s[BYTES] / 1e6, s[END] - s[START]) for _, s in items], dtype=np.float32)
             cd[0::3], cd[1::3] = info, info
             fig.add_trace(go.Scattergl(
                 x=x, y=y, customdata=cd, mode="lines", name=f"{label}: {op}", legendgroup=op,

@@ -46,6 +46,7 @@ from cmoe.core.metrics import RunRecord, classify
 from cmoe.policy.policies import Load, Policy
 from cmoe.sim.costs import Costs, PassCosts, costs_for
 from cmoe.trace.passes import Pass
+from cmoe.core.timeline import STREAM, START, END
 
 __all__ = ["Costs", "SimRun", "Simulation", "costs_for"]     # Costs and costs_for live in cmoe.sim.costs
 
@@ -382,5 +383,5 @@ class Simulation:
 
     def simulate(self) -> SimRun:
         self.env.run()
-        self.run.spans.sort(key=lambda s: (s[6], s[7], s[3]))       # canonical order: by start, end, stream
+        self.run.spans.sort(key=lambda s: (s[START], s[END], s[STREAM]))       # canonical order: by start, end, stream
         return self.run
