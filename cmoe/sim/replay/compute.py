@@ -1,6 +1,9 @@
-"""The compute process of `cmoe.sim.engine.Simulation._compute`, line for line, over decisions
-already made (`decide.Decisions`) and the clock of `clock.py`. Read the two side by side: the
-names (H, G, last, t_in, due, ...) and the order of every sum are the engine's."""
+"""The compute process of `cmoe.sim.engine.Simulation` (`_compute` and the per-layer steps it
+runs: `_begin_pass`, `_dense_layers`, `_moe_layer`, `_ahead_layer`, `_gpu_experts`,
+`_cpu_experts`), line for line, in one loop over decisions already made (`decide.Decisions`)
+and the clock of `clock.py`. Read the two side by side: the names (H, G, last, t_in, due, ...)
+and the order of every sum are the engine's. One numba function, not split like the engine:
+its inner loop is the replay's hot path."""
 
 from __future__ import annotations
 
