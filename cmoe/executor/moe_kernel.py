@@ -40,11 +40,10 @@ import torch
 import torch.nn.functional as F
 
 from cmoe.core.errors import CmoeError
-from cmoe.executor.kernels import dequantize, quantize
+from cmoe.executor.kernels import dequantize
 from cmoe.executor.layout import ExpertLayout, expert_layout
 
 BLOCK_K = 128          # k per block: 8 planes of 16
-PACKING = "tiled16x8"
 
 
 # --- layout ---------------------------------------------------------------------------------------
@@ -132,12 +131,6 @@ def write_codes(buf: torch.Tensor, layout: ExpertLayout, name: str, codes: torch
     """Matrix `name` (w13 or w2) of one expert, as codes and scales, into its slot bytes."""
     _part(buf, layout, name).copy_(pack_tiled(codes).to(buf.device))
     _part(buf, layout, f"{name}_sz").copy_(sz.contiguous().reshape(-1).view(torch.uint8).to(buf.device))
-
-
-def write_expert(buf: torch.Tensor, layout: ExpertLayout, w13: torch.Tensor, w2: torch.Tensor) -> None:
-    """Quantize float w13 [2F, H] and w2 [H, F] into the slot bytes `buf` in the tiled layout."""
-    for name, w in (("w13", w13), ("w2", w2)):
-        write_codes(buf, layout, name, *quantize(w, layout.group))
 
 
 def read_expert(buf: torch.Tensor, layout: ExpertLayout) -> dict[str, torch.Tensor]:
