@@ -104,6 +104,9 @@ def test_rotation_and_cache_writes_equal_transformers_in_bf16():
 def test_families_it_does_not_cover_and_the_switch(monkeypatch):
     ds = _model("deepseek_v2")
     assert attention.install(ds, "deepseek_v2", cuda=False) == []
+    partial = _model("mixtral")
+    partial.config.partial_rotary_factor = 0.5
+    assert attention.install(partial, "mixtral", cuda=False) == []
     monkeypatch.setenv("CMOE_FAST_ATTN", "0")
     assert attention.install(_model("mixtral"), "mixtral", cuda=False) == []
 

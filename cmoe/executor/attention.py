@@ -126,6 +126,8 @@ def install(model, family: str, cuda: bool) -> list:
     cover, or CMOE_FAST_ATTN=0: nothing changes."""
     if family not in FAMILIES or not enabled():
         return []
+    if getattr(model.config, "partial_rotary_factor", 1.0) not in (None, 1.0):
+        return []                                   # the kernel rotates the whole head
     kernels = None
     if cuda:
         from cmoe.executor.kernels_triton import attention as kernels
