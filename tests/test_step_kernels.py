@@ -55,6 +55,18 @@ def test_route_topk_equals_the_router(cls, E, k, norm, dtype):
         assert torch.equal(idx, idx2)
 
 
+def test_route_topk_on_a_nan_row_still_names_real_experts():
+    """An overflowed row (NaN logits) must not send an id past the last expert to the layer
+    kernel's slot table (torch's topk never does)."""
+    from cmoe.executor.kernels_triton.steps import route_topk
+    lg = torch.randn(3, 60, generator=torch.Generator().manual_seed(1)).to(DEV)
+    lg[1] = float("nan")
+    lg[2, 7] = float("nan")
+    w, idx = route_topk(lg, 4, True, torch.float32)
+    assert ((idx >= 0) & (idx < 60)).all()
+    assert 7 not in idx[2].tolist()                        # a NaN expert ranks last
+
+
 @pytest.mark.parametrize("shared", [False, True])
 def test_residual_sum_equals_the_adds(shared):
     from cmoe.executor.kernels_triton.steps import residual_sum

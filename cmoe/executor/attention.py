@@ -12,8 +12,9 @@ step over a `StaticKV` (prefill, the reference engine, the families it does not 
 
 Arithmetic: the rotation is transformers' `q * cos + rotate_half(q) * sin` with each product and
 the sum rounded to the activations' dtype, as the element-wise ops round, so q and the cached k
-equal the module's exactly. On the CPU the same program runs with torch's own ops (`rope_write`,
-`attend`: what the module computes, SDPA over repeat_kv); on CUDA the two kernels of
+equal the module's given the same projections (the one q/k/v matmul may round differently from
+three, as any change of GEMM shape can). On the CPU the same program runs with torch's own ops
+(`rope_write`, `attend`: what the module computes, SDPA over repeat_kv); on CUDA the two kernels of
 `cmoe.executor.kernels_triton.attention` replace them (the attention in fp32 with an online
 softmax: not bit-equal to SDPA, checked against it in the GPU tests). The q, k, v projection is
 one matmul over the three weights stacked; the modules' weights become views of that stack, so
@@ -90,14 +91,15 @@ class FastDecode:
         self.clip = float(clip) if clip is not None else None
         self.kernels = None
 
-    def applies(self, h, attention_mask, past_key_values) -> bool:
+    def applies(self, h, position_embeddings, attention_mask, past_key_values) -> bool:
         from cmoe.executor.kv import StaticKV
         return (h.dim() == 3 and h.shape[1] == 1 and isinstance(past_key_values, StaticKV)
                 and past_key_values.decoding and attention_mask is not None
-                and attention_mask.dtype == torch.bool and self.a.layer_idx in past_key_values.keys)
+                and attention_mask.dtype == torch.bool and self.a.layer_idx in past_key_values.keys
+                and position_embeddings[0].shape[-1] == self.D)        # a rotary over the whole head
 
     def __call__(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kw):
-        if not self.applies(hidden_states, attention_mask, past_key_values):
+        if not self.applies(hidden_states, position_embeddings, attention_mask, past_key_values):
             return self.orig(hidden_states, position_embeddings, attention_mask, past_key_values=past_key_values, **kw)
         a, kv, D = self.a, past_key_values, self.D
         B = hidden_states.shape[0]

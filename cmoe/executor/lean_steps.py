@@ -167,6 +167,9 @@ class HostSteps:
         the router's live scores. The host then reads the layer back, while the experts run, and
         plans: the same `plan` call (its GPU set is the committed one), whose loads are layer m+1's."""
         d, clock, cs, h_in, t_in = self._enter_layer(m)
+        # the read-back first, right behind A_m: ahead of the kernel inputs' copies and of the
+        # waits on this layer's slot copies, so its wait below ends with A_m, not with a late load
+        started = self._read_back_start(m)
         chosen = list(self.policy.committed[m])
         keep = set(chosen)
         k, K = self.kin, self.spec.top_k
@@ -195,8 +198,7 @@ class HostSteps:
             landed = self._landed[(m, e)] if self.pool.pending[m][s] else None
             self._experts.append((self.cur.index, False, landed, t_plan, h0))
             self.pool.before_read(m, s)
-        started = self._read_back_start(m)                 # queued before the experts: the wait
-        t0 = clock.mark(cs)                                # below ends with A_m, not with X_m
+        t0 = clock.mark(cs)
         self._run_x(m, graphs)
         t1 = clock.mark(cs)
         self._fused_span(d, chosen, t0, t1)

@@ -47,13 +47,13 @@ def _route_topk(logits_ptr, stride, w_ptr, idx_ptr, E, K: tl.constexpr, EP: tl.c
     p = _exp(x - tl.max(x, 0))
     p = tl.where(m, p, 0.0)
     p = _div(p, tl.broadcast_to(tl.sum(p, 0), [EP]))
-    work = tl.where(m, p, -1.0)
+    work = tl.where(m & (p == p), p, -1.0)              # NaN (an overflowed row) ranks last
     kk = tl.arange(0, KP)
     vals = tl.zeros([KP], tl.float32)
     ids = tl.zeros([KP], tl.int64)
     for j in tl.static_range(K):
         v = tl.max(work, 0)
-        i = tl.min(tl.where(work == v, e, EP), 0)
+        i = tl.minimum(tl.min(tl.where(work == v, e, EP), 0), E - 1)     # always a real expert id
         vals = tl.where(kk == j, v, vals)
         ids = tl.where(kk == j, i.to(tl.int64), ids)
         work = tl.where(e == i, -1.0, work)
