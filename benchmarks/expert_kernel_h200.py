@@ -139,6 +139,31 @@ class Experts:
         return self.lay.part(name).nbytes + self.lay.part(f"{name}_sz").nbytes
 
 
+def torch_rows(r: dict, x, hM, ex, ids2, w2t, nexp: int, slot_bytes: int, sizes: tuple) -> None:
+    """Into `r`: torch's int4 kernel and bf16 on the same step (w13, w2, one expert, the layer
+    whose top-2 routing is `ids2`/`w2t`), then every implementation's effective TB/s from the
+    bytes it must read (`sizes`: int4 w13, w2; bf16 w13, w2)."""
+    b13, b2, bf13, bf2 = sizes
+    r["w13_tg"] = graph_us([lambda e=e: tg_mm(x, ex.tg[e]["w13"]) for e in range(4)])
+    r["w2_tg"] = graph_us([lambda e=e: tg_mm(hM, ex.tg[e]["w2"]) for e in range(4)])
+    r["expert_tg"] = graph_us([lambda e=e: tg_expert(x, ex.tg[e]) for e in range(4)])
+    r["w13_bf"] = graph_us([lambda e=e: F.linear(x, ex.bf[e]["w13"]) for e in range(4)])
+    r["w2_bf"] = graph_us([lambda e=e: F.linear(hM, ex.bf[e]["w2"]) for e in range(4)])
+    r["expert_bf"] = graph_us([lambda e=e: bf_expert(x, ex.bf[e]) for e in range(4)])
+    rows_of = {}
+    for e in sorted(set(ids2.reshape(-1).tolist())):
+        rr, cc = (ids2 == e).nonzero(as_tuple=True)
+        rows_of[e] = (rr.to(DEV), w2t[rr, cc].to(DEV).to(torch.bfloat16))
+    for name, fn, store in (("tg", tg_expert, ex.tg), ("bf", bf_expert, ex.bf)):
+        sets = [{e: store[e + 8 * i] for e in range(8)} for i in range(2)]
+        r[f"layer_{name}"] = graph_us([lambda s=s: layer_torch(x, rows_of, s, fn) for s in sets])
+    for k in ("w13", "w2", "expert", "layer"):
+        nb_i4 = {"w13": b13, "w2": b2, "expert": slot_bytes, "layer": nexp * slot_bytes}[k]
+        nb_bf = {"w13": bf13, "w2": bf2, "expert": bf13 + bf2, "layer": nexp * (bf13 + bf2)}[k]
+        for impl, nb in (("mine", nb_i4), ("tg", nb_i4), ("bf", nb_bf)):
+            r[f"{k}_{impl}_tbps"] = nb / r[f"{k}_{impl}"] / 1e6
+
+
 def tg_mm(x, w):
     return int4_mm(x, w[0], G, w[1])           # torch's _weight_int4pack_mm (its CPU twin off CUDA)
 
@@ -453,24 +478,7 @@ def split13_sweep(args, out: Path) -> None:
              "fastest_expert": {k: fast1[k] for k in ("config", "expert_us", "expert_tbps", "w13_us", "w13_tbps")}}
         r["w13_mine"], r["expert_mine"], r["layer_mine"] = pick["w13_us"], pick["expert_us"], pick["layer_us"]
         r["w2_mine"] = graph_us([lambda t=t: K.launch_w2(d["ws"], d["wts"], t, pool, lay, 1, M, cfg) for t in tables])
-        r["w13_tg"] = graph_us([lambda e=e: tg_mm(x, ex.tg[e]["w13"]) for e in range(4)])
-        r["w2_tg"] = graph_us([lambda e=e: tg_mm(hM, ex.tg[e]["w2"]) for e in range(4)])
-        r["expert_tg"] = graph_us([lambda e=e: tg_expert(x, ex.tg[e]) for e in range(4)])
-        r["w13_bf"] = graph_us([lambda e=e: F.linear(x, ex.bf[e]["w13"]) for e in range(4)])
-        r["w2_bf"] = graph_us([lambda e=e: F.linear(hM, ex.bf[e]["w2"]) for e in range(4)])
-        r["expert_bf"] = graph_us([lambda e=e: bf_expert(x, ex.bf[e]) for e in range(4)])
-        rows_of = {}
-        for e in sorted(set(d["ids2"].reshape(-1).tolist())):
-            rr, cc = (d["ids2"] == e).nonzero(as_tuple=True)
-            rows_of[e] = (rr.to(DEV), d["w2t"][rr, cc].to(DEV).to(torch.bfloat16))
-        for name, fn, store in (("tg", tg_expert, ex.tg), ("bf", bf_expert, ex.bf)):
-            sets = [{e: store[e + 8 * i] for e in range(8)} for i in range(2)]
-            r[f"layer_{name}"] = graph_us([lambda s=s: layer_torch(x, rows_of, s, fn) for s in sets])
-        for k in ("w13", "w2", "expert", "layer"):
-            nb_i4 = {"w13": b13, "w2": b2, "expert": lay.nbytes, "layer": d["nexp"] * lay.nbytes}[k]
-            nb_bf = {"w13": bf13, "w2": bf2, "expert": bf13 + bf2, "layer": d["nexp"] * (bf13 + bf2)}[k]
-            for impl, nb in (("mine", nb_i4), ("tg", nb_i4), ("bf", nb_bf)):
-                r[f"{k}_{impl}_tbps"] = nb / r[f"{k}_{impl}"] / 1e6
+        torch_rows(r, x, hM, ex, d["ids2"], d["w2t"], d["nexp"], lay.nbytes, (b13, b2, bf13, bf2))
         rows.append(r)
         res["table"] = rows
         (out / "expert_kernel_h200.json").write_text(json.dumps(res, indent=1, default=str))
@@ -678,24 +686,7 @@ def main() -> None:
                                      for t in tables])
         r["layer_mine"] = graph_us([lambda t=t: moe_triton(x, ids2d, w2d, t, pool, lay, workspace=wsl, config=cfg)
                                     for t in lay_tables])
-        r["w13_tg"] = graph_us([lambda e=e: tg_mm(x, ex.tg[e]["w13"]) for e in range(4)])
-        r["w2_tg"] = graph_us([lambda e=e: tg_mm(hM, ex.tg[e]["w2"]) for e in range(4)])
-        r["expert_tg"] = graph_us([lambda e=e: tg_expert(x, ex.tg[e]) for e in range(4)])
-        r["w13_bf"] = graph_us([lambda e=e: F.linear(x, ex.bf[e]["w13"]) for e in range(4)])
-        r["w2_bf"] = graph_us([lambda e=e: F.linear(hM, ex.bf[e]["w2"]) for e in range(4)])
-        r["expert_bf"] = graph_us([lambda e=e: bf_expert(x, ex.bf[e]) for e in range(4)])
-        rows_of = {}
-        for e in sorted(set(ids2.reshape(-1).tolist())):
-            rr, cc = (ids2 == e).nonzero(as_tuple=True)
-            rows_of[e] = (rr.cuda(), w2t[rr, cc].cuda().to(torch.bfloat16))
-        for name, fn, store in (("tg", tg_expert, ex.tg), ("bf", bf_expert, ex.bf)):
-            sets = [{e: store[e + 8 * i] for e in range(8)} for i in range(2)]
-            r[f"layer_{name}"] = graph_us([lambda s=s: layer_torch(x, rows_of, s, fn) for s in sets])
-        for k in ("w13", "w2", "expert", "layer"):
-            nb_i4 = {"w13": b13, "w2": b2, "expert": lay.nbytes, "layer": nexp * lay.nbytes}[k]
-            nb_bf = {"w13": bf13, "w2": bf2, "expert": bf13 + bf2, "layer": nexp * (bf13 + bf2)}[k]
-            for impl, nb in (("mine", nb_i4), ("tg", nb_i4), ("bf", nb_bf)):
-                r[f"{k}_{impl}_tbps"] = nb / r[f"{k}_{impl}"] / 1e6
+        torch_rows(r, x, hM, ex, ids2, w2t, nexp, lay.nbytes, (b13, b2, bf13, bf2))
         rows.append(r)
         print(f"M={M} done ({time.time() - t0:.0f} s)", flush=True)
         res["table"] = rows
