@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4, help="decoder layers built for calibrating")
     ap.add_argument("--commit", default=None, help="the commit being run, where git cannot say (the GPU "
                     "machine's copy of the tree keeps the .git of the session's start)")
+    ap.add_argument("--measure-only", action="store_true", help="no predictions here even with simpy installed "
+                    "(the simulator is deterministic: benchmarks/validate_table.py predicts anywhere)")
     ap.add_argument("--repeat", action="store_true", help="run the policies again in reverse order (measured-2/): "
                     "how far two runs of the same configuration differ")
     a = ap.parse_args()
@@ -63,9 +65,9 @@ def main() -> None:
     res = {"date": time.strftime("%Y-%m-%d"), "card": card, "torch": torch.__version__,
            "commit": commit + ("+dirty" if dirty else ""), "spec": a.spec, "tokens": a.tokens, "configs": []}
     import importlib.util
-    can_predict = importlib.util.find_spec("simpy") is not None
+    can_predict = importlib.util.find_spec("simpy") is not None and not a.measure_only
     if not can_predict:
-        print("simpy is missing: measuring only", flush=True)
+        print("measuring only (benchmarks/validate_table.py predicts from the profile anywhere)", flush=True)
 
     if a.embedded:
         from cmoe.data import default_model
