@@ -48,6 +48,10 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=None)
     ap.add_argument("--profile", default=None, help="use this profile instead of calibrating")
     ap.add_argument("--layers", type=int, default=4, help="decoder layers built for calibrating")
+    ap.add_argument("--calibrate-on", choices=("cut", "built"), default="cut",
+                    help="cut: the preset cut to --layers layers, built by calibrate itself (as `cmoe calibrate` "
+                    "does; the same per-layer shapes, an eighth of the runs' time); built: the full model built "
+                    "for the runs (`cmoe run`'s way; its GPU-time runs hold each of 32 layers back 5 ms)")
     ap.add_argument("--commit", default=None, help="the commit being run, where git cannot say (the GPU "
                     "machine's copy of the tree keeps the .git of the session's start)")
     ap.add_argument("--measure-only", action="store_true", help="no predictions here even with simpy installed "
@@ -89,12 +93,15 @@ def main() -> None:
         from cmoe.calibrate.profile_fit import beside
         t0 = time.perf_counter()
         prof, m = calibrate(w.device, w.spec, w.fmt, a.layers, where["model_dir"],
-                            name=f"calibrated-{card.split()[-1].lower()}", built=w)
+                            name=f"calibrated-{card.split()[-1].lower()}", built=w if a.calibrate_on == "built" else None)
         res["calibrate_s"] = time.perf_counter() - t0
         print(beside(prof, m), flush=True)
         write_text_atomic(a.out / "profile.json", json.dumps(prof.to_dict(), indent=1))
         write_text_atomic(a.out / "profile.measurements.json", json.dumps(m, indent=1))
+        res["calibrated_on"] = a.calibrate_on
         print(f"calibrated in {res['calibrate_s']:.0f} s", flush=True)
+        if w.device.type == "cuda":
+            torch.cuda.empty_cache()
     built = (w.store, w.model, w.shims)
 
     for batch in [int(b) for b in a.batches.split(",")]:

@@ -161,3 +161,23 @@ def test_refit_warns_on_noise_and_strict_refuses(tmp_path):
             "may be off; rerun cmoe calibrate on a quiet machine (--strict refuses such a profile)") in r.output.splitlines()
     h2d_64k = next(x for x in r.output.splitlines() if x.startswith("H2D pinned 64 KiB"))
     assert h2d_64k.endswith("   0.5%")           # the spread column: the IQR of two repeats is half their range
+
+
+def test_per_layer_sums_a_step_and_is_zero_where_the_engine_has_none():
+    """The host's time of an op per decode pass, less layer 0's start-up; a run whose engine never
+    shows the op (the lean engine's early router inside a graph) costs 0, not NaN."""
+    from types import SimpleNamespace
+    from cmoe.calibrate.measure_model import _per_layer
+    from cmoe.core.timeline import Span
+    spans = [Span("gpu", 0, 0, "host", "host_route", -1, 0.0, 50.0),          # prefill: left out
+             Span("gpu", 1, 0, "host", "host_route", -1, 0.0, 30.0),
+             Span("gpu", 1, 1, "host", "host_route", -1, 40.0, 50.0),
+             Span("gpu", 1, 2, "host", "host_route", -1, 60.0, 70.0),
+             Span("gpu", 2, 0, "host", "host_route", -1, 0.0, 10.0),
+             Span("gpu", 2, 1, "host", "host_route", -1, 20.0, 34.0),
+             Span("gpu", 2, 2, "host", "host_route", -1, 40.0, 46.0)]
+    log = SimpleNamespace(spans=spans, pass_us=[(0, False, 0.0, 0.0), (1, True, 0.0, 0.0), (2, True, 0.0, 0.0)])
+    # pass 1: layer 0 is 20 over the others' mean of 10; pass 2: layer 0 at 10 is under their 10
+    assert _per_layer(log, ("host_route",), 0) == (pytest.approx((30.0 + 30.0) / 2), pytest.approx(10.0))
+    assert _per_layer(log, ("host_route",), None) == (pytest.approx(40.0), 0.0)
+    assert _per_layer(log, ("host_predict",), None) == (0.0, 0.0)

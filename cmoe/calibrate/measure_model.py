@@ -22,13 +22,17 @@ from cmoe.core.timeline import STEP, LAYER, OP, EXPERT, START, END
 def _per_layer(log, ops: tuple[str, ...], first: int | None) -> tuple[float, float]:
     """Mean over decode passes of (the `ops` spans' time less the pass's start-up, start-up) in us,
     where the start-up is layer `first`'s excess over the mean of the other layers. Means, not
-    medians: throughput pays for the slow passes too."""
+    medians: throughput pays for the slow passes too. (0, 0) when the run has no such span: the
+    engine does that step where the host does not see it (the lean engine's early router inside a
+    CUDA graph costs the host nothing; its GPU time lies in `attention`)."""
     per: dict[int, dict[int, float]] = {}
     dec = {p for p, d, _, _ in log.pass_us if d}
     for s in log.spans:
         if s[STEP] in dec and s[OP] in ops:
             layer = per.setdefault(s[STEP], {})
             layer[s[LAYER]] = layer.get(s[LAYER], 0.0) + s[END] - s[START]
+    if not per:
+        return 0.0, 0.0
     tot, st = [], []
     for att in per.values():
         others = [v for k, v in att.items() if k != first]
