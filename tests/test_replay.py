@@ -36,6 +36,10 @@ FLAT = HardwareProfile(name="flat", gpu_mem_bytes=10**12, h2d_pinned=((1, 1.0),)
                        copy_compute_slowdown=0.5)
 FLAT2 = replace(FLAT, copy_engines=2, host_layer_us=3.0, host_expert_us=1.0, host_sync_us=1.0)
 FLAT_FIFO = replace(FLAT, copy_fifo=True, host_layer_us=12.0, host_expert_us=2.0, host_route_us=1.0)
+# the lean executor: fused launches (waves), a silent upper, commit ahead of its read-back
+LEAN = replace(EAGER, silent_upper=True, commit_ahead=True, wave_gbps=3000.0, wave_us=25.0, wave_row_us=0.5,
+               host_expert_us=40.0)
+FLAT_WAVE = replace(FLAT_FIFO, wave_gbps=0.5, wave_us=1.0, wave_row_us=1.0, commit_ahead=True)
 
 
 def same_run(a, b) -> None:
@@ -68,7 +72,7 @@ def trace_of(model, requests, decode, seed=0, prompt=6, quant="w4a16"):
 CASES = [  # model, pool GB, batch, profile
     ("mixtral-8x7b", 20, 1, H200), ("mixtral-8x7b", 16, 4, EAGER), ("mixtral-8x7b", 14, 2, TWO_ENGINES),
     ("deepseek-v2-lite", 6, 1, H200), ("deepseek-v2-lite", 6, 3, ON_HOST), ("qwen1.5-moe-a2.7b", 6, 2, EAGER),
-    ("olmoe-1b-7b", 3, 4, TWO_ENGINES),
+    ("olmoe-1b-7b", 3, 4, TWO_ENGINES), ("mixtral-8x7b", 16, 4, LEAN), ("deepseek-v2-lite", 6, 3, LEAN),
 ]
 
 
@@ -102,7 +106,8 @@ def tiny_costs(t):
                  attn_bytes=0, dense_bytes=0, shared_bytes=0, dense_bits=16, moe_layers=t.spec.moe_layers)
 
 
-@pytest.mark.parametrize("profile", [FLAT, FLAT2, FLAT_FIFO], ids=["flat", "flat-2-engines", "flat-fifo"])
+@pytest.mark.parametrize("profile", [FLAT, FLAT2, FLAT_FIFO, FLAT_WAVE], ids=["flat", "flat-2-engines", "flat-fifo",
+                                                                           "flat-waves"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("seed", range(3))
 def test_replay_breaks_ties_as_simpy_does(profile, policy, seed):
@@ -276,3 +281,38 @@ def test_commit_ahead_in_both_engines(profile, batch):
     assert sum(c.late for c in a.per_pass.values()) + sum(c.hits for c in a.per_pass.values()) > 0
     plain, _, _, _ = both(t, "commit", replace(profile, commit_ahead=False), batch, pool_gb=12)
     assert a.spans != plain.spans
+
+
+def test_fused_waves_by_hand():
+    """`wave_gbps`: a layer's experts are one launch of wave_us plus each expert's bytes at
+    wave_gbps plus wave_row_us per row, split evenly over its experts' spans (upper: every expert
+    resident, so one wave per layer); without it, each expert is its own kernel."""
+    t = tiny(M=3, E=4, T=24, seed=1, requests=2, K=2)
+    a, b, _, _ = both(t, "upper", FLAT_WAVE, 2, slots=4, costs=tiny_costs(t))
+    same_run(a, b)
+    passes = make_passes(t, 2)
+    for (p, m), spans in _by_layer(a.spans).items():
+        votes = dict(zip(passes[p].needed[m], passes[p].votes[m]))
+        want = 1.0 + sum(1000 * (1 + (e % 3 == 0)) / 0.5e3 + 1.0 * votes[e] for e in passes[p].needed[m])
+        assert spans[-1][7] - spans[0][6] == pytest.approx(want)
+        lengths = {round(s[7] - s[6], 9) for s in spans}
+        assert len(lengths) == 1 and [s[5] for s in spans] == list(passes[p].needed[m])
+    c, _, _, _ = both(t, "upper", replace(FLAT_WAVE, wave_gbps=0.0), 2, slots=4, costs=tiny_costs(t))
+    assert c.spans != a.spans
+
+
+def _by_layer(spans):
+    out: dict = {}
+    for s in spans:
+        if s[4] == "expert":
+            out.setdefault((s[1], s[2]), []).append(s)
+    return {k: sorted(v, key=lambda s: s[6]) for k, v in out.items()}
+
+
+def test_waves_group_as_the_executor_launches():
+    from cmoe.policy.waves import waves
+    assert waves([3, 1, 5, 2], {}) == [[3, 1, 5, 2]]
+    # 5 overwrites 3's slot and 2 overwrites 5's: three launches; 1 waits for nobody
+    assert waves([3, 1, 5, 2], {5: 3, 2: 5}) == [[3, 1], [5], [2]]
+    assert waves([3, 1], {3: 7}) == [[3, 1]]                 # a victim outside the layer's GPU set
+    assert waves([], {}) == []

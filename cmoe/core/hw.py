@@ -68,6 +68,14 @@ class HardwareProfile:
     commit_ahead: bool = False                      # commit in decode launches a layer's committed experts before
                                                     # its read-back and plans the next layer while they run (the
                                                     # lean executor's one-launch kernel)
+    # The lean executor's fused expert launch (calibrate fits it from upper's own layers): with
+    # wave_gbps > 0 a layer's GPU experts run in waves (`cmoe.policy.waves`), each one launch that
+    # starts once all of its copies have landed and takes wave_us + its experts' bytes at wave_gbps
+    # + wave_row_us per row, issued by the host once (host_expert of the wave's rows); 0: each
+    # expert is a kernel of its own (expert_us), as in the reference engine.
+    wave_gbps: float = 0.0
+    wave_us: float = 0.0
+    wave_row_us: float = 0.0
     # Measured shapes (calibrate, from enough points): where given, they replace the lines above.
     # (rows, us) pairs, rows ascending; read piecewise-linearly, held flat below the first point and
     # past the last one when the last piece falls, extended along the last piece when it rises.
@@ -101,6 +109,9 @@ class HardwareProfile:
         if self.expert_rows_us and not (self.expert_rows_bytes > 0 and self.expert_rows_class in ("int4", "int8", "bf16")):
             raise _bad(self.name, "expert_rows_bytes", self.expert_rows_bytes,
                        "above 0, with expert_rows_class int4, int8 or bf16, when expert_rows_us is given")
+        if self.wave_gbps and not self.copy_fifo:
+            raise _bad(self.name, "wave_gbps", self.wave_gbps, "0 unless copy_fifo is true (the fused launches "
+                       "are the executor's, whose loads run on one copy stream in issue order)")
         if not isinstance(self.sources, dict):
             raise _bad(self.name, "sources", self.sources, "an object of field -> where its figure comes from")
 
@@ -139,6 +150,10 @@ class HardwareProfile:
         extra_flops = 2 * params * max(tokens - 1, 0)
         return (3 * self.launch_us + nbytes / (self.expert_kernel_gbps(bits) * GB) * 1e6
                 + extra_flops / (self.matmul_tflops * 1e12) * 1e6)
+
+    def wave_expert_us(self, nbytes: int, rows: int) -> float:
+        """One expert's share of a fused launch (the launch adds wave_us once)."""
+        return nbytes / (self.wave_gbps * GB) * 1e6 + self.wave_row_us * rows
 
     def layer_us(self, tokens: int, resident_bytes: int = 0) -> float:
         """Non-expert work of one decoder layer: fixed cost, weights read, per-token growth."""

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from cmoe.executor.records import PlanRecord, _loads, _slot_table
+from cmoe.policy.waves import waves as launch_waves
 
 
 class HostSteps:
@@ -360,12 +361,5 @@ def owa_device(logits: torch.Tensor, ids: torch.Tensor, comm: torch.Tensor, top_
 
 
 def _waves(gpu: list[int], later: list) -> list[list[int]]:
-    """The layer's GPU experts in launches: an expert whose copy must wait for another expert of
-    the same layer to be read (a deferred load) runs in the launch after that expert's."""
-    wave_of: dict[int, int] = {}
-    after = {ld.expert: ld.victim for ld in later}
-    for e in gpu:
-        v = after.get(e)
-        wave_of[e] = wave_of[v] + 1 if v is not None and v in wave_of else 0
-    n = max(wave_of.values(), default=-1) + 1
-    return [[e for e in gpu if wave_of[e] == k] for k in range(n)]
+    """The layer's GPU experts in launches (`cmoe.policy.waves`, which the simulator reads too)."""
+    return launch_waves(gpu, {ld.expert: ld.victim for ld in later})

@@ -44,6 +44,7 @@ import simpy
 from cmoe.core.hw import HardwareProfile
 from cmoe.core.metrics import RunRecord, classify
 from cmoe.policy.policies import Load, Policy
+from cmoe.policy.waves import waves
 from cmoe.sim.costs import Costs, PassCosts, costs_for
 from cmoe.trace.passes import Pass
 from cmoe.core.timeline import STREAM, START, END
@@ -312,7 +313,11 @@ class Simulation:
         t_in = G
         rows_of = {e: (x.n if x.all_rows else votes.get(e, 1)) for e in plan.gpu}
         Hx = H
-        Hr = max(H + sum(hw.host_expert(rows_of[e]) for e in plan.gpu), t_in) + x.route_host
+        if hw.wave_gbps:                         # one launch, issued once
+            issued = hw.host_expert(sum(rows_of.values())) if plan.gpu else 0.0
+        else:
+            issued = sum(hw.host_expert(rows_of[e]) for e in plan.gpu)
+        Hr = max(H + issued, t_in) + x.route_host
         for ld in plan.loads:                    # layer m+1's: they touch no slot this layer reads
             if Hr > env.now:
                 yield env.timeout(Hr - env.now)
@@ -331,6 +336,8 @@ class Simulation:
         priority queue, a kernel's end releases its slot to the loads waiting for it. Returns
         (H, G)."""
         hw, c, run, p = self.hw, self.c, self.run, x.p
+        if hw.wave_gbps:
+            return (yield from self._gpu_waves(x, m, d, plan, votes, loaded, later, H, G, silent))
         ready, landed_at = self.ready, self.landed_at
         for e in plan.gpu:
             due = max(G, H)
@@ -362,6 +369,51 @@ class Simulation:
             else:
                 st.pending -= e not in loaded
                 self._release(st)
+        return H, G
+
+    def _gpu_waves(self, x: PassCosts, m: int, d: int, plan, votes: dict, loaded: set[int],
+                   later: dict[int, list[Load]], H: float, G: float, silent: bool):
+        """The lean executor's fused launches (`profile.wave_gbps`): the plan's GPU experts in
+        waves (`cmoe.policy.waves`, as the executor groups them); a wave starts once all its copies
+        have landed (each expert's wait counted from the same due time, as the executor's events
+        do), runs wave_us plus its experts' shares, and its time is split evenly among them (the
+        executor's spans); the loads deferred behind a wave's experts are issued after it.
+        Copies run FIFO (the profile requires it). Returns (H, G)."""
+        hw, c, run, p = self.hw, self.c, self.run, x.p
+        after = {ld.expert: v for v, lds in later.items() for ld in lds}
+        for wave in waves(plan.gpu, after):
+            due = max(G, H)
+            start, rows, dur = due, 0, hw.wave_us
+            for e in wave:
+                ev = self.ready.get((m, e))
+                if ev is None or (ev.triggered and self.landed_at.get((m, e), -1.0) <= due):
+                    landed = None
+                else:
+                    landed = yield from self._await_copy(m, e, due)
+                kind, wait = classify(e in loaded, landed, due)
+                run.ran(p, kind, wait)
+                start = max(start, due + wait)
+                r = x.n if x.all_rows else votes.get(e, 1)
+                rows += r
+                dur += hw.wave_expert_us(c.expert_bytes[m][e], r)
+            if self.in_flight and self._copying(start):
+                dur *= x.slow
+            issue = 0.0 if silent else hw.host_expert(rows)
+            G = max(start + dur, H + issue - hw.host_expert_tail_us)
+            H += issue
+            step = (G - start) / len(wave)
+            for j, e in enumerate(wave):
+                a, b = start + j * step, (G if j == len(wave) - 1 else start + (j + 1) * step)
+                run.spans.append(("sim", p, d, "compute", "expert", e, a, b, c.expert_bytes[m][e]))
+                st = self.slots[m][plan.slots[e]]
+                st.free_at = max(st.free_at, G)
+                if self.record_log:                  # the spans' edges, as the replay logs them
+                    run.log.append((a, "read_start", m, plan.slots[e], e))
+                    run.log.append((b, "read_end", m, plan.slots[e], e))
+            for e in wave:
+                for ld in later.pop(e, ()):
+                    yield from self._sync(H)
+                    H += self._issue(ld, p)
         return H, G
 
     def _cpu_experts(self, x: PassCosts, m: int, d: int, plan, votes: dict, H: float, G: float):

@@ -50,6 +50,7 @@ Clock = namedtuple("Clock", [
     "rinst", "rtrig", "rland",                             # [M, E] the latest ready event of (layer, expert), triggered, when
     "spend", "swrit", "sfree", "swh", "swt",               # [M, S] per slot: pending reads, writes, free_at, waiting loads
     "eitem", "estart",                                     # per copy engine
+    "wv",                                                  # [E] scratch: the wave of each GPU expert of a layer
 ])
 Costs = namedtuple("Costs", [
     "h2d", "xfix", "ebytes", "cpu1", "moe_layers",         # [M, E] copy us, expert us at one row, bytes, CPU us at one row; [M]
@@ -57,9 +58,11 @@ Costs = namedtuple("Costs", [
     "layer_gpu", "layer_host", "route_host", "dense_gpu", "dense_host", "attn_gpu", "attn_host",
     "ntok", "commit_decode", "all_rows", "votes_ptr", "votes_e", "votes_n",   # per pass; votes per (pass, layer)
     "xtab", "xcls", "htab",                                # expert us [class, rows], [M, E] class; host issue us [rows]
+    "wfix",                                                # [M, E] an expert's share of a fused launch at 0 rows
 ])
 # Costs.hwf
-SLOW, HOST_LOAD, HX0, HX1, TAIL, HALF_RT, CPU_TOK, TFLOPS, HOST_SYNC, PASS_START, HOST_PASS_START, HEAD, HOST_HEAD = range(13)
+(SLOW, HOST_LOAD, HX0, HX1, TAIL, HALF_RT, CPU_TOK, TFLOPS, HOST_SYNC, PASS_START, HOST_PASS_START, HEAD, HOST_HEAD,
+ WAVE, WAVE_US, WAVE_ROW) = range(16)
 # Costs.hwi
 ENGINES, FIFO, ON_HOST, PARAMS, KEEP, HEAD_SPAN, SILENT, AHEAD = range(8)
 Out = namedtuple("Out", [
@@ -75,7 +78,7 @@ def new_clock(M: int, E: int, S: int, engines: int, ring: int) -> Clock:
     return Clock(zf(6), zi(12), zf(hcap), zi(hcap), zi(hcap), zi(hcap), zi(hcap), zi(L), zi(L), zi(L), zi(engines + 1),
                  zi(L), zi(L), zi(L), zi(L), zi(L), np.full((M, E), -1, np.int64), np.zeros((M, E), np.bool_), zf(M, E),
                  zi(M, S), zi(M, S), zf(M, S), np.full((M, S), -1, np.int64), np.full((M, S), -1, np.int64),
-                 zi(engines), zf(engines))
+                 zi(engines), zf(engines), zi(E))
 
 
 SPAN_DTYPES = (np.int32, np.int16, np.int8, np.int8, np.int16, np.float64, np.float64, np.int64, np.int16, np.int16)

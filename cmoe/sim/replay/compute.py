@@ -12,7 +12,7 @@ from numba import njit
 from cmoe.sim.replay.clock import (DRAINED, ENGINES, ERR, FIFO, G_, H_, HALF_RT, HEAD, HEAD_SPAN, HOST_HEAD,
                                    AHEAD, HOST_PASS_START, HOST_SYNC, IN_FLIGHT, NOW, OP_ATTN, SILENT,
                                    OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT,
-                                   PASS_INDEX, PASS_START, PREV_END, CPU_TOK, SLOW, TAIL,
+                                   PASS_INDEX, PASS_START, PREV_END, CPU_TOK, SLOW, TAIL, WAVE, WAVE_ROW, WAVE_US,
                                    W_DRAINED, W_READY, _advance, copying, _issue, _release, _span, _sync, pmax)
 
 
@@ -47,6 +47,19 @@ def _deferred(d, g0, g1, i, m, fifo):
 
 
 @njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False)
+def _ran(o, p, demand, wait):
+    """`RunRecord.ran(p, *classify(...))`: a GPU expert of pass p counted as a demand load, late or
+    a hit, and its wait."""
+    if demand:
+        o.demand[p] += 1
+    elif wait > 0:
+        o.late[p] += 1
+    else:
+        o.hits[p] += 1
+    o.stall[p] += wait
+
+
+@njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False)
 def _await_copy(c, x, o, m, e, due):
     """`Simulation._await_copy`: (whether a copy was pending at `due`, when it landed)."""
     if c.rinst[m, e] >= 0 and not c.rtrig[m, e] and due > c.F[NOW]:
@@ -60,13 +73,76 @@ def _await_copy(c, x, o, m, e, due):
 
 
 @njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False)
+def _waves(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, silent, own):
+    """`Simulation._gpu_waves`, line for line: the GPU experts in fused launches (`waves`: an
+    expert loaded behind a victim of this layer runs in the launch after the victim's). `own`:
+    count this layer's own loads as demand (the read-back path; commit's ahead path has none)."""
+    nw = 0
+    for g in range(g0, g1):
+        w = 0
+        for i in range(l0, l1):
+            if d.l_e[i] == d.g_e[g] and _deferred(d, g0, g1, i, m, True):
+                for h in range(g0, g):
+                    if d.g_e[h] == d.l_victim[i]:
+                        w = c.wv[h - g0] + 1
+                        break
+                break
+        c.wv[g - g0] = w
+        nw = max(nw, w + 1)
+    for k in range(nw):
+        due = pmax(G, H)
+        start, rows, dur, cnt = due, 0, x.hwf[WAVE_US], 0
+        for g in range(g0, g1):
+            if c.wv[g - g0] != k:
+                continue
+            e = d.g_e[g]
+            waited, landed = _await_copy(c, x, o, m, e, due)
+            wait = pmax(0.0, landed - due) if waited else 0.0
+            _ran(o, p, own and _own(d, l0, l1, m, e), wait)
+            start = pmax(start, due + wait)
+            r = n if x.all_rows[p] else _votes(x, p, m, e, M)
+            rows += r
+            dur += x.wfix[m, e] + x.hwf[WAVE_ROW] * r
+            cnt += 1
+        if c.I[IN_FLIGHT] and copying(c, x, start):
+            dur *= slow
+        issue = 0.0 if silent else x.htab[rows]
+        G = pmax(start + dur, H + issue - x.hwf[TAIL])
+        H += issue
+        step = (G - start) / cnt
+        j = 0
+        for g in range(g0, g1):
+            if c.wv[g - g0] != k:
+                continue
+            e, slot = d.g_e[g], d.g_slot[g]
+            b = G if j == cnt - 1 else start + (j + 1) * step
+            _span(c, o, x, p, dl, 0, OP_EXPERT, e, start + j * step, b, x.ebytes[m, e], m, slot)
+            c.sfree[m, slot] = pmax(c.sfree[m, slot], G)
+            j += 1
+        for g in range(g0, g1):
+            if c.wv[g - g0] != k:
+                continue
+            for i in range(l0, l1):
+                if _deferred(d, g0, g1, i, m, True) and d.l_victim[i] == d.g_e[g]:
+                    _sync(c, x, o, H)
+                    H += _issue(c, x, o, d.l_layer[i], d.l_e[i], d.l_slot[i], d.l_kind[i], p, M)
+    return H, G
+
+
+@njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False)
 def _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M):
     """`Simulation._ahead_layer`, line for line: commit's experts issued before its read-back."""
     Hx = H
     tot = 0.0
-    for g in range(g0, g1):
-        rows = n if x.all_rows[p] else _votes(x, p, m, d.g_e[g], M)
-        tot += x.htab[rows]
+    if x.hwf[WAVE]:                                     # one launch, issued once
+        rows = 0
+        for g in range(g0, g1):
+            rows += n if x.all_rows[p] else _votes(x, p, m, d.g_e[g], M)
+        tot = x.htab[rows] if g1 > g0 else 0.0
+    else:
+        for g in range(g0, g1):
+            rows = n if x.all_rows[p] else _votes(x, p, m, d.g_e[g], M)
+            tot += x.htab[rows]
     Hr = pmax(H + tot, t_in) + x.route_host[p]
     for i in range(l0, l1):
         if Hr > c.F[NOW]:
@@ -74,6 +150,9 @@ def _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M):
         Hr += _issue(c, x, o, d.l_layer[i], d.l_e[i], d.l_slot[i], d.l_kind[i], p, M)
     if Hx > t_in:
         _span(c, o, x, p, dl, 0, OP_ROUTE, -1, t_in, Hx, 0, -1, -1)
+    if x.hwf[WAVE]:
+        _, G = _waves(c, x, o, d, p, m, dl, g0, g1, l0, l0, Hx, G, n, slow, M, False, False)
+        return Hr, G
     for g in range(g0, g1):
         e, slot = d.g_e[g], d.g_slot[g]
         due = pmax(G, Hx)
@@ -168,18 +247,14 @@ def run(c, x, o, d, p0, p1, M):
                 H += half
             if H > t_in:
                 _span(c, o, x, p, dl, 0, OP_ROUTE, -1, t_in, H, 0, -1, -1)
-            for g in range(g0, g1):
+            if x.hwf[WAVE]:
+                H, G = _waves(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, x.hwi[SILENT], True)
+            for g in range(g0 if not x.hwf[WAVE] else g1, g1):
                 e, slot = d.g_e[g], d.g_slot[g]
                 due = pmax(G, H)
                 waited, landed = _await_copy(c, x, o, m, e, due)
                 wait = pmax(0.0, landed - due) if waited else 0.0
-                if _own(d, l0, l1, m, e):
-                    o.demand[p] += 1
-                elif wait > 0:
-                    o.late[p] += 1
-                else:
-                    o.hits[p] += 1
-                o.stall[p] += wait
+                _ran(o, p, _own(d, l0, l1, m, e), wait)
                 start = due + wait
                 rows = n if x.all_rows[p] else _votes(x, p, m, e, M)
                 issue = 0.0 if x.hwi[SILENT] else x.htab[rows]
