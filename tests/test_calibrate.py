@@ -181,3 +181,54 @@ def test_per_layer_sums_a_step_and_is_zero_where_the_engine_has_none():
     assert _per_layer(log, ("host_route",), 0) == (pytest.approx((30.0 + 30.0) / 2), pytest.approx(10.0))
     assert _per_layer(log, ("host_route",), None) == (pytest.approx(40.0), 0.0)
     assert _per_layer(log, ("host_predict",), None) == (0.0, 0.0)
+
+
+def test_fused_launch_fit_recovers_its_parameters():
+    """upper's fused launches (experts, rows, seconds, bytes) made from known parameters: the fit
+    gives them back; a launch whose rows cost nothing keeps wave_row_us at 0 rather than below;
+    one expert count alone cannot separate the launch's fixed cost, so no wave model is fitted."""
+    from cmoe.calibrate.profile_fit import _wave_fit
+    nbytes = 93_585_408
+    a, c, b = nbytes / (3200e9), 25e-6, 0.4e-6                 # 3,200 GB/s, 25 us, 0.4 us per row
+    pts = [[n, r, c + a * n + b * r, nbytes] for n, r in ((2, 2), (3, 4), (4, 8), (5, 8), (7, 16), (8, 32))]
+    got = _wave_fit(pts)
+    assert got["wave_gbps"] == pytest.approx(3200.0, rel=1e-9)
+    assert got["wave_us"] == pytest.approx(25.0, rel=1e-9) and got["wave_row_us"] == pytest.approx(0.4, rel=1e-9)
+    flat = _wave_fit([[n, r, c + a * n - 1e-9 * r, nbytes] for n, r, *_ in pts])
+    assert flat["wave_row_us"] == 0.0 and flat["wave_gbps"] == pytest.approx(3200.0, rel=1e-3)
+    assert _wave_fit([[2, 2, 80e-6, nbytes]] * 5) == {}
+
+
+def test_gaps_price_the_read_back_not_the_gpu_work_the_host_waited_behind():
+    """The host_sync span of an eager step also holds the GPU work queued before the read-back;
+    the simulator's host_sync_us is the latency after it: the GPU's idle gap between a layer's
+    attention and its first expert, less the host's route span."""
+    from types import SimpleNamespace
+    from cmoe.calibrate.measure_model import _gaps
+    from cmoe.core.timeline import Span
+    spans = [Span("gpu", 1, 0, "compute", "attention", -1, 0.0, 100.0),
+             Span("gpu", 1, 0, "host", "host_sync", -1, 10.0, 130.0),       # waited behind 90 us of GPU work
+             Span("gpu", 1, 0, "host", "host_route", -1, 130.0, 150.0),
+             Span("gpu", 1, 0, "compute", "expert", 3, 160.0, 200.0),
+             Span("gpu", 1, 0, "compute", "expert", 5, 200.0, 240.0)]
+    log = SimpleNamespace(spans=spans, pass_us=[(1, True, 0.0, 0.0)])
+    assert _gaps(log) == [pytest.approx(40e-6)]                  # 60 us idle, 20 of them the route
+
+
+def test_pass_overhead_of_a_lean_upper_run():
+    """Between two decode passes the GPU idles while the host turns logits into the next inputs;
+    that gap plus layer 0's start-up excess is the host's per pass; the head is its own span."""
+    from types import SimpleNamespace
+    from cmoe.calibrate.measure_model import _pass_overhead
+    from cmoe.core.timeline import Span
+
+    def one_pass(p, t0):
+        return [Span("gpu", p, 0, "compute", "attention", -1, t0, t0 + 300.0),      # 240 over the others
+                Span("gpu", p, 0, "compute", "expert", 1, t0 + 300.0, t0 + 380.0),
+                Span("gpu", p, 1, "compute", "attention", -1, t0 + 380.0, t0 + 440.0),
+                Span("gpu", p, 1, "compute", "expert", 2, t0 + 440.0, t0 + 520.0),
+                Span("gpu", p, -1, "compute", "head", -1, t0 + 520.0, t0 + 700.0)]
+    log = SimpleNamespace(spans=one_pass(1, 0.0) + one_pass(2, 900.0) + one_pass(3, 1800.0),
+                          pass_us=[(1, True, 0, 0.0), (2, True, 0, 0.0), (3, True, 0, 0.0)])
+    host, start, head = _pass_overhead(log, 0)
+    assert (host, start, head) == (pytest.approx(440e-6), pytest.approx(240e-6), pytest.approx(180e-6))

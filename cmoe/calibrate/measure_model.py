@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from cmoe.core.spec import ModelSpec
-from cmoe.core.timeline import STEP, LAYER, OP, EXPERT, START, END
+from cmoe.core.timeline import STEP, LAYER, STREAM, OP, EXPERT, START, END
 
 
 def _per_layer(log, ops: tuple[str, ...], first: int | None) -> tuple[float, float]:
@@ -53,6 +53,64 @@ def _mean(log, op: str, stat=np.mean) -> float:
 LONG_PROMPT = 2048    # the context of the long run that prices attention per key (a CPU uses an eighth)
 LEAD_US = 5000.0      # GPU sleep queued before each layer's experts in the GPU-time run: longer than
                       # the host takes to issue a layer's experts and the next layer's attention
+
+
+def _wave_points(log, tr, batch: int, spec: ModelSpec) -> list[list[float]]:
+    """[experts, rows, seconds, mean expert bytes] of every decode layer's fused launch in an
+    `upper` run (one launch per layer: its experts' spans split its time evenly)."""
+    from cmoe.trace.passes import make_passes
+    passes = make_passes(tr, batch)
+    moe = {d: m for m, d in enumerate(spec.moe_layers)}
+    dec = {p for p, d, _, _ in log.pass_us if d}
+    by: dict[tuple[int, int], list] = {}
+    for s in log.spans:
+        if s[STEP] in dec and s[OP] == "expert":
+            by.setdefault((s[STEP], s[LAYER]), []).append(s)
+    out = []
+    for (p, d), spans in sorted(by.items()):
+        m = moe[d]
+        votes = dict(zip(passes[p].needed[m], passes[p].votes[m]))
+        nbytes = float(np.mean([tr.expert_bytes[m][s[EXPERT]] for s in spans]))
+        out.append([len(spans), sum(votes.get(s[EXPERT], 1) for s in spans),
+                    (max(s[END] for s in spans) - min(s[START] for s in spans)) / 1e6, nbytes])
+    return out
+
+
+def _gaps(log) -> list[float]:
+    """Per decode layer with experts: the GPU's idle time between the end of its attention and the
+    start of its first expert, less the host's route span (seconds). With every expert resident it
+    is the read-back's latency once the GPU is done (the simulator's host_sync_us), which the
+    host_sync span alone overstates: that span also holds the GPU work the host waited behind."""
+    dec = {p for p, d, _, _ in log.pass_us if d}
+    att, first, route = {}, {}, {}
+    for s in log.spans:
+        if s[STEP] not in dec:
+            continue
+        k = (s[STEP], s[LAYER])
+        if s[OP] == "attention":
+            att[k] = s[END]
+        elif s[OP] == "expert":
+            first[k] = min(first.get(k, s[START]), s[START])
+        elif s[OP] == "host_route":
+            route[k] = s[END] - s[START]
+    return [max(first[k] - att[k] - route.get(k, 0.0), 0.0) / 1e6 for k in first if k in att]
+
+
+def _pass_overhead(log, first: int) -> tuple[float, float, float]:
+    """From a lean `upper` run (the GPU's own timeline, its host ahead except between passes):
+    (the host's time per pass with the GPU idle: the gap between one decode pass's last GPU op and
+    the next one's first, plus layer `first`'s start-up excess; that excess alone; the LM head),
+    in seconds."""
+    by: dict[int, list[float]] = {}
+    for s in log.spans:
+        if s[STREAM] == "compute":
+            a = by.setdefault(s[STEP], [s[START], s[END]])
+            a[0], a[1] = min(a[0], s[START]), max(a[1], s[END])
+    dec = sorted(p for p, d, _, _ in log.pass_us if d and p in by)
+    gaps = [by[q][0] - by[p][1] for p, q in zip(dec, dec[1:])]
+    _, start = _per_layer(log, ("attention",), first)
+    gap = float(np.mean(gaps)) if gaps else 0.0
+    return (gap + start) / 1e6, start / 1e6, _mean(log, "head")
 
 
 def _cpu_points(log, tr, batch: int, spec: ModelSpec) -> tuple[list, list]:
@@ -101,9 +159,9 @@ class _ModelRuns:
         self.cuda = device.type == "cuda"
         self.first = spec.moe_layers[0]
         self.L, self.M = spec.num_layers, spec.num_moe_layers
-        self.gpu: dict[str, list] = {"points": [], "expert": []}
+        self.gpu: dict[str, list] = {"points": [], "expert": [], "waves": [], "plain_points": []}
         self.host: dict[str, list] = {"layer": [], "route": [], "expert": [], "expert_span": [], "sync": [],
-                                      "layer_runs": []}
+                                      "layer_runs": [], "gaps": []}
         self.cpu_pts: list = []
         self.trips: list = []
         self.one: dict[str, float] = {}
@@ -178,6 +236,15 @@ def _measure_batch(r: _ModelRuns, batch: int) -> None:
     # on a host-bound GPU an expert's compute span is the host's time between its two marks
     host["expert_span"].append((batch, np.mean([_mean(e, "expert") for e in eager])))
     host["sync"] += [_mean(e, "host_sync", np.median) for e in eager]
+    if r.cuda and w.store.packing == "tiled":
+        # the lean engine's fused launch: upper's own run is the GPU's time (its host keeps ahead, with
+        # no host step), for the layer outside the experts too; the eager runs' gaps price the read-back
+        plain = run_policy(w, cfg, "upper").log
+        gpu["waves"] += _wave_points(plain, w.trace, batch, spec)
+        gpu["plain_points"].append((batch, _per_layer(plain, ("attention",), r.first)[0] / L / 1e6))
+        host["gaps"] += [g for e in eager for g in _gaps(e)]
+        if batch == 1:
+            r.one["plain"] = _pass_overhead(plain, r.first)
     if batch == 1:
         _batch_one(r, cfg, start, h_start, eager, queued, h_route)
     if batch in (1, 8) and (not r.cuda or w.store.cpu_twins is not None):
@@ -230,17 +297,22 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
     """What `layers` returns: the measurements `cmoe.calibrate.profile_fit` fits, in its units."""
     from cmoe.core.quant import non_expert_bytes
     gpu, host, one = r.gpu, r.host, r.one
+    if "plain" in one:            # the lean engine: a pass's start and head as upper's own run shows them
+        one["host_start"], one["gpu_start"], one["gpu_head"] = one.pop("plain")
     ne_bytes = non_expert_bytes(r.spec, r.rec)
     per_layer = (ne_bytes["attention"] + ne_bytes["norms"]) // r.spec.num_layers
     tail = [(t, max(a[1] - b[1], 0.0)) for t, a, b in zip((1, 8), host["expert"], host["expert_span"])]
-    out = {"layer": {"resident_bytes": int(per_layer), "points": gpu["points"], "head_s": one["gpu_head"],
+    out = {"layer": {"resident_bytes": int(per_layer), "points": gpu["plain_points"] or gpu["points"],
+                     "head_s": one["gpu_head"],
                      "pass_start_s": one["gpu_start"], "expert_in_model_s": gpu["expert"][0][1],
                      "expert_points": gpu["expert"], "predict_layer_s": one["predict"],
                      "commit_route_s": one["commit_route"], "context_points": ctx,
                      "host": {"layer_points": host["layer"], "route_points": host["route"],
                               "expert_points": host["expert"], "expert_tail_s": float(np.mean([x for _, x in tail])),
-                              "load_s": one["host_load"], "sync_s": float(np.median(host["sync"])),
+                              "load_s": one["host_load"],
+                              "sync_s": float(np.median(host["gaps"] if host["gaps"] else host["sync"])),
                               "pass_start_s": one["host_start"], "head_s": one["host_head"]}},
+           "waves": gpu["waves"],
            "repeats": {"host, layer": {"unit": "tokens", "grows": False, "points": host["layer_runs"]},
                        # one mean per batch: no spread, but 8 rows may not take less than 1
                        "expert in model": {"unit": "tokens", "grows": True,

@@ -99,6 +99,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     src = f"measured by cmoe calibrate on {device}, {date}"
     host = _host_fields(m["layer"].get("host"))
     table = _expert_rows_table(m, key)
+    waves = _wave_fit(m.get("waves") or [])
     return HardwareProfile(
         name=name, gpu_mem_bytes=gpu_mem_bytes, h2d_pinned=curve(m["h2d"]), d2h_pinned=curve(m["d2h"]),
         h2d_pageable_gbps=m["h2d_pageable"][0] / m["h2d_pageable"][1] / GB, copy_engines=1,
@@ -111,8 +112,10 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         commit_route_us=m["layer"].get("commit_route_s", 0.0) * 1e6, copy_fifo=True,
         copy_on_host=device.lower() == "cpu", dense_rows=int(m.get("dense_rows", 0)),
         silent_upper=bool(m.get("silent_upper", False)), commit_ahead=bool(m.get("commit_ahead", False)),
-        **host, **table,
+        **host, **table, **waves,
         sources={k: src for k in (*_MEASURED, *host, *table)}
+        | {k: src + " (upper's fused launches in the model: time = wave_us + experts' bytes at wave_gbps + "
+           "wave_row_us per row, least squares over every decode layer)" for k in waves}
         | {"matmul_tflops": src + " (slope of expert time over tokens: the rate extra tokens cost)", **_EXECUTOR})
 
 
@@ -128,6 +131,25 @@ _EXECUTOR = {      # the fields the executor's design sets, not a measurement
                     "so upper has no host step",
     "commit_ahead": "the executor launches commit's committed experts before the layer's read-back "
                     "(OWA on the device)"}
+
+
+def _wave_fit(points: list) -> dict:
+    """The fused launch from [experts, rows, seconds, mean expert bytes] per layer: least squares
+    of time = c + a * experts + b * rows, b dropped where it comes out negative (rows cost nothing
+    measurable at decode sizes). {} without enough variety in the number of experts to separate
+    a launch's fixed cost from its experts' (then each expert stays a kernel of its own)."""
+    if len(points) < 3 or len({int(p[0]) for p in points}) < 2:
+        return {}
+    X = np.array([[1.0, p[0], p[1]] for p in points])
+    y = np.array([p[2] for p in points])
+    coef = np.linalg.lstsq(X, y, rcond=None)[0]
+    if coef[2] < 0:
+        coef = np.append(np.linalg.lstsq(X[:, :2], y, rcond=None)[0], 0.0)
+    c, a, b = (float(v) for v in coef)
+    if a <= 0:
+        return {}
+    nbytes = float(np.mean([p[3] for p in points]))
+    return {"wave_gbps": nbytes / a / GB, "wave_us": max(c, 0.0) * 1e6, "wave_row_us": b * 1e6}
 
 
 def _expert_fit(m: dict, launch_s: float) -> tuple[str, list[tuple[str, float]], float]:
