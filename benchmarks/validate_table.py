@@ -45,7 +45,8 @@ def main() -> None:
         pols = list(c["policies"])
         w = SimpleNamespace(trace=load_trace(f"synthetic:{res['spec']}", None, b), spec=spec, fmt="w4g128")
         pred = a.work / here.name / "predicted"
-        predict(w, SimpleNamespace(policies=pols, pool_gb=pool, batch=b, slots=None), prof, pred)
+        predict(w, SimpleNamespace(policies=pols, pool_gb=pool, batch=b, slots=None, tokens=res["tokens"],
+                                    include_prefill=True), prof, pred)
         runs = [validate_folders(pred, here / x, pols) for x in ("measured", "measured-2") if (here / x).is_dir()]
         for i, agg in enumerate(against_repeats(runs)):
             vs = [r[i] for r in runs]
