@@ -99,7 +99,8 @@ CASES = {
     "expert ffn mismatch": ("mixtral", lambda d: _edit_config(d, intermediate_size=40),
                             "experts.0.w1.weight has shape [48, 32] but config.json (hidden_size 32, expert ffn 40) needs [40, 32]", None),
     "gptq without its config": ("mixtral", lambda d: _gptq(d, None),
-                                "experts.0.w1.g_idx is stored as gptq-w4g16: the executor runs float expert weights and compressed-tensors W4A16",
+                                "experts.0.w1.g_idx is stored as gptq-w4g16: the executor runs float expert weights, and 4-bit "
+                                "experts in groups of 32-256 as stored",
                                 "transformers found 6 of the model's weights nowhere in it (first: model.layers.0."
                                 "mlp.experts.down_proj), so they would keep random values; the checkpoint stores "
                                 "quantized tensors (e.g. model.layers.0.mlp.experts.0.w1.g_idx) but config.json does "
@@ -213,6 +214,11 @@ def ct_w4(o, i):
             "weight_shape": torch.tensor([o, i])}
 
 
+def gptq_w4(o, i):
+    return {"qweight": _t((i // 8, o), torch.int32), "qzeros": _t((i // G, o // 8), torch.int32),
+            "scales": _t((i // G, o), torch.float16), "g_idx": _t((i,), torch.int32)}
+
+
 def awq_w4(o, i):
     return {"qweight": _t((i, o // 8), torch.int32), "qzeros": _t((i // G, o // 8), torch.int32),
             "scales": _t((i // G, o), torch.float16)}
@@ -244,6 +250,11 @@ FORMATS = {
     "fp8 per tensor (tensors only)": (fp8_tensor, None, "fp8"),
     "compressed-tensors w4 (config)": (ct_w4, CT_W4, "ct-w4g16"),
     "compressed-tensors w4 (tensors only)": (ct_w4, None, "ct-w4g16"),
+    "gptq (config)": (gptq_w4, GPTQ_CONFIG, "gptq-w4g16"),
+    "gptq v2 (config)": (gptq_w4, dict(GPTQ_CONFIG, checkpoint_format="gptq_v2"), "gptq-w4g16"),
+    "gptq (tensors only)": (gptq_w4, None, "gptq-w4g16"),
+    "gptq marlin (config)": (gptq_w4, dict(GPTQ_CONFIG, checkpoint_format="marlin"),
+                             "error: stored as GPTQ in the 'marlin' layout"),
     "awq (config)": (awq_w4, {"quant_method": "awq", "bits": 4, "group_size": G, "version": "gemm"}, "awq-w4g16"),
     "bitsandbytes int8 (config)": (bnb_int8, {"quant_method": "bitsandbytes", "load_in_8bit": True}, "bnb-int8"),
     "experts left out of quantization": (plain, CT_W4, "fp32"),

@@ -15,7 +15,7 @@ ct = pytest.importorskip("compressed_tensors")
 GROUP = 32
 
 
-def _ct_quantize(w: torch.Tensor):
+def _ct_quantize(w: torch.Tensor, scale_dtype=torch.bfloat16):
     """The library's own quantization and packing of one [out, in] weight."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from compressed_tensors.quantization import QuantizationArgs
@@ -24,7 +24,7 @@ def _ct_quantize(w: torch.Tensor):
     args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP)
     g = w.float().reshape(w.shape[0], -1, GROUP)
     scale, zp = calculate_qparams(g.amin(-1), g.amax(-1), args)
-    scale = scale.to(torch.bfloat16)
+    scale = scale.to(scale_dtype)
     q = quantize(w.float(), scale.float(), zp, args).to(torch.int8)
     deq = dequantize(q.float(), scale.float(), zp, args).float()     # fp32: the exact products
     return {"weight_packed": pack_to_int32(q, 4), "weight_scale": scale,
@@ -34,8 +34,17 @@ def _ct_quantize(w: torch.Tensor):
 @pytest.fixture(scope="module")
 def ct_checkpoint(int4_checkpoint, tmp_path_factory):
     """int4_checkpoint's Mixtral with every expert in compressed-tensors' pack-quantized format."""
+    return _write_ct(int4_checkpoint, tmp_path_factory.mktemp("ct") / "mixtral-ct", torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def ct_fp16_checkpoint(int4_checkpoint, tmp_path_factory):
+    """The same with fp16 scales, as a model quantized in fp16 stores them (most do not fit bf16)."""
+    return _write_ct(int4_checkpoint, tmp_path_factory.mktemp("ct16") / "mixtral-ct", torch.float16)
+
+
+def _write_ct(src, dst, scale_dtype):
     from safetensors.torch import load_file, save_file
-    src = int4_checkpoint
     sd = load_file(str(src / "model.safetensors"))
     out, deq = {}, {}
     for name, t in sd.items():
@@ -44,7 +53,7 @@ def ct_checkpoint(int4_checkpoint, tmp_path_factory):
             continue
         if name.endswith((".w1.weight", ".w2.weight", ".w3.weight")):      # per-expert names, as saved
             key = name[: -len(".weight")]
-            parts, deq[key] = _ct_quantize(t)
+            parts, deq[key] = _ct_quantize(t, scale_dtype)
             out.update({f"{key}.{k}": v for k, v in parts.items()})
         elif name.endswith("gate_up_proj"):               # transformers 5's fused names -> per expert
             layer = name.split(".")[2]
@@ -52,17 +61,16 @@ def ct_checkpoint(int4_checkpoint, tmp_path_factory):
                 w1, w3 = t[e].chunk(2, 0)
                 for proj, w in (("w1", w1), ("w3", w3)):
                     key = f"model.layers.{layer}.block_sparse_moe.experts.{e}.{proj}"
-                    parts, deq[key] = _ct_quantize(w)
+                    parts, deq[key] = _ct_quantize(w, scale_dtype)
                     out.update({f"{key}.{k}": v for k, v in parts.items()})
         elif name.endswith("down_proj"):
             layer = name.split(".")[2]
             for e in range(t.shape[0]):
                 key = f"model.layers.{layer}.block_sparse_moe.experts.{e}.w2"
-                parts, deq[key] = _ct_quantize(t[e])
+                parts, deq[key] = _ct_quantize(t[e], scale_dtype)
                 out.update({f"{key}.{k}": v for k, v in parts.items()})
         else:
             raise AssertionError(f"unexpected expert tensor {name}")
-    dst = tmp_path_factory.mktemp("ct") / "mixtral-ct"
     dst.mkdir()
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((src / "config.json").read_text())
@@ -111,6 +119,29 @@ def test_compressed_tensors_experts_run_as_stored(int4_checkpoint, ct_checkpoint
                                getattr(v, n), GROUP, getattr(v, f"{n}_sz")).T for n in ("w13", "w2"))
         assert torch.equal(w13, torch.cat([deq[f"{p}.w1"], deq[f"{p}.w3"]], 0))
         assert torch.equal(w2, deq[f"{p}.w2"])
+    ref = reference_logits(int4_checkpoint, w.prompts, 4, _reference(int4_checkpoint, deq))
+    for r in results:
+        for a, b in zip(r.logits, ref):
+            assert torch.allclose(a, b, atol=2e-5, rtol=1e-4), (r.policy, (a - b).abs().max().item())
+
+
+@pytest.mark.parametrize("kernel", ["loop", "fused"])
+def test_fp16_scales_run_exactly_as_w4g32_fp16(int4_checkpoint, ct_fp16_checkpoint, kernel):
+    """fp16 scales go to the -fp16 layout (zero point 8) instead of being refused for bf16."""
+    from safetensors.torch import load_file
+
+    from tests.test_executor import reference_logits, run_exec
+    from tests.test_gptq_checkpoint import store_weights
+    path, deq = ct_fp16_checkpoint
+    s = torch.cat([v.reshape(-1) for k, v in load_file(str(path / "model.safetensors")).items()
+                   if k.endswith("weight_scale")])
+    assert not torch.equal(s.to(torch.bfloat16).to(s.dtype), s)          # bf16 would have refused them
+    w, results = run_exec(path, ["upper", "static"], fmt=None, kernel=kernel)
+    assert w.fmt == "w4g32-fp16"
+    for m, d in enumerate(w.spec.moe_layers):
+        p = f"model.layers.{d}.block_sparse_moe.experts.3"
+        w13, w2 = store_weights(w.store, m, 3)
+        assert torch.equal(w13, torch.cat([deq[f"{p}.w1"], deq[f"{p}.w3"]], 0)) and torch.equal(w2, deq[f"{p}.w2"])
     ref = reference_logits(int4_checkpoint, w.prompts, 4, _reference(int4_checkpoint, deq))
     for r in results:
         for a, b in zip(r.logits, ref):

@@ -17,19 +17,20 @@ re-exported here: callers import them from `cmoe.core.checkpoint`.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from cmoe.core.checkpoint_experts import (_CANON, _FUSED, _PER_EXPERT, checkpoint_expert_bytes,
                                           checkpoint_expert_tensors, expert_tensors, first_unplain_expert)
-from cmoe.core.checkpoint_format import detect_expert_format
+from cmoe.core.checkpoint_format import _quantization_config, detect_expert_format, gptq_layout
 from cmoe.core.errors import CmoeError
 from cmoe.core.safetensors_header import (INDEX, MAX_HEADER, PICKLE_SUFFIXES, check_index, read_header,
                                           read_headers, safetensors_files, tensor_nbytes)
 from cmoe.core.spec import ModelSpec, from_checkpoint
 
-__all__ = ["EXECUTABLE_PACKED", "INDEX", "MAX_HEADER", "PICKLE_SUFFIXES", "check_checkpoint",
+__all__ = ["EXECUTABLE_PACKED", "INDEX", "MAX_HEADER", "PICKLE_SUFFIXES", "PackedExperts", "check_checkpoint",
            "checkpoint_expert_bytes", "checkpoint_expert_tensors", "detect_expert_format", "executor_format",
-           "read_header", "safetensors_files", "tensor_nbytes",
+           "packed_experts", "read_header", "safetensors_files", "tensor_nbytes",
            "_CANON", "_FUSED", "_PER_EXPERT"]      # the weight store (cmoe.executor.store) parses names with these
 
 
@@ -49,19 +50,66 @@ def check_checkpoint(model_dir: str | Path, allow_pickle: bool = False, float_ex
         fmt = detect_expert_format(model_dir, spec)
         if not EXECUTABLE_PACKED.match(fmt):
             raise CmoeError(f"{model_dir}: expert tensor {name} is stored as {fmt}: the executor runs float expert "
-                            f"weights and compressed-tensors W4A16 (pack-quantized, symmetric, groups of 32-256) "
-                            f"as stored; trace this checkpoint (cmoe trace) to simulate it instead")
+                            f"weights, and 4-bit experts in groups of 32-256 as stored: compressed-tensors "
+                            f"(pack-quantized, symmetric), GPTQ and AWQ (gemm); trace this checkpoint "
+                            f"(cmoe trace) to simulate it instead")
     return spec
 
 
-EXECUTABLE_PACKED = re.compile(r"^ct-w4g(32|64|128|256)$")      # quantized experts the executor runs as stored
+# quantized experts the executor runs as stored
+EXECUTABLE_PACKED = re.compile(r"^(ct|gptq|awq)-w4g(32|64|128|256)$")
 
 
-def executor_format(model_dir: str | Path, spec: ModelSpec) -> str | None:
-    """The executor format a checkpoint's experts already are (w4gG for compressed-tensors W4A16),
-    or None for float experts, which the executor quantizes itself."""
+@dataclass(frozen=True)
+class PackedExperts:
+    """How a checkpoint's 4-bit experts are stored, and the executor format that holds them."""
+    stored: str                  # cmoe.core.quant's name: ct-w4g128, gptq-w4g128, awq-w4g128
+    fmt: str                     # w4g128 (bf16 scales) or w4g128-fp16 (fp16 scales and zero points)
+    zeros_minus_one: bool        # GPTQ's original layout stores each zero point minus one
+
+    @property
+    def style(self) -> str:
+        return self.stored.split("-", 1)[0]
+
+    @property
+    def group(self) -> int:
+        return int(self.stored.rsplit("g", 1)[1])
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The tensors each matrix stores (suffixes), as cmoe.core.quant sizes them."""
+        from cmoe.core.quant import tensor_bytes
+        return tuple(tensor_bytes(self.stored, 64, 256))
+
+
+def packed_experts(model_dir: str | Path, spec: ModelSpec) -> PackedExperts | None:
+    """The checkpoint's quantized experts if the executor runs them as stored, else None (float
+    experts, or a format `check_checkpoint(float_experts=True)` refuses). GPTQ needs its
+    quantization_config (the zero-point convention is only written there); compressed-tensors
+    with fp16 scales goes to a -fp16 format (its zero point is 8), with bf16 or fp32 to w4gG."""
+    from cmoe.core.checkpoint_format import _first_w1
     model_dir = Path(model_dir)
     if not first_unplain_expert(model_dir, spec, read_headers(model_dir)):
         return None
-    fmt = detect_expert_format(model_dir, spec)
-    return "w4g" + fmt.rsplit("g", 1)[1] if EXECUTABLE_PACKED.match(fmt) else None
+    stored = detect_expert_format(model_dir, spec)
+    if not EXECUTABLE_PACKED.match(stored):
+        return None
+    g = stored.rsplit("g", 1)[1]
+    style = stored.split("-", 1)[0]
+    if style == "ct":
+        f16 = _first_w1(model_dir, spec)["weight_scale"]["dtype"] == "F16"
+        return PackedExperts(stored, f"w4g{g}-fp16" if f16 else f"w4g{g}", False)
+    qc = _quantization_config(model_dir) or {}
+    if qc.get("quant_method") != style:
+        name = "GPTQ" if style == "gptq" else "AWQ"
+        raise CmoeError(f"{model_dir}: the experts are {name} tensors but config.json has no {style} "
+                        f"quantization_config, which says how their zero points are stored: restore the "
+                        f"checkpoint's own config.json")
+    return PackedExperts(stored, f"w4g{g}-fp16", style == "gptq" and gptq_layout(qc) == "gptq")
+
+
+def executor_format(model_dir: str | Path, spec: ModelSpec) -> str | None:
+    """The executor format a checkpoint's experts already are (w4gG for compressed-tensors W4A16,
+    w4gG-fp16 for GPTQ and AWQ), or None for float experts, which the executor quantizes itself."""
+    packed = packed_experts(model_dir, spec)
+    return packed.fmt if packed else None

@@ -43,10 +43,16 @@ def _quantization_config(model_dir: Path) -> dict | None:
     return qc
 
 
+def gptq_layout(qc: dict) -> str:
+    """GPTQ's tensor layout: "gptq" (the original, zero points stored minus one), "gptq_v2" (as
+    they are), or another (e.g. marlin); older configs name none (the original)."""
+    return qc.get("checkpoint_format") or qc.get("format") or "gptq"
+
+
 def _gptq(model_dir: Path, qc: dict) -> str:
     bits, group = qc.get("bits"), qc.get("group_size")
-    if qc.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
-        raise _cannot_size(model_dir, f"GPTQ in the '{qc['checkpoint_format']}' layout")
+    if gptq_layout(qc) not in ("gptq", "gptq_v2"):
+        raise _cannot_size(model_dir, f"GPTQ in the '{gptq_layout(qc)}' layout")
     if not isinstance(bits, int) or not isinstance(group, int) or group <= 0:
         raise _cannot_size(model_dir, f"GPTQ with bits {bits} and group_size {group}")
     return f"gptq-w{bits}g{group}"

@@ -7,6 +7,7 @@ Floor 1: plain data and arithmetic, no torch. A *format* is how one weight matri
 | `bf16`         | weight bf16 [out, in]                                                           |
 | `w8a8`         | weight int8 [out, in], weight_scale bf16 [out] (activations scaled per token)   |
 | `w{b}g{g}`     | qweight packed b-bit [out * in * b / 8 bytes], scales_and_zeros bf16 [in/g, out, 2]: the layout of torch's `_weight_int4pack_mm`, which the executor runs |
+| `w{b}g{g}-fp16`| the same bytes, the pairs fp16 (scale, zero point): how the executor holds GPTQ and AWQ experts as stored |
 | `gptq-w{b}g{g}`| qweight int32 [in*b/32, out], qzeros int32 [in/g, out*b/32], scales fp16 [in/g, out], g_idx int32 [in] |
 | `awq-w{b}g{g}` | qweight int32 [in, out*b/32], qzeros int32 [in/g, out*b/32], scales fp16 [in/g, out] |
 | `ct-w{b}g{g}`  | compressed-tensors pack-quantized, symmetric: weight_packed int32 [out, in*b/32], weight_scale bf16 [out, in/g], weight_shape int64 [2] |
@@ -35,13 +36,14 @@ import numpy as np
 from cmoe.core.errors import CmoeError
 from cmoe.core.spec import ModelSpec
 
-_GROUPED = re.compile(r"^(?:(gptq|awq|ct)-)?w([1-8])g(\d+)$")
+_GROUPED = re.compile(r"^(?:(gptq|awq|ct)-)?w([1-8])g(\d+)(-fp16)?$")
 _FP8 = re.compile(r"^fp8(?:-(ch)|-b(\d+))?$")
 BASIC_FORMATS = ("bf16", "fp16", "fp32", "w8a8", "bnb-int8")
 
 
 def is_format(fmt: str) -> bool:
-    return fmt in BASIC_FORMATS or bool(_GROUPED.match(fmt) or _FP8.match(fmt))
+    m = _GROUPED.match(fmt)
+    return fmt in BASIC_FORMATS or bool(m and not (m.group(1) and m.group(4))) or bool(_FP8.match(fmt))
 
 
 def check_format(fmt: str) -> str:

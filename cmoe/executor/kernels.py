@@ -6,6 +6,12 @@ zeros stored as bf16 [in/g, out, 2]. Both packings go through torch's own conver
 layout depends on the CPU's instruction set (blocks of 64 output rows with AVX-512, 32 with AVX2),
 so a hand-written copy of it is right on one machine and silently wrong on the other. Codes made
 on the GPU for a CPU twin travel to the host to be packed there, by the kernel that will read them.
+
+`-fp16` formats (GPTQ, AWQ as stored) hold fp16 (scale, zero point) pairs, w = (q - z) * s. torch's
+CPU kernel takes scales of the activations' dtype only, so it gets fp32 (s, (8 - z) * s), made per
+call from the pairs (exact; a few elements per group of g weights) and fp32 activations. torch's
+CUDA kernel reads bf16 pairs only: those formats are refused there (the Triton layer kernel
+reads them, `cmoe.executor.moe_kernel`).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cmoe.core.errors import CmoeError
 from cmoe.executor.layout import ExpertLayout, inner_k_tiles
 
 
@@ -28,8 +35,31 @@ def quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, sz
 
 
+def quantize_zp(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] float -> codes int32 [out, in] in 0..15, fp16 (scale, zero point) [in/g, out, 2]
+    (asymmetric round to nearest, as GPTQ and AWQ store it), for a `-fp16` format."""
+    o, i = w.shape
+    g = w.float().reshape(o, i // group, group)
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    scale = ((hi - lo) / 15).clamp(min=2 ** -14).to(torch.float16).float()
+    zp = (-lo / scale).round().clamp(0, 15)
+    codes = ((g / scale[..., None]).round() + zp[..., None]).clamp(0, 15).to(torch.int32).reshape(o, i)
+    return codes, torch.stack([scale, zp], -1).transpose(0, 1).contiguous().to(torch.float16)
+
+
+def affine_pairs(sz: torch.Tensor) -> torch.Tensor:
+    """fp16 (scale, zero point) pairs -> fp32 (scale, zero) pairs of the kernels' w = (q - 8) * s + z:
+    z = (8 - zp) * s, exact in fp32 (an 11-bit mantissa times an integer below 32)."""
+    s, zp = sz.float().unbind(-1)
+    return torch.stack([s, (8 - zp) * s], -1)
+
+
 def dequantize(codes: torch.Tensor, sz: torch.Tensor, group: int) -> torch.Tensor:
+    """The weights [out, in] in fp32, exactly: bf16 pairs (scale, zero), or fp16 (scale, zero point)."""
     o, i = codes.shape
+    if sz.dtype == torch.float16:
+        s, zp = sz.float()[..., 0].T, sz.float()[..., 1].T
+        return ((codes.float().reshape(o, i // group, group) - zp[..., None]) * s[..., None]).reshape(o, i)
     s, z = sz.float()[..., 0].T, sz.float()[..., 1].T                   # [out, in/g]
     return ((codes.float().reshape(o, i // group, group) - 8) * s[..., None] + z[..., None]).reshape(o, i)
 
@@ -56,7 +86,13 @@ def packed_shape(device_type: str, out: int, inp: int) -> tuple[torch.dtype, tup
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, sz: torch.Tensor) -> torch.Tensor:
     if x.is_cuda:
         return torch.ops.aten._weight_int4pack_mm(x, packed, group, sz)
+    if sz.dtype == torch.float16:           # a -fp16 format: exact fp32 pairs, fp32 activations
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.float(), packed, group, affine_pairs(sz)).to(x.dtype)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz if x.dtype == torch.bfloat16 else sz.to(x.dtype))
+
+
+def sz_dtype(layout: ExpertLayout) -> torch.dtype:
+    return torch.float16 if layout.zero_point else torch.bfloat16
 
 
 def _part(out: torch.Tensor, layout: ExpertLayout, name: str) -> torch.Tensor:
@@ -68,7 +104,12 @@ def write_int4(out: torch.Tensor, layout: ExpertLayout, name: str, codes: torch.
                device_type: str) -> None:
     """Matrix `name` of an expert, as codes and scales, into its slot bytes in a packing: "cuda"
     (torch's CUDA int4 kernel), "cpu" (its CPU kernel) or "tiled" (`cmoe.executor.moe_kernel`'s
-    layer kernel, on either device)."""
+    layer kernel, on either device). sz is bf16 (scale, zero), or fp16 (scale, zero point) for a
+    `-fp16` layout."""
+    want = sz_dtype(layout)
+    assert sz.dtype == want, f"{layout.fmt} holds {want} scale pairs, got {sz.dtype}"
+    if device_type == "cuda" and layout.zero_point:
+        raise CmoeError(cuda_refusal(layout.fmt))
     if device_type == "tiled":
         from cmoe.executor.moe_kernel import pack_tiled
         packed = pack_tiled(codes)
@@ -76,6 +117,12 @@ def write_int4(out: torch.Tensor, layout: ExpertLayout, name: str, codes: torch.
         packed = pack_cuda(codes) if device_type == "cuda" else pack_cpu(codes)
     _part(out, layout, name).copy_(packed.reshape(-1).view(torch.uint8))
     _part(out, layout, f"{name}_sz").copy_(sz.reshape(-1).view(torch.uint8))
+
+
+def cuda_refusal(fmt: str) -> str:
+    return (f"{fmt} experts (fp16 scales and zero points, as GPTQ and AWQ store them) run on CUDA only in the "
+            f"one-launch layer kernel (--engine lean, in-features multiples of 32): torch's CUDA int4 kernel "
+            f"reads bf16 scales, which would round them")
 
 
 def write_dense(out: torch.Tensor, layout: ExpertLayout, name: str, w: torch.Tensor) -> None:
@@ -88,7 +135,8 @@ def expert_bytes_of(layout: ExpertLayout, w13: torch.Tensor, w2: torch.Tensor, d
     """Write one expert (float w13 [2F, H], w2 [H, F]) into the byte buffer `out` in kernel form."""
     for name, w in (("w13", w13), ("w2", w2)):
         if layout.group:
-            write_int4(out, layout, name, *quantize(w, layout.group), device_type)
+            q = quantize_zp if layout.zero_point else quantize
+            write_int4(out, layout, name, *q(w, layout.group), device_type)
         else:
             write_dense(out, layout, name, w)
 
@@ -108,7 +156,7 @@ class ExpertViews:
                 dt, shape = packed_shape(device_type, o, i)
                 setattr(self, name, raw.view(dt).view(shape))
                 q = layout.part(f"{name}_sz")
-                setattr(self, f"{name}_sz", buf[q.offset: q.offset + q.nbytes].view(torch.bfloat16)
+                setattr(self, f"{name}_sz", buf[q.offset: q.offset + q.nbytes].view(sz_dtype(layout))
                         .view(i // layout.group, o, 2))
             else:
                 dt = torch.bfloat16 if layout.fmt == "bf16" else torch.float32

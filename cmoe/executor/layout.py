@@ -7,6 +7,7 @@ first, as transformers 5 fuses them), which saves a kernel launch per expert:
 | format      | parts, in order                                                                 |
 | ---         | ---                                                                             |
 | `w4g{g}`    | w13 int4 packed [2F*H/2 B], w13 scales_and_zeros bf16 [H/g, 2F, 2], w2 packed [H*F/2 B], w2 scales_and_zeros bf16 [F/g, H, 2] |
+| `w4g{g}-fp16` | the same parts and sizes, the pairs fp16 (scale, zero point) instead of bf16 (scale, zero) |
 | `bf16`      | w13 bf16 [2F, H], w2 bf16 [H, F]                                                |
 | `fp32`      | w13 fp32 [2F, H], w2 fp32 [H, F] (CPU reference runs)                           |
 
@@ -15,6 +16,12 @@ F*H/2 bytes per matrix, so the slot size is the same on either device and equals
 `cmoe.core.quant` gives for the format: the simulator and the executor size the pool identically.
 Every part starts on a 16-byte boundary (vector loads); with real model shapes no padding falls
 between parts.
+
+Why `-fp16`: GPTQ and AWQ checkpoints store fp16 scales s and integer zero points z, w = (q - z) * s.
+Neither s nor the bf16 layout's zero term (8 - z) * s fits bf16 in general, but (s, z) fits fp16
+exactly, in the same two bytes each, so those experts run as stored with the slot size unchanged.
+Each kernel turns a pair into fp32 (s, (8 - z) * s), which is exact (an 11-bit mantissa times a
+5-bit integer), and then computes as for `w4g{g}`.
 """
 
 from __future__ import annotations
@@ -25,9 +32,10 @@ from dataclasses import dataclass
 from cmoe.core.errors import CmoeError
 from cmoe.core.padding import align
 
-_INT4 = re.compile(r"^w4g(\d+)$")
+_INT4 = re.compile(r"^w4g(\d+)(-fp16)?$")
 PART_ALIGN = 16
-FORMATS = ("w4g32", "w4g64", "w4g128", "w4g256", "bf16", "fp32")
+FORMATS = ("w4g32", "w4g64", "w4g128", "w4g256", "bf16", "fp32",
+           "w4g32-fp16", "w4g64-fp16", "w4g128-fp16", "w4g256-fp16")
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,11 @@ class ExpertLayout:
     def group(self) -> int:
         m = _INT4.match(self.fmt)
         return int(m.group(1)) if m else 0
+
+    @property
+    def zero_point(self) -> bool:
+        """The int4 pairs are fp16 (scale, zero point), not bf16 (scale, zero): a `-fp16` format."""
+        return self.fmt.endswith("-fp16")
 
     def part(self, name: str) -> Part:
         return next(p for p in self.parts if p.name == name)

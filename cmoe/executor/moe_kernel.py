@@ -17,12 +17,12 @@ unchanged); only the order of the nibbles inside the two code parts differs. For
 so one 16-byte load of a row's words feeds 4 contiguous k-columns of 8 "planes" of 16 k each:
 a plane is a [rows, 16] operand of a tensor-core dot, unpacked in registers with a shift and a
 mask. A k-block is one contiguous [N, 64 B] slab, so the rows a CTA reads are one contiguous
-run. Scales and zeros stay as they are: bf16 [K/g, N, 2] (scale, zero) pairs, read as one int32
-each. The tail regions only exist for g = 32 or 64 with K not a multiple of 128 (toy shapes);
+run. Scales and zeros stay as they are: bf16 [K/g, N, 2] (scale, zero) pairs, or fp16 (scale,
+zero point) pairs in a `-fp16` format, read as one int32 each. The tail regions only exist for g = 32 or 64 with K not a multiple of 128 (toy shapes);
 every real model's H and F are multiples of 128.
 
 Codes follow `cmoe.executor.kernels`: w = (q - 8) * scale + zero, q in 0..15, groups of g input
-features.
+features (`-fp16`: w = (q - zp) * scale, which the kernels compute as (q - 8) * s + (8 - zp) * s in fp32).
 
 Calling convention (CUDA-graph safe on the GPU: no host sync, fixed shapes per batch size):
 
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from cmoe.core.errors import CmoeError
-from cmoe.executor.kernels import dequantize
+from cmoe.executor.kernels import dequantize, sz_dtype
 from cmoe.executor.layout import ExpertLayout, expert_layout
 
 BLOCK_K = 128          # k per block: 8 planes of 16
@@ -139,7 +139,7 @@ def read_expert(buf: torch.Tensor, layout: ExpertLayout) -> dict[str, torch.Tens
     for name in ("w13", "w2"):
         n, k = layout.part(name).shape
         out[name] = unpack_tiled(_part(buf, layout, name), n, k)
-        out[f"{name}_sz"] = _part(buf, layout, f"{name}_sz").view(torch.bfloat16).view(k // layout.group, n, 2)
+        out[f"{name}_sz"] = _part(buf, layout, f"{name}_sz").view(sz_dtype(layout)).view(k // layout.group, n, 2)
     return out
 
 

@@ -128,7 +128,7 @@ def prepare(*, spec_name: str | None, model_dir: Path | None, trace_src: str | N
         from cmoe.core.checkpoint import executor_format
         stored = executor_format(model_dir, spec)
         if stored and cfg.quant and cfg.quant != stored:
-            raise CmoeError(f"the checkpoint's experts are {stored} (compressed-tensors W4A16), which the executor "
+            raise CmoeError(f"the checkpoint's experts are {stored} (quantized in the checkpoint), which the executor "
                             f"runs as stored: leave out --quant, or pass --quant {stored}")
     fmt = stored or cfg.quant or (trace.recipe.expert if trace is not None and trace.recipe.name != "checkpoint"
                                   else "w4g128")

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
+from cmoe.core.checkpoint import PackedExperts
 from cmoe.core.errors import CmoeError
-from cmoe.executor.kernels import expert_bytes_of, write_dense, write_int4
+from cmoe.executor.kernels import cuda_refusal, expert_bytes_of, write_dense, write_int4
 from cmoe.executor.layout import ExpertLayout, expert_layout, slot_size
 from cmoe.core.spec import ModelSpec
 
@@ -41,6 +42,8 @@ class HostStore:
         self.spec, self.fmt, self.device = spec, fmt, device
         self.packing = packing or device.type
         self.layout: ExpertLayout = expert_layout(fmt, spec.hidden, spec.expert_ffn)
+        if self.layout.zero_point and self.packing == "cuda":
+            raise CmoeError(cuda_refusal(fmt))
         self.slot = slot_size(self.layout)
         pin = device.type == "cuda"
         # one [E, slot] buffer per block: each expert is one contiguous padded row
@@ -82,7 +85,8 @@ class HostStore:
 
     def put_codes(self, m: int, e: int, parts: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One expert already quantized: {"w13": (codes [2F, H], sz), "w2": (codes [H, F], sz)}, codes
-        0..15 and sz bf16 [in/g, out, 2] (scale, zero), written as they are (no requantization)."""
+        0..15 and sz [in/g, out, 2], bf16 (scale, zero) or for a -fp16 layout fp16 (scale, zero
+        point), written as they are (no requantization)."""
         for target, packing in ((self.blocks[m][e], self.packing), (self.cpu_twins[m][e] if self.cpu_twins is not None
                                                                      else None, "cpu")):
             if target is None:
@@ -127,8 +131,13 @@ def random_expert(layout: ExpertLayout, seed: int, dev: torch.device, pack_for: 
             g = layout.group
             codes = torch.randint(0, 16, (o, i), generator=gen, device=dev, dtype=torch.int32)
             scale = torch.rand((i // g, o), generator=gen, device=dev) * 0.004 + 0.002
-            zero = (torch.rand((i // g, o), generator=gen, device=dev) - 0.5) * 0.004
-            write_int4(buf, layout, name, codes, torch.stack([scale, zero], -1).to(torch.bfloat16), pack_for)
+            if layout.zero_point:                     # fp16 (scale, zero point), as GPTQ stores them
+                zp = torch.randint(0, 16, (i // g, o), generator=gen, device=dev).float()
+                sz = torch.stack([scale, zp], -1).to(torch.float16)
+            else:
+                zero = (torch.rand((i // g, o), generator=gen, device=dev) - 0.5) * 0.004
+                sz = torch.stack([scale, zero], -1).to(torch.bfloat16)
+            write_int4(buf, layout, name, codes, sz, pack_for)
         else:
             write_dense(buf, layout, name, torch.randn((o, i), generator=gen, device=dev) * 0.02)
 
@@ -143,9 +152,25 @@ def random_store(spec: ModelSpec, fmt: str, device: torch.device, seed: int = 0,
     return store
 
 
-# --- checkpoints ------------------------------------------------------------------------------
+# --- checkpoints ---------------------------------------------------------------------------------
+#
+# 4-bit experts as stored, unpacked to codes [out, in] in 0..15 and one (scale, zero) pair per group
+# and output, exactly: a scale the layout's pair dtype cannot hold is refused, never rounded.
+# - compressed-tensors pack-quantized (symmetric): weight_packed int32 [out, in/8], value k of a row
+#   at bits 4k as unsigned = signed + 8; weight_scale [out, in/g]; w = (q - 8) * s.
+# - GPTQ: qweight int32 [in/8, out] (in-feature 8r + k at bits 4k of row r), qzeros int32
+#   [in/g, out/8] (output 8j + k at bits 4k of word j), scales fp16 [in/g, out], g_idx [in];
+#   w = (q - z) * s, the original layout storing z - 1 (so a stored 15 is z = 16).
+# - AWQ (gemm): qweight int32 [in, out/8] and qzeros [in/g, out/8], nibble k of word j holding
+#   output 8j + (0, 2, 4, 6, 1, 3, 5, 7)[k]; scales fp16 [in/g, out]; w = (q - z) * s.
 
-_CT_PARTS = ("weight_packed", "weight_scale", "weight_shape")     # compressed-tensors pack-quantized, symmetric
+_AWQ_COLUMNS = (0, 4, 1, 5, 2, 6, 3, 7)          # the nibble holding output 8j + c, c = 0..7
+
+
+def _nibbles(words: torch.Tensor) -> torch.Tensor:
+    """int32 words [..., n] -> their 8 nibbles [..., n, 8], nibble k = bits 4k..4k+3, unsigned."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    return torch.stack([(w >> (4 * k)) & 15 for k in range(8)], -1)
 
 
 def unpack_ct_int4(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
@@ -153,43 +178,99 @@ def unpack_ct_int4(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor
     at bits 4i, as unsigned = signed + 8) -> codes int32 [out, in] in 0..15. cmoe's codes are
     the same unsigned values: w = (q - 8) * scale, the zero term 0 for a symmetric scheme."""
     out, inp = shape
-    words = packed.to(torch.int64) & 0xFFFFFFFF
-    nib = torch.stack([(words >> (4 * k)) & 15 for k in range(8)], -1)      # [out, in/8, 8]
-    return nib.reshape(out, -1)[:, :inp].to(torch.int32)
+    return _nibbles(packed).reshape(out, -1)[:, :inp].to(torch.int32)
 
 
-def _ct_codes(t: dict, group: int, model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes [out, in], sz bf16 [in/g, out, 2]) of one compressed-tensors linear, exactly: a scale
-    bf16 cannot hold is refused rather than rounded."""
+def _exact(scale: torch.Tensor, dtype: torch.dtype, what: str, model_dir: Path) -> torch.Tensor:
+    s = scale.to(dtype)
+    if not torch.equal(s.to(scale.dtype), scale):
+        raise CmoeError(f"{model_dir}: the experts' {scale.dtype} {what} scales do not fit {dtype} exactly, and "
+                        f"cmoe's int4 kernels read {dtype} scales for them: running them would change the weights")
+    return s
+
+
+def _check_shapes(t: dict, want: dict[str, tuple[int, ...]], what: str, model_dir: Path) -> None:
+    for k, shape in want.items():
+        if tuple(t[k].shape) != shape or (k != "scales" and t[k].dtype != torch.int32):
+            raise CmoeError(f"{model_dir}: an expert's {what} {k} is {t[k].dtype} {list(t[k].shape)}, not "
+                            f"{list(shape)}{'' if k == 'scales' else ' int32'}: cmoe reads 4-bit {what} packed in "
+                            f"int32 words, as its quantization_config says")
+
+
+def _ct_codes(t: dict, layout: ExpertLayout, model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [out, in], sz [in/g, out, 2]) of one compressed-tensors linear, exactly: bf16 (scale, 0),
+    or for a -fp16 layout fp16 (scale, zero point 8)."""
+    group = layout.group
     out, inp = (int(x) for x in t["weight_shape"].tolist())
     codes = unpack_ct_int4(t["weight_packed"], (out, inp))
     scale = t["weight_scale"]
     if scale.shape != (out, inp // group):
         raise CmoeError(f"{model_dir}: a compressed-tensors scale has shape {tuple(scale.shape)}, not "
                         f"{(out, inp // group)} for groups of {group}: the checkpoint does not match its config")
-    s16 = scale.to(torch.bfloat16)
-    if not torch.equal(s16.to(scale.dtype), scale):
-        raise CmoeError(f"{model_dir}: the experts' {scale.dtype} scales do not fit bf16 exactly, and cmoe's int4 "
-                        f"kernels read bf16 scales: running them would change the weights")
-    sz = torch.stack([s16.T, torch.zeros_like(s16.T)], -1).contiguous()
-    return codes, sz
+    if layout.zero_point:
+        s16 = _exact(scale, torch.float16, "compressed-tensors", model_dir)
+        return codes, torch.stack([s16.T, torch.full_like(s16.T, 8)], -1).contiguous()
+    s16 = _exact(scale, torch.bfloat16, "compressed-tensors", model_dir)
+    return codes, torch.stack([s16.T, torch.zeros_like(s16.T)], -1).contiguous()
+
+
+def _gptq_codes(t: dict, group: int, zeros_minus_one: bool, model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [out, in], fp16 (scale, zero point) [in/g, out, 2]) of one GPTQ linear (desc_act off:
+    g_idx must be i // g, as the kernels read groups in order)."""
+    rows, out = t["qweight"].shape
+    inp = rows * 8
+    _check_shapes(t, {"qweight": (inp // 8, out), "qzeros": (inp // group, out // 8),
+                      "scales": (inp // group, out)}, "GPTQ", model_dir)
+    if not torch.equal(t["g_idx"].long(), torch.arange(inp) // group):
+        raise CmoeError(f"{model_dir}: the GPTQ experts were quantized with desc_act (their g_idx reorders the "
+                        f"groups), which cmoe's kernels cannot read: use a checkpoint quantized with desc_act=False")
+    codes = _nibbles(t["qweight"]).permute(0, 2, 1).reshape(inp, out).T          # [out, in]
+    zp = _nibbles(t["qzeros"]).reshape(inp // group, out) + int(zeros_minus_one)
+    s16 = _exact(t["scales"], torch.float16, "GPTQ", model_dir)
+    return codes.to(torch.int32).contiguous(), torch.stack([s16, zp.to(torch.float16)], -1).contiguous()
+
+
+def _awq_codes(t: dict, group: int, model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [out, in], fp16 (scale, zero point) [in/g, out, 2]) of one AWQ gemm linear."""
+    inp, words = t["qweight"].shape
+    out = words * 8
+    _check_shapes(t, {"qweight": (inp, out // 8), "qzeros": (inp // group, out // 8),
+                      "scales": (inp // group, out)}, "AWQ", model_dir)
+    cols = list(_AWQ_COLUMNS)
+    codes = _nibbles(t["qweight"])[..., cols].reshape(inp, out).T                  # [out, in]
+    zp = _nibbles(t["qzeros"])[..., cols].reshape(inp // group, out)
+    s16 = _exact(t["scales"], torch.float16, "AWQ", model_dir)
+    return codes.to(torch.int32).contiguous(), torch.stack([s16, zp.to(torch.float16)], -1).contiguous()
+
+
+def packed_codes(t: dict, packed: PackedExperts, layout: ExpertLayout, model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """One stored linear's tensors (suffix -> tensor) as (codes, sz) for `layout` (see above)."""
+    if packed.style == "ct":
+        return _ct_codes(t, layout, model_dir)
+    if packed.style == "gptq":
+        return _gptq_codes(t, packed.group, packed.zeros_minus_one, model_dir)
+    return _awq_codes(t, packed.group, model_dir)
+
 
 def checkpoint_store(model_dir: Path, spec: ModelSpec, fmt: str, device: torch.device,
                      keep_cpu_twins: bool, progress: bool = False,
                      packing: str | None = None) -> tuple[HostStore, list[tuple[str, Path]]]:
     """Stream a checkpoint's expert tensors into a HostStore. Returns the store and the names of
     the other (non-expert) tensors with their files, for the model loader. The checkpoint has
-    passed `check_checkpoint(..., float_experts=True)`: every expert stored as float weights,
-    none beyond the spec's count."""
+    passed `check_checkpoint(..., float_experts=True)`: every expert stored as float weights, or
+    4-bit as `packed_experts` reads them (then `fmt` is their executor format), none beyond the
+    spec's count."""
     from safetensors import safe_open
     from tqdm import tqdm
 
-    from cmoe.core.checkpoint import _FUSED, _PER_EXPERT, safetensors_files
+    from cmoe.core.checkpoint import _FUSED, _PER_EXPERT, packed_experts, safetensors_files
+    packed = packed_experts(model_dir, spec)
+    assert packed is None or packed.fmt == fmt, (packed, fmt)
     store = HostStore(spec, fmt, device, packing)
     if keep_cpu_twins and store.packing != "cpu":
         store.cpu_twins = [store._empty(False) for _ in range(spec.num_moe_layers)]
     moe_index = {d: m for m, d in enumerate(spec.moe_layers)}
-    take = _Collector(store, spec, model_dir)
+    take = _Collector(store, spec, model_dir, packed)
     others: list[tuple[str, Path]] = []
     with tqdm(total=spec.num_moe_layers * spec.num_experts, disable=not progress, desc="experts") as bar:
         for path in safetensors_files(model_dir):
@@ -214,16 +295,18 @@ class _Collector:
     """Gathers each expert's w1, w3, w2 as the checkpoint's tensors stream by (per-expert tensors,
     or fused [E, ...] ones) and puts the expert into the store once all three are there."""
 
-    def __init__(self, store: HostStore, spec: ModelSpec, model_dir: Path):
+    def __init__(self, store: HostStore, spec: ModelSpec, model_dir: Path, packed: PackedExperts | None):
         self.store, self.spec, self.model_dir = store, spec, model_dir
+        self.packed = packed             # cmoe.core.checkpoint.PackedExperts, or None: float weights
+        self.parts = packed.parts if packed else ()      # the tensors of one 4-bit matrix
         self.pending: dict[tuple[int, int], dict] = {}
         self.done: set[tuple[int, int]] = set()
 
     def _finish(self, m: int, e: int) -> int:
         got = self.pending.pop((m, e))
         w1, w3, w2 = got["w1"], got["w3"], got["w2"]
-        if isinstance(w1, dict):                         # compressed-tensors: the checkpoint's own codes
-            c1, c3, c2 = (_ct_codes(x, self.store.layout.group, self.model_dir) for x in (w1, w3, w2))
+        if isinstance(w1, dict):                         # 4-bit: the checkpoint's own codes
+            c1, c3, c2 = (packed_codes(x, self.packed, self.store.layout, self.model_dir) for x in (w1, w3, w2))
             self.store.put_codes(m, e, {"w13": (torch.cat([c1[0], c3[0]], 0), torch.cat([c1[1], c3[1]], 1)),
                                         "w2": c2})
         else:
@@ -232,10 +315,10 @@ class _Collector:
         return 1
 
     def per_expert(self, fh, name: str, pe, m: int) -> int:
-        """One tensor of one expert (`...experts.E.w1.weight`, or a compressed-tensors part)."""
+        """One tensor of one expert (`...experts.E.w1.weight`, or a part of a 4-bit matrix)."""
         from cmoe.core.checkpoint import _CANON
         suffix = pe.group(4)
-        assert suffix in ("weight",) + _CT_PARTS, f"{name}: quantized experts passed the float check"
+        assert suffix in (self.parts or ("weight",)), f"{name}: quantized experts passed the float check"
         key = (m, int(pe.group(2)))
         assert key[1] < self.spec.num_experts, f"{name}: expert beyond the spec passed check_checkpoint"
         got = self.pending.setdefault(key, {})
@@ -243,7 +326,7 @@ class _Collector:
             got[_CANON[pe.group(3)]] = fh.get_tensor(name)
         else:
             got.setdefault(_CANON[pe.group(3)], {})[suffix] = fh.get_tensor(name)
-        if len(got) == 3 and all(not isinstance(v, dict) or len(v) == len(_CT_PARTS) for v in got.values()):
+        if len(got) == 3 and all(not isinstance(v, dict) or len(v) == len(self.parts) for v in got.values()):
             return self._finish(*key)
         return 0
 

@@ -33,6 +33,9 @@ bf16 pair per plane in two instructions: prmt, lop3). Two ways to apply the affi
   rounds), every plane's dot into one fp32 accumulator;
 - not DEQ: exact, per group in fp32 on the dot results: y = s * dot(128 + q, x) + (z - 136 s) * sum(x),
   the sum from a dot with ones.
+With ZP (a `-fp16` format: fp16 (scale, zero point) pairs, GPTQ and AWQ as stored) a pair becomes
+fp32 (s, (8 - zp) * s), exact, and both ways compute as above in fp32; DEQ then takes the plain
+path (no inline PTX: its bf16x2 fma would round s and z). Without ZP the code is unchanged.
 Scales are prefetched one k-unit ahead (their loads would otherwise stall every unit); weights and
 x tiles stream through Triton's cp.async pipeline. Accumulation is fp32 throughout. Which of these
 is fastest depends on M (CONFIGS); with 32 weight rows per warp Triton keeps the unpacked operand
@@ -142,22 +145,33 @@ _ASM_DQ_HI = tl.constexpr(_DQ_HEAD + "prmt.b32 v, $4, $5, 0x7632;\n" + _DQ_BODY)
 
 
 @triton.jit
-def _sz_f32(sz):
-    return (sz << 16).to(tl.float32, bitcast=True), (sz & -65536).to(tl.float32, bitcast=True)
+def _sz_f32(sz, ZP: tl.constexpr):
+    """(scale, zero) fp32 of pairs read as int32: bf16 (scale, zero), or with ZP fp16 (scale, zero
+    point) -> (s, (8 - zp) * s), exact in fp32."""
+    if ZP:
+        s = (sz & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        zp = (sz >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        r = (s, (8.0 - zp) * s)
+    else:
+        r = ((sz << 16).to(tl.float32, bitcast=True), (sz & -65536).to(tl.float32, bitcast=True))
+    return r
 
 
 @triton.jit
-def _deq1(w, P: tl.constexpr, sz):
-    s, z = _sz_f32(sz)
+def _deq1(w, P: tl.constexpr, sz, ZP: tl.constexpr):
+    s, z = _sz_f32(sz, ZP)
     v = _plane(w, P).to(tl.float32) - 136.0
     return (v * s[:, None] + z[:, None]).to(tl.bfloat16)
 
 
 @triton.jit
-def _deq4(w, sza, szb, HI: tl.constexpr, ASM: tl.constexpr):
+def _deq4(w, sza, szb, HI: tl.constexpr, ASM: tl.constexpr, ZP: tl.constexpr):
     """Planes 0-3 (HI=0) or 4-7 (HI=1) dequantized to bf16; sza holds the (scale, zero) of the
-    first two planes' group, szb of the last two, int32 [BN]."""
-    if ASM:
+    first two planes' group, szb of the last two, int32 [BN]. ZP: fp32 math, never the PTX."""
+    if ZP:
+        r = (_deq1(w, 4 * HI, sza, ZP), _deq1(w, 4 * HI + 1, sza, ZP), _deq1(w, 4 * HI + 2, szb, ZP),
+             _deq1(w, 4 * HI + 3, szb, ZP))
+    elif ASM:
         a2 = tl.broadcast_to(sza[:, None], w.shape)
         b2 = tl.broadcast_to(szb[:, None], w.shape)
         if HI:
@@ -169,7 +183,8 @@ def _deq4(w, sza, szb, HI: tl.constexpr, ASM: tl.constexpr):
                                           dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
                                           is_pure=True, pack=2)
     else:
-        r = (_deq1(w, 4 * HI, sza), _deq1(w, 4 * HI + 1, sza), _deq1(w, 4 * HI + 2, szb), _deq1(w, 4 * HI + 3, szb))
+        r = (_deq1(w, 4 * HI, sza, ZP), _deq1(w, 4 * HI + 1, sza, ZP), _deq1(w, 4 * HI + 2, szb, ZP),
+             _deq1(w, 4 * HI + 3, szb, ZP))
     return r
 
 
@@ -215,9 +230,9 @@ def _ldsz(sp, grp, NR, N, rn, m, GPU: tl.constexpr, IS_W13: tl.constexpr):
 
 
 @triton.jit
-def _flush(acc, a, xs, sz):
-    """acc + s * a + (z - 136 s) * xs for (scale, zero) bf16 pairs read as int32 [BN]."""
-    s, z = _sz_f32(sz)
+def _flush(acc, a, xs, sz, ZP: tl.constexpr):
+    """acc + s * a + (z - 136 s) * xs for (scale, zero) pairs read as int32 [BN] (see _sz_f32)."""
+    s, z = _sz_f32(sz, ZP)
     return acc + a * s[:, None] + (z - 136.0 * s)[:, None] * xs
 
 
@@ -243,7 +258,7 @@ def _expert_mm(x_ptr, stride_x, pool_ptr, slot_bytes, table_ptr, E,
                out_ptr, stride_o, w_off, sz_off, N, K, TOPK, NCH, UPS, SPLIT, part_ptr, stride_ps,
                G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, IS_W13: tl.constexpr,
                ASM: tl.constexpr, DEQ: tl.constexpr, T64: tl.constexpr, T32: tl.constexpr,
-               SPLIT13: tl.constexpr):
+               SPLIT13: tl.constexpr, ZP: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -309,9 +324,9 @@ def _expert_mm(x_ptr, stride_x, pool_ptr, slot_bytes, table_ptr, E,
                 if DEQ:
                     qa = (b * 8 + hi * 4) // PPG
                     qb = (b * 8 + hi * 4 + 2) // PPG
-                    pg = _deq4(wg, _pick4(qa, cg0, cg1, cg2, cg3), _pick4(qb, cg0, cg1, cg2, cg3), hi, ASM)
+                    pg = _deq4(wg, _pick4(qa, cg0, cg1, cg2, cg3), _pick4(qb, cg0, cg1, cg2, cg3), hi, ASM, ZP)
                     if IS_W13:
-                        pu = _deq4(wu, _pick4(qa, cu0, cu1, cu2, cu3), _pick4(qb, cu0, cu1, cu2, cu3), hi, ASM)
+                        pu = _deq4(wu, _pick4(qa, cu0, cu1, cu2, cu3), _pick4(qb, cu0, cu1, cu2, cu3), hi, ASM, ZP)
                 else:
                     pg = _planes4(wg, hi, ASM)
                     if IS_W13:
@@ -328,9 +343,9 @@ def _expert_mm(x_ptr, stride_x, pool_ptr, slot_bytes, table_ptr, E,
                     if not DEQ:
                         if (b * 8 + p + 1) % PPG == 0:
                             q = (b * 8 + p) // PPG
-                            acc_g = _flush(acc_g, a_g, xs, _pick4(q, cg0, cg1, cg2, cg3))
+                            acc_g = _flush(acc_g, a_g, xs, _pick4(q, cg0, cg1, cg2, cg3), ZP)
                             if IS_W13:
-                                acc_u = _flush(acc_u, a_u, xs, _pick4(q, cu0, cu1, cu2, cu3))
+                                acc_u = _flush(acc_u, a_u, xs, _pick4(q, cu0, cu1, cu2, cu3), ZP)
                             a_g = zero
                             a_u = zero
                             xs = zero
@@ -344,13 +359,13 @@ def _expert_mm(x_ptr, stride_x, pool_ptr, slot_bytes, table_ptr, E,
                 ga, gb, _g2, _g3, ua, ub, _u2, _u3 = _ldsz(sp, k0 // G, NR, N, rn, mn, 2 if G == 32 else 1, IS_W13)
                 wg = tl.load(tp + wrow, mask=wmask, other=0).to(tl.int32)
                 if DEQ:
-                    pg = _deq4(wg, ga, gb, 0, False)
+                    pg = _deq4(wg, ga, gb, 0, False, ZP)
                 else:
                     pg = _planes4(wg, 0, False)
                 if IS_W13:
                     wu = tl.load(tp + N * 16 + wrow, mask=wmask, other=0).to(tl.int32)
                     if DEQ:
-                        pu = _deq4(wu, ua, ub, 0, False)
+                        pu = _deq4(wu, ua, ub, 0, False, ZP)
                     else:
                         pu = _planes4(wu, 0, False)
                 for p in tl.static_range(4):
@@ -363,9 +378,9 @@ def _expert_mm(x_ptr, stride_x, pool_ptr, slot_bytes, table_ptr, E,
                                                            IS_W13, DEQ)
                     if not DEQ:
                         if (p + 1) % PPG == 0:
-                            acc_g = _flush(acc_g, a_g, xs, ga if p < 2 else gb)
+                            acc_g = _flush(acc_g, a_g, xs, ga if p < 2 else gb, ZP)
                             if IS_W13:
-                                acc_u = _flush(acc_u, a_u, xs, ua if p < 2 else ub)
+                                acc_u = _flush(acc_u, a_u, xs, ua if p < 2 else ub, ZP)
                             a_g = zero
                             a_u = zero
                             xs = zero
@@ -376,13 +391,13 @@ def _expert_mm(x_ptr, stride_x, pool_ptr, slot_bytes, table_ptr, E,
                 ga, _g1, _g2, _g3, ua, _u1, _u2, _u3 = _ldsz(sp, k0 // G, NR, N, rn, mn, 1, IS_W13)
                 wg = tl.load(tp + wrow, mask=wmask, other=0).to(tl.int32)
                 if DEQ:
-                    pg = _deq4(wg, ga, ga, 0, False)
+                    pg = _deq4(wg, ga, ga, 0, False, ZP)
                 else:
                     pg = _planes4(wg, 0, False)
                 if IS_W13:
                     wu = tl.load(tp + N * 16 + wrow, mask=wmask, other=0).to(tl.int32)
                     if DEQ:
-                        pu = _deq4(wu, ua, ua, 0, False)
+                        pu = _deq4(wu, ua, ua, 0, False, ZP)
                     else:
                         pu = _planes4(wu, 0, False)
                 for p in tl.static_range(2):
@@ -394,9 +409,9 @@ def _expert_mm(x_ptr, stride_x, pool_ptr, slot_bytes, table_ptr, E,
                         acc_g, acc_u, a_g, a_u, xs = _step(acc_g, acc_u, a_g, a_u, xs, pg[p], pg[p], xt, ones,
                                                            IS_W13, DEQ)
                 if not DEQ:
-                    acc_g = _flush(acc_g, a_g, xs, ga)
+                    acc_g = _flush(acc_g, a_g, xs, ga, ZP)
                     if IS_W13:
-                        acc_u = _flush(acc_u, a_u, xs, ua)
+                        acc_u = _flush(acc_u, a_u, xs, ua, ZP)
     omask = mn[:, None] & mrow[None, :]
     if IS_W13:
         if SPLIT13:
@@ -615,7 +630,8 @@ def launch_w13(ws: Workspace, x, slot_table, pool, layout, topk: int, cfg: Kerne
             ws.h, ws.h.stride(0), layout.part("w13").offset, layout.part("w13_sz").offset,
             Fd, H, topk, nch, ups, split, part, part.stride(0))
     kw = dict(G=layout.group, BN=cfg.bn13, BM=cfg.bm, IS_W13=True, ASM=cfg.asm, DEQ=cfg.deq,
-              T64=t >= 64, T32=t % 64 == 32, SPLIT13=split > 1, num_warps=cfg.warps13, num_stages=cfg.stages13)
+              T64=t >= 64, T32=t % 64 == 32, SPLIT13=split > 1, ZP=layout.zero_point, num_warps=cfg.warps13,
+              num_stages=cfg.stages13)
     k13 = _run(_expert_mm, (tiles, ws.A * nch, split), args, kw, warmup)
     if split > 1:
         # RB rows a step (a segment has <= M rows; a loop covers the chunk), ~1024 elements a CTA and
@@ -641,7 +657,8 @@ def launch_w2(ws: Workspace, topk_weights, slot_table, pool, layout, topk: int, 
             ws.acc, ws.acc.stride(0), layout.part("w2").offset, layout.part("w2_sz").offset,
             H, Fd, topk, nch, ups, split, ws.acc, 0)
     kw = dict(G=layout.group, BN=cfg.bn2, BM=cfg.bm, IS_W13=False, ASM=cfg.asm, DEQ=cfg.deq2,
-              T64=t >= 64, T32=t % 64 == 32, SPLIT13=False, num_warps=cfg.warps2, num_stages=cfg.stages2)
+              T64=t >= 64, T32=t % 64 == 32, SPLIT13=False, ZP=layout.zero_point, num_warps=cfg.warps2,
+              num_stages=cfg.stages2)
     return _run(_expert_mm, (triton.cdiv(H, cfg.bn2), ws.A * nch, split), args, kw, warmup)
 
 
