@@ -161,26 +161,13 @@ def test_compressed_tensors_experts_run_as_stored_on_cuda(int4_checkpoint, ct_ch
     """The same checkpoint on the GPU: the store's tiled bytes hold the library's weights bit for
     bit, and the prefill logits (bf16 on the GPU) match the fp32 model with those weights."""
     from cmoe.executor.moe_kernel import dequantized
-    from cmoe.executor.run import ExecConfig, execute, prepare
-    from tests.test_executor import left_padded
+    from tests.test_executor import assert_prefill_matches, run_exec_cuda
     path, deq = ct_checkpoint
-    cfg = ExecConfig(policies=("upper", "ondemand", "static"), slots=3, batch=2, tokens=4, device="cuda",
-                     keep_logits=True, record_plans=True)
-    w, cfg = prepare(spec_name=None, model_dir=path, trace_src=None, data=None, cfg=cfg)
-    results = execute(w, cfg)
+    w, results = run_exec_cuda(path)
     assert w.fmt == "w4g32" and w.store.packing == "tiled"
     for m, d in enumerate(w.spec.moe_layers):
         p = f"model.layers.{d}.block_sparse_moe.experts.2"
         w13, w2 = dequantized(w.store.expert(m, 2).cuda(), w.store.layout)
         assert torch.equal(w13.cpu(), torch.cat([deq[f"{p}.w1"], deq[f"{p}.w3"]], 0))
         assert torch.equal(w2.cpu(), deq[f"{p}.w2"])
-    from transformers import AutoModelForCausalLM
-    ref = AutoModelForCausalLM.from_pretrained(int4_checkpoint, dtype=torch.float32).eval()
-    _reference(int4_checkpoint, deq)(ref)
-    ids, mask, pos = left_padded(w.prompts)
-    with torch.no_grad():
-        want = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1]
-    for r in results:
-        assert ((r.logits[0].float().cpu() - want).norm() / want.norm()).item() < 3e-2, r.policy
-        assert r.log.slot_mismatches == 0
-    assert {r.policy: r.metrics for r in results}["static"]["fallbacks"] > 0
+    assert_prefill_matches(results, w.prompts, int4_checkpoint, _reference(int4_checkpoint, deq))

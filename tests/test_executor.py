@@ -65,6 +65,29 @@ def run_exec(model_dir, policies, fmt="fp32", batch=2, tokens=4, slots=None, **k
     return w, execute(w, cfg)
 
 
+def run_exec_cuda(model_dir, policies=("upper", "ondemand", "static")):
+    """The executor on CUDA over a checkpoint whose experts run as stored (its own format)."""
+    cfg = ExecConfig(policies=tuple(policies), slots=3, batch=2, tokens=4, device="cuda", keep_logits=True,
+                     record_plans=True)
+    w, cfg = prepare(spec_name=None, model_dir=model_dir, trace_src=None, data=None, cfg=cfg)
+    return w, execute(w, cfg)
+
+
+def assert_prefill_matches(results, prompts, model_dir, replace_experts) -> None:
+    """Each run's prefill logits (bf16 on the GPU) against the fp32 transformers model whose experts
+    `replace_experts` set; no slot mismatch; `static` fell back at least once."""
+    from transformers import AutoModelForCausalLM
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    replace_experts(ref)
+    ids, mask, pos = left_padded(prompts)
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1]
+    for r in results:
+        assert ((r.logits[0].float().cpu() - want).norm() / want.norm()).item() < 3e-2, r.policy
+        assert r.log.slot_mismatches == 0
+    assert {r.policy: r.metrics for r in results}["static"]["fallbacks"] > 0
+
+
 # --- int4 ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shape", [(128, 64), (64, 256), (256, 128), (96, 128), (32, 64)])

@@ -260,26 +260,12 @@ def test_gptq_and_awq_experts_run_as_stored_on_cuda(int4_checkpoint, quantized, 
     """The same checkpoints on the GPU: the store's tiled bytes hold the checkpoint's weights bit for
     bit, and the prefill logits (bf16 on the GPU, the Triton layer kernel's ZP branch) match the
     fp32 model with those weights."""
-    from transformers import AutoModelForCausalLM
-
-    from cmoe.executor.run import ExecConfig, execute, prepare
-    from tests.test_executor import left_padded
+    from tests.test_executor import assert_prefill_matches, run_exec_cuda
     path, deq = quantized[kind]
-    cfg = ExecConfig(policies=("upper", "ondemand", "static"), slots=3, batch=2, tokens=4, device="cuda",
-                     keep_logits=True, record_plans=True)
-    w, cfg = prepare(spec_name=None, model_dir=path, trace_src=None, data=None, cfg=cfg)
-    results = execute(w, cfg)
+    w, results = run_exec_cuda(path)
     assert w.fmt == "w4g32-fp16" and w.store.packing == "tiled"
     for m, d in enumerate(w.spec.moe_layers):
         w13, w2 = store_weights(w.store, m, 2)
         want13, want2 = expert_weights(deq, d, 2)
         assert torch.equal(w13, want13) and torch.equal(w2, want2)
-    ref = AutoModelForCausalLM.from_pretrained(int4_checkpoint, dtype=torch.float32).eval()
-    replace_experts(deq)(ref)
-    ids, mask, pos = left_padded(w.prompts)
-    with torch.no_grad():
-        want = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1]
-    for r in results:
-        assert ((r.logits[0].float().cpu() - want).norm() / want.norm()).item() < 3e-2, r.policy
-        assert r.log.slot_mismatches == 0
-    assert {r.policy: r.metrics for r in results}["static"]["fallbacks"] > 0
+    assert_prefill_matches(results, w.prompts, int4_checkpoint, replace_experts(deq))
