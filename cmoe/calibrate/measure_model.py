@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import time
+
 import numpy as np
 import torch
 
@@ -165,6 +167,7 @@ class _ModelRuns:
         self.cpu_pts: list = []
         self.trips: list = []
         self.one: dict[str, float] = {}
+        self.seconds: dict[str, float] = {}     # wall time of each step: what calibrating costs, reported
         self.w = built
 
     def on(self, params):
@@ -201,8 +204,13 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
     # every batch bucket the benchmarks use on a GPU, so the host's costs are tables, not lines
     # through two points; a CPU keeps two (its main job runs batch 1, and it is slow)
     for batch in ((1, 2, 4, 8, 16) if r.cuda else (1, 8)):
+        t0 = time.perf_counter()
         _measure_batch(r, batch)
-    return _result(r, _context_points(r))
+        r.seconds[f"batch {batch}"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ctx = _context_points(r)
+    r.seconds["long context"] = time.perf_counter() - t0
+    return _result(r, ctx)
 
 
 def _measure_batch(r: _ModelRuns, batch: int) -> None:
@@ -215,8 +223,12 @@ def _measure_batch(r: _ModelRuns, batch: int) -> None:
     r.w = w = r.on(SyntheticParams(requests=batch, prompt_len=16, decode_len=r.tokens + 4, seed=batch))
     cfg = ExecConfig(policies=("upper",), pool_gb=1e3, batch=batch, tokens=r.tokens, device=r.device.type)
     if w.store is None:
+        t0 = time.perf_counter()
         build(w, replace(cfg, policies=("upper", "static")))
+        r.seconds["build"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
     run_policy(w, cfg, "upper")                               # warm-up over the same lengths
+    r.seconds[f"warm-up {batch}"] = time.perf_counter() - t0
     # the host's side from ondemand with every expert resident: upper's work, plus the host step
     # every other policy takes (read-back, plan, dispatch), which the lean engine's upper skips
     hc = replace(cfg, policies=("ondemand",), slots=spec.num_experts)
@@ -312,7 +324,7 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
                               "load_s": one["host_load"],
                               "sync_s": float(np.median(host["gaps"] if host["gaps"] else host["sync"])),
                               "pass_start_s": one["host_start"], "head_s": one["host_head"]}},
-           "waves": gpu["waves"],
+           "waves": gpu["waves"], "seconds": r.seconds,
            "repeats": {"host, layer": {"unit": "tokens", "grows": False, "points": host["layer_runs"]},
                        # one mean per batch: no spread, but 8 rows may not take less than 1
                        "expert in model": {"unit": "tokens", "grows": True,
