@@ -376,8 +376,11 @@ class Simulation:
         """The lean executor's fused launches (`profile.wave_gbps`): the plan's GPU experts in
         waves (`cmoe.policy.waves`, as the executor groups them); a wave starts once all its copies
         have landed (each expert's wait counted from the same due time, as the executor's events
-        do), runs wave_us plus its experts' shares, and its time is split evenly among them (the
-        executor's spans); the loads deferred behind a wave's experts are issued after it.
+        do) and the host has done its part of the issue before the launch (the slot table, the
+        waits, the launch itself: all but host_expert_tail_us; the GPU idles meanwhile, as the
+        H200's timelines show: 40-60 us between the read-back and a layer's first expert), runs
+        wave_us plus its experts' shares, and its time is split evenly among them (the executor's
+        spans); the loads deferred behind a wave's experts are issued after it.
         Copies run FIFO (the profile requires it). Returns (H, G)."""
         hw, c, run, p = self.hw, self.c, self.run, x.p
         after = {ld.expert: v for v, lds in later.items() for ld in lds}
@@ -396,10 +399,11 @@ class Simulation:
                 r = x.n if x.all_rows else votes.get(e, 1)
                 rows += r
                 dur += hw.wave_expert_us(c.expert_bytes[m][e], r)
+            issue = 0.0 if silent else hw.host_expert(rows)
+            start = max(start, H + issue - hw.host_expert_tail_us)    # launched once the host is through
             if self.in_flight and self._copying(start):
                 dur *= x.slow
-            issue = 0.0 if silent else hw.host_expert(rows)
-            G = max(start + dur, H + issue - hw.host_expert_tail_us)
+            G = start + dur
             H += issue
             step = (G - start) / len(wave)
             for j, e in enumerate(wave):

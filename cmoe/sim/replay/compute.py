@@ -104,10 +104,11 @@ def _waves(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, silent, own):
             rows += r
             dur += x.wfix[m, e] + x.hwf[WAVE_ROW] * r
             cnt += 1
+        issue = 0.0 if silent else x.htab[rows]
+        start = pmax(start, H + issue - x.hwf[TAIL])
         if c.I[IN_FLIGHT] and copying(c, x, start):
             dur *= slow
-        issue = 0.0 if silent else x.htab[rows]
-        G = pmax(start + dur, H + issue - x.hwf[TAIL])
+        G = start + dur
         H += issue
         step = (G - start) / cnt
         j = 0
