@@ -76,6 +76,18 @@ def test_fitting_recovers_the_parameters_it_was_made_from():
     assert "layer (non-expert), 8 tok" in table
 
 
+def test_a_kernel_that_walks_the_cache_is_priced_per_key_of_the_longest_row():
+    """The lean engine's decode attention (`attention_walks_cache`): the same context points give
+    the per-key cost as attn_us_per_cache_key, and none per key summed over rows."""
+    known = replace(H200, attn_us_per_ctx_token=0.025, launch_us=0.0)
+    m = _synthetic(known)
+    plain = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-01")
+    lean = fit_profile("fit", m | {"attention_walks_cache": True}, known.gpu_mem_bytes, "test", "2026-12-01")
+    assert plain.attn_us_per_ctx_token == pytest.approx(0.025) and plain.attn_us_per_cache_key == 0.0
+    assert lean.attn_us_per_cache_key == pytest.approx(0.025) and lean.attn_us_per_ctx_token == 0.0
+    assert lean.layer_fixed_us == pytest.approx(plain.layer_fixed_us)
+
+
 def test_cpu_calibration_gives_a_profile_the_simulator_runs(checkpoints, tiny_trace, tmp_path):
     from typer.testing import CliRunner
 

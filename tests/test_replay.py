@@ -301,6 +301,42 @@ def test_fused_waves_by_hand():
     assert c.spans != a.spans
 
 
+def test_a_wave_starts_once_the_host_has_launched_it():
+    """The lean executor's layer: after the read-back and routing (the `route` span), the host sets
+    the slot table, queues the waits and launches; the GPU idles until then. So a layer with nothing
+    to wait for starts its experts host_expert - host_expert_tail_us after its route span ends, in
+    both engines."""
+    t = tiny(M=3, E=4, T=24, seed=2, requests=1, K=2)
+    prof = replace(FLAT_WAVE, host_expert_us=2.0, host_expert_tail_us=0.5)
+    a, b, _, _ = both(t, "ondemand", prof, 1, slots=4, costs=tiny_costs(t))
+    same_run(a, b)
+    routes = {(s[1], s[2]): s[7] for s in a.spans if s[4] == "route"}
+    loads = {(s[1], s[2]) for s in a.spans if s[4] == "load"}
+    gaps = [spans[0][6] - routes[k] for k, spans in _by_layer(a.spans).items() if k in routes and k not in loads]
+    assert len(gaps) > 20 and all(g == pytest.approx(1.5) for g in gaps)
+
+
+def test_attention_over_the_cache_costs_the_longest_rows_keys():
+    """`attn_us_per_cache_key`: a decode layer's attention costs per key of the pass's longest row
+    (rows side by side), `attn_us_per_ctx_token` per key summed over rows; both engines alike."""
+    t = generate(preset("mixtral-8x7b"), recipe("w4a16"), SyntheticParams(requests=4, prompt_len=10, decode_len=6))
+    pa = build(t, 4)
+    for ps in make_passes(t, 4):
+        assert pa.keys[ps.index] == ps.keys == t.step[ps.tokens].max() + 1
+        assert pa.context[ps.index] == ps.context == (t.step[ps.tokens] + 1).sum()
+    base = replace(LEAN, attn_us_per_ctx_token=0.0, host_layer_us=1.0)     # the GPU paces the layers
+    runs = {}
+    for name, prof in (("none", base), ("cache", replace(base, attn_us_per_cache_key=2.0)),
+                       ("sum", replace(base, attn_us_per_ctx_token=2.0))):
+        a, b, _, _ = both(t, "upper", prof, 4)
+        same_run(a, b)
+        runs[name] = {(s[1], s[2]): s[7] - s[6] for s in a.spans if s[4] == "attention" and s[2] > 0}
+    for (p, d), us in runs["none"].items():
+        if pa.decode[p]:
+            assert runs["cache"][(p, d)] - us == pytest.approx(2.0 * pa.keys[p])
+            assert runs["sum"][(p, d)] - us == pytest.approx(2.0 * pa.context[p])
+
+
 def _by_layer(spans):
     out: dict = {}
     for s in spans:

@@ -188,8 +188,12 @@ def measure(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4
         fused = built.store.packing == "tiled"
     else:
         fused = fmt.startswith("w4") and uses_fused(ExecConfig(device=device.type), spec, device)
+    from cmoe.executor import attention
+    # the lean engine's decode attention (CUDA, the families it covers): rows side by side, each walking
+    # the cache up to the step's slot, so its cost follows the longest row's keys, not their sum
+    walks = cuda and fused and spec.family in attention.FAMILIES and attention.enabled()
     out: dict = {"dense_rows": 0 if fused else DENSE_ROWS, "silent_upper": fused, "commit_ahead": fused,
-                 "repeats": {}}
+                 "attention_walks_cache": walks, "repeats": {}}
     for name, fn in tqdm(steps, desc="calibrate", disable=not progress):
         got = fn()
         out["repeats"].update(got.pop("repeats", {}))

@@ -24,7 +24,9 @@ Measurements (all times in seconds):
   to every policy that predicts; on CUDA these GPU-side times come from a run in which the GPU was
   held back so the host got ahead (the compute spans are then the GPU's own time);
   `context_points`: [(keys per decode token, seconds per layer)] of a short and a long-prompt run:
-  attention's cost per key attended (`attn_us_per_ctx_token`);
+  attention's cost per key attended (`attn_us_per_ctx_token`; with `attention_walks_cache`, the
+  lean engine's kernel, per key of the longest row, `attn_us_per_cache_key`: its rows run side by
+  side, so batch 8 costs what its longest row does);
   `host`: {"layer_points", "route_points", "expert_points": [(tokens, seconds)], "sync_s",
   "pass_start_s", "head_s"}: the host thread's side of the same, from the `host_*` spans;
 - `cpu_expert`: {"bytes", "points": [(tokens, seconds)]}: one expert on the host's CPU;
@@ -105,13 +107,14 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         h2d_pageable_gbps=m["h2d_pageable"][0] / m["h2d_pageable"][1] / GB, copy_engines=1,
         hbm_gbps=hbm, matmul_tflops=rate,
         expert_gbps=tuple(classes), launch_us=launch_s * 1e6, layer_fixed_us=max(la, 0.0) * 1e6,
-        attn_us_per_token=max(lb, 0.0) * 1e6, attn_us_per_ctx_token=per_key * 1e6, cpu_expert_gbps=cpu["bytes"] / max(ca, 1e-9) / GB,
+        attn_us_per_token=max(lb, 0.0) * 1e6, cpu_expert_gbps=cpu["bytes"] / max(ca, 1e-9) / GB,
         cpu_expert_us_per_token=max(cb, 0.0) * 1e6, roundtrip_us=roundtrip * 1e6, copy_compute_slowdown=max(m.get("copy_slowdown", 0.0), 0.0),
         pass_start_us=m["layer"].get("pass_start_s", 0.0) * 1e6, head_us=m["layer"].get("head_s", 0.0) * 1e6,
         predict_layer_us=m["layer"].get("predict_layer_s", 0.0) * 1e6,
         commit_route_us=m["layer"].get("commit_route_s", 0.0) * 1e6, copy_fifo=True,
         copy_on_host=device.lower() == "cpu", dense_rows=int(m.get("dense_rows", 0)),
         silent_upper=bool(m.get("silent_upper", False)), commit_ahead=bool(m.get("commit_ahead", False)),
+        **{"attn_us_per_cache_key" if m.get("attention_walks_cache") else "attn_us_per_ctx_token": per_key * 1e6},
         **host, **table, **waves,
         sources={k: src for k in (*_MEASURED, *host, *table)}
         | {k: src + " (upper's fused launches in the model: time = wave_us + experts' bytes at wave_gbps + "
@@ -121,7 +124,8 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
 
 _MEASURED = ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "hbm_gbps", "expert_gbps", "launch_us", "layer_fixed_us",
              "attn_us_per_token", "cpu_expert_gbps", "roundtrip_us", "copy_compute_slowdown", "pass_start_us", "head_us",
-             "predict_layer_us", "commit_route_us", "cpu_expert_us_per_token", "attn_us_per_ctx_token")
+             "predict_layer_us", "commit_route_us", "cpu_expert_us_per_token", "attn_us_per_ctx_token",
+             "attn_us_per_cache_key")
 _EXECUTOR = {      # the fields the executor's design sets, not a measurement
     "copy_engines": "one copy stream, as the executor uses",
     "copy_fifo": "the executor issues every load to one copy stream, which runs them in issue order",
@@ -270,7 +274,7 @@ def beside(p: HardwareProfile, m: dict) -> str:
     for t, s in m["layer"]["points"]:
         row(f"layer (non-expert), {t} tok", s, p.layer_us(t, rb))
     for keys, sec in m["layer"].get("context_points") or []:
-        row(f"layer, {round(keys)} keys", sec, p.layer_us(1, rb) + p.attn_us_per_ctx_token * keys)
+        row(f"layer, {round(keys)} keys", sec, p.layer_us(1, rb) + (p.attn_us_per_ctx_token + p.attn_us_per_cache_key) * keys)
     h = m["layer"].get("host")
     for what, key, fn in (("host, layer", "layer_points", p.host_layer), ("host, route", "route_points", p.host_route),
                           ("host, one expert", "expert_points", p.host_expert)) if h else ():

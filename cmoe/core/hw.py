@@ -39,6 +39,9 @@ class HardwareProfile:
     roundtrip_us: float                             # GPU->CPU->GPU hidden-state round trip with its synchronisations
     copy_compute_slowdown: float = 0.0              # matmul slowdown while a side-stream copy runs
     attn_us_per_ctx_token: float = 0.0              # per decoder layer, per key attended (a pass's context)
+    attn_us_per_cache_key: float = 0.0              # per decoder layer, per key of the pass's longest row: a
+                                                    # kernel that runs the rows side by side, walking the cache
+                                                    # up to the step's slot (the lean executor's)
     pass_start_us: float = 0.0                      # per pass, before the first layer: embedding, masks, sync
     head_us: float = 0.0                            # per pass, after the last layer: final norm, LM head
     # The host thread that issues the work (all 0: a host that never holds the GPU back). The

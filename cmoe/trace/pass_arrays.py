@@ -26,6 +26,7 @@ class PassArrays:
     decode: np.ndarray       # [P] bool
     ntok: np.ndarray         # [P] int64 tokens in the pass
     context: np.ndarray      # [P] int64 keys attended, summed (position + 1)
+    keys: np.ndarray         # [P] int64 the longest row's keys (its position + 1): what a cache walk reads
     tok_ptr: np.ndarray      # [P+1] int64
     tok: np.ndarray          # [N] int64 token indices into the trace, pass by pass
     need_ptr: np.ndarray     # [P*M+1] int64
@@ -162,9 +163,11 @@ def build(t: Trace, batch: int, include_prefill: bool = True, groups: int | None
     context = np.zeros(P, np.int64)
     np.add.at(context, pass_of, t.step[tok].astype(np.int64))
     context += ntok
+    keys = np.zeros(P, np.int64)
+    np.maximum.at(keys, pass_of, t.step[tok].astype(np.int64) + 1)
     need_ptr, need, votes = _ranked_blocks(t.experts, tok, tok_ptr, pass_of, P, E)
     pred_ptr, pred, _ = _ranked_blocks(t.pred_experts, tok, tok_ptr, pass_of, P, E)
-    return PassArrays(decode=decode, ntok=ntok, context=context, tok_ptr=tok_ptr, tok=tok, need_ptr=need_ptr,
+    return PassArrays(decode=decode, ntok=ntok, context=context, keys=keys, tok_ptr=tok_ptr, tok=tok, need_ptr=need_ptr,
                       need=need, votes=votes, pred_ptr=pred_ptr, pred=pred, num_layers=M)
 
 
@@ -181,7 +184,7 @@ def to_passes(pa: PassArrays) -> list:
         v = tuple(tuple(votes[nptr[k]:nptr[k + 1]]) for k in range(lo, lo + M))
         guess = tuple(tuple(pred[pptr[k]:pptr[k + 1]]) for k in range(lo, lo + M))
         out.append(Pass(p, bool(pa.decode[p]), pa.tok[pa.tok_ptr[p]:pa.tok_ptr[p + 1]], needed, guess, v,
-                        int(pa.context[p])))
+                        int(pa.context[p]), int(pa.keys[p])))
     return out
 
 
@@ -196,6 +199,7 @@ def from_passes(passes: list, num_layers: int) -> PassArrays:
     ntok = np.array([t.size for t in toks], np.int64)
     return PassArrays(decode=np.array([ps.decode for ps in passes], bool), ntok=ntok,
                       context=np.array([ps.context for ps in passes], np.int64),
+                      keys=np.array([ps.keys for ps in passes], np.int64),
                       tok_ptr=np.concatenate([[0], np.cumsum(ntok)]).astype(np.int64),
                       tok=np.concatenate(toks) if toks else np.zeros(0, np.int64),
                       need_ptr=ptr("needed"), need=np.array(flat("needed"), np.int16),

@@ -24,6 +24,7 @@ class Pass:
     predicted: tuple[tuple[int, ...], ...]   # [M] commit prediction for layer m
     votes: tuple[tuple[int, ...], ...]       # [M] tokens routed to each needed expert
     context: int = 0                         # keys every token of the pass attends to, summed (position + 1)
+    keys: int = 0                            # the longest row's keys (position + 1)
 
     @property
     def num_tokens(self) -> int:
