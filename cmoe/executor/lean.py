@@ -176,6 +176,8 @@ class LeanEngine(HostSteps, Segments, Engine):
 
     # --- a pass ----------------------------------------------------------------------------------
     def run_pass(self, p, cache) -> torch.Tensor:
+        if self.host_phases is not None and self._t_phase:
+            self._tick("between passes")             # the caller's time since the last pass returned
         self.cur = p
         self.kv = cache
         if p.index == 0:
@@ -197,7 +199,9 @@ class LeanEngine(HostSteps, Segments, Engine):
         start = self.clock.mark(cs)
         self.last = start
         with torch.no_grad():
+            self._tick(None)
             self._inputs(p, graphs)
+            self._tick("pass: inputs")
             if graphs:
                 self.t = self.t_graph
                 self._cap.sink = self.t
@@ -210,6 +214,7 @@ class LeanEngine(HostSteps, Segments, Engine):
                 self._in_graph = False
                 self.seg_pre()
             self._begin_pass(self.t["pred"][0])
+            self._tick("pass: pre, begin")
             for m in range(self.M):
                 if graphs:
                     self.graphs[("attn", m)].replay()
@@ -224,13 +229,18 @@ class LeanEngine(HostSteps, Segments, Engine):
         self._span(-1, "compute", "head", -1, self.last, end)
         self._span(-1, "host", "host_head", -1, self.h_last, self.clock.host())
         logits = self.t["logits_out"]
+        self._tick("pass: head")
         books = self._keep_books(p, start, end)
         self._settle()                                     # the previous pass's, while the GPU runs this one
         self._books.append(books)
+        self._tick("pass: books, settle")
         if self.cuda:
             cs.synchronize()
+        self._tick("pass: sync")
         self.log.occupancy.append(self.policy.pool.occupancy())
-        return logits.clone() if graphs else logits
+        out = logits.clone() if graphs else logits
+        self._tick("pass: occupancy, clone")
+        return out
 
     def _keep_books(self, p, start, end):
         """What settling this pass needs later: its marks, and (upper, live) a pinned copy of every
