@@ -299,12 +299,14 @@ class LeanEngine(HostSteps, Segments, Engine):
                 self._ws = None
         k = self.kin
         if self.fused and k["host_ids"] and p.replay is not None and not (self.commit and p.decode):
-            # a replayed trace's routes for every layer: one copy for the pass
-            ex, wt = p.replay["experts"], p.replay["weights"]       # [N, M, K]
-            k["ids_h"].copy_(torch.from_numpy(np.ascontiguousarray(ex.transpose(1, 0, 2)).astype(np.int32)))
-            k["w_h"].copy_(torch.from_numpy(np.ascontiguousarray(wt.transpose(1, 0, 2)).astype(np.float32)))
-            k["ids"].copy_(k["ids_h"], non_blocking=True)
-            k["w"].copy_(k["w_h"], non_blocking=True)
+            # a replayed trace's routes for every layer: one copy for the pass, from the device where
+            # the run put them beforehand (`run.routes_on_device`)
+            if "device" not in p.replay:
+                from cmoe.executor.run import routes_on_device
+                routes_on_device(p.replay, self.device)
+            ids, wt = p.replay["device"]
+            k["ids"].copy_(ids, non_blocking=True)
+            k["w"].copy_(wt, non_blocking=True)
 
     # --- spans and upper's bookkeeping -----------------------------------------------------------
     def _fused_span(self, d: int, experts: list[int], t0, t1) -> None:
