@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from cmoe.core.errors import CmoeError
 from cmoe.executor.kernels import dequantize
 from cmoe.executor.layout import FORMATS, expert_layout, slot_size
-from cmoe.executor.moe_kernel import (BLOCK_K, moe_forward, moe_reference, pack_tiled, read_expert,
+from cmoe.executor.moe_kernel import (BLOCK_K, moe_forward, moe_reference, pack_tiled, read_expert, route_into,
                                       route_reference, tiled_layout, unpack_tiled, write_codes)
 from cmoe.core.quant import expert_tensor_bytes
 from cmoe.core.spec import preset
@@ -163,3 +163,21 @@ def test_route_reference_sorts_pairs_stably_by_expert():
     assert r["seg_expert"].tolist() == [0, 1, 2, 3]
     assert r["seg_start"].tolist() == [0, 1, 3, 4]
     assert r["seg_end"].tolist() == [1, 3, 4, 6]
+
+
+@pytest.mark.parametrize("P,E", [(6, 4), (4096, 8), (3, 8), (700, 64)])
+def test_route_into_writes_the_reference_tables(P, E):
+    """The route for large pair counts (the prefill's): the same order and segments as
+    route_reference, ids -1 (pairs without an expert) included, with no host sync."""
+    gen = torch.Generator().manual_seed(P)
+    ids = torch.randint(-1, E, (P,), generator=gen, dtype=torch.int32).reshape(-1, 1)
+    A = min(P, E + 1)
+    order, srt = torch.empty(P, dtype=torch.int32), torch.empty(P, dtype=torch.int32)
+    seg_e, seg_s, seg_end = (torch.full((A,), 77, dtype=torch.int32) for _ in range(3))
+    route_into(ids, order, srt, seg_e, seg_s, seg_end)
+    ref = route_reference(ids, E)
+    n = ref["seg_expert"].numel()
+    assert torch.equal(order, ref["order"]) and torch.equal(srt, ids.reshape(-1)[ref["order"].long()])
+    assert torch.equal(seg_e[:n], ref["seg_expert"]) and (seg_e[n:] == -1).all()
+    assert torch.equal(seg_s[:n], ref["seg_start"]) and torch.equal(seg_end[:n], ref["seg_end"])
+    assert (seg_s[n:] == 77).all() and (seg_end[n:] == 77).all()

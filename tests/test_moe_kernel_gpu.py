@@ -272,3 +272,26 @@ def test_k_split_cuts_whole_units_and_never_an_empty_split():
     assert k_split(4096, 128, 8) == (8, 4) and k_split(4096, 128, 3) == (3, 11)
     assert k_split(448, 32, 4) == (3, 1) and k_split(448, 32, 2) == (2, 2)
     assert k_split(64, 32, 4) == (1, 0)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("P", [6, 74, 512])
+def test_interpreter_route_kernel_equals_route_into(P):
+    """Up to ROUTE_KERNEL_MAX_PAIRS pairs the route kernel runs; past it `route_into`: both write
+    the same tables from the same ids (padding ids -1 included)."""
+    from cmoe.executor.kernels_triton import moe as K
+    from cmoe.executor.moe_kernel import route_into
+    assert P <= K.ROUTE_KERNEL_MAX_PAIRS
+    gen = torch.Generator().manual_seed(P)
+    E = 8
+    ids = torch.randint(-1, E, (P // 2, 2), generator=gen, dtype=torch.int32)
+    ws = K.Workspace(P // 2, 2, 64, 64, E, "cpu")
+    for t in (ws.order, ws.sorted, ws.seg_s, ws.seg_end):
+        t.fill_(77)
+    ws.acc.fill_(float("nan"))
+    K.launch_route(ws, ids)
+    o, s, e, st, en = (torch.full_like(t, 77) for t in (ws.order, ws.sorted, ws.seg_e, ws.seg_s, ws.seg_end))
+    route_into(ids, o, s, e, st, en)
+    for a, b in ((ws.order, o), (ws.sorted, s), (ws.seg_e, e), (ws.seg_s, st), (ws.seg_end, en)):
+        assert torch.equal(a, b)
+    assert (ws.acc == 0).all()

@@ -580,8 +580,19 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+# pairs above this are routed by torch ops (`moe_kernel.route_into`), not `_route_kernel`: that kernel holds
+# all P pairs in one program (a [P, 64] compare per step), and its compile grows with P; on the
+# H200 the calibration's 2048-token prefill (4,096 pairs) spent ~150 s in Triton's compiler
+ROUTE_KERNEL_MAX_PAIRS = 512
+
+
 def launch_route(ws: Workspace, topk_ids: torch.Tensor) -> None:
     P = ws.P
+    if P > ROUTE_KERNEL_MAX_PAIRS:
+        from cmoe.executor.moe_kernel import route_into
+        route_into(topk_ids, ws.order, ws.sorted, ws.seg_e, ws.seg_s, ws.seg_end)
+        ws.acc.zero_()
+        return
     PP = max(16, _next_pow2(P))
     ZB = 4096
     nz = ws.acc.numel()
