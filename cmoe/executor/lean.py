@@ -199,32 +199,7 @@ class LeanEngine(HostSteps, Segments, Engine):
         start = self.clock.mark(cs)
         self.last = start
         with torch.no_grad():
-            self._tick(None)
-            self._inputs(p, graphs)
-            self._tick("pass: inputs")
-            if graphs:
-                self.t = self.t_graph
-                self._cap.sink = self.t
-                self._in_graph = True                      # replays: the hooks do not run
-                self.graphs["pre"].replay()
-            else:
-                self.t = _fresh(self.M)
-                self._cap.sink = self.t
-                self._static_out = False
-                self._in_graph = False
-                self.seg_pre()
-            self._begin_pass(self.t["pred"][0])
-            self._tick("pass: pre, begin")
-            for m in range(self.M):
-                if graphs:
-                    self.graphs[("attn", m)].replay()
-                else:
-                    self.seg_attn(m)
-                self._host_layer(m, graphs)
-            if graphs:
-                self.graphs["head"].replay()
-            else:
-                self.seg_head()
+            self._segments(p, graphs)
         end = self.clock.mark(cs)
         self._span(-1, "compute", "head", -1, self.last, end)
         self._span(-1, "host", "host_head", -1, self.h_last, self.clock.host())
@@ -241,6 +216,36 @@ class LeanEngine(HostSteps, Segments, Engine):
         out = logits.clone() if graphs else logits
         self._tick("pass: occupancy, clone")
         return out
+
+    def _segments(self, p, graphs: bool) -> None:
+        """The pass's device program: P, then each layer's A_m and the host's step for it, then H;
+        replayed graphs on a captured decode pass, the segments run eagerly otherwise."""
+        self._tick(None)
+        self._inputs(p, graphs)
+        self._tick("pass: inputs")
+        if graphs:
+            self.t = self.t_graph
+            self._cap.sink = self.t
+            self._in_graph = True                      # replays: the hooks do not run
+            self.graphs["pre"].replay()
+        else:
+            self.t = _fresh(self.M)
+            self._cap.sink = self.t
+            self._static_out = False
+            self._in_graph = False
+            self.seg_pre()
+        self._begin_pass(self.t["pred"][0])
+        self._tick("pass: pre, begin")
+        for m in range(self.M):
+            if graphs:
+                self.graphs[("attn", m)].replay()
+            else:
+                self.seg_attn(m)
+            self._host_layer(m, graphs)
+        if graphs:
+            self.graphs["head"].replay()
+        else:
+            self.seg_head()
 
     def _keep_books(self, p, start, end):
         """What settling this pass needs later: its marks, and (upper, live) a pinned copy of every

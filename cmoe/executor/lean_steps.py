@@ -172,20 +172,9 @@ class HostSteps:
         # waits on this layer's slot copies, so its wait below ends with A_m, not with a late load
         started = self._read_back_start(m)
         chosen = list(self.policy.committed[m])
-        keep = set(chosen)
-        k, K = self.kin, self.spec.top_k
-        N = self.t["x"][m].shape[0]
-        live = [i for i in range(N) if self.cur.active[i]]
-        ids = k["ids_np"][m]
-        ids.fill(-1)
-        for i in live:
-            mine = [e for e in dict.fromkeys(self.token_pred[m][i]) if e in keep][:K]
-            ids[i, :len(mine)] = mine
-        comm = k["comm_np"][m]
-        comm.fill(False)
-        comm[chosen] = True
-        k["ids"][m].copy_(k["ids_h"][m], non_blocking=True)
-        k["comm"][m].copy_(k["comm_h"][m], non_blocking=True)
+        K = self.spec.top_k
+        live = [i for i in range(self.t["x"][m].shape[0]) if self.cur.active[i]]
+        self._write_candidates(m, chosen, live)
         slots = {e: self.policy.pool.slot_of(m, e) for e in chosen}
         self._set_table(m, slots, 0)
         if self._lead_cycles:
@@ -223,6 +212,21 @@ class HostSteps:
         self._span(d, "host", "host_route", -1, self.h_synced, clock.host())
         self.last = t1
         self.h_last = clock.host()
+
+    def _write_candidates(self, m: int, chosen: list[int], live: list[int]) -> None:
+        """commit's kernel inputs for layer m: each live row's predicted experts that were committed
+        (up to top_k, the device's OWA weights them) and the committed set, copied without blocking."""
+        k, K, keep = self.kin, self.spec.top_k, set(chosen)
+        ids = k["ids_np"][m]
+        ids.fill(-1)
+        for i in live:
+            mine = [e for e in dict.fromkeys(self.token_pred[m][i]) if e in keep][:K]
+            ids[i, :len(mine)] = mine
+        comm = k["comm_np"][m]
+        comm.fill(False)
+        comm[chosen] = True
+        k["ids"][m].copy_(k["ids_h"][m], non_blocking=True)
+        k["comm"][m].copy_(k["comm_h"][m], non_blocking=True)
 
     def _tick(self, phase: str | None) -> None:
         """Host time by phase of the policy's step (`CMOE_HOST_PROFILE=1`; summed in `host_phases`)."""
