@@ -42,10 +42,10 @@ from dataclasses import dataclass, field
 import simpy
 
 from cmoe.core.hw import HardwareProfile
-from cmoe.core.metrics import RunRecord, classify
+from cmoe.core.metrics import RunRecord
 from cmoe.policy.policies import Load, Policy
-from cmoe.policy.waves import waves
 from cmoe.sim.costs import Costs, PassCosts, costs_for
+from cmoe.sim.experts import ExpertSteps
 from cmoe.trace.passes import Pass
 from cmoe.core.timeline import STREAM, START, END
 
@@ -73,7 +73,7 @@ class _NoSpans(list):
         pass
 
 
-class Simulation:
+class Simulation(ExpertSteps):
     def __init__(self, policy: Policy, profile: HardwareProfile, costs: Costs, passes: list[Pass],
                  record_log: bool = False, keep_spans: bool = True):
         self.policy, self.hw, self.c, self.passes = policy, profile, costs, passes
@@ -326,116 +326,6 @@ class Simulation:
             self._span(x.p, d, "compute", "route", -1, t_in, Hx)
         _, G = yield from self._gpu_experts(x, m, d, plan, votes, set(), {}, Hx, G, False)
         return Hr, G
-
-    def _gpu_experts(self, x: PassCosts, m: int, d: int, plan, votes: dict, loaded: set[int],
-                     later: dict[int, list[Load]], H: float, G: float, silent: bool):
-        """The plan's GPU experts in turn: each kernel once its copy (if one is pending) has landed
-        and the host has issued it (nothing to issue when `silent`), slowed while a copy moves.
-        `loaded`: the experts this layer loads itself. With one FIFO copy stream, `later`'s loads
-        are issued right after the kernel of the expert whose slot they overwrite; with the
-        priority queue, a kernel's end releases its slot to the loads waiting for it. Returns
-        (H, G)."""
-        hw, c, run, p = self.hw, self.c, self.run, x.p
-        if hw.wave_gbps:
-            return (yield from self._gpu_waves(x, m, d, plan, votes, loaded, later, H, G, silent))
-        ready, landed_at = self.ready, self.landed_at
-        for e in plan.gpu:
-            due = max(G, H)
-            ev = ready.get((m, e))
-            if ev is None or (ev.triggered and landed_at.get((m, e), -1.0) <= due):
-                landed = None         # what _await_copy would say at once: no copy to wait for or to count
-            else:
-                landed = yield from self._await_copy(m, e, due)
-            kind, wait = classify(e in loaded, landed, due)
-            run.ran(p, kind, wait)
-            start = due + wait
-            rows = x.n if x.all_rows else votes.get(e, 1)
-            issue = 0.0 if silent else hw.host_expert(rows)
-            dur = hw.expert_us(c.expert_bytes[m][e], c.expert_bits[m][e], rows, c.expert_params)
-            if self.in_flight and self._copying(start):
-                dur *= x.slow
-            G = max(start + dur, H + issue - hw.host_expert_tail_us)     # the end mark precedes the tail
-            H += issue
-            run.spans.append(("sim", p, d, "compute", "expert", e, start, G, c.expert_bytes[m][e]))   # self._span
-            st = self.slots[m][plan.slots[e]]
-            st.free_at = max(st.free_at, G)
-            if self.record_log:
-                run.log.append((start, "read_start", m, plan.slots[e], e))
-                run.log.append((G, "read_end", m, plan.slots[e], e))
-            if x.fifo:
-                for ld in later.pop(e, ()):
-                    yield from self._sync(H)
-                    H += self._issue(ld, p)
-            else:
-                st.pending -= e not in loaded
-                self._release(st)
-        return H, G
-
-    def _gpu_waves(self, x: PassCosts, m: int, d: int, plan, votes: dict, loaded: set[int],
-                   later: dict[int, list[Load]], H: float, G: float, silent: bool):
-        """The lean executor's fused launches (`profile.wave_gbps`): the plan's GPU experts in
-        waves (`cmoe.policy.waves`, as the executor groups them); a wave starts once all its copies
-        have landed (each expert's wait counted from the same due time, as the executor's events
-        do) and the host has done its part of the issue before the launch (the slot table, the
-        waits, the launch itself: all but host_expert_tail_us; the GPU idles meanwhile, as the
-        H200's timelines show: 40-60 us between the read-back and a layer's first expert), runs
-        wave_us plus its experts' shares, and its time is split evenly among them (the executor's
-        spans); the loads deferred behind a wave's experts are issued after it.
-        Copies run FIFO (the profile requires it). Returns (H, G)."""
-        hw, c, run, p = self.hw, self.c, self.run, x.p
-        after = {ld.expert: v for v, lds in later.items() for ld in lds}
-        for wave in waves(plan.gpu, after):
-            due = max(G, H)
-            start, rows, dur = due, 0, hw.wave_us
-            for e in wave:
-                ev = self.ready.get((m, e))
-                if ev is None or (ev.triggered and self.landed_at.get((m, e), -1.0) <= due):
-                    landed = None
-                else:
-                    landed = yield from self._await_copy(m, e, due)
-                kind, wait = classify(e in loaded, landed, due)
-                run.ran(p, kind, wait)
-                start = max(start, due + wait)
-                r = x.n if x.all_rows else votes.get(e, 1)
-                rows += r
-                dur += hw.wave_expert_us(c.expert_bytes[m][e], r)
-            issue = 0.0 if silent else hw.host_expert(rows)
-            start = max(start, H + issue - hw.host_expert_tail_us)    # launched once the host is through
-            if self.in_flight and self._copying(start):
-                dur *= x.slow
-            G = start + dur
-            H += issue
-            step = (G - start) / len(wave)
-            for j, e in enumerate(wave):
-                a, b = start + j * step, (G if j == len(wave) - 1 else start + (j + 1) * step)
-                run.spans.append(("sim", p, d, "compute", "expert", e, a, b, c.expert_bytes[m][e]))
-                st = self.slots[m][plan.slots[e]]
-                st.free_at = max(st.free_at, G)
-                if self.record_log:                  # the spans' edges, as the replay logs them
-                    run.log.append((a, "read_start", m, plan.slots[e], e))
-                    run.log.append((b, "read_end", m, plan.slots[e], e))
-            for e in wave:
-                for ld in later.pop(e, ()):
-                    yield from self._sync(H)
-                    H += self._issue(ld, p)
-        return H, G
-
-    def _cpu_experts(self, x: PassCosts, m: int, d: int, plan, votes: dict, H: float, G: float):
-        """The fallback experts: the host runs them one after another once it has issued the GPU
-        experts, then sends the results back (the trip's second half); the GPU waits for them, a
-        stall. Returns (H, G)."""
-        hw, c = self.hw, self.c
-        cpu_t = H
-        for e in plan.cpu:
-            dur = hw.cpu_expert_us(c.expert_bytes[m][e], votes.get(e, 1))
-            self._span(x.p, d, "cpu", "cpu_expert", e, cpu_t, cpu_t + dur, c.expert_bytes[m][e])
-            cpu_t += dur
-        self._span(x.p, d, "cpu", "roundtrip", -1, cpu_t, cpu_t + hw.roundtrip_us / 2)
-        H = cpu_t + hw.roundtrip_us / 2
-        if H > G:                 # the GPU waits for the CPU's results
-            x.tally.stall_us += H - G
-            G = H
-        return H, G
 
     def simulate(self) -> SimRun:
         self.env.run()

@@ -2,8 +2,8 @@
 runs: `_begin_pass`, `_dense_layers`, `_moe_layer`, `_ahead_layer`, `_gpu_experts`,
 `_cpu_experts`), line for line, in one loop over decisions already made (`decide.Decisions`)
 and the clock of `clock.py`. Read the two side by side: the names (H, G, last, t_in, due, ...)
-and the order of every sum are the engine's. One numba function, not split like the engine:
-its inner loop is the replay's hot path."""
+and the order of every sum are the engine's, and each step is a function as in the engine
+(`_begin`, `_layer`, `_kernels`, `_waves`, `_ahead`, `_cpu`)."""
 
 from __future__ import annotations
 
@@ -177,36 +177,131 @@ def _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M):
     return Hr, G
 
 
+@njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False, inline="always")
+def _begin(c, x, o, d, p, j0, H, G, M):
+    """`Simulation._begin_pass`: every copy landed, the pass's start-up, its first sync (commit),
+    the policy's loads for the pass. Returns (H, G, where layer 0's span starts)."""
+    if c.I[IN_FLIGHT]:                              # the device is synchronised between passes
+        c.I[DRAINED] = 1
+        _advance(c, x, o, W_DRAINED, 0)
+    H = pmax(pmax(H, G), c.F[NOW])
+    _sync(c, x, o, H)
+    c.I[PASS_INDEX] = p
+    last = H
+    H2 = H + x.hwf[HOST_PASS_START]
+    G = pmax(pmax(G, H) + x.hwf[PASS_START], H2)
+    H = H2
+    if x.commit_decode[p]:
+        H = pmax(H, G) + x.hwf[HOST_SYNC]
+        _sync(c, x, o, H)
+    for i in range(d.l_ptr[j0], d.l_ptr[j0 + 1]):
+        _sync(c, x, o, H)
+        H += _issue(c, x, o, d.l_layer[i], d.l_e[i], d.l_slot[i], d.l_kind[i], p, M)
+    return H, G, last
+
+
+@njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False, inline="always")
+def _kernels(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, fifo):
+    """`Simulation._gpu_experts`: the GPU experts one kernel each, as their copies land; with one
+    FIFO copy stream the loads deferred behind an expert are issued after its kernel."""
+    for g in range(g0, g1):
+        e, slot = d.g_e[g], d.g_slot[g]
+        due = pmax(G, H)
+        waited, landed = _await_copy(c, x, o, m, e, due)
+        wait = pmax(0.0, landed - due) if waited else 0.0
+        _ran(o, p, _own(d, l0, l1, m, e), wait)
+        start = due + wait
+        rows = n if x.all_rows[p] else _votes(x, p, m, e, M)
+        issue = 0.0 if x.hwi[SILENT] else x.htab[rows]
+        dur = x.xtab[x.xcls[m, e], rows]
+        if c.I[IN_FLIGHT] and copying(c, x, start):
+            dur *= slow
+        G = pmax(start + dur, H + issue - x.hwf[TAIL])
+        H += issue
+        _span(c, o, x, p, dl, 0, OP_EXPERT, e, start, G, x.ebytes[m, e], m, slot)
+        c.sfree[m, slot] = pmax(c.sfree[m, slot], G)
+        if fifo:
+            for i in range(l0, l1):
+                if _deferred(d, g0, g1, i, m, fifo) and d.l_victim[i] == e:
+                    _sync(c, x, o, H)
+                    H += _issue(c, x, o, d.l_layer[i], d.l_e[i], d.l_slot[i], d.l_kind[i], p, M)
+        else:
+            c.spend[m, slot] -= not _own(d, l0, l1, m, e)
+            _release(c, x, m, slot)
+    return H, G
+
+
+@njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False, inline="always")
+def _cpu(c, x, o, d, p, m, dl, c0, c1, H, G, M, cpu):
+    """`Simulation._cpu_experts`: the host runs the fallbacks, then sends the results back; the
+    GPU waits for them (a stall)."""
+    half = x.hwf[HALF_RT]
+    cpu_t = H
+    for k in range(c0, c1):
+        e = d.c_e[k]
+        rows = _votes(x, p, m, e, M)
+        if x.hwf[CPU_TOK]:
+            dur = x.cpu1[m, e] + x.hwf[CPU_TOK] * (rows - 1 if rows > 1 else 0)
+        else:
+            dur = x.cpu1[m, e] * pmax(1.0, rows / 8)
+        _span(c, o, x, p, dl, cpu, OP_CPU, e, cpu_t, cpu_t + dur, x.ebytes[m, e], -1, -1)
+        cpu_t += dur
+    _span(c, o, x, p, dl, cpu, OP_RT, -1, cpu_t, cpu_t + half, 0, -1, -1)
+    H = cpu_t + half
+    if H > G:                                       # the GPU waits for the CPU's results
+        o.stall[p] += H - G
+        G = H
+    return H, G
+
+
+@njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False, inline="always")
+def _layer(c, x, o, d, p, m, dl, j, H, G, t_in, n, slow, M, fifo, cpu):
+    """`Simulation._moe_layer` once its router has run: commit's ahead path, or the read-back,
+    the loads, the GPU experts (fused launches or one kernel each) and the CPU fallbacks."""
+    g0, g1, c0, c1, l0, l1 = d.g_ptr[j], d.g_ptr[j + 1], d.c_ptr[j], d.c_ptr[j + 1], d.l_ptr[j], d.l_ptr[j + 1]
+    o.fallbacks[p] += c1 - c0
+    o.skipped[p] += d.skipped[j]
+    if x.hwi[AHEAD] and x.commit_decode[p]:         # Simulation._ahead_layer
+        return _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M)
+    if not x.hwi[SILENT]:
+        H = pmax(H, G) + x.route_host[p]
+    if not fifo:                                    # reads of resident experts; a loaded one is read after its write
+        for g in range(g0, g1):
+            if not _own(d, l0, l1, m, d.g_e[g]):
+                c.spend[m, d.g_slot[g]] += 1
+    for i in range(l0, l1):
+        if _deferred(d, g0, g1, i, m, fifo):
+            continue
+        if H > c.F[NOW]:
+            _sync(c, x, o, H)
+        H += _issue(c, x, o, d.l_layer[i], d.l_e[i], d.l_slot[i], d.l_kind[i], p, M)
+    if c1 > c0:                                     # the hidden states go to the host first
+        _span(c, o, x, p, dl, cpu, OP_RT, -1, H, H + x.hwf[HALF_RT], 0, -1, -1)
+        H += x.hwf[HALF_RT]
+    if H > t_in:
+        _span(c, o, x, p, dl, 0, OP_ROUTE, -1, t_in, H, 0, -1, -1)
+    if x.hwf[WAVE]:
+        H, G = _waves(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, x.hwi[SILENT], True)
+    else:
+        H, G = _kernels(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, fifo)
+    if c1 > c0:
+        H, G = _cpu(c, x, o, d, p, m, dl, c0, c1, H, G, M, cpu)
+    return H, G
+
+
 @njit(cache=True, _nrt=False)
 def run(c, x, o, d, p0, p1, M):
     """Passes [p0, p1) with their decisions in `d` (step 0 of a pass: begin_pass; 1 + m: layer m)."""
     H, G, prev_end = c.F[H_], c.F[G_], c.F[PREV_END]
     slow = x.hwf[SLOW]
     fifo = x.hwi[FIFO]
-    half = x.hwf[HALF_RT]
     cpu = 1 + x.hwi[ENGINES]                            # the CPU's stream code
     for p in range(p0, p1):
         j0 = (p - p0) * (M + 1)
-        if c.I[IN_FLIGHT]:                              # the device is synchronised between passes
-            c.I[DRAINED] = 1
-            _advance(c, x, o, W_DRAINED, 0)
-        H = pmax(pmax(H, G), c.F[NOW])
-        _sync(c, x, o, H)
-        c.I[PASS_INDEX] = p
         n = x.ntok[p]
-        last = H
-        H2 = H + x.hwf[HOST_PASS_START]
-        G = pmax(pmax(G, H) + x.hwf[PASS_START], H2)
-        H = H2
-        if x.commit_decode[p]:
-            H = pmax(H, G) + x.hwf[HOST_SYNC]
-            _sync(c, x, o, H)
-        for i in range(d.l_ptr[j0], d.l_ptr[j0 + 1]):
-            _sync(c, x, o, H)
-            H += _issue(c, x, o, d.l_layer[i], d.l_e[i], d.l_slot[i], d.l_kind[i], p, M)
+        H, G, last = _begin(c, x, o, d, p, j0, H, G, M)
         prev_layer = -1
         for m in range(M):
-            j = j0 + 1 + m
             dl = x.moe_layers[m]
             for dense in range(prev_layer + 1, dl):
                 H2 = H + x.dense_host[p]
@@ -221,75 +316,7 @@ def run(c, x, o, d, p0, p1, M):
             G = pmax(pmax(G, H) + gpu, H + host)
             H += host
             _span(c, o, x, p, dl, 0, OP_ATTN, -1, last, G, 0, -1, -1)
-            t_in = G
-            g0, g1, c0, c1, l0, l1 = d.g_ptr[j], d.g_ptr[j + 1], d.c_ptr[j], d.c_ptr[j + 1], d.l_ptr[j], d.l_ptr[j + 1]
-            if x.hwi[AHEAD] and x.commit_decode[p]:     # Simulation._ahead_layer
-                o.fallbacks[p] += c1 - c0
-                o.skipped[p] += d.skipped[j]
-                H, G = _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M)
-                last = pmax(G, H)
-                continue
-            if not x.hwi[SILENT]:
-                H = pmax(H, G) + x.route_host[p]
-            o.fallbacks[p] += c1 - c0
-            o.skipped[p] += d.skipped[j]
-            if not fifo:                                # reads of resident experts; a loaded one is read after its write
-                for g in range(g0, g1):
-                    if not _own(d, l0, l1, m, d.g_e[g]):
-                        c.spend[m, d.g_slot[g]] += 1
-            for i in range(l0, l1):
-                if _deferred(d, g0, g1, i, m, fifo):
-                    continue
-                if H > c.F[NOW]:
-                    _sync(c, x, o, H)
-                H += _issue(c, x, o, d.l_layer[i], d.l_e[i], d.l_slot[i], d.l_kind[i], p, M)
-            if c1 > c0:                                 # the hidden states go to the host first
-                _span(c, o, x, p, dl, cpu, OP_RT, -1, H, H + half, 0, -1, -1)
-                H += half
-            if H > t_in:
-                _span(c, o, x, p, dl, 0, OP_ROUTE, -1, t_in, H, 0, -1, -1)
-            if x.hwf[WAVE]:
-                H, G = _waves(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, x.hwi[SILENT], True)
-            for g in range(g0 if not x.hwf[WAVE] else g1, g1):
-                e, slot = d.g_e[g], d.g_slot[g]
-                due = pmax(G, H)
-                waited, landed = _await_copy(c, x, o, m, e, due)
-                wait = pmax(0.0, landed - due) if waited else 0.0
-                _ran(o, p, _own(d, l0, l1, m, e), wait)
-                start = due + wait
-                rows = n if x.all_rows[p] else _votes(x, p, m, e, M)
-                issue = 0.0 if x.hwi[SILENT] else x.htab[rows]
-                dur = x.xtab[x.xcls[m, e], rows]
-                if c.I[IN_FLIGHT] and copying(c, x, start):
-                    dur *= slow
-                G = pmax(start + dur, H + issue - x.hwf[TAIL])
-                H += issue
-                _span(c, o, x, p, dl, 0, OP_EXPERT, e, start, G, x.ebytes[m, e], m, slot)
-                c.sfree[m, slot] = pmax(c.sfree[m, slot], G)
-                if fifo:
-                    for i in range(l0, l1):
-                        if _deferred(d, g0, g1, i, m, fifo) and d.l_victim[i] == e:
-                            _sync(c, x, o, H)
-                            H += _issue(c, x, o, d.l_layer[i], d.l_e[i], d.l_slot[i], d.l_kind[i], p, M)
-                else:
-                    c.spend[m, slot] -= not _own(d, l0, l1, m, e)
-                    _release(c, x, m, slot)
-            if c1 > c0:                                 # the host runs them, then sends the results back
-                cpu_t = H
-                for k in range(c0, c1):
-                    e = d.c_e[k]
-                    rows = _votes(x, p, m, e, M)
-                    if x.hwf[CPU_TOK]:
-                        dur = x.cpu1[m, e] + x.hwf[CPU_TOK] * (rows - 1 if rows > 1 else 0)
-                    else:
-                        dur = x.cpu1[m, e] * pmax(1.0, rows / 8)
-                    _span(c, o, x, p, dl, cpu, OP_CPU, e, cpu_t, cpu_t + dur, x.ebytes[m, e], -1, -1)
-                    cpu_t += dur
-                _span(c, o, x, p, dl, cpu, OP_RT, -1, cpu_t, cpu_t + half, 0, -1, -1)
-                H = cpu_t + half
-                if H > G:                               # the GPU waits for the CPU's results
-                    o.stall[p] += H - G
-                    G = H
+            H, G = _layer(c, x, o, d, p, m, dl, j0 + 1 + m, H, G, G, n, slow, M, fifo, cpu)
             last = pmax(G, H)
         H2 = H + x.hwf[HOST_HEAD]
         G = pmax(pmax(G, H) + x.hwf[HEAD], H2)
