@@ -2,7 +2,7 @@
 
 Reproduces and extends CommitMoE: padded expert slots, a GPU expert pool, layer-aware load
 scheduling and a commit router that predicts the next layer's experts so that no expert falls
-back to the CPU. See README.md for the formats and DESIGN notes.
+back to the CPU. See docs/formats.md for the formats, README.md for the code map.
 
 The Python API (`cmoe.load_trace`, `cmoe.simulate`, `cmoe.execute`, `cmoe.CmoeError`) is in
 `cmoe.api`, loaded on first use so that `import cmoe` imports nothing heavy.

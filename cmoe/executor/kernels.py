@@ -111,7 +111,6 @@ def write_int4(out: torch.Tensor, layout: ExpertLayout, name: str, codes: torch.
     if device_type == "cuda" and layout.zero_point:
         raise CmoeError(cuda_refusal(layout.fmt))
     if device_type == "tiled":
-        from cmoe.executor.moe_kernel import pack_tiled
         packed = pack_tiled(codes)
     else:
         packed = pack_cuda(codes) if device_type == "cuda" else pack_cpu(codes)
@@ -172,3 +171,30 @@ def ffn(x: torch.Tensor, v: ExpertViews, act=F.silu) -> torch.Tensor:
         return int4_mm(act(a) * b, v.w2, g, v.w2_sz)
     a, b = F.linear(x, v.w13.to(x.dtype)).chunk(2, dim=-1)
     return F.linear(act(a) * b, v.w2.to(x.dtype))
+
+
+BLOCK_K = 128          # k per block: 8 planes of 16
+
+
+def pack_tiled(codes: torch.Tensor) -> torch.Tensor:
+    """codes int32 [N, K] in 0..15 -> uint8 [N*K/2] in the tiled layout (any device)."""
+    n, k = codes.shape
+    if k % 32:
+        raise CmoeError(f"tiled int4 needs in-features divisible by 32, got {k}")
+    c = codes.to(torch.uint8)
+    kb = k // BLOCK_K
+    parts = []
+    if kb:
+        m = c[:, : kb * BLOCK_K].reshape(n, kb, 8, 16)                 # [n, block, plane, word]
+        b = m[:, :, 0::2] | (m[:, :, 1::2] << 4)                       # [n, block, byte, word]
+        parts.append(b.permute(1, 0, 3, 2).reshape(-1))                # [block, n, word, byte]
+    pos = kb * BLOCK_K
+    if (k - pos) >= 64:
+        m = c[:, pos: pos + 64].reshape(n, 4, 16)
+        b = m[:, 0::2] | (m[:, 1::2] << 4)                             # [n, 2 bytes, word]
+        parts.append(b.permute(0, 2, 1).reshape(-1))                   # [n, word, byte]
+        pos += 64
+    if k - pos:
+        m = c[:, pos: pos + 32].reshape(n, 2, 16)
+        parts.append((m[:, 0] | (m[:, 1] << 4)).reshape(-1))           # [n, byte]
+    return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()

@@ -307,7 +307,7 @@ class LeanEngine(HostSteps, Segments, Engine):
             # a replayed trace's routes for every layer: one copy for the pass, from the device where
             # the run put them beforehand (`run.routes_on_device`)
             if "device" not in p.replay:
-                from cmoe.executor.run import routes_on_device
+                from cmoe.executor.replay_rows import routes_on_device
                 routes_on_device(p.replay, self.device)
             ids, wt = p.replay["device"]
             k["ids"].copy_(ids, non_blocking=True)

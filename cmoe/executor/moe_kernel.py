@@ -40,10 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from cmoe.core.errors import CmoeError
-from cmoe.executor.kernels import dequantize, sz_dtype
+from cmoe.executor.kernels import BLOCK_K, dequantize, pack_tiled, sz_dtype  # noqa: F401 (re-exported)
 from cmoe.executor.layout import ExpertLayout, expert_layout
 
-BLOCK_K = 128          # k per block: 8 planes of 16
 
 
 # --- layout ---------------------------------------------------------------------------------------
@@ -69,30 +68,6 @@ def _regions(n: int, k: int) -> list[tuple[str, int, int]]:
         off += n * 16
     assert off == n * k // 2
     return out
-
-
-def pack_tiled(codes: torch.Tensor) -> torch.Tensor:
-    """codes int32 [N, K] in 0..15 -> uint8 [N*K/2] in the tiled layout (any device)."""
-    n, k = codes.shape
-    if k % 32:
-        raise CmoeError(f"tiled int4 needs in-features divisible by 32, got {k}")
-    c = codes.to(torch.uint8)
-    kb = k // BLOCK_K
-    parts = []
-    if kb:
-        m = c[:, : kb * BLOCK_K].reshape(n, kb, 8, 16)                 # [n, block, plane, word]
-        b = m[:, :, 0::2] | (m[:, :, 1::2] << 4)                       # [n, block, byte, word]
-        parts.append(b.permute(1, 0, 3, 2).reshape(-1))                # [block, n, word, byte]
-    pos = kb * BLOCK_K
-    if (k - pos) >= 64:
-        m = c[:, pos: pos + 64].reshape(n, 4, 16)
-        b = m[:, 0::2] | (m[:, 1::2] << 4)                             # [n, 2 bytes, word]
-        parts.append(b.permute(0, 2, 1).reshape(-1))                   # [n, word, byte]
-        pos += 64
-    if k - pos:
-        m = c[:, pos: pos + 32].reshape(n, 2, 16)
-        parts.append((m[:, 0] | (m[:, 1] << 4)).reshape(-1))           # [n, byte]
-    return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
 
 
 def unpack_tiled(buf: torch.Tensor, n: int, k: int) -> torch.Tensor:

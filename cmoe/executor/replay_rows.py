@@ -5,6 +5,7 @@ and as per-layer Python lists the engines' per-layer step only looks up (`replay
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from cmoe.core.errors import CmoeError
 from cmoe.trace.bundle import Trace
@@ -52,3 +53,11 @@ def replay_rows(t: Trace, sub: np.ndarray, p) -> dict:
             "lists": {"route": (rows, wrows),
                       "pred": (prows, [[[1.0 / len(x)] * len(x) if x else [] for x in r] for r in prows])},
             "needed": [list(x) for x in p.needed], "predicted": [list(x) for x in p.predicted]}
+
+
+def routes_on_device(rows: dict, dev: torch.device) -> None:
+    """A replayed pass's routes as the lean engine's kernels read them ([M, N, K] int32 experts and
+    fp32 weights), on the device, under rows["device"]."""
+    ex, wt = rows["experts"], rows["weights"]                    # [N, M, K]
+    rows["device"] = (torch.from_numpy(np.ascontiguousarray(ex.transpose(1, 0, 2)).astype(np.int32)).to(dev),
+                      torch.from_numpy(np.ascontiguousarray(wt.transpose(1, 0, 2)).astype(np.float32)).to(dev))

@@ -23,7 +23,7 @@ from cmoe.core.errors import CmoeError
 from cmoe.executor.checks import check_gpu_fits, check_trace_matches, mem_available, read_policy_json, resolve_device
 from cmoe.executor.engine import Engine
 from cmoe.executor.records import PassInput, RunLog
-from cmoe.executor.replay_rows import replay_passes
+from cmoe.executor.replay_rows import replay_passes, routes_on_device
 from cmoe.executor.layout import expert_layout, slot_size
 from cmoe.core.metrics import summary
 from cmoe.policy.budget import expert_budget
@@ -289,14 +289,6 @@ def run_policy(w: Workload, cfg: ExecConfig, policy_name: str) -> ExecResult:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return ExecResult(policy_name, layout, budget, log, metrics(log, w, cfg, policy_name, layout), logits_out)
-
-
-def routes_on_device(rows: dict, dev: torch.device) -> None:
-    """A replayed pass's routes as the lean engine's kernels read them ([M, N, K] int32 experts and
-    fp32 weights), on the device, under rows["device"]."""
-    ex, wt = rows["experts"], rows["weights"]                    # [N, M, K]
-    rows["device"] = (torch.from_numpy(np.ascontiguousarray(ex.transpose(1, 0, 2)).astype(np.int32)).to(dev),
-                      torch.from_numpy(np.ascontiguousarray(wt.transpose(1, 0, 2)).astype(np.float32)).to(dev))
 
 
 def _live(eng: Engine, w: Workload, cfg: ExecConfig, cache) -> list:

@@ -22,6 +22,23 @@ from cmoe.trace.bundle import DECODE, PREFILL, Trace
 
 
 @dataclass(frozen=True)
+class Pass:
+    """One pass (a prefill, or a decode step of a batch) as the SimPy model and the executor read it."""
+    index: int
+    decode: bool
+    tokens: np.ndarray                       # [n] token indices into the trace
+    needed: tuple[tuple[int, ...], ...]      # [M] experts routed, most voted first
+    predicted: tuple[tuple[int, ...], ...]   # [M] commit prediction for layer m
+    votes: tuple[tuple[int, ...], ...]       # [M] tokens routed to each needed expert
+    context: int = 0                         # keys every token of the pass attends to, summed (position + 1)
+    keys: int = 0                            # the longest row's keys (position + 1)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.size)
+
+
+@dataclass(frozen=True)
 class PassArrays:
     decode: np.ndarray       # [P] bool
     ntok: np.ndarray         # [P] int64 tokens in the pass
@@ -173,7 +190,6 @@ def build(t: Trace, batch: int, include_prefill: bool = True, groups: int | None
 
 def to_passes(pa: PassArrays) -> list:
     """The arrays as `cmoe.trace.passes.Pass` objects (what the SimPy model and the executor read)."""
-    from cmoe.trace.passes import Pass
     M = pa.num_layers
     need, votes, pred = pa.need.tolist(), pa.votes.tolist(), pa.pred.tolist()
     nptr, pptr = pa.need_ptr.tolist(), pa.pred_ptr.tolist()

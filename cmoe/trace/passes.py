@@ -7,28 +7,11 @@ simulator and the executor replay the same passes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from cmoe.core.errors import CmoeError
 from cmoe.trace.bundle import DECODE, Trace
-
-
-@dataclass(frozen=True)
-class Pass:
-    index: int
-    decode: bool
-    tokens: np.ndarray                       # [n] token indices into the trace
-    needed: tuple[tuple[int, ...], ...]      # [M] experts routed, most voted first
-    predicted: tuple[tuple[int, ...], ...]   # [M] commit prediction for layer m
-    votes: tuple[tuple[int, ...], ...]       # [M] tokens routed to each needed expert
-    context: int = 0                         # keys every token of the pass attends to, summed (position + 1)
-    keys: int = 0                            # the longest row's keys (position + 1)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.tokens.size)
+from cmoe.trace.pass_arrays import Pass, build, to_passes  # noqa: F401 (Pass: re-exported, most readers import it here)
 
 
 def ranked(rows: list[list[int]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -48,7 +31,6 @@ def make_passes(t: Trace, batch: int, include_prefill: bool = True, groups: int 
     """Every group of `batch` requests (or the first `groups`), each with at most `decode_steps`
     decode passes: what `cmoe execute` replays is `groups=1, decode_steps=--tokens`. Built for
     all passes at once (`cmoe.trace.pass_arrays`; each (pass, layer) ranked as `ranked` does)."""
-    from cmoe.trace.pass_arrays import build, to_passes
     return to_passes(build(t, batch, include_prefill, groups, decode_steps))
 
 

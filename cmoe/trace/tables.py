@@ -4,10 +4,12 @@ the GPU machine reads the safetensors arrays instead."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cmoe.trace.bundle import Trace
+if TYPE_CHECKING:                      # bundle imports this module (lazily): no cycle at run time
+    from cmoe.trace.bundle import Trace
 
 
 def routes_frame(t: Trace):
