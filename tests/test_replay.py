@@ -337,6 +337,23 @@ def test_attention_over_the_cache_costs_the_longest_rows_keys():
             assert runs["sum"][(p, d)] - us == pytest.approx(2.0 * pa.context[p])
 
 
+def test_the_read_back_and_the_prediction_cost_the_gpu_in_attention():
+    """`readback_gpu_us` (every policy but a silent upper) and `predict_gpu_us` (policies that
+    predict) lengthen each MoE layer's attention on the GPU; both engines alike."""
+    t = generate(preset("mixtral-8x7b"), recipe("w4a16"), SyntheticParams(requests=1, prompt_len=8, decode_len=6))
+    base = replace(LEAN, host_layer_us=1.0, pass_start_us=0.0)
+    extra = replace(base, readback_gpu_us=3.0, predict_gpu_us=12.0)
+    want = {"upper": 0.0, "ondemand": 3.0, "lru-prefetch": 15.0, "commit": 15.0}
+    for policy, delta in want.items():
+        runs = []
+        for prof in (base, extra):
+            a, b, _, _ = both(t, policy, prof, 1, pool_gb=40)
+            same_run(a, b)
+            runs.append({(s[1], s[2]): s[7] - s[6] for s in a.spans if s[4] == "attention" and s[1] > 0 and s[2] > 0})
+        assert runs[0].keys() == runs[1].keys() and runs[0]
+        assert all(runs[1][k] - runs[0][k] == pytest.approx(delta) for k in runs[0]), policy
+
+
 def _by_layer(spans):
     out: dict = {}
     for s in spans:

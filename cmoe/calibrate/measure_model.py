@@ -161,7 +161,7 @@ class _ModelRuns:
         self.cuda = device.type == "cuda"
         self.first = spec.moe_layers[0]
         self.L, self.M = spec.num_layers, spec.num_moe_layers
-        self.gpu: dict[str, list] = {"points": [], "expert": [], "waves": [], "plain_points": []}
+        self.gpu: dict[str, list] = {"points": [], "expert": [], "waves": [], "plain_points": [], "readback": []}
         self.host: dict[str, list] = {"layer": [], "route": [], "expert": [], "expert_span": [], "sync": [],
                                       "layer_runs": [], "gaps": []}
         self.cpu_pts: list = []
@@ -253,7 +253,11 @@ def _measure_batch(r: _ModelRuns, batch: int) -> None:
         # no host step), for the layer outside the experts too; the eager runs' gaps price the read-back
         plain = run_policy(w, cfg, "upper").log
         gpu["waves"] += _wave_points(plain, w.trace, batch, spec)
-        gpu["plain_points"].append((batch, _per_layer(plain, ("attention",), r.first)[0] / L / 1e6))
+        up = _per_layer(plain, ("attention",), r.first)[0] / L / 1e6
+        gpu["plain_points"].append((batch, up))
+        # what the read-back's packing adds to A_m on the GPU (the eager runs read back; upper does not)
+        od = float(np.mean([_per_layer(e, ("attention",), r.first)[0] for e in eager])) / L / 1e6
+        gpu["readback"].append((batch, od - up))
         host["gaps"] += [g for e in eager for g in _gaps(e)]
         if batch == 1:
             r.one["plain"] = _pass_overhead(plain, r.first)
@@ -281,6 +285,10 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
     # the early router itself, timed on its own (every policy that predicts runs it), and
     # what commit's larger read-back and OWA add to the route (a difference of two runs'
     # host times: noisy, so only the route's part)
+    if r.cuda and w.store.packing == "tiled":       # the next layer's router inside A_m, on the GPU
+        c_att = _per_layer(c_log, ("attention",), r.first)[0]
+        e_att = float(np.mean([_per_layer(e, ("attention",), r.first)[0] for e in eager]))
+        one["predict_gpu"] = (c_att - e_att) / spec.num_layers / 1e6
     c_route, _ = _per_layer(c_log, ("host_route",), None)
     c_pred, _ = _per_layer(c_log, ("host_predict",), None)
     one["predict"] = c_pred / M / 1e6
@@ -321,6 +329,8 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
                      "pass_start_s": one["gpu_start"], "expert_in_model_s": gpu["expert"][0][1],
                      "expert_points": gpu["expert"], "predict_layer_s": one["predict"],
                      "commit_route_s": one["commit_route"], "context_points": ctx,
+                     "readback_gpu_s": max(float(np.median([x for _, x in gpu["readback"]])), 0.0) if gpu["readback"] else 0.0,
+                     "predict_gpu_s": max(one.get("predict_gpu", 0.0), 0.0),
                      "host": {"layer_points": host["layer"], "route_points": host["route"],
                               "expert_points": host["expert"], "expert_tail_s": float(np.mean([x for _, x in tail])),
                               "load_s": one["host_load"],

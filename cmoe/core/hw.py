@@ -39,6 +39,11 @@ class HardwareProfile:
     roundtrip_us: float                             # GPU->CPU->GPU hidden-state round trip with its synchronisations
     copy_compute_slowdown: float = 0.0              # matmul slowdown while a side-stream copy runs
     attn_us_per_ctx_token: float = 0.0              # per decoder layer, per key attended (a pass's context)
+    readback_gpu_us: float = 0.0                    # per MoE layer, GPU: packing its routing for the read-back
+                                                    # (every policy but a silent upper)
+    predict_gpu_us: float = 0.0                     # per MoE layer, GPU: the next layer's router on this layer's
+                                                    # hidden state (the policies that predict; inside a CUDA
+                                                    # graph the host pays nothing for it)
     attn_us_per_cache_key: float = 0.0              # per decoder layer, per key of the pass's longest row: a
                                                     # kernel that runs the rows side by side, walking the cache
                                                     # up to the step's slot (the lean executor's)

@@ -69,7 +69,7 @@ class SimRun(RunRecord):
 class _NoSpans(list):
     """Where no timeline is asked for: spans are dropped as they come (memory flat in trace length)."""
 
-    def append(self, span) -> None:
+    def append(self, _span) -> None:
         pass
 
 
@@ -197,6 +197,7 @@ class Simulation(ExpertSteps):
         self._M = len(c.moe_layers)
         self._predict_us = hw.predict_layer_us if pol.uses_prediction else 0.0
         self._silent = hw.silent_upper and pol.holds_all     # no host step between attention and experts
+        moe_gpu = (0.0 if self._silent else hw.readback_gpu_us) + (hw.predict_gpu_us if pol.uses_prediction else 0.0)
         H = G = prev_end = 0.0
         for ps in self.passes:
             x, H, G, last = yield from self._begin_pass(ps, H, G)
@@ -206,7 +207,7 @@ class Simulation(ExpertSteps):
                 if d > prev_layer + 1:                   # dense decoder layers before this one
                     H, G, last = self._dense_layers(x, prev_layer + 1, d, H, G, last)
                 prev_layer = d
-                gpu, host = x.layer_gpu, x.layer_host
+                gpu, host = x.layer_gpu + moe_gpu, x.layer_host     # the read-back's packing, the prediction
                 if c.shared_bytes:
                     gpu += hw.expert_us(c.shared_bytes, c.dense_bits, n, c.shared_bytes)
                     host += hw.host_expert(n)

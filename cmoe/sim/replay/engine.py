@@ -69,7 +69,10 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
     route_host = per_n[:, 2].copy()
     route_host[commit_decode] += hw.commit_route_us
     dense_host, dense_gpu = layer_host + per_n[:, 3], layer_gpu + per_n[:, 4]
-    attn_gpu = layer_gpu + per_n[:, 5] if c.shared_bytes else layer_gpu
+    silent = hw.silent_upper and policy.holds_all
+    attn_gpu = layer_gpu + ((0.0 if silent else hw.readback_gpu_us) + (hw.predict_gpu_us if policy.uses_prediction else 0.0))
+    if c.shared_bytes:
+        attn_gpu = attn_gpu + per_n[:, 5]
     attn_host = layer_host + per_n[:, 3] if c.shared_bytes else layer_host
     hwf = np.array([1.0 + hw.copy_compute_slowdown, hw.host_load_us, hw.host_expert_us, hw.host_expert_us_per_token,
                     hw.host_expert_tail_us, hw.roundtrip_us / 2, hw.cpu_expert_us_per_token, hw.matmul_tflops * 1e12,
