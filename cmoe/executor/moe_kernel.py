@@ -41,6 +41,10 @@ import torch.nn.functional as F
 
 from cmoe.core.errors import CmoeError
 from cmoe.executor.kernels import BLOCK_K, dequantize, pack_tiled, sz_dtype  # noqa: F401 (re-exported)
+from cmoe.executor.moe_route import route_into, route_reference  # noqa: F401 (re-exported)
+
+__all__ = ["BLOCK_K", "dequantized", "moe_forward", "moe_reference", "pack_tiled", "read_expert", "route_into",
+           "route_reference", "tiled_layout", "unpack_tiled", "write_codes"]
 from cmoe.executor.layout import ExpertLayout, expert_layout
 
 
@@ -156,41 +160,6 @@ def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         y = h @ w2.T
         out.index_add_(0, r, y * wts[r, cols.to(x.device)][:, None])
     return out.to(out_dtype or x.dtype)
-
-
-def route_reference(topk_ids: torch.Tensor, num_experts: int) -> dict[str, torch.Tensor]:
-    """The routing tables the kernels build on the device, in torch: pairs (m*k + j) sorted by
-    expert (stable), and per segment (one per distinct id, in id order) its id, start and end."""
-    flat = topk_ids.reshape(-1).long()
-    srt, order = torch.sort(flat, stable=True)
-    start = torch.ones_like(srt, dtype=torch.bool)
-    start[1:] = srt[1:] != srt[:-1]
-    idx = start.nonzero().reshape(-1)
-    ends = torch.cat([idx[1:], torch.tensor([flat.numel()], device=flat.device)])
-    return {"order": order.int(), "seg_expert": srt[idx].int(), "seg_start": idx.int(), "seg_end": ends.int()}
-
-
-def route_into(topk_ids: torch.Tensor, order: torch.Tensor, sorted_ids: torch.Tensor, seg_e: torch.Tensor,
-               seg_s: torch.Tensor, seg_end: torch.Tensor) -> None:
-    """`route_reference`'s tables written into the kernels' int32 buffers as the route kernel
-    writes them, in torch ops with no host sync (a CUDA graph may hold them): `order` and
-    `sorted_ids` [P]; per segment (A = seg_e's length) its id, start and end, seg_e -1 past the
-    last segment, and seg_s/seg_end there left as they were."""
-    P, A = order.numel(), seg_e.numel()
-    dev = topk_ids.device
-    srt, idx = torch.sort(topk_ids.reshape(-1).to(torch.int32), stable=True)
-    sorted_ids.copy_(srt)
-    order.copy_(idx)
-    step = srt[1:] != srt[:-1]
-    first = torch.cat([step.new_ones(1), step])
-    last = torch.cat([step, step.new_ones(1)])
-    seg = torch.cumsum(first, 0) - 1
-    i = torch.arange(P, dtype=torch.int32, device=dev)
-    spare = torch.tensor(A, dtype=seg.dtype, device=dev)            # a scratch entry past the table
-    for dst, at, val in ((seg_e, first, srt), (seg_s, first, i), (seg_end, last, i + 1)):
-        buf = torch.full((A + 1,), -1, dtype=torch.int32, device=dev)
-        buf.scatter_(0, torch.where(at & (seg < A), seg, spare), val)
-        dst.copy_(buf[:A] if dst is seg_e else torch.where(buf[:A] >= 0, buf[:A], dst))
 
 
 # --- the fast path ---------------------------------------------------------------------------------
