@@ -14,11 +14,11 @@ from cmoe.core.errors import CmoeError
 from cmoe.executor.kernels import ExpertViews, dequantize, expert_bytes_of, ffn, int4_mm, pack_cpu, quantize
 from cmoe.executor.layout import expert_layout, slot_size
 from cmoe.executor.run import ExecConfig, execute, prepare
-from cmoe.policy.policies import POLICIES, make_policy
+from cmoe.policy.policies import POLICIES, trait, make_policy
 from cmoe.core.quant import expert_tensor_bytes
 from cmoe.core.spec import from_checkpoint, preset
 
-EXACT = [p for p in POLICIES if p not in ("commit", "oracle")]      # oracle needs a replayed trace
+EXACT = [p for p in POLICIES if not trait(p, "skips") and p != "oracle"]      # oracle needs a replayed trace
 
 
 def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -429,7 +429,7 @@ def test_no_cuda_with_device_cuda_is_one_line():
     (["--spec", "mixtral-8x7b", "--trace", "synthetic:mixtral-8x7b", "--quant", "w3g128"],
      "error: the executor runs experts as w4g32/w4g64/w4g128/w4g256, bf16 or fp32, not 'w3g128': pick one with --quant (mixed-bit and GPTQ recipes are simulator-only for now)"),
     (["--spec", "mixtral-8x7b", "--trace", "synthetic:mixtral-8x7b", "--policy", "fast"],
-     "error: unknown policy 'fast': choose from upper, ondemand, lru-prefetch, lfu-fallback, static, commit, oracle"),
+     "error: unknown policy 'fast': choose from upper, ondemand, lru-prefetch, lfu-fallback, static, commit, oracle, adaptive"),
 ])
 def test_bad_input_is_one_line_before_any_work(args, message):
     r = _cli("execute", "--device", "cpu", *args)

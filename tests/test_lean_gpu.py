@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from cmoe.executor.run import ExecConfig, execute, prepare
-from cmoe.policy.policies import POLICIES
+from cmoe.policy.policies import POLICIES, trait
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-EXACT = [p for p in POLICIES if p not in ("commit", "oracle")]
+EXACT = [p for p in POLICIES if not trait(p, "skips") and p != "oracle"]
 
 
 def _run(model_dir, policies, graphs=True, fmt="w4g32", tokens=5, batch=2, slots=3):

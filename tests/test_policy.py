@@ -120,8 +120,25 @@ def test_policies_are_described_by_traits():
     """The engines read traits, not names: which policy holds every expert, which computes on the
     CPU, which commits; an unknown name has none."""
     from cmoe.policy.policies import POLICIES, trait
-    got = {t: sorted(p for p in POLICIES if trait(p, t)) for t in ("holds_all", "cpu_experts", "commits",
+    got = {t: sorted(p for p in POLICIES if trait(p, t)) for t in ("holds_all", "cpu_experts", "commits", "skips",
                                                                    "uses_prediction", "uses_future")}
     assert got == {"holds_all": ["upper"], "cpu_experts": ["lfu-fallback", "static"], "commits": ["commit"],
-                   "uses_prediction": ["commit", "lru-prefetch"], "uses_future": ["oracle"]}
+                   "skips": ["adaptive", "commit"], "uses_prediction": ["commit", "lru-prefetch"],
+                   "uses_future": ["oracle"]}
     assert not trait("magic", "holds_all")
+
+
+def test_adaptive_loads_only_the_top_ranked_and_runs_the_resident_rest():
+    """adaptive in decode: the top-ranked expert runs (loaded if missing), a lower-ranked one only
+    if resident, the rest are skipped; prefill is exact."""
+    from cmoe.policy.policies import make_policy
+    pol = make_policy("adaptive", PoolLayout((1000,), (3,), 0), 6, [[9, 8, 7, 0, 0, 0]])
+    assert list(pol.pool.where[0]) == [0, 1, 2]
+    pol.begin_pass(False, [])
+    p = pol.plan(0, [4, 1, 5], None)                     # prefill: exact, two loads
+    assert p.gpu == [1, 4, 5] and [ld.expert for ld in p.loads] == [4, 5] and p.skipped == []
+    pol.begin_pass(True, [])
+    p = pol.plan(0, [3, 5, 0, 4], None)                  # 3 missing: loaded; 5 and 4 resident; 0 evicted
+    assert [ld.expert for ld in p.loads] == [3] and p.gpu == [5, 4, 3] and p.skipped == [0]
+    p = pol.plan(0, [5, 2], None)                        # top-1 resident, 2 gone: no load
+    assert p.loads == [] and p.gpu == [5] and p.skipped == [2]

@@ -62,3 +62,17 @@ def test_prediction_accuracy_by_distance(checkpoints):
     assert [(x["distance"], x["pairs"]) for x in acc6["by_distance"]] == [(1, 2), (2, 1)]
     assert acc6["by_distance"][0]["accuracy"] == pytest.approx(float(np.mean(acc6["per_layer"][1:])))
     assert all(0.0 <= x["accuracy"] <= 1.0 for x in acc6["by_distance"])
+
+
+def test_adaptive_is_scored_under_half_a_pool(checkpoints):
+    """adaptive skips only what is not resident, so it is scored with half of each layer's experts
+    in the pool (with all of them it would be exact); its skips change the logits."""
+    from cmoe.quality.run import run_quality
+    text = list(b"def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n")
+    res = run_quality(checkpoints["mixtral"], [t % 64 for t in text], 40, ["adaptive"])
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert rows["exact"]["skipped"] == 0
+    # the seeded model (4 experts, top-2, 2 slots a layer): 60 of 240 routed choices skipped, 1 of 40
+    # top-1 tokens changed
+    assert rows["adaptive"]["skipped"] == 60 and rows["adaptive"]["top1_agreement"] == 0.975
+    assert 0 < rows["adaptive"]["kl_mean"] < 1e-4

@@ -20,6 +20,7 @@ engine then waits for its kernel to finish before the copy starts.
 | static | Fiddler/ktransformers: each layer's most used experts pinned, the rest on the CPU |
 | commit | CommitMoE: layer m+1's prediction is committed while layer m runs and loaded at once; layer m+1 computes only committed experts (OWA re-weights them); nothing on the CPU |
 | oracle | the bound: exact routing, Belady eviction (the resident used furthest in the future goes) and about a pass of lookahead (once a layer has run, its block is loaded for its next pass), from the trace's future |
+| adaptive | cache-aware top-k: in decode each layer runs the pass's top-ranked expert (loaded on demand if missing, LRU) and a lower-ranked one only if it is resident; the rest are skipped, their weight dropped (not re-normalised) |
 
 Prefill passes are exact for every policy (commit included): a prompt touches nearly every
 expert, so committing a subset would change the outputs of many tokens for no saving.
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 
 from cmoe.policy.pool import PoolLayout, SlotPool
 
-POLICIES = ("upper", "ondemand", "lru-prefetch", "lfu-fallback", "static", "commit", "oracle")
+POLICIES = ("upper", "ondemand", "lru-prefetch", "lfu-fallback", "static", "commit", "oracle", "adaptive")
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class Policy:
     holds_all = False            # every expert resident, never moved (the pool layout, the lean host step)
     cpu_experts = False          # computes missing experts on the CPU (host copies of the experts)
     commits = False              # decode computes only the experts committed a layer earlier (OWA weights)
+    skips = False                # may leave routed experts out (commit's misses, adaptive's non-resident)
 
     def __init__(self, layout: PoolLayout, num_experts: int, popularity: list[list[int]],
                  future: list | None = None):
@@ -191,6 +193,7 @@ class Static(Policy):
 class Commit(Policy):
     name = "commit"
     commits = True
+    skips = True
     uses_prediction = True
 
     def __init__(self, *a, **k):
@@ -284,7 +287,24 @@ class Oracle(Policy):
         return p
 
 
-_CLASSES = {c.name: c for c in (Upper, OnDemand, LruPrefetch, LfuFallback, Static, Commit, Oracle)}
+class Adaptive(Policy):
+    """Cache-aware top-k (issue 16's probe, `benchmarks/variants_probe.py`: 0.68 of oracle on the
+    default study, where commit reaches 0.48): a miss costs a load only for the pass's top-ranked
+    expert of the layer (at batch 1, the token's top-1); a lower-ranked expert runs if it is
+    already resident and is skipped otherwise. Prefill is exact, as for every policy."""
+    name = "adaptive"
+    skips = True
+
+    def plan(self, m, needed, predicted_next):
+        if not self.decode:
+            return self.exact_plan(m, needed)
+        keep = [e for i, e in enumerate(needed) if i == 0 or self.pool.resident(m, e)]
+        p = self.exact_plan(m, keep)
+        p.skipped = [e for e in needed if e not in keep]
+        return p
+
+
+_CLASSES = {c.name: c for c in (Upper, OnDemand, LruPrefetch, LfuFallback, Static, Commit, Oracle, Adaptive)}
 
 
 def needs_predictions(name: str) -> bool:
@@ -293,7 +313,7 @@ def needs_predictions(name: str) -> bool:
 
 
 def trait(name: str, what: str) -> bool:
-    """A policy's trait (holds_all, cpu_experts, commits, uses_prediction, uses_future) by name."""
+    """A policy's trait (holds_all, cpu_experts, commits, skips, uses_prediction, uses_future) by name."""
     return name in _CLASSES and bool(getattr(_CLASSES[name], what))
 
 

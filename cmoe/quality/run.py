@@ -4,8 +4,10 @@ position), with every expert resident so that only the routing rule differs; the
 next-token distributions (`cmoe.quality.measures`). The commit prediction accuracy per layer comes from
 the tracer's hooks over the same text.
 
-Variants: `commit` (the committed experts re-weighted by OWA from the true router scores) and
-`commit-no-owa` (the committed experts with the early prediction's own weights).
+Variants: `commit` (the committed experts re-weighted by OWA from the true router scores),
+`commit-no-owa` (the committed experts with the early prediction's own weights), and `adaptive`
+(each layer's top-ranked expert, and the others only if resident), which runs with half of each
+layer's experts in the pool, since what it skips depends on what is resident.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ import torch
 from cmoe.core.errors import CmoeError
 from cmoe.quality.measures import compare
 
-VARIANTS = {"exact": ("upper", True), "commit": ("commit", True), "commit-no-owa": ("commit", False)}
+# variant -> (policy, OWA, pool): "all" holds every expert (only the routing rule differs); "half"
+# holds half of each layer's experts (the main job's pool), where adaptive's skips depend on residency
+VARIANTS = {"exact": ("upper", True, "all"), "commit": ("commit", True, "all"), "commit-no-owa": ("commit", False, "all"),
+            "adaptive": ("adaptive", True, "half")}
 PUBLISHED = ("published next-layer prediction accuracy: about 80% from the previous layer's gate (FATE-style), "
              "93-97% from trained pre-attention predictors (DESIGN.md)")
 
@@ -31,7 +36,7 @@ def run_quality(model_dir: Path, text: bytes | list[int], tokens: int, variants:
     from cmoe.executor.run import ExecConfig, build, prepare, run_policy
     bad = [v for v in variants if v not in VARIANTS or v == "exact"]
     if bad:
-        raise CmoeError(f"unknown variant '{bad[0]}': choose from commit, commit-no-owa")
+        raise CmoeError(f"unknown variant '{bad[0]}': choose from commit, commit-no-owa, adaptive")
     if isinstance(text, bytes):                       # through the model's own tokenizer (or bytes)
         from cmoe.core.checkpoint import check_checkpoint
         from cmoe.trace.hf import tokenizer_for
@@ -55,8 +60,9 @@ def run_quality(model_dir: Path, text: bytes | list[int], tokens: int, variants:
         w.prompts = [c[:1]]
         targets += c[1:]
         for v in logits:
-            pol, owa = VARIANTS[v]
-            r = run_policy(w, replace(base, owa=owa, tokens=len(c) - 1, teacher=tuple(c[1:])), pol)
+            pol, owa, pool = VARIANTS[v]
+            slots = w.spec.num_experts if pool == "all" else max(w.spec.num_experts // 2, w.spec.top_k)
+            r = run_policy(w, replace(base, owa=owa, slots=slots, tokens=len(c) - 1, teacher=tuple(c[1:])), pol)
             logits[v] += [lg[0].numpy() for lg in r.logits[:-1]]          # pass i predicts token i+1
             skipped[v] += r.log.skipped
     ref = np.stack(logits["exact"])

@@ -24,9 +24,9 @@ from collections import namedtuple
 import numpy as np
 from numba import njit
 
-UPPER, ONDEMAND, LRU_PREFETCH, LFU, STATIC, COMMIT, ORACLE = range(7)
+UPPER, ONDEMAND, LRU_PREFETCH, LFU, STATIC, COMMIT, ORACLE, ADAPTIVE = range(8)
 KIND_OF = {"upper": UPPER, "ondemand": ONDEMAND, "lru-prefetch": LRU_PREFETCH, "lfu-fallback": LFU,
-           "static": STATIC, "commit": COMMIT, "oracle": ORACLE}
+           "static": STATIC, "commit": COMMIT, "oracle": ORACLE, "adaptive": ADAPTIVE}
 LOAD_KINDS = ("demand", "commit", "prefetch", "admit")      # code = the SimPy model's priority rank
 DEMAND, COMMIT_LOAD, PREFETCH, ADMIT = range(4)
 NEVER = np.int64(1) << 62                                    # next use of an expert never used again
@@ -36,7 +36,7 @@ PolicyState = namedtuple("PolicyState", [
     "kind", "nslots", "stamp", "slot", "free", "nfree", "freq", "scal",
     "committed", "ncommitted",        # commit: [M, E] chosen experts, [M] how many (-1: none)
     "uptr", "uses",                   # oracle: CSR over (m, e) of the passes that need e in block m
-    "protect", "hits", "placed", "tmp1", "tmp2",   # scratch, [E] each (compiled code allocates nothing)
+    "protect", "hits", "placed", "tmp1", "tmp2", "keep",   # scratch, [E] each (compiled code allocates nothing)
 ])
 Decisions = namedtuple("Decisions", [
     "n",                              # [4] counts written: gpu, cpu, loads, steps
@@ -288,6 +288,17 @@ def _plan(s, d, p, m, P, pd, protect, hits, placed):
                 d.skipped[d.n[3]] += 1
         if m + 1 < M:
             _commit(s, d, m + 1, pd.pred[pd.pred_ptr[i + 1]:pd.pred_ptr[i + 2]], protect, placed)
+    elif kind == ADAPTIVE:
+        if not s.scal[DECODE]:
+            _exact(s, d, m, needed, protect, hits, placed)
+            return
+        nk = 0
+        for j in range(needed.size):                        # the top-ranked, and the resident rest
+            if j == 0 or s.stamp[m, needed[j]] >= 0:
+                s.keep[nk] = needed[j]
+                nk += 1
+        _exact(s, d, m, s.keep[:nk], protect, hits, placed)
+        d.skipped[d.n[3]] += needed.size - nk
     else:                                                   # oracle
         s.scal[AFTER] = s.scal[K]
         _exact(s, d, m, needed, protect, hits, placed)

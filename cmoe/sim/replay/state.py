@@ -12,7 +12,7 @@ from cmoe.sim.replay.decide import (AFTER, CLOCK, DECODE, KIND_OF, K, LOAD_KINDS
 from cmoe.trace.pass_arrays import PassArrays
 
 TWINS = {c: KIND_OF[c.name] for c in (pol.Upper, pol.OnDemand, pol.LruPrefetch, pol.LfuFallback, pol.Static,
-                                      pol.Commit, pol.Oracle)}
+                                      pol.Commit, pol.Oracle, pol.Adaptive)}
 _RANK = {k: i for i, k in enumerate(LOAD_KINDS)}
 
 
@@ -69,7 +69,7 @@ def export(policy: pol.Policy, pa: PassArrays) -> PolicyState:
         uptr, uses = _uses(pa, E)
     return PolicyState(np.int64(TWINS[type(policy)]), np.array(lay.slots, np.int64), stamp, slot, free, nfree,
                        np.array(policy.freq, np.int64).reshape(M, E), scal, committed, ncommitted, uptr, uses,
-                       np.zeros(E, np.bool_), *(np.zeros(E, np.int64) for _ in range(4)))
+                       np.zeros(E, np.bool_), *(np.zeros(E, np.int64) for _ in range(5)))
 
 
 def restore(policy: pol.Policy, s: PolicyState) -> None:
