@@ -318,7 +318,8 @@ def test_a_wave_starts_once_the_host_has_launched_it():
 
 def test_attention_over_the_cache_costs_the_longest_rows_keys():
     """`attn_us_per_cache_key`: a decode layer's attention costs per key of the pass's longest row
-    (rows side by side), `attn_us_per_ctx_token` per key summed over rows; both engines alike."""
+    (rows side by side; a prefill per key summed), `attn_us_per_ctx_token` per key summed over
+    rows; both engines alike."""
     t = generate(preset("mixtral-8x7b"), recipe("w4a16"), SyntheticParams(requests=4, prompt_len=10, decode_len=6))
     pa = build(t, 4)
     for ps in make_passes(t, 4):
@@ -332,9 +333,10 @@ def test_attention_over_the_cache_costs_the_longest_rows_keys():
         same_run(a, b)
         runs[name] = {(s[1], s[2]): s[7] - s[6] for s in a.spans if s[4] == "attention" and s[2] > 0}
     for (p, d), us in runs["none"].items():
-        if pa.decode[p]:
-            assert runs["cache"][(p, d)] - us == pytest.approx(2.0 * pa.keys[p])
-            assert runs["sum"][(p, d)] - us == pytest.approx(2.0 * pa.context[p])
+        # a prefill is SDPA over the prompt, not the decode kernel: it pays per key summed
+        assert runs["cache"][(p, d)] - us == pytest.approx(2.0 * (pa.keys[p] if pa.decode[p] else pa.context[p]))
+        assert runs["sum"][(p, d)] - us == pytest.approx(2.0 * pa.context[p])
+    assert not pa.decode.all() and pa.decode.any()
 
 
 def test_the_read_back_and_the_prediction_cost_the_gpu_in_attention():

@@ -257,7 +257,7 @@ def _measure_batch(r: _ModelRuns, batch: int) -> None:
         gpu["plain_points"].append((batch, up))
         # what the read-back's packing adds to A_m on the GPU (the eager runs read back; upper does not)
         od = float(np.mean([_per_layer(e, ("attention",), r.first)[0] for e in eager])) / L / 1e6
-        gpu["readback"].append((batch, od - up))
+        gpu["readback"].append((batch, (od - up) * L / M))          # charged per MoE layer
         host["gaps"] += [g for e in eager for g in _gaps(e)]
         if batch == 1:
             r.one["plain"] = _pass_overhead(plain, r.first)
@@ -285,10 +285,14 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
     # the early router itself, timed on its own (every policy that predicts runs it), and
     # what commit's larger read-back and OWA add to the route (a difference of two runs'
     # host times: noisy, so only the route's part)
-    if r.cuda and w.store.packing == "tiled":       # the next layer's router inside A_m, on the GPU
-        c_att = _per_layer(c_log, ("attention",), r.first)[0]
+    if r.cuda and w.store.packing == "tiled":
+        # the next layer's router inside A_m, on the GPU: lru-prefetch (it predicts, on the read-back
+        # path, so its attention spans are GPU time; commit's ahead path would add the host's wait)
+        # over ondemand, every expert resident (no prefetch moves)
+        lp = replace(cfg, policies=("lru-prefetch",), slots=spec.num_experts)
+        p_att = _per_layer(run_policy(w, lp, "lru-prefetch").log, ("attention",), r.first)[0]
         e_att = float(np.mean([_per_layer(e, ("attention",), r.first)[0] for e in eager]))
-        one["predict_gpu"] = (c_att - e_att) / spec.num_layers / 1e6
+        one["predict_gpu"] = (p_att - e_att) / M / 1e6
     c_route, _ = _per_layer(c_log, ("host_route",), None)
     c_pred, _ = _per_layer(c_log, ("host_predict",), None)
     one["predict"] = c_pred / M / 1e6

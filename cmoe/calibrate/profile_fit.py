@@ -25,7 +25,7 @@ Measurements (all times in seconds):
   held back so the host got ahead (the compute spans are then the GPU's own time);
   `readback_gpu_s` and `predict_gpu_s` (the lean engine, whose A_m is a CUDA graph): what a layer's
   attention span gains on the GPU when the policy reads back (all-resident `ondemand` over `upper`,
-  median over batches) and when it predicts (`commit` over `ondemand`, batch 1);
+  median over batches) and when it predicts (`lru-prefetch` over `ondemand`, batch 1);
   `context_points`: [(keys per decode token, seconds per layer)] of a short and a long-prompt run:
   attention's cost per key attended (`attn_us_per_ctx_token`; with `attention_walks_cache`, the
   lean engine's kernel, per key of the longest row, `attn_us_per_cache_key`: its rows run side by

@@ -46,7 +46,8 @@ class HardwareProfile:
                                                     # graph the host pays nothing for it)
     attn_us_per_cache_key: float = 0.0              # per decoder layer, per key of the pass's longest row: a
                                                     # kernel that runs the rows side by side, walking the cache
-                                                    # up to the step's slot (the lean executor's)
+                                                    # up to the step's slot (the lean executor's decode); a
+                                                    # prefill (SDPA over the prompt) pays it per key summed
     pass_start_us: float = 0.0                      # per pass, before the first layer: embedding, masks, sync
     head_us: float = 0.0                            # per pass, after the last layer: final norm, LM head
     # The host thread that issues the work (all 0: a host that never holds the GPU back). The

@@ -155,7 +155,8 @@ class LeanEngine(HostSteps, Segments, Engine):
         if host_ids:
             k["ids"] = torch.full((M, N, K), -1, dtype=torch.int32, device=dev)
             k["w"] = torch.zeros((M, N, K), dtype=torch.float32, device=dev)
-            pin = self.cuda
+        if self.commit and decode:                          # the host writes them per layer (a replay's come
+            pin = self.cuda                                 # from the device: `replay_rows.routes_on_device`)
             k["ids_h"] = torch.full((M, N, K), -1, dtype=torch.int32, pin_memory=pin)
             k["w_h"] = torch.zeros((M, N, K), dtype=torch.float32, pin_memory=pin)
         E = self.spec.num_experts
@@ -163,7 +164,7 @@ class LeanEngine(HostSteps, Segments, Engine):
         k["table_h"] = torch.from_numpy(self._table_host) if not self.cuda else \
             torch.empty((M, waves, E), dtype=torch.int32, pin_memory=True)
         k["table_np"] = k["table_h"].numpy()
-        if host_ids:
+        if self.commit and decode:
             k["ids_np"], k["w_np"] = k["ids_h"].numpy(), k["w_h"].numpy()
         if self.commit and decode and self.fused and self.owa:
             # each row's committed candidates (host) and the committed set (host); weights on the device

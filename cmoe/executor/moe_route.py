@@ -38,8 +38,9 @@ def route_into(topk_ids: torch.Tensor, order: torch.Tensor, sorted_ids: torch.Te
     last = torch.cat([step, step.new_ones(1)])
     seg = torch.cumsum(first, 0) - 1
     i = torch.arange(P, dtype=torch.int32, device=dev)
-    spare = torch.tensor(A, dtype=seg.dtype, device=dev)            # a scratch entry past the table
     for dst, at, val in ((seg_e, first, srt), (seg_s, first, i), (seg_end, last, i + 1)):
         buf = torch.full((A + 1,), -1, dtype=torch.int32, device=dev)
-        buf.scatter_(0, torch.where(at & (seg < A), seg, spare), val)
+        # entry A is scratch; masked_fill, not a torch.tensor(A) (a host-to-device copy, which a
+        # CUDA graph capture refuses: the lean engine captures this past 512 pairs at large batch)
+        buf.scatter_(0, seg.masked_fill(~(at & (seg < A)), A), val)
         dst.copy_(buf[:A] if dst is seg_e else torch.where(buf[:A] >= 0, buf[:A], dst))

@@ -50,7 +50,7 @@ class PassCosts:
         self.ps, self.p, self.n, self.tally = ps, ps.index, n, tally
         self.slow = 1.0 + hw.copy_compute_slowdown
         self.layer_gpu = hw.layer_us(n, c.attn_bytes) + hw.attn_us_per_ctx_token * ps.context \
-            + hw.attn_us_per_cache_key * ps.keys
+            + hw.attn_us_per_cache_key * (ps.keys if ps.decode else ps.context)
         self.layer_host = hw.host_layer(n)
         self.route_host = hw.host_sync_us + hw.host_route(n) + predict_us
         self.commit_decode = ps.decode and commits

@@ -63,7 +63,7 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
                        hw.expert_us(c.dense_bytes, c.dense_bits, n, c.dense_bytes) if c.dense_bytes else 0.0,
                        hw.expert_us(c.shared_bytes, c.dense_bits, n, c.shared_bytes) if c.shared_bytes else 0.0]
                       for n in ns.tolist()]).reshape(-1, 6)[inv]
-    layer_gpu = per_n[:, 0] + hw.attn_us_per_ctx_token * pa.context + hw.attn_us_per_cache_key * pa.keys
+    layer_gpu = per_n[:, 0] + hw.attn_us_per_ctx_token * pa.context + hw.attn_us_per_cache_key * np.where(pa.decode, pa.keys, pa.context)
     layer_host = per_n[:, 1]
     commit_decode = pa.decode & policy.commits
     route_host = per_n[:, 2].copy()
