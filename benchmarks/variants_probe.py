@@ -8,10 +8,9 @@ quality (KL to exact routing) is not measured; this says which mechanisms are wo
 Variants, each a subclass of a shipped policy:
 - eviction: commit and ondemand with LFU (counts of use so far) or popularity (the trace's own
   expert frequencies, a static ranking) in place of LRU;
-- skip: ondemand that always runs a token's top-1 expert (loading it if missing) but runs a
-  lower-ranked one only if it is already resident (adaptive top-k by residency; batch 1, so the
-  pass's ranking is the token's weight order); with popularity eviction; with a prefetch of the
-  next layer's predicted top-1.
+- skip: the shipped `adaptive` policy (a token's top-1 expert always, loaded if missing; a
+  lower-ranked one only if already resident; batch 1, so the pass's ranking is the token's
+  weight order); with popularity eviction; with a prefetch of the next layer's predicted top-1.
 """
 
 from __future__ import annotations
@@ -61,19 +60,7 @@ class OnDemandLFU(P.OnDemand):
     victim = _lfu
 
 
-class Skip(P.OnDemand):
-    name = "skip: top-1 always, the rest if resident"
-
-    def plan(self, m, needed, predicted_next):
-        if not self.decode:
-            return self.exact_plan(m, needed)
-        keep = [e for i, e in enumerate(needed) if i == 0 or self.pool.resident(m, e)]
-        p = self.exact_plan(m, keep)
-        p.skipped = [e for e in needed if e not in keep]
-        return p
-
-
-class SkipPopular(Skip):
+class SkipPopular(P.Adaptive):
     name = "skip, popularity eviction"
     victim = _popular
 
@@ -97,7 +84,7 @@ def main() -> None:
     passes = to_passes(passes_for(t, cfg))
     future = [p.needed for p in passes]
     rows = []
-    for cls in (P.OnDemand, P.Commit, P.Oracle, CommitLFU, CommitPopular, OnDemandLFU, Skip, SkipPopular,
+    for cls in (P.OnDemand, P.Commit, P.Oracle, CommitLFU, CommitPopular, OnDemandLFU, P.Adaptive, SkipPopular,
                 SkipPrefetchPopular):
         t0 = time.perf_counter()
         pol = cls(layout, t.spec.num_experts, pop, future)
