@@ -153,27 +153,8 @@ def _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M):
         _span(c, o, x, p, dl, 0, OP_ROUTE, -1, t_in, Hx, 0, -1, -1)
     if x.hwf[WAVE]:
         _, G = _waves(c, x, o, d, p, m, dl, g0, g1, l0, l0, Hx, G, n, slow, M, False, False)
-        return Hr, G
-    for g in range(g0, g1):
-        e, slot = d.g_e[g], d.g_slot[g]
-        due = pmax(G, Hx)
-        waited, landed = _await_copy(c, x, o, m, e, due)
-        wait = pmax(0.0, landed - due) if waited else 0.0
-        if wait > 0:
-            o.late[p] += 1
-        else:
-            o.hits[p] += 1
-        o.stall[p] += wait
-        start = due + wait
-        rows = n if x.all_rows[p] else _votes(x, p, m, e, M)
-        issue = x.htab[rows]
-        dur = x.xtab[x.xcls[m, e], rows]
-        if c.I[IN_FLIGHT] and copying(c, x, start):
-            dur *= slow
-        G = pmax(start + dur, Hx + issue - x.hwf[TAIL])
-        Hx += issue
-        _span(c, o, x, p, dl, 0, OP_EXPERT, e, start, G, x.ebytes[m, e], m, slot)
-        c.sfree[m, slot] = pmax(c.sfree[m, slot], G)
+    else:                                               # as _gpu_experts: no loads of its own (l0, l0)
+        _, G = _kernels(c, x, o, d, p, m, dl, g0, g1, l0, l0, Hx, G, n, slow, M, x.hwi[FIFO])
     return Hr, G
 
 
