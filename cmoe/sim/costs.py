@@ -39,6 +39,17 @@ def costs_for(trace, spec, rec) -> Costs:
                  dense_bits=format_bits(rec.dense), moe_layers=spec.moe_layers)
 
 
+def silent(hw: HardwareProfile, policy) -> bool:
+    """No host step between a layer's attention and its experts: the lean executor's `upper`."""
+    return hw.silent_upper and policy.holds_all
+
+
+def moe_attention_extra_us(hw: HardwareProfile, policy) -> float:
+    """What a MoE layer's attention gains on the GPU under `policy`: the read-back's packing (every
+    policy but a silent upper) and the next layer's router (the policies that predict)."""
+    return (0.0 if silent(hw, policy) else hw.readback_gpu_us) + (hw.predict_gpu_us if policy.uses_prediction else 0.0)
+
+
 class PassCosts:
     """What every layer of one pass costs or needs (op times, the host's costs, which path commit
     takes), worked out once per pass; `tally` is the pass's counts in the run record."""

@@ -17,6 +17,7 @@ from cmoe.core.hw import HardwareProfile
 from cmoe.core.metrics import PassCounts
 from cmoe.policy.policies import Policy
 from cmoe.sim.engine import Costs, SimRun
+from cmoe.sim.costs import moe_attention_extra_us, silent
 from cmoe.sim.replay import clock as ck
 from cmoe.sim.replay.compute import run as run_passes
 from cmoe.sim.replay.decide import decide, decisions
@@ -69,8 +70,7 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
     route_host = per_n[:, 2].copy()
     route_host[commit_decode] += hw.commit_route_us
     dense_host, dense_gpu = layer_host + per_n[:, 3], layer_gpu + per_n[:, 4]
-    silent = hw.silent_upper and policy.holds_all
-    attn_gpu = layer_gpu + ((0.0 if silent else hw.readback_gpu_us) + (hw.predict_gpu_us if policy.uses_prediction else 0.0))
+    attn_gpu = layer_gpu + moe_attention_extra_us(hw, policy)
     if c.shared_bytes:
         attn_gpu = attn_gpu + per_n[:, 5]
     attn_host = layer_host + per_n[:, 3] if c.shared_bytes else layer_host
@@ -79,7 +79,7 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
                     hw.host_sync_us, hw.pass_start_us, hw.host_pass_start_us, hw.head_us, hw.host_head_us,
                     float(hw.wave_gbps > 0), hw.wave_us, hw.wave_row_us])
     hwi = np.array([hw.copy_engines, hw.copy_fifo, hw.copy_on_host, c.expert_params, keep_spans,
-                    bool(hw.head_us or hw.host_head_us), hw.silent_upper and policy.holds_all,
+                    bool(hw.head_us or hw.host_head_us), silent(hw, policy),
                     hw.commit_ahead and policy.commits and hw.copy_fifo], np.int64)
     c_ = np.ascontiguousarray                    # one array type everywhere: numba compiles once
     return ck.Costs(h2d, xfix, eb, cpu1, np.array(c.moe_layers, np.int64), hwf, hwi, c_(layer_gpu), c_(layer_host),
