@@ -119,6 +119,10 @@ class Engine(Routes):
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
+    def prepare(self, passes) -> None:
+        """Before timing, given every PassInput of a replay: nothing to stage here (the lean engine
+        puts the replayed routes on the device)."""
+
     def close(self) -> None:
         for h in self.handles:
             h.remove()

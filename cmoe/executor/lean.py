@@ -61,6 +61,7 @@ import torch
 from cmoe.executor.engine import Engine
 from cmoe.executor.records import PlanRecord, _slot_table
 from cmoe.executor.lean_program import Segments, _Capture, _fresh
+from cmoe.executor.replay_rows import routes_on_device
 from cmoe.executor.lean_steps import HostSteps
 from cmoe.core.metrics import classify
 from cmoe.core.timeline import Span
@@ -149,23 +150,20 @@ class LeanEngine(HostSteps, Segments, Engine):
         or commit in decode), the slot-table staging in pinned memory."""
         dev, M = self.device, self.M
         host_ids = self.cur.replay is not None or (self.commit and decode)
-        K = self.spec.top_k
-        self._kin_k = K
+        K = self._kin_k = self.spec.top_k
         k = {"host_ids": host_ids, "N": N}
         if host_ids:
             k["ids"] = torch.full((M, N, K), -1, dtype=torch.int32, device=dev)
             k["w"] = torch.zeros((M, N, K), dtype=torch.float32, device=dev)
-        if self.commit and decode:                          # the host writes them per layer (a replay's come
-            pin = self.cuda                                 # from the device: `replay_rows.routes_on_device`)
-            k["ids_h"] = torch.full((M, N, K), -1, dtype=torch.int32, pin_memory=pin)
-            k["w_h"] = torch.zeros((M, N, K), dtype=torch.float32, pin_memory=pin)
+        if self.commit and decode:                          # the host writes them per layer (a replay's: `prepare`)
+            k["ids_h"] = torch.full((M, N, K), -1, dtype=torch.int32, pin_memory=self.cuda)
+            k["w_h"] = torch.zeros((M, N, K), dtype=torch.float32, pin_memory=self.cuda)
+            k["ids_np"], k["w_np"] = k["ids_h"].numpy(), k["w_h"].numpy()
         E = self.spec.num_experts
         waves = min(N * K, E) + 1                          # a layer never runs in more launches
         k["table_h"] = torch.from_numpy(self._table_host) if not self.cuda else \
             torch.empty((M, waves, E), dtype=torch.int32, pin_memory=True)
         k["table_np"] = k["table_h"].numpy()
-        if self.commit and decode:
-            k["ids_np"], k["w_np"] = k["ids_h"].numpy(), k["w_h"].numpy()
         if self.commit and decode and self.fused and self.owa:
             # each row's committed candidates (host) and the committed set (host); weights on the device
             k["owa"] = True
@@ -304,15 +302,23 @@ class LeanEngine(HostSteps, Segments, Engine):
                 self._make_kin(B * n, p.decode)
                 self._ws = None
         k = self.kin
-        if self.fused and k["host_ids"] and p.replay is not None and not (self.commit and p.decode):
+        if self._reads_routes(p):
             # a replayed trace's routes for every layer: one copy for the pass, from the device where
-            # the run put them beforehand (`run.routes_on_device`)
+            # `prepare` put them before timing (a caller that skipped it pays the upload here)
             if "device" not in p.replay:
-                from cmoe.executor.replay_rows import routes_on_device
                 routes_on_device(p.replay, self.device)
             ids, wt = p.replay["device"]
             k["ids"].copy_(ids, non_blocking=True)
             k["w"].copy_(wt, non_blocking=True)
+
+    def _reads_routes(self, p) -> bool:                    # the replayed trace's, not the router's or commit's
+        return self.fused and p.replay is not None and not (self.commit and p.decode)
+
+    def prepare(self, passes) -> None:
+        """Before timing: the replayed routes of every pass that reads them, on the device."""
+        for p in passes:
+            if self._reads_routes(p):
+                routes_on_device(p.replay, self.device)
 
     # --- spans and upper's bookkeeping -----------------------------------------------------------
     def _fused_span(self, d: int, experts: list[int], t0, t1) -> None:

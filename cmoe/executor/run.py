@@ -23,7 +23,7 @@ from cmoe.core.errors import CmoeError
 from cmoe.executor.checks import check_gpu_fits, check_trace_matches, mem_available, read_policy_json, resolve_device
 from cmoe.executor.engine import Engine
 from cmoe.executor.records import PassInput, RunLog
-from cmoe.executor.replay_rows import replay_passes, routes_on_device
+from cmoe.executor.replay_rows import replay_passes
 from cmoe.executor.layout import expert_layout, slot_size
 from cmoe.core.metrics import summary
 from cmoe.policy.budget import expert_budget
@@ -270,9 +270,7 @@ def run_policy(w: Workload, cfg: ExecConfig, policy_name: str) -> ExecResult:
             # charge the engine a host step it does not have (on the H200 ~250 us a pass with the GPU idle)
             pins = [PassInput(i, p.decode, torch.as_tensor(ids, device=dev), torch.as_tensor(pos, device=dev),
                               None, np.ones(ids.size, bool), rows) for i, (p, ids, pos, rows) in enumerate(passes)]
-            if cfg.engine == "lean":
-                for pin in pins:
-                    routes_on_device(pin.replay, dev)
+            eng.prepare(pins)
             for pin in pins:
                 lg = eng.run_pass(pin, cache)
                 if cfg.keep_logits:
