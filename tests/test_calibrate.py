@@ -86,6 +86,8 @@ def test_a_kernel_that_walks_the_cache_is_priced_per_key_of_the_longest_row():
     assert plain.attn_us_per_ctx_token == pytest.approx(0.025) and plain.attn_us_per_cache_key == 0.0
     assert lean.attn_us_per_cache_key == pytest.approx(0.025) and lean.attn_us_per_ctx_token == 0.0
     assert lean.layer_fixed_us == pytest.approx(plain.layer_fixed_us)
+    assert "attn_us_per_ctx_token" in plain.sources and "attn_us_per_cache_key" not in plain.sources
+    assert "attn_us_per_cache_key" in lean.sources and "attn_us_per_ctx_token" not in lean.sources
 
 
 def test_cpu_calibration_gives_a_profile_the_simulator_runs(checkpoints, tiny_trace, tmp_path):
@@ -244,3 +246,21 @@ def test_pass_overhead_of_a_lean_upper_run():
                           pass_us=[(1, True, 0, 0.0), (2, True, 0, 0.0), (3, True, 0, 0.0)])
     host, start, head = _pass_overhead(log, 0)
     assert (host, start, head) == (pytest.approx(440e-6), pytest.approx(240e-6), pytest.approx(180e-6))
+
+
+def test_the_lean_engines_gpu_side_steps_run_on_the_cpu(checkpoints, monkeypatch):
+    """The steps calibrate takes only for the lean engine on CUDA (`_ModelRuns.lean`: upper's own
+    run for the GPU side, the read-back's and the prediction's cost inside A_m, the fused launches,
+    the pass's overhead), forced on a CPU run: same logic, so a step that cannot run shows here."""
+    import torch
+
+    from cmoe.calibrate import measure_model as mm
+    from cmoe.core.checkpoint import check_checkpoint
+    monkeypatch.setattr(mm._ModelRuns, "lean", property(lambda self: self.w is not None and self.w.store is not None))
+    d = checkpoints["mixtral"]
+    out = mm.layers(torch.device("cpu"), check_checkpoint(d), "fp32", 2, d, tokens=4)
+    lay = out["layer"]
+    assert lay["readback_gpu_s"] >= 0.0 and lay["predict_gpu_s"] >= 0.0
+    assert len(out["waves"]) > 0 and all(len(w) == 4 for w in out["waves"])
+    assert lay["points"] == [pt for pt in lay["points"] if pt[1] > 0] and len(lay["points"]) == 2   # batches 1, 8
+    assert set(out["seconds"]) >= {"batch 1", "batch 8", "long context"}

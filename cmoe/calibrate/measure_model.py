@@ -170,6 +170,11 @@ class _ModelRuns:
         self.seconds: dict[str, float] = {}     # wall time of each step: what calibrating costs, reported
         self.w = built
 
+    @property
+    def lean(self) -> bool:
+        """The lean engine's fused launches on CUDA: the GPU-side figures come from upper's own run."""
+        return self.cuda and self.w is not None and self.w.store.packing == "tiled"
+
     def on(self, params):
         """A workload replaying a synthetic trace on the model and store already there (if any)."""
         from cmoe.executor.run import Workload
@@ -248,19 +253,20 @@ def _measure_batch(r: _ModelRuns, batch: int) -> None:
     # on a host-bound GPU an expert's compute span is the host's time between its two marks
     host["expert_span"].append((batch, np.mean([_mean(e, "expert") for e in eager])))
     host["sync"] += [_mean(e, "host_sync", np.median) for e in eager]
-    if r.cuda and w.store.packing == "tiled":
+    if r.lean:
         # the lean engine's fused launch: upper's own run is the GPU's time (its host keeps ahead, with
         # no host step), for the layer outside the experts too; the eager runs' gaps price the read-back
         plain = run_policy(w, cfg, "upper").log
         gpu["waves"] += _wave_points(plain, w.trace, batch, spec)
-        up = _per_layer(plain, ("attention",), r.first)[0] / L / 1e6
-        gpu["plain_points"].append((batch, up))
-        # what the read-back's packing adds to A_m on the GPU (the eager runs read back; upper does not)
-        od = float(np.mean([_per_layer(e, ("attention",), r.first)[0] for e in eager])) / L / 1e6
-        gpu["readback"].append((batch, (od - up) * L / M))          # charged per MoE layer
+        up = _per_layer(plain, ("attention",), r.first)[0]
+        gpu["plain_points"].append((batch, up / L / 1e6))
+        # what the read-back's packing adds to A_m on the GPU (the eager runs read back; upper does
+        # not), charged per MoE layer; batch 1 keeps the eager runs' attention for the prediction's
+        att = float(np.mean([_per_layer(e, ("attention",), r.first)[0] for e in eager]))
+        gpu["readback"].append((batch, (att - up) / M / 1e6))
         host["gaps"] += [g for e in eager for g in _gaps(e)]
         if batch == 1:
-            r.one["plain"] = _pass_overhead(plain, r.first)
+            r.one["eager_attention"], r.one["plain"] = att, _pass_overhead(plain, r.first)
     if batch == 1:
         _batch_one(r, cfg, start, h_start, eager, queued, h_route)
     if batch in (1, 8) and (not r.cuda or w.store.cpu_twins is not None):
@@ -285,14 +291,13 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
     # the early router itself, timed on its own (every policy that predicts runs it), and
     # what commit's larger read-back and OWA add to the route (a difference of two runs'
     # host times: noisy, so only the route's part)
-    if r.cuda and w.store.packing == "tiled":
+    if r.lean:
         # the next layer's router inside A_m, on the GPU: lru-prefetch (it predicts, on the read-back
         # path, so its attention spans are GPU time; commit's ahead path would add the host's wait)
         # over ondemand, every expert resident (no prefetch moves)
         lp = replace(cfg, policies=("lru-prefetch",), slots=spec.num_experts)
         p_att = _per_layer(run_policy(w, lp, "lru-prefetch").log, ("attention",), r.first)[0]
-        e_att = float(np.mean([_per_layer(e, ("attention",), r.first)[0] for e in eager]))
-        one["predict_gpu"] = (p_att - e_att) / M / 1e6
+        one["predict_gpu"] = (p_att - one["eager_attention"]) / M / 1e6
     c_route, _ = _per_layer(c_log, ("host_route",), None)
     c_pred, _ = _per_layer(c_log, ("host_predict",), None)
     one["predict"] = c_pred / M / 1e6

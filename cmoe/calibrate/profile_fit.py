@@ -105,6 +105,8 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     host = _host_fields(m["layer"].get("host"))
     table = _expert_rows_table(m, key)
     waves = _wave_fit(m.get("waves") or [])
+    # the lean kernel's rows run side by side: its per-key cost is per key of the longest row
+    per_key_field = "attn_us_per_cache_key" if m.get("attention_walks_cache") else "attn_us_per_ctx_token"
     return HardwareProfile(
         name=name, gpu_mem_bytes=gpu_mem_bytes, h2d_pinned=curve(m["h2d"]), d2h_pinned=curve(m["d2h"]),
         h2d_pageable_gbps=m["h2d_pageable"][0] / m["h2d_pageable"][1] / GB, copy_engines=1,
@@ -118,9 +120,9 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         commit_route_us=m["layer"].get("commit_route_s", 0.0) * 1e6, copy_fifo=True,
         copy_on_host=device.lower() == "cpu", dense_rows=int(m.get("dense_rows", 0)),
         silent_upper=bool(m.get("silent_upper", False)), commit_ahead=bool(m.get("commit_ahead", False)),
-        **{"attn_us_per_cache_key" if m.get("attention_walks_cache") else "attn_us_per_ctx_token": per_key * 1e6},
+        **{per_key_field: per_key * 1e6},
         **host, **table, **waves,
-        sources={k: src for k in (*_MEASURED, *host, *table)}
+        sources={k: src for k in (*_MEASURED, per_key_field, *host, *table)}
         | {k: src + " (upper's fused launches in the model: time = wave_us + experts' bytes at wave_gbps + "
            "wave_row_us per row, least squares over every decode layer)" for k in waves}
         | {"matmul_tflops": src + " (slope of expert time over tokens: the rate extra tokens cost)", **_EXECUTOR})
@@ -128,8 +130,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
 
 _MEASURED = ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "hbm_gbps", "expert_gbps", "launch_us", "layer_fixed_us",
              "attn_us_per_token", "cpu_expert_gbps", "roundtrip_us", "copy_compute_slowdown", "pass_start_us", "head_us",
-             "predict_layer_us", "commit_route_us", "cpu_expert_us_per_token", "attn_us_per_ctx_token",
-             "attn_us_per_cache_key", "readback_gpu_us", "predict_gpu_us")
+             "predict_layer_us", "commit_route_us", "cpu_expert_us_per_token", "readback_gpu_us", "predict_gpu_us")
 _EXECUTOR = {      # the fields the executor's design sets, not a measurement
     "copy_engines": "one copy stream, as the executor uses",
     "copy_fifo": "the executor issues every load to one copy stream, which runs them in issue order",
