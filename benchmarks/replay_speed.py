@@ -135,7 +135,7 @@ def main() -> None:
         sel = [r for r in rows if r["model"] == model]
         s, p = sum(r["simpy_s"] for r in sel), sum(r["replay_s"] for r in sel)
         n = sum(r["tokens"] for r in sel)
-        print(f"| {model} | all 7 | {n} | {s:.2f} | {p:.3f} | {s / p:.0f}x | {n / s:,.0f} | {n / p:,.0f} | "
+        print(f"| {model} | all {len(sel)} | {n} | {s:.2f} | {p:.3f} | {s / p:.0f}x | {n / s:,.0f} | {n / p:,.0f} | "
               f"{'yes' if all(r['identical'] for r in sel) else 'NO'} |")
     if not quick:
         print_memory()
