@@ -18,6 +18,7 @@ def report(
     out: Annotated[Optional[Path], typer.Option(help="HTML file to write (default: report.html in the folder, X.html beside X.parquet, compare.html in the measured folder).")] = None,
     max_spans: Annotated[int, typer.Option(min=1, help="Most timeline spans drawn; whole passes from the first are kept.")] = 100_000,
     chrome: Annotated[Optional[Path], typer.Option(help="Instead: export a timeline .parquet as Chrome Trace Event JSON (Perfetto) to this file.")] = None,
+    quality: Annotated[Optional[Path], typer.Option(help="The JSON cmoe quality --out writes: with one run folder, adds the frontier (tokens/s against KL to exact routing, a point per policy).")] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing --out or --chrome file.")] = False,
 ) -> None:
     """One self-contained HTML report (plotly.js embedded, works offline); or a Chrome trace export."""
@@ -28,13 +29,15 @@ def report(
     if chrome is not None:
         from cmoe.report.chrome import write_chrome_trace
         from cmoe.analysis.runfolder import read_timeline_file
+        from cmoe.core.errors import CmoeError
         if len(inputs) != 1 or inputs[0].suffix != ".parquet":
-            from cmoe.core.errors import CmoeError
             raise CmoeError("--chrome takes one timeline .parquet file (timeline-POLICY.parquet)")
+        if quality is not None:
+            raise CmoeError("--quality goes with an HTML report of one run folder, not --chrome")
         typer.echo(f"wrote {write_chrome_trace(read_timeline_file(inputs[0]), chrome)}")
         return
     from cmoe.report.build import build_report
-    typer.echo(f"report: {build_report(inputs, out, max_spans)}")
+    typer.echo(f"report: {build_report(inputs, out, max_spans, quality)}")
 
 
 @one_line_errors

@@ -4,6 +4,8 @@ predicted/measured pair. Plotly's script is embedded once, so the page works off
 Inputs it recognises:
 - a folder written by `cmoe simulate --out` or `cmoe execute --out` (metrics.json,
   timeline-POLICY.parquet, passes-POLICY.json): metrics table, timeline, occupancy and hit rate;
+  with `quality` (the JSON `cmoe quality --out` writes), also the frontier: tokens/s against KL to
+  exact routing (`cmoe.report.frontier`);
 - a sweep table (`cmoe sweep --out X.parquet`): tokens/s against pool size per policy;
 - any timeline Parquet: the timeline alone;
 - two folders, predicted then measured: both timelines on one time axis, per policy, and a table
@@ -75,7 +77,35 @@ def _kind(metrics: list[dict]) -> str:
     return "measured" if metrics and "source" in metrics[0] else "predicted"
 
 
-def run_report(folder: Path, max_spans: int) -> tuple[str, str]:
+def _fmt(x, spec: str, missing: str = "-") -> str:
+    return missing if x is None else format(x, spec)
+
+
+def _frontier_block(metrics: list[dict], quality: Path, figs: _Figures) -> str:
+    """The frontier section: the figure, its table beside it, and notes on what the KL is."""
+    from cmoe.report.frontier import MEASURED_WITH, frontier_data, frontier_figure, read_quality
+    doc = read_quality(quality)
+    f = frontier_data(metrics, doc)
+    rows = [[p["policy"], f"{p['tokens_per_s']:.1f}", _fmt(p["x_oracle"], ".2f"), _fmt(p["kl"], ".4f", "not measured"),
+             _fmt(p["top1"], ".3f", "not measured")] for p in f.points]
+    table = _table(["policy", "tok/s", "x oracle", "KL nats", "top-1 agree"], rows)
+    notes = [f"KL: mean over positions of KL(exact || policy) in nats, and top-1 agreement, from {quality} "
+             f"(model {doc.get('model', '?')}, {doc.get('tokens', '?')} positions, teacher-forced); policies that "
+             f"never skip a routed expert are at KL 0 and agreement 1 by construction. cmoe quality measures "
+             + "; ".join(f"{p} with {w}" for p, w in MEASURED_WITH.items()) + f". Tokens/s: this run ({metrics[0]['model']})."]
+    if f.lines:
+        notes.append("dashed: " + ", ".join(f"{n} at {y:.1f} tok/s" for n, y in f.lines.items()) + ".")
+    if f.unmeasured:
+        fix = [p for p in f.unmeasured if p in MEASURED_WITH]
+        notes.append(f"not drawn (not measured, never put at KL 0): {', '.join(f.unmeasured)}; {quality} has no "
+                     f"row for them" + (f": run cmoe quality --variants {','.join(fix)} --out FILE" if fix else "") + ".")
+    # the table first: plotly sizes the figure to its column as it draws, so the table must be there by then
+    return ("<h2>Frontier: tokens/s against KL to exact routing</h2><div style='display:grid;gap:16px;"
+            f"grid-template-columns:auto minmax(0,1fr);align-items:start'><div>{table}</div>"
+            f"<div>{figs.div(frontier_figure(f))}</div></div>" + "".join(f"<p class='note'>{html.escape(n)}</p>" for n in notes))
+
+
+def run_report(folder: Path, max_spans: int, quality: Path | None = None) -> tuple[str, str]:
     from cmoe.report.figures import limit_spans, passes_figure, timeline_figure
     metrics, spans, passes = _read_run(folder, RUN_METRICS)
     kind = _kind(metrics)
@@ -85,6 +115,7 @@ def run_report(folder: Path, max_spans: int) -> tuple[str, str]:
     groups, note = limit_spans([(p, spans[p]) for p in spans], max_spans)
     blocks = [f"<p class='note'>{html.escape(kind)} run from {html.escape(str(folder))}; "
               f"{m0['decode_tokens']} decode tokens per policy.</p>", _metrics_table(metrics),
+              _frontier_block(metrics, quality, figs) if quality is not None else "",
               "<h2>Timeline</h2>", f"<p class='note'>{html.escape(note)}</p>" if note else "",
               figs.div(timeline_figure(groups, f"{kind} timeline"))]
     if any(passes.values()):
@@ -196,18 +227,30 @@ def _parquet_columns(path: Path) -> set[str]:
         raise CmoeError(f"{path} is not a readable Parquet file ({type(e).__name__})") from None
 
 
-def build_report(inputs: list[Path], out: Path | None = None, max_spans: int = MAX_SPANS) -> Path:
+def _check_quality(inputs: list[Path], quality: Path) -> None:
+    if len(inputs) != 1 or not inputs[0].is_dir():
+        raise CmoeError("--quality goes with one run folder (cmoe simulate or execute --out), "
+                        "not two folders, a sweep table or a timeline")
+    if not quality.is_file():
+        raise CmoeError(f"{quality} does not exist: pass --quality the JSON file that cmoe quality --out FILE writes")
+
+
+def build_report(inputs: list[Path], out: Path | None = None, max_spans: int = MAX_SPANS,
+                 quality: Path | None = None) -> Path:
+    """`quality`: the JSON `cmoe quality --out` writes; with one run folder it adds the frontier."""
     if not 1 <= len(inputs) <= 2:
         raise CmoeError("give one run folder, sweep table or timeline, or two run folders (predicted, measured)")
     for p in inputs:
         if not p.exists():
             raise CmoeError(f"{p} does not exist")
+    if quality is not None:
+        _check_quality(inputs, quality)
     first = inputs[0]
     if len(inputs) == 2:
         title, body = compare_report(inputs[0], inputs[1], max_spans)
         out = out or inputs[1] / "compare.html"
     elif first.is_dir():
-        title, body = run_report(first, max_spans)
+        title, body = run_report(first, max_spans, quality)
         out = out or first / "report.html"
     elif first.suffix == ".parquet":
         cols = _parquet_columns(first)
