@@ -305,7 +305,7 @@ def test_a_wave_starts_once_the_host_has_launched_it():
     """The lean executor's layer: after the read-back and routing (the `route` span), the host sets
     the slot table, queues the waits and launches; the GPU idles until then. So a layer with nothing
     to wait for starts its experts host_expert - host_expert_tail_us after its route span ends, in
-    both engines."""
+    both engines; host_expert is read at the pass's tokens."""
     t = tiny(M=3, E=4, T=24, seed=2, requests=1, K=2)
     prof = replace(FLAT_WAVE, host_expert_us=2.0, host_expert_tail_us=0.5)
     a, b, _, _ = both(t, "ondemand", prof, 1, slots=4, costs=tiny_costs(t))
@@ -314,6 +314,18 @@ def test_a_wave_starts_once_the_host_has_launched_it():
     loads = {(s[1], s[2]) for s in a.spans if s[4] == "load"}
     gaps = [spans[0][6] - routes[k] for k, spans in _by_layer(a.spans).items() if k in routes and k not in loads]
     assert len(gaps) > 20 and all(g == pytest.approx(1.5) for g in gaps)
+    # calibrate measures a launch's host cost per batch (tokens): a table is read at the pass's
+    # tokens (1 here), not at the rows of the wave (2: top-2), in both engines
+    table = replace(prof, host_expert_points=((1, 2.0), (2, 7.0), (4, 20.0)))
+    a, b, _, _ = both(t, "ondemand", table, 1, slots=4, costs=tiny_costs(t))
+    same_run(a, b)
+    tokens = {ps.index: len(ps.tokens) for ps in make_passes(t, 1)}
+    routes = {(s[1], s[2]): s[7] for s in a.spans if s[4] == "route"}
+    loads = {(s[1], s[2]) for s in a.spans if s[4] == "load"}
+    gaps = {k: spans[0][6] - routes[k] for k, spans in _by_layer(a.spans).items() if k in routes and k not in loads}
+    assert len(gaps) > 20 and {tokens[p] for p, _ in gaps} >= {1, 2}
+    assert all(g == pytest.approx(table.host_expert(tokens[p]) - 0.5) for (p, _), g in gaps.items())
+    assert [g for (p, _), g in gaps.items() if tokens[p] == 1] == pytest.approx([1.5] * sum(tokens[p] == 1 for p, _ in gaps))
 
 
 def test_attention_over_the_cache_costs_the_longest_rows_keys():

@@ -315,7 +315,7 @@ class Simulation(ExpertSteps):
         rows_of = {e: (x.n if x.all_rows else votes.get(e, 1)) for e in plan.gpu}
         Hx = H
         if hw.wave_gbps:                         # one launch, issued once
-            issued = hw.host_expert(sum(rows_of.values())) if plan.gpu else 0.0
+            issued = hw.host_expert(x.n) if plan.gpu else 0.0      # by the pass's tokens
         else:
             issued = sum(hw.host_expert(rows_of[e]) for e in plan.gpu)
         Hr = max(H + issued, t_in) + x.route_host

@@ -72,7 +72,7 @@ class ExpertSteps:
         after = {ld.expert: v for v, lds in later.items() for ld in lds}
         for wave in waves(plan.gpu, after):
             due = max(G, H)
-            start, rows, dur = due, 0, hw.wave_us
+            start, dur = due, hw.wave_us
             for e in wave:
                 ev = self.ready.get((m, e))
                 if ev is None or (ev.triggered and self.landed_at.get((m, e), -1.0) <= due):
@@ -83,9 +83,8 @@ class ExpertSteps:
                 run.ran(p, kind, wait)
                 start = max(start, due + wait)
                 r = x.n if x.all_rows else votes.get(e, 1)
-                rows += r
                 dur += hw.wave_expert_us(c.expert_bytes[m][e], r)
-            issue = 0.0 if silent else hw.host_expert(rows)
+            issue = 0.0 if silent else hw.host_expert(x.n)   # by the pass's tokens, as calibrate measures it
             start = max(start, H + issue - hw.host_expert_tail_us)    # launched once the host is through
             if self.in_flight and self._copying(start):
                 dur *= x.slow

@@ -91,7 +91,7 @@ def _waves(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, silent, own):
         nw = max(nw, w + 1)
     for k in range(nw):
         due = pmax(G, H)
-        start, rows, dur, cnt = due, 0, x.hwf[WAVE_US], 0
+        start, dur, cnt = due, x.hwf[WAVE_US], 0
         for g in range(g0, g1):
             if c.wv[g - g0] != k:
                 continue
@@ -101,10 +101,9 @@ def _waves(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, silent, own):
             _ran(o, p, own and _own(d, l0, l1, m, e), wait)
             start = pmax(start, due + wait)
             r = n if x.all_rows[p] else _votes(x, p, m, e, M)
-            rows += r
             dur += x.wfix[m, e] + x.hwf[WAVE_ROW] * r
             cnt += 1
-        issue = 0.0 if silent else x.htab[rows]
+        issue = 0.0 if silent else x.htab[n]              # a launch's host cost goes by the pass's tokens
         start = pmax(start, H + issue - x.hwf[TAIL])
         if c.I[IN_FLIGHT] and copying(c, x, start):
             dur *= slow
@@ -135,11 +134,8 @@ def _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M):
     """`Simulation._ahead_layer`, line for line: commit's experts issued before its read-back."""
     Hx = H
     tot = 0.0
-    if x.hwf[WAVE]:                                     # one launch, issued once
-        rows = 0
-        for g in range(g0, g1):
-            rows += n if x.all_rows[p] else _votes(x, p, m, d.g_e[g], M)
-        tot = x.htab[rows] if g1 > g0 else 0.0
+    if x.hwf[WAVE]:                                     # one launch, issued once, priced by the pass's tokens
+        tot = x.htab[n] if g1 > g0 else 0.0
     else:
         for g in range(g0, g1):
             rows = n if x.all_rows[p] else _votes(x, p, m, d.g_e[g], M)

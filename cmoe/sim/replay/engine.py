@@ -50,12 +50,9 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
         for e in range(E):
             xcls[m, e] = keys.index((c.expert_bytes[m][e], c.expert_bits[m][e]))
     xtab = np.array([[hw.expert_us(b, bits, max(r, 1), c.expert_params) for r in range(R + 1)] for b, bits in keys])
-    # a fused launch is issued once for all its experts' rows: up to a layer's votes in a pass
-    cum = np.concatenate([[0], np.cumsum(pa.votes, dtype=np.int64)])
-    R2 = max(R, int((cum[pa.need_ptr[1:]] - cum[pa.need_ptr[:-1]]).max(initial=0))) if hw.wave_gbps else R
-    if hw.wave_gbps and hw.dense_rows:               # every expert on all of a pass's rows
-        R2 = max(R2, min(R, hw.dense_rows) * E)
-    htab = np.array([hw.host_expert(max(r, 1)) for r in range(R2 + 1)])
+    # the host's issue: one expert's kernel by its rows, or a fused launch (once for all its
+    # experts) by the pass's tokens, as calibrate measures it; both index 1..R
+    htab = np.array([hw.host_expert(max(r, 1)) for r in range(R + 1)])
     wfix = eb / (hw.wave_gbps * 1e9) * 1e6 if hw.wave_gbps else np.zeros((M, E))
     ns, inv = np.unique(pa.ntok, return_inverse=True)
     predict = hw.predict_layer_us if policy.uses_prediction else 0.0
