@@ -100,6 +100,33 @@ def test_marks_resolve_late_as_on_a_busy_gpu(fused_checkpoints, monkeypatch):
         assert a.metrics["loads"] == b.metrics["loads"] and a.metrics["hits"] == b.metrics["hits"]
 
 
+def test_spans_left_to_finish_give_the_same_timeline(fused_checkpoints, monkeypatch):
+    """On CUDA a pass settles its times but leaves its span marks to `finish` (turning them into
+    microseconds between passes held the GPU idle); forced here on the CPU: no span is resolved
+    before the end, and the timeline and counts are those of settling every pass."""
+    from cmoe.executor.lean import LeanEngine
+    _, each = run_exec(fused_checkpoints["mixtral"], ["upper", "ondemand", "commit"], fmt="w4g32", kernel="fused")
+    init, resolve, calls = LeanEngine.__init__, LeanEngine._resolve, []
+
+    def late_init(self, *a, **kw):
+        init(self, *a, **kw)
+        assert self.spans_each_pass                      # the CPU's default: every pass
+        self.spans_each_pass = False
+
+    def spy(self, final):
+        calls.append(final)
+        return resolve(self, final)
+    monkeypatch.setattr(LeanEngine, "__init__", late_init)
+    monkeypatch.setattr(LeanEngine, "_resolve", spy)
+    _, late = run_exec(fused_checkpoints["mixtral"], ["upper", "ondemand", "commit"], fmt="w4g32", kernel="fused")
+    assert calls == [False, True] * 3                    # per run only finish's: its settle, then the final one
+    for a, b in zip(each, late):
+        key = lambda s: (s[1], s[2], s[3], s[4], s[5])   # noqa: E731
+        assert sorted(map(key, a.log.spans)) == sorted(map(key, b.log.spans)), a.policy
+        assert len(a.log.pass_us) == len(b.log.pass_us)
+        assert {k: a.metrics[k] for k in ("loads", "hits", "skipped")} == {k: b.metrics[k] for k in ("loads", "hits", "skipped")}
+
+
 def test_replay_of_a_trace_without_predictions(tiny_trace, checkpoints, tmp_path):
     """An imported routing log has no predictions (all -1): exact policies replay it."""
     from cmoe.executor.run import ExecConfig, execute, prepare

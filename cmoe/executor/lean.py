@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from cmoe.executor.engine import Engine
-from cmoe.executor.records import PlanRecord, _slot_table
+from cmoe.executor.records import PlanRecord, _expert_to_slot, _slot_table
 from cmoe.executor.lean_program import Segments, _Capture, _fresh
 from cmoe.executor.replay_rows import routes_on_device
 from cmoe.executor.lean_steps import HostSteps
@@ -78,6 +78,7 @@ class LeanEngine(HostSteps, Segments, Engine):
         self.upper = policy.holds_all
         self.silent = self.upper and self.fused          # no host step between A_m and X_m
         self.has_cpu = policy.cpu_experts
+        self.spans_each_pass = not self.cuda               # on CUDA a run's spans are resolved at finish
         self.t: dict = _fresh(self.M)
         self._cap = _Capture(self.t)
         for s in shims:
@@ -205,7 +206,7 @@ class LeanEngine(HostSteps, Segments, Engine):
         logits = self.t["logits_out"]
         self._tick("pass: head")
         books = self._keep_books(p, start, end)
-        self._settle()                                     # the previous pass's, while the GPU runs this one
+        self._settle(self.spans_each_pass)                 # the previous pass's, while the GPU runs this one
         self._books.append(books)
         self._tick("pass: books, settle")
         if self.cuda:
@@ -260,8 +261,11 @@ class LeanEngine(HostSteps, Segments, Engine):
         marks, self._upper_marks = self._upper_marks, []
         return (p, start, end, idx, marks, copied)
 
-    def _settle(self) -> None:
-        """Bookkeeping of finished passes: pass times, upper's plans and counts, span marks."""
+    def _settle(self, spans: bool = True) -> None:
+        """Bookkeeping of finished passes: pass times, upper's plans and counts, and with `spans` the
+        span marks. On CUDA a pass leaves the marks to `finish`: turning ~12 us of event queries and
+        reads per span into microseconds after the head took a read-back policy's host 1.7-5.5 ms a
+        pass, which the GPU spent idle before the next pass (the fourth H200 validation)."""
         for p, start, end, idx, marks, copied in self._books:
             if self.cuda:
                 end.synchronize()
@@ -273,7 +277,8 @@ class LeanEngine(HostSteps, Segments, Engine):
             self._prev_end = self.clock.us(end)
             self.log.pass_us.append((p.index, p.decode, int(p.active.sum()), us))
         self._books = []
-        self._resolve(final=False)
+        if spans:
+            self._resolve(final=False)
 
     def finish(self):
         self._settle()
@@ -390,10 +395,3 @@ def _check_window(config, max_len: int) -> None:
     if window is not None and max_len > window:
         raise CmoeError(f"this model attends within a sliding window of {window} tokens and the run needs "
                         f"{max_len}: use --engine hf, or fewer --tokens")
-
-
-def _expert_to_slot(where: dict, E: int) -> list[int]:
-    t = [-1] * E
-    for e, s in where.items():
-        t[e] = s
-    return t

@@ -51,3 +51,11 @@ def _slot_table(where, n: int) -> list[int]:
     for e, s in where.items():
         t[s] = e
     return t
+
+
+def _expert_to_slot(where: dict, E: int) -> list[int]:
+    """The inverse of `_slot_table`: expert -> slot (-1: not resident), for E experts."""
+    t = [-1] * E
+    for e, s in where.items():
+        t[e] = s
+    return t
