@@ -4,7 +4,7 @@ calibrated in that same GPU run, and `cmoe validate` holds it against each measu
 
 Prints a Markdown table and writes `summary.json` beside the input:
 
-    python benchmarks/validate_table.py OUT/v [--out benchmarks/results/validate-h200.json]
+    python benchmarks/validate_table.py OUT/v [--out benchmarks/results/validate-h200.json] [--profile P.json]
 
 Errors are relative to the measurement; with two measured runs (`--repeat`), the error is taken
 against their mean and the runs' own spread is shown beside it: where the spread is as large as
@@ -34,9 +34,11 @@ def main() -> None:
     ap.add_argument("folder", type=Path)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--work", type=Path, default=Path("/tmp/cmoe-validate-table"))
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="predict with this profile instead of the folder's (a diagnosis: say so beside its table)")
     a = ap.parse_args()
     res = json.loads((a.folder / "results.json").read_text())
-    prof = load_profile(str(a.folder / "profile.json"))
+    prof = load_profile(str(a.profile or a.folder / "profile.json"))
     spec = preset(res["spec"])
     rows = []
     for c in res["configs"]:

@@ -213,6 +213,19 @@ def test_fused_launch_fit_recovers_its_parameters():
     assert _wave_fit([[2, 2, 80e-6, nbytes]] * 5) == {}
 
 
+def test_owa_fit_is_commits_excess_over_uppers_launch():
+    """`owa_gpu_us`: commit's launches (OWA on the device) against upper's fit of the same
+    launches, their mean excess; nothing without a wave fit or commit points, never below 0."""
+    from cmoe.calibrate.profile_fit import _owa_fit
+    nbytes = 93_585_408
+    waves = {"wave_gbps": 3200.0, "wave_us": 25.0, "wave_row_us": 0.5}
+    fit = lambda n, r: 25e-6 + n * nbytes / 3200e9 + 0.5e-6 * r    # noqa: E731
+    pts = [[2, 2, fit(2, 2) + 40e-6, nbytes], [2, 2, fit(2, 2) + 50e-6, nbytes], [3, 3, fit(3, 3) + 60e-6, nbytes]]
+    assert _owa_fit(pts, waves)["owa_gpu_us"] == pytest.approx(50.0, rel=1e-9)
+    assert _owa_fit(pts, {}) == {} and _owa_fit([], waves) == {}
+    assert _owa_fit([[2, 2, fit(2, 2) - 5e-6, nbytes]], waves) == {"owa_gpu_us": 0.0}
+
+
 def test_gaps_price_the_read_back_not_the_gpu_work_the_host_waited_behind():
     """The host_sync span of an eager step also holds the GPU work queued before the read-back;
     the simulator's host_sync_us is the latency after it: the GPU's idle gap between a layer's
@@ -262,5 +275,6 @@ def test_the_lean_engines_gpu_side_steps_run_on_the_cpu(checkpoints, monkeypatch
     lay = out["layer"]
     assert lay["readback_gpu_s"] >= 0.0 and lay["predict_gpu_s"] >= 0.0
     assert len(out["waves"]) > 0 and all(len(w) == 4 for w in out["waves"])
+    assert len(out["commit_waves"]) > 0 and all(len(w) == 4 for w in out["commit_waves"])
     assert lay["points"] == [pt for pt in lay["points"] if pt[1] > 0] and len(lay["points"]) == 2   # batches 1, 8
     assert set(out["seconds"]) >= {"batch 1", "batch 8", "long context"}

@@ -383,3 +383,25 @@ def test_waves_group_as_the_executor_launches():
     assert waves([3, 1, 5, 2], {5: 3, 2: 5}) == [[3, 1], [5], [2]]
     assert waves([3, 1], {3: 7}) == [[3, 1]]                 # a victim outside the layer's GPU set
     assert waves([], {}) == []
+
+
+def test_commit_launches_pay_owa_on_the_device():
+    """`owa_gpu_us`: every decode launch of commit's ahead path (OWA on the device) is that much
+    longer; prefill launches and upper's are not touched; both engines alike."""
+    t = generate(preset("mixtral-8x7b"), recipe("w4a16"), SyntheticParams(requests=1, prompt_len=8, decode_len=6))
+    pa = build(t, 1)
+
+    def launches(policy, owa):
+        a, b, _, _ = both(t, policy, replace(LEAN, owa_gpu_us=owa), 1, pool_gb=60)
+        same_run(a, b)
+        out = {}
+        for s in a.spans:
+            if s[4] == "expert":
+                lo, hi = out.get((s[1], s[2]), (s[6], s[7]))
+                out[(s[1], s[2])] = (min(lo, s[6]), max(hi, s[7]))
+        return {k: hi - lo for k, (lo, hi) in out.items()}
+    plain, owa = launches("commit", 0.0), launches("commit", 37.0)
+    assert plain.keys() == owa.keys() and any(pa.decode[p] for p, _ in plain)
+    for (p, d), us in plain.items():
+        assert owa[(p, d)] - us == pytest.approx(37.0 if pa.decode[p] else 0.0), (p, d)
+    assert launches("upper", 0.0) == launches("upper", 37.0)

@@ -298,6 +298,8 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
         lp = replace(cfg, policies=("lru-prefetch",), slots=spec.num_experts)
         p_att = _per_layer(run_policy(w, lp, "lru-prefetch").log, ("attention",), r.first)[0]
         one["predict_gpu"] = (p_att - one["eager_attention"]) / M / 1e6
+    if r.lean:                    # commit's own launches (OWA on the device): what they take over upper's
+        one["commit_waves"] = _wave_points(c_log, w.trace, 1, spec)
     c_route, _ = _per_layer(c_log, ("host_route",), None)
     c_pred, _ = _per_layer(c_log, ("host_predict",), None)
     one["predict"] = c_pred / M / 1e6
@@ -345,7 +347,7 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
                               "load_s": one["host_load"],
                               "sync_s": float(np.median(host["gaps"] if host["gaps"] else host["sync"])),
                               "pass_start_s": one["host_start"], "head_s": one["host_head"]}},
-           "waves": gpu["waves"], "seconds": r.seconds,
+           "waves": gpu["waves"], "commit_waves": r.one.get("commit_waves", []), "seconds": r.seconds,
            "repeats": {"host, layer": {"unit": "tokens", "grows": False, "points": host["layer_runs"]},
                        # one mean per batch: no spread, but 8 rows may not take less than 1
                        "expert in model": {"unit": "tokens", "grows": True,

@@ -105,6 +105,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     host = _host_fields(m["layer"].get("host"))
     table = _expert_rows_table(m, key)
     waves = _wave_fit(m.get("waves") or [])
+    waves |= _owa_fit(m.get("commit_waves") or [], waves)
     # the lean kernel's rows run side by side: its per-key cost is per key of the longest row
     per_key_field = "attn_us_per_cache_key" if m.get("attention_walks_cache") else "attn_us_per_ctx_token"
     return HardwareProfile(
@@ -124,7 +125,9 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         **host, **table, **waves,
         sources={k: src for k in (*_MEASURED, per_key_field, *host, *table)}
         | {k: src + " (upper's fused launches in the model: time = wave_us + experts' bytes at wave_gbps + "
-           "wave_row_us per row, least squares over every decode layer)" for k in waves}
+           "wave_row_us per row, least squares over every decode layer)" for k in waves if k != "owa_gpu_us"}
+        | {k: src + " (commit's decode launches, every expert resident, over upper's fit: OWA on the device)"
+           for k in waves if k == "owa_gpu_us"}
         | {"matmul_tflops": src + " (slope of expert time over tokens: the rate extra tokens cost)", **_EXECUTOR})
 
 
@@ -140,6 +143,17 @@ _EXECUTOR = {      # the fields the executor's design sets, not a measurement
                     "so upper has no host step",
     "commit_ahead": "the executor launches commit's committed experts before the layer's read-back "
                     "(OWA on the device)"}
+
+
+def _owa_fit(points: list, waves: dict) -> dict:
+    """`owa_gpu_us`: the mean excess of commit's decode launches ([experts, rows, seconds, mean
+    expert bytes] per layer, every expert resident) over upper's fit for the same launch; {}
+    without both."""
+    if not points or not waves:
+        return {}
+    fit = [waves["wave_us"] + p[0] * p[3] / (waves["wave_gbps"] * GB) * 1e6 + waves["wave_row_us"] * p[1]
+           for p in points]
+    return {"owa_gpu_us": max(float(np.mean([p[2] * 1e6 - f for p, f in zip(points, fit)])), 0.0)}
 
 
 def _wave_fit(points: list) -> dict:

@@ -85,6 +85,8 @@ class HardwareProfile:
     wave_gbps: float = 0.0
     wave_us: float = 0.0
     wave_row_us: float = 0.0
+    owa_gpu_us: float = 0.0                         # commit's decode launch also weights its rows by OWA on the
+                                                    # device (`owa_device`): once per launch (calibrate: its own runs)
     # Measured shapes (calibrate, from enough points): where given, they replace the lines above.
     # (rows, us) pairs, rows ascending; read piecewise-linearly, held flat below the first point and
     # past the last one when the last piece falls, extended along the last piece when it rises.

@@ -325,7 +325,7 @@ class Simulation(ExpertSteps):
             Hr += self._issue(ld, x.p)
         if Hx > t_in:
             self._span(x.p, d, "compute", "route", -1, t_in, Hx)
-        _, G = yield from self._gpu_experts(x, m, d, plan, votes, set(), {}, Hx, G, False)
+        _, G = yield from self._gpu_experts(x, m, d, plan, votes, set(), {}, Hx, G, False, hw.owa_gpu_us)
         return Hr, G
 
     def simulate(self) -> SimRun:

@@ -14,7 +14,7 @@ from cmoe.sim.costs import PassCosts
 
 class ExpertSteps:
     def _gpu_experts(self, x: PassCosts, m: int, d: int, plan, votes: dict, loaded: set[int],
-                     later: dict[int, list[Load]], H: float, G: float, silent: bool):
+                     later: dict[int, list[Load]], H: float, G: float, silent: bool, extra: float = 0.0):
         """The plan's GPU experts in turn: each kernel once its copy (if one is pending) has landed
         and the host has issued it (nothing to issue when `silent`), slowed while a copy moves.
         `loaded`: the experts this layer loads itself. With one FIFO copy stream, `later`'s loads
@@ -23,7 +23,7 @@ class ExpertSteps:
         (H, G)."""
         hw, c, run, p = self.hw, self.c, self.run, x.p
         if hw.wave_gbps:
-            return (yield from self._gpu_waves(x, m, d, plan, votes, loaded, later, H, G, silent))
+            return (yield from self._gpu_waves(x, m, d, plan, votes, loaded, later, H, G, silent, extra))
         ready, landed_at = self.ready, self.landed_at
         for e in plan.gpu:
             due = max(G, H)
@@ -58,21 +58,21 @@ class ExpertSteps:
         return H, G
 
     def _gpu_waves(self, x: PassCosts, m: int, d: int, plan, votes: dict, loaded: set[int],
-                   later: dict[int, list[Load]], H: float, G: float, silent: bool):
+                   later: dict[int, list[Load]], H: float, G: float, silent: bool, extra: float = 0.0):
         """The lean executor's fused launches (`profile.wave_gbps`): the plan's GPU experts in
         waves (`cmoe.policy.waves`, as the executor groups them); a wave starts once all its copies
         have landed (each expert's wait counted from the same due time, as the executor's events
         do) and the host has done its part of the issue before the launch (the slot table, the
         waits, the launch itself: all but host_expert_tail_us; the GPU idles meanwhile, as the
         H200's timelines show: 40-60 us between the read-back and a layer's first expert), runs
-        wave_us plus its experts' shares, and its time is split evenly among them (the executor's
+        wave_us (+ `extra`: commit's OWA) plus its experts' shares, and its time is split evenly among them (the executor's
         spans); the loads deferred behind a wave's experts are issued after it.
         Copies run FIFO (the profile requires it). Returns (H, G)."""
         hw, c, run, p = self.hw, self.c, self.run, x.p
         after = {ld.expert: v for v, lds in later.items() for ld in lds}
         for wave in waves(plan.gpu, after):
             due = max(G, H)
-            start, dur = due, hw.wave_us
+            start, dur = due, hw.wave_us + extra
             for e in wave:
                 ev = self.ready.get((m, e))
                 if ev is None or (ev.triggered and self.landed_at.get((m, e), -1.0) <= due):

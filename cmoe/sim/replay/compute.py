@@ -11,7 +11,7 @@ from numba import njit
 
 from cmoe.sim.replay.clock import (DRAINED, ENGINES, ERR, FIFO, G_, H_, HALF_RT, HEAD, HEAD_SPAN, HOST_HEAD,
                                    AHEAD, HOST_PASS_START, HOST_SYNC, IN_FLIGHT, NOW, OP_ATTN, SILENT,
-                                   OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT,
+                                   OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, OWA_GPU,
                                    PASS_INDEX, PASS_START, PREV_END, CPU_TOK, SLOW, TAIL, WAVE, WAVE_ROW, WAVE_US,
                                    W_DRAINED, W_READY, _advance, copying, _issue, _release, _span, _sync, pmax)
 
@@ -73,7 +73,7 @@ def _await_copy(c, x, o, m, e, due):
 
 
 @njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False)
-def _waves(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, silent, own):
+def _waves(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, silent, own, extra):
     """`Simulation._gpu_waves`, line for line: the GPU experts in fused launches (`waves`: an
     expert loaded behind a victim of this layer runs in the launch after the victim's). `own`:
     count this layer's own loads as demand (the read-back path; commit's ahead path has none)."""
@@ -91,7 +91,7 @@ def _waves(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, silent, own):
         nw = max(nw, w + 1)
     for k in range(nw):
         due = pmax(G, H)
-        start, dur, cnt = due, x.hwf[WAVE_US], 0
+        start, dur, cnt = due, x.hwf[WAVE_US] + extra, 0
         for g in range(g0, g1):
             if c.wv[g - g0] != k:
                 continue
@@ -148,7 +148,7 @@ def _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M):
     if Hx > t_in:
         _span(c, o, x, p, dl, 0, OP_ROUTE, -1, t_in, Hx, 0, -1, -1)
     if x.hwf[WAVE]:
-        _, G = _waves(c, x, o, d, p, m, dl, g0, g1, l0, l0, Hx, G, n, slow, M, False, False)
+        _, G = _waves(c, x, o, d, p, m, dl, g0, g1, l0, l0, Hx, G, n, slow, M, False, False, x.hwf[OWA_GPU])
     else:                                               # as _gpu_experts: no loads of its own (l0, l0)
         _, G = _kernels(c, x, o, d, p, m, dl, g0, g1, l0, l0, Hx, G, n, slow, M, x.hwi[FIFO])
     return Hr, G
@@ -258,7 +258,7 @@ def _layer(c, x, o, d, p, m, dl, j, H, G, t_in, n, slow, M, fifo, cpu):
     if H > t_in:
         _span(c, o, x, p, dl, 0, OP_ROUTE, -1, t_in, H, 0, -1, -1)
     if x.hwf[WAVE]:
-        H, G = _waves(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, x.hwi[SILENT], True)
+        H, G = _waves(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, x.hwi[SILENT], True, 0.0)
     else:
         H, G = _kernels(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, fifo)
     if c1 > c0:
