@@ -229,17 +229,22 @@ def test_owa_fit_is_commits_excess_over_uppers_launch():
 def test_gaps_price_the_read_back_not_the_gpu_work_the_host_waited_behind():
     """The host_sync span of an eager step also holds the GPU work queued before the read-back;
     the simulator's host_sync_us is the latency after it: the GPU's idle gap between a layer's
-    attention and its first expert, less the host's route span."""
+    attention and its first expert, less the host's route and launch spans, which the simulator
+    adds after it (the launch less its tail, so the tail is added back)."""
     from types import SimpleNamespace
-    from cmoe.calibrate.measure_model import _gaps
+    from cmoe.calibrate.measure_model import _gaps, _sync_s
     from cmoe.core.timeline import Span
     spans = [Span("gpu", 1, 0, "compute", "attention", -1, 0.0, 100.0),
              Span("gpu", 1, 0, "host", "host_sync", -1, 10.0, 130.0),       # waited behind 90 us of GPU work
              Span("gpu", 1, 0, "host", "host_route", -1, 130.0, 150.0),
+             Span("gpu", 1, 0, "host", "host_expert", -1, 150.0, 155.0),
              Span("gpu", 1, 0, "compute", "expert", 3, 160.0, 200.0),
              Span("gpu", 1, 0, "compute", "expert", 5, 200.0, 240.0)]
     log = SimpleNamespace(spans=spans, pass_us=[(1, True, 0.0, 0.0)])
-    assert _gaps(log) == [pytest.approx(40e-6)]                  # 60 us idle, 20 of them the route
+    assert _gaps(log) == [pytest.approx(35e-6)]                  # 60 us idle: 20 the route, 5 the launch
+    host = {"gaps": _gaps(log) * 3, "sync": [120e-6]}
+    assert _sync_s(host, [(1, 3e-6), (8, 5e-6)]) == pytest.approx(39e-6)          # + the mean tail, 4 us
+    assert _sync_s({"gaps": [], "sync": [120e-6, 100e-6, 130e-6]}, []) == pytest.approx(120e-6)
 
 
 def test_pass_overhead_of_a_lean_upper_run():

@@ -80,11 +80,12 @@ def _wave_points(log, tr, batch: int, spec: ModelSpec) -> list[list[float]]:
 
 def _gaps(log) -> list[float]:
     """Per decode layer with experts: the GPU's idle time between the end of its attention and the
-    start of its first expert, less the host's route span (seconds). With every expert resident it
-    is the read-back's latency once the GPU is done (the simulator's host_sync_us), which the
+    start of its first expert, less the host's route and launch spans (seconds), which the
+    simulator adds after host_sync_us (the launch less its tail: `_result` adds the tail back).
+    With every expert resident it is the read-back's latency once the GPU is done, which the
     host_sync span alone overstates: that span also holds the GPU work the host waited behind."""
     dec = {p for p, d, _, _ in log.pass_us if d}
-    att, first, route = {}, {}, {}
+    att, first, route, issue = {}, {}, {}, {}
     for s in log.spans:
         if s[STEP] not in dec:
             continue
@@ -95,7 +96,18 @@ def _gaps(log) -> list[float]:
             first[k] = min(first.get(k, s[START]), s[START])
         elif s[OP] == "host_route":
             route[k] = s[END] - s[START]
-    return [max(first[k] - att[k] - route.get(k, 0.0), 0.0) / 1e6 for k in first if k in att]
+        elif s[OP] == "host_expert":
+            issue[k] = issue.get(k, 0.0) + s[END] - s[START]
+    return [(first[k] - att[k] - route.get(k, 0.0) - issue.get(k, 0.0)) / 1e6 for k in first if k in att]
+
+
+def _sync_s(host: dict, tail: list) -> float:
+    """host_sync_us in seconds: the median gap (`_gaps`) with the launch's tail added back, as the
+    simulator charges it (attention's end, + host_sync, + route, + launch - tail = the experts'
+    start); without gaps (the reference engine) the host_sync spans' median."""
+    if not host["gaps"]:
+        return float(np.median(host["sync"]))
+    return max(float(np.median(host["gaps"])) + float(np.mean([x for _, x in tail])), 0.0)
 
 
 def _pass_overhead(log, first: int) -> tuple[float, float, float]:
@@ -345,7 +357,7 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
                      "host": {"layer_points": host["layer"], "route_points": host["route"],
                               "expert_points": host["expert"], "expert_tail_s": float(np.mean([x for _, x in tail])),
                               "load_s": one["host_load"],
-                              "sync_s": float(np.median(host["gaps"] if host["gaps"] else host["sync"])),
+                              "sync_s": _sync_s(host, tail),
                               "pass_start_s": one["host_start"], "head_s": one["host_head"]}},
            "waves": gpu["waves"], "commit_waves": r.one.get("commit_waves", []), "seconds": r.seconds,
            "repeats": {"host, layer": {"unit": "tokens", "grows": False, "points": host["layer_runs"]},
