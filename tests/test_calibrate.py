@@ -208,6 +208,15 @@ def test_fused_launch_fit_recovers_its_parameters():
     got = _wave_fit(pts)
     assert got["wave_gbps"] == pytest.approx(3200.0, rel=1e-9)
     assert got["wave_us"] == pytest.approx(25.0, rel=1e-9) and got["wave_row_us"] == pytest.approx(0.4, rel=1e-9)
+    assert [n for n, _ in got["wave_count_us"]] == [2, 3, 4, 5, 7, 8]
+    assert all(us == pytest.approx(25.0, rel=1e-6) for _, us in got["wave_count_us"])   # a straight line: c each
+    # a bent launch (three experts 8 us slower than the line): with one launch per count the table
+    # gives every launch back exactly beside the fitted shares
+    bent_pts = [[n, r, t + (8e-6 if n == 3 else 0.0), nb] for n, r, t, nb in pts]
+    bent = _wave_fit(bent_pts)
+    for n, r, t, nb in bent_pts:
+        share = n * nb / (bent["wave_gbps"] * 1e9) * 1e6 + bent["wave_row_us"] * r
+        assert dict(bent["wave_count_us"])[n] + share == pytest.approx(t * 1e6, rel=1e-9)
     flat = _wave_fit([[n, r, c + a * n - 1e-9 * r, nbytes] for n, r, *_ in pts])
     assert flat["wave_row_us"] == 0.0 and flat["wave_gbps"] == pytest.approx(3200.0, rel=1e-3)
     assert _wave_fit([[2, 2, 80e-6, nbytes]] * 5) == {}
@@ -218,7 +227,7 @@ def test_owa_fit_is_commits_excess_over_uppers_launch():
     launches, their mean excess; nothing without a wave fit or commit points, never below 0."""
     from cmoe.calibrate.profile_fit import _owa_fit
     nbytes = 93_585_408
-    waves = {"wave_gbps": 3200.0, "wave_us": 25.0, "wave_row_us": 0.5}
+    waves = {"wave_gbps": 3200.0, "wave_us": 25.0, "wave_row_us": 0.5, "wave_count_us": ((2, 25.0), (3, 25.0))}
     fit = lambda n, r: 25e-6 + n * nbytes / 3200e9 + 0.5e-6 * r    # noqa: E731
     pts = [[2, 2, fit(2, 2) + 40e-6, nbytes], [2, 2, fit(2, 2) + 50e-6, nbytes], [3, 3, fit(3, 3) + 60e-6, nbytes]]
     assert _owa_fit(pts, waves)["owa_gpu_us"] == pytest.approx(50.0, rel=1e-9)

@@ -299,6 +299,19 @@ def test_fused_waves_by_hand():
         assert len(lengths) == 1 and [s[5] for s in spans] == list(passes[p].needed[m])
     c, _, _, _ = both(t, "upper", replace(FLAT_WAVE, wave_gbps=0.0), 2, slots=4, costs=tiny_costs(t))
     assert c.spans != a.spans
+    # `wave_count_us`: the launch's own cost by its expert count, read from the table, in place of wave_us
+    counted = replace(FLAT_WAVE, wave_count_us=((1, 3.0), (2, 5.0), (4, 9.0)))
+    a, b, _, _ = both(t, "upper", counted, 2, slots=4, costs=tiny_costs(t))
+    same_run(a, b)
+    seen = set()
+    for (p, m), spans in _by_layer(a.spans).items():
+        votes = dict(zip(passes[p].needed[m], passes[p].votes[m]))
+        n = len(passes[p].needed[m])
+        seen.add(n)
+        fixed = {1: 3.0, 2: 5.0, 3: 7.0, 4: 9.0}[n]
+        want = fixed + sum(1000 * (1 + (e % 3 == 0)) / 0.5e3 + 1.0 * votes[e] for e in passes[p].needed[m])
+        assert spans[-1][7] - spans[0][6] == pytest.approx(want)
+    assert len(seen) >= 2
 
 
 def test_a_wave_starts_once_the_host_has_launched_it():

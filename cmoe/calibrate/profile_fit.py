@@ -57,7 +57,7 @@ import numpy as np
 from cmoe.calibrate.noise import (FALL_SLACK, JITTER_S, SPREAD_LIMIT, Noise, noise, point_label, run_verdict,
                                   size_label, spread, verdict)
 from cmoe.core.errors import CmoeError
-from cmoe.core.hw import GB, HardwareProfile
+from cmoe.core.hw import GB, HardwareProfile, table_us
 
 __all__ = ["FALL_SLACK", "JITTER_S", "Noise", "SPREAD_LIMIT", "beside", "best_per_size", "curve", "fit_line",
            "fit_profile", "noise", "noise_of", "point_label", "refit_profile", "run_verdict", "spread", "verdict",
@@ -151,8 +151,9 @@ def _owa_fit(points: list, waves: dict) -> dict:
     without both."""
     if not points or not waves:
         return {}
-    fit = [waves["wave_us"] + p[0] * p[3] / (waves["wave_gbps"] * GB) * 1e6 + waves["wave_row_us"] * p[1]
-           for p in points]
+    count = waves.get("wave_count_us")
+    fit = [(table_us(count, p[0]) if count else waves["wave_us"]) + p[0] * p[3] / (waves["wave_gbps"] * GB) * 1e6
+           + waves["wave_row_us"] * p[1] for p in points]
     return {"owa_gpu_us": max(float(np.mean([p[2] * 1e6 - f for p, f in zip(points, fit)])), 0.0)}
 
 
@@ -172,7 +173,14 @@ def _wave_fit(points: list) -> dict:
     if a <= 0:
         return {}
     nbytes = float(np.mean([p[3] for p in points]))
-    return {"wave_gbps": nbytes / a / GB, "wave_us": max(c, 0.0) * 1e6, "wave_row_us": b * 1e6}
+    out = {"wave_gbps": nbytes / a / GB, "wave_us": max(c, 0.0) * 1e6, "wave_row_us": b * 1e6}
+    # the launch's own cost by expert count: what each count's launches take beyond their experts'
+    # shares (the line bends: on the H200 two experts took 81 us where the line said 86, three 118 for 110)
+    by: dict[int, list[float]] = {}
+    for p in points:
+        by.setdefault(int(p[0]), []).append(p[2] - p[0] * p[3] / (out["wave_gbps"] * GB) - b * p[1])
+    out["wave_count_us"] = tuple((n, max(float(np.mean(v)), 0.0) * 1e6) for n, v in sorted(by.items()))
+    return out
 
 
 def _expert_fit(m: dict, launch_s: float) -> tuple[str, list[tuple[str, float]], float]:

@@ -85,6 +85,8 @@ class HardwareProfile:
     wave_gbps: float = 0.0
     wave_us: float = 0.0
     wave_row_us: float = 0.0
+    wave_count_us: tuple = ()                       # (experts, us): a launch's fixed cost by its expert count (calibrate:
+                                                    # upper's launches less their experts' shares); replaces wave_us
     owa_gpu_us: float = 0.0                         # commit's decode launch also weights its rows by OWA on the
                                                     # device (`owa_device`): once per launch (calibrate: its own runs)
     # Measured shapes (calibrate, from enough points): where given, they replace the lines above.
@@ -113,7 +115,7 @@ class HardwareProfile:
                          "of bytes > 0, GB/s positive, sizes ascending", ascending=True)
         _check_pairs(self.name, "expert_gbps", self.expert_gbps, lambda k: k in ("int4", "int8", "bf16"),
                      "[class, GB/s]: class int4, int8 or bf16 (each once), GB/s positive", ascending=False)
-        for table in ("expert_rows_us", "host_layer_points", "host_route_points", "host_expert_points"):
+        for table in ("expert_rows_us", "host_layer_points", "host_route_points", "host_expert_points", "wave_count_us"):
             if getattr(self, table):
                 _check_pairs(self.name, table, getattr(self, table), _whole(1)[0], "[rows, us]: a whole number "
                              "of rows >= 1, us >= 0, rows ascending", ascending=True, rate=_NON_NEGATIVE[0])
@@ -162,6 +164,10 @@ class HardwareProfile:
         return (3 * self.launch_us + nbytes / (self.expert_kernel_gbps(bits) * GB) * 1e6
                 + extra_flops / (self.matmul_tflops * 1e12) * 1e6)
 
+    def wave_fixed_us(self, experts: int) -> float:
+        """A fused launch's own cost beside its experts' shares: by its expert count where measured."""
+        return table_us(self.wave_count_us, experts) if self.wave_count_us else self.wave_us
+
     def wave_expert_us(self, nbytes: int, rows: int) -> float:
         """One expert's share of a fused launch (the launch adds wave_us once)."""
         return nbytes / (self.wave_gbps * GB) * 1e6 + self.wave_row_us * rows
@@ -196,7 +202,7 @@ class HardwareProfile:
     def to_dict(self) -> dict:
         d = asdict(self)
         for k in ("h2d_pinned", "d2h_pinned", "expert_gbps", "expert_rows_us", "host_layer_points",
-                  "host_route_points", "host_expert_points"):
+                  "host_route_points", "host_expert_points", "wave_count_us"):
             d[k] = [list(p) for p in d[k]]
         return d
 
@@ -214,7 +220,7 @@ class HardwareProfile:
         if missing:
             raise CmoeError(f"hardware profile is missing the fields {missing}: write one with cmoe calibrate")
         for k in ("h2d_pinned", "d2h_pinned", "expert_gbps", "expert_rows_us", "host_layer_points",
-                  "host_route_points", "host_expert_points"):       # JSON lists -> tuples, checked in __post_init__
+                  "host_route_points", "host_expert_points", "wave_count_us"):  # JSON lists -> tuples, checked later
             if isinstance(d.get(k), list):
                 d[k] = tuple(tuple(p) if isinstance(p, list) else p for p in d[k])
         for f in fields(cls):                                       # 1.41e11 bytes in JSON: a whole number

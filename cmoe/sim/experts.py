@@ -72,7 +72,7 @@ class ExpertSteps:
         after = {ld.expert: v for v, lds in later.items() for ld in lds}
         for wave in waves(plan.gpu, after):
             due = max(G, H)
-            start, dur = due, hw.wave_us + extra
+            start, dur = due, hw.wave_fixed_us(len(wave)) + extra
             for e in wave:
                 ev = self.ready.get((m, e))
                 if ev is None or (ev.triggered and self.landed_at.get((m, e), -1.0) <= due):

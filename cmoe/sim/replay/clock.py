@@ -59,10 +59,11 @@ Costs = namedtuple("Costs", [
     "ntok", "commit_decode", "all_rows", "votes_ptr", "votes_e", "votes_n",   # per pass; votes per (pass, layer)
     "xtab", "xcls", "htab",                                # expert us [class, rows], [M, E] class; host issue us [rows]
     "wfix",                                                # [M, E] an expert's share of a fused launch at 0 rows
+    "wcnt",                                                # a fused launch's own cost by its expert count [0..E]
 ])
 # Costs.hwf
 (SLOW, HOST_LOAD, HX0, HX1, TAIL, HALF_RT, CPU_TOK, TFLOPS, HOST_SYNC, PASS_START, HOST_PASS_START, HEAD, HOST_HEAD,
- WAVE, WAVE_US, WAVE_ROW, OWA_GPU) = range(17)
+ WAVE, WAVE_ROW, OWA_GPU) = range(16)
 # Costs.hwi
 ENGINES, FIFO, ON_HOST, PARAMS, KEEP, HEAD_SPAN, SILENT, AHEAD = range(8)
 Out = namedtuple("Out", [

@@ -12,7 +12,7 @@ from numba import njit
 from cmoe.sim.replay.clock import (DRAINED, ENGINES, ERR, FIFO, G_, H_, HALF_RT, HEAD, HEAD_SPAN, HOST_HEAD,
                                    AHEAD, HOST_PASS_START, HOST_SYNC, IN_FLIGHT, NOW, OP_ATTN, SILENT,
                                    OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, OWA_GPU,
-                                   PASS_INDEX, PASS_START, PREV_END, CPU_TOK, SLOW, TAIL, WAVE, WAVE_ROW, WAVE_US,
+                                   PASS_INDEX, PASS_START, PREV_END, CPU_TOK, SLOW, TAIL, WAVE, WAVE_ROW,
                                    W_DRAINED, W_READY, _advance, copying, _issue, _release, _span, _sync, pmax)
 
 
@@ -91,7 +91,7 @@ def _waves(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, silent, own, 
         nw = max(nw, w + 1)
     for k in range(nw):
         due = pmax(G, H)
-        start, dur, cnt = due, x.hwf[WAVE_US] + extra, 0
+        start, dur, cnt = due, extra, 0
         for g in range(g0, g1):
             if c.wv[g - g0] != k:
                 continue
@@ -103,6 +103,7 @@ def _waves(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, silent, own, 
             r = n if x.all_rows[p] else _votes(x, p, m, e, M)
             dur += x.wfix[m, e] + x.hwf[WAVE_ROW] * r
             cnt += 1
+        dur += x.wcnt[cnt]
         issue = 0.0 if silent else x.htab[n]              # a launch's host cost goes by the pass's tokens
         start = pmax(start, H + issue - x.hwf[TAIL])
         if c.I[IN_FLIGHT] and copying(c, x, start):

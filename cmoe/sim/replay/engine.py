@@ -54,6 +54,7 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
     # experts) by the pass's tokens, as calibrate measures it; both index 1..R
     htab = np.array([hw.host_expert(max(r, 1)) for r in range(R + 1)])
     wfix = eb / (hw.wave_gbps * 1e9) * 1e6 if hw.wave_gbps else np.zeros((M, E))
+    wcnt = np.array([hw.wave_fixed_us(k) for k in range(E + 1)])     # a launch's own cost by its experts
     ns, inv = np.unique(pa.ntok, return_inverse=True)
     predict = hw.predict_layer_us if policy.uses_prediction else 0.0
     per_n = np.array([[hw.layer_us(n, c.attn_bytes), hw.host_layer(n), hw.host_sync_us + hw.host_route(n) + predict,
@@ -74,7 +75,7 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
     hwf = np.array([1.0 + hw.copy_compute_slowdown, hw.host_load_us, hw.host_expert_us, hw.host_expert_us_per_token,
                     hw.host_expert_tail_us, hw.roundtrip_us / 2, hw.cpu_expert_us_per_token, hw.matmul_tflops * 1e12,
                     hw.host_sync_us, hw.pass_start_us, hw.host_pass_start_us, hw.head_us, hw.host_head_us,
-                    float(hw.wave_gbps > 0), hw.wave_us, hw.wave_row_us, hw.owa_gpu_us])
+                    float(hw.wave_gbps > 0), hw.wave_row_us, hw.owa_gpu_us])
     hwi = np.array([hw.copy_engines, hw.copy_fifo, hw.copy_on_host, c.expert_params, keep_spans,
                     bool(hw.head_us or hw.host_head_us), silent(hw, policy),
                     hw.commit_ahead and policy.commits and hw.copy_fifo], np.int64)
@@ -82,7 +83,7 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
     return ck.Costs(h2d, xfix, eb, cpu1, np.array(c.moe_layers, np.int64), hwf, hwi, c_(layer_gpu), c_(layer_host),
                     c_(route_host), c_(dense_gpu), c_(dense_host), c_(attn_gpu), c_(attn_host), c_(pa.ntok),
                     c_(commit_decode), c_(pa.ntok <= hw.dense_rows), c_(pa.need_ptr), c_(pa.need), c_(pa.votes),
-                    c_(xtab), c_(xcls), c_(htab), c_(wfix))
+                    c_(xtab), c_(xcls), c_(htab), c_(wfix), c_(wcnt))
 
 
 class Replay:
