@@ -323,19 +323,15 @@ def test_a_wave_starts_once_the_host_has_launched_it():
     prof = replace(FLAT_WAVE, host_expert_us=2.0, host_expert_tail_us=0.5)
     a, b, _, _ = both(t, "ondemand", prof, 1, slots=4, costs=tiny_costs(t))
     same_run(a, b)
-    routes = {(s[1], s[2]): s[7] for s in a.spans if s[4] == "route"}
-    loads = {(s[1], s[2]) for s in a.spans if s[4] == "load"}
-    gaps = [spans[0][6] - routes[k] for k, spans in _by_layer(a.spans).items() if k in routes and k not in loads]
-    assert len(gaps) > 20 and all(g == pytest.approx(1.5) for g in gaps)
+    gaps = _launch_gaps(a.spans)
+    assert len(gaps) > 20 and all(g == pytest.approx(1.5) for g in gaps.values())
     # calibrate measures a launch's host cost per batch (tokens): a table is read at the pass's
     # tokens (1 here), not at the rows of the wave (2: top-2), in both engines
     table = replace(prof, host_expert_points=((1, 2.0), (2, 7.0), (4, 20.0)))
     a, b, _, _ = both(t, "ondemand", table, 1, slots=4, costs=tiny_costs(t))
     same_run(a, b)
     tokens = {ps.index: len(ps.tokens) for ps in make_passes(t, 1)}
-    routes = {(s[1], s[2]): s[7] for s in a.spans if s[4] == "route"}
-    loads = {(s[1], s[2]) for s in a.spans if s[4] == "load"}
-    gaps = {k: spans[0][6] - routes[k] for k, spans in _by_layer(a.spans).items() if k in routes and k not in loads}
+    gaps = _launch_gaps(a.spans)
     assert len(gaps) > 20 and {tokens[p] for p, _ in gaps} >= {1, 2}
     assert all(g == pytest.approx(table.host_expert(tokens[p]) - 0.5) for (p, _), g in gaps.items())
     assert [g for (p, _), g in gaps.items() if tokens[p] == 1] == pytest.approx([1.5] * sum(tokens[p] == 1 for p, _ in gaps))
@@ -381,6 +377,14 @@ def test_the_read_back_and_the_prediction_cost_the_gpu_in_attention():
         assert all(runs[1][k] - runs[0][k] == pytest.approx(delta) for k in runs[0]), policy
 
 
+def _launch_gaps(spans) -> dict:
+    """(pass, layer) -> the idle from a layer's route span to its first expert, for the layers
+    that load nothing themselves."""
+    routes = {(s[1], s[2]): s[7] for s in spans if s[4] == "route"}
+    loads = {(s[1], s[2]) for s in spans if s[4] == "load"}
+    return {k: ex[0][6] - routes[k] for k, ex in _by_layer(spans).items() if k in routes and k not in loads}
+
+
 def _by_layer(spans):
     out: dict = {}
     for s in spans:
@@ -407,12 +411,7 @@ def test_commit_launches_pay_owa_on_the_device():
     def launches(policy, owa):
         a, b, _, _ = both(t, policy, replace(LEAN, owa_gpu_us=owa), 1, pool_gb=60)
         same_run(a, b)
-        out = {}
-        for s in a.spans:
-            if s[4] == "expert":
-                lo, hi = out.get((s[1], s[2]), (s[6], s[7]))
-                out[(s[1], s[2])] = (min(lo, s[6]), max(hi, s[7]))
-        return {k: hi - lo for k, (lo, hi) in out.items()}
+        return {k: max(x[7] for x in ex) - ex[0][6] for k, ex in _by_layer(a.spans).items()}
     plain, owa = launches("commit", 0.0), launches("commit", 37.0)
     assert plain.keys() == owa.keys() and any(pa.decode[p] for p, _ in plain)
     for (p, d), us in plain.items():

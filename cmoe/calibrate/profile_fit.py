@@ -152,9 +152,14 @@ def _owa_fit(points: list, waves: dict) -> dict:
     if not points or not waves:
         return {}
     count = waves.get("wave_count_us")
-    fit = [(table_us(count, p[0]) if count else waves["wave_us"]) + p[0] * p[3] / (waves["wave_gbps"] * GB) * 1e6
-           + waves["wave_row_us"] * p[1] for p in points]
+    fit = [(table_us(count, p[0]) if count else waves["wave_us"]) + _shares_us(p, waves) for p in points]
     return {"owa_gpu_us": max(float(np.mean([p[2] * 1e6 - f for p, f in zip(points, fit)])), 0.0)}
+
+
+def _shares_us(p: list, waves: dict) -> float:
+    """What a launch's experts add to it under a wave fit: their bytes at wave_gbps and their rows,
+    for a point [experts, rows, seconds, mean expert bytes]."""
+    return p[0] * p[3] / (waves["wave_gbps"] * GB) * 1e6 + waves["wave_row_us"] * p[1]
 
 
 def _wave_fit(points: list) -> dict:
@@ -178,8 +183,8 @@ def _wave_fit(points: list) -> dict:
     # shares (the line bends: on the H200 two experts took 81 us where the line said 86, three 118 for 110)
     by: dict[int, list[float]] = {}
     for p in points:
-        by.setdefault(int(p[0]), []).append(p[2] - p[0] * p[3] / (out["wave_gbps"] * GB) - b * p[1])
-    out["wave_count_us"] = tuple((n, max(float(np.mean(v)), 0.0) * 1e6) for n, v in sorted(by.items()))
+        by.setdefault(int(p[0]), []).append(p[2] * 1e6 - _shares_us(p, out))
+    out["wave_count_us"] = tuple((n, max(float(np.mean(v)), 0.0)) for n, v in sorted(by.items()))
     return out
 
 
