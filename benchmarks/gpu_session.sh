@@ -5,6 +5,8 @@
 #   bash benchmarks/gpu_session.sh b48        # batches 8 and 4, pools 20/16/26, the GPU-only policies
 #   bash benchmarks/gpu_session.sh cpu48      # batches 4 and 8, lfu-fallback and static (their CPU twins
 #                                             # take ~150 s to build, so they get a call of their own)
+#   bash benchmarks/gpu_session.sh gptq       # issue 17: GPTQModel-made GPTQ/AWQ checkpoints (carry .gq, made
+#                                             # here by benchmarks/gptq_h200.py make) run as stored, both engines
 #   bash benchmarks/gpu_session.sh validate   # issue 15: calibrate (4-layer cut, ~190 s), then measure the
 #                                             # GPU-only policies at pools 16/20/26, batches 1/2/4/8; the
 #                                             # tarballs under $OUT go to benchmarks/validate_table.py here
@@ -24,10 +26,11 @@ case "${1:-}" in
          --policies ondemand,lru-prefetch,commit,oracle ;;
   cpu48) timeout 570 $B --out "$OUT/cpu48" --batches 4,8 --pools 20,16,26 --engines lean --repeats 0 \
            --policies lfu-fallback,static ;;
+  gptq) timeout 300 python3 benchmarks/gptq_h200.py run --src .gq --out "$OUT/gptq-h200.json" 2>&1 | tail -30 ;;
   validate) timeout 560 python3 benchmarks/validate_h200.py --out /tmp/v --pools 16,20,26 --batches 1,2,4,8 \
               --tokens 32 --policies upper,ondemand,lru-prefetch,commit,oracle --measure-only \
               --commit "${COMMIT:-unknown}" 2>&1 | tee "$OUT/validate.log" | grep -v "^  " || true
             (cd /tmp/v && tar czf "$OUT/head.tgz" results.json profile.json profile.measurements.json \
               && for b in 1 2 4 8; do ls -d pool*-b$b >/dev/null 2>&1 && tar czf "$OUT/meas-b$b.tgz" pool*-b$b; done) ;;
-  *) echo "usage: $0 tests|b1|b48|cpu48|validate" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|gptq|b1|b48|cpu48|validate" >&2; exit 2 ;;
 esac
