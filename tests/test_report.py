@@ -33,7 +33,8 @@ window.addEventListener('error', e => window.__errors.push(String(e.message)));
 const __ce = console.error; console.error = (...a) => { window.__errors.push(a.join(' ')); __ce(...a); };
 window.addEventListener('load', () => setTimeout(() => {
   const graphs = [...document.querySelectorAll('.plotly-graph-div')].map(d => ({
-    traces: d.data.length, rendered: !!d._fullLayout,
+    traces: d.data.length, rendered: !!d._fullLayout, names: d.data.map(t => t.name || ''),
+    types: d.data.map(t => t.type || 'scatter'),
     webgl: d.querySelectorAll('canvas').length, svg: d.querySelectorAll('svg.main-svg').length}));
   const p = document.createElement('pre'); p.id = 'probe';
   p.textContent = JSON.stringify({errors: window.__errors, graphs: graphs,
@@ -77,7 +78,8 @@ def _expected_timeline_traces(folder: Path, policies) -> int:
 
 @needs_browser
 def test_simulation_report_renders_in_chromium(tmp_path):
-    folder = _sim_folder(tmp_path)
+    from cmoe.analysis.breakdown import PARTS
+    folder = _sim_folder(tmp_path, ("upper", "ondemand", "commit"))
     page = build_report([folder])
     assert page == folder / "report.html"
     text = page.read_text()
@@ -85,10 +87,61 @@ def test_simulation_report_renders_in_chromium(tmp_path):
     got = open_in_browser(page, "report-simulation")
     assert got["errors"] == []
     assert got["offline"]
-    timeline, passes = got["graphs"]
-    assert timeline["traces"] == _expected_timeline_traces(folder, ("upper", "commit"))
+    bars, breakdown, misses, timeline = got["graphs"]
+    assert bars["types"] == ["bar"] and bars["svg"] > 0                      # one bar per policy, upper a line
+    assert breakdown["names"] == list(PARTS) and set(breakdown["types"]) == {"bar"}
+    assert misses["names"] == ["ondemand", "commit"] and set(misses["types"]) == {"heatmap"}   # upper never misses
+    assert timeline["traces"] == _expected_timeline_traces(folder, ("upper", "ondemand", "commit"))
     assert timeline["webgl"] > 0 and timeline["rendered"]                   # WebGL segments, not SVG bars
-    assert passes["traces"] == 4 and passes["svg"] > 0                      # occupancy and hit rate, 2 policies
+    assert "Pool occupancy" not in text and "time (ms)" in text
+
+
+def test_summary_charts_hold_the_runs_own_figures(tmp_path):
+    """The breakdown bars and the miss heatmap carry exactly what cmoe.analysis computes of the run."""
+    import plotly.io as pio
+
+    from cmoe.analysis.breakdown import PARTS, expert_traffic, pass_breakdown
+    from cmoe.analysis.runfolder import read_passes, read_timeline
+    from cmoe.report.build import RUN_METRICS, _read_run, _summary_blocks
+    from cmoe.report.page import Figures
+    folder = _sim_folder(tmp_path, ("upper", "ondemand"))
+    metrics, spans, passes = _read_run(folder, RUN_METRICS)
+    figs = []
+
+    class Keep(Figures):
+        def div(self, fig):
+            figs.append(fig)
+            return ""
+    _summary_blocks(metrics, spans, passes, Keep())
+    bars, breakdown, misses = (pio.from_json(f.to_json()) for f in figs)
+    assert list(bars.data[0].y) == ["upper", "ondemand"][::-1] if metrics[0]["tokens_per_s"] > metrics[1]["tokens_per_s"] \
+        else list(bars.data[0].y) == ["upper", "ondemand"]
+    tl = read_timeline(folder, "ondemand")
+    dec = {p["pass"] for p in read_passes(folder, "ondemand", True) if p["decode"]}
+    want = pass_breakdown(tl, dec)
+    assert [tr.x[1] for tr in breakdown.data] == [want[p] for p in PARTS]          # row 1: ondemand
+    traffic = expert_traffic(tl, dec)
+    layers = sorted({m for m, _ in traffic})
+    m, e = max(traffic, key=lambda k: traffic[k]["loads"])
+    assert misses.data[0].z[layers.index(m)][e] == traffic[(m, e)]["loads"] / len(dec)
+    assert sum(traffic[k]["loads"] for k in traffic) == next(x for x in metrics if x["policy"] == "ondemand")["loads"]
+
+
+@needs_browser
+def test_a_trace_bundle_gets_a_statistics_page(tmp_path):
+    from cmoe.trace import bundle
+    t = generate(preset("mixtral-8x7b"), recipe("w4a16"), SyntheticParams(requests=2, prompt_len=8, decode_len=16))
+    path = bundle.write(t, tmp_path / "tr")
+    page = build_report([path])
+    assert page == tmp_path / "tr-stats.html" and sorted(p.name for p in path.iterdir()) == sorted(
+        p.name for p in bundle.write(t, tmp_path / "again").iterdir())             # nothing written into the bundle
+    got = open_in_browser(page, "report-stats")
+    assert got["errors"] == []
+    load, lines = got["graphs"]
+    assert load["types"] == ["heatmap"]
+    assert lines["names"] == ["entropy of the load / log E", "consecutive tokens keep the first expert",
+                              "consecutive tokens share an expert", "commit prediction holds the true expert"]
+    assert "rep_1st" in page.read_text()                                      # the cmoe stats table
 
 
 @needs_browser
@@ -127,7 +180,9 @@ def test_predicted_against_measured_on_one_axis(tmp_path, checkpoints, tiny_trac
     assert got["errors"] == []
     pred = {s[4] for s in read_parquet(sim / "timeline-ondemand.parquet")}
     meas = {s[4] for s in read_parquet(tmp_path / "exec" / "timeline-ondemand.parquet")}
-    assert [g["traces"] for g in got["graphs"]] == [len(pred) + len(meas)]
+    layers, timeline = got["graphs"]
+    assert layers["names"] == ["agree (dotted: +-8%)"] * 3 + ["ondemand"] and timeline["traces"] == len(pred) + len(meas)
+    assert "predicted ms" in text
 
 
 def test_span_limit_keeps_whole_passes_and_says_so():

@@ -3,13 +3,18 @@ predicted/measured pair. Plotly's script is embedded once, so the page works off
 
 Inputs it recognises:
 - a folder written by `cmoe simulate --out` or `cmoe execute --out` (metrics.json,
-  timeline-POLICY.parquet, passes-POLICY.json): metrics table, timeline, occupancy and hit rate;
+  timeline-POLICY.parquet, passes-POLICY.json): metrics table, policies side by side, where a
+  decode pass's time goes, misses by layer and expert, the timeline;
   with `quality` (the JSON `cmoe quality --out` writes), also the frontier: tokens/s against KL to
   exact routing (`cmoe.report.frontier`);
 - a sweep table (`cmoe sweep --out X.parquet`): tokens/s against pool size per policy;
 - any timeline Parquet: the timeline alone;
-- two folders, predicted then measured: both timelines on one time axis, per policy, and a table
-  of where their times differ (by op, per decode pass).
+- two folders, predicted then measured: each layer's mean time predicted against measured (a
+  scatter), both timelines on one time axis per policy, and a table of where their times differ
+  (by op, per decode pass);
+- a trace bundle folder (`cmoe trace --out`): its statistics (`cmoe stats`) as a page.
+
+Every time on a page is in milliseconds.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ from pathlib import Path
 
 from cmoe.core.errors import CmoeError
 from cmoe.analysis.runfolder import read_metrics, read_passes, read_timeline, read_timeline_file
-from cmoe.core.timeline import STEP, OP, START, END, BYTES, COLUMNS
+from cmoe.core.timeline import STEP, LAYER, OP, EXPERT, START, END, BYTES, COLUMNS
 from cmoe.core.util import write_text_atomic
+from cmoe.report.page import Figures
 
 MAX_SPANS = 100_000
 # What a report reads of every policy's metrics: a run's table, and a predicted/measured comparison.
@@ -35,20 +41,6 @@ _CSS = ("body{font-family:system-ui,sans-serif;margin:24px;color:#222}table{bord
 def _page(title: str, blocks: list[str]) -> str:
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>{''.join(blocks)}</body></html>")
-
-
-class _Figures:
-    """Figure divs; the first one carries plotly.js, inline."""
-
-    def __init__(self):
-        self.first = True
-
-    def div(self, fig) -> str:
-        import plotly.io as pio
-        out = pio.to_html(fig, include_plotlyjs=self.first, full_html=False,
-                          config={"responsive": True, "displaylogo": False})
-        self.first = False
-        return out
 
 
 def _table(header: list[str], rows: list[list]) -> str:
@@ -81,7 +73,7 @@ def _fmt(x, spec: str, missing: str = "-") -> str:
     return missing if x is None else format(x, spec)
 
 
-def _frontier_block(metrics: list[dict], quality: Path, figs: _Figures) -> str:
+def _frontier_block(metrics: list[dict], quality: Path, figs: Figures) -> str:
     """The frontier section: the figure, its table beside it, and notes on what the KL is."""
     from cmoe.report.frontier import MEASURED_WITH, frontier_data, frontier_figure, read_quality
     doc = read_quality(quality)
@@ -105,21 +97,51 @@ def _frontier_block(metrics: list[dict], quality: Path, figs: _Figures) -> str:
             f"<div>{figs.div(frontier_figure(f))}</div></div>" + "".join(f"<p class='note'>{html.escape(n)}</p>" for n in notes))
 
 
+def _decode_steps(passes: list[dict], spans: list) -> set[int]:
+    """The decode passes: from passes-POLICY.json, else every pass but the first (the prefill)."""
+    if passes:
+        return {p["pass"] for p in passes if p["decode"]}
+    return {s[STEP] for s in spans} - {min((s[STEP] for s in spans), default=0)}
+
+
+def _summary_blocks(metrics: list[dict], spans: dict[str, list], passes: dict[str, list[dict]], figs: Figures) -> list[str]:
+    """Policies side by side, where a decode pass's time goes, and which experts miss."""
+    from cmoe.analysis.breakdown import expert_traffic, pass_breakdown
+    from cmoe.report.charts import breakdown_figure, policy_bars, traffic_figure
+    decode = {p: _decode_steps(passes.get(p) or [], spans[p]) for p in spans}
+    rows = [(m["policy"], pass_breakdown(spans[m["policy"]], decode[m["policy"]])) for m in metrics]
+    traffic = [(m["policy"], expert_traffic(spans[m["policy"]], decode[m["policy"]]), len(decode[m["policy"]]))
+               for m in metrics if m["policy"] != "upper"]
+    blocks = ["<h2>Policies side by side</h2>", figs.div(policy_bars(metrics)),
+              "<h2>Where a decode pass's time goes</h2>",
+              "<p class='note'>The compute stream's time per decode pass: busy with experts or with the rest of "
+              "the layer; idle while a copy was in flight, else while CPU experts ran, else waiting on the host "
+              "(cmoe/analysis/breakdown.py). The parts add up to the pass.</p>", figs.div(breakdown_figure(rows))]
+    keys = {k for _, t, _ in traffic for k in t} | {(s[LAYER], s[EXPERT]) for p in spans for s in spans[p]
+                                                    if s[OP] == "expert" and s[EXPERT] >= 0}
+    if traffic and keys:
+        layers = sorted({m for m, _ in keys})
+        blocks += ["<h2>Misses by layer and expert</h2>",
+                   "<p class='note'>Copies into the pool plus runs on the CPU, per decode pass (the menu picks the "
+                   "policy; hover for how often each expert ran).</p>",
+                   figs.div(traffic_figure(traffic, layers, max(e for _, e in keys) + 1))]
+    return blocks
+
+
 def run_report(folder: Path, max_spans: int, quality: Path | None = None) -> tuple[str, str]:
-    from cmoe.report.figures import limit_spans, passes_figure, timeline_figure
+    from cmoe.report.figures import limit_spans, timeline_figure
     metrics, spans, passes = _read_run(folder, RUN_METRICS)
     kind = _kind(metrics)
     m0 = metrics[0]
     title = f"{m0['model']}: {kind}, pool {m0['pool_gb']:g} GB, batch {m0['batch']}"
-    figs = _Figures()
+    figs = Figures()
     groups, note = limit_spans([(p, spans[p]) for p in spans], max_spans)
     blocks = [f"<p class='note'>{html.escape(kind)} run from {html.escape(str(folder))}; "
               f"{m0['decode_tokens']} decode tokens per policy.</p>", _metrics_table(metrics),
               _frontier_block(metrics, quality, figs) if quality is not None else "",
+              *_summary_blocks(metrics, spans, passes, figs),
               "<h2>Timeline</h2>", f"<p class='note'>{html.escape(note)}</p>" if note else "",
               figs.div(timeline_figure(groups, f"{kind} timeline"))]
-    if any(passes.values()):
-        blocks += ["<h2>Pool occupancy and hit rate</h2>", figs.div(passes_figure([(p, r) for p, r in passes.items() if r]))]
     return title, "".join(blocks)
 
 
@@ -130,7 +152,7 @@ def compare_report(predicted: Path, measured: Path, max_spans: int) -> tuple[str
     common = [m["policy"] for m in mm if m["policy"] in ps]
     if not common:
         raise CmoeError(f"{predicted} and {measured} share no policy: run the same policies in both")
-    figs = _Figures()
+    figs = Figures()
     blocks = [f"<p class='note'>predicted: {html.escape(str(predicted))}; measured: {html.escape(str(measured))}</p>"]
     rows = []
     for pol in common:
@@ -141,6 +163,7 @@ def compare_report(predicted: Path, measured: Path, max_spans: int) -> tuple[str
                      f"{a['tpot_ms_mean']:.2f}", f"{b['tpot_ms_mean']:.2f}"])
     blocks.append(_table(["policy", "predicted tok/s", "measured tok/s", "error", "predicted TPOT ms",
                           "measured TPOT ms"], rows))
+    blocks += _layer_block(predicted, measured, common, figs)
     for pol in common:
         pred, meas = _aligned(ps[pol], ms[pol])
         blocks.append(f"<h2>{html.escape(pol)}: time per decode pass by op</h2>")
@@ -151,6 +174,21 @@ def compare_report(predicted: Path, measured: Path, max_spans: int) -> tuple[str
             blocks.append(f"<p class='note'>{html.escape(note)}</p>")
         blocks.append(figs.div(timeline_figure(groups, f"{pol}: predicted and measured")))
     return f"{pm[0]['model']}: predicted against measured", "".join(blocks)
+
+
+def _layer_block(predicted: Path, measured: Path, policies: list[str], figs: Figures) -> list[str]:
+    """Each layer's mean time per decode pass, predicted against measured, as `cmoe validate` reads it."""
+    from cmoe.analysis.validate import read_run, validate
+    from cmoe.report.charts import layer_scatter
+    runs = []
+    try:
+        for pol in policies:
+            v = validate(read_run(predicted, pol), read_run(measured, pol))
+            runs.append((pol, [(int(m), e["pred_mean_us"] / 1e3, e["meas_mean_us"] / 1e3)
+                               for m, e in v["per_layer"].items() if e["n"]]))
+    except CmoeError as e:
+        return [f"<p class='note'>no per-layer comparison: {html.escape(str(e))}</p>"]
+    return ["<h2>Each layer, predicted against measured</h2>", figs.div(layer_scatter(runs))]
 
 
 def _aligned(pred: list, meas: list) -> tuple[list, list]:
@@ -174,16 +212,16 @@ def _op_table(pred: list, meas: list, decode: set[int] | None) -> str:
         for s in spans:
             if s[STEP] in dec:
                 tot[s[OP]] = tot.get(s[OP], 0.0) + s[END] - s[START]
-        return {k: v / max(len(dec), 1) for k, v in tot.items()}
+        return {k: v / max(len(dec), 1) / 1e3 for k, v in tot.items()}
     a, b = per_pass(pred), per_pass(meas)
     rows = []
     for op in sorted(set(a) | set(b)):
         x, y = a.get(op, 0.0), b.get(op, 0.0)
         if op.startswith("host_") and op not in a:
-            rows.append([op, "-", f"{y:.1f}", "-"])
+            rows.append([op, "-", f"{y:.3f}", "-"])
             continue
-        rows.append([op, f"{x:.1f}", f"{y:.1f}", f"{(x - y) / y * 100:+.1f}%" if y else "-"])
-    return _table(["op", "predicted us", "measured us", "error"], rows)
+        rows.append([op, f"{x:.3f}", f"{y:.3f}", f"{(x - y) / y * 100:+.1f}%" if y else "-"])
+    return _table(["op", "predicted ms", "measured ms", "error"], rows)
 
 
 def sweep_report(path: Path) -> tuple[str, str]:
@@ -201,7 +239,7 @@ def sweep_report(path: Path) -> tuple[str, str]:
     rows = table.to_pylist()
     if not rows:
         raise CmoeError(f"{path} has no rows: give a sweep table with at least one grid point")
-    figs = _Figures()
+    figs = Figures()
     blocks = []
     for heading, fig in sweep_figure(rows):
         blocks += [f"<h2>{html.escape(heading)}</h2>", figs.div(fig)]
@@ -215,7 +253,7 @@ def sweep_report(path: Path) -> tuple[str, str]:
 def timeline_report(path: Path, max_spans: int) -> tuple[str, str]:
     from cmoe.report.figures import limit_spans, timeline_figure
     groups, note = limit_spans([(path.stem, read_timeline_file(path))], max_spans)
-    blocks = [f"<p class='note'>{html.escape(note)}</p>" if note else "", _Figures().div(timeline_figure(groups, path.stem))]
+    blocks = [f"<p class='note'>{html.escape(note)}</p>" if note else "", Figures().div(timeline_figure(groups, path.stem))]
     return f"timeline: {path.name}", "".join(blocks)
 
 
@@ -249,6 +287,10 @@ def build_report(inputs: list[Path], out: Path | None = None, max_spans: int = M
     if len(inputs) == 2:
         title, body = compare_report(inputs[0], inputs[1], max_spans)
         out = out or inputs[1] / "compare.html"
+    elif first.is_dir() and (first / "meta.json").is_file() and quality is None:
+        from cmoe.report.stats_page import stats_report
+        title, body = stats_report(first)
+        out = out or first.parent / f"{first.name}-stats.html"         # beside the bundle, never inside it
     elif first.is_dir():
         title, body = run_report(first, max_spans, quality)
         out = out or first / "report.html"

@@ -1,8 +1,8 @@
-"""Plotly figures for reports: timelines, per-pass pool occupancy and hit rate, sweeps.
+"""Plotly figures for reports: timelines and sweeps (the summary charts are in `charts.py`).
 
 Timelines are drawn as WebGL line segments, one trace per (run, op): each span is two points and
 a gap, so 100,000+ spans stay responsive where one SVG bar per span would not. The time axis is
-numeric microseconds. Lanes are (run, stream) pairs; spans that overlap on one stream (copies in
+numeric milliseconds, as on every chart of a report. Lanes are (run, stream) pairs; spans that overlap on one stream (copies in
 flight together) go to extra lanes `copy0#1`, ... as in the Chrome trace export.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
 from cmoe.report.chrome import tracks
 from cmoe.core.timeline import STEP, LAYER, OP, EXPERT, START, END, BYTES, Span
@@ -23,7 +22,7 @@ OP_COLORS = {"attention": "#4C78A8", "dense": "#9ECAE9", "shared": "#72B7B2", "r
              "host_predict": "#EECA3B", "host_head": "#A9D4A5"}
 POLICY_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#B279A2", "#9D755D", "#72B7B2", "#EECA3B"]
 _HOVER = ("%{fullData.name}<br>pass %{customdata[0]}, layer %{customdata[1]}, expert %{customdata[2]}"
-          "<br>%{customdata[3]:.2f} MB, %{customdata[4]:.1f} us long<br>at %{x:.1f} us<extra></extra>")
+          "<br>%{customdata[3]:.2f} MB, %{customdata[4]:.4f} ms long<br>at %{x:.4f} ms<extra></extra>")
 
 
 def limit_spans(groups: list[tuple[str, list[Span]]], max_spans: int) -> tuple[list[tuple[str, list[Span]]], str]:
@@ -61,38 +60,21 @@ def timeline_figure(groups: list[tuple[str, list[Span]]], title: str = "timeline
             by_op.setdefault(s[OP], []).append((lane_of[track], s))
         for op, items in sorted(by_op.items()):
             n = len(items)
-            x = np.full(3 * n, np.nan)                       # start, end, gap: float64 keeps 0.1 us
+            x = np.full(3 * n, np.nan)                       # start, end, gap (ms): float64 keeps 0.1 us
             y = np.full(3 * n, np.nan, dtype=np.float32)
-            cd = np.zeros((3 * n, 5), dtype=np.float32)      # pass, layer, expert, MB, duration us
-            x[0::3] = [s[START] for _, s in items]
-            x[1::3] = [s[END] for _, s in items]
+            cd = np.zeros((3 * n, 5), dtype=np.float32)      # pass, layer, expert, MB, duration ms
+            x[0::3] = [s[START] / 1e3 for _, s in items]
+            x[1::3] = [s[END] / 1e3 for _, s in items]
             y[0::3] = y[1::3] = [lane for lane, _ in items]
-            info = np.array([(s[STEP], s[LAYER], s[EXPERT], s[BYTES] / 1e6, s[END] - s[START]) for _, s in items], dtype=np.float32)
+            info = np.array([(s[STEP], s[LAYER], s[EXPERT], s[BYTES] / 1e6, (s[END] - s[START]) / 1e3) for _, s in items], dtype=np.float32)
             cd[0::3], cd[1::3] = info, info
             fig.add_trace(go.Scattergl(
                 x=x, y=y, customdata=cd, mode="lines", name=f"{label}: {op}", legendgroup=op,
                 line=dict(color=OP_COLORS.get(op, "#333333"), width=9), hovertemplate=_HOVER))
     fig.update_yaxes(tickvals=list(range(len(lanes))), ticktext=lanes, autorange="reversed", showgrid=False)
-    fig.update_xaxes(title_text="time (us)", type="linear")
+    fig.update_xaxes(title_text="time (ms)", type="linear")
     fig.update_layout(title=title, height=max(320, 26 * len(lanes) + 140), hovermode="closest",
                       margin=dict(l=10, r=10, t=50, b=40), legend=dict(font=dict(size=10)))
-    return fig
-
-
-def passes_figure(runs: list[tuple[str, list[dict]]]) -> go.Figure:
-    """Pool occupancy and hit rate per pass, against the time the run had reached (ms)."""
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
-                        subplot_titles=("experts resident in the pool", "hit rate of the pass"))
-    for i, (label, rows) in enumerate(runs):
-        t = np.cumsum([r["us"] for r in rows]) / 1e3
-        color = POLICY_COLORS[i % len(POLICY_COLORS)]
-        fig.add_trace(go.Scatter(x=t, y=[r["occupancy"] for r in rows], name=label, legendgroup=label,
-                                 line=dict(color=color)), row=1, col=1)
-        fig.add_trace(go.Scatter(x=t, y=[r["hits"] / r["experts"] if r["experts"] else 1.0 for r in rows],
-                                 name=label, legendgroup=label, showlegend=False, line=dict(color=color)), row=2, col=1)
-    fig.update_xaxes(title_text="time (ms)", row=2, col=1)
-    fig.update_yaxes(range=[0, 1.02], row=2, col=1)
-    fig.update_layout(height=560, margin=dict(l=10, r=10, t=50, b=40))
     return fig
 
 
