@@ -221,7 +221,8 @@ def messy_trace(seed):
     ex = t.experts[perm].copy()
     ex[rng.random(ex.shape) < 0.1] = -1
     ex[:, :, 2] = np.where(rng.random(ex.shape[:2]) < 0.2, ex[:, :, 0], ex[:, :, 2])
-    return replace(t, experts=ex, pred_experts=t.pred_experts[perm], request=(t.request[perm] * 3) % 7,
+    return replace(t, experts=ex, pred_experts=t.pred_experts[perm], pred_ahead=t.pred_ahead[perm],
+                   request=(t.request[perm] * 3) % 7,
                    step=t.step[perm], phase=t.phase[perm], weights=t.weights[perm])
 
 
@@ -235,6 +236,21 @@ def test_vectorised_passes_equal_the_per_pass_code(seed, monkeypatch):
                    {"decode_steps": -1}, {"groups": -1}):
             assert as_tuples(make_passes(t, batch, **kw)) == old_make_passes(t, batch, **kw), (batch, kw)
             assert as_tuples(to_passes(build(t, batch, **kw))) == old_make_passes(t, batch, **kw)
+        check_ahead(t, build(t, batch))
+
+
+def check_ahead(t, pa):
+    """Each distance's predictions are ranked as distance 1's are, and `seen` reads them back."""
+    M, D = t.spec.num_moe_layers, t.depth
+    ps = to_passes(pa)
+    assert pa.depth == D == 4
+    for p, ps_ in enumerate(ps):
+        rows = pa.tok[pa.tok_ptr[p]:pa.tok_ptr[p + 1]].tolist()
+        for m in range(M):
+            want = [ranked([t.pred_ahead[i, m, k].tolist() for i in rows])[0] for k in range(D)]
+            assert ps_.ahead[m] == tuple(want) and ps_.ahead[m][0] == ps_.predicted[m]
+        for m in range(M + 1):
+            assert ps_.seen(m, 3) == pa.seen(p, m, 3) == [list(ps_.ahead[m + k][k]) for k in range(min(3, M - m))]
 
 
 def test_every_configuration_runs_one_compiled_version():

@@ -56,3 +56,28 @@ def test_routes_are_valid_and_sorted_by_weight():
     bundle.validate(t)
     assert (np.diff(t.weights, axis=-1) <= 0).all()
     assert (t.pred_experts >= 0).all()
+
+
+def test_accuracy_by_distance_follows_its_parameters_and_leaves_distance_1_alone():
+    spec = preset("mixtral-8x7b")
+    p = SyntheticParams(requests=16, prompt_len=16, decode_len=240, pred_acc=0.9, seed=3)
+    t = generate(spec, recipe("w4a16"), p)
+    assert p.ahead_ratio == (0.94, 0.85, 0.83) and t.depth == 4
+    for k, want in enumerate((0.9, 0.9 * 0.94, 0.9 * 0.85, 0.9 * 0.83), start=1):
+        a = t.pred_ahead[:, k - 1:, k - 1]                      # layers m >= k-1 have a layer m-k
+        got = (t.experts[:, k - 1:, :, None] == a[..., None, :]).any(-1).mean()
+        assert abs(got - want) < ACC_TOL, (k, got, want)
+        assert (t.pred_ahead[:, : k - 1, k - 1] == -1).all() and (a >= 0).all()
+    flat = generate(spec, recipe("w4a16"), SyntheticParams(requests=16, prompt_len=16, decode_len=240, pred_acc=0.9,
+                                                           seed=3, ahead_ratio=()))
+    assert flat.pred_ahead is None and flat.depth == 1
+    for k in ("experts", "weights", "pred_experts"):            # the deeper draws change nothing else
+        assert np.array_equal(getattr(flat, k), getattr(t, k))
+    again = generate(spec, recipe("w4a16"), p)
+    assert np.array_equal(again.pred_ahead, t.pred_ahead)
+
+
+def test_a_ratio_past_certainty_is_refused():
+    from cmoe.core.errors import CmoeError
+    with pytest.raises(CmoeError, match="ahead_ratio values must be >= 0"):
+        SyntheticParams(pred_acc=0.9, ahead_ratio=(1.2,))
