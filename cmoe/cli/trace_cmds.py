@@ -65,10 +65,8 @@ def trace(
         raise CmoeError("a synthetic trace takes --prompt-tokens from 1 and --tokens up to 1000000")
     params = SyntheticParams(requests=requests, prompt_len=64 if prompt_tokens is None else prompt_tokens,
                              decode_len=256 if tokens is None else max(tokens, 1), skew=skew,
-                             repetition=rep, pred_acc=pred_acc, seed=seed,
-                             ahead_ratio=SyntheticParams.ahead_ratio[: depth - 1])
-    name = synthetic or (model.name if model else "tiny-moe")
-    out = out or Path(f"trace-{name}")
+                             repetition=rep, pred_acc=pred_acc, seed=seed, ahead_ratio=SyntheticParams.ahead_ratio[: depth - 1])
+    out = out or Path(f"trace-{synthetic or (model.name if model else 'tiny-moe')}")
     path = run_trace(out, model=model, data=data, synthetic=synthetic, quant=quant, params=params,
                      overwrite=force, parquet=parquet, max_new_tokens=32 if tokens is None else tokens,
                      max_prompt_tokens=max_prompt_tokens, record_logits=record_logits, device=device,

@@ -245,7 +245,8 @@ class Simulation(ExpertSteps):
         if x.commit_decode:                        # layer 0's prediction is read back before it runs
             H = max(H, G) + hw.host_sync_us
             yield from self._sync(H)
-        for ld in pol.begin_pass(ps.decode, list(ps.predicted[0])):
+        deep = {"ahead": ps.seen(0, pol.depth)} if pol.depth > 1 else {}
+        for ld in pol.begin_pass(ps.decode, list(ps.predicted[0]), **deep):
             yield from self._sync(H)
             H += self._issue(ld, ps.index)
         return x, H, G, last
@@ -269,7 +270,8 @@ class Simulation(ExpertSteps):
         env, hw, ps = self.env, self.hw, x.ps
         t_in = G
         nxt = list(ps.predicted[m + 1]) if m + 1 < self._M else None
-        plan = self.policy.plan(m, list(ps.needed[m]), nxt)
+        deep = {"ahead": ps.seen(m + 1, self.policy.depth)} if self.policy.depth > 1 else {}
+        plan = self.policy.plan(m, list(ps.needed[m]), nxt, **deep)
         votes = dict(zip(ps.needed[m], ps.votes[m]))
         x.tally.fallbacks += len(plan.cpu)
         x.tally.skipped += len(plan.skipped)

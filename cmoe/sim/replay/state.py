@@ -107,12 +107,14 @@ def decide_python(policy: pol.Policy, pa: PassArrays, d, p0: int, p1: int) -> No
         j = (p - p0) * (M + 1)
         mark(j)
         d.skipped[j] = 0
-        loads(policy.begin_pass(bool(pa.decode[p]), pa.pred[pa.pred_ptr[p * M]:pa.pred_ptr[p * M + 1]].tolist()))
+        deep = {"ahead": pa.seen(p, 0, policy.depth)} if policy.depth > 1 else {}
+        loads(policy.begin_pass(bool(pa.decode[p]), pa.pred[pa.pred_ptr[p * M]:pa.pred_ptr[p * M + 1]].tolist(), **deep))
         for m in range(M):
             mark(j + 1 + m)
             i = p * M + m
             nxt = pa.pred[pa.pred_ptr[i + 1]:pa.pred_ptr[i + 2]].tolist() if m + 1 < M else None
-            plan = policy.plan(m, pa.need[pa.need_ptr[i]:pa.need_ptr[i + 1]].tolist(), nxt)
+            deep = {"ahead": pa.seen(p, m + 1, policy.depth)} if policy.depth > 1 else {}
+            plan = policy.plan(m, pa.need[pa.need_ptr[i]:pa.need_ptr[i + 1]].tolist(), nxt, **deep)
             for e in plan.gpu:
                 d.g_e[n[0]], d.g_slot[n[0]] = e, plan.slots[e]
                 n[0] += 1
