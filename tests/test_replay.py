@@ -433,3 +433,44 @@ def test_commit_launches_pay_owa_on_the_device():
     for (p, d), us in plain.items():
         assert owa[(p, d)] - us == pytest.approx(37.0 if pa.decode[p] else 0.0), (p, d)
     assert launches("upper", 0.0) == launches("upper", 37.0)
+
+
+def tiny_deep(seed, E=6, M=5, D=3, T=40):
+    """A tiny trace with predictions three layers deep (70% right, else any expert)."""
+    t = tiny(M=M, E=E, T=T, seed=seed, requests=2, K=2)
+    rng = np.random.default_rng(seed + 10)
+    deep = np.where(rng.random((T, M, D, 2)) < 0.7, t.experts[:, :, None], rng.integers(0, E, (T, M, D, 2)))
+    deep[:, :, 0] = t.pred_experts
+    for k in range(2, D + 1):
+        deep[:, : k - 1, k - 1] = -1
+    return replace(t, pred_ahead=deep.astype(np.int16))
+
+
+@pytest.mark.parametrize("profile", [FLAT, FLAT_FIFO, FLAT_WAVE], ids=["flat", "flat-fifo", "flat-waves"])
+@pytest.mark.parametrize("policy", ["adaptive-ahead", "commit-ahead"])
+@pytest.mark.parametrize("seed", range(3))
+def test_look_ahead_twins_decide_as_the_classes(profile, policy, seed):
+    """Predictions three deep, four or five slots of six experts (so fetches fill blocks to their
+    room and wanted experts crowd the victims): the same spans, loads and end state."""
+    t = tiny_deep(seed)
+    batch, slots = 1 + seed % 2, 4 + seed % 2
+    a, b, pa, pb = both(t, policy, profile, batch, slots=slots, costs=tiny_costs(t))
+    same_run(a, b)
+    assert (pa.wanted, pa.fresh, pa.named) == (pb.wanted, pb.fresh, pb.named)
+    assert [list(w.items()) for w in pa.pool.where] == [list(w.items()) for w in pb.pool.where]
+    kinds = load_kinds(make_policy(policy, pa.layout, 6, popularity(t)), make_passes(t, batch))
+    assert kinds["prefetch"] > 0 and kinds["demand" if policy == "adaptive-ahead" else "commit"] > 0, kinds
+
+
+def load_kinds(pol, passes) -> dict[str, int]:
+    """The loads a policy object makes over passes, by kind (driven as the engines drive it)."""
+    kinds = {"demand": 0, "prefetch": 0, "commit": 0}
+    M = len(pol.layout.slots)
+    for ps in passes:
+        lds = pol.begin_pass(ps.decode, list(ps.predicted[0]), ahead=ps.seen(0, pol.depth))
+        for m in range(M):
+            nxt = list(ps.predicted[m + 1]) if m + 1 < M else None
+            lds += pol.plan(m, list(ps.needed[m]), nxt, ahead=ps.seen(m + 1, pol.depth)).loads
+        for ld in lds:
+            kinds[ld.kind] += 1
+    return kinds

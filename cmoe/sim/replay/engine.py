@@ -20,7 +20,8 @@ from cmoe.sim.engine import Costs, SimRun
 from cmoe.sim.costs import moe_attention_extra_us, silent
 from cmoe.sim.replay import clock as ck
 from cmoe.sim.replay.compute import run as run_passes
-from cmoe.sim.replay.decide import decide, decisions
+from cmoe.sim.replay.decide import decide
+from cmoe.sim.replay.twin_pool import decisions
 from cmoe.sim.replay.spans import Spans
 from cmoe.sim.replay.state import decide_python, export, has_twin, pass_data, restore
 from cmoe.trace.pass_arrays import PassArrays, from_passes
