@@ -35,6 +35,7 @@ from cmoe.trace.bundle import DECODE, PREFILL, Trace
 
 MIXTRAL_REPETITION = ((0.0, 0.14), (0.5, 0.26), (1.0, 0.23))
 EMBEDDED_AHEAD = (0.94, 0.85, 0.83)       # accuracy at distance 2, 3, 4 over distance 1's (0.77, 0.70, 0.68 / 0.82)
+AHEAD_COPY = 0.45                          # the embedded model's top-1 agreement of distances k, k+1: 0.80, 0.78, 0.74
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class SyntheticParams:
     pred_acc: float = 0.85
     seed: int = 0
     ahead_ratio: tuple[float, ...] = EMBEDDED_AHEAD   # () keeps distance 1 only
+    ahead_copy: float = AHEAD_COPY        # share of (token, layer) whose prediction at k repeats k-1's
 
     def __post_init__(self) -> None:
         if self.requests < 1 or self.prompt_len < 0 or self.decode_len < 0 or self.prompt_len + self.decode_len < 1:
@@ -55,8 +57,17 @@ class SyntheticParams:
             raise CmoeError("pred_acc must lie in [0, 1] and skew must be >= 0")
         if any(not 0 <= r * self.pred_acc <= 1 or r < 0 for r in self.ahead_ratio):
             raise CmoeError("ahead_ratio values must be >= 0 and keep pred_acc * ratio within [0, 1]")
+        if not 0 <= self.ahead_copy < 1 or any(x < 0 for x in self._fresh_acc()):
+            raise CmoeError("ahead_copy must lie in [0, 1) and leave each distance's fresh draws an accuracy >= 0")
         if any(not 0 <= r < 1 for _, r in self.repetition):
             raise CmoeError("repetition rates must lie in [0, 1)")
+
+    def _fresh_acc(self) -> list[float]:
+        """The accuracy of the rows drawn afresh at distance 2, 3, ..., so that with the copied rows
+        (accuracy of distance k-1) the distance's accuracy is pred_acc * ratio."""
+        accs = [self.pred_acc] + [self.pred_acc * r for r in self.ahead_ratio]
+        c = self.ahead_copy
+        return [(b - c * a) / (1 - c) for a, b in zip(accs, accs[1:])]
 
     def repetition_at(self, num_layers: int) -> np.ndarray:
         xs, ys = zip(*self.repetition)
@@ -130,12 +141,16 @@ def generate(spec: ModelSpec, rec: QuantRecipe, p: SyntheticParams = SyntheticPa
 
 
 def _ahead(experts: np.ndarray, pred: np.ndarray, E: int, p: SyntheticParams) -> np.ndarray:
-    """[T, M, D, K] predictions by distance: distance 1 is `pred`; distance k of layer m is drawn
-    with accuracy pred_acc * ahead_ratio[k-2], -1 where layer m-k lies before the first (m < k-1)."""
+    """[T, M, D, K] predictions by distance: distance 1 is `pred`; at distance k a share
+    `ahead_copy` of the (token, layer) rows repeats distance k-1's (predictions made from nearby
+    states agree more often than independent guesses would), the rest is drawn afresh, so that
+    the accuracy is pred_acc * ahead_ratio[k-2]; -1 where layer m-k lies before the first (m < k-1)."""
     rng = np.random.default_rng([p.seed, 1])       # its own stream: distance 1 and the routes stay as they were
-    out = [pred]
-    for k, r in enumerate(p.ahead_ratio, start=2):
-        a = _predictions(experts, E, p.pred_acc * r, rng).astype(np.int16)
+    out, prev = [pred], pred
+    for k, acc in enumerate(p._fresh_acc(), start=2):
+        drawn = _predictions(experts, E, min(acc, 1.0), rng).astype(np.int16)
+        prev = np.where(rng.random(experts.shape[:2] + (1,)) < p.ahead_copy, prev, drawn)
+        a = prev.copy()
         a[:, : k - 1] = -1
         out.append(a)
     return np.stack(out, 2)
