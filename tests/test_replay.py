@@ -474,3 +474,17 @@ def load_kinds(pol, passes) -> dict[str, int]:
         for ld in lds:
             kinds[ld.kind] += 1
     return kinds
+
+
+def test_look_ahead_policies_pay_for_every_early_router():
+    """The executor runs the routers of the next `depth` layers on each MoE layer's state (fewer
+    near the last): both engines charge that many predictions per layer, on average."""
+    from cmoe.sim.costs import routers
+    layout = PoolLayout((1,) * 8, (4,) * 8, 0)
+    pol = lambda name: make_policy(name, layout, 8, [[1] * 8] * 8)       # noqa: E731
+    assert [routers(pol(p), 8) for p in ("ondemand", "commit", "adaptive-ahead")] == [0.0, 1.0, 22 / 7]
+    t = trace_of("mixtral-8x7b", requests=1, decode=6)
+    a, b, _, _ = both(t, "adaptive-ahead", replace(EAGER, predict_layer_us=150.0, predict_gpu_us=20.0), 1)
+    same_run(a, b)
+    one = both(t, "adaptive-ahead", replace(EAGER, predict_layer_us=0.0, predict_gpu_us=0.0), 1)[0]
+    assert sum(x[3] for x in a.pass_us) > sum(x[3] for x in one.pass_us)

@@ -44,7 +44,7 @@ import simpy
 from cmoe.core.hw import HardwareProfile
 from cmoe.core.metrics import RunRecord
 from cmoe.policy.policies import Load, Policy
-from cmoe.sim.costs import Costs, PassCosts, costs_for, moe_attention_extra_us, silent
+from cmoe.sim.costs import Costs, PassCosts, costs_for, moe_attention_extra_us, routers, silent
 from cmoe.sim.experts import ExpertSteps
 from cmoe.trace.passes import Pass
 from cmoe.core.timeline import STREAM, START, END
@@ -195,9 +195,9 @@ class Simulation(ExpertSteps):
         host's clock H and the compute stream's G."""
         c, hw, pol, run = self.c, self.hw, self.policy, self.run
         self._M = len(c.moe_layers)
-        self._predict_us = hw.predict_layer_us if pol.uses_prediction else 0.0
+        self._predict_us = hw.predict_layer_us * routers(pol, self._M)
         self._silent = silent(hw, pol)
-        moe_gpu = moe_attention_extra_us(hw, pol)
+        moe_gpu = moe_attention_extra_us(hw, pol, self._M)
         H = G = prev_end = 0.0
         for ps in self.passes:
             x, H, G, last = yield from self._begin_pass(ps, H, G)
