@@ -134,11 +134,11 @@ def summary_text(doc: dict) -> str:
              f"{doc['expert_format']} experts: fastest measured {best['policy']} at {best['measured_tok_s']:.1f} tok/s"
              + (f" ({against})" if against else "") + f"; predicted within {max(errs) * 100:.1f}% "
              f"(mean {sum(errs) / len(errs) * 100:.1f}%)",
-             f"{'policy':<13} {'predicted':>10} {'measured':>9} {'error':>7} {'x upper':>7} {'x oracle':>8} "
+             f"{'policy':<14} {'predicted':>10} {'measured':>9} {'error':>7} {'x upper':>7} {'x oracle':>8} "
              f"{'hit':>6} {'loads':>6} {'fallback':>8} {'skipped':>7}"]
     for r in rows:
         x = lambda k: f"{r[k]:.2f}" if r[k] is not None else "-"  # noqa: E731
-        lines.append(f"{r['policy']:<13} {r['predicted_tok_s']:10.1f} {r['measured_tok_s']:9.1f} {r['error'] * 100:+6.1f}% "
+        lines.append(f"{r['policy']:<14} {r['predicted_tok_s']:10.1f} {r['measured_tok_s']:9.1f} {r['error'] * 100:+6.1f}% "
                      f"{x('x_upper'):>7} {x('x_oracle'):>8} {r['hit_rate']:6.3f} {r['loads']:6d} {r['fallbacks']:8d} "
                      f"{r['skipped']:7d}")
     lines += ["(tokens/s over decode passes, predicted and measured; hit, loads, fallback, skipped: measured)",

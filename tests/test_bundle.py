@@ -72,3 +72,29 @@ def test_version_and_out_of_range_ids_are_refused(small_trace, tmp_path):
     save_file(arrays, str(tmp_path / "b" / "routes.safetensors"))
     with pytest.raises(CmoeError, match="expert id 64 out of range"):
         bundle.read(tmp_path / "b")
+
+
+def test_predictions_by_distance_round_trip_and_old_bundles_read_at_depth_1(small_trace, tmp_path):
+    assert small_trace.depth == 4 and small_trace.pred_ahead.shape == (16, 16, 4, 8)
+    bundle.write(small_trace, tmp_path / "b")
+    t = bundle.read(tmp_path / "b")
+    assert np.array_equal(t.pred_ahead, small_trace.pred_ahead) and t.pred_ahead.dtype == np.int16
+    from dataclasses import replace
+    bundle.write(replace(small_trace, pred_ahead=None), tmp_path / "old")      # what an older cmoe wrote
+    old = bundle.read(tmp_path / "old")
+    assert old.pred_ahead is None and old.depth == 1
+    assert np.array_equal(old.ahead()[:, :, 0], small_trace.pred_experts) and old.ahead().shape[2] == 1
+
+
+def test_predictions_by_distance_are_checked(small_trace):
+    from dataclasses import replace
+    bad = small_trace.pred_ahead.copy()
+    bad[0, 3, 0, 0] = (bad[0, 3, 0, 0] + 1) % 64
+    with pytest.raises(CmoeError, match="pred_ahead at distance 1 differs from pred_experts"):
+        bundle.validate(replace(small_trace, pred_ahead=bad))
+    with pytest.raises(CmoeError, match=r"pred_ahead has shape \(16, 16, 8\), expected \(16, 16, D, 8\)"):
+        bundle.validate(replace(small_trace, pred_ahead=small_trace.pred_experts))
+    bad = small_trace.pred_ahead.copy()
+    bad[2, 5, 3, 1] = 64
+    with pytest.raises(CmoeError, match="pred_ahead expert ids out of range -1..63"):
+        bundle.validate(replace(small_trace, pred_ahead=bad))

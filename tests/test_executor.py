@@ -15,6 +15,7 @@ from cmoe.executor.kernels import ExpertViews, dequantize, expert_bytes_of, ffn,
 from cmoe.executor.layout import expert_layout, slot_size
 from cmoe.executor.run import ExecConfig, execute, prepare
 from cmoe.policy.policies import POLICIES, trait, make_policy
+from cmoe.trace.passes import ranked
 from cmoe.core.quant import expert_tensor_bytes
 from cmoe.core.spec import from_checkpoint, preset
 
@@ -314,10 +315,11 @@ def _pure_replay(trace_path, policy_name, layout, batch, tokens):
     out = []
     M = t.spec.num_moe_layers
     for ps in passes:
+        deep = (lambda q: {"ahead": ps.seen(q, pol.depth)}) if pol.depth > 1 else (lambda q: {})
         out.append((ps.index, -1, (), tuple((ld.layer, ld.expert, ld.slot, ld.victim, ld.kind)
-                                             for ld in pol.begin_pass(ps.decode, list(ps.predicted[0]))), (), (), ()))
+                                             for ld in pol.begin_pass(ps.decode, list(ps.predicted[0]), **deep(0))), (), (), ()))
         for m in range(M):
-            p = pol.plan(m, list(ps.needed[m]), list(ps.predicted[m + 1]) if m + 1 < M else None)
+            p = pol.plan(m, list(ps.needed[m]), list(ps.predicted[m + 1]) if m + 1 < M else None, **deep(m + 1))
             out.append((ps.index, m, ps.needed[m], tuple((ld.layer, ld.expert, ld.slot, ld.victim, ld.kind)
                                                          for ld in p.loads), tuple(p.gpu), tuple(p.cpu), tuple(p.skipped)))
     return out
@@ -331,7 +333,7 @@ def test_pool_bookkeeping_matches_the_policy_step_for_step(checkpoints, tiny_tra
     for r in results:
         got = [(p.pass_index, p.layer, p.needed, p.loads, p.gpu, p.cpu, p.skipped) for p in r.log.plans]
         want = _pure_replay(tiny_trace, r.policy, r.layout, batch, 8)
-        if r.policy not in ("commit", "oracle"):      # only these issue loads when a pass begins
+        if r.policy not in ("commit", "commit-ahead", "oracle", "adaptive-ahead"):   # only these load when a pass begins
             got = [g if g[1] >= 0 else g[:3] + ((),) + g[4:] for g in got]
         assert got == want, r.policy
         assert all(p.physical == p.logical for p in r.log.plans if p.layer >= 0), r.policy
@@ -429,7 +431,8 @@ def test_no_cuda_with_device_cuda_is_one_line():
     (["--spec", "mixtral-8x7b", "--trace", "synthetic:mixtral-8x7b", "--quant", "w3g128"],
      "error: the executor runs experts as w4g32/w4g64/w4g128/w4g256, bf16 or fp32, not 'w3g128': pick one with --quant (mixed-bit and GPTQ recipes are simulator-only for now)"),
     (["--spec", "mixtral-8x7b", "--trace", "synthetic:mixtral-8x7b", "--policy", "fast"],
-     "error: unknown policy 'fast': choose from upper, ondemand, lru-prefetch, lfu-fallback, static, commit, oracle, adaptive"),
+     "error: unknown policy 'fast': choose from upper, ondemand, lru-prefetch, lfu-fallback, static, commit, oracle, adaptive, "
+     "adaptive-ahead, commit-ahead"),
 ])
 def test_bad_input_is_one_line_before_any_work(args, message):
     r = _cli("execute", "--device", "cpu", *args)
@@ -458,3 +461,56 @@ def test_execute_cli_writes_metrics_and_timelines_and_accepts_a_policy_file(chec
     bad.write_text('{"format": "other"}')
     r = _cli("execute", "--model", str(checkpoints["mixtral"]), "--policy-json", str(bad), "--device", "cpu")
     assert r.exit_code == 2 and "is not a cmoe policy file" in r.output
+
+
+@pytest.mark.parametrize("engine", ["hf", "lean"])
+def test_look_ahead_policies_replay_their_traces_predictions(checkpoints, tiny_trace, engine):
+    """Three slots of four: the look-ahead policies fetch ahead, and the executor's plans (begin
+    passes included) are the policy's own, driven by the trace's predictions by distance."""
+    from cmoe.trace import bundle
+    assert bundle.read(tiny_trace).depth == 4
+    cfg = ExecConfig(policies=("adaptive-ahead", "commit-ahead"), slots=3, batch=1, tokens=8, device="cpu",
+                     quant="fp32", record_plans=True, engine=engine)
+    w, cfg = prepare(spec_name=None, model_dir=checkpoints["mixtral"], trace_src=str(tiny_trace), data=None, cfg=cfg)
+    for r in execute(w, cfg):
+        got = [(p.pass_index, p.layer, p.needed, p.loads, p.gpu, p.cpu, p.skipped) for p in r.log.plans]
+        assert got == _pure_replay(tiny_trace, r.policy, r.layout, 1, 8), r.policy
+        assert any(ld[4] == "prefetch" for p in r.log.plans for ld in p.loads), r.policy
+        assert r.log.slot_mismatches == 0 and r.metrics["skipped"] > 0
+
+
+@pytest.mark.parametrize("engine", ["hf", "lean"])
+def test_live_look_ahead_comes_from_the_routers_on_the_state_at_hand(checkpoints, monkeypatch, engine):
+    """A live run (no trace): at layer m's plan, `ahead[k]` is layer m+1+k's router applied to the
+    hidden state that predicts layer m+1 (layer m's MLP input), computed before that plan, ranked
+    as the routes are; the pass's start gets the layers 0.. from the state before layer 0."""
+    from cmoe.executor.routes import Routes
+    from cmoe.policy.policies import AdaptiveAhead
+    events = []
+    early, plan = Routes._early_routers, AdaptiveAhead.plan
+
+    def spy_early(self, q, h):
+        out = early(self, q, h)
+        want = []
+        for j in range(q, min(q + self.policy.depth, self.M)):
+            _, w, idx = self.gates[j](h)
+            rows = torch.gather(idx, 1, torch.argsort(w, dim=1, descending=True, stable=True)).tolist()
+            want.append(list(ranked(rows)[0]))
+        events.append(("early", q, want))
+        return out
+
+    def spy_plan(self, m, needed, predicted_next, ahead=None):
+        events.append(("plan", m, ahead))
+        return plan(self, m, needed, predicted_next, ahead)
+    monkeypatch.setattr(Routes, "_early_routers", spy_early)
+    monkeypatch.setattr(AdaptiveAhead, "plan", spy_plan)
+    _, (r,) = run_exec(checkpoints["mixtral"], ["adaptive-ahead"], batch=1, tokens=4, engine=engine)
+    M = len(r.layout.slots)
+    checked = 0
+    for i, ev in enumerate(events):
+        if ev[0] == "plan" and ev[1] + 1 < M:
+            made = [e for e in events[:i] if e[:2] == ("early", ev[1] + 1)]
+            assert made and ev[2] == made[-1][2], (i, ev, made[-1:])
+            checked += 1
+    assert checked == 5 * (M - 1) and all(len(ev[2]) == min(4, M - 1 - ev[1]) for ev in events if ev[0] == "plan" and ev[1] + 1 < M)
+    assert any(len(e[2]) > 1 for e in events if e[0] == "early")

@@ -133,6 +133,7 @@ def test_replay_of_a_trace_without_predictions(tiny_trace, checkpoints, tmp_path
     from cmoe.trace import bundle
     t = bundle.read(str(tiny_trace))
     t.pred_experts[:] = -1
+    t.pred_ahead = None                              # as an imported log: no predictions at any distance
     bundle.write(t, tmp_path / "nopred")
     cfg = ExecConfig(policies=("upper", "ondemand"), slots=2, batch=1, tokens=3, device="cpu", quant="fp32")
     w, cfg = prepare(spec_name=None, model_dir=checkpoints["mixtral"], trace_src=str(tmp_path / "nopred"),

@@ -122,8 +122,10 @@ def test_policies_are_described_by_traits():
     from cmoe.policy.policies import POLICIES, trait
     got = {t: sorted(p for p in POLICIES if trait(p, t)) for t in ("holds_all", "cpu_experts", "commits", "skips",
                                                                    "uses_prediction", "uses_future")}
-    assert got == {"holds_all": ["upper"], "cpu_experts": ["lfu-fallback", "static"], "commits": ["commit"],
-                   "skips": ["adaptive", "commit"], "uses_prediction": ["commit", "lru-prefetch"],
+    assert got == {"holds_all": ["upper"], "cpu_experts": ["lfu-fallback", "static"],
+                   "commits": ["commit", "commit-ahead"],
+                   "skips": ["adaptive", "adaptive-ahead", "commit", "commit-ahead"],
+                   "uses_prediction": ["adaptive-ahead", "commit", "commit-ahead", "lru-prefetch"],
                    "uses_future": ["oracle"]}
     assert not trait("magic", "holds_all")
 
@@ -142,3 +144,56 @@ def test_adaptive_loads_only_the_top_ranked_and_runs_the_resident_rest():
     assert [ld.expert for ld in p.loads] == [3] and p.gpu == [5, 4, 3] and p.skipped == [0]
     p = pol.plan(0, [5, 2], None)                        # top-1 resident, 2 gone: no load
     assert p.loads == [] and p.gpu == [5] and p.skipped == [2]
+
+
+AHEAD_LAYOUT = PoolLayout((1000,) * 4, (4,) * 4, 0)      # four blocks of four slots, six experts
+AHEAD_POP = [[6, 5, 4, 3, 2, 1]] * 4                     # warm: experts 0-3 in slots 0-3 of every block
+
+
+def test_adaptive_ahead_prefetches_what_two_predictions_agree_on():
+    """Layer m's plan sees layer m's predictions of layers m+1.. (ahead[k-1]: layer m+k); an
+    expert is fetched once two of the pass's predictions name it first; the victim is the least
+    popular resident nobody wants."""
+    pol = make_policy("adaptive-ahead", AHEAD_LAYOUT, 6, AHEAD_POP)
+    assert pol.depth == 4 and pol.agree == 2 and pol.top == 1
+    assert pol.begin_pass(True, [0, 1], ahead=[[0, 1], [4, 0], [5, 1]]) == []       # each named once
+    p = pol.plan(0, [1, 2], [4, 3], ahead=[[4, 3], [5, 2], [4, 1]])
+    assert p.gpu == [1, 2] and p.skipped == []
+    assert p.loads == [Load(1, 4, 3, 3, "prefetch"), Load(2, 5, 3, 3, "prefetch")]  # 4 named for layer 3 once
+    p = pol.plan(1, [4, 0], [5, 0], ahead=[[5, 0], [2, 4]])
+    assert p.gpu == [4, 0] and p.loads == []                                      # 5 is there already
+    p = pol.plan(2, [2, 3], [1, 0], ahead=[[1, 0]])                               # 3 was evicted: skipped
+    assert p.gpu == [2] and p.skipped == [3] and p.loads == []
+    p = pol.plan(3, [5, 1], None, ahead=[])                                       # top-1 missing: loaded on demand
+    assert p.gpu == [1, 5] and p.loads == [Load(3, 5, 3, 3, "demand")]
+
+
+def test_ahead_keeps_wanted_and_in_flight_experts_and_leaves_two_slots():
+    """A wanted expert is not a victim while a colder one is; an expert fetched in this pass for a
+    layer still to come is never one; prefetches leave two slots of a block to commits and demand
+    loads."""
+    pol = make_policy("adaptive-ahead", PoolLayout((1000,) * 2, (5,) * 2, 0), 6, [[6, 5, 4, 3, 2, 1], [6, 0, 4, 1, 3, 2]])
+    assert dict(pol.pool.where[1]) == {0: 0, 2: 1, 4: 2, 5: 3, 3: 4}           # 1 is out, 3 the coldest in
+
+    def twice(e):
+        pol.plan(0, [0], [e], ahead=[[e]])
+        return pol.plan(0, [0], [e], ahead=[[e]]).loads
+
+    pol.begin_pass(True, [0], ahead=[[0], [3]])
+    assert pol.plan(0, [0], [3], ahead=[[3]]).loads == [] and pol.wanted[1] == {3}
+    assert twice(1) == [Load(1, 1, 3, 5, "prefetch")]          # 3 is wanted: 5 goes, the coldest other
+    assert twice(5) == [Load(1, 5, 2, 4, "prefetch")]          # 1 is in flight, 3 wanted: 4 goes
+    assert twice(4) == [Load(1, 4, 1, 2, "prefetch")] and pol.fresh[1] == {1, 5, 4}
+    assert twice(2) == []                                      # three fetched into five slots: no room left
+    p = pol.plan(1, [2, 3], None, ahead=[])                    # layer 1 runs: nothing binds, 2 comes back
+    assert p.gpu == [3, 2] and p.loads == [Load(1, 2, 3, 1, "demand")] and pol.fresh[1] == set()   # over the coldest
+
+
+def test_commit_ahead_commits_the_next_layer_and_prefetches_the_ones_after():
+    pol = make_policy("commit-ahead", AHEAD_LAYOUT, 6, AHEAD_POP)
+    loads = pol.begin_pass(True, [4, 0], ahead=[[4, 0], [5, 1], [5, 2]])
+    assert loads == [Load(0, 4, 3, 3, "commit")] and pol.committed[0] == [4, 0]
+    p = pol.plan(0, [0, 2], [5, 1], ahead=[[5, 1], [5, 3], [4, 0]])
+    # layer 1 committed [5, 1] (5 over the coldest, 3); layer 2: 5 named twice, fetched over 3
+    assert p.gpu == [4, 0] and p.skipped == [2] and pol.committed[1] == [5, 1]
+    assert p.loads == [Load(1, 5, 3, 3, "commit"), Load(2, 5, 3, 3, "prefetch")]

@@ -14,7 +14,7 @@ from cmoe.trace.passes import has_predictions
 
 def _without_predictions(tmp_path):
     t = load_trace("embedded")
-    bare = replace(t, pred_experts=np.full_like(t.pred_experts, -1))
+    bare = replace(t, pred_experts=np.full_like(t.pred_experts, -1), pred_ahead=None)   # as an imported log
     return t, bare, bundle.write(bare, tmp_path / "bare")
 
 
@@ -22,7 +22,7 @@ def test_a_trace_without_predictions_is_refused_by_policies_that_need_them(tmp_p
     t, bare, path = _without_predictions(tmp_path)
     assert has_predictions(t) and not has_predictions(bare)
     runner = CliRunner()
-    for policy in ("commit", "lru-prefetch"):
+    for policy in ("commit", "lru-prefetch", "adaptive-ahead", "commit-ahead"):
         r = runner.invoke(app, ["simulate", "--trace", str(path), "--policy", policy, "--pool-gb", "1"])
         assert r.exit_code == 2, r.output
         lines = [ln for ln in r.output.splitlines() if ln.strip()]

@@ -221,7 +221,8 @@ def messy_trace(seed):
     ex = t.experts[perm].copy()
     ex[rng.random(ex.shape) < 0.1] = -1
     ex[:, :, 2] = np.where(rng.random(ex.shape[:2]) < 0.2, ex[:, :, 0], ex[:, :, 2])
-    return replace(t, experts=ex, pred_experts=t.pred_experts[perm], request=(t.request[perm] * 3) % 7,
+    return replace(t, experts=ex, pred_experts=t.pred_experts[perm], pred_ahead=t.pred_ahead[perm],
+                   request=(t.request[perm] * 3) % 7,
                    step=t.step[perm], phase=t.phase[perm], weights=t.weights[perm])
 
 
@@ -235,6 +236,21 @@ def test_vectorised_passes_equal_the_per_pass_code(seed, monkeypatch):
                    {"decode_steps": -1}, {"groups": -1}):
             assert as_tuples(make_passes(t, batch, **kw)) == old_make_passes(t, batch, **kw), (batch, kw)
             assert as_tuples(to_passes(build(t, batch, **kw))) == old_make_passes(t, batch, **kw)
+        check_ahead(t, build(t, batch))
+
+
+def check_ahead(t, pa):
+    """Each distance's predictions are ranked as distance 1's are, and `seen` reads them back."""
+    M, D = t.spec.num_moe_layers, t.depth
+    ps = to_passes(pa)
+    assert pa.depth == D == 4
+    for p, ps_ in enumerate(ps):
+        rows = pa.tok[pa.tok_ptr[p]:pa.tok_ptr[p + 1]].tolist()
+        for m in range(M):
+            want = [ranked([t.pred_ahead[i, m, k].tolist() for i in rows])[0] for k in range(D)]
+            assert ps_.ahead[m] == tuple(want) and ps_.ahead[m][0] == ps_.predicted[m]
+        for m in range(M + 1):
+            assert ps_.seen(m, 3) == pa.seen(p, m, 3) == [list(ps_.ahead[m + k][k]) for k in range(min(3, M - m))]
 
 
 def test_every_configuration_runs_one_compiled_version():
@@ -417,3 +433,58 @@ def test_commit_launches_pay_owa_on_the_device():
     for (p, d), us in plain.items():
         assert owa[(p, d)] - us == pytest.approx(37.0 if pa.decode[p] else 0.0), (p, d)
     assert launches("upper", 0.0) == launches("upper", 37.0)
+
+
+def tiny_deep(seed, E=6, M=5, D=3, T=40):
+    """A tiny trace with predictions three layers deep (70% right, else any expert)."""
+    t = tiny(M=M, E=E, T=T, seed=seed, requests=2, K=2)
+    rng = np.random.default_rng(seed + 10)
+    deep = np.where(rng.random((T, M, D, 2)) < 0.7, t.experts[:, :, None], rng.integers(0, E, (T, M, D, 2)))
+    deep[:, :, 0] = t.pred_experts
+    for k in range(2, D + 1):
+        deep[:, : k - 1, k - 1] = -1
+    return replace(t, pred_ahead=deep.astype(np.int16))
+
+
+@pytest.mark.parametrize("profile", [FLAT, FLAT_FIFO, FLAT_WAVE], ids=["flat", "flat-fifo", "flat-waves"])
+@pytest.mark.parametrize("policy", ["adaptive-ahead", "commit-ahead"])
+@pytest.mark.parametrize("seed", range(3))
+def test_look_ahead_twins_decide_as_the_classes(profile, policy, seed):
+    """Predictions three deep, four or five slots of six experts (so fetches fill blocks to their
+    room and wanted experts crowd the victims): the same spans, loads and end state."""
+    t = tiny_deep(seed)
+    batch, slots = 1 + seed % 2, 4 + seed % 2
+    a, b, pa, pb = both(t, policy, profile, batch, slots=slots, costs=tiny_costs(t))
+    same_run(a, b)
+    assert (pa.wanted, pa.fresh, pa.named) == (pb.wanted, pb.fresh, pb.named)
+    assert [list(w.items()) for w in pa.pool.where] == [list(w.items()) for w in pb.pool.where]
+    kinds = load_kinds(make_policy(policy, pa.layout, 6, popularity(t)), make_passes(t, batch))
+    assert kinds["prefetch"] > 0 and kinds["demand" if policy == "adaptive-ahead" else "commit"] > 0, kinds
+
+
+def load_kinds(pol, passes) -> dict[str, int]:
+    """The loads a policy object makes over passes, by kind (driven as the engines drive it)."""
+    kinds = {"demand": 0, "prefetch": 0, "commit": 0}
+    M = len(pol.layout.slots)
+    for ps in passes:
+        lds = pol.begin_pass(ps.decode, list(ps.predicted[0]), ahead=ps.seen(0, pol.depth))
+        for m in range(M):
+            nxt = list(ps.predicted[m + 1]) if m + 1 < M else None
+            lds += pol.plan(m, list(ps.needed[m]), nxt, ahead=ps.seen(m + 1, pol.depth)).loads
+        for ld in lds:
+            kinds[ld.kind] += 1
+    return kinds
+
+
+def test_look_ahead_policies_pay_for_every_early_router():
+    """The executor runs the routers of the next `depth` layers on each MoE layer's state (fewer
+    near the last): both engines charge that many predictions per layer, on average."""
+    from cmoe.sim.costs import routers
+    layout = PoolLayout((1,) * 8, (4,) * 8, 0)
+    pol = lambda name: make_policy(name, layout, 8, [[1] * 8] * 8)       # noqa: E731
+    assert [routers(pol(p), 8) for p in ("ondemand", "commit", "adaptive-ahead")] == [0.0, 1.0, 22 / 7]
+    t = trace_of("mixtral-8x7b", requests=1, decode=6)
+    a, b, _, _ = both(t, "adaptive-ahead", replace(EAGER, predict_layer_us=150.0, predict_gpu_us=20.0), 1)
+    same_run(a, b)
+    one = both(t, "adaptive-ahead", replace(EAGER, predict_layer_us=0.0, predict_gpu_us=0.0), 1)[0]
+    assert sum(x[3] for x in a.pass_us) > sum(x[3] for x in one.pass_us)

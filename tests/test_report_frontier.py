@@ -18,8 +18,10 @@ from cmoe.report.frontier import MEASURED_WITH, frontier_data, frontier_figure, 
 ROWS = [{"variant": "exact", "kl_mean": 0.0, "kl_p99": 0.0, "top1_agreement": 1.0, "perplexity": 2.5, "skipped": 0},
         {"variant": "commit", "kl_mean": 0.0398, "kl_p99": 0.8, "top1_agreement": 0.93, "perplexity": 2.6, "skipped": 290},
         {"variant": "commit-no-owa", "kl_mean": 0.25, "kl_p99": 2.0, "top1_agreement": 0.8, "perplexity": 3.1, "skipped": 290},
-        {"variant": "adaptive", "kl_mean": 0.0077, "kl_p99": 0.1, "top1_agreement": 0.979, "perplexity": 2.49, "skipped": 220}]
-SKIPPING = ("commit", "adaptive")
+        {"variant": "adaptive", "kl_mean": 0.0077, "kl_p99": 0.1, "top1_agreement": 0.979, "perplexity": 2.49, "skipped": 220},
+        {"variant": "adaptive-ahead", "kl_mean": 0.0081, "kl_p99": 0.1, "top1_agreement": 0.975, "perplexity": 2.49, "skipped": 230},
+        {"variant": "commit-ahead", "kl_mean": 0.0412, "kl_p99": 0.8, "top1_agreement": 0.925, "perplexity": 2.6, "skipped": 300}]
+SKIPPING = ("commit", "adaptive", "adaptive-ahead", "commit-ahead")
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +60,7 @@ def test_the_points_are_the_runs_tokens_per_s_and_the_quality_files_kl(run, tmp_
         assert by[pol]["x_oracle"] == tps[pol] / tps["oracle"]
     assert (by["commit"]["kl"], by["commit"]["top1"]) == (0.0398, 0.93)                      # OWA on, not commit-no-owa
     assert (by["adaptive"]["kl"], by["adaptive"]["top1"]) == (0.0077, 0.979)
+    assert (by["adaptive-ahead"]["kl"], by["commit-ahead"]["top1"]) == (0.0081, 0.925)
     exact = [p for p in POLICIES if p not in SKIPPING]
     assert all((by[p]["kl"], by[p]["top1"]) == (0.0, 1.0) for p in exact)
     assert f.unmeasured == [] and len(f.drawn) == len(POLICIES)

@@ -79,6 +79,14 @@ def test_commit_prediction_is_next_router_on_previous_mlp_input(checkpoints, pro
         probs = torch.softmax(h @ model.model.layers[m].mlp.gate.weight.T, -1)
         want = torch.topk(probs, 2, -1).indices.numpy()
         assert np.array_equal(np.sort(t.pred_experts[:n, m], -1), np.sort(want, -1))
+    # distance k: layer m's router on the state of layer m-k (the input norm of layer 0 for m-k = -1)
+    assert t.depth == min(4, t.spec.num_moe_layers) > 1 and np.array_equal(t.pred_ahead[:, :, 0], t.pred_experts)
+    for k in range(2, t.depth + 1):
+        assert (t.pred_ahead[:, : k - 1, k - 1] == -1).all()
+        for m in range(k - 1, t.spec.num_moe_layers):
+            h = captured["in0"] if m - k == -1 else captured[m - k]
+            want = torch.topk(torch.softmax(h @ model.model.layers[m].mlp.gate.weight.T, -1), 2, -1).indices.numpy()
+            assert np.array_equal(np.sort(t.pred_ahead[:n, m, k - 1], -1), np.sort(want, -1)), (k, m)
     # the prediction for layer 0 is its own router before attention; for later layers it differs
     # from the true route somewhere (different hidden state)
     assert not np.array_equal(t.pred_experts[:, 1:], t.experts[:, 1:])

@@ -141,7 +141,7 @@ def quality(
     data: Annotated[Optional[Path], typer.Option(help="Held-out text to score, UTF-8 (default: the embedded held-out sample).")] = None,
     tokens: Annotated[int, typer.Option(min=1, help="Positions to score.")] = 1024,
     window: Annotated[int, typer.Option(min=2, help="Score in windows of this many tokens, each from an empty cache (the embedded model was trained on 256).")] = 256,
-    variants: Annotated[str, typer.Option(help="Comma-separated: commit, commit-no-owa, adaptive (with half of each layer's experts in the pool).")] = "commit,commit-no-owa,adaptive",
+    variants: Annotated[str, typer.Option(help="Comma-separated: commit, commit-no-owa (every expert resident), adaptive, adaptive-ahead, commit-ahead (half of each layer's experts in the pool).")] = "commit,commit-no-owa,adaptive",
     device: Annotated[str, typer.Option(help="auto (cuda when a GPU is visible, else cpu), cuda, cuda:N or cpu.")] = "auto",
     out: Annotated[Optional[Path], typer.Option(help="Also write the table as JSON here.")] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing --out file.")] = False,

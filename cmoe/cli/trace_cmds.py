@@ -29,6 +29,7 @@ def trace(
     repetition: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Synthetic: first-expert repetition rate for every layer (default: Mixtral's Table 5 profile).")] = None,
     pred_acc: Annotated[float, typer.Option(min=0.0, max=1.0, help="Synthetic: share of true experts the commit prediction holds.")] = 0.85,
     seed: Annotated[int, typer.Option(min=0, help="Synthetic: random seed.")] = 0,
+    depth: Annotated[int, typer.Option(min=1, max=4, help="Record predictions up to this many MoE layers ahead (pred_ahead; 1: the next layer only).")] = 4,
     parquet: Annotated[bool, typer.Option(help="Also write routes.parquet (one row per token and layer).")] = False,
     force: Annotated[bool, typer.Option(help="Replace an existing bundle.")] = False,
     import_log: Annotated[Optional[Path], typer.Option("--import", help="Turn a routing log into a bundle: vLLM/SGLang routed experts (.npy, .npz or a folder of .npy) or Megatron RouterTracer .jsonl; with --spec or --model.")] = None,
@@ -64,13 +65,12 @@ def trace(
         raise CmoeError("a synthetic trace takes --prompt-tokens from 1 and --tokens up to 1000000")
     params = SyntheticParams(requests=requests, prompt_len=64 if prompt_tokens is None else prompt_tokens,
                              decode_len=256 if tokens is None else max(tokens, 1), skew=skew,
-                             repetition=rep, pred_acc=pred_acc, seed=seed)
-    name = synthetic or (model.name if model else "tiny-moe")
-    out = out or Path(f"trace-{name}")
+                             repetition=rep, pred_acc=pred_acc, seed=seed, ahead_ratio=SyntheticParams.ahead_ratio[: depth - 1])
+    out = out or Path(f"trace-{synthetic or (model.name if model else 'tiny-moe')}")
     path = run_trace(out, model=model, data=data, synthetic=synthetic, quant=quant, params=params,
                      overwrite=force, parquet=parquet, max_new_tokens=32 if tokens is None else tokens,
                      max_prompt_tokens=max_prompt_tokens, record_logits=record_logits, device=device,
-                     allow_pickle=allow_pickle)
+                     allow_pickle=allow_pickle, depth=depth)
     typer.echo(f"wrote {path}")
 
 

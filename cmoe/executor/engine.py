@@ -98,6 +98,7 @@ class Engine(Routes):
         self.h_synced = 0.0                          # host time the last read-back finished
         self.logits: list = [None] * self.M          # per MoE layer: router logits on the device (commit)
         self.pred_gpu: list = [None] * self.M        # per MoE layer: the early router's choice on the device
+        self.deep: list = [None] * self.M            # per MoE layer q: [(idx, w)] of layers q.. from q's source
         self.token_pred: list = [None] * self.M      # per MoE layer: each token's predicted experts
         self.token_pred_w: list = [None] * self.M    # ... and their weights (commit without OWA)
         self.handles = []
@@ -140,15 +141,11 @@ class Engine(Routes):
     def _on_source(self, m: int):
         def hook(_mod, _inp, out):
             h = out.reshape(-1, out.shape[-1])
-            want = self.policy.uses_prediction and (m > 0 or (self.commit and self.cur.decode))
-            if want:
+            decode_first = (self.commit or self.policy.depth > 1) and self.cur.decode
+            if self.policy.uses_prediction and (m > 0 or decode_first):
                 h0 = self.clock.host()
-                self._predicting = True
-                try:
-                    _, w, idx = self.gates[m](h)
-                finally:
-                    self._predicting = False
-                self.pred_gpu[m] = (idx, w)
+                self.deep[m] = self._early_routers(m, h)
+                self.pred_gpu[m] = self.deep[m][0]
                 self._span(self.spec.moe_layers[m], "host", "host_predict", -1, h0, self.clock.host())
             if m == 0:
                 self._begin_pass()
@@ -165,7 +162,7 @@ class Engine(Routes):
             rows = self._keep_prediction(0, host[:, :K], host[:, K:])
             pred0 = list(ranked([r for r, a in zip(rows, self.cur.active) if a])[0])
         self._layer = -1
-        loads = self.policy.begin_pass(self.cur.decode, pred0)
+        loads = self.policy.begin_pass(self.cur.decode, pred0, **self._ahead(0, self._live()))
         self._issue(loads, defer=set())
         if self.record_plans:
             self.log.plans.append(PlanRecord(self.cur.index, -1, (), tuple(pred0), _loads(loads), (), (), (), (), ()))
@@ -233,7 +230,7 @@ class Engine(Routes):
         live = [i for i in range(hidden.shape[0]) if self.cur.active[i]]
         rows, wsorted, scores, needed, predicted = self._read_routes(m, idx, weights, live)
         self._span(d, "host", "host_sync", -1, h_in, self.h_synced)
-        plan = self.policy.plan(m, needed, predicted)
+        plan = self.policy.plan(m, needed, predicted, **self._ahead(m + 1, live))
         assign = self._assign(m, plan, rows, wsorted, scores, live, idx.shape[1])
         gpu = [e for e in plan.gpu if e in assign]
         cpu = [e for e in plan.cpu if e in assign]
@@ -321,6 +318,7 @@ class Engine(Routes):
         self.begun = False
         self.logits = [None] * self.M
         self.pred_gpu = [None] * self.M
+        self.deep = [None] * self.M
         self.token_pred = [None] * self.M
         self.token_pred_w = [None] * self.M
         cs = torch.cuda.current_stream(self.device) if self.cuda else None

@@ -35,7 +35,7 @@ class _Capture:
 
 def _fresh(M: int) -> dict:
     return {"x": [None] * M, "idx": [None] * M, "w": [None] * M, "logits": [None] * M, "mid": [None] * M,
-            "shared": [None] * M, "pred": [None] * M, "rb": [None] * M, "h": [None] * M}
+            "shared": [None] * M, "pred": [None] * M, "rb": [None] * M, "h": [None] * M, "deep": [None] * M}
 
 
 class Segments:
@@ -49,14 +49,13 @@ class Segments:
         """MoE layer m's router on an earlier hidden state. Eager, its host time is a `host_predict`
         span; inside a graph it costs the host nothing (its GPU time lies in `attention`)."""
         h0 = self.clock.host()
-        self._predicting = True
-        try:
-            _, w, idx = self.gates[m](src.reshape(-1, src.shape[-1]))
-        finally:
-            self._predicting = False
-        self.t["pred"][m] = (idx, w)
+        self.t["deep"][m] = self._early_routers(m, src.reshape(-1, src.shape[-1]))
+        self.t["pred"][m] = self.t["deep"][m][0]
         if not self._in_graph:
             self._span(self.spec.moe_layers[m], "host", "host_predict", -1, h0, self.clock.host())
+
+    def _deep(self, q: int):
+        return self.t["deep"][q]
 
     def seg_pre(self) -> None:
         t, io = self.t, self.io
@@ -65,7 +64,7 @@ class Segments:
         for d in self._dense_before[0]:
             h = self._decoder(d, h)
         t["h_in0"] = h
-        if self.commit and self.cur.decode:
+        if (self.commit or self.policy.depth > 1) and self.cur.decode:
             if self.spec.moe_layers[0] == 0:                # the source is layer 0's input norm
                 t["src0"] = self.layers[0].input_layernorm(h)
             self._predict(0, t["src0"])

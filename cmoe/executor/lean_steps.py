@@ -84,7 +84,7 @@ class HostSteps:
         rows, wsorted, scores, needed, predicted = self._parse_routes(m, host, K, K2, live)
         self._tick("parse routes")
         self._span(d, "host", "host_sync", -1, h_in, self.h_synced)
-        plan = self.policy.plan(m, needed, predicted)
+        plan = self.policy.plan(m, needed, predicted, **self._ahead(m + 1, live))
         self._tick("plan")
         assign = self._assign(m, plan, rows, wsorted, scores, live, K)
         self._tick("assign")
@@ -200,7 +200,7 @@ class HostSteps:
         self._span(d, "host", "host_sync", -1, h_rb, self.h_synced)
         K2 = self.t["pred"][m + 1][0].shape[1] if m + 1 < self.M else 0
         rows, wsorted, scores, needed, predicted = self._parse_routes(m, host, K, K2, live)
-        plan = self.policy.plan(m, needed, predicted)
+        plan = self.policy.plan(m, needed, predicted, **self._ahead(m + 1, live))
         assert plan.gpu == chosen, (plan.gpu, chosen)
         self._issue(plan.loads, defer=set())               # layer m+1's: no slot of this layer is touched
         self.log.at(self.cur.index).skipped += len(plan.skipped)

@@ -52,7 +52,8 @@ def replay_rows(t: Trace, sub: np.ndarray, p) -> dict:
     return {"experts": ex, "weights": wt, "pred": pr,
             "lists": {"route": (rows, wrows),
                       "pred": (prows, [[[1.0 / len(x)] * len(x) if x else [] for x in r] for r in prows])},
-            "needed": [list(x) for x in p.needed], "predicted": [list(x) for x in p.predicted]}
+            "needed": [list(x) for x in p.needed], "predicted": [list(x) for x in p.predicted],
+            "seen": [p.seen(q, t.depth) for q in range(M + 1)]}
 
 
 def routes_on_device(rows: dict, dev: torch.device) -> None:

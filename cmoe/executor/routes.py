@@ -33,6 +33,43 @@ class Routes:
         return (np.take_along_axis(idx, order, 1).astype(np.int64).tolist(),
                 np.take_along_axis(w, order, 1).astype(np.float64).tolist())
 
+    def _early_routers(self, q: int, h) -> list:
+        """The routers of layers q .. q+depth-1 on the hidden state that predicts layer q ([N, H]):
+        [(idx, w)], distance 1 first (only it unless the policy looks further)."""
+        out = []
+        self._predicting = True
+        try:
+            for j in range(q, min(q + self.policy.depth, self.M)):
+                _, w, idx = self.gates[j](h)
+                out.append((idx, w))
+        finally:
+            self._predicting = False
+        return out
+
+    def _live(self) -> list[int]:
+        return [i for i, a in enumerate(self.cur.active) if a]
+
+    def _ahead(self, q: int, live: list[int]) -> dict:
+        """`plan`'s and `begin_pass`'s `ahead` for a policy that looks further than one layer: what
+        the state predicting layer q says of layers q, q+1, ... (`Pass.seen`), ranked over the live
+        rows; a replay's from its trace, a live run's from the early routers. {} for the rest."""
+        if self.policy.depth == 1:
+            return {}
+        r = self.cur.replay
+        if r is not None:
+            return {"ahead": r["seen"][q][: self.policy.depth]}
+        deep = self._deep(q) if q < self.M else None
+        out = []
+        for idx, w in deep or ():
+            host = torch.cat([idx.float(), w.float()], 1).cpu().numpy()
+            order = np.argsort(-host[:, idx.shape[1]:], axis=1, kind="stable")
+            rows = np.take_along_axis(host[:, :idx.shape[1]], order, 1).astype(np.int64).tolist()
+            out.append(list(ranked([rows[i] for i in live])[0]))
+        return {"ahead": out}
+
+    def _deep(self, q: int):
+        return self.deep[q]
+
     def _keep_prediction(self, m: int, idx: np.ndarray, w: np.ndarray) -> list[list[int]]:
         """Record each token's predicted experts for layer m (and, without OWA, their weights)."""
         rows, ws = self._ranked_rows(idx, w, m, "pred")

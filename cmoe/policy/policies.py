@@ -21,6 +21,8 @@ engine then waits for its kernel to finish before the copy starts.
 | commit | CommitMoE: layer m+1's prediction is committed while layer m runs and loaded at once; layer m+1 computes only committed experts (OWA re-weights them); nothing on the CPU |
 | oracle | the bound: exact routing, Belady eviction (the resident used furthest in the future goes) and about a pass of lookahead (once a layer has run, its block is loaded for its next pass), from the trace's future |
 | adaptive | cache-aware top-k: in decode each layer runs the pass's top-ranked expert (loaded on demand if missing, LRU) and a lower-ranked one only if it is resident; the rest are skipped, their weight dropped (not re-normalised) |
+| adaptive-ahead | adaptive, plus a prefetch of the predicted top-1 of layers m+1..m+4 made from layer m's hidden state, and eviction by predicted next use (`cmoe.policy.ahead`) |
+| commit-ahead | commit, plus a prefetch of layers m+2..m+4's predictions, and eviction by predicted next use (`cmoe.policy.ahead`) |
 
 Prefill passes are exact for every policy (commit included): a prompt touches nearly every
 expert, so committing a subset would change the outputs of many tokens for no saving.
@@ -31,9 +33,11 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
+from cmoe.policy.ahead import Ahead
 from cmoe.policy.pool import PoolLayout, SlotPool
 
-POLICIES = ("upper", "ondemand", "lru-prefetch", "lfu-fallback", "static", "commit", "oracle", "adaptive")
+POLICIES = ("upper", "ondemand", "lru-prefetch", "lfu-fallback", "static", "commit", "oracle", "adaptive",
+            "adaptive-ahead", "commit-ahead")
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class Policy:
     cpu_experts = False          # computes missing experts on the CPU (host copies of the experts)
     commits = False              # decode computes only the experts committed a layer earlier (OWA weights)
     skips = False                # may leave routed experts out (commit's misses, adaptive's non-resident)
+    depth = 1                    # layers of predictions read; > 1: plan and begin_pass get `ahead` (cmoe.policy.ahead)
 
     def __init__(self, layout: PoolLayout, num_experts: int, popularity: list[list[int]],
                  future: list | None = None):
@@ -304,7 +309,53 @@ class Adaptive(Policy):
         return p
 
 
-_CLASSES = {c.name: c for c in (Upper, OnDemand, LruPrefetch, LfuFallback, Static, Commit, Oracle, Adaptive)}
+class AdaptiveAhead(Ahead, Adaptive):
+    """adaptive, looking `depth` layers ahead (`cmoe.policy.ahead`)."""
+    name = "adaptive-ahead"
+    uses_prediction = True
+
+    def begin_pass(self, decode, pred0, ahead=None):
+        self.decode = decode
+        self._reset()
+        return self._prefetch(0, ahead) if decode else []
+
+    def plan(self, m, needed, predicted_next, ahead=None):
+        if self.decode:
+            self._ran(m)
+        p = super().plan(m, needed, predicted_next)
+        if self.decode:
+            p.loads += self._prefetch(m + 1, ahead)
+        return p
+
+
+class CommitAhead(Ahead, Commit):
+    """commit, looking `depth` layers ahead (`cmoe.policy.ahead`)."""
+    name = "commit-ahead"
+
+    def commit(self, m, predicted):
+        """commit's, less what found no slot (a block full of fetched experts, at batch > 1)."""
+        loads = super().commit(m, predicted)
+        self.committed[m] = [e for e in self.committed[m] if self.pool.resident(m, e)]
+        return loads
+
+    def begin_pass(self, decode, pred0, ahead=None):
+        self._reset()
+        loads = super().begin_pass(decode, pred0)
+        return loads + self._prefetch(1, (ahead or [])[1:]) if decode else loads
+
+    def plan(self, m, needed, predicted_next, ahead=None) -> LayerPlan:
+        if self.decode:
+            self._ran(m)
+            if predicted_next is not None:
+                self.wanted[m + 1].update(predicted_next)
+        p = super().plan(m, needed, predicted_next)
+        if self.decode:
+            p.loads += self._prefetch(m + 2, (ahead or [])[1:])
+        return p
+
+
+_CLASSES = {c.name: c for c in (Upper, OnDemand, LruPrefetch, LfuFallback, Static, Commit, Oracle, Adaptive,
+                                AdaptiveAhead, CommitAhead)}
 
 
 def needs_predictions(name: str) -> bool:

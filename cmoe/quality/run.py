@@ -24,7 +24,8 @@ from cmoe.quality.measures import compare
 # variant -> (policy, OWA, pool): "all" holds every expert (only the routing rule differs); "half"
 # holds half of each layer's experts (the main job's pool), where adaptive's skips depend on residency
 VARIANTS = {"exact": ("upper", True, "all"), "commit": ("commit", True, "all"), "commit-no-owa": ("commit", False, "all"),
-            "adaptive": ("adaptive", True, "half")}
+            "adaptive": ("adaptive", True, "half"), "adaptive-ahead": ("adaptive-ahead", True, "half"),
+            "commit-ahead": ("commit-ahead", True, "half")}
 PUBLISHED = ("published next-layer prediction accuracy: about 80% from the previous layer's gate (FATE-style), "
              "93-97% from trained pre-attention predictors (DESIGN.md)")
 
@@ -36,7 +37,7 @@ def run_quality(model_dir: Path, text: bytes | list[int], tokens: int, variants:
     from cmoe.executor.run import ExecConfig, build, prepare, run_policy
     bad = [v for v in variants if v not in VARIANTS or v == "exact"]
     if bad:
-        raise CmoeError(f"unknown variant '{bad[0]}': choose from commit, commit-no-owa, adaptive")
+        raise CmoeError(f"unknown variant '{bad[0]}': choose from {', '.join(v for v in VARIANTS if v != 'exact')}")
     if isinstance(text, bytes):                       # through the model's own tokenizer (or bytes)
         from cmoe.core.checkpoint import check_checkpoint
         from cmoe.trace.hf import tokenizer_for

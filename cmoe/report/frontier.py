@@ -24,7 +24,8 @@ from cmoe.report.figures import POLICY_COLORS
 
 QUALITY_FIX = "pass --quality the JSON file that cmoe quality --out FILE writes"
 # the pool each skipping policy's quality variant is measured with (cmoe.quality.run.VARIANTS)
-MEASURED_WITH = {"commit": "every expert resident", "adaptive": "half of each layer's experts in the pool"}
+HALF = "half of each layer's experts in the pool"
+MEASURED_WITH = {"commit": "every expert resident", "adaptive": HALF, "adaptive-ahead": HALF, "commit-ahead": HALF}
 LINES = ("oracle", "upper")
 
 

@@ -44,10 +44,21 @@ def silent(hw: HardwareProfile, policy) -> bool:
     return hw.silent_upper and policy.holds_all
 
 
-def moe_attention_extra_us(hw: HardwareProfile, policy) -> float:
+def routers(policy, num_layers: int) -> float:
+    """Early routers a MoE layer runs under `policy`, on average over the layers: the next layer's
+    for the policies that predict; a look-ahead policy's the next `depth` layers' (fewer near the
+    last layer, as the executor runs them); 0 for the rest."""
+    if not policy.uses_prediction:
+        return 0.0
+    if policy.depth == 1:
+        return 1.0
+    return sum(min(policy.depth, num_layers - q) for q in range(1, num_layers)) / max(num_layers - 1, 1)
+
+
+def moe_attention_extra_us(hw: HardwareProfile, policy, num_layers: int) -> float:
     """What a MoE layer's attention gains on the GPU under `policy`: the read-back's packing (every
-    policy but a silent upper) and the next layer's router (the policies that predict)."""
-    return (0.0 if silent(hw, policy) else hw.readback_gpu_us) + (hw.predict_gpu_us if policy.uses_prediction else 0.0)
+    policy but a silent upper) and the early routers (the policies that predict)."""
+    return (0.0 if silent(hw, policy) else hw.readback_gpu_us) + hw.predict_gpu_us * routers(policy, num_layers)
 
 
 class PassCosts:

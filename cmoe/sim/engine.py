@@ -44,7 +44,7 @@ import simpy
 from cmoe.core.hw import HardwareProfile
 from cmoe.core.metrics import RunRecord
 from cmoe.policy.policies import Load, Policy
-from cmoe.sim.costs import Costs, PassCosts, costs_for, moe_attention_extra_us, silent
+from cmoe.sim.costs import Costs, PassCosts, costs_for, moe_attention_extra_us, routers, silent
 from cmoe.sim.experts import ExpertSteps
 from cmoe.trace.passes import Pass
 from cmoe.core.timeline import STREAM, START, END
@@ -195,9 +195,9 @@ class Simulation(ExpertSteps):
         host's clock H and the compute stream's G."""
         c, hw, pol, run = self.c, self.hw, self.policy, self.run
         self._M = len(c.moe_layers)
-        self._predict_us = hw.predict_layer_us if pol.uses_prediction else 0.0
+        self._predict_us = hw.predict_layer_us * routers(pol, self._M)
         self._silent = silent(hw, pol)
-        moe_gpu = moe_attention_extra_us(hw, pol)
+        moe_gpu = moe_attention_extra_us(hw, pol, self._M)
         H = G = prev_end = 0.0
         for ps in self.passes:
             x, H, G, last = yield from self._begin_pass(ps, H, G)
@@ -245,7 +245,8 @@ class Simulation(ExpertSteps):
         if x.commit_decode:                        # layer 0's prediction is read back before it runs
             H = max(H, G) + hw.host_sync_us
             yield from self._sync(H)
-        for ld in pol.begin_pass(ps.decode, list(ps.predicted[0])):
+        deep = {"ahead": ps.seen(0, pol.depth)} if pol.depth > 1 else {}
+        for ld in pol.begin_pass(ps.decode, list(ps.predicted[0]), **deep):
             yield from self._sync(H)
             H += self._issue(ld, ps.index)
         return x, H, G, last
@@ -269,7 +270,8 @@ class Simulation(ExpertSteps):
         env, hw, ps = self.env, self.hw, x.ps
         t_in = G
         nxt = list(ps.predicted[m + 1]) if m + 1 < self._M else None
-        plan = self.policy.plan(m, list(ps.needed[m]), nxt)
+        deep = {"ahead": ps.seen(m + 1, self.policy.depth)} if self.policy.depth > 1 else {}
+        plan = self.policy.plan(m, list(ps.needed[m]), nxt, **deep)
         votes = dict(zip(ps.needed[m], ps.votes[m]))
         x.tally.fallbacks += len(plan.cpu)
         x.tally.skipped += len(plan.skipped)

@@ -9,6 +9,10 @@ BUNDLE/
                                        `weights_renormalized` and the spec's `scaling`)
       pred_experts  int16   [T, M, K]  commit prediction for layer m: layer m's router applied to
                                        the hidden state that exists while layer m-1 runs; -1 = none
+      pred_ahead    int16   [T, M, D, K]  optional, predictions for layer m from further back:
+                                       [:, m, k-1] is layer m's router applied to the hidden state
+                                       of layer m-k (distance k); [:, :, 0] equals pred_experts;
+                                       -1 where that layer lies before the model's first
       request       int32   [T]        request (prompt) index
       step          int32   [T]        position of the token within its request
       phase         uint8   [T]        0 prefill, 1 decode
@@ -43,7 +47,7 @@ FORMAT_VERSION = 1
 PREFILL, DECODE = 0, 1
 _REQUIRED = {"experts": np.int16, "weights": np.float32, "pred_experts": np.int16,
              "request": np.int32, "step": np.int32, "phase": np.uint8}
-_OPTIONAL = {"token_ids": np.int32, "router_logits": np.float32}
+_OPTIONAL = {"token_ids": np.int32, "router_logits": np.float32, "pred_ahead": np.int16}
 
 
 def fingerprint(t: "Trace") -> str:
@@ -53,6 +57,8 @@ def fingerprint(t: "Trace") -> str:
     h = hashlib.sha256(t.spec.name.encode())
     for a in (t.experts, t.pred_experts, t.request, t.step, t.phase):
         h.update(np.ascontiguousarray(a).tobytes())
+    if t.pred_ahead is not None and t.depth > 1:
+        h.update(np.ascontiguousarray(t.pred_ahead).tobytes())
     return h.hexdigest()[:16]
 
 
@@ -70,6 +76,16 @@ class Trace:
     source: dict = field(default_factory=dict)
     token_ids: np.ndarray | None = None
     router_logits: np.ndarray | None = None
+    pred_ahead: np.ndarray | None = None     # [T, M, D, K] int16, distance k at [:, :, k-1]
+
+    @property
+    def depth(self) -> int:
+        """How many layers ahead the trace's predictions reach (1: pred_experts only)."""
+        return 1 if self.pred_ahead is None else int(self.pred_ahead.shape[2])
+
+    def ahead(self) -> np.ndarray:
+        """[T, M, D, K] the predictions by distance (pred_experts alone where none deeper are kept)."""
+        return self.pred_experts[:, :, None] if self.pred_ahead is None else self.pred_ahead
 
     @property
     def num_tokens(self) -> int:
@@ -108,6 +124,7 @@ def validate(t: Trace) -> None:
     if t.router_logits is not None and t.router_logits.shape != (T, s.num_moe_layers, s.num_experts):
         raise CmoeError(f"trace router_logits has shape {t.router_logits.shape}, expected "
                         f"{(T, s.num_moe_layers, s.num_experts)}")
+    _validate_ahead(t, T)
     if T and (t.experts.min() < 0 or t.experts.max() >= s.num_experts):
         bad = int(t.experts.max() if t.experts.max() >= s.num_experts else t.experts.min())
         raise CmoeError(f"trace has expert id {bad} out of range 0..{s.num_experts - 1}: "
@@ -125,6 +142,18 @@ def validate(t: Trace) -> None:
         raise CmoeError(f"trace expert_bytes is not [{s.num_moe_layers}][{s.num_experts}]")
     if any(b <= 0 for r in eb for b in r):
         raise CmoeError("trace expert_bytes must be positive")
+
+
+def _validate_ahead(t: Trace, T: int) -> None:
+    a, s = t.pred_ahead, t.spec
+    if a is None:
+        return
+    if a.ndim != 4 or a.shape[2] < 1 or a.shape[:2] + a.shape[3:] != (T, s.num_moe_layers, s.top_k):
+        raise CmoeError(f"trace array pred_ahead has shape {a.shape}, expected ({T}, {s.num_moe_layers}, D, {s.top_k})")
+    if T and (a.min() < -1 or a.max() >= s.num_experts):
+        raise CmoeError(f"trace has pred_ahead expert ids out of range -1..{s.num_experts - 1}")
+    if not np.array_equal(a[:, :, 0], t.pred_experts):
+        raise CmoeError("trace pred_ahead at distance 1 differs from pred_experts: re-create the bundle")
 
 
 MARKER = ("meta.json",)          # a bundle always has it: --force replaces only bundles

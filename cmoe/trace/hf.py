@@ -9,6 +9,9 @@ dense layers sit between (Qwen's sparse step), the prediction reaches further ah
 when the executor can act on it. The first MoE layer uses the MLP input of the decoder layer
 before it, or, when the model starts with an MoE layer, layer 0's `input_layernorm` output,
 i.e. it is made before attention, as pre-attention predictors do.
+With `depth` D > 1 the same hidden state also feeds the routers of the D-1 MoE layers after
+that one: the prediction for layer m at distance k is layer m's router applied to the state that
+predicts layer m-k+1 at distance 1 (`pred_ahead`, see `cmoe.trace.bundle`).
 
 Prompts run one at a time: prefill, then greedy decode with a KV cache. Tokens come from the
 checkpoint's tokenizer when it has one, else from bytes (id = byte value mod vocab), which is
@@ -46,6 +49,7 @@ class TraceOptions:
     quant: str = "w4a16"              # recipe for expert sizes, or "checkpoint" for stored sizes
     allow_pickle: bool = False
     progress: bool = True
+    depth: int = 4                    # predictions for up to this many MoE layers ahead
 
 
 def pick_device(name: str) -> torch.device:
@@ -144,9 +148,10 @@ def prediction_source(layers, spec: ModelSpec, m: int):
 class RouteRecorder:
     """Forward hooks that capture each MoE layer's routing and the commit prediction."""
 
-    def __init__(self, model, spec: ModelSpec, record_logits: bool, record_certainty: bool = False):
+    def __init__(self, model, spec: ModelSpec, record_logits: bool, record_certainty: bool = False, depth: int = 1):
         layers = model.model.layers
         self.spec, self.record_logits, self.record_certainty = spec, record_logits, record_certainty
+        self.depth = max(1, min(depth, spec.num_moe_layers))
         self.gates = [layers[d].mlp.gate for d in spec.moe_layers]
         self._predicting = False
         self.buf: dict[str, list] = {}
@@ -158,7 +163,7 @@ class RouteRecorder:
     def reset(self) -> None:
         M = self.spec.num_moe_layers
         self.buf = {"experts": [None] * M, "weights": [None] * M, "pred": [None] * M, "logits": [None] * M,
-                    "certainty": [None] * M}
+                    "certainty": [None] * M, "ahead": [[None] * self.depth for _ in range(M)]}
 
     @staticmethod
     def _sorted(weights: torch.Tensor, idx: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -179,13 +184,9 @@ class RouteRecorder:
     def _on_source(self, m: int):
         def hook(_mod, _inp, out):
             h = out.reshape(-1, out.shape[-1])
-            self._predicting = True
-            try:
-                with torch.no_grad():
-                    logits, w, idx = self.gates[m](h)
-            finally:
-                self._predicting = False
-            self.buf["pred"][m] = self._sorted(w, idx)[0]
+            logits, w, idx = self._early(m, h)
+            self.buf["pred"][m] = self.buf["ahead"][m][0] = self._sorted(w, idx)[0]
+            self._deeper(m, h)
             if not self.record_certainty:
                 return
             # the predicting router's certainty: softmax mass of its top-k (CommitMoE's key quantity)
@@ -193,11 +194,37 @@ class RouteRecorder:
             self.buf["certainty"][m] = p.topk(idx.shape[-1], -1).values.sum(-1).cpu().numpy()
         return hook
 
+    def _early(self, j: int, h: torch.Tensor):
+        """Layer j's router on an earlier hidden state (its own hook ignores this call)."""
+        self._predicting = True
+        try:
+            with torch.no_grad():
+                return self.gates[j](h)
+        finally:
+            self._predicting = False
+
+    def _deeper(self, m: int, h: torch.Tensor) -> None:
+        """The state that predicts layer m at distance 1 predicts layer m+k-1 at distance k."""
+        for k in range(2, self.depth + 1):
+            j = m + k - 1
+            if j >= self.spec.num_moe_layers:
+                break
+            _, w, idx = self._early(j, h)
+            self.buf["ahead"][j][k - 1] = self._sorted(w, idx)[0]
+
+    def _ahead(self) -> np.ndarray:
+        """[T, M, D, K] the predictions by distance, -1 where the predicting layer lies before the first."""
+        first = self.buf["pred"][0]
+        return np.stack([np.stack([a if a is not None else np.full_like(first, -1) for a in row], 1)
+                         for row in self.buf["ahead"]], 1)
+
     def collect(self) -> dict[str, np.ndarray]:
         b = self.buf
         assert all(x is not None for x in b["experts"]), "a forward pass did not reach every MoE layer"
         out = {"experts": np.stack(b["experts"], 1), "weights": np.stack(b["weights"], 1).astype(np.float32),
                "pred_experts": np.stack(b["pred"], 1)}
+        if self.depth > 1:
+            out["pred_ahead"] = self._ahead()
         if self.record_logits:
             out["router_logits"] = np.stack(b["logits"], 1).astype(np.float32)
         if self.record_certainty:
@@ -259,7 +286,7 @@ def trace_checkpoint(model_dir: str | Path, data: str | Path, opts: TraceOptions
     encode = tokenizer_for(model_dir, spec.vocab)
     from transformers import DynamicCache
     from tqdm import tqdm
-    rec_hooks = RouteRecorder(model, spec, opts.record_logits)
+    rec_hooks = RouteRecorder(model, spec, opts.record_logits, depth=opts.depth)
     parts: list[dict] = []
     ids_all = [encode(p)[: opts.max_prompt_tokens] for p in prompts]
     total = sum(len(x) + opts.max_new_tokens for x in ids_all)
@@ -286,6 +313,6 @@ def trace_checkpoint(model_dir: str | Path, data: str | Path, opts: TraceOptions
         rec_hooks.close()
     cat = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     src = {"kind": "hf", "model_dir": str(model_dir.resolve()), "family": spec.family, "device": device.type,
-           "max_new_tokens": opts.max_new_tokens, "bytes_from": "checkpoint" if opts.quant == "checkpoint" else "recipe"}
+           "max_new_tokens": opts.max_new_tokens, "depth": rec_hooks.depth, "bytes_from": "checkpoint" if opts.quant == "checkpoint" else "recipe"}
     return Trace(**cat, spec=spec, recipe=rec, expert_bytes=sizes,
                  source={**src, "dataset": str(data.resolve()), "prompts": len(prompts)})

@@ -2,7 +2,7 @@
 arrays (CSR: one pointer array per ragged field). The same rules, the same values:
 `to_passes(build(...))` equals `make_passes(...)`, pass for pass; the fast replay reads the arrays
 directly, so no per-pass Python objects are made. Legend: P passes, M MoE layers, K top-k,
-E experts, N tokens over all passes.
+E experts, N tokens over all passes, D distances of prediction (the trace's `depth`).
 
 Ranking an (pass, layer)'s experts: by descending vote, ties by first appearance (tokens in pass
 order, each token's experts in weight order), experts < 0 skipped. Passes of one token are
@@ -32,10 +32,19 @@ class Pass:
     votes: tuple[tuple[int, ...], ...]       # [M] tokens routed to each needed expert
     context: int = 0                         # keys every token of the pass attends to, summed (position + 1)
     keys: int = 0                            # the longest row's keys (position + 1)
+    ahead: tuple = ()                        # [M][D] prediction for layer m at distance k (index k-1); () = predicted only
 
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.size)
+
+    def seen(self, m: int, depth: int) -> list[list[int]]:
+        """What the hidden state that predicts layer m (at distance 1) says of layers m..m+depth-1:
+        the predictions a live run has once that state exists (m = 0: at the pass's start; m + 1:
+        at layer m's plan). Shorter past the last layer or the trace's depth."""
+        rows = self.ahead or tuple((p,) for p in self.predicted)
+        D = len(rows[0]) if rows else 1
+        return [list(rows[m + k][k]) for k in range(min(depth, D, len(rows) - m))]
 
 
 @dataclass(frozen=True)
@@ -52,10 +61,22 @@ class PassArrays:
     pred_ptr: np.ndarray     # [P*M+1] int64
     pred: np.ndarray         # int16 commit prediction, ranked the same way
     num_layers: int          # M
+    ahead_ptr: np.ndarray    # [P*M*D+1] int64; (pass, layer m, distance k) at (p*M + m)*D + k-1
+    ahead: np.ndarray        # int16 predictions by distance, ranked the same way (D = 1: pred itself)
+    depth: int = 1           # D
 
     @property
     def num_passes(self) -> int:
         return int(self.decode.size)
+
+    def seen(self, p: int, m: int, depth: int) -> list[list[int]]:
+        """`Pass.seen` of pass p, from the arrays."""
+        D, M, ptr = self.depth, self.num_layers, self.ahead_ptr
+        out = []
+        for k in range(min(depth, D, M - m)):
+            i = (p * M + m + k) * D + k
+            out.append(self.ahead[ptr[i]:ptr[i + 1]].tolist())
+        return out
 
     def needed(self, p: int, m: int) -> np.ndarray:
         i = p * self.num_layers + m
@@ -184,8 +205,13 @@ def build(t: Trace, batch: int, include_prefill: bool = True, groups: int | None
     np.maximum.at(keys, pass_of, t.step[tok].astype(np.int64) + 1)
     need_ptr, need, votes = _ranked_blocks(t.experts, tok, tok_ptr, pass_of, P, E)
     pred_ptr, pred, _ = _ranked_blocks(t.pred_experts, tok, tok_ptr, pass_of, P, E)
+    D = t.depth
+    ahead_ptr, ahead = pred_ptr, pred
+    if D > 1:
+        ahead_ptr, ahead, _ = _ranked_blocks(t.pred_ahead.reshape(t.num_tokens, M * D, -1), tok, tok_ptr, pass_of, P, E)
     return PassArrays(decode=decode, ntok=ntok, context=context, keys=keys, tok_ptr=tok_ptr, tok=tok, need_ptr=need_ptr,
-                      need=need, votes=votes, pred_ptr=pred_ptr, pred=pred, num_layers=M)
+                      need=need, votes=votes, pred_ptr=pred_ptr, pred=pred, num_layers=M, ahead_ptr=ahead_ptr,
+                      ahead=ahead, depth=D)
 
 
 def to_passes(pa: PassArrays) -> list:
@@ -193,14 +219,17 @@ def to_passes(pa: PassArrays) -> list:
     M = pa.num_layers
     need, votes, pred = pa.need.tolist(), pa.votes.tolist(), pa.pred.tolist()
     nptr, pptr = pa.need_ptr.tolist(), pa.pred_ptr.tolist()
+    D, ahead, aptr = pa.depth, pa.ahead.tolist(), pa.ahead_ptr.tolist()
     out = []
     for p in range(pa.num_passes):
         lo = p * M
         needed = tuple(tuple(need[nptr[k]:nptr[k + 1]]) for k in range(lo, lo + M))
         v = tuple(tuple(votes[nptr[k]:nptr[k + 1]]) for k in range(lo, lo + M))
         guess = tuple(tuple(pred[pptr[k]:pptr[k + 1]]) for k in range(lo, lo + M))
+        deep = () if D == 1 else tuple(tuple(tuple(ahead[aptr[i]:aptr[i + 1]]) for i in range(k * D, k * D + D))
+                                       for k in range(lo, lo + M))
         out.append(Pass(p, bool(pa.decode[p]), pa.tok[pa.tok_ptr[p]:pa.tok_ptr[p + 1]], needed, guess, v,
-                        int(pa.context[p]), int(pa.keys[p])))
+                        int(pa.context[p]), int(pa.keys[p]), deep))
     return out
 
 
@@ -213,7 +242,12 @@ def from_passes(passes: list, num_layers: int) -> PassArrays:
     assert all(len(ps.needed) == M for ps in passes), "a pass has the wrong number of layers"
     toks = [np.asarray(ps.tokens, np.int64) for ps in passes]
     ntok = np.array([t.size for t in toks], np.int64)
-    return PassArrays(decode=np.array([ps.decode for ps in passes], bool), ntok=ntok,
+    D = len(passes[0].ahead[0]) if passes and passes[0].ahead else 1
+    assert all(len(ps.ahead) == (M if D > 1 else 0) for ps in passes), "passes differ in their predictions' depth"
+    rows = [row for ps in passes for layer in (ps.ahead or [(p,) for p in ps.predicted]) for row in layer]
+    aptr = np.concatenate([[0], np.cumsum([len(r) for r in rows], dtype=np.int64)]).astype(np.int64)
+    return PassArrays(ahead_ptr=aptr, ahead=np.array([x for r in rows for x in r], np.int16), depth=D,
+                      decode=np.array([ps.decode for ps in passes], bool), ntok=ntok,
                       context=np.array([ps.context for ps in passes], np.int64),
                       keys=np.array([ps.keys for ps in passes], np.int64),
                       tok_ptr=np.concatenate([[0], np.cumsum(ntok)]).astype(np.int64),

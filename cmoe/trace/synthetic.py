@@ -9,6 +9,12 @@ Each statistic is set by a parameter with a published default:
 - commit-prediction accuracy `pred_acc`: each true expert is in the prediction with this
   probability (published next-layer predictors: about 80% from the previous gate, FATE-style,
   93-97% for trained pre-attention predictors); default 0.85.
+- accuracy by distance `ahead_ratio`: the prediction for layer m made k layers earlier (from
+  layer m-k's hidden state) keeps each true expert with probability pred_acc * ahead_ratio[k-2],
+  k = 2..1+len(ahead_ratio). Default from the embedded model, where the router of layer m+k
+  applied to layer m's hidden state holds 0.82, 0.77, 0.70, 0.68 of the true top-2 at
+  k = 1..4: ratios 0.94, 0.85, 0.83 of distance 1. Distance 1 is `pred_experts`, drawn as
+  before; the deeper ones come from their own seeded stream, so they change nothing else.
 
 Sampling without replacement proportional to popularity is done for all tokens and layers at once
 with the Gumbel-top-k trick. Repetition is forced with probability q, solved from
@@ -28,6 +34,8 @@ from cmoe.core.spec import ModelSpec
 from cmoe.trace.bundle import DECODE, PREFILL, Trace
 
 MIXTRAL_REPETITION = ((0.0, 0.14), (0.5, 0.26), (1.0, 0.23))
+EMBEDDED_AHEAD = (0.94, 0.85, 0.83)       # accuracy at distance 2, 3, 4 over distance 1's (0.77, 0.70, 0.68 / 0.82)
+AHEAD_COPY = 0.45                          # the embedded model's top-1 agreement of distances k, k+1: 0.80, 0.78, 0.74
 
 
 @dataclass(frozen=True)
@@ -39,14 +47,27 @@ class SyntheticParams:
     repetition: tuple[tuple[float, float], ...] = MIXTRAL_REPETITION
     pred_acc: float = 0.85
     seed: int = 0
+    ahead_ratio: tuple[float, ...] = EMBEDDED_AHEAD   # () keeps distance 1 only
+    ahead_copy: float = AHEAD_COPY        # share of (token, layer) whose prediction at k repeats k-1's
 
     def __post_init__(self) -> None:
         if self.requests < 1 or self.prompt_len < 0 or self.decode_len < 0 or self.prompt_len + self.decode_len < 1:
             raise CmoeError("synthetic trace needs at least one request of at least one token")
         if not 0 <= self.pred_acc <= 1 or self.skew < 0:
             raise CmoeError("pred_acc must lie in [0, 1] and skew must be >= 0")
+        if any(not 0 <= r * self.pred_acc <= 1 or r < 0 for r in self.ahead_ratio):
+            raise CmoeError("ahead_ratio values must be >= 0 and keep pred_acc * ratio within [0, 1]")
+        if not 0 <= self.ahead_copy < 1 or any(x < 0 for x in self._fresh_acc()):
+            raise CmoeError("ahead_copy must lie in [0, 1) and leave each distance's fresh draws an accuracy >= 0")
         if any(not 0 <= r < 1 for _, r in self.repetition):
             raise CmoeError("repetition rates must lie in [0, 1)")
+
+    def _fresh_acc(self) -> list[float]:
+        """The accuracy of the rows drawn afresh at distance 2, 3, ..., so that with the copied rows
+        (accuracy of distance k-1) the distance's accuracy is pred_acc * ratio."""
+        accs = [self.pred_acc] + [self.pred_acc * r for r in self.ahead_ratio]
+        c = self.ahead_copy
+        return [(b - c * a) / (1 - c) for a, b in zip(accs, accs[1:])]
 
     def repetition_at(self, num_layers: int) -> np.ndarray:
         xs, ys = zip(*self.repetition)
@@ -112,6 +133,24 @@ def generate(spec: ModelSpec, rec: QuantRecipe, p: SyntheticParams = SyntheticPa
         w = w * rng.uniform(0.3, 0.9, size=(T, M, 1))                   # top-k mass of the softmax
     w = (w * spec.scaling).astype(np.float32)
     pred = _predictions(experts, E, p.pred_acc, rng).astype(np.int16)
-    src = {"kind": "synthetic", "params": {**asdict(p), "repetition": [list(r) for r in p.repetition]}}
+    src = {"kind": "synthetic", "params": {**asdict(p), "repetition": [list(r) for r in p.repetition],
+                                           "ahead_ratio": list(p.ahead_ratio)}}
     return Trace(experts=experts, weights=w, pred_experts=pred, request=request, step=step, phase=phase,
-                 spec=spec, recipe=rec, expert_bytes=expert_bytes(spec, rec), source=src)
+                 spec=spec, recipe=rec, expert_bytes=expert_bytes(spec, rec), source=src,
+                 pred_ahead=_ahead(experts, pred, E, p) if p.ahead_ratio else None)
+
+
+def _ahead(experts: np.ndarray, pred: np.ndarray, E: int, p: SyntheticParams) -> np.ndarray:
+    """[T, M, D, K] predictions by distance: distance 1 is `pred`; at distance k a share
+    `ahead_copy` of the (token, layer) rows repeats distance k-1's (predictions made from nearby
+    states agree more often than independent guesses would), the rest is drawn afresh, so that
+    the accuracy is pred_acc * ahead_ratio[k-2]; -1 where layer m-k lies before the first (m < k-1)."""
+    rng = np.random.default_rng([p.seed, 1])       # its own stream: distance 1 and the routes stay as they were
+    out, prev = [pred], pred
+    for k, acc in enumerate(p._fresh_acc(), start=2):
+        drawn = _predictions(experts, E, min(acc, 1.0), rng).astype(np.int16)
+        prev = np.where(rng.random(experts.shape[:2] + (1,)) < p.ahead_copy, prev, drawn)
+        a = prev.copy()
+        a[:, : k - 1] = -1
+        out.append(a)
+    return np.stack(out, 2)

@@ -19,7 +19,7 @@ import numba
 def _cache_dir() -> str:
     here = Path(__file__).parent
     h = hashlib.sha256(numba.__version__.encode())
-    for name in ("clock.py", "compute.py", "decide.py"):        # the compiled modules
+    for name in ("clock.py", "compute.py", "decide.py", "twin_pool.py"):        # the compiled modules
         h.update(name.encode() + (here / name).read_bytes())
     name = f"cmoe-replay-{h.hexdigest()[:12]}"
     bases = [os.environ.get("NUMBA_CACHE_DIR"), os.environ.get("XDG_CACHE_HOME") and Path(os.environ["XDG_CACHE_HOME"]) / "cmoe",

@@ -17,10 +17,11 @@ from cmoe.core.hw import HardwareProfile
 from cmoe.core.metrics import PassCounts
 from cmoe.policy.policies import Policy
 from cmoe.sim.engine import Costs, SimRun
-from cmoe.sim.costs import moe_attention_extra_us, silent
+from cmoe.sim.costs import moe_attention_extra_us, routers, silent
 from cmoe.sim.replay import clock as ck
 from cmoe.sim.replay.compute import run as run_passes
-from cmoe.sim.replay.decide import decide, decisions
+from cmoe.sim.replay.decide import decide
+from cmoe.sim.replay.twin_pool import decisions
 from cmoe.sim.replay.spans import Spans
 from cmoe.sim.replay.state import decide_python, export, has_twin, pass_data, restore
 from cmoe.trace.pass_arrays import PassArrays, from_passes
@@ -56,7 +57,7 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
     wfix = eb / (hw.wave_gbps * 1e9) * 1e6 if hw.wave_gbps else np.zeros((M, E))
     wcnt = np.array([hw.wave_fixed_us(k) for k in range(E + 1)])     # a launch's own cost by its experts
     ns, inv = np.unique(pa.ntok, return_inverse=True)
-    predict = hw.predict_layer_us if policy.uses_prediction else 0.0
+    predict = hw.predict_layer_us * routers(policy, M)
     per_n = np.array([[hw.layer_us(n, c.attn_bytes), hw.host_layer(n), hw.host_sync_us + hw.host_route(n) + predict,
                        hw.host_expert(n),
                        hw.expert_us(c.dense_bytes, c.dense_bits, n, c.dense_bytes) if c.dense_bytes else 0.0,
@@ -68,7 +69,7 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
     route_host = per_n[:, 2].copy()
     route_host[commit_decode] += hw.commit_route_us
     dense_host, dense_gpu = layer_host + per_n[:, 3], layer_gpu + per_n[:, 4]
-    attn_gpu = layer_gpu + moe_attention_extra_us(hw, policy)
+    attn_gpu = layer_gpu + moe_attention_extra_us(hw, policy, M)
     if c.shared_bytes:
         attn_gpu = attn_gpu + per_n[:, 5]
     attn_host = layer_host + per_n[:, 3] if c.shared_bytes else layer_host

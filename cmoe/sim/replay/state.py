@@ -8,11 +8,12 @@ from collections import OrderedDict
 import numpy as np
 
 from cmoe.policy import policies as pol
-from cmoe.sim.replay.decide import (AFTER, CLOCK, DECODE, KIND_OF, K, LOAD_KINDS, PassData, PolicyState)
+from cmoe.policy.ahead import Ahead
+from cmoe.sim.replay.twin_pool import AFTER, CLOCK, DECODE, KIND_OF, K, LOAD_KINDS, PassData, PolicyState
 from cmoe.trace.pass_arrays import PassArrays
 
 TWINS = {c: KIND_OF[c.name] for c in (pol.Upper, pol.OnDemand, pol.LruPrefetch, pol.LfuFallback, pol.Static,
-                                      pol.Commit, pol.Oracle, pol.Adaptive)}
+                                      pol.Commit, pol.Oracle, pol.Adaptive, pol.AdaptiveAhead, pol.CommitAhead)}
 _RANK = {k: i for i, k in enumerate(LOAD_KINDS)}
 
 
@@ -22,7 +23,8 @@ def has_twin(policy: pol.Policy) -> bool:
 
 
 def pass_data(pa: PassArrays) -> PassData:
-    return PassData(pa.decode, pa.need_ptr, pa.need, pa.votes, pa.pred_ptr, pa.pred, pa.num_layers)
+    return PassData(pa.decode, pa.need_ptr, pa.need, pa.votes, pa.pred_ptr, pa.pred, pa.num_layers, pa.ahead_ptr,
+                    pa.ahead, pa.depth)
 
 
 def _uses(pa: PassArrays, E: int) -> tuple[np.ndarray, np.ndarray]:
@@ -69,7 +71,23 @@ def export(policy: pol.Policy, pa: PassArrays) -> PolicyState:
         uptr, uses = _uses(pa, E)
     return PolicyState(np.int64(TWINS[type(policy)]), np.array(lay.slots, np.int64), stamp, slot, free, nfree,
                        np.array(policy.freq, np.int64).reshape(M, E), scal, committed, ncommitted, uptr, uses,
-                       np.zeros(E, np.bool_), *(np.zeros(E, np.int64) for _ in range(5)))
+                       np.zeros(E, np.bool_), *(np.zeros(E, np.int64) for _ in range(5)), *_ahead_state(policy))
+
+
+def _ahead_state(policy: pol.Policy) -> tuple:
+    """(popularity, wanted, fetched, named, [depth, agree, top]) as arrays; zeros where no look-ahead."""
+    M, E = len(policy.layout.slots), policy.E
+    wanted, fresh, named = np.zeros((M, E), np.bool_), np.zeros((M, E), np.bool_), np.zeros((M, E), np.int64)
+    ahd = np.zeros(3, np.int64)
+    if isinstance(policy, Ahead):
+        assert policy.depth * policy.top <= E, "a step's prefetches would overflow the decision buffers"
+        for m in range(M):
+            wanted[m, list(policy.wanted[m])] = True
+            fresh[m, list(policy.fresh[m])] = True
+            for e, n in policy.named[m].items():
+                named[m, e] = n
+        ahd[:] = policy.depth, policy.agree, policy.top
+    return np.array(policy.popularity, np.int64).reshape(M, E), wanted, fresh, named, ahd
 
 
 def restore(policy: pol.Policy, s: PolicyState) -> None:
@@ -85,6 +103,10 @@ def restore(policy: pol.Policy, s: PolicyState) -> None:
         policy.committed = [s.committed[m, :n].tolist() if n >= 0 else None for m, n in enumerate(s.ncommitted.tolist())]
     if isinstance(policy, pol.Oracle):
         policy.k, policy.after = int(s.scal[K]), int(s.scal[AFTER])
+    if isinstance(policy, Ahead):
+        policy.wanted = [set(np.nonzero(row)[0].tolist()) for row in s.wanted]
+        policy.fresh = [set(np.nonzero(row)[0].tolist()) for row in s.fresh]
+        policy.named = [{int(e): int(row[e]) for e in np.nonzero(row)[0]} for row in s.named]
     assert s.scal[CLOCK] >= 0
 
 
@@ -107,12 +129,14 @@ def decide_python(policy: pol.Policy, pa: PassArrays, d, p0: int, p1: int) -> No
         j = (p - p0) * (M + 1)
         mark(j)
         d.skipped[j] = 0
-        loads(policy.begin_pass(bool(pa.decode[p]), pa.pred[pa.pred_ptr[p * M]:pa.pred_ptr[p * M + 1]].tolist()))
+        deep = {"ahead": pa.seen(p, 0, policy.depth)} if policy.depth > 1 else {}
+        loads(policy.begin_pass(bool(pa.decode[p]), pa.pred[pa.pred_ptr[p * M]:pa.pred_ptr[p * M + 1]].tolist(), **deep))
         for m in range(M):
             mark(j + 1 + m)
             i = p * M + m
             nxt = pa.pred[pa.pred_ptr[i + 1]:pa.pred_ptr[i + 2]].tolist() if m + 1 < M else None
-            plan = policy.plan(m, pa.need[pa.need_ptr[i]:pa.need_ptr[i + 1]].tolist(), nxt)
+            deep = {"ahead": pa.seen(p, m + 1, policy.depth)} if policy.depth > 1 else {}
+            plan = policy.plan(m, pa.need[pa.need_ptr[i]:pa.need_ptr[i + 1]].tolist(), nxt, **deep)
             for e in plan.gpu:
                 d.g_e[n[0]], d.g_slot[n[0]] = e, plan.slots[e]
                 n[0] += 1
