@@ -342,8 +342,10 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
     """What `layers` returns: the measurements `cmoe.calibrate.profile_fit` fits, in its units."""
     from cmoe.core.quant import non_expert_bytes
     gpu, host, one = r.gpu, r.host, r.one
+    gap = None
     if "plain" in one:            # the lean engine: a pass's start and head as upper's own run shows them
         one["host_start"], one["gpu_start"], one["gpu_head"] = one.pop("plain")
+        gap = one["host_start"] - one["gpu_start"]      # the GPU's idle gap between passes, before the first mark
     ne_bytes = non_expert_bytes(r.spec, r.rec)
     per_layer = (ne_bytes["attention"] + ne_bytes["norms"]) // r.spec.num_layers
     tail = [(t, max(a[1] - b[1], 0.0)) for t, a, b in zip((1, 8), host["expert"], host["expert_span"])]
@@ -358,7 +360,8 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
                               "expert_points": host["expert"], "expert_tail_s": float(np.mean([x for _, x in tail])),
                               "load_s": one["host_load"],
                               "sync_s": _sync_s(host, tail),
-                              "pass_start_s": one["host_start"], "head_s": one["host_head"]}},
+                              "pass_start_s": one["host_start"], "head_s": one["host_head"]}
+                     | ({"pass_gap_s": gap} if gap is not None else {})},
            "waves": gpu["waves"], "commit_waves": r.one.get("commit_waves", []), "seconds": r.seconds,
            "repeats": {"host, layer": {"unit": "tokens", "grows": False, "points": host["layer_runs"]},
                        # one mean per batch: no spread, but 8 rows may not take less than 1

@@ -103,6 +103,8 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     roundtrip = m.get("roundtrip_in_model") or m["roundtrip"]
     src = f"measured by cmoe calibrate on {device}, {date}"
     host = _host_fields(m["layer"].get("host"))
+    if host and (gap := _pass_gap_us(m)):
+        host["pass_gap_us"] = gap
     table = _expert_rows_table(m, key)
     waves = _wave_fit(m.get("waves") or [])
     waves |= _owa_fit(m.get("commit_waves") or [], waves)
@@ -271,6 +273,20 @@ def _host_fields(h: dict | None) -> dict:
     out["host_pass_start_us"] = h["pass_start_s"] * 1e6
     out["host_head_us"] = h["head_s"] * 1e6
     return out
+
+
+def _pass_gap_us(m: dict) -> float:
+    """`pass_gap_us`: the host's part of a pass's start before its first mark, where the GPU idles
+    between passes (the lean engine: a pass's start comes from upper's own run, the host's side
+    being that gap plus layer 0's start-up excess, the GPU's side the excess alone; measurements
+    from before the gap was kept give it as the difference). 0 elsewhere: the eager runs' host
+    start-up is layer 0's own."""
+    h = m["layer"]["host"]
+    if "pass_gap_s" in h:
+        return max(h["pass_gap_s"], 0.0) * 1e6
+    if not m.get("waves"):
+        return 0.0
+    return max(h["pass_start_s"] - m["layer"].get("pass_start_s", 0.0), 0.0) * 1e6
 
 
 def with_expert_classes(p: HardwareProfile, base: HardwareProfile) -> HardwareProfile:

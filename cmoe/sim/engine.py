@@ -230,7 +230,8 @@ class Simulation(ExpertSteps):
     def _begin_pass(self, ps: Pass, H: float, G: float):
         """A pass's start: wait for every copy to land (the device is synchronised between
         passes), work out the pass's per-layer costs, run its start-up (embedding, masks, its first
-        sync: counted with layer 0's attention) and issue the policy's loads for the pass. Returns
+        sync: counted with layer 0's attention, whose span starts after the host's `pass_gap_us`, where
+        the executor's first mark lands) and issue the policy's loads for the pass. Returns
         (the pass's costs, H, G, where layer 0's attention span starts)."""
         env, hw, pol = self.env, self.hw, self.policy
         if self.in_flight:                   # the device is synchronised between passes, copies included
@@ -240,7 +241,7 @@ class Simulation(ExpertSteps):
         yield from self._sync(H)
         self.pass_index = ps.index
         x = PassCosts(ps, self.run.at(ps.index), hw, self.c, pol.commits, self._predict_us)
-        last = H
+        last = H + min(hw.pass_gap_us, hw.host_pass_start_us)     # the pass's first mark, past the gap
         H, G = self._op(H, G, hw.host_pass_start_us, hw.pass_start_us)
         if x.commit_decode:                        # layer 0's prediction is read back before it runs
             H = max(H, G) + hw.host_sync_us

@@ -11,7 +11,7 @@ from numba import njit
 
 from cmoe.sim.replay.clock import (DRAINED, ENGINES, ERR, FIFO, G_, H_, HALF_RT, HEAD, HEAD_SPAN, HOST_HEAD,
                                    AHEAD, HOST_PASS_START, HOST_SYNC, IN_FLIGHT, NOW, OP_ATTN, SILENT,
-                                   OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, OWA_GPU,
+                                   OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, OWA_GPU, PASS_GAP,
                                    PASS_INDEX, PASS_START, PREV_END, CPU_TOK, SLOW, TAIL, WAVE, WAVE_ROW,
                                    W_DRAINED, W_READY, _advance, copying, _issue, _release, _span, _sync, pmax)
 
@@ -165,7 +165,7 @@ def _begin(c, x, o, d, p, j0, H, G, M):
     H = pmax(pmax(H, G), c.F[NOW])
     _sync(c, x, o, H)
     c.I[PASS_INDEX] = p
-    last = H
+    last = H + x.hwf[PASS_GAP]                      # the pass's first mark, past the gap
     H2 = H + x.hwf[HOST_PASS_START]
     G = pmax(pmax(G, H) + x.hwf[PASS_START], H2)
     H = H2
