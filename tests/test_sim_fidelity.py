@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from cmoe.calibrate.profile_fit import _pass_gap_us
-from tests.test_replay import FLAT, both, same_run, tiny_costs
+from tests.test_replay import FLAT, _by_layer, both, same_run, tiny, tiny_costs
 from tests.test_sim import tiny_trace
 
 
@@ -43,3 +43,47 @@ def test_calibrate_takes_the_pass_gap_from_upper_s_own_run():
     m["layer"]["host"]["pass_gap_s"] = 120e-6
     assert _pass_gap_us(m) == pytest.approx(120.0)
     assert _pass_gap_us({"layer": {"pass_start_s": 146e-6, "host": {"pass_start_s": 259e-6}}, "waves": []}) == 0.0
+
+
+def test_commit_pays_its_copies_between_attention_and_launch():
+    """`commit_gpu_us`: on commit's ahead path (decode) the read-back's start and the launch's
+    inputs run on the compute stream after the attention: with the GPU pacing (no host cost) and
+    every expert resident, each decode layer gets a `route` span of exactly that length right after
+    its attention, its launch starts where it ends, and a decode pass is that much longer per MoE
+    layer; prefill is not touched; both engines alike, and 0 changes nothing."""
+    t = tiny(M=3, E=4, T=24, seed=1, requests=1, K=2)
+    prof = replace(FLAT, copy_fifo=True, commit_ahead=True, wave_gbps=0.5, wave_us=1.0, wave_row_us=1.0)
+    runs = {}
+    for us in (0.0, 7.0):
+        a, b, _, _ = both(t, "commit", replace(prof, commit_gpu_us=us), 1, slots=4, costs=tiny_costs(t))
+        same_run(a, b)
+        runs[us] = a
+    plain, paid = runs[0.0], runs[7.0]
+    assert not [s for s in plain.spans if s[4] == "route"] and not [s for s in paid.spans if s[4] == "load"]
+    decode = {p for p, d, _, _ in paid.pass_us if d}
+    routes = {(s[1], s[2]): s for s in paid.spans if s[4] == "route"}
+    assert set(routes) == {(p, m) for p in decode for m in range(3)}
+    attn = {(s[1], s[2]): s[7] for s in paid.spans if s[4] == "attention"}
+    first = {k: v[0][6] for k, v in _by_layer(paid.spans).items()}
+    for k, s in routes.items():
+        assert (s[6], s[7] - s[6], first[k]) == (attn[k], 7.0, s[7]), k
+    assert [us - us0 for (_, _, _, us), (_, _, _, us0) in zip(paid.pass_us, plain.pass_us)] == \
+        pytest.approx([21.0 if d else 0.0 for _, d, _, _ in paid.pass_us])
+    assert decode and len(decode) < len(paid.pass_us)
+
+
+def test_calibrate_reads_commits_copies_off_its_route_spans():
+    """`_route_gpu_s`: the median of commit's decode `route` spans on the compute stream, the first
+    MoE layer (the pass's start-up) and prefill left out."""
+    from types import SimpleNamespace
+
+    from cmoe.calibrate.measure_model import _route_gpu_s
+    from cmoe.core.timeline import Span
+    spans = [Span("gpu", 0, 1, "compute", "route", -1, 0.0, 90.0),               # prefill
+             Span("gpu", 1, 0, "compute", "route", -1, 0.0, 40.0),               # the first layer
+             Span("gpu", 1, 1, "host", "route", -1, 0.0, 70.0)]                  # not the stream
+    spans += [Span("gpu", p, d, "compute", "route", -1, 100.0, 100.0 + us)
+              for p, d, us in ((1, 1, 15.0), (1, 2, 16.0), (2, 1, 30.0), (2, 2, 15.5), (2, 3, 14.0))]
+    log = SimpleNamespace(spans=spans, pass_us=[(0, False, 1, 0.0), (1, True, 1, 0.0), (2, True, 1, 0.0)])
+    assert _route_gpu_s(log, 0) == pytest.approx(15.5e-6)
+    assert _route_gpu_s(SimpleNamespace(spans=[], pass_us=[]), 0) == 0.0

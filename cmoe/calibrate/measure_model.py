@@ -127,6 +127,16 @@ def _pass_overhead(log, first: int) -> tuple[float, float, float]:
     return (gap + start) / 1e6, start / 1e6, _mean(log, "head")
 
 
+def _route_gpu_s(log, first: int) -> float:
+    """commit's step between a layer's attention and its launch on the compute stream (its decode
+    `route` spans, every layer but the first), in seconds: the median, the GPU's own time (the
+    read-back's start and the launch's inputs copied) where the host is ahead, as it mostly is."""
+    dec = {p for p, d, _, _ in log.pass_us if d}
+    xs = [s[END] - s[START] for s in log.spans
+          if s[STEP] in dec and s[OP] == "route" and s[STREAM] == "compute" and s[LAYER] != first]
+    return float(np.median(xs)) / 1e6 if xs else 0.0
+
+
 def _cpu_points(log, tr, batch: int, spec: ModelSpec) -> tuple[list, list]:
     """(tokens, seconds) of every CPU expert of the decode passes, its tokens from the trace's
     votes, and the round trip's two halves added up per layer (seconds)."""
@@ -310,8 +320,9 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
         lp = replace(cfg, policies=("lru-prefetch",), slots=spec.num_experts)
         p_att = _per_layer(run_policy(w, lp, "lru-prefetch").log, ("attention",), r.first)[0]
         one["predict_gpu"] = (p_att - one["eager_attention"]) / M / 1e6
-    if r.lean:                    # commit's own launches (OWA on the device): what they take over upper's
-        one["commit_waves"] = _wave_points(c_log, w.trace, 1, spec)
+    if r.lean:                    # commit's own launches (OWA on the device): what they take over upper's,
+        one["commit_waves"] = _wave_points(c_log, w.trace, 1, spec)   # and the copies before them
+        one["commit_gpu"] = _route_gpu_s(c_log, r.first)
     c_route, _ = _per_layer(c_log, ("host_route",), None)
     c_pred, _ = _per_layer(c_log, ("host_predict",), None)
     one["predict"] = c_pred / M / 1e6
@@ -355,7 +366,7 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
                      "expert_points": gpu["expert"], "predict_layer_s": one["predict"],
                      "commit_route_s": one["commit_route"], "context_points": ctx,
                      "readback_gpu_s": max(float(np.median([x for _, x in gpu["readback"]])), 0.0) if gpu["readback"] else 0.0,
-                     "predict_gpu_s": max(one.get("predict_gpu", 0.0), 0.0),
+                     "predict_gpu_s": max(one.get("predict_gpu", 0.0), 0.0), "commit_gpu_s": one.get("commit_gpu", 0.0),
                      "host": {"layer_points": host["layer"], "route_points": host["route"],
                               "expert_points": host["expert"], "expert_tail_s": float(np.mean([x for _, x in tail])),
                               "load_s": one["host_load"],

@@ -92,6 +92,9 @@ class HardwareProfile:
                                                     # upper's launches less their experts' shares); replaces wave_us
     owa_gpu_us: float = 0.0                         # commit's decode launch also weights its rows by OWA on the
                                                     # device (`owa_device`): once per launch (calibrate: its own runs)
+    commit_gpu_us: float = 0.0                      # per MoE layer, commit's ahead path, GPU: between its attention
+                                                    # and its launch, the read-back's start and the launch's inputs
+                                                    # (candidates, slot table) copied on the compute stream
     # Measured shapes (calibrate, from enough points): where given, they replace the lines above.
     # (rows, us) pairs, rows ascending; read piecewise-linearly, held flat below the first point and
     # past the last one when the last piece falls, extended along the last piece when it rises.

@@ -309,8 +309,8 @@ class Simulation(ExpertSteps):
     def _ahead_layer(self, x: PassCosts, m: int, d: int, plan, votes: dict, H: float, G: float):
         """commit's layer when its experts run before its read-back (`commit_ahead`): the host
         issues the experts (its clock Hx), then waits for the read-back and routes, then issues the
-        next layer's loads while they run; the experts wait only for their own copies. Returns
-        (H, G)."""
+        next layer's loads while they run; the experts wait only for their own copies, and on the
+        stream for `commit_gpu_us` of copies between the attention and the launch. Returns (H, G)."""
         env, hw = self.env, self.hw
         t_in = G
         rows_of = {e: (x.n if x.all_rows else votes.get(e, 1)) for e in plan.gpu}
@@ -324,8 +324,12 @@ class Simulation(ExpertSteps):
             if Hr > env.now:
                 yield env.timeout(Hr - env.now)
             Hr += self._issue(ld, x.p)
-        if Hx > t_in:
-            self._span(x.p, d, "compute", "route", -1, t_in, Hx)
+        end = Hx
+        if hw.commit_gpu_us:                     # the read-back's start and the launch's inputs, on the stream
+            G = max(G, Hx) + hw.commit_gpu_us
+            end = max(Hx, G)
+        if end > t_in:
+            self._span(x.p, d, "compute", "route", -1, t_in, end)
         _, G = yield from self._gpu_experts(x, m, d, plan, votes, set(), {}, Hx, G, False, hw.owa_gpu_us)
         return Hr, G
 

@@ -63,7 +63,7 @@ Costs = namedtuple("Costs", [
 ])
 # Costs.hwf
 (SLOW, HOST_LOAD, HX0, HX1, TAIL, HALF_RT, CPU_TOK, TFLOPS, HOST_SYNC, PASS_START, HOST_PASS_START, HEAD, HOST_HEAD,
- WAVE, WAVE_ROW, OWA_GPU, PASS_GAP) = range(17)
+ WAVE, WAVE_ROW, OWA_GPU, PASS_GAP, COMMIT_GPU) = range(18)
 # Costs.hwi
 ENGINES, FIFO, ON_HOST, PARAMS, KEEP, HEAD_SPAN, SILENT, AHEAD = range(8)
 Out = namedtuple("Out", [

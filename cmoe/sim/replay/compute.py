@@ -10,7 +10,7 @@ from __future__ import annotations
 from numba import njit
 
 from cmoe.sim.replay.clock import (DRAINED, ENGINES, ERR, FIFO, G_, H_, HALF_RT, HEAD, HEAD_SPAN, HOST_HEAD,
-                                   AHEAD, HOST_PASS_START, HOST_SYNC, IN_FLIGHT, NOW, OP_ATTN, SILENT,
+                                   AHEAD, COMMIT_GPU, HOST_PASS_START, HOST_SYNC, IN_FLIGHT, NOW, OP_ATTN, SILENT,
                                    OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, OWA_GPU, PASS_GAP,
                                    PASS_INDEX, PASS_START, PREV_END, CPU_TOK, SLOW, TAIL, WAVE, WAVE_ROW,
                                    W_DRAINED, W_READY, _advance, copying, _issue, _release, _span, _sync, pmax)
@@ -146,8 +146,12 @@ def _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M):
         if Hr > c.F[NOW]:
             _sync(c, x, o, Hr)
         Hr += _issue(c, x, o, d.l_layer[i], d.l_e[i], d.l_slot[i], d.l_kind[i], p, M)
-    if Hx > t_in:
-        _span(c, o, x, p, dl, 0, OP_ROUTE, -1, t_in, Hx, 0, -1, -1)
+    end = Hx
+    if x.hwf[COMMIT_GPU]:                               # the read-back's start and the launch's inputs
+        G = pmax(G, Hx) + x.hwf[COMMIT_GPU]
+        end = pmax(Hx, G)
+    if end > t_in:
+        _span(c, o, x, p, dl, 0, OP_ROUTE, -1, t_in, end, 0, -1, -1)
     if x.hwf[WAVE]:
         _, G = _waves(c, x, o, d, p, m, dl, g0, g1, l0, l0, Hx, G, n, slow, M, False, False, x.hwf[OWA_GPU])
     else:                                               # as _gpu_experts: no loads of its own (l0, l0)
