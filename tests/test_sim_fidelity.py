@@ -7,7 +7,10 @@ from dataclasses import replace
 import pytest
 
 from cmoe.calibrate.profile_fit import _pass_gap_us
-from tests.test_replay import FLAT, _by_layer, both, same_run, tiny, tiny_costs
+from cmoe.core.quant import recipe
+from cmoe.core.spec import preset
+from cmoe.trace.synthetic import SyntheticParams, generate
+from tests.test_replay import FLAT, LEAN, _by_layer, both, same_run, tiny, tiny_costs
 from tests.test_sim import tiny_trace
 
 
@@ -73,17 +76,63 @@ def test_commit_pays_its_copies_between_attention_and_launch():
 
 
 def test_calibrate_reads_commits_copies_off_its_route_spans():
-    """`_route_gpu_s`: the median of commit's decode `route` spans on the compute stream, the first
-    MoE layer (the pass's start-up) and prefill left out."""
+    """`route_gpu_s`: the medians of commit's decode `route` spans on the compute stream, apart by
+    whether a load was moving as each started, the first MoE layer (the pass's start-up) and
+    prefill left out; `commit_gpu_s`: the quiet one of the resident run, and the loading run's
+    excess over it."""
     from types import SimpleNamespace
 
-    from cmoe.calibrate.measure_model import _route_gpu_s
+    from cmoe.calibrate.commit_steps import commit_gpu_s, route_gpu_s
     from cmoe.core.timeline import Span
     spans = [Span("gpu", 0, 1, "compute", "route", -1, 0.0, 90.0),               # prefill
              Span("gpu", 1, 0, "compute", "route", -1, 0.0, 40.0),               # the first layer
-             Span("gpu", 1, 1, "host", "route", -1, 0.0, 70.0)]                  # not the stream
-    spans += [Span("gpu", p, d, "compute", "route", -1, 100.0, 100.0 + us)
-              for p, d, us in ((1, 1, 15.0), (1, 2, 16.0), (2, 1, 30.0), (2, 2, 15.5), (2, 3, 14.0))]
-    log = SimpleNamespace(spans=spans, pass_us=[(0, False, 1, 0.0), (1, True, 1, 0.0), (2, True, 1, 0.0)])
-    assert _route_gpu_s(log, 0) == pytest.approx(15.5e-6)
-    assert _route_gpu_s(SimpleNamespace(spans=[], pass_us=[]), 0) == 0.0
+             Span("gpu", 1, 1, "host", "route", -1, 0.0, 70.0),                  # not the stream
+             Span("gpu", 2, 2, "copy0", "load", 1, 190.0, 400.0)]
+    spans += [Span("gpu", p, d, "compute", "route", -1, t, t + us)
+              for p, d, t, us in ((1, 1, 100.0, 15.0), (1, 2, 120.0, 16.0), (2, 1, 150.0, 30.0),
+                                  (2, 2, 200.0, 44.0), (2, 3, 250.0, 40.0), (3, 1, 400.0, 14.0))]
+    log = SimpleNamespace(spans=spans, pass_us=[(0, False, 1, 0.0), (1, True, 1, 0.0), (2, True, 1, 0.0),
+                                                (3, True, 1, 0.0)])
+    assert route_gpu_s(log, 0) == (pytest.approx(15.5e-6), pytest.approx(42e-6))
+    empty = SimpleNamespace(spans=[], pass_us=[])
+    assert route_gpu_s(empty, 0) == (0.0, 0.0)
+    assert commit_gpu_s(log, log, 0) == (pytest.approx(15.5e-6), pytest.approx(26.5e-6))
+    assert commit_gpu_s(log, empty, 0) == (pytest.approx(15.5e-6), 0.0)
+
+
+def test_commits_copies_wait_behind_a_moving_load():
+    """`commit_gpu_copy_us`: the route step takes that much more when a load is moving as it
+    starts (its small copies queue behind the load's on the one H2D engine). Pass 1: layer 0's
+    route step (276) comes before the host issues layer 1's 100 us load (276-376), so it keeps its
+    3 us; layer 1's (329) finds the load moving: 3 + 4 us; its launch still waits for the copy, so
+    the pass does not move. Both engines alike."""
+    t = replace(tiny_trace([0, 1], [[0, 0], [0, 1]], [[0, 0], [0, 1]]),
+                expert_bytes=[[20_000, 20_000], [100_000, 100_000]])
+    prof = replace(FLAT, copy_compute_slowdown=0.0, copy_fifo=True, commit_ahead=True, commit_gpu_us=3.0)
+    runs = {}
+    for us in (0.0, 4.0):
+        a, b, _, _ = both(t, "commit", replace(prof, commit_gpu_copy_us=us), 1, slots=1, costs=tiny_costs(t))
+        same_run(a, b)
+        runs[us] = a
+    for us, a in runs.items():
+        second = [(s[2], s[3], s[4], s[6], s[7]) for s in a.spans if s[1] == 1]
+        assert second == [(0, "compute", "attention", 266.0, 276.0), (0, "compute", "route", 276.0, 279.0),
+                          (1, "copy0", "load", 276.0, 376.0), (0, "compute", "expert", 279.0, 319.0),
+                          (1, "compute", "attention", 319.0, 329.0), (1, "compute", "route", 329.0, 332.0 + us),
+                          (1, "compute", "expert", 376.0, 576.0)]
+        assert [p[3] for p in a.pass_us] == [266.0, 310.0]
+
+
+@pytest.mark.parametrize("policy", ["upper", "ondemand", "commit", "oracle"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_both_engines_agree_with_the_new_fields_on(policy, batch):
+    """The three fields on a lean profile where loads are frequent: SimPy and the replay to the bit,
+    and commit's spans differ from those without them (this slow host hides them from the passes)."""
+    t = generate(preset("mixtral-8x7b"), recipe("w4a16"), SyntheticParams(requests=3, prompt_len=6, decode_len=12))
+    prof = replace(LEAN, host_pass_start_us=300.0, pass_start_us=150.0, pass_gap_us=110.0, commit_gpu_us=15.6,
+                   commit_gpu_copy_us=26.5)
+    a, b, _, _ = both(t, policy, prof, batch, pool_gb=12)
+    same_run(a, b)
+    if policy == "commit":
+        plain, _, _, _ = both(t, policy, replace(prof, commit_gpu_us=0.0, commit_gpu_copy_us=0.0), batch, pool_gb=12)
+        assert plain.spans != a.spans

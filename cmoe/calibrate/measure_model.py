@@ -127,16 +127,6 @@ def _pass_overhead(log, first: int) -> tuple[float, float, float]:
     return (gap + start) / 1e6, start / 1e6, _mean(log, "head")
 
 
-def _route_gpu_s(log, first: int) -> float:
-    """commit's step between a layer's attention and its launch on the compute stream (its decode
-    `route` spans, every layer but the first), in seconds: the median, the GPU's own time (the
-    read-back's start and the launch's inputs copied) where the host is ahead, as it mostly is."""
-    dec = {p for p, d, _, _ in log.pass_us if d}
-    xs = [s[END] - s[START] for s in log.spans
-          if s[STEP] in dec and s[OP] == "route" and s[STREAM] == "compute" and s[LAYER] != first]
-    return float(np.median(xs)) / 1e6 if xs else 0.0
-
-
 def _cpu_points(log, tr, batch: int, spec: ModelSpec) -> tuple[list, list]:
     """(tokens, seconds) of every CPU expert of the decode passes, its tokens from the trace's
     votes, and the round trip's two halves added up per layer (seconds)."""
@@ -302,6 +292,7 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
     """Batch 1's own figures into `r.one`: the pass's start-up and LM head on both sides; what
     predicting adds per MoE layer and what commit adds to the route (two `commit` runs, every
     expert resident); and what issuing one load costs the host (`ondemand` with top_k slots)."""
+    from cmoe.calibrate.commit_steps import commit_gpu_s
     from cmoe.executor.run import run_policy
     w, spec, M = r.w, r.spec, r.M
     one = r.one
@@ -321,8 +312,9 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
         p_att = _per_layer(run_policy(w, lp, "lru-prefetch").log, ("attention",), r.first)[0]
         one["predict_gpu"] = (p_att - one["eager_attention"]) / M / 1e6
     if r.lean:                    # commit's own launches (OWA on the device): what they take over upper's,
-        one["commit_waves"] = _wave_points(c_log, w.trace, 1, spec)   # and the copies before them
-        one["commit_gpu"] = _route_gpu_s(c_log, r.first)
+        one["commit_waves"] = _wave_points(c_log, w.trace, 1, spec)   # and the copies before them,
+        loading = replace(cc, slots=max(spec.top_k, spec.num_experts // 2), tokens=min(r.tokens, 8))  # moving or not
+        one["commit_gpu"], one["commit_gpu_copy"] = commit_gpu_s(c_log, run_policy(w, loading, "commit").log, r.first)
     c_route, _ = _per_layer(c_log, ("host_route",), None)
     c_pred, _ = _per_layer(c_log, ("host_predict",), None)
     one["predict"] = c_pred / M / 1e6
@@ -367,6 +359,7 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
                      "commit_route_s": one["commit_route"], "context_points": ctx,
                      "readback_gpu_s": max(float(np.median([x for _, x in gpu["readback"]])), 0.0) if gpu["readback"] else 0.0,
                      "predict_gpu_s": max(one.get("predict_gpu", 0.0), 0.0), "commit_gpu_s": one.get("commit_gpu", 0.0),
+                     "commit_gpu_copy_s": one.get("commit_gpu_copy", 0.0),
                      "host": {"layer_points": host["layer"], "route_points": host["route"],
                               "expert_points": host["expert"], "expert_tail_s": float(np.mean([x for _, x in tail])),
                               "load_s": one["host_load"],

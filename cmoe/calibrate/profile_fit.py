@@ -26,8 +26,9 @@ Measurements (all times in seconds):
   `readback_gpu_s` and `predict_gpu_s` (the lean engine, whose A_m is a CUDA graph): what a layer's
   attention span gains on the GPU when the policy reads back (all-resident `ondemand` over `upper`,
   median over batches) and when it predicts (`lru-prefetch` over `ondemand`, batch 1);
-  `commit_gpu_s`: commit's `route` spans on the compute stream (its decode layers but the first,
-  median): the read-back's start and the launch's inputs copied between attention and launch;
+  `commit_gpu_s`, `commit_gpu_copy_s`: commit's `route` spans on the compute stream (its decode
+  layers but the first, median; `cmoe.calibrate.commit_steps`): the read-back's start and the
+  launch's inputs copied between attention and launch, and what they take more while a load moves;
   `context_points`: [(keys per decode token, seconds per layer)] of a short and a long-prompt run:
   attention's cost per key attended (`attn_us_per_ctx_token`; with `attention_walks_cache`, the
   lean engine's kernel, per key of the longest row, `attn_us_per_cache_key`: its rows run side by
@@ -123,7 +124,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         predict_layer_us=m["layer"].get("predict_layer_s", 0.0) * 1e6,
         readback_gpu_us=m["layer"].get("readback_gpu_s", 0.0) * 1e6, predict_gpu_us=m["layer"].get("predict_gpu_s", 0.0) * 1e6,
         commit_route_us=m["layer"].get("commit_route_s", 0.0) * 1e6, commit_gpu_us=m["layer"].get("commit_gpu_s", 0.0) * 1e6,
-        copy_fifo=True,
+        commit_gpu_copy_us=m["layer"].get("commit_gpu_copy_s", 0.0) * 1e6, copy_fifo=True,
         copy_on_host=device.lower() == "cpu", dense_rows=int(m.get("dense_rows", 0)),
         silent_upper=bool(m.get("silent_upper", False)), commit_ahead=bool(m.get("commit_ahead", False)),
         **{per_key_field: per_key * 1e6},
@@ -139,7 +140,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
 _MEASURED = ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "hbm_gbps", "expert_gbps", "launch_us", "layer_fixed_us",
              "attn_us_per_token", "cpu_expert_gbps", "roundtrip_us", "copy_compute_slowdown", "pass_start_us", "head_us",
              "predict_layer_us", "commit_route_us", "cpu_expert_us_per_token", "readback_gpu_us", "predict_gpu_us",
-             "commit_gpu_us")
+             "commit_gpu_us", "commit_gpu_copy_us")
 _EXECUTOR = {      # the fields the executor's design sets, not a measurement
     "copy_engines": "one copy stream, as the executor uses",
     "copy_fifo": "the executor issues every load to one copy stream, which runs them in issue order",

@@ -310,11 +310,13 @@ class Simulation(ExpertSteps):
         """commit's layer when its experts run before its read-back (`commit_ahead`): the host
         issues the experts (its clock Hx), then waits for the read-back and routes, then issues the
         next layer's loads while they run; the experts wait only for their own copies, and on the
-        stream for `commit_gpu_us` of copies between the attention and the launch. Returns (H, G)."""
+        stream for `commit_gpu_us` of copies between the attention and the launch (and
+        `commit_gpu_copy_us` more when a load is moving then: they queue behind it). Returns (H, G)."""
         env, hw = self.env, self.hw
         t_in = G
         rows_of = {e: (x.n if x.all_rows else votes.get(e, 1)) for e in plan.gpu}
         Hx = H
+        moving = bool(hw.commit_gpu_copy_us and self.in_flight and self._copying(max(G, Hx)))
         if hw.wave_gbps:                         # one launch, issued once
             issued = hw.host_expert(x.n) if plan.gpu else 0.0      # by the pass's tokens
         else:
@@ -325,8 +327,8 @@ class Simulation(ExpertSteps):
                 yield env.timeout(Hr - env.now)
             Hr += self._issue(ld, x.p)
         end = Hx
-        if hw.commit_gpu_us:                     # the read-back's start and the launch's inputs, on the stream
-            G = max(G, Hx) + hw.commit_gpu_us
+        if hw.commit_gpu_us or moving:           # the read-back's start and the launch's inputs, on the stream
+            G = max(G, Hx) + hw.commit_gpu_us + (hw.commit_gpu_copy_us if moving else 0.0)
             end = max(Hx, G)
         if end > t_in:
             self._span(x.p, d, "compute", "route", -1, t_in, end)

@@ -10,7 +10,8 @@ from __future__ import annotations
 from numba import njit
 
 from cmoe.sim.replay.clock import (DRAINED, ENGINES, ERR, FIFO, G_, H_, HALF_RT, HEAD, HEAD_SPAN, HOST_HEAD,
-                                   AHEAD, COMMIT_GPU, HOST_PASS_START, HOST_SYNC, IN_FLIGHT, NOW, OP_ATTN, SILENT,
+                                   AHEAD, COMMIT_GPU, COMMIT_GPU_COPY, HOST_PASS_START, HOST_SYNC, IN_FLIGHT,
+                                   NOW, OP_ATTN, SILENT,
                                    OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, OWA_GPU, PASS_GAP,
                                    PASS_INDEX, PASS_START, PREV_END, CPU_TOK, SLOW, TAIL, WAVE, WAVE_ROW,
                                    W_DRAINED, W_READY, _advance, copying, _issue, _release, _span, _sync, pmax)
@@ -134,6 +135,7 @@ def _waves(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, silent, own, 
 def _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M):
     """`Simulation._ahead_layer`, line for line: commit's experts issued before its read-back."""
     Hx = H
+    moving = x.hwf[COMMIT_GPU_COPY] != 0.0 and c.I[IN_FLIGHT] != 0 and copying(c, x, pmax(G, Hx))
     tot = 0.0
     if x.hwf[WAVE]:                                     # one launch, issued once, priced by the pass's tokens
         tot = x.htab[n] if g1 > g0 else 0.0
@@ -147,8 +149,8 @@ def _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M):
             _sync(c, x, o, Hr)
         Hr += _issue(c, x, o, d.l_layer[i], d.l_e[i], d.l_slot[i], d.l_kind[i], p, M)
     end = Hx
-    if x.hwf[COMMIT_GPU]:                               # the read-back's start and the launch's inputs
-        G = pmax(G, Hx) + x.hwf[COMMIT_GPU]
+    if x.hwf[COMMIT_GPU] or moving:                     # the read-back's start and the launch's inputs
+        G = pmax(G, Hx) + x.hwf[COMMIT_GPU] + (x.hwf[COMMIT_GPU_COPY] if moving else 0.0)
         end = pmax(Hx, G)
     if end > t_in:
         _span(c, o, x, p, dl, 0, OP_ROUTE, -1, t_in, end, 0, -1, -1)
