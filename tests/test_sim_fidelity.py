@@ -136,3 +136,48 @@ def test_both_engines_agree_with_the_new_fields_on(policy, batch):
     if policy == "commit":
         plain, _, _, _ = both(t, policy, replace(prof, commit_gpu_us=0.0, commit_gpu_copy_us=0.0), batch, pool_gb=12)
         assert plain.spans != a.spans
+
+
+def test_commits_pass_start_plans_layer_0_before_it_runs():
+    """`commit_start_us`: at a decode pass's start commit reads layer 0's prediction back (1 us of
+    host_sync_us here) and then turns it into a plan and loads (5 us) before layer 0's attention
+    can be issued: layer 0's span and every pass grow by 5 us, in both engines; ondemand does not
+    read back there and does not move."""
+    t = tiny_trace([0, 1], [[0, 0], [0, 1]], [[0, 0], [0, 1]])
+    prof = replace(FLAT, copy_compute_slowdown=0.0, copy_fifo=True, commit_ahead=True, host_sync_us=1.0)
+    seen = {}
+    for policy in ("commit", "ondemand"):
+        for us in (0.0, 5.0):
+            a, b, _, _ = both(t, policy, replace(prof, commit_start_us=us), 1, slots=1, costs=tiny_costs(t))
+            same_run(a, b)
+            seen[policy, us] = ([(s[6], s[7]) for s in a.spans if s[4] == "attention" and s[2] == 0],
+                                [p[3] for p in a.pass_us])
+    assert seen["commit", 0.0] == ([(0.0, 11.0), (25.0, 36.0)], [25.0, 25.0])
+    assert seen["commit", 5.0] == ([(0.0, 16.0), (30.0, 46.0)], [30.0, 30.0])
+    assert seen["ondemand", 0.0] == seen["ondemand", 5.0]
+
+
+def test_calibrate_prices_commits_pass_start():
+    """`start_excess_s`: layer 0's attention and route over the other layers' mean, over the decode
+    passes; the fit takes host_sync_us off commit's excess over upper's (`commit_start_us`)."""
+    from types import SimpleNamespace
+
+    from cmoe.calibrate.commit_steps import start_excess_s
+    from cmoe.calibrate.profile_fit import fit_profile
+    from cmoe.core.hw import H200
+    from cmoe.core.timeline import Span
+    from tests.test_calibrate import _synthetic
+
+    def one(p, a0, r0):
+        return [Span("gpu", p, 0, "compute", "attention", -1, 0.0, a0), Span("gpu", p, 0, "compute", "route", -1, a0, a0 + r0),
+                Span("gpu", p, 1, "compute", "attention", -1, 0.0, 70.0), Span("gpu", p, 1, "compute", "route", -1, 70.0, 86.0),
+                Span("gpu", p, 2, "compute", "attention", -1, 0.0, 74.0), Span("gpu", p, 2, "compute", "route", -1, 74.0, 88.0),
+                Span("gpu", p, 1, "compute", "expert", 3, 90.0, 200.0)]
+    log = SimpleNamespace(spans=one(0, 900.0, 0.0) + one(1, 300.0, 60.0) + one(2, 320.0, 50.0),
+                          pass_us=[(0, False, 1, 0.0), (1, True, 1, 0.0), (2, True, 1, 0.0)])
+    assert start_excess_s(log, 0) == pytest.approx((360.0 + 370.0) / 2 * 1e-6 - 87e-6)
+    known = replace(H200, host_sync_us=80.0, host_layer_us=950.0, host_route_us=100.0, host_expert_us=170.0)
+    m = _synthetic(known)
+    assert fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-02").commit_start_us == 0.0
+    m["layer"]["commit_start_excess_s"] = 200e-6
+    assert fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-02").commit_start_us == pytest.approx(120.0)

@@ -292,7 +292,7 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
     """Batch 1's own figures into `r.one`: the pass's start-up and LM head on both sides; what
     predicting adds per MoE layer and what commit adds to the route (two `commit` runs, every
     expert resident); and what issuing one load costs the host (`ondemand` with top_k slots)."""
-    from cmoe.calibrate.commit_steps import commit_gpu_s
+    from cmoe.calibrate.commit_steps import commit_gpu_s, start_excess_s
     from cmoe.executor.run import run_policy
     w, spec, M = r.w, r.spec, r.M
     one = r.one
@@ -315,6 +315,7 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
         one["commit_waves"] = _wave_points(c_log, w.trace, 1, spec)   # and the copies before them,
         loading = replace(cc, slots=max(spec.top_k, spec.num_experts // 2), tokens=min(r.tokens, 8))  # moving or not
         one["commit_gpu"], one["commit_gpu_copy"] = commit_gpu_s(c_log, run_policy(w, loading, "commit").log, r.first)
+        one["commit_start"] = start_excess_s(c_log, r.first) - one["plain"][1]     # over upper's layer 0
     c_route, _ = _per_layer(c_log, ("host_route",), None)
     c_pred, _ = _per_layer(c_log, ("host_predict",), None)
     one["predict"] = c_pred / M / 1e6
@@ -360,6 +361,7 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
                      "readback_gpu_s": max(float(np.median([x for _, x in gpu["readback"]])), 0.0) if gpu["readback"] else 0.0,
                      "predict_gpu_s": max(one.get("predict_gpu", 0.0), 0.0), "commit_gpu_s": one.get("commit_gpu", 0.0),
                      "commit_gpu_copy_s": one.get("commit_gpu_copy", 0.0),
+                     "commit_start_excess_s": one.get("commit_start", 0.0),
                      "host": {"layer_points": host["layer"], "route_points": host["route"],
                               "expert_points": host["expert"], "expert_tail_s": float(np.mean([x for _, x in tail])),
                               "load_s": one["host_load"],

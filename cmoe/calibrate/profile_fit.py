@@ -29,6 +29,8 @@ Measurements (all times in seconds):
   `commit_gpu_s`, `commit_gpu_copy_s`: commit's `route` spans on the compute stream (its decode
   layers but the first, median; `cmoe.calibrate.commit_steps`): the read-back's start and the
   launch's inputs copied between attention and launch, and what they take more while a load moves;
+  `commit_start_excess_s`: commit's layer 0 over upper's (each over its other layers, batch 1, every
+  expert resident), of which all but `host_sync_us` is `commit_start_us`;
   `context_points`: [(keys per decode token, seconds per layer)] of a short and a long-prompt run:
   attention's cost per key attended (`attn_us_per_ctx_token`; with `attention_walks_cache`, the
   lean engine's kernel, per key of the longest row, `attn_us_per_cache_key`: its rows run side by
@@ -108,6 +110,8 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     host = _host_fields(m["layer"].get("host"))
     if host and (gap := _pass_gap_us(m)):
         host["pass_gap_us"] = gap
+    if host and m["layer"].get("commit_start_excess_s"):   # commit's layer 0 over upper's, less its read-back
+        host["commit_start_us"] = max(m["layer"]["commit_start_excess_s"] * 1e6 - host["host_sync_us"], 0.0)
     table = _expert_rows_table(m, key)
     waves = _wave_fit(m.get("waves") or [])
     waves |= _owa_fit(m.get("commit_waves") or [], waves)

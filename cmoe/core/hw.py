@@ -95,6 +95,8 @@ class HardwareProfile:
     commit_gpu_us: float = 0.0                      # per MoE layer, commit's ahead path, GPU: between its attention
                                                     # and its launch, the read-back's start and the launch's inputs
                                                     # (candidates, slot table) copied on the compute stream
+    commit_start_us: float = 0.0                    # per decode pass of commit, host: beyond host_sync_us, turning
+                                                    # layer 0's prediction into its plan and loads at the pass's start
     commit_gpu_copy_us: float = 0.0                 # ... and this much more when a load is moving as it starts: those
                                                     # small copies wait behind the load's on the one H2D engine
     # Measured shapes (calibrate, from enough points): where given, they replace the lines above.

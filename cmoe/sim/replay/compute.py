@@ -10,8 +10,8 @@ from __future__ import annotations
 from numba import njit
 
 from cmoe.sim.replay.clock import (DRAINED, ENGINES, ERR, FIFO, G_, H_, HALF_RT, HEAD, HEAD_SPAN, HOST_HEAD,
-                                   AHEAD, COMMIT_GPU, COMMIT_GPU_COPY, HOST_PASS_START, HOST_SYNC, IN_FLIGHT,
-                                   NOW, OP_ATTN, SILENT,
+                                   AHEAD, COMMIT_GPU, COMMIT_GPU_COPY, COMMIT_START, HOST_PASS_START, HOST_SYNC,
+                                   IN_FLIGHT, NOW, OP_ATTN, SILENT,
                                    OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, OWA_GPU, PASS_GAP,
                                    PASS_INDEX, PASS_START, PREV_END, CPU_TOK, SLOW, TAIL, WAVE, WAVE_ROW,
                                    W_DRAINED, W_READY, _advance, copying, _issue, _release, _span, _sync, pmax)
@@ -176,7 +176,7 @@ def _begin(c, x, o, d, p, j0, H, G, M):
     G = pmax(pmax(G, H) + x.hwf[PASS_START], H2)
     H = H2
     if x.commit_decode[p]:
-        H = pmax(H, G) + x.hwf[HOST_SYNC]
+        H = pmax(H, G) + x.hwf[HOST_SYNC] + x.hwf[COMMIT_START]
         _sync(c, x, o, H)
     for i in range(d.l_ptr[j0], d.l_ptr[j0 + 1]):
         _sync(c, x, o, H)
