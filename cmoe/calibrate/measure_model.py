@@ -292,6 +292,7 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
     """Batch 1's own figures into `r.one`: the pass's start-up and LM head on both sides; what
     predicting adds per MoE layer and what commit adds to the route (two `commit` runs, every
     expert resident); and what issuing one load costs the host (`ondemand` with top_k slots)."""
+    from cmoe.calibrate.commit_steps import commit_gpu_s, start_excess_s
     from cmoe.executor.run import run_policy
     w, spec, M = r.w, r.spec, r.M
     one = r.one
@@ -310,8 +311,11 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
         lp = replace(cfg, policies=("lru-prefetch",), slots=spec.num_experts)
         p_att = _per_layer(run_policy(w, lp, "lru-prefetch").log, ("attention",), r.first)[0]
         one["predict_gpu"] = (p_att - one["eager_attention"]) / M / 1e6
-    if r.lean:                    # commit's own launches (OWA on the device): what they take over upper's
-        one["commit_waves"] = _wave_points(c_log, w.trace, 1, spec)
+    if r.lean:                    # commit's own launches (OWA on the device): what they take over upper's,
+        one["commit_waves"] = _wave_points(c_log, w.trace, 1, spec)   # and the copies before them,
+        loading = replace(cc, slots=max(spec.top_k, spec.num_experts // 2), tokens=min(r.tokens, 8))  # moving or not
+        one["commit_gpu"], one["commit_gpu_copy"] = commit_gpu_s(c_log, run_policy(w, loading, "commit").log, r.first)
+        one["commit_start"] = start_excess_s(c_log, r.first) - one["plain"][1]     # over upper's layer 0
     c_route, _ = _per_layer(c_log, ("host_route",), None)
     c_pred, _ = _per_layer(c_log, ("host_predict",), None)
     one["predict"] = c_pred / M / 1e6
@@ -342,8 +346,10 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
     """What `layers` returns: the measurements `cmoe.calibrate.profile_fit` fits, in its units."""
     from cmoe.core.quant import non_expert_bytes
     gpu, host, one = r.gpu, r.host, r.one
+    gap = None
     if "plain" in one:            # the lean engine: a pass's start and head as upper's own run shows them
         one["host_start"], one["gpu_start"], one["gpu_head"] = one.pop("plain")
+        gap = one["host_start"] - one["gpu_start"]      # the GPU's idle gap between passes, before the first mark
     ne_bytes = non_expert_bytes(r.spec, r.rec)
     per_layer = (ne_bytes["attention"] + ne_bytes["norms"]) // r.spec.num_layers
     tail = [(t, max(a[1] - b[1], 0.0)) for t, a, b in zip((1, 8), host["expert"], host["expert_span"])]
@@ -353,12 +359,15 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
                      "expert_points": gpu["expert"], "predict_layer_s": one["predict"],
                      "commit_route_s": one["commit_route"], "context_points": ctx,
                      "readback_gpu_s": max(float(np.median([x for _, x in gpu["readback"]])), 0.0) if gpu["readback"] else 0.0,
-                     "predict_gpu_s": max(one.get("predict_gpu", 0.0), 0.0),
+                     "predict_gpu_s": max(one.get("predict_gpu", 0.0), 0.0), "commit_gpu_s": one.get("commit_gpu", 0.0),
+                     "commit_gpu_copy_s": one.get("commit_gpu_copy", 0.0),
+                     "commit_start_excess_s": one.get("commit_start", 0.0),
                      "host": {"layer_points": host["layer"], "route_points": host["route"],
                               "expert_points": host["expert"], "expert_tail_s": float(np.mean([x for _, x in tail])),
                               "load_s": one["host_load"],
                               "sync_s": _sync_s(host, tail),
-                              "pass_start_s": one["host_start"], "head_s": one["host_head"]}},
+                              "pass_start_s": one["host_start"], "head_s": one["host_head"]}
+                     | ({"pass_gap_s": gap} if gap is not None else {})},
            "waves": gpu["waves"], "commit_waves": r.one.get("commit_waves", []), "seconds": r.seconds,
            "repeats": {"host, layer": {"unit": "tokens", "grows": False, "points": host["layer_runs"]},
                        # one mean per batch: no spread, but 8 rows may not take less than 1

@@ -26,6 +26,11 @@ Measurements (all times in seconds):
   `readback_gpu_s` and `predict_gpu_s` (the lean engine, whose A_m is a CUDA graph): what a layer's
   attention span gains on the GPU when the policy reads back (all-resident `ondemand` over `upper`,
   median over batches) and when it predicts (`lru-prefetch` over `ondemand`, batch 1);
+  `commit_gpu_s`, `commit_gpu_copy_s`: commit's `route` spans on the compute stream (its decode
+  layers but the first, median; `cmoe.calibrate.commit_steps`): the read-back's start and the
+  launch's inputs copied between attention and launch, and what they take more while a load moves;
+  `commit_start_excess_s`: commit's layer 0 over upper's (each over its other layers, batch 1, every
+  expert resident), of which all but `host_sync_us` is `commit_start_us`;
   `context_points`: [(keys per decode token, seconds per layer)] of a short and a long-prompt run:
   attention's cost per key attended (`attn_us_per_ctx_token`; with `attention_walks_cache`, the
   lean engine's kernel, per key of the longest row, `attn_us_per_cache_key`: its rows run side by
@@ -103,6 +108,10 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     roundtrip = m.get("roundtrip_in_model") or m["roundtrip"]
     src = f"measured by cmoe calibrate on {device}, {date}"
     host = _host_fields(m["layer"].get("host"))
+    if host and (gap := _pass_gap_us(m)):
+        host["pass_gap_us"] = gap
+    if host and m["layer"].get("commit_start_excess_s"):   # commit's layer 0 over upper's, less its read-back
+        host["commit_start_us"] = max(m["layer"]["commit_start_excess_s"] * 1e6 - host["host_sync_us"], 0.0)
     table = _expert_rows_table(m, key)
     waves = _wave_fit(m.get("waves") or [])
     waves |= _owa_fit(m.get("commit_waves") or [], waves)
@@ -118,7 +127,8 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         pass_start_us=m["layer"].get("pass_start_s", 0.0) * 1e6, head_us=m["layer"].get("head_s", 0.0) * 1e6,
         predict_layer_us=m["layer"].get("predict_layer_s", 0.0) * 1e6,
         readback_gpu_us=m["layer"].get("readback_gpu_s", 0.0) * 1e6, predict_gpu_us=m["layer"].get("predict_gpu_s", 0.0) * 1e6,
-        commit_route_us=m["layer"].get("commit_route_s", 0.0) * 1e6, copy_fifo=True,
+        commit_route_us=m["layer"].get("commit_route_s", 0.0) * 1e6, commit_gpu_us=m["layer"].get("commit_gpu_s", 0.0) * 1e6,
+        commit_gpu_copy_us=m["layer"].get("commit_gpu_copy_s", 0.0) * 1e6, copy_fifo=True,
         copy_on_host=device.lower() == "cpu", dense_rows=int(m.get("dense_rows", 0)),
         silent_upper=bool(m.get("silent_upper", False)), commit_ahead=bool(m.get("commit_ahead", False)),
         **{per_key_field: per_key * 1e6},
@@ -133,7 +143,8 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
 
 _MEASURED = ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "hbm_gbps", "expert_gbps", "launch_us", "layer_fixed_us",
              "attn_us_per_token", "cpu_expert_gbps", "roundtrip_us", "copy_compute_slowdown", "pass_start_us", "head_us",
-             "predict_layer_us", "commit_route_us", "cpu_expert_us_per_token", "readback_gpu_us", "predict_gpu_us")
+             "predict_layer_us", "commit_route_us", "cpu_expert_us_per_token", "readback_gpu_us", "predict_gpu_us",
+             "commit_gpu_us", "commit_gpu_copy_us")
 _EXECUTOR = {      # the fields the executor's design sets, not a measurement
     "copy_engines": "one copy stream, as the executor uses",
     "copy_fifo": "the executor issues every load to one copy stream, which runs them in issue order",
@@ -271,6 +282,20 @@ def _host_fields(h: dict | None) -> dict:
     out["host_pass_start_us"] = h["pass_start_s"] * 1e6
     out["host_head_us"] = h["head_s"] * 1e6
     return out
+
+
+def _pass_gap_us(m: dict) -> float:
+    """`pass_gap_us`: the host's part of a pass's start before its first mark, where the GPU idles
+    between passes (the lean engine: a pass's start comes from upper's own run, the host's side
+    being that gap plus layer 0's start-up excess, the GPU's side the excess alone; measurements
+    from before the gap was kept give it as the difference). 0 elsewhere: the eager runs' host
+    start-up is layer 0's own."""
+    h = m["layer"]["host"]
+    if "pass_gap_s" in h:
+        return max(h["pass_gap_s"], 0.0) * 1e6
+    if not m.get("waves"):
+        return 0.0
+    return max(h["pass_start_s"] - m["layer"].get("pass_start_s", 0.0), 0.0) * 1e6
 
 
 def with_expert_classes(p: HardwareProfile, base: HardwareProfile) -> HardwareProfile:

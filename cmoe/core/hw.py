@@ -64,6 +64,9 @@ class HardwareProfile:
     host_load_us: float = 0.0                       # issuing one load: planning it, events, the copy call
     host_pass_start_us: float = 0.0                 # per pass, host side of pass_start_us
     host_head_us: float = 0.0
+    pass_gap_us: float = 0.0                        # per pass, of host_pass_start_us: the part before the pass's
+                                                    # first mark (the GPU idle between passes), where layer 0's
+                                                    # span starts; the rest is layer 0's start-up (timeline only)
     predict_layer_us: float = 0.0                   # per MoE layer, policies that predict, on the host: the early router
     commit_route_us: float = 0.0                    # per MoE layer, commit in decode: its larger read-back and OWA
     copy_fifo: bool = False                         # loads run in issue order on one copy stream (the executor),
@@ -89,6 +92,13 @@ class HardwareProfile:
                                                     # upper's launches less their experts' shares); replaces wave_us
     owa_gpu_us: float = 0.0                         # commit's decode launch also weights its rows by OWA on the
                                                     # device (`owa_device`): once per launch (calibrate: its own runs)
+    commit_gpu_us: float = 0.0                      # per MoE layer, commit's ahead path, GPU: between its attention
+                                                    # and its launch, the read-back's start and the launch's inputs
+                                                    # (candidates, slot table) copied on the compute stream
+    commit_start_us: float = 0.0                    # per decode pass of commit, host: beyond host_sync_us, turning
+                                                    # layer 0's prediction into its plan and loads at the pass's start
+    commit_gpu_copy_us: float = 0.0                 # ... and this much more when a load is moving as it starts: those
+                                                    # small copies wait behind the load's on the one H2D engine
     # Measured shapes (calibrate, from enough points): where given, they replace the lines above.
     # (rows, us) pairs, rows ascending; read piecewise-linearly, held flat below the first point and
     # past the last one when the last piece falls, extended along the last piece when it rises.

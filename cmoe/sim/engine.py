@@ -230,7 +230,8 @@ class Simulation(ExpertSteps):
     def _begin_pass(self, ps: Pass, H: float, G: float):
         """A pass's start: wait for every copy to land (the device is synchronised between
         passes), work out the pass's per-layer costs, run its start-up (embedding, masks, its first
-        sync: counted with layer 0's attention) and issue the policy's loads for the pass. Returns
+        sync: counted with layer 0's attention, whose span starts after the host's `pass_gap_us`, where
+        the executor's first mark lands) and issue the policy's loads for the pass. Returns
         (the pass's costs, H, G, where layer 0's attention span starts)."""
         env, hw, pol = self.env, self.hw, self.policy
         if self.in_flight:                   # the device is synchronised between passes, copies included
@@ -240,10 +241,10 @@ class Simulation(ExpertSteps):
         yield from self._sync(H)
         self.pass_index = ps.index
         x = PassCosts(ps, self.run.at(ps.index), hw, self.c, pol.commits, self._predict_us)
-        last = H
+        last = H + min(hw.pass_gap_us, hw.host_pass_start_us)     # the pass's first mark, past the gap
         H, G = self._op(H, G, hw.host_pass_start_us, hw.pass_start_us)
-        if x.commit_decode:                        # layer 0's prediction is read back before it runs
-            H = max(H, G) + hw.host_sync_us
+        if x.commit_decode:                        # layer 0's prediction is read back and planned before it runs
+            H = max(H, G) + hw.host_sync_us + hw.commit_start_us
             yield from self._sync(H)
         deep = {"ahead": ps.seen(0, pol.depth)} if pol.depth > 1 else {}
         for ld in pol.begin_pass(ps.decode, list(ps.predicted[0]), **deep):
@@ -310,12 +311,14 @@ class Simulation(ExpertSteps):
     def _ahead_layer(self, x: PassCosts, m: int, d: int, plan, votes: dict, H: float, G: float):
         """commit's layer when its experts run before its read-back (`commit_ahead`): the host
         issues the experts (its clock Hx), then waits for the read-back and routes, then issues the
-        next layer's loads while they run; the experts wait only for their own copies. Returns
-        (H, G)."""
+        next layer's loads while they run; the experts wait only for their own copies, and on the
+        stream for `commit_gpu_us` of copies between the attention and the launch (and
+        `commit_gpu_copy_us` more when a load is moving then: they queue behind it). Returns (H, G)."""
         env, hw = self.env, self.hw
         t_in = G
         rows_of = {e: (x.n if x.all_rows else votes.get(e, 1)) for e in plan.gpu}
         Hx = H
+        moving = bool(hw.commit_gpu_copy_us and self.in_flight and self._copying(max(G, Hx)))
         if hw.wave_gbps:                         # one launch, issued once
             issued = hw.host_expert(x.n) if plan.gpu else 0.0      # by the pass's tokens
         else:
@@ -325,8 +328,12 @@ class Simulation(ExpertSteps):
             if Hr > env.now:
                 yield env.timeout(Hr - env.now)
             Hr += self._issue(ld, x.p)
-        if Hx > t_in:
-            self._span(x.p, d, "compute", "route", -1, t_in, Hx)
+        end = Hx
+        if hw.commit_gpu_us or moving:           # the read-back's start and the launch's inputs, on the stream
+            G = max(G, Hx) + hw.commit_gpu_us + (hw.commit_gpu_copy_us if moving else 0.0)
+            end = max(Hx, G)
+        if end > t_in:
+            self._span(x.p, d, "compute", "route", -1, t_in, end)
         _, G = yield from self._gpu_experts(x, m, d, plan, votes, set(), {}, Hx, G, False, hw.owa_gpu_us)
         return Hr, G
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 from numba import njit
 
 from cmoe.sim.replay.clock import (DRAINED, ENGINES, ERR, FIFO, G_, H_, HALF_RT, HEAD, HEAD_SPAN, HOST_HEAD,
-                                   AHEAD, HOST_PASS_START, HOST_SYNC, IN_FLIGHT, NOW, OP_ATTN, SILENT,
-                                   OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, OWA_GPU,
+                                   AHEAD, COMMIT_GPU, COMMIT_GPU_COPY, COMMIT_START, HOST_PASS_START, HOST_SYNC,
+                                   IN_FLIGHT, NOW, OP_ATTN, SILENT,
+                                   OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, OWA_GPU, PASS_GAP,
                                    PASS_INDEX, PASS_START, PREV_END, CPU_TOK, SLOW, TAIL, WAVE, WAVE_ROW,
                                    W_DRAINED, W_READY, _advance, copying, _issue, _release, _span, _sync, pmax)
 
@@ -134,6 +135,7 @@ def _waves(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, silent, own, 
 def _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M):
     """`Simulation._ahead_layer`, line for line: commit's experts issued before its read-back."""
     Hx = H
+    moving = x.hwf[COMMIT_GPU_COPY] != 0.0 and c.I[IN_FLIGHT] != 0 and copying(c, x, pmax(G, Hx))
     tot = 0.0
     if x.hwf[WAVE]:                                     # one launch, issued once, priced by the pass's tokens
         tot = x.htab[n] if g1 > g0 else 0.0
@@ -146,8 +148,12 @@ def _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M):
         if Hr > c.F[NOW]:
             _sync(c, x, o, Hr)
         Hr += _issue(c, x, o, d.l_layer[i], d.l_e[i], d.l_slot[i], d.l_kind[i], p, M)
-    if Hx > t_in:
-        _span(c, o, x, p, dl, 0, OP_ROUTE, -1, t_in, Hx, 0, -1, -1)
+    end = Hx
+    if x.hwf[COMMIT_GPU] or moving:                     # the read-back's start and the launch's inputs
+        G = pmax(G, Hx) + x.hwf[COMMIT_GPU] + (x.hwf[COMMIT_GPU_COPY] if moving else 0.0)
+        end = pmax(Hx, G)
+    if end > t_in:
+        _span(c, o, x, p, dl, 0, OP_ROUTE, -1, t_in, end, 0, -1, -1)
     if x.hwf[WAVE]:
         _, G = _waves(c, x, o, d, p, m, dl, g0, g1, l0, l0, Hx, G, n, slow, M, False, False, x.hwf[OWA_GPU])
     else:                                               # as _gpu_experts: no loads of its own (l0, l0)
@@ -165,12 +171,12 @@ def _begin(c, x, o, d, p, j0, H, G, M):
     H = pmax(pmax(H, G), c.F[NOW])
     _sync(c, x, o, H)
     c.I[PASS_INDEX] = p
-    last = H
+    last = H + x.hwf[PASS_GAP]                      # the pass's first mark, past the gap
     H2 = H + x.hwf[HOST_PASS_START]
     G = pmax(pmax(G, H) + x.hwf[PASS_START], H2)
     H = H2
     if x.commit_decode[p]:
-        H = pmax(H, G) + x.hwf[HOST_SYNC]
+        H = pmax(H, G) + x.hwf[HOST_SYNC] + x.hwf[COMMIT_START]
         _sync(c, x, o, H)
     for i in range(d.l_ptr[j0], d.l_ptr[j0 + 1]):
         _sync(c, x, o, H)

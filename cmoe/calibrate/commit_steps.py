@@ -1,0 +1,49 @@
+"""What calibrate reads off commit's own runs on the lean engine: its pass's start (layer 0's
+prediction read back and planned before the layer runs: `start_excess_s`), and its step between a
+layer's attention and its launch on the compute stream (the `route` span: the read-back's start and the
+launch's inputs, candidates and slot table, copied there), when no copy moves on the link and
+when one does (the inputs' small copies then wait behind the load's on the one H2D engine: on the
+H200 15.6 us against 42 us, every batch and pool of the e70ed54 validation)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cmoe.core.timeline import END, LAYER, OP, START, STEP, STREAM
+
+
+def route_gpu_s(log, first: int) -> tuple[float, float]:
+    """(median route span with no load moving as it starts, median with one moving), in seconds,
+    over commit's decode layers but the first (the pass's start-up); 0 where there is none. The
+    medians: the GPU's own time where the host is ahead, as it mostly is on this path."""
+    dec = {p for p, d, _, _ in log.pass_us if d}
+    loads = [(s[START], s[END]) for s in log.spans if s[OP] == "load"]
+    quiet, busy = [], []
+    for s in log.spans:
+        if s[STEP] in dec and s[OP] == "route" and s[STREAM] == "compute" and s[LAYER] != first:
+            moving = any(a <= s[START] < b for a, b in loads)
+            (busy if moving else quiet).append(s[END] - s[START])
+    return tuple(float(np.median(xs)) / 1e6 if xs else 0.0 for xs in (quiet, busy))
+
+
+def commit_gpu_s(resident_log, loading_log, first: int) -> tuple[float, float]:
+    """(`commit_gpu_s`, `commit_gpu_copy_s`): the route step with every expert resident, and what
+    it takes more while a load moves (a run that loads: fewer slots than experts)."""
+    quiet, _ = route_gpu_s(resident_log, first)
+    _, busy = route_gpu_s(loading_log, first)
+    return quiet, (max(busy - quiet, 0.0) if busy else 0.0)
+
+
+def start_excess_s(log, first: int) -> float:
+    """Layer `first`'s excess over the mean of the others (its attention and route spans, mean over
+    the decode passes), in seconds: commit's over upper's is what its pass start adds (the fit takes
+    host_sync_us off it: `commit_start_us`)."""
+    dec = {p for p, d, _, _ in log.pass_us if d}
+    per: dict[int, dict[int, float]] = {}
+    for s in log.spans:
+        if s[STEP] in dec and s[STREAM] == "compute" and s[OP] in ("attention", "route") and s[LAYER] >= 0:
+            layer = per.setdefault(s[STEP], {})
+            layer[s[LAYER]] = layer.get(s[LAYER], 0.0) + s[END] - s[START]
+    ex = [lay[first] - float(np.mean([v for k, v in lay.items() if k != first]))
+          for lay in per.values() if first in lay and len(lay) > 1]
+    return float(np.mean(ex)) / 1e6 if ex else 0.0

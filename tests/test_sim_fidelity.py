@@ -1,0 +1,183 @@
+"""What the lean executor's timeline shows that the simulator had to learn (issue 15): where a
+pass's first mark lands, and commit's step between its attention and its launch. Each on a
+hand-computed case, SimPy and the compiled replay alike (to the bit), and the calibrate side."""
+
+from dataclasses import replace
+
+import pytest
+
+from cmoe.calibrate.profile_fit import _pass_gap_us
+from cmoe.core.quant import recipe
+from cmoe.core.spec import preset
+from cmoe.trace.synthetic import SyntheticParams, generate
+from tests.test_replay import FLAT, LEAN, _by_layer, both, same_run, tiny, tiny_costs
+from tests.test_sim import tiny_trace
+
+
+def _attention_and_passes(prof):
+    t = tiny_trace([0], [[0], [1], [0]], [[0], [1], [0]])
+    a, b, _, _ = both(t, "upper", prof, 1, slots=2, costs=tiny_costs(t))
+    same_run(a, b)
+    return [(s[6], s[7]) for s in a.spans if s[4] == "attention"], [p[3] for p in a.pass_us]
+
+
+def test_the_pass_gap_moves_layer_0s_span_start_not_the_pass():
+    """`pass_gap_us`: of the host's 10 us pass start, the first 6 come before the executor's first
+    mark (the GPU idles between passes), so layer 0's attention span starts 6 us into the pass
+    and runs to the host's 10 plus its own 10; pass times do not move; a gap longer than the pass
+    start is held to it."""
+    base = replace(FLAT, host_pass_start_us=10.0, pass_start_us=4.0)
+    spans, passes = _attention_and_passes(replace(base, pass_gap_us=6.0))
+    assert spans == [(6.0, 20.0), (28.0, 42.0), (50.0, 64.0)]
+    assert passes == [22.0, 22.0, 22.0]
+    spans0, passes0 = _attention_and_passes(base)
+    assert spans0 == [(0.0, 20.0), (22.0, 42.0), (44.0, 64.0)] and passes0 == passes
+    spans_long, _ = _attention_and_passes(replace(base, pass_gap_us=50.0))
+    assert spans_long == [(10.0, 20.0), (32.0, 42.0), (54.0, 64.0)]
+
+
+def test_calibrate_takes_the_pass_gap_from_upper_s_own_run():
+    """The lean engine's pass start comes from upper's own run: the host's side is the GPU's idle
+    gap between passes plus layer 0's excess, the GPU's the excess alone; the gap is kept as
+    `pass_gap_s`, or (measurements from before) taken as the difference; without the fused
+    launches (the eager runs' host start-up is layer 0's own) it is 0."""
+    m = {"layer": {"pass_start_s": 146e-6, "host": {"pass_start_s": 259e-6}}, "waves": [[2, 2, 8e-5, 1e8]]}
+    assert _pass_gap_us(m) == pytest.approx(113.0)
+    m["layer"]["host"]["pass_gap_s"] = 120e-6
+    assert _pass_gap_us(m) == pytest.approx(120.0)
+    assert _pass_gap_us({"layer": {"pass_start_s": 146e-6, "host": {"pass_start_s": 259e-6}}, "waves": []}) == 0.0
+
+
+def test_commit_pays_its_copies_between_attention_and_launch():
+    """`commit_gpu_us`: on commit's ahead path (decode) the read-back's start and the launch's
+    inputs run on the compute stream after the attention: with the GPU pacing (no host cost) and
+    every expert resident, each decode layer gets a `route` span of exactly that length right after
+    its attention, its launch starts where it ends, and a decode pass is that much longer per MoE
+    layer; prefill is not touched; both engines alike, and 0 changes nothing."""
+    t = tiny(M=3, E=4, T=24, seed=1, requests=1, K=2)
+    prof = replace(FLAT, copy_fifo=True, commit_ahead=True, wave_gbps=0.5, wave_us=1.0, wave_row_us=1.0)
+    runs = {}
+    for us in (0.0, 7.0):
+        a, b, _, _ = both(t, "commit", replace(prof, commit_gpu_us=us), 1, slots=4, costs=tiny_costs(t))
+        same_run(a, b)
+        runs[us] = a
+    plain, paid = runs[0.0], runs[7.0]
+    assert not [s for s in plain.spans if s[4] == "route"] and not [s for s in paid.spans if s[4] == "load"]
+    decode = {p for p, d, _, _ in paid.pass_us if d}
+    routes = {(s[1], s[2]): s for s in paid.spans if s[4] == "route"}
+    assert set(routes) == {(p, m) for p in decode for m in range(3)}
+    attn = {(s[1], s[2]): s[7] for s in paid.spans if s[4] == "attention"}
+    first = {k: v[0][6] for k, v in _by_layer(paid.spans).items()}
+    for k, s in routes.items():
+        assert (s[6], s[7] - s[6], first[k]) == (attn[k], 7.0, s[7]), k
+    assert [us - us0 for (_, _, _, us), (_, _, _, us0) in zip(paid.pass_us, plain.pass_us)] == \
+        pytest.approx([21.0 if d else 0.0 for _, d, _, _ in paid.pass_us])
+    assert decode and len(decode) < len(paid.pass_us)
+
+
+def test_calibrate_reads_commits_copies_off_its_route_spans():
+    """`route_gpu_s`: the medians of commit's decode `route` spans on the compute stream, apart by
+    whether a load was moving as each started, the first MoE layer (the pass's start-up) and
+    prefill left out; `commit_gpu_s`: the quiet one of the resident run, and the loading run's
+    excess over it."""
+    from types import SimpleNamespace
+
+    from cmoe.calibrate.commit_steps import commit_gpu_s, route_gpu_s
+    from cmoe.core.timeline import Span
+    spans = [Span("gpu", 0, 1, "compute", "route", -1, 0.0, 90.0),               # prefill
+             Span("gpu", 1, 0, "compute", "route", -1, 0.0, 40.0),               # the first layer
+             Span("gpu", 1, 1, "host", "route", -1, 0.0, 70.0),                  # not the stream
+             Span("gpu", 2, 2, "copy0", "load", 1, 190.0, 400.0)]
+    spans += [Span("gpu", p, d, "compute", "route", -1, t, t + us)
+              for p, d, t, us in ((1, 1, 100.0, 15.0), (1, 2, 120.0, 16.0), (2, 1, 150.0, 30.0),
+                                  (2, 2, 200.0, 44.0), (2, 3, 250.0, 40.0), (3, 1, 400.0, 14.0))]
+    log = SimpleNamespace(spans=spans, pass_us=[(0, False, 1, 0.0), (1, True, 1, 0.0), (2, True, 1, 0.0),
+                                                (3, True, 1, 0.0)])
+    assert route_gpu_s(log, 0) == (pytest.approx(15.5e-6), pytest.approx(42e-6))
+    empty = SimpleNamespace(spans=[], pass_us=[])
+    assert route_gpu_s(empty, 0) == (0.0, 0.0)
+    assert commit_gpu_s(log, log, 0) == (pytest.approx(15.5e-6), pytest.approx(26.5e-6))
+    assert commit_gpu_s(log, empty, 0) == (pytest.approx(15.5e-6), 0.0)
+
+
+def test_commits_copies_wait_behind_a_moving_load():
+    """`commit_gpu_copy_us`: the route step takes that much more when a load is moving as it
+    starts (its small copies queue behind the load's on the one H2D engine). Pass 1: layer 0's
+    route step (276) comes before the host issues layer 1's 100 us load (276-376), so it keeps its
+    3 us; layer 1's (329) finds the load moving: 3 + 4 us; its launch still waits for the copy, so
+    the pass does not move. Both engines alike."""
+    t = replace(tiny_trace([0, 1], [[0, 0], [0, 1]], [[0, 0], [0, 1]]),
+                expert_bytes=[[20_000, 20_000], [100_000, 100_000]])
+    prof = replace(FLAT, copy_compute_slowdown=0.0, copy_fifo=True, commit_ahead=True, commit_gpu_us=3.0)
+    runs = {}
+    for us in (0.0, 4.0):
+        a, b, _, _ = both(t, "commit", replace(prof, commit_gpu_copy_us=us), 1, slots=1, costs=tiny_costs(t))
+        same_run(a, b)
+        runs[us] = a
+    for us, a in runs.items():
+        second = [(s[2], s[3], s[4], s[6], s[7]) for s in a.spans if s[1] == 1]
+        assert second == [(0, "compute", "attention", 266.0, 276.0), (0, "compute", "route", 276.0, 279.0),
+                          (1, "copy0", "load", 276.0, 376.0), (0, "compute", "expert", 279.0, 319.0),
+                          (1, "compute", "attention", 319.0, 329.0), (1, "compute", "route", 329.0, 332.0 + us),
+                          (1, "compute", "expert", 376.0, 576.0)]
+        assert [p[3] for p in a.pass_us] == [266.0, 310.0]
+
+
+@pytest.mark.parametrize("policy", ["upper", "ondemand", "commit", "oracle"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_both_engines_agree_with_the_new_fields_on(policy, batch):
+    """The three fields on a lean profile where loads are frequent: SimPy and the replay to the bit,
+    and commit's spans differ from those without them (this slow host hides them from the passes)."""
+    t = generate(preset("mixtral-8x7b"), recipe("w4a16"), SyntheticParams(requests=3, prompt_len=6, decode_len=12))
+    prof = replace(LEAN, host_pass_start_us=300.0, pass_start_us=150.0, pass_gap_us=110.0, commit_gpu_us=15.6,
+                   commit_gpu_copy_us=26.5)
+    a, b, _, _ = both(t, policy, prof, batch, pool_gb=12)
+    same_run(a, b)
+    if policy == "commit":
+        plain, _, _, _ = both(t, policy, replace(prof, commit_gpu_us=0.0, commit_gpu_copy_us=0.0), batch, pool_gb=12)
+        assert plain.spans != a.spans
+
+
+def test_commits_pass_start_plans_layer_0_before_it_runs():
+    """`commit_start_us`: at a decode pass's start commit reads layer 0's prediction back (1 us of
+    host_sync_us here) and then turns it into a plan and loads (5 us) before layer 0's attention
+    can be issued: layer 0's span and every pass grow by 5 us, in both engines; ondemand does not
+    read back there and does not move."""
+    t = tiny_trace([0, 1], [[0, 0], [0, 1]], [[0, 0], [0, 1]])
+    prof = replace(FLAT, copy_compute_slowdown=0.0, copy_fifo=True, commit_ahead=True, host_sync_us=1.0)
+    seen = {}
+    for policy in ("commit", "ondemand"):
+        for us in (0.0, 5.0):
+            a, b, _, _ = both(t, policy, replace(prof, commit_start_us=us), 1, slots=1, costs=tiny_costs(t))
+            same_run(a, b)
+            seen[policy, us] = ([(s[6], s[7]) for s in a.spans if s[4] == "attention" and s[2] == 0],
+                                [p[3] for p in a.pass_us])
+    assert seen["commit", 0.0] == ([(0.0, 11.0), (25.0, 36.0)], [25.0, 25.0])
+    assert seen["commit", 5.0] == ([(0.0, 16.0), (30.0, 46.0)], [30.0, 30.0])
+    assert seen["ondemand", 0.0] == seen["ondemand", 5.0]
+
+
+def test_calibrate_prices_commits_pass_start():
+    """`start_excess_s`: layer 0's attention and route over the other layers' mean, over the decode
+    passes; the fit takes host_sync_us off commit's excess over upper's (`commit_start_us`)."""
+    from types import SimpleNamespace
+
+    from cmoe.calibrate.commit_steps import start_excess_s
+    from cmoe.calibrate.profile_fit import fit_profile
+    from cmoe.core.hw import H200
+    from cmoe.core.timeline import Span
+    from tests.test_calibrate import _synthetic
+
+    def one(p, a0, r0):
+        return [Span("gpu", p, 0, "compute", "attention", -1, 0.0, a0), Span("gpu", p, 0, "compute", "route", -1, a0, a0 + r0),
+                Span("gpu", p, 1, "compute", "attention", -1, 0.0, 70.0), Span("gpu", p, 1, "compute", "route", -1, 70.0, 86.0),
+                Span("gpu", p, 2, "compute", "attention", -1, 0.0, 74.0), Span("gpu", p, 2, "compute", "route", -1, 74.0, 88.0),
+                Span("gpu", p, 1, "compute", "expert", 3, 90.0, 200.0)]
+    log = SimpleNamespace(spans=one(0, 900.0, 0.0) + one(1, 300.0, 60.0) + one(2, 320.0, 50.0),
+                          pass_us=[(0, False, 1, 0.0), (1, True, 1, 0.0), (2, True, 1, 0.0)])
+    assert start_excess_s(log, 0) == pytest.approx((360.0 + 370.0) / 2 * 1e-6 - 87e-6)
+    known = replace(H200, host_sync_us=80.0, host_layer_us=950.0, host_route_us=100.0, host_expert_us=170.0)
+    m = _synthetic(known)
+    assert fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-02").commit_start_us == 0.0
+    m["layer"]["commit_start_excess_s"] = 200e-6
+    assert fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-02").commit_start_us == pytest.approx(120.0)
