@@ -34,6 +34,15 @@ def test_a_pass_splits_into_parts_that_add_up_to_its_window():
     assert sum(got.values()) == pytest.approx(75.0 / 1e3)
 
 
+def test_with_its_latency_a_pass_also_holds_the_wait_before_its_first_span():
+    # latency 90 us: the window opens at -15, where a copy of the last pass (-20..-5) still flies
+    late = SPANS + [(S, 0, 7, "copy0", "load", 4, -20.0, -5.0, 10)]
+    got = pass_breakdown(late, decode={1}, latency={1: 90.0})
+    assert got["idle: copy in flight"] == pytest.approx((18.0 + 10.0) / 1e3)   # -15..-5 as well
+    assert got["idle: host"] == pytest.approx((15.0 + 5.0) / 1e3)              # -5..0 as well
+    assert sum(got.values()) == pytest.approx(90.0 / 1e3)
+
+
 def test_overlapping_spans_are_counted_once_and_passes_are_averaged():
     two = SPANS + [(S, 2, 0, "compute", "expert", 1, 100.0, 110.0, 0),
                    (S, 2, 0, "compute", "expert", 2, 105.0, 112.0, 0),       # overlaps the first: 100-112

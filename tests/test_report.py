@@ -117,9 +117,12 @@ def test_summary_charts_hold_the_runs_own_figures(tmp_path):
     assert list(bars.data[0].y) == ["upper", "ondemand"][::-1] if metrics[0]["tokens_per_s"] > metrics[1]["tokens_per_s"] \
         else list(bars.data[0].y) == ["upper", "ondemand"]
     tl = read_timeline(folder, "ondemand")
-    dec = {p["pass"] for p in read_passes(folder, "ondemand", True) if p["decode"]}
-    want = pass_breakdown(tl, dec)
+    rows = read_passes(folder, "ondemand", True)
+    dec = {p["pass"] for p in rows if p["decode"]}
+    want = pass_breakdown(tl, dec, {p["pass"]: p["us"] for p in rows})
     assert [tr.x[1] for tr in breakdown.data] == [want[p] for p in PARTS]          # row 1: ondemand
+    tpot = next(x for x in metrics if x["policy"] == "ondemand")["tpot_ms_mean"]
+    assert sum(want.values()) == pytest.approx(tpot)                                # the parts add up to TPOT
     traffic = expert_traffic(tl, dec)
     layers = sorted({m for m, _ in traffic})
     m, e = max(traffic, key=lambda k: traffic[k]["loads"])

@@ -1,13 +1,17 @@
 """Where a decode pass's time goes, and where the link's copies go, read off a timeline (either
 engine's: the spans have one schema). Pure Python over spans; the report draws what this returns.
 
-**Time breakdown** (`pass_breakdown`). A decode pass's window runs from its first span on any lane
-to its last span on the compute stream. The compute stream's busy time is split by op; its idle
-time by what else was under way while it sat idle, in this order of blame:
+**Time breakdown** (`pass_breakdown`). A decode pass's window ends at its last span on the compute
+stream and is as long as the pass's latency (`passes-POLICY.json`'s `us`, what TPOT averages), so
+it also holds the wait before the pass's first span: both engines synchronise the device between
+passes, copies included. Without latencies it starts at the pass's first span on any lane. The
+compute stream's busy time is split by op; its idle time by what else was under way while it
+sat idle, in this order of blame:
 - `idle: copy in flight`  a copy (`load`) of any pass was on a copy stream;
 - `idle: CPU experts`     else a CPU expert or its hidden-state round trip was running;
 - `idle: host`            else nothing the timeline shows: the host preparing, launching, reading back.
-The five parts add up to the window exactly (a test holds them to it). Only the compute stream's
+The five parts add up to the window exactly, so to the mean TPOT when latencies are given
+(tests hold them to both). Only the compute stream's
 idle time is blamed, so a copy that overlaps compute costs nothing here, which is the point.
 
 **Copies per expert** (`expert_traffic`): per (MoE layer, expert) over the decode passes, how often
@@ -53,12 +57,14 @@ def _minus(iv: list[tuple[float, float]], cut: list[tuple[float, float]]) -> lis
     return out
 
 
-def _one_pass(spans: list, loads: list[tuple[float, float]], cpu: list[tuple[float, float]]) -> dict[str, float]:
-    """Microseconds of each part in one pass's window (`spans`: that pass's spans)."""
+def _one_pass(spans: list, loads: list[tuple[float, float]], cpu: list[tuple[float, float]],
+              us: float | None) -> dict[str, float]:
+    """Microseconds of each part in one pass's window (`spans`: that pass's spans; `us`: its latency)."""
     comp = [s for s in spans if s[STREAM] == "compute"]
     if not comp:
         return {}
-    lo, hi = min(s[START] for s in spans), max(s[END] for s in comp)
+    hi = max(s[END] for s in comp)
+    lo = hi - us if us is not None else min(s[START] for s in spans)
     busy_exp = _union([(s[START], s[END]) for s in comp if s[OP] == "expert"])
     busy_other = _minus(_union([(s[START], s[END]) for s in comp if s[OP] != "expert"]), busy_exp)
     idle = _minus([(lo, hi)], _union(busy_exp + busy_other))
@@ -69,8 +75,9 @@ def _one_pass(spans: list, loads: list[tuple[float, float]], cpu: list[tuple[flo
             PARTS[3]: _length(on_cpu), PARTS[4]: _length(_minus(rest, cpu))}
 
 
-def pass_breakdown(spans: list, decode: set[int]) -> dict[str, float]:
-    """Mean milliseconds per decode pass (`decode`: their indices) of each part of `PARTS`."""
+def pass_breakdown(spans: list, decode: set[int], latency: dict[int, float] | None = None) -> dict[str, float]:
+    """Mean milliseconds per decode pass (`decode`: their indices) of each part of `PARTS`;
+    `latency`: pass -> its latency in us (the window's length), if known."""
     loads = _union([(s[START], s[END]) for s in spans if s[OP] == "load"])
     cpu = _union([(s[START], s[END]) for s in spans if s[OP] in _CPU_OPS])
     by_pass: dict[int, list] = {}
@@ -79,8 +86,8 @@ def pass_breakdown(spans: list, decode: set[int]) -> dict[str, float]:
             by_pass.setdefault(s[STEP], []).append(s)
     tot = dict.fromkeys(PARTS, 0.0)
     n = 0
-    for ps in by_pass.values():
-        one = _one_pass(ps, loads, cpu)
+    for k, ps in by_pass.items():
+        one = _one_pass(ps, loads, cpu, latency.get(k) if latency else None)
         n += bool(one)
         for k, v in one.items():
             tot[k] += v

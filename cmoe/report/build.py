@@ -109,14 +109,15 @@ def _summary_blocks(metrics: list[dict], spans: dict[str, list], passes: dict[st
     from cmoe.analysis.breakdown import expert_traffic, pass_breakdown
     from cmoe.report.charts import breakdown_figure, policy_bars, traffic_figure
     decode = {p: _decode_steps(passes.get(p) or [], spans[p]) for p in spans}
-    rows = [(m["policy"], pass_breakdown(spans[m["policy"]], decode[m["policy"]])) for m in metrics]
+    latency = {p: {r["pass"]: r["us"] for r in passes.get(p) or []} or None for p in spans}
+    rows = [(m["policy"], pass_breakdown(spans[m["policy"]], decode[m["policy"]], latency[m["policy"]])) for m in metrics]
     traffic = [(m["policy"], expert_traffic(spans[m["policy"]], decode[m["policy"]]), len(decode[m["policy"]]))
                for m in metrics if m["policy"] != "upper"]
     blocks = ["<h2>Policies side by side</h2>", figs.div(policy_bars(metrics)),
               "<h2>Where a decode pass's time goes</h2>",
               "<p class='note'>The compute stream's time per decode pass: busy with experts or with the rest of "
               "the layer; idle while a copy was in flight, else while CPU experts ran, else waiting on the host "
-              "(cmoe/analysis/breakdown.py). The parts add up to the pass.</p>", figs.div(breakdown_figure(rows))]
+              "(cmoe/analysis/breakdown.py). The parts add up to the mean TPOT.</p>", figs.div(breakdown_figure(rows))]
     keys = {k for _, t, _ in traffic for k in t} | {(s[LAYER], s[EXPERT]) for p in spans for s in spans[p]
                                                     if s[OP] == "expert" and s[EXPERT] >= 0}
     if traffic and keys:
