@@ -84,7 +84,7 @@ def test_lean_graphs_match_transformers(fused_checkpoints, family):
 def test_lean_graph_replay_equals_eager(fused_checkpoints, family):
     """The same engine with and without graphs: the same decisions, the same logits up to the
     kernel's fp32 atomics."""
-    pols = ["upper", "ondemand", "commit", "static"]
+    pols = ["upper", "ondemand", "commit", "static", "adaptive-ahead", "commit-ahead"]
     _, g = _run(fused_checkpoints[family], pols)
     _, e = _run(fused_checkpoints[family], pols, graphs=False)
     for a, b in zip(g, e):
