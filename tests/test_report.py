@@ -238,3 +238,19 @@ def test_commands_say_how_to_get_a_report_where_plotly_is_missing(tmp_path, monk
     assert r.exit_code == 0, r.output
     assert f"no report here (plotly is not installed): run cmoe report {out} where it is" in r.output
     assert (out / "metrics.json").is_file() and not (out / "report.html").exists()
+
+
+def test_report_embedded_writes_the_stats_page_here_not_into_the_package(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cmoe.cli.app import app
+    from cmoe.data import default_trace
+    before = sorted(p.name for p in default_trace().parent.iterdir())
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, ["report", "embedded"])
+    assert r.exit_code == 0, r.output
+    page = tmp_path / "embedded-stats.html"
+    assert "trace statistics: tiny-moe" in page.read_text() and "rep_1st" in page.read_text()
+    assert sorted(p.name for p in default_trace().parent.iterdir()) == before
+    again = CliRunner().invoke(app, ["report", "embedded"])
+    assert again.exit_code != 0 and "already exists" in again.output and "--force" in again.output

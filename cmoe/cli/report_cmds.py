@@ -13,9 +13,9 @@ from cmoe.cli.common import one_line_errors
 
 @one_line_errors
 def report(
-    inputs: Annotated[list[Path], typer.Argument(metavar="INPUT...", help="A run folder (simulate/execute --out), a trace bundle folder (its statistics page), a sweep or timeline .parquet, or two run folders: predicted, then measured.")],
+    inputs: Annotated[list[Path], typer.Argument(metavar="INPUT...", help="A run folder (simulate/execute --out), a trace bundle folder or embedded (its statistics page), a sweep or timeline .parquet, or two run folders: predicted, then measured.")],
     *,
-    out: Annotated[Optional[Path], typer.Option(help="HTML file to write (default: report.html in the folder, X.html beside X.parquet, compare.html in the measured folder, BUNDLE-stats.html beside a trace bundle).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="HTML file to write (default: report.html in the folder, X.html beside X.parquet, compare.html in the measured folder, BUNDLE-stats.html beside a trace bundle, embedded-stats.html here for embedded).")] = None,
     max_spans: Annotated[int, typer.Option(min=1, help="Most timeline spans drawn; whole passes from the first are kept.")] = 100_000,
     chrome: Annotated[Optional[Path], typer.Option(help="Instead: export a timeline .parquet as Chrome Trace Event JSON (Perfetto) to this file.")] = None,
     quality: Annotated[Optional[Path], typer.Option(help="The JSON cmoe quality --out writes: with one run folder, adds the frontier (tokens/s against KL to exact routing, a point per policy).")] = None,
@@ -37,6 +37,11 @@ def report(
         typer.echo(f"wrote {write_chrome_trace(read_timeline_file(inputs[0]), chrome)}")
         return
     from cmoe.report.build import build_report
+    if [str(p) for p in inputs] == ["embedded"] and not inputs[0].exists():
+        from cmoe.data import default_trace                  # the shipped trace: its page lands here, not
+        inputs, out = [default_trace()], out or Path("embedded-stats.html")   # in the installed package
+        if out.exists() and not force:
+            check_output(out, force, flag="--out")
     typer.echo(f"report: {build_report(inputs, out, max_spans, quality)}")
 
 
