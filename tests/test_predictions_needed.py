@@ -30,3 +30,20 @@ def test_a_trace_without_predictions_is_refused_by_policies_that_need_them(tmp_p
         assert "Traceback" not in r.output
     r = runner.invoke(app, ["simulate", "--trace", str(path), "--policy", "ondemand,upper", "--pool-gb", "1"])
     assert r.exit_code == 0, r.output
+
+
+def test_a_trace_one_layer_deep_is_refused_by_the_look_ahead_policies(tmp_path):
+    """With distance 1 only, adaptive-ahead would never prefetch (no two predictions to agree) and
+    commit-ahead neither, yet report under their names: refused, while commit and adaptive run."""
+    t = load_trace("embedded")
+    shallow = bundle.write(replace(t, pred_ahead=None), tmp_path / "shallow")
+    assert t.depth == 4 and bundle.read(shallow).depth == 1
+    runner = CliRunner()
+    for policy in ("adaptive-ahead", "commit-ahead"):
+        r = runner.invoke(app, ["simulate", "--trace", str(shallow), "--policy", policy, "--pool-gb", "1"])
+        assert r.exit_code == 2, r.output
+        lines = [ln for ln in r.output.splitlines() if ln.strip()]
+        assert lines == [f"error: policy {policy} looks 4 layers ahead but this trace's predictions reach 1: "
+                         f"record one with cmoe trace --depth 4, or choose adaptive or commit"]
+    r = runner.invoke(app, ["simulate", "--trace", str(shallow), "--policy", "commit,adaptive", "--pool-gb", "1"])
+    assert r.exit_code == 0, r.output

@@ -368,6 +368,11 @@ def trait(name: str, what: str) -> bool:
     return name in _CLASSES and bool(getattr(_CLASSES[name], what))
 
 
+def depth_of(name: str) -> int:
+    """How many layers of predictions the policy reads (1: the next layer's only)."""
+    return _CLASSES[name].depth if name in _CLASSES else 1
+
+
 def needs_future(name: str) -> bool:
     """Does the policy read the routing's future (only a replayed trace has one)?"""
     return name in _CLASSES and _CLASSES[name].uses_future

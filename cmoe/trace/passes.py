@@ -42,13 +42,18 @@ def has_predictions(t: Trace) -> bool:
 
 
 def check_predictions(t: Trace, policies) -> None:
-    """Refuse, in one line, a policy that needs predictions on a trace that has none: it would
-    otherwise run on empty predictions and report figures that mean nothing."""
-    from cmoe.policy.policies import needs_predictions
+    """Refuse, in one line, a policy that needs predictions on a trace that has none, or deeper ones
+    than the trace keeps: it would otherwise run on empty predictions and report figures that mean
+    nothing under its name."""
+    from cmoe.policy.policies import depth_of, needs_predictions
     want = [p for p in policies if needs_predictions(p)]
     if want and not has_predictions(t):
         raise CmoeError(f"policy {want[0]} needs next-layer predictions but this trace has none (pred_experts "
                         f"are all -1): record one with cmoe trace, or choose ondemand, lfu-fallback, static or upper")
+    deep = [p for p in want if depth_of(p) > t.depth]
+    if deep:                         # it would run, never prefetch, and still carry the look-ahead's name
+        raise CmoeError(f"policy {deep[0]} looks {depth_of(deep[0])} layers ahead but this trace's predictions reach "
+                        f"{t.depth}: record one with cmoe trace --depth {depth_of(deep[0])}, or choose adaptive or commit")
 
 
 def popularity(t: Trace) -> list[list[int]]:
