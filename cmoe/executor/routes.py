@@ -52,8 +52,14 @@ class Routes:
     def _ahead(self, q: int, live: list[int]) -> dict:
         """`plan`'s and `begin_pass`'s `ahead` for a policy that looks further than one layer: what
         the state predicting layer q says of layers q, q+1, ... (`Pass.seen`), ranked over the live
-        rows; a replay's from its trace, a live run's from the early routers. {} for the rest."""
-        if self.policy.depth == 1:
+        rows; a replay's from its trace, a live run's from the early routers. {} for the rest, and
+        in prefill, where the policies read none (a live run would read them back for nothing).
+
+        A live run on CUDA reads each distance back with a blocking copy, after the layer's experts
+        are queued: it waits for them, which takes commit-ahead's overlap away. Not yet changed:
+        the fix, one pinned read-back with the layer's own, needs a GPU to test; replays, which the
+        benchmarks run, read the trace's predictions and copy nothing."""
+        if self.policy.depth == 1 or not self.cur.decode:
             return {}
         r = self.cur.replay
         if r is not None:
