@@ -62,8 +62,8 @@ def test_accuracy_by_distance_follows_its_parameters_and_leaves_distance_1_alone
     spec = preset("mixtral-8x7b")
     p = SyntheticParams(requests=16, prompt_len=16, decode_len=240, pred_acc=0.9, seed=3)
     t = generate(spec, recipe("w4a16"), p)
-    assert p.ahead_ratio == (0.92, 0.84, 0.77) and p.ahead_copy == 0.45 and t.depth == 4
-    for k, want in enumerate((0.9, 0.9 * 0.92, 0.9 * 0.84, 0.9 * 0.77), start=1):
+    assert p.ahead_ratio == (0.914, 0.828, 0.766) and p.ahead_copy == 0.45 and t.depth == 4
+    for k, want in enumerate((0.9, 0.9 * 0.914, 0.9 * 0.828, 0.9 * 0.766), start=1):
         a = t.pred_ahead[:, k - 1:, k - 1]                      # layers m >= k-1 have a layer m-k
         got = (t.experts[:, k - 1:, :, None] == a[..., None, :]).any(-1).mean()
         assert abs(got - want) < ACC_TOL, (k, got, want)
@@ -86,8 +86,8 @@ def test_nearby_distances_agree_as_on_the_embedded_model():
         t = generate(spec, recipe("w4a16"), SyntheticParams(requests=8, ahead_copy=copy))
         a = t.pred_ahead[t.phase == 1]
         return [float((a[:, k:, k - 1, 0] == a[:, k:, k, 0]).mean()) for k in (1, 2, 3)]
-    assert np.allclose(agreement(0.45), [0.80, 0.74, 0.70], atol=0.02)
-    assert np.allclose(agreement(0.0), [0.67, 0.57, 0.49], atol=0.02)
+    assert np.allclose(agreement(0.45), [0.79, 0.73, 0.70], atol=0.02)
+    assert np.allclose(agreement(0.0), [0.67, 0.56, 0.48], atol=0.02)
 
 
 def test_a_ratio_past_certainty_is_refused():
