@@ -477,12 +477,14 @@ def load_kinds(pol, passes) -> dict[str, int]:
 
 
 def test_look_ahead_policies_pay_for_every_early_router():
-    """The executor runs the routers of the next `depth` layers on each MoE layer's state (fewer
-    near the last): both engines charge that many predictions per layer, on average."""
+    """The executor runs the routers of layers q .. q+depth-1 on the state that predicts layer q,
+    for q = 0 (a pass's start) to M-1 (`routes._deep`): both engines charge that many predictions
+    a pass, spread evenly over its M layers."""
     from cmoe.sim.costs import routers
     layout = PoolLayout((1,) * 8, (4,) * 8, 0)
     pol = lambda name: make_policy(name, layout, 8, [[1] * 8] * 8)       # noqa: E731
-    assert [routers(pol(p), 8) for p in ("ondemand", "commit", "adaptive-ahead")] == [0.0, 1.0, 22 / 7]
+    executor = sum(len(range(q, min(q + 4, 8))) for q in range(8))          # 4+4+4+4+4+3+2+1 = 26
+    assert [routers(pol(p), 8) for p in ("ondemand", "commit", "adaptive-ahead")] == [0.0, 1.0, executor / 8]
     t = trace_of("mixtral-8x7b", requests=1, decode=6)
     a, b, _, _ = both(t, "adaptive-ahead", replace(EAGER, predict_layer_us=150.0, predict_gpu_us=20.0), 1)
     same_run(a, b)

@@ -47,12 +47,14 @@ def silent(hw: HardwareProfile, policy) -> bool:
 def routers(policy, num_layers: int) -> float:
     """Early routers a MoE layer runs under `policy`, on average over the layers: the next layer's
     for the policies that predict; a look-ahead policy's the next `depth` layers' (fewer near the
-    last layer, as the executor runs them); 0 for the rest."""
+    last layer, as the executor runs them), plus the `depth` it runs at a pass's start on the state
+    before layer 0, spread over the pass's layers; 0 for the rest."""
     if not policy.uses_prediction:
         return 0.0
     if policy.depth == 1:
         return 1.0
-    return sum(min(policy.depth, num_layers - q) for q in range(1, num_layers)) / max(num_layers - 1, 1)
+    M, d = num_layers, policy.depth
+    return (sum(min(d, M - q) for q in range(1, M)) + min(d, M)) / max(M, 1)
 
 
 def moe_attention_extra_us(hw: HardwareProfile, policy, num_layers: int) -> float:
