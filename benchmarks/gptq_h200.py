@@ -51,8 +51,12 @@ def make(out: Path) -> None:
                            max_position_embeddings=256)
     out = out.resolve()
     src = out / "src"
+    mark = out / ".gptq_h200"                        # only a folder this script made is replaced
+    if out.exists() and any(out.iterdir()) and not mark.is_file():
+        raise SystemExit(f"{out} is not empty and was not made by this script: choose another --out")
     shutil.rmtree(out, ignore_errors=True)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(src)
+    mark.touch()
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t1", eos_token="t2",

@@ -37,7 +37,10 @@ def test_the_shipped_trace_is_of_the_model_balanced_yet_local():
     assert min(x.entropy for x in layers) >= 0.9
     assert max(x.rep_first for x in layers) <= 0.5 and min(x.rep_first for x in layers) > 0.2
     assert t.pred_ahead is not None and t.pred_ahead.shape[2] == 4          # predictions four layers deep
-    assert np.isfinite([x.pred_acc for x in layers]).all()
+    # the commit prediction (layer m's router on the state before it) holds most true experts,
+    # least into layers 1-2 (0.50, 0.63 in the shipped trace), far above random's 0.25
+    acc = [x.pred_acc for x in layers]
+    assert min(acc) > 0.45 and np.mean(acc) > 0.7
 
 
 def test_trace_with_no_model_uses_the_embedded_one(tmp_path):

@@ -97,7 +97,7 @@ def heldout_loss(model, held: np.ndarray, seq: int, device, n: int = 64) -> floa
     return float(out.loss)
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--corpus", type=Path, default=Path(sysconfig.get_paths()["stdlib"]))
@@ -113,7 +113,11 @@ def main() -> None:
                     help="weight of transformers' load-balancing loss, over all layers at once (0 to leave it out)")
     ap.add_argument("--layer-balance", type=float, default=0.0,
                     help="weight of the per-layer balancing loss (balance_loss); 0: none, as the first model")
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    a = _args()
     from transformers import MixtralForCausalLM
     torch.manual_seed(a.seed)
     dev = torch.device(a.device)
