@@ -3,7 +3,8 @@ pass's predictions must agree before an expert is fetched, and how many of each 
 experts to fetch, on the default study (`cmoe simulate --pool-gb 20`: synthetic Mixtral-8x7B
 W4A16, h200 profile, batch 1, 1,024 decode passes), in the SimPy model. Each row is the shipped
 class with its class attributes set (depth, agree, top); the shipped defaults are depth 4,
-agree 2, top 1.
+agree 2, top 1. At depth 1 the engines hand a policy no deeper predictions, so it never
+prefetches: such a row is the class's eviction alone (agree and top print as "-").
 
     python benchmarks/ahead_probe.py            # ~30 s on two CPU cores
 """
@@ -50,6 +51,8 @@ def main() -> None:
     for cls, attrs in GRID:
         s = run(cls, attrs)
         a = {"depth": getattr(cls, "depth", 1), "agree": getattr(cls, "agree", "-"), "top": getattr(cls, "top", "-"), **attrs}
+        if a["depth"] == 1:                      # nothing to agree on or fetch: eviction only
+            a["agree"] = a["top"] = "-"
         print(f"| {cls.name} | {a['depth']} | {a['agree']} | {a['top']} | {s['tokens_per_s']:.1f} | "
               f"{s['tokens_per_s'] / best:.2f} | {s['loads']} | {s['skipped']} | {s['late']} |")
 

@@ -11,8 +11,8 @@ BUNDLE/
                                        the hidden state that exists while layer m-1 runs; -1 = none
       pred_ahead    int16   [T, M, D, K]  optional, predictions for layer m from further back:
                                        [:, m, k-1] is layer m's router applied to the hidden state
-                                       of layer m-k (distance k); [:, :, 0] equals pred_experts;
-                                       -1 where that layer lies before the model's first
+                                       that predicts layer m-k+1 (distance k); [:, :, 0] equals
+                                       pred_experts; -1 where m < k-1 (no such state)
       request       int32   [T]        request (prompt) index
       step          int32   [T]        position of the token within its request
       phase         uint8   [T]        0 prefill, 1 decode

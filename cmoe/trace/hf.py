@@ -213,7 +213,7 @@ class RouteRecorder:
             self.buf["ahead"][j][k - 1] = self._sorted(w, idx)[0]
 
     def _ahead(self) -> np.ndarray:
-        """[T, M, D, K] the predictions by distance, -1 where the predicting layer lies before the first."""
+        """[T, M, D, K] the predictions by distance, -1 where m < k-1 (no state that far back)."""
         first = self.buf["pred"][0]
         return np.stack([np.stack([a if a is not None else np.full_like(first, -1) for a in row], 1)
                          for row in self.buf["ahead"]], 1)
