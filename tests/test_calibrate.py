@@ -289,7 +289,9 @@ def test_the_lean_engines_gpu_side_steps_run_on_the_cpu(checkpoints, monkeypatch
     lay = out["layer"]
     assert lay["readback_gpu_s"] >= 0.0 and lay["predict_gpu_s"] >= 0.0
     assert lay["host"]["pass_gap_s"] == pytest.approx(lay["host"]["pass_start_s"] - lay["pass_start_s"])
-    assert lay["commit_gpu_s"] >= 0.0 and lay["commit_gpu_copy_s"] >= 0.0 and "commit_start_excess_s" in lay
+    assert lay["commit_gpu_s"] >= 0.0 and lay["commit_gpu_copy_s"] >= 0.0
+    # a difference of two runs' layer-0 excesses: either sign is possible, the fit clamps it at 0
+    assert isinstance(lay["commit_start_excess_s"], float) and abs(lay["commit_start_excess_s"]) < 1.0
     assert len(out["waves"]) > 0 and all(len(w) == 4 for w in out["waves"])
     assert len(out["commit_waves"]) > 0 and all(len(w) == 4 for w in out["commit_waves"])
     assert lay["points"] == [pt for pt in lay["points"] if pt[1] > 0] and len(lay["points"]) == 2   # batches 1, 8
