@@ -15,6 +15,13 @@ from cmoe.quality.measures import log_softmax
 from cmoe.trace.passes import ranked
 
 
+def _by_weight(idx: np.ndarray, w: np.ndarray) -> tuple[list, list]:
+    """Per row, the expert ids by weight (highest first, ties in column order) and those weights."""
+    order = np.argsort(-w, axis=1, kind="stable")
+    return (np.take_along_axis(idx, order, 1).astype(np.int64).tolist(),
+            np.take_along_axis(w, order, 1).astype(np.float64).tolist())
+
+
 class Routes:
     def _ranked_rows(self, idx: np.ndarray, w: np.ndarray, m: int, kind: str) -> tuple[list, list]:
         """Per token, experts by weight (highest first) and those weights. Replay mode takes the
@@ -29,9 +36,7 @@ class Routes:
             if kind == "pred":
                 return rows, [[1.0 / len(x)] * len(x) for x in rows]
             return rows, [[float(v) for v, e in zip(wr, er) if e >= 0] for wr, er in zip(r["weights"][:, m], ex)]
-        order = np.argsort(-w, axis=1, kind="stable")
-        return (np.take_along_axis(idx, order, 1).astype(np.int64).tolist(),
-                np.take_along_axis(w, order, 1).astype(np.float64).tolist())
+        return _by_weight(idx, w)
 
     def _early_routers(self, q: int, h) -> list:
         """The routers of layers q .. q+depth-1 on the hidden state that predicts layer q ([N, H]):
@@ -55,21 +60,23 @@ class Routes:
         rows; a replay's from its trace, a live run's from the early routers. {} for the rest, and
         in prefill, where the policies read none (a live run would read them back for nothing).
 
-        A live run on CUDA reads each distance back with a blocking copy, after the layer's experts
-        are queued: it waits for them, which takes commit-ahead's overlap away. Not yet changed:
-        the fix, one pinned read-back with the layer's own, needs a GPU to test; replays, which the
-        benchmarks run, read the trace's predictions and copy nothing."""
+        A live run reads every distance back in one copy; on CUDA that copy is blocking and queued
+        after the layer's experts, so it waits for them, which takes commit-ahead's overlap away.
+        Not yet changed: the fix, one pinned read-back with the layer's own, needs a GPU to test;
+        replays, which the benchmarks run, read the trace's predictions and copy nothing."""
         if self.policy.depth == 1 or not self.cur.decode:
             return {}
         r = self.cur.replay
         if r is not None:
             return {"ahead": r["seen"][q][: self.policy.depth]}
         deep = self._deep(q) if q < self.M else None
+        if not deep:
+            return {"ahead": []}
+        K = deep[0][0].shape[1]
+        host = torch.cat([t.float() for idx, w in deep for t in (idx, w)], 1).cpu().numpy()   # [N, 2K per distance]
         out = []
-        for idx, w in deep or ():
-            host = torch.cat([idx.float(), w.float()], 1).cpu().numpy()
-            order = np.argsort(-host[:, idx.shape[1]:], axis=1, kind="stable")
-            rows = np.take_along_axis(host[:, :idx.shape[1]], order, 1).astype(np.int64).tolist()
+        for k in range(len(deep)):
+            rows, _ = _by_weight(host[:, 2 * K * k: 2 * K * k + K], host[:, 2 * K * k + K: 2 * K * (k + 1)])
             out.append(list(ranked([rows[i] for i in live])[0]))
         return {"ahead": out}
 
