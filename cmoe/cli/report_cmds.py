@@ -40,8 +40,7 @@ def report(
     if [str(p) for p in inputs] == ["embedded"] and not inputs[0].exists():
         from cmoe.data import default_trace                  # the shipped trace: its page lands here, not
         inputs, out = [default_trace()], out or Path("embedded-stats.html")   # in the installed package
-        if out.exists() and not force:
-            check_output(out, force, flag="--out")
+        check_output(out, force, flag="--out")
     typer.echo(f"report: {build_report(inputs, out, max_spans, quality)}")
 
 

@@ -83,10 +83,6 @@ class Trace:
         """How many layers ahead the trace's predictions reach (1: pred_experts only)."""
         return 1 if self.pred_ahead is None else int(self.pred_ahead.shape[2])
 
-    def ahead(self) -> np.ndarray:
-        """[T, M, D, K] the predictions by distance (pred_experts alone where none deeper are kept)."""
-        return self.pred_experts[:, :, None] if self.pred_ahead is None else self.pred_ahead
-
     @property
     def num_tokens(self) -> int:
         return int(self.experts.shape[0])

@@ -148,11 +148,11 @@ def _ahead(experts: np.ndarray, pred: np.ndarray, E: int, p: SyntheticParams) ->
     """[T, M, D, K] predictions by distance: distance 1 is `pred`; at distance k a share
     `ahead_copy` of the (token, layer) rows repeats distance k-1's (predictions made from nearby
     states agree more often than independent guesses would), the rest is drawn afresh, so that
-    the accuracy is pred_acc * ahead_ratio[k-2]; -1 where layer m-k lies before the first (m < k-1)."""
+    the accuracy is pred_acc * ahead_ratio[k-2]; -1 where m < k-1 (no state that far back)."""
     rng = np.random.default_rng([p.seed, 1])       # its own stream: distance 1 and the routes stay as they were
     out, prev = [pred], pred
     for k, acc in enumerate(p._fresh_acc(), start=2):
-        drawn = _predictions(experts, E, min(acc, 1.0), rng).astype(np.int16)
+        drawn = _predictions(experts, E, acc, rng).astype(np.int16)      # within [0, 1]: __post_init__
         prev = np.where(rng.random(experts.shape[:2] + (1,)) < p.ahead_copy, prev, drawn)
         a = prev.copy()
         a[:, : k - 1] = -1
