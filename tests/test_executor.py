@@ -305,6 +305,10 @@ def test_commit_matches_exact_routing_wherever_the_prediction_was_right(checkpoi
 
 # --- the pool against the policy, step for step ---------------------------------------------------
 
+# the policies that load when a pass begins; the others' records of a pass's start have no loads
+BEGIN_LOADS = ("commit", "commit-ahead", "oracle", "adaptive-ahead")
+
+
 def _pure_replay(trace_path, policy_name, layout, batch, tokens):
     """The decisions of the policy alone, driven by the trace's passes as the simulator drives it."""
     from cmoe.trace import bundle
@@ -333,7 +337,7 @@ def test_pool_bookkeeping_matches_the_policy_step_for_step(checkpoints, tiny_tra
     for r in results:
         got = [(p.pass_index, p.layer, p.needed, p.loads, p.gpu, p.cpu, p.skipped) for p in r.log.plans]
         want = _pure_replay(tiny_trace, r.policy, r.layout, batch, 8)
-        if r.policy not in ("commit", "commit-ahead", "oracle", "adaptive-ahead"):   # only these load when a pass begins
+        if r.policy not in BEGIN_LOADS:
             got = [g if g[1] >= 0 else g[:3] + ((),) + g[4:] for g in got]
         assert got == want, r.policy
         assert all(p.physical == p.logical for p in r.log.plans if p.layer >= 0), r.policy
