@@ -72,6 +72,7 @@ class Engine(Routes):
         self.M = spec.num_moe_layers
         self.pool = DevicePool(policy.layout, store.layout, device, views=store.packing != "tiled")
         self.clock = Clock(device)
+        self.cs = self.pool.compute                    # the compute stream, looked up once a pass (run_pass)
         self.record_plans = record_plans
         self.log = RunLog()
         self.act = F.silu
@@ -193,7 +194,7 @@ class Engine(Routes):
         assert self.begun, "the pass began without the layer-0 prediction hook firing"
         d, clock = self.spec.moe_layers[m], self.clock
         self._layer = m
-        cs = torch.cuda.current_stream(self.device) if self.cuda else None
+        cs = self.cs
         h_in = clock.host()
         t_in = clock.mark(cs)
         self._span(d, "compute", "attention", -1, self.last, t_in)
@@ -255,7 +256,7 @@ class Engine(Routes):
     def _gpu_experts(self, m, d, hidden, out, st, due) -> None:
         """The planned GPU experts in order, into `out`; after each, the loads waiting for its slot."""
         pool, clock, plan, later = self.pool, self.clock, st["plan"], st["later"]
-        cs = torch.cuda.current_stream(self.device) if self.cuda else None
+        cs = self.cs
         for j, e in enumerate(st["gpu"]):
             s = plan.slots[e]
             assert pool.expert[m][s] == e, f"slot {s} of layer {m} holds {pool.expert[m][s]}, plan says {e}"
@@ -312,6 +313,15 @@ class Engine(Routes):
         self._cpu_waits = keep
 
     # --- passes ---------------------------------------------------------------------------
+    def _compute_stream(self):
+        """The stream this pass's kernels run on, looked up once (torch's lookup costs ~4.7 us on
+        the H200's host, and a layer's step would make it several times): kept for the layer
+        steps (`self.cs`) and for the pool's waits and read marks."""
+        if not self.cuda:
+            return None
+        self.cs = self.pool.compute = torch.cuda.current_stream(self.device)
+        return self.cs
+
     def run_pass(self, p: PassInput, cache) -> torch.Tensor:
         """One forward pass; returns the last position's logits [B, V] (on the device)."""
         self.cur = p
@@ -321,7 +331,7 @@ class Engine(Routes):
         self.deep = [None] * self.M
         self.token_pred = [None] * self.M
         self.token_pred_w = [None] * self.M
-        cs = torch.cuda.current_stream(self.device) if self.cuda else None
+        cs = self._compute_stream()
         if self.cuda:
             # Start every pass from an idle device: copies still running from the previous pass
             # finish first (that wait counts, see below).

@@ -165,12 +165,15 @@ class LeanEngine(HostSteps, Segments, Engine):
         k["table_h"] = torch.from_numpy(self._table_host) if not self.cuda else \
             torch.empty((M, waves, E), dtype=torch.int32, pin_memory=True)
         k["table_np"] = k["table_h"].numpy()
+        if self.cuda:                                      # per-layer views made once: indexing a tensor
+            k["rows"], k["stage"] = list(self.table), [list(r) for r in k["table_h"]]   # costs ~2-5 us
         if self.commit and decode and self.fused and self.owa:
             # each row's committed candidates (host) and the committed set (host); weights on the device
             k["owa"] = True
             k["comm"] = torch.zeros((M, self.spec.num_experts), dtype=torch.bool, device=dev)
             k["comm_h"] = torch.zeros((M, self.spec.num_experts), dtype=torch.bool, pin_memory=self.cuda)
             k["comm_np"] = k["comm_h"].numpy()
+        k.update({a + "_m": list(k[a]) for a in ("ids", "w", "ids_h", "w_h", "comm", "comm_h") if a in k})
         self.kin = k
         self._rb_pin = [None] * M
 
@@ -190,7 +193,7 @@ class LeanEngine(HostSteps, Segments, Engine):
             self._settle()
             self._capture(B)
             self._prev_end = None                          # capture is not a pass's time
-        cs = torch.cuda.current_stream(self.device) if self.cuda else None
+        cs = self._compute_stream()
         if self.cuda:
             torch.cuda.synchronize(self.device)
             if self._lead_cycles:
@@ -257,7 +260,7 @@ class LeanEngine(HostSteps, Segments, Engine):
             idx.copy_(src, non_blocking=True)
             if self.cuda:
                 copied = torch.cuda.Event()
-                copied.record()
+                copied.record(self.cs)
         marks, self._upper_marks = self._upper_marks, []
         return (p, start, end, idx, marks, copied)
 

@@ -117,7 +117,7 @@ class HostSteps:
         graph, the wave graph, or an eager launch into an fp32 sum, returned), then the loads
         that waited for its reads."""
         clock, plan, later = self.clock, st["plan"], st["later"]
-        cs = torch.cuda.current_stream(self.device) if self.cuda else None
+        cs = self.cs
         y = None
         for k, wave in enumerate(st["waves"]):
             h0 = clock.host()
@@ -154,7 +154,7 @@ class HostSteps:
         """The host reaches layer m's step: the attention segment's spans end here.
         Returns (decoder layer, clock, compute stream, host time, mark)."""
         d, clock = self.spec.moe_layers[m], self.clock
-        cs = torch.cuda.current_stream(self.device) if self.cuda else None
+        cs = self.cs
         self._layer = m
         h_in = clock.host()
         t_in = clock.mark(cs)
@@ -225,8 +225,8 @@ class HostSteps:
         comm = k["comm_np"][m]
         comm.fill(False)
         comm[chosen] = True
-        k["ids"][m].copy_(k["ids_h"][m], non_blocking=True)
-        k["comm"][m].copy_(k["comm_h"][m], non_blocking=True)
+        k["ids_m"][m].copy_(k["ids_h_m"][m], non_blocking=True)
+        k["comm_m"][m].copy_(k["comm_h_m"][m], non_blocking=True)
 
     def _tick(self, phase: str | None) -> None:
         """Host time by phase of the policy's step (`CMOE_HOST_PROFILE=1`; summed in `host_phases`)."""
@@ -277,7 +277,7 @@ class HostSteps:
             pin = self._rb_pin[m] = torch.empty(rb.shape, dtype=rb.dtype, pin_memory=True)
         pin.copy_(rb, non_blocking=True)
         ev = torch.cuda.Event()
-        ev.record()
+        ev.record(self.cs)
         return pin, ev
 
     def _read_back_wait(self, started) -> np.ndarray:
@@ -298,11 +298,12 @@ class HostSteps:
                 row[e] = s
             self.table[m].copy_(torch.from_numpy(row))
             return
-        row = self.kin["table_np"][m, wave]
+        k = self.kin
+        row = k["table_np"][m, wave]
         row.fill(-1)
         for e, s in slots.items():
             row[e] = s
-        self.table[m].copy_(self.kin["table_h"][m, wave], non_blocking=True)
+        k["rows"][m].copy_(k["stage"][m][wave], non_blocking=True)
 
     def _write_assignment(self, m: int, assign: dict, N: int) -> None:
         """commit in decode: each row's committed experts and OWA weights, the kernel's inputs."""
@@ -317,8 +318,8 @@ class HostSteps:
                 ids[i, j] = e
                 w[i, j] = wt
                 fill[i] = j + 1
-        k["ids"][m].copy_(k["ids_h"][m], non_blocking=True)
-        k["w"][m].copy_(k["w_h"][m], non_blocking=True)
+        k["ids_m"][m].copy_(k["ids_h_m"][m], non_blocking=True)
+        k["w_m"][m].copy_(k["w_h_m"][m], non_blocking=True)
 
     def _cpu_acc(self, m, d, cpu, assign, x_host) -> torch.Tensor:
         """CPU experts of the layer, on the host, summed with their weights (fp32, host tensor)."""
