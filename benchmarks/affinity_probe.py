@@ -1,0 +1,81 @@
+"""Does pinning the host thread to one core steady the lean engine's host? (issues 13 and 15)
+
+The host's own time per MoE layer differed up to 2x between runs of identical work on the H200
+(BENCHMARKS.md, sixth session), and calibrated host fields do not reproduce across machines. This
+runs the same policies alternately with the process free to use every core and pinned to one
+(`os.sched_setaffinity`), several times each, in one process over one built store, and reports
+each run's host time per MoE layer, its tokens/s, and the spread of each arm.
+
+    python benchmarks/affinity_probe.py --out $OUT/affinity.json --policies ondemand,oracle --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from executor_h200 import hbm_gbps  # noqa: E402
+from lean_h200 import decode_stats  # noqa: E402
+
+from cmoe.executor.run import ExecConfig, build, prepare, run_policy  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--policies", default="ondemand,oracle")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--pool", type=float, default=20.0)
+    ap.add_argument("--core", type=int, default=-1, help="the core to pin to (-1: the second of those allowed)")
+    a = ap.parse_args()
+    free = sorted(os.sched_getaffinity(0))
+    core = a.core if a.core >= 0 else free[min(1, len(free) - 1)]
+    pols = [p for p in a.policies.split(",") if p]
+    cfg = ExecConfig(policies=("upper", *pols), pool_gb=a.pool, batch=1, tokens=a.tokens, device="cuda")
+    w, cfg = prepare(spec_name="mixtral-8x7b", model_dir=None, trace_src="synthetic:mixtral-8x7b", data=None, cfg=cfg)
+    build(w, cfg)
+    hbm = hbm_gbps()
+    run_policy(w, replace(cfg, tokens=4), "upper")                 # warm-up
+    runs = []
+    for r in range(a.rounds):
+        for arm in ("free", "pinned"):
+            os.sched_setaffinity(0, {core} if arm == "pinned" else set(free))
+            for p in pols:
+                res = run_policy(w, cfg, p)
+                st = decode_stats(res, w.spec, hbm, 0.0)
+                runs.append({"round": r, "arm": arm, "policy": p, "tok_s": res.metrics["tokens_per_s"],
+                             "host_us_per_layer": st["host_work_us_per_layer"]})
+                print(f"round {r} {arm:<6} {p:<12} {res.metrics['tokens_per_s']:7.2f} tok/s "
+                      f"host {st['host_work_us_per_layer']:6.1f} us/layer", flush=True)
+                del res
+    os.sched_setaffinity(0, set(free))
+    summary = {}
+    for p in pols:
+        for arm in ("free", "pinned"):
+            h = [x["host_us_per_layer"] for x in runs if x["policy"] == p and x["arm"] == arm]
+            t = [x["tok_s"] for x in runs if x["policy"] == p and x["arm"] == arm]
+            summary[f"{p} {arm}"] = {"host_us_min": min(h), "host_us_max": max(h), "host_us_mean": float(np.mean(h)),
+                                     "tok_s_min": min(t), "tok_s_max": max(t),
+                                     "tok_s_spread_pct": (max(t) - min(t)) / float(np.mean(t)) * 100}
+            print(f"{p:<12} {arm:<6} host {min(h):6.1f}-{max(h):6.1f} us/layer, tok/s {min(t):.2f}-{max(t):.2f} "
+                  f"({summary[f'{p} {arm}']['tok_s_spread_pct']:.1f}%)", flush=True)
+    out = {"date": time.strftime("%Y-%m-%d"), "card": torch.cuda.get_device_name(), "cores": free, "pinned_to": core,
+           "tokens": a.tokens, "pool_gb": a.pool, "runs": runs, "summary": summary}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
