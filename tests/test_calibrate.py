@@ -49,8 +49,14 @@ def _synthetic(p, expert_bytes=93_585_408, params=3 * 4096 * 14336, resident=100
     }
 
 
+def _link(latency_us: float, gbps: float, sizes=(64 * 1024, 2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20, 256 * 2**20)):
+    """(bytes, GB/s) points of a link that takes latency + bytes / bandwidth."""
+    return tuple((b, b / (latency_us * 1e-6 + b / (gbps * GB)) / GB) for b in sizes)
+
+
 def test_fitting_recovers_the_parameters_it_was_made_from():
-    known = replace(H200, layer_fixed_us=1234.0, attn_us_per_token=7.5, cpu_expert_gbps=42.0,
+    link = _link(18.0, 55.0)
+    known = replace(H200, h2d_pinned=link, d2h_pinned=_link(22.0, 54.0), layer_fixed_us=1234.0, attn_us_per_token=7.5, cpu_expert_gbps=42.0,
                     expert_gbps=(("int4", 1500.0), ("bf16", 3100.0)), matmul_tflops=300.0, roundtrip_us=80.0,
                     hbm_gbps=4200.0,
                     pass_start_us=900.0, head_us=450.0, predict_layer_us=33.0, commit_route_us=41.0, launch_us=0.0,
@@ -62,6 +68,7 @@ def test_fitting_recovers_the_parameters_it_was_made_from():
     got = fit_profile("fit", _synthetic(known), known.gpu_mem_bytes, "test", "2026-11-29")
     for (b0, g0), (b1, g1) in zip(known.h2d_pinned, got.h2d_pinned):
         assert b0 == b1 and g1 == pytest.approx(g0)                    # the fast repeat wins
+    assert [g for _, g in got.d2h_pinned] == pytest.approx([g for _, g in known.d2h_pinned])
     for f in ("hbm_gbps", "matmul_tflops", "launch_us", "layer_fixed_us", "attn_us_per_token", "cpu_expert_gbps",
               "roundtrip_us", "h2d_pageable_gbps", "copy_compute_slowdown", "pass_start_us", "head_us",
               "predict_layer_us", "commit_route_us", "attn_us_per_ctx_token", "host_layer_us", "host_attn_us_per_token", "host_sync_us", "host_route_us",
@@ -74,6 +81,24 @@ def test_fitting_recovers_the_parameters_it_was_made_from():
     assert got.copy_fifo and got.launch_us == 0.0        # the executor's one copy stream; launching is the host's
     table = beside(got, _synthetic(known))
     assert "layer (non-expert), 8 tok" in table
+
+
+def test_large_copies_follow_one_line_so_a_slow_size_does_not_move_an_experts_copy():
+    """From 16 MiB up the link is latency plus bytes over bandwidth, through the smallest and the
+    largest copy: a 64 MiB size that ran 9% slow (as one H200 calibration's did) leaves a 93.6 MB
+    expert's copy where the link puts it; the small sizes keep their own measurements."""
+    from cmoe.calibrate.profile_fit import curve
+    lat, gbps, expert = 18e-6, 55.0, 93_585_408
+    sizes = [64 * 1024, 2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20, 256 * 2**20]
+    secs = {b: lat + b / (gbps * GB) for b in sizes}
+    secs[2**20] *= 1.3                                          # small sizes: kept as measured
+    slow = {**secs, 64 * 2**20: secs[64 * 2**20] * 1.09}
+    pts = [(b, s) for b, s in slow.items()] + [(b, 2 * s) for b, s in slow.items()]   # and a slower repeat
+    got = replace(H200, h2d_pinned=curve(pts))
+    assert got.h2d_us(expert) == pytest.approx((lat + expert / (gbps * GB)) * 1e6, rel=2e-3)
+    assert dict(got.h2d_pinned)[2**20] == pytest.approx(2**20 / secs[2**20] / GB)
+    interpolated = replace(H200, h2d_pinned=tuple((b, b / s / GB) for b, s in sorted(slow.items())))
+    assert interpolated.h2d_us(expert) > 1.03 * got.h2d_us(expert)   # what the size-by-size curve said
 
 
 def test_a_kernel_that_walks_the_cache_is_priced_per_key_of_the_longest_row():
