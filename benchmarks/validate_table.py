@@ -22,7 +22,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cmoe.core.hw import load_profile  # noqa: E402
-from cmoe.pipeline import predict  # noqa: E402
+from cmoe.pipeline import host_speed, predict  # noqa: E402
 from cmoe.core.spec import preset  # noqa: E402
 from cmoe.trace.load import load_trace  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
@@ -36,6 +36,10 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/cmoe-validate-table"))
     ap.add_argument("--profile", type=Path, default=None,
                     help="predict with this profile instead of the folder's (a diagnosis: say so beside its table)")
+    ap.add_argument("--host-adjust", action="store_true",
+                    help="also predict each configuration with the profile's host costs scaled by its runs' measured "
+                    "host speed (`cmoe.pipeline.host_speed`, the mean over the configuration's runs): a diagnosis of "
+                    "how much of an error the host's drift explains")
     a = ap.parse_args()
     res = json.loads((a.folder / "results.json").read_text())
     prof = load_profile(str(a.profile or a.folder / "profile.json"))
@@ -50,6 +54,15 @@ def main() -> None:
         predict(w, SimpleNamespace(policies=pols, pool_gb=pool, batch=b, slots=None, tokens=res["tokens"],
                                     include_prefill=True), prof, pred)
         runs = [validate_folders(pred, here / x, pols) for x in ("measured", "measured-2") if (here / x).is_dir()]
+        ratios = host_speed(runs, prof, b)
+        speed = sum(ratios) / len(ratios) if ratios else None
+        adjusted = {}
+        if a.host_adjust and speed:
+            pred2 = a.work / here.name / "predicted-host"
+            predict(w, SimpleNamespace(policies=pols, pool_gb=pool, batch=b, slots=None, tokens=res["tokens"],
+                                        include_prefill=True), prof.host_scaled(speed), pred2)
+            adj = [validate_folders(pred2, here / x, pols) for x in ("measured", "measured-2") if (here / x).is_dir()]
+            adjusted = {r["policy"]: r for r in against_repeats(adj)}
         for i, agg in enumerate(against_repeats(runs)):
             vs = [r[i] for r in runs]
             tpot_m = [v["per_token"]["meas_mean_us"] / 1e3 for v in vs]
@@ -60,7 +73,11 @@ def main() -> None:
                          "measured_tpot_ms": sum(tpot_m) / len(tpot_m),
                          "layer_mean_error_worst": agg["per_layer_mean_error_max"],
                          "layer_mape_mean": [v["per_layer_mape_mean"] for v in vs],
-                         "error_from": [v["error_from"] for v in vs]})
+                         "error_from": [v["error_from"] for v in vs],
+                         "host_speed": [v["host_layer_us"] / prof.host_layer(b) if v["host_layer_us"] else None
+                                        for v in vs]}
+                        | ({"host_adjusted_tok_s": adjusted[agg["policy"]]["predicted"],
+                            "host_adjusted_error": adjusted[agg["policy"]]["error"]} if adjusted else {}))
     summary = {k: res[k] for k in ("date", "card", "torch", "commit", "spec", "tokens")} | {
         "profile": prof.name, "rows": rows}
     write_text_atomic(a.out or a.folder / "summary.json", json.dumps(summary, indent=1))
@@ -68,16 +85,23 @@ def main() -> None:
 
 
 def table(rows: list[dict]) -> str:
+    adj = any("host_adjusted_tok_s" in r for r in rows)
     out = ["| pool GB (experts) | batch | policy | predicted tok/s | measured tok/s | error | runs' spread "
-           "| TPOT ms pred / meas | worst layer (mean time) | layer MAPE |",
-           "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "| TPOT ms pred / meas | worst layer (mean time) | layer MAPE | host, run / calibration |"
+           + (" predicted at the runs' host speed | error |" if adj else ""),
+           "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if adj else "")]
     for r in rows:
         meas = " / ".join(f"{x:.1f}" for x in r["measured_tok_s"])
         worst = " / ".join(f"{x * 100:+.0f}%" for x in r["layer_mean_error_worst"])
         mape = " / ".join(f"{x * 100:.0f}%" for x in r["layer_mape_mean"])
-        out.append(f"| {r['pool_gb']:g} ({r['experts_fit']}) | {r['batch']} | {r['policy']} | {r['predicted_tok_s']:.1f} "
-                   f"| {meas} | {r['error'] * 100:+.1f}% | {r['spread'] * 100:.0f}% "
-                   f"| {r['predicted_tpot_ms']:.1f} / {r['measured_tpot_ms']:.1f} | {worst} | {mape} |")
+        host = " / ".join(f"{x:.2f}x" if x else "-" for x in r["host_speed"])
+        line = (f"| {r['pool_gb']:g} ({r['experts_fit']}) | {r['batch']} | {r['policy']} | {r['predicted_tok_s']:.1f} "
+                f"| {meas} | {r['error'] * 100:+.1f}% | {r['spread'] * 100:.0f}% "
+                f"| {r['predicted_tpot_ms']:.1f} / {r['measured_tpot_ms']:.1f} | {worst} | {mape} | {host} |")
+        if adj:
+            line += (f" {r['host_adjusted_tok_s']:.1f} | {r['host_adjusted_error'] * 100:+.1f}% |"
+                     if "host_adjusted_tok_s" in r else " - | - |")
+        out.append(line)
     return "\n".join(out)
 
 

@@ -87,6 +87,7 @@ def _run_into(out: Path, final: Path, w, cfg, profile: str | None, model_dir: Pa
         echo(format_validation(v))
     doc: object = vals
     errors, spreads = [v["tokens_per_s"]["error"] for v in vals], None
+    every = [vals]
     if repeat > 1:                      # the same configuration again, policies in reverse order each time
         from cmoe.executor.run import run_policy
         from cmoe.analysis.validate import against_repeats, format_repeats
@@ -99,10 +100,26 @@ def _run_into(out: Path, final: Path, w, cfg, profile: str | None, model_dir: Pa
         echo(f"against the mean of {repeat} measured runs (the machine's own noise is the spread):\n"
              + format_repeats(rows))
         doc = {"runs": runs, "against_mean": rows}
+        every = runs
         errors, spreads = [r["error"] for r in rows], [r["spread"] for r in rows]
     from cmoe.calibrate.profile_fit import run_verdict
     write_text_atomic(out / "validation.json", json.dumps(doc, indent=1))
-    return summary_doc(w, cfg, sims, results, errors, run_verdict(cal, errors, spreads))
+    host = host_speed(every, prof, cfg.batch)
+    return summary_doc(w, cfg, sims, results, errors, run_verdict(cal, errors, spreads, host or None))
+
+
+def host_speed(runs: list[list[dict]], prof, batch: int) -> list[float]:
+    """Each measured run's host time per layer (`host_layer_us` of its validation) over the
+    profile's (`host_layer` at the batch): > 1, the host ran slower than when it was calibrated.
+    Only the policies whose host step is the one calibrate times (a read-back every layer): not
+    `upper`, which has no host step on the lean engine, nor the committing policies, which plan
+    behind their experts (on the H200, sixth session, `upper` ran at 0.39-1.36x its calibration
+    and `commit` at 1.02-4.11x, where the others ran at 0.58-2.62x)."""
+    from cmoe.policy.policies import trait
+    base = prof.host_layer(batch)
+    return [v["host_layer_us"] / base for r in runs for v in r
+            if v.get("host_layer_us") and base > 0 and not trait(v["policy"], "holds_all")
+            and not trait(v["policy"], "commits")]
 
 
 def summary_doc(w, cfg, sims, results, errors, noise: str) -> dict:

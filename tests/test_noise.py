@@ -108,3 +108,11 @@ def test_run_verdict():
     assert run_verdict(None, [0.2], None) == (
         "noise: error +20.0%; calibration not measured (a profile without its measurements); one run, its own spread "
         "not measured (--repeat 3 measures it): nothing here measured the machine's noise")
+    # the runs' host against the calibration's: within 20% it is named and the verdict stands; beyond,
+    # the errors of what the host bounds follow the host
+    assert run_verdict(quiet, [0.2], [0.03], [0.9, 1.15]).endswith(
+        "repeated runs spread up to 3.0%; the runs' host took 0.90-1.15x its calibrated time per layer: the errors "
+        "stand above the noise measured")
+    assert run_verdict(quiet, [-0.07], None, [0.55]).endswith(
+        "the runs' host took 0.55-0.55x its calibrated time per layer: the host ran at another speed than when it "
+        "was calibrated: where the host bounds a policy, its error follows the host, not the model")

@@ -135,3 +135,50 @@ def test_repeats_of_different_configurations_are_refused(runs):
     one = validate_folders(runs[0], runs[1])
     with pytest.raises(CmoeError, match="the measured folders hold different policies"):
         against_repeats([one, one + one])
+
+
+def test_host_speed_is_the_mean_attention_issue_after_the_first_layer():
+    """The run's host speed: its mean `host_attention` span over the decode passes asked for, the
+    first layer's (which carries the pass's start) left out; None without a host lane."""
+    from cmoe.analysis.validate import host_layer_us
+    from cmoe.core.timeline import Span
+    spans = [Span("gpu", 1, 0, "host", "host_attention", -1, 0.0, 300.0),      # the pass's start: left out
+             Span("gpu", 1, 1, "host", "host_attention", -1, 300.0, 310.0),
+             Span("gpu", 1, 2, "host", "host_attention", -1, 400.0, 414.0),
+             Span("gpu", 2, 1, "host", "host_attention", -1, 900.0, 906.0),
+             Span("gpu", 0, 1, "host", "host_attention", -1, 0.0, 99.0),      # prefill: not asked for
+             Span("gpu", 1, 1, "host", "host_route", -1, 310.0, 350.0),       # another step of the host
+             Span("gpu", 1, 1, "compute", "attention", -1, 300.0, 360.0)]
+    assert host_layer_us(spans, {1, 2}) == pytest.approx((10.0 + 14.0 + 6.0) / 3)
+    assert host_layer_us([s for s in spans if s.op != "host_attention"], {1, 2}) is None
+
+
+def test_a_host_k_times_slower_scales_the_hosts_costs_and_nothing_else():
+    from dataclasses import fields, replace
+    from cmoe.core.hw import H200, HOST_FIELDS, HOST_POINTS
+    p = replace(H200, host_layer_us=10.0, host_sync_us=20.0, pass_gap_us=100.0, commit_start_us=50.0,
+                host_route_points=((1, 30.0), (8, 40.0)), hbm_gbps=4000.0)
+    q = p.host_scaled(1.5)
+    assert (q.host_layer_us, q.host_sync_us, q.pass_gap_us, q.commit_start_us) == (15.0, 30.0, 150.0, 75.0)
+    assert q.host_route_points == ((1, 45.0), (8, 60.0)) and q.host_route(4) == pytest.approx(1.5 * p.host_route(4))
+    host = set(HOST_FIELDS) | set(HOST_POINTS)
+    for f in fields(p):
+        if f.name not in host:
+            assert getattr(q, f.name) == getattr(p, f.name), f.name
+    assert all(isinstance(getattr(p, f), float) for f in HOST_FIELDS)
+
+
+def test_host_speed_reads_the_policies_whose_host_step_calibrate_times():
+    """`upper` (no host step on the lean engine) and the committing policies (they plan behind their
+    experts) are left out of the host-speed ratio; the rest are each run's time over the profile's."""
+    from dataclasses import replace
+    from cmoe.core.hw import H200
+    from cmoe.pipeline import host_speed
+    prof = replace(H200, host_layer_points=((1, 10.0), (8, 20.0)))
+    runs = [[{"policy": "upper", "host_layer_us": 4.0}, {"policy": "ondemand", "host_layer_us": 15.0},
+             {"policy": "commit", "host_layer_us": 40.0}, {"policy": "commit-ahead", "host_layer_us": 40.0},
+             {"policy": "oracle", "host_layer_us": None}],
+            [{"policy": "ondemand", "host_layer_us": 5.0}, {"policy": "lru-prefetch", "host_layer_us": 12.0}]]
+    assert host_speed(runs, prof, 1) == [1.5, 0.5, 1.2]
+    assert host_speed(runs, prof, 8) == [0.75, 0.25, 0.6]
+    assert host_speed(runs, replace(H200, host_layer_points=(), host_layer_us=0.0), 1) == []

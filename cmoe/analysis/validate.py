@@ -118,6 +118,16 @@ def _components(run: Run, steps: set[int]) -> dict[str, float]:
             "pass": total / n}
 
 
+def host_layer_us(spans, steps: set[int]) -> float | None:
+    """How fast the run's host was: its mean time to issue one decoder layer's attention segment
+    (`host_attention`, the same span calibrate's `host_layer` is fitted to), layers after the
+    first (whose span carries the pass's start), over `steps`. None without a host lane."""
+    xs = [(s[LAYER], s[END] - s[START]) for s in spans if s[OP] == "host_attention" and s[STEP] in steps]
+    first = min((layer for layer, _ in xs), default=None)
+    xs = [x for layer, x in xs if layer != first]
+    return float(np.mean(xs)) if xs else None
+
+
 def validate(pred: Run, meas: Run) -> dict:
     check_same_setup(pred, meas)
     dp = {p["pass"]: p for p in pred.passes if p["decode"]}
@@ -156,7 +166,8 @@ def validate(pred: Run, meas: Run) -> dict:
             "per_layer_mape_max": float(np.max(layer_mape)) if layer_mape else float("nan"),
             "per_layer_mean_error_max": max((v["mean_error"] for v in layers.values() if v["n"]), key=abs,
                                             default=float("nan")),
-            "components_us": {"predicted": cp, "measured": cm, "difference": diffs}, "error_from": worst}
+            "components_us": {"predicted": cp, "measured": cm, "difference": diffs}, "error_from": worst,
+            "host_layer_us": host_layer_us(meas.spans, steps)}
 
 
 def format_validation(v: dict) -> str:

@@ -119,19 +119,30 @@ def verdict(n: Noise, strict: bool, measurements: str) -> str:
     return n.line()
 
 
-def run_verdict(cal: Noise | None, errors: list[float], run_spreads: list[float] | None) -> str:
+HOST_DRIFT = 0.2     # a run's host this much faster or slower per layer than calibrated has moved
+
+
+def run_verdict(cal: Noise | None, errors: list[float], run_spreads: list[float] | None,
+                host_speed: list[float] | None = None) -> str:
     """The line `cmoe run` prints beside its errors: how noisy the calibration (None: not measured
     here) and the repeated runs ((max - min) / mean of each policy's tokens/s; None: one run) were,
-    and whether the errors stand above that noise."""
+    how long the runs' host took per layer against the calibration (`host_speed`, each run's ratio;
+    the H200's host drifted 2x within minutes), and whether the errors stand above that noise."""
     lo, hi = min(errors), max(errors)
     err = f"error {lo * 100:+.1f}%" if len(errors) == 1 else f"errors {lo * 100:+.1f}% to {hi * 100:+.1f}%"
     parts = [err, "calibration not measured (a profile without its measurements)" if cal is None
              else f"calibration {cal.summary()}"]
     parts.append(f"repeated runs spread up to {max(run_spreads) * 100:.1f}%" if run_spreads
                  else "one run, its own spread not measured (--repeat 3 measures it)")
+    if host_speed:
+        parts.append(f"the runs' host took {min(host_speed):.2f}-{max(host_speed):.2f}x its calibrated time per layer")
+    drifted = bool(host_speed) and (max(host_speed) > 1 + HOST_DRIFT or min(host_speed) < 1 - HOST_DRIFT)
     worst = max(abs(e) for e in errors)
     if cal is not None and not cal.quiet:
         then = "recalibrate on a quiet machine before reading these errors"
+    elif drifted:
+        then = ("the host ran at another speed than when it was calibrated: where the host bounds a policy, "
+                "its error follows the host, not the model")
     elif run_spreads and max(run_spreads) >= worst:
         then = "the runs' own noise is as large as the errors, which say little about the model"
     elif run_spreads or cal is not None:

@@ -13,12 +13,20 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from cmoe.core.errors import CmoeError
 
 GB = 1e9
+
+
+# the profile's costs that are the host thread's (`HardwareProfile.host_scaled`)
+HOST_FIELDS = ("host_layer_us", "host_attn_us_per_token", "host_sync_us", "host_route_us", "host_route_us_per_token",
+               "host_expert_us", "host_expert_us_per_token", "host_expert_tail_us", "host_load_us",
+               "host_pass_start_us", "host_head_us", "pass_gap_us", "predict_layer_us", "commit_route_us",
+               "commit_start_us")
+HOST_POINTS = ("host_layer_points", "host_route_points", "host_expert_points")
 
 
 @dataclass(frozen=True)
@@ -186,6 +194,12 @@ class HardwareProfile:
         """Non-expert work of one decoder layer: fixed cost, weights read, per-token growth."""
         return self.layer_fixed_us + resident_bytes / (self.hbm_gbps * GB) * 1e6 \
             + self.attn_us_per_token * max(tokens - 1, 0)
+
+    def host_scaled(self, k: float) -> "HardwareProfile":
+        """This profile with every cost of the host thread k times as long (the GPU's, the link's and
+        the CPU experts' unchanged): a host that ran k times slower than when it was calibrated."""
+        pts = {f: tuple((x, y * k) for x, y in getattr(self, f)) for f in HOST_POINTS}
+        return replace(self, **{f: getattr(self, f) * k for f in HOST_FIELDS}, **pts)
 
     def host_layer(self, tokens: int) -> float:
         if self.host_layer_points:
