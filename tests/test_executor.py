@@ -487,8 +487,9 @@ def test_look_ahead_policies_replay_their_traces_predictions(checkpoints, tiny_t
 def test_live_look_ahead_comes_from_the_routers_on_the_state_at_hand(checkpoints, monkeypatch, engine):
     """A live run (no trace): at layer m's plan, `ahead[k]` is layer m+1+k's router applied to the
     hidden state that predicts layer m+1 (layer m's MLP input), computed before that plan, ranked
-    as the routes are; the pass's start gets the layers 0.. from the state before layer 0. In
-    prefill, which the policies run exactly, none is read back."""
+    as the routes are, and read back with layer m's own routes; the pass's start gets the layers
+    0.. from the state before layer 0. In prefill, which the policies run exactly, none is read
+    back."""
     from cmoe.executor.routes import Routes
     from cmoe.policy.policies import AdaptiveAhead
     events = []
@@ -507,8 +508,15 @@ def test_live_look_ahead_comes_from_the_routers_on_the_state_at_hand(checkpoints
     def spy_plan(self, m, needed, predicted_next, ahead=None):
         events.append(("plan", m, ahead))
         return plan(self, m, needed, predicted_next, ahead)
+    ahead = Routes._ahead
+
+    def spy_ahead(self, q, live):                    # layers q >= 1: from layer q-1's own read-back
+        if self.cur.decode and 0 < q < self.M:
+            events.append(("read back", q, getattr(self, "_rb_ahead", (None, None))[:2] == (self.cur.index, q)))
+        return ahead(self, q, live)
     monkeypatch.setattr(Routes, "_early_routers", spy_early)
     monkeypatch.setattr(AdaptiveAhead, "plan", spy_plan)
+    monkeypatch.setattr(Routes, "_ahead", spy_ahead)
     _, (r,) = run_exec(checkpoints["mixtral"], ["adaptive-ahead"], batch=1, tokens=4, engine=engine)
     M = len(r.layout.slots)
     plans = [i for i, ev in enumerate(events) if ev[0] == "plan"]
@@ -523,3 +531,4 @@ def test_live_look_ahead_comes_from_the_routers_on_the_state_at_hand(checkpoints
             checked += 1
     assert checked == 4 * (M - 1)
     assert any(len(e[2]) > 1 for e in events if e[0] == "early")
+    assert [e[2] for e in events if e[0] == "read back"] == [True] * (4 * (M - 1))

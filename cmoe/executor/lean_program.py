@@ -86,7 +86,7 @@ class Segments:
         if self.commit and self.cur.decode:
             parts.append(t["logits"][m].float().reshape(parts[0].shape[0], -1))
         if self.policy.uses_prediction and m + 1 < self.M:
-            parts += [t["pred"][m + 1][0].float(), t["pred"][m + 1][1].float()]
+            parts += [t["pred"][m + 1][0].float(), t["pred"][m + 1][1].float()] + self._deeper_parts(m + 1)
         return parts
 
     def _kernel(self, m: int, table: torch.Tensor, out_dtype=None) -> torch.Tensor:

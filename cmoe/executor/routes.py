@@ -60,10 +60,10 @@ class Routes:
         rows; a replay's from its trace, a live run's from the early routers. {} for the rest, and
         in prefill, where the policies read none (a live run would read them back for nothing).
 
-        A live run reads every distance back in one copy; on CUDA that copy is blocking and queued
-        after the layer's experts, so it waits for them, which takes commit-ahead's overlap away.
-        Not yet changed: the fix, one pinned read-back with the layer's own, needs a GPU to test;
-        replays, which the benchmarks run, read the trace's predictions and copy nothing."""
+        A live run reads the distances of layers q >= 1 from layer q-1's own read-back, where
+        `_deeper_parts` put them behind distance 1 (`_parse_routes` keeps where they start); layer
+        0's, at the pass's start, come back in one copy of their own. Replays, which the benchmarks
+        run, read the trace's predictions and copy nothing."""
         if self.policy.depth == 1 or not self.cur.decode:
             return {}
         r = self.cur.replay
@@ -73,7 +73,12 @@ class Routes:
         if not deep:
             return {"ahead": []}
         K = deep[0][0].shape[1]
-        host = torch.cat([t.float() for idx, w in deep for t in (idx, w)], 1).cpu().numpy()   # [N, 2K per distance]
+        got = getattr(self, "_rb_ahead", None)
+        if got is not None and got[:2] == (self.cur.index, q):          # layer q-1's read-back holds them
+            host = got[2][:, got[3]: got[3] + 2 * K * len(deep)]
+            assert host.shape[1] == 2 * K * len(deep), "the read-back lacks the look-ahead columns"
+        else:                                                          # layer 0's, at the pass's start
+            host = torch.cat([t.float() for idx, w in deep for t in (idx, w)], 1).cpu().numpy()   # [N, 2K a distance]
         out = []
         for k in range(len(deep)):
             rows, _ = _by_weight(host[:, 2 * K * k: 2 * K * k + K], host[:, 2 * K * k + K: 2 * K * (k + 1)])
@@ -105,7 +110,7 @@ class Routes:
             parts.append(self.logits[m].float().reshape(N, -1))
         nxt = self.pred_gpu[m + 1] if m + 1 < self.M else None
         if nxt is not None:
-            parts += [nxt[0].float(), nxt[1].float()]
+            parts += [nxt[0].float(), nxt[1].float()] + self._deeper_parts(m + 1)
         host = torch.cat(parts, 1).cpu().numpy()
         self.h_synced = self.clock.host()
         K2 = nxt[0].shape[1] if nxt is not None else 0
@@ -126,7 +131,17 @@ class Routes:
         if K2:
             prow = self._keep_prediction(m + 1, host[:, col:col + K2], host[:, col + K2:col + 2 * K2])
             predicted = list(ranked([prow[i] for i in live])[0])
+            self._rb_ahead = (self.cur.index, m + 1, host, col)       # `_ahead` reads the distances there
         return rows, wsorted, scores, needed, predicted
+
+    def _deeper_parts(self, q: int) -> list:
+        """A live decode pass's predictions of layers q+1.. (distances 2..) from the state that
+        predicts layer q, as read-back columns (idx, w per distance) behind distance 1's: one
+        copy with the layer's own read-back, where a copy of their own would queue on the compute
+        stream behind the layer's experts. Empty for replays (their trace holds them) and prefill."""
+        if self.policy.depth == 1 or not self.cur.decode or self.cur.replay is not None or q >= self.M:
+            return []
+        return [t.float() for idx, w in self._deep(q)[1:] for t in (idx, w)]
 
     def _assign(self, m, plan, rows, wsorted, scores, live, K) -> dict[int, list[tuple[int, float]]]:
         """expert -> [(row, weight)]: the routed experts with the router's weights, or, for commit
