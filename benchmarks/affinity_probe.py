@@ -2,9 +2,12 @@
 
 The host's own time per MoE layer differed up to 2x between runs of identical work on the H200
 (BENCHMARKS.md, sixth session), and calibrated host fields do not reproduce across machines. This
-runs the same policies alternately with the process free to use every core and pinned to one
-(`os.sched_setaffinity`), several times each, in one process over one built store, and reports
-each run's host time per MoE layer, its tokens/s, and the spread of each arm.
+runs the same policies alternately with the host thread free to use every core and pinned to one
+(`os.sched_setaffinity(0, ...)`, which on Linux sets the calling thread's mask: the thread that
+issues the work; threads started while it is pinned keep the one core), several times each, in
+one process over one built store, the arms' order swapped every round (the host drifts over
+minutes, so a fixed order would favour the arm that runs first), and reports each run's host
+time per MoE layer, its tokens/s, and the spread of each arm.
 
     python benchmarks/affinity_probe.py --out $OUT/affinity.json --policies ondemand,oracle --rounds 3
 """
@@ -50,7 +53,7 @@ def main() -> None:
     run_policy(w, replace(cfg, tokens=4), "upper")                 # warm-up
     runs = []
     for r in range(a.rounds):
-        for arm in ("free", "pinned"):
+        for arm in ("free", "pinned") if r % 2 == 0 else ("pinned", "free"):
             os.sched_setaffinity(0, {core} if arm == "pinned" else set(free))
             for p in pols:
                 res = run_policy(w, cfg, p)

@@ -74,8 +74,8 @@ def main() -> None:
                          "layer_mean_error_worst": agg["per_layer_mean_error_max"],
                          "layer_mape_mean": [v["per_layer_mape_mean"] for v in vs],
                          "error_from": [v["error_from"] for v in vs],
-                         "host_speed": [v["host_layer_us"] / prof.host_layer(b) if v["host_layer_us"] else None
-                                        for v in vs]}
+                         "host_speed": [v["host_layer_us"] / prof.host_layer(b)
+                                        if v["host_layer_us"] and prof.host_layer(b) > 0 else None for v in vs]}
                         | ({"host_adjusted_tok_s": adjusted[agg["policy"]]["predicted"],
                             "host_adjusted_error": adjusted[agg["policy"]]["error"]} if adjusted else {}))
     summary = {k: res[k] for k in ("date", "card", "torch", "commit", "spec", "tokens")} | {

@@ -148,9 +148,14 @@ def test_host_speed_is_the_mean_attention_issue_after_the_first_layer():
              Span("gpu", 2, 1, "host", "host_attention", -1, 900.0, 906.0),
              Span("gpu", 0, 1, "host", "host_attention", -1, 0.0, 99.0),      # prefill: not asked for
              Span("gpu", 1, 1, "host", "host_route", -1, 310.0, 350.0),       # another step of the host
-             Span("gpu", 1, 1, "compute", "attention", -1, 300.0, 360.0)]
-    assert host_layer_us(spans, {1, 2}) == pytest.approx((10.0 + 14.0 + 6.0) / 3)
+             Span("gpu", 1, 1, "compute", "attention", -1, 300.0, 360.0),
+             Span("gpu", 1, 3, "host", "host_predict", -1, 402.0, 407.0)]     # an eager early router: out
+    assert host_layer_us(spans, {1, 2}) == pytest.approx((10.0 + 9.0 + 6.0) / 3)
     assert host_layer_us([s for s in spans if s.op != "host_attention"], {1, 2}) is None
+    # MoE layers at decoder layers 1, 3 and 5 (a dense layer before each): a span covers two layers
+    dense = [Span("gpu", 1, d, "host", "host_attention", -1, 100.0 * d, 100.0 * d + x)
+             for d, x in ((1, 90.0), (3, 20.0), (5, 28.0))]
+    assert host_layer_us(dense, {1}) == pytest.approx((20.0 + 28.0) / 4)
 
 
 def test_a_host_k_times_slower_scales_the_hosts_costs_and_nothing_else():
@@ -165,6 +170,10 @@ def test_a_host_k_times_slower_scales_the_hosts_costs_and_nothing_else():
     for f in fields(p):
         if f.name not in host:
             assert getattr(q, f.name) == getattr(p, f.name), f.name
+    # the GPU's and the link's own costs, named here so that none can drift into HOST_FIELDS
+    assert not host & {"pass_start_us", "head_us", "readback_gpu_us", "predict_gpu_us", "commit_gpu_us",
+                       "commit_gpu_copy_us", "owa_gpu_us", "wave_count_us", "layer_fixed_us", "roundtrip_us",
+                       "h2d_pinned", "expert_rows_us", "attn_us_per_cache_key"}
     assert all(isinstance(getattr(p, f), float) for f in HOST_FIELDS)
 
 

@@ -119,13 +119,27 @@ def _components(run: Run, steps: set[int]) -> dict[str, float]:
 
 
 def host_layer_us(spans, steps: set[int]) -> float | None:
-    """How fast the run's host was: its mean time to issue one decoder layer's attention segment
-    (`host_attention`, the same span calibrate's `host_layer` is fitted to), layers after the
-    first (whose span carries the pass's start), over `steps`. None without a host lane."""
-    xs = [(s[LAYER], s[END] - s[START]) for s in spans if s[OP] == "host_attention" and s[STEP] in steps]
-    first = min((layer for layer, _ in xs), default=None)
-    xs = [x for layer, x in xs if layer != first]
-    return float(np.mean(xs)) if xs else None
+    """How fast the run's host was, per decoder layer, as calibrate's `host_layer` measures it: the
+    `host_attention` spans of `steps` (each covers its MoE layer and the dense layers before it)
+    less the `host_predict` spans inside them (an eager early router; calibrate's runs predict
+    nothing), over the decoder layers they cover, the first MoE layer's left out (its span carries
+    the pass's start). None without a host lane."""
+    att = sorted((s[START], s[END], s[LAYER]) for s in spans if s[OP] == "host_attention" and s[STEP] in steps)
+    if not att:
+        return None
+    pred = sorted((s[START], s[END]) for s in spans if s[OP] == "host_predict" and s[STEP] in steps)
+    p0 = np.array([a for a, _ in pred])
+    pdur = np.cumsum([0.0] + [b - a for a, b in pred])
+    layers = sorted({d for _, _, d in att})
+    covers = {d: d - prev for prev, d in zip(layers, layers[1:])}      # decoder layers since the last MoE one
+    busy = n = 0.0
+    for a, b, d in att:
+        if d == layers[0]:
+            continue
+        lo, hi = np.searchsorted(p0, a), np.searchsorted(p0, b)      # predict spans that start inside
+        busy += (b - a) - (pdur[hi] - pdur[lo])
+        n += covers[d]
+    return float(busy / n) if n else None
 
 
 def validate(pred: Run, meas: Run) -> dict:

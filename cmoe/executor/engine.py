@@ -126,6 +126,7 @@ class Engine(Routes):
         puts the replayed routes on the device)."""
 
     def close(self) -> None:
+        self._rb_ahead = None                          # the last read-back `_ahead` read (a pinned view)
         for h in self.handles:
             h.remove()
         for s in self.model.modules():

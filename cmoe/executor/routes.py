@@ -76,7 +76,9 @@ class Routes:
         got = getattr(self, "_rb_ahead", None)
         if got is not None and got[:2] == (self.cur.index, q):          # layer q-1's read-back holds them
             host = got[2][:, got[3]: got[3] + 2 * K * len(deep)]
-            assert host.shape[1] == 2 * K * len(deep), "the read-back lacks the look-ahead columns"
+            if host.shape[1] != 2 * K * len(deep):
+                raise RuntimeError(f"layer {q - 1}'s read-back holds {host.shape[1]} look-ahead columns, not "
+                                   f"{2 * K * len(deep)}: its parts and `_deeper_parts` disagree")
         else:                                                          # layer 0's, at the pass's start
             host = torch.cat([t.float() for idx, w in deep for t in (idx, w)], 1).cpu().numpy()   # [N, 2K a distance]
         out = []

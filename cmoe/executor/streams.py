@@ -123,8 +123,8 @@ class DevicePool:
         sp = src.data_ptr()
         ok = self._direct_ok.get(sp)
         if ok is None:
-            ok = self._direct_ok[sp] = bool(src.device.type == "cpu" and src.is_contiguous() and src.is_pinned()
-                                           and src.numel() * src.element_size() >= self._nbytes)
+            ok = self._direct_ok[sp] = bool(src.device.type == "cpu" and src.dtype == torch.uint8
+                                           and src.is_contiguous() and src.is_pinned() and src.numel() >= self._nbytes)
         if ok:
             rt.h2d(self._dst_ptr[m][slot], sp, self._nbytes, self._cp_handle)
         return ok
@@ -155,7 +155,7 @@ class _Runtime:
     _one: "_Runtime | None | bool" = False                      # False: not looked for yet
 
     def __init__(self, path: str):
-        lib = ctypes.CDLL(path)
+        lib = self._lib = ctypes.CDLL(path)
         f = lib.cudaMemcpyAsync
         f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         f.restype = ctypes.c_int
@@ -171,15 +171,25 @@ class _Runtime:
             cls._one = None
             try:
                 with open("/proc/self/maps") as f:
-                    paths = [ln.split()[-1] for ln in f if "libcudart.so" in ln]
+                    paths = [ln.split(None, 5)[-1].strip() for ln in f if "libcudart.so" in ln]
             except OSError:
                 paths = []
+            paths = [p for p in paths if not p.endswith("(deleted)")]
             if paths:
                 try:
-                    cls._one = cls(paths[0])
+                    rt = cls(paths[0])
+                    cls._one = rt if rt.matches_torch() else None
                 except (OSError, AttributeError):
                     cls._one = None
         return cls._one
+
+    def matches_torch(self) -> bool:
+        """The runtime's major version is the one torch was built with (a second CUDA runtime in the
+        process, loaded by another library, would have its own context state)."""
+        v = ctypes.c_int(0)
+        if self._lib.cudaRuntimeGetVersion(ctypes.byref(v)) != 0 or torch.version.cuda is None:
+            return False
+        return v.value // 1000 == int(torch.version.cuda.split(".")[0])
 
     def h2d(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         rc = self._memcpy(dst, src, nbytes, 1, stream)           # 1: cudaMemcpyHostToDevice
