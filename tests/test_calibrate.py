@@ -126,10 +126,15 @@ def test_cpu_calibration_gives_a_profile_the_simulator_runs(checkpoints, tiny_tr
     assert "measured" in r.output and "fitted" in r.output
     assert "H2D pageable 16 MiB" in r.output and "D2H pageable 64 KiB" in r.output      # curves across sizes
     m = json.loads(out.with_suffix(".measurements.json").read_text())
-    assert {"H2D pinned", "D2H pinned", "expert", "CPU expert", "round trip", "host, layer"} <= set(m["repeats"])
-    micro = {k: c for k, c in m["repeats"].items() if k not in ("expert in model", "host, layer")}  # those: runs' means
+    runs = ("host, layer", "host, route", "host, one expert")                # the two eager runs' means
+    assert {"H2D pinned", "D2H pinned", "expert", "CPU expert", "round trip", *runs} <= set(m["repeats"])
+    micro = {k: c for k, c in m["repeats"].items() if k not in ("expert in model", *runs)}
     assert all(len(ts) >= 3 for c in micro.values() for _, ts in c["points"])                # every repeat kept
-    assert len(m["noise"]["spread"]) == sum(len(c["points"]) for c in micro.values()) + 2  # + the host's 2 runs
+    host = [ts for k in runs for _, ts in m["repeats"][k]["points"]]
+    assert host and all(len(ts) == 2 for ts in host)
+    assert len(m["noise"]["spread"]) == sum(len(c["points"]) for c in micro.values()) + len(host)
+    route = next(x.split() for x in r.output.splitlines() if x.startswith("host, route, 1 tokens"))
+    assert route[-1].endswith("%")                                       # its two runs' spread, shown
     assert m["noise"]["verdict"] in r.output.splitlines()                                   # printed, one line
     assert ["what", "measured", "fitted", "spread"] in [x.split() for x in r.output.splitlines()]
     prof = load_profile(str(out))

@@ -5,7 +5,8 @@ one just built, or the preset cut to its first layers) under `upper`, `commit`, 
 sides are the same run. Means, not best-of: throughput pays for the slow passes too. The host's
 layer time of each of the two eager runs is kept under `repeats` ("host, layer"), so that the noise
 verdict (`cmoe.calibrate.noise.noise`) sees how far two runs of the same model disagree, and so is an
-expert kernel's mean time at batch 1 and 8 (it may not fall with rows).
+expert kernel's mean time at batch 1 and 8 (it may not fall with rows); the two runs' route and
+per-expert host times are kept there too, shown with their spread but not judged.
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ class _ModelRuns:
         self.L, self.M = spec.num_layers, spec.num_moe_layers
         self.gpu: dict[str, list] = {"points": [], "expert": [], "waves": [], "plain_points": [], "readback": []}
         self.host: dict[str, list] = {"layer": [], "route": [], "expert": [], "expert_span": [], "sync": [],
-                                      "layer_runs": [], "gaps": []}
+                                      "layer_runs": [], "route_runs": [], "expert_runs": [], "gaps": []}
         self.cpu_pts: list = []
         self.trips: list = []
         self.one: dict[str, float] = {}
@@ -258,10 +259,14 @@ def _measure_batch(r: _ModelRuns, batch: int) -> None:
     per_run = [_per_layer(e, ("host_attention",), r.first) for e in eager]
     host["layer_runs"].append([batch, [float(ne_r) / L / 1e6 for ne_r, _ in per_run]])
     h_ne, h_start = np.mean(per_run, axis=0)
-    h_route = np.mean([_per_layer(e, ("host_route",), None)[0] for e in eager])
+    routes = [_per_layer(e, ("host_route",), None)[0] for e in eager]
+    h_route = np.mean(routes)
+    experts = [_mean(e, "host_expert") for e in eager]
     host["layer"].append((batch, h_ne / L / 1e6))
     host["route"].append((batch, h_route / M / 1e6))
-    host["expert"].append((batch, np.mean([_mean(e, "host_expert") for e in eager])))
+    host["expert"].append((batch, np.mean(experts)))
+    host["route_runs"].append([batch, [float(x) / M / 1e6 for x in routes]])
+    host["expert_runs"].append([batch, [float(x) for x in experts]])
     # on a host-bound GPU an expert's compute span is the host's time between its two marks
     host["expert_span"].append((batch, np.mean([_mean(e, "expert") for e in eager])))
     host["sync"] += [_mean(e, "host_sync", np.median) for e in eager]
@@ -370,6 +375,12 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
                      | ({"pass_gap_s": gap} if gap is not None else {})},
            "waves": gpu["waves"], "commit_waves": r.one.get("commit_waves", []), "seconds": r.seconds,
            "repeats": {"host, layer": {"unit": "tokens", "grows": False, "points": host["layer_runs"]},
+                       # shown with their spread, not judged: on the H200 the host's own speed moved
+                       # 2x within minutes, which would call nearly every calibration noisy
+                       "host, route": {"unit": "tokens", "grows": False, "judged": False,
+                                       "points": host["route_runs"]},
+                       "host, one expert": {"unit": "tokens", "grows": False, "judged": False,
+                                            "points": host["expert_runs"]},
                        # one mean per batch: no spread, but 8 rows may not take less than 1
                        "expert in model": {"unit": "tokens", "grows": True,
                                            "points": [[t, [x]] for t, x in gpu["expert"]]}}}
