@@ -10,6 +10,9 @@
 #   bash benchmarks/gpu_session.sh validate   # issue 15: calibrate (4-layer cut, ~190 s), then measure the
 #                                             # GPU-only policies at pools 16/20/26, batches 1/2/4/8; the
 #                                             # tarballs under $OUT go to benchmarks/validate_table.py here
+#   bash benchmarks/gpu_session.sh validate-r 1,2,4   # the same with every configuration run twice (--repeat),
+#   bash benchmarks/gpu_session.sh validate-r 8       # in two calls: all four batches took over 450 s of runs
+#                                             # on the H200 (sixth session); each call calibrates again
 # Results go under $OUT (the device tool brings them back); carry .whl (simpy) with the call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +34,11 @@ case "${1:-}" in
               --tokens 32 --policies upper,ondemand,lru-prefetch,commit,oracle --measure-only \
               --commit "${COMMIT:-unknown}" 2>&1 | tee "$OUT/validate.log" | grep -v "^  " || true
             (cd /tmp/v && tar czf "$OUT/head.tgz" results.json profile.json profile.measurements.json \
-              && for b in 1 2 4 8; do ls -d pool*-b$b >/dev/null 2>&1 && tar czf "$OUT/meas-b$b.tgz" pool*-b$b; done) ;;
-  *) echo "usage: $0 tests|gptq|b1|b48|cpu48|validate" >&2; exit 2 ;;
+              && for b in 1 2 4 8; do ls -d pool*-b$b >/dev/null 2>&1 && tar czf "$OUT/meas-b$b.tgz" pool*-b$b; done; true) ;;
+  validate-r) timeout 560 python3 benchmarks/validate_h200.py --out /tmp/v --pools 16,20,26 --batches "${2:?batches}" \
+                --tokens 32 --policies upper,ondemand,lru-prefetch,commit,oracle --measure-only --repeat \
+                --commit "${COMMIT:-unknown}" 2>&1 | tee "$OUT/validate.log" | grep -v "^  " || true
+              (cd /tmp/v && tar czf "$OUT/head.tgz" results.json profile.json profile.measurements.json \
+                && for b in 1 2 4 8; do ls -d pool*-b$b >/dev/null 2>&1 && tar czf "$OUT/meas-b$b.tgz" pool*-b$b; done; true) ;;
+  *) echo "usage: $0 tests|gptq|b1|b48|cpu48|validate|validate-r BATCHES" >&2; exit 2 ;;
 esac
