@@ -20,6 +20,8 @@ the expert ran (on the GPU or the CPU), how often it was copied in, and how ofte
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
+
 from cmoe.core.timeline import END, EXPERT, LAYER, OP, START, STEP, STREAM
 
 PARTS = ("experts", "attention, router, head", "idle: copy in flight", "idle: CPU experts", "idle: host")
@@ -57,8 +59,17 @@ def _minus(iv: list[tuple[float, float]], cut: list[tuple[float, float]]) -> lis
     return out
 
 
-def _one_pass(spans: list, loads: list[tuple[float, float]], cpu: list[tuple[float, float]],
-              us: float | None) -> dict[str, float]:
+class _Sorted:
+    """Disjoint sorted intervals, cut to a window by bisection (a run's copies, read per pass)."""
+
+    def __init__(self, iv: list[tuple[float, float]]):
+        self.iv, self.starts, self.ends = iv, [a for a, _ in iv], [b for _, b in iv]
+
+    def within(self, lo: float, hi: float) -> list[tuple[float, float]]:
+        return self.iv[bisect_right(self.ends, lo): bisect_left(self.starts, hi)]
+
+
+def _one_pass(spans: list, loads: _Sorted, cpu: _Sorted, us: float | None) -> dict[str, float]:
     """Microseconds of each part in one pass's window (`spans`: that pass's spans; `us`: its latency)."""
     comp = [s for s in spans if s[STREAM] == "compute"]
     if not comp:
@@ -68,29 +79,28 @@ def _one_pass(spans: list, loads: list[tuple[float, float]], cpu: list[tuple[flo
     busy_exp = _union([(s[START], s[END]) for s in comp if s[OP] == "expert"])
     busy_other = _minus(_union([(s[START], s[END]) for s in comp if s[OP] != "expert"]), busy_exp)
     idle = _minus([(lo, hi)], _union(busy_exp + busy_other))
-    on_link = _minus(idle, _minus(idle, loads))                 # idle while a copy was in flight
-    rest = _minus(idle, loads)
-    on_cpu = _minus(rest, _minus(rest, cpu))
-    return {PARTS[0]: _length(busy_exp), PARTS[1]: _length(busy_other), PARTS[2]: _length(on_link),
-            PARTS[3]: _length(on_cpu), PARTS[4]: _length(_minus(rest, cpu))}
+    rest = _minus(idle, loads.within(lo, hi))                   # idle with no copy in flight
+    host = _minus(rest, cpu.within(lo, hi))                     # ... and no CPU expert either
+    return {PARTS[0]: _length(busy_exp), PARTS[1]: _length(busy_other), PARTS[2]: _length(idle) - _length(rest),
+            PARTS[3]: _length(rest) - _length(host), PARTS[4]: _length(host)}
 
 
 def pass_breakdown(spans: list, decode: set[int], latency: dict[int, float] | None = None) -> dict[str, float]:
     """Mean milliseconds per decode pass (`decode`: their indices) of each part of `PARTS`;
     `latency`: pass -> its latency in us (the window's length), if known."""
-    loads = _union([(s[START], s[END]) for s in spans if s[OP] == "load"])
-    cpu = _union([(s[START], s[END]) for s in spans if s[OP] in _CPU_OPS])
+    loads = _Sorted(_union([(s[START], s[END]) for s in spans if s[OP] == "load"]))
+    cpu = _Sorted(_union([(s[START], s[END]) for s in spans if s[OP] in _CPU_OPS]))
     by_pass: dict[int, list] = {}
     for s in spans:
         if s[STEP] in decode:
             by_pass.setdefault(s[STEP], []).append(s)
     tot = dict.fromkeys(PARTS, 0.0)
     n = 0
-    for k, ps in by_pass.items():
-        one = _one_pass(ps, loads, cpu, latency.get(k) if latency else None)
+    for step, ps in by_pass.items():
+        one = _one_pass(ps, loads, cpu, latency.get(step) if latency else None)
         n += bool(one)
-        for k, v in one.items():
-            tot[k] += v
+        for part, v in one.items():
+            tot[part] += v
     return {k: v / max(n, 1) / 1e3 for k, v in tot.items()}
 
 
