@@ -148,7 +148,7 @@ def run_report(folder: Path, max_spans: int, quality: Path | None = None) -> tup
 
 def compare_report(predicted: Path, measured: Path, max_spans: int) -> tuple[str, str]:
     from cmoe.report.figures import limit_spans, timeline_figure
-    pm, ps, _ = _read_run(predicted, COMPARE_METRICS)
+    pm, ps, ppasses = _read_run(predicted, COMPARE_METRICS)
     mm, ms, mpasses = _read_run(measured, COMPARE_METRICS)
     common = [m["policy"] for m in mm if m["policy"] in ps]
     if not common:
@@ -164,7 +164,7 @@ def compare_report(predicted: Path, measured: Path, max_spans: int) -> tuple[str
                      f"{a['tpot_ms_mean']:.2f}", f"{b['tpot_ms_mean']:.2f}"])
     blocks.append(_table(["policy", "predicted tok/s", "measured tok/s", "error", "predicted TPOT ms",
                           "measured TPOT ms"], rows))
-    blocks += _layer_block(predicted, measured, common, figs)
+    blocks += _layer_block((predicted, pm, ps, ppasses), (measured, mm, ms, mpasses), common, figs)
     for pol in common:
         pred, meas = _aligned(ps[pol], ms[pol])
         blocks.append(f"<h2>{html.escape(pol)}: time per decode pass by op</h2>")
@@ -177,14 +177,21 @@ def compare_report(predicted: Path, measured: Path, max_spans: int) -> tuple[str
     return f"{pm[0]['model']}: predicted against measured", "".join(blocks)
 
 
-def _layer_block(predicted: Path, measured: Path, policies: list[str], figs: Figures) -> list[str]:
-    """Each layer's mean time per decode pass, predicted against measured, as `cmoe validate` reads it."""
-    from cmoe.analysis.validate import read_run, validate
+def _layer_block(predicted: tuple, measured: tuple, policies: list[str], figs: Figures) -> list[str]:
+    """Each layer's mean time per decode pass, predicted against measured, as `cmoe validate` reads
+    it; from what `_read_run` read already (folder, metrics, spans, passes of each side)."""
+    from cmoe.analysis.validate import Run, read_run, validate
     from cmoe.report.charts import layer_scatter
+
+    def run(side, pol):
+        folder, metrics, spans, passes = side
+        if not passes.get(pol):
+            return read_run(folder, pol)                 # says in one line what is missing
+        return Run(folder, next(m for m in metrics if m["policy"] == pol), spans[pol], passes[pol])
     runs = []
     try:
         for pol in policies:
-            v = validate(read_run(predicted, pol), read_run(measured, pol))
+            v = validate(run(predicted, pol), run(measured, pol))
             runs.append((pol, [(int(m), e["pred_mean_us"] / 1e3, e["meas_mean_us"] / 1e3)
                                for m, e in v["per_layer"].items() if e["n"]]))
     except CmoeError as e:
