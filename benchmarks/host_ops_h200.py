@@ -16,10 +16,15 @@ import argparse
 import ctypes
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cmoe.executor.streams import _Runtime  # noqa: E402
 
 
 def _per_call(fn, n: int, setup=None) -> float:
@@ -35,16 +40,16 @@ def _per_call(fn, n: int, setup=None) -> float:
 
 
 def _cudart():
-    """The CUDA runtime torch loaded (from /proc/self/maps), or None."""
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        if "libcudart.so" in line:
-            lib = ctypes.CDLL(line.split()[-1])
-            lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                            ctypes.c_void_p]
-            lib.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-            lib.cudaStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
-            return lib, line.split()[-1]
-    return None, None
+    """The CUDA runtime torch loaded (the executor's own lookup, `_Runtime`), with the event calls
+    bound too; (None, None) where it is not found."""
+    rt = _Runtime.get()
+    if rt is None:
+        return None, None
+    lib = rt._lib
+    lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.cudaStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+    return lib, rt.path
 
 
 def main() -> None:

@@ -22,11 +22,11 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cmoe.core.hw import load_profile  # noqa: E402
-from cmoe.pipeline import host_speed, predict  # noqa: E402
+from cmoe.pipeline import host_ratio, host_speed, predict  # noqa: E402
 from cmoe.core.spec import preset  # noqa: E402
 from cmoe.trace.load import load_trace  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
-from cmoe.analysis.validate import against_repeats, validate_folders  # noqa: E402
+from cmoe.analysis.validate import against_repeats, read_run, validate  # noqa: E402
 
 
 def main() -> None:
@@ -53,7 +53,9 @@ def main() -> None:
         pred = a.work / here.name / "predicted"
         predict(w, SimpleNamespace(policies=pols, pool_gb=pool, batch=b, slots=None, tokens=res["tokens"],
                                     include_prefill=True), prof, pred)
-        runs = [validate_folders(pred, here / x, pols) for x in ("measured", "measured-2") if (here / x).is_dir()]
+        # each measured run read once, held against the prediction (and under --host-adjust the second)
+        measured = [[read_run(here / x, p) for p in pols] for x in ("measured", "measured-2") if (here / x).is_dir()]
+        runs = [[validate(read_run(pred, p), m) for p, m in zip(pols, ms)] for ms in measured]
         ratios = host_speed(runs, prof, b)
         speed = sum(ratios) / len(ratios) if ratios else None
         adjusted = {}
@@ -61,7 +63,7 @@ def main() -> None:
             pred2 = a.work / here.name / "predicted-host"
             predict(w, SimpleNamespace(policies=pols, pool_gb=pool, batch=b, slots=None, tokens=res["tokens"],
                                         include_prefill=True), prof.host_scaled(speed), pred2)
-            adj = [validate_folders(pred2, here / x, pols) for x in ("measured", "measured-2") if (here / x).is_dir()]
+            adj = [[validate(read_run(pred2, p), m) for p, m in zip(pols, ms)] for ms in measured]
             adjusted = {r["policy"]: r for r in against_repeats(adj)}
         for i, agg in enumerate(against_repeats(runs)):
             vs = [r[i] for r in runs]
@@ -74,8 +76,7 @@ def main() -> None:
                          "layer_mean_error_worst": agg["per_layer_mean_error_max"],
                          "layer_mape_mean": [v["per_layer_mape_mean"] for v in vs],
                          "error_from": [v["error_from"] for v in vs],
-                         "host_speed": [v["host_layer_us"] / prof.host_layer(b)
-                                        if v["host_layer_us"] and prof.host_layer(b) > 0 else None for v in vs]}
+                         "host_speed": [host_ratio(v, prof, b) for v in vs]}
                         | ({"host_adjusted_tok_s": adjusted[agg["policy"]]["predicted"],
                             "host_adjusted_error": adjusted[agg["policy"]]["error"]} if adjusted else {}))
     summary = {k: res[k] for k in ("date", "card", "torch", "commit", "spec", "tokens")} | {

@@ -87,11 +87,10 @@ def _run_into(out: Path, final: Path, w, cfg, profile: str | None, model_dir: Pa
         echo(format_validation(v))
     doc: object = vals
     errors, spreads = [v["tokens_per_s"]["error"] for v in vals], None
-    every = [vals]
+    runs = [vals]
     if repeat > 1:                      # the same configuration again, policies in reverse order each time
         from cmoe.executor.run import run_policy
         from cmoe.analysis.validate import against_repeats, format_repeats
-        runs = [vals]
         for k in range(2, repeat + 1):
             again = [run_policy(w, cfg, p) for p in reversed(cfg.policies)][::-1]
             write_exec(out / f"measured-{k}", again)
@@ -100,11 +99,10 @@ def _run_into(out: Path, final: Path, w, cfg, profile: str | None, model_dir: Pa
         echo(f"against the mean of {repeat} measured runs (the machine's own noise is the spread):\n"
              + format_repeats(rows))
         doc = {"runs": runs, "against_mean": rows}
-        every = runs
         errors, spreads = [r["error"] for r in rows], [r["spread"] for r in rows]
     from cmoe.calibrate.profile_fit import run_verdict
     write_text_atomic(out / "validation.json", json.dumps(doc, indent=1))
-    host = host_speed(every, prof, cfg.batch)
+    host = host_speed(runs, prof, cfg.batch)
     return summary_doc(w, cfg, sims, results, errors, run_verdict(cal, errors, spreads, host or None))
 
 
@@ -116,10 +114,15 @@ def host_speed(runs: list[list[dict]], prof, batch: int) -> list[float]:
     behind their experts (on the H200, sixth session, `upper` ran at 0.39-1.36x its calibration
     and `commit` at 1.02-4.11x, where the others ran at 0.58-2.62x)."""
     from cmoe.policy.policies import trait
+    return [x for r in runs for v in r if (x := host_ratio(v, prof, batch)) is not None
+            and not trait(v["policy"], "holds_all") and not trait(v["policy"], "commits")]
+
+
+def host_ratio(v: dict, prof, batch: int) -> float | None:
+    """One validation's (`cmoe.analysis.validate.validate`) host time per layer over the
+    profile's `host_layer` at the batch; None where either is missing."""
     base = prof.host_layer(batch)
-    return [v["host_layer_us"] / base for r in runs for v in r
-            if v.get("host_layer_us") and base > 0 and not trait(v["policy"], "holds_all")
-            and not trait(v["policy"], "commits")]
+    return v["host_layer_us"] / base if v.get("host_layer_us") and base > 0 else None
 
 
 def summary_doc(w, cfg, sims, results, errors, noise: str) -> dict:
