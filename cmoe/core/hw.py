@@ -195,6 +195,12 @@ class HardwareProfile:
         return self.layer_fixed_us + resident_bytes / (self.hbm_gbps * GB) * 1e6 \
             + self.attn_us_per_token * max(tokens - 1, 0)
 
+    @property
+    def pass_gap(self) -> float:
+        """`pass_gap_us` as both simulator engines read it: never more than the host's whole pass
+        start it is a part of."""
+        return min(self.pass_gap_us, self.host_pass_start_us)
+
     def host_scaled(self, k: float) -> "HardwareProfile":
         """This profile with every cost of the host thread k times as long (the GPU's, the link's and
         the CPU experts' unchanged): a host that ran k times slower than when it was calibrated."""

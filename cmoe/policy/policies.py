@@ -206,9 +206,12 @@ class Commit(Policy):
         self.committed: list[list[int] | None] = [None] * len(self.layout.slots)
 
     def commit(self, m: int, predicted: list[int]) -> list[Load]:
+        """Load the first `slots` predicted experts of layer m and commit to those that found a
+        slot: all of them for commit (it protects what it commits), fewer for commit-ahead when its
+        fetched experts fill the block (batch > 1)."""
         chosen = predicted[: self.layout.slots[m]]
         loads, _ = self.ensure(m, chosen, "commit", protect=set(chosen))
-        self.committed[m] = chosen
+        self.committed[m] = [e for e in chosen if self.pool.resident(m, e)]
         return loads
 
     def begin_pass(self, decode, pred0):
@@ -331,12 +334,6 @@ class AdaptiveAhead(Ahead, Adaptive):
 class CommitAhead(Ahead, Commit):
     """commit, looking `depth` layers ahead (`cmoe.policy.ahead`)."""
     name = "commit-ahead"
-
-    def commit(self, m, predicted):
-        """commit's, less what found no slot (a block full of fetched experts, at batch > 1)."""
-        loads = super().commit(m, predicted)
-        self.committed[m] = [e for e in self.committed[m] if self.pool.resident(m, e)]
-        return loads
 
     def begin_pass(self, decode, pred0, ahead=None):
         self._reset()

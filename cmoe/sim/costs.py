@@ -51,8 +51,6 @@ def routers(policy, num_layers: int) -> float:
     before layer 0, spread over the pass's layers; 0 for the rest."""
     if not policy.uses_prediction:
         return 0.0
-    if policy.depth == 1:
-        return 1.0
     M, d = num_layers, policy.depth
     return (sum(min(d, M - q) for q in range(1, M)) + min(d, M)) / max(M, 1)
 

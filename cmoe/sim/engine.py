@@ -241,7 +241,7 @@ class Simulation(ExpertSteps):
         yield from self._sync(H)
         self.pass_index = ps.index
         x = PassCosts(ps, self.run.at(ps.index), hw, self.c, pol.commits, self._predict_us)
-        last = H + min(hw.pass_gap_us, hw.host_pass_start_us)     # the pass's first mark, past the gap
+        last = H + hw.pass_gap     # the pass's first mark, past the gap
         H, G = self._op(H, G, hw.host_pass_start_us, hw.pass_start_us)
         if x.commit_decode:                        # layer 0's prediction is read back and planned before it runs
             H = max(H, G) + hw.host_sync_us + hw.commit_start_us

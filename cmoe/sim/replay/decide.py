@@ -31,8 +31,8 @@ def _commit(s, d, m, predicted, protect, placed):
     _mask(protect, chosen)
     _ensure(s, d, m, chosen, COMMIT_LOAD, protect, chosen[:0], placed, False)
     k = 0
-    for i in range(n):                   # commit-ahead: less what found no slot
-        if s.kind != COMMIT_AHEAD or s.stamp[m, chosen[i]] >= 0:
+    for i in range(n):                   # less what found no slot (commit-ahead's fetches, at batch > 1)
+        if s.stamp[m, chosen[i]] >= 0:
             s.committed[m, k] = chosen[i]
             k += 1
     s.ncommitted[m] = k
