@@ -69,12 +69,17 @@ def reuse_distance(oh: np.ndarray) -> np.ndarray:
     return out
 
 
+def load_share(oh: np.ndarray) -> np.ndarray:
+    """[M, E]: each expert's share of its layer's choices, from the one-hot routes [T, M, E]."""
+    load = oh.sum(0).astype(float)
+    return load / np.maximum(load.sum(1, keepdims=True), 1)
+
+
 def layer_stats(t: Trace) -> list[LayerStats]:
     s = t.spec
     E = s.num_experts
     oh = one_hot(t.experts, E)
-    load = oh.sum(0).astype(float)                                   # [M, E]
-    share = load / np.maximum(load.sum(1, keepdims=True), 1)
+    share = load_share(oh)
     with np.errstate(divide="ignore", invalid="ignore"):
         ent = -np.nansum(np.where(share > 0, share * np.log(share), 0.0), 1) / log(E)
     pairs = consecutive_pairs(t)
@@ -109,9 +114,9 @@ def summary(t: Trace, layers: list[LayerStats] | None = None) -> dict:
             "expert_bytes_per_token": float(sum(x.bytes_per_token for x in layers))}
 
 
-def format_table(t: Trace) -> str:
-    """The `cmoe stats` table as plain text."""
-    layers = layer_stats(t)
+def format_table(t: Trace, layers: list[LayerStats] | None = None) -> str:
+    """The `cmoe stats` table as plain text (`layers`: `layer_stats(t)`, if made already)."""
+    layers = layers or layer_stats(t)
     sm = summary(t, layers)
     head = f"{'layer':>5} {'max_load':>8} {'entropy':>7} {'rep_1st':>7} {'rep_any':>7} {'reuse':>6} {'pred_acc':>8} {'MB/token':>9}"
     rows = [f"{x.layer:>5} {x.max_load:>8.3f} {x.entropy:>7.3f} {x.rep_first:>7.3f} {x.rep_any:>7.3f} "
