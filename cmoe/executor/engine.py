@@ -229,7 +229,7 @@ class Engine(Routes):
     def _plan_experts(self, m, d, hidden, idx, weights, h_in) -> dict:
         """The read-back, the plan, each expert's row weights ([experts, N], on the device too),
         and the loads issued (those into a slot this layer still reads deferred)."""
-        live = [i for i in range(hidden.shape[0]) if self.cur.active[i]]
+        live = self._live()
         rows, wsorted, scores, needed, predicted = self._read_routes(m, idx, weights, live)
         self._span(d, "host", "host_sync", -1, h_in, self.h_synced)
         plan = self.policy.plan(m, needed, predicted, **self._ahead(m + 1, live))

@@ -74,7 +74,7 @@ class HostSteps:
         issued (those into a slot this layer still reads deferred to after its wave), the waves,
         and the CPU experts' input taken to the host. Returns what the launches need."""
         clock = self.clock
-        live = [i for i in range(self.t["x"][m].shape[0]) if self.cur.active[i]]
+        live = self._live()
         self._tick(None)
         host = self._read_back(m)
         self._tick("read-back wait")
@@ -173,7 +173,7 @@ class HostSteps:
         started = self._read_back_start(m)
         chosen = list(self.policy.committed[m])
         K = self.spec.top_k
-        live = [i for i in range(self.t["x"][m].shape[0]) if self.cur.active[i]]
+        live = self._live()
         self._write_candidates(m, chosen, live)
         slots = {e: self.policy.pool.slot_of(m, e) for e in chosen}
         self._set_table(m, slots, 0)

@@ -83,6 +83,7 @@ class DevicePool:
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         # the stream the kernels read on: the engine sets it when a pass starts (`Engine.run_pass`)
         self.compute = torch.cuda.current_stream(device) if self.cuda else None
+        self._rt = _Runtime.get() if self.cuda else None          # the runtime loads are copied with
         self._direct_ok: dict[int, bool] = {}                     # source address -> a direct copy is right
         self._cp_handle = self.copy_stream.cuda_stream if self.cuda else 0
         self._dst_ptr = [[r.data_ptr() for r in raw] for raw in self.raw]
@@ -117,7 +118,7 @@ class DevicePool:
         """Slot (m, slot) <- the expert's first bytes of `src`, by the runtime's cudaMemcpyAsync on
         the copy stream, when `src` is contiguous pinned host memory holding a whole expert (checked
         the first time each source address is met). False: not done, the caller copies."""
-        rt = _Runtime.get()
+        rt = self._rt
         if rt is None:
             return False
         sp = src.data_ptr()
