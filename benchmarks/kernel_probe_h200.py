@@ -6,8 +6,12 @@ that (BENCHMARKS.md). This probe times, in one run on the GPU:
 
 - `stream`: a kernel that reads exactly the bytes the w13 (or w2) kernel reads, in the same
   order and with the same grid (BN rows of the tiled layout's k-blocks, their (scale, zero)
-  words, from a pool slot), and only XORs them together, its k loop unrolled 1, 2 or 4 times:
-  the ceiling of that access pattern for each (BN, warps, split, unroll);
+  words, from a pool slot), and only XORs them together, its k loop unrolled 1 or 4 times and
+  given its own stages or not (`tl.range(num_stages=)`): a loop without a dot is pipelined only
+  when it names its stages (Triton's AssignLatencies; compiled for sm_90 on a CPU, the stream's PTX
+  has no cp.async without them and 36 with 2), while the kernel's loop, which has dots, is
+  pipelined at the launch's stages. So the pipelined stream is the ceiling of the access pattern
+  for each (BN, warps, split), and each row records its PTX's cp.async count;
 - the w13 and w2 kernels at M = 1, 2, 4, 8, 16 over tiles, warps, dequantizing or not and the
   unit loop unrolled 1, 2 or 4 times (`KernelConfig.unroll13`, `unroll2`);
 - per M, the committed configuration and the fastest w13 + w2 pair that is right (one expert and
@@ -46,9 +50,9 @@ H, FF, G = 4096, 14336, 128
 
 @triton.jit
 def _stream(pool_ptr, slot_bytes, table_ptr, out_ptr, w_off, sz_off, N, KB, UPS,
-            BN: tl.constexpr, W13: tl.constexpr, UNR: tl.constexpr):
+            BN: tl.constexpr, W13: tl.constexpr, UNR: tl.constexpr, STG: tl.constexpr = None):
     """The w13 (W13) or w2 kernel's reads for k-blocks [pid_k * UPS, ..) of BN rows, XORed; the
-    k loop unrolled UNR times."""
+    k loop unrolled UNR times and, with STG, given its own stages (its loads pipelined)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     slot = tl.load(table_ptr)
@@ -62,7 +66,7 @@ def _stream(pool_ptr, slot_bytes, table_ptr, out_ptr, w_off, sz_off, N, KB, UPS,
     sacc = tl.zeros((BN,), tl.int32)
     lo = pid_k * UPS
     hi = tl.minimum(KB, lo + UPS)
-    for kb in tl.range(lo, hi, loop_unroll_factor=UNR):
+    for kb in tl.range(lo, hi, num_stages=STG, loop_unroll_factor=UNR):
         blk = wp + kb * NR * 16
         acc ^= tl.load(blk + wrow)
         sacc ^= tl.load(sp + kb * NR + rn)
@@ -93,12 +97,26 @@ def _experts(lay, n: int, gen) -> torch.Tensor:
 
 
 def _candidates(base):
-    c13 = [replace(base, bn13=bn, warps13=w, stages13=3, deq=deq, unroll13=u)
-           for bn, w in ((16, 1), (32, 1), (32, 2), (32, 4), (64, 2), (64, 4)) for u in (1, 2, 4) for deq in (False, True)]
-    c2 = [replace(base, bn2=bn, warps2=w, split2=sp, stages2=3, deq2=deq, unroll2=u)
-          for bn, w, sp in ((32, 1, 16), (64, 1, 16), (64, 2, 16), (16, 1, 8), (32, 1, 8), (64, 2, 8), (128, 4, 16))
-          for u in (1, 2, 4) for deq in (False, True)]
+    """Tiles x warps x the unit loop's own stages (0: unset, as committed) x dequantizing or not."""
+    c13 = [replace(base, bn13=bn, warps13=w, stages13=3, deq=deq, unroll13=1, stg13=st)
+           for bn, w in ((16, 1), (32, 1), (32, 2), (32, 4), (64, 2), (64, 4)) for st in STAGES
+           for deq in (False, True)]
+    c2 = [replace(base, bn2=bn, warps2=w, split2=sp, stages2=3, deq2=deq, unroll2=1, stg2=st)
+          for bn, w, sp in ((32, 1, 16), (64, 1, 16), (64, 2, 16), (32, 1, 8), (64, 2, 8), (128, 4, 16))
+          for st in STAGES for deq in (False, True)]
     return c13, c2
+
+
+STAGES = (0, 4)        # the kernel's loop is already pipelined at the launch's 3 stages (its PTX)
+
+
+def _cp_async(k) -> int:
+    """cp.async copies in a compiled kernel's PTX: whether Triton pipelined its loads."""
+    try:
+        ptx = k.asm["ptx"]
+    except Exception:                                                    # noqa: BLE001
+        return -1
+    return ptx.count("cp.async.cg") + ptx.count("cp.async.ca")
 
 
 def _rel(a, b) -> float:
@@ -130,21 +148,22 @@ def main() -> None:
     res["bytes"] = {"w13": b13, "w2": b2, "expert": lay.nbytes}
     sink = torch.empty(64 * 2 * FF, dtype=torch.int32, device="cuda")
 
-    def stream_call(w13: bool, bn: int, warps: int, split: int, unr: int, t, warmup=False):
+    def stream_call(w13: bool, bn: int, warps: int, split: int, unr: int, stg, t, warmup=False):
         N, K_ = (FF, H) if w13 else (H, FF)
         kb = K_ // 128
         ups = triton.cdiv(kb, split)
         grid = (triton.cdiv(N, bn), triton.cdiv(kb, ups))
         a = (pool, sb, t, sink, lay.part("w13" if w13 else "w2").offset, lay.part("w13_sz" if w13 else "w2_sz").offset,
              N, kb, ups)
-        kw = dict(BN=bn, W13=w13, UNR=unr, num_warps=warps, num_stages=3)
+        kw = dict(BN=bn, W13=w13, UNR=unr, STG=stg, num_warps=warps, num_stages=3)
         if warmup:
             return _stream.warmup(*a, grid=grid, **kw)
         return _stream[grid](*a, **kw)
 
-    streams = [(True, bn, w, 1, u) for bn, w in ((16, 1), (32, 1), (32, 2), (32, 4), (64, 4), (64, 8)) for u in (1, 2, 4)]
-    streams += [(False, bn, w, sp, u) for bn, w, sp in ((16, 1, 4), (32, 1, 16), (64, 2, 16), (32, 1, 8))
-                for u in (1, 2, 4)]
+    streams = [(True, bn, w, 1, u, st) for bn, w in ((16, 1), (32, 1), (32, 2), (32, 4), (64, 4), (64, 8))
+               for u in (1, 4) for st in (None, 2, 3, 4, 6)]
+    streams += [(False, bn, w, sp, u, st) for bn, w, sp in ((16, 1, 4), (32, 1, 16), (64, 2, 16), (32, 1, 8))
+                for u in (1, 4) for st in (None, 2, 3, 4, 6)]
     c13, c2 = _candidates(pick_config(1))
     ms = [int(v) for v in args.ms.split(",")]
     data = {}
@@ -177,14 +196,15 @@ def main() -> None:
     for s in streams:
         us = graph_us([lambda t=t, s=s: stream_call(*s, t) for t in tables])
         rows.append({"what": "stream", "kernel": "w13" if s[0] else "w2", "bn": s[1], "warps": s[2], "split": s[3],
-                     "unroll": s[4], "us": us, "tbps": (b13 if s[0] else b2) / us / 1e6})
+                     "unroll": s[4], "stg": s[5], "us": us, "tbps": (b13 if s[0] else b2) / us / 1e6,
+                     "cp_async": _cp_async(stream_call(*s, tables[0]))})
     for M in ms:
         for kind, cands, call, nb in (("w13", c13, w13_call, b13), ("w2", c2, w2_call, b2)):
             for c in cands:
                 try:
                     us = graph_us([lambda t=t, c=c: call(M, c, t) for t in tables])
                     k = call(M, c, tables[0])
-                    regs = {"regs": k.n_regs, "spills": k.n_spills}
+                    regs = {"regs": k.n_regs, "spills": k.n_spills, "cp_async": _cp_async(k)}
                 except Exception as err:                                  # noqa: BLE001
                     print("failed", kind, c, repr(err)[:160], flush=True)
                     continue
@@ -214,9 +234,9 @@ def main() -> None:
         for a in r13[:3]:
             for b in r2[:3]:
                 picks.append(("best", replace(committed, bn13=a["bn13"], warps13=a["warps13"], stages13=a["stages13"],
-                                              deq=a["deq"], unroll13=a["unroll13"], bn2=b["bn2"], warps2=b["warps2"],
-                                              split2=b["split2"], stages2=b["stages2"], deq2=b["deq2"],
-                                              unroll2=b["unroll2"])))
+                                              deq=a["deq"], unroll13=a["unroll13"], stg13=a["stg13"], bn2=b["bn2"],
+                                              warps2=b["warps2"], split2=b["split2"], stages2=b["stages2"],
+                                              deq2=b["deq2"], unroll2=b["unroll2"], stg2=b["stg2"])))
         done_best = False
         for tag, cfg in picks:
             if tag == "best" and done_best:
@@ -245,14 +265,22 @@ def main() -> None:
     tmp.rename(out / "kernel_probe.json")
     for kind in ("w13", "w2"):
         sel = sorted((r for r in rows if r["what"] == "stream" and r["kernel"] == kind), key=lambda r: r["us"])
-        print(f"--- stream {kind}:", [(r["bn"], r["warps"], r["split"], r["unroll"], round(r["tbps"], 2)) for r in sel[:8]])
+        print(f"--- stream {kind}:", [(r["bn"], r["warps"], r["split"], r["unroll"], r["stg"], r["cp_async"],
+                                       round(r["tbps"], 2)) for r in sel[:8]])
     for M in ms:
         for kind in ("w13", "w2"):
             sel = sorted((r for r in rows if r["what"] == "kernel" and r["kernel"] == kind and r.get("M") == M),
                          key=lambda r: r["us"])
             print(f"--- M={M} {kind}:", [(r[f"bn{kind[1:]}"], r[f"warps{kind[1:]}"], r.get("split2"),
-                                          r[f"unroll{kind[1:]}"], r["deq" if kind == "w13" else "deq2"],
-                                          round(r["us"], 1), round(r["tbps"], 2), r["spills"]) for r in sel[:5]])
+                                          r[f"stg{kind[1:]}"], r["deq" if kind == "w13" else "deq2"],
+                                          round(r["us"], 1), round(r["tbps"], 2), r["spills"], r["cp_async"])
+                                         for r in sel[:5]])
+            com = pick_config(M)
+            mine = [r for r in sel if all(r[f] == getattr(com, f) for f in
+                                          ((f"bn{kind[1:]}", f"warps{kind[1:]}", f"stg{kind[1:]}",
+                                            "deq" if kind == "w13" else "deq2") + (("split2",) if kind == "w2" else ())))]
+            if mine:
+                print(f"    committed-like: {round(mine[0]['us'], 1)} us, cp.async {mine[0]['cp_async']}")
     print(f"took {res['seconds']:.0f} s")
 
 

@@ -138,8 +138,8 @@ def test_split13_matches_the_reference_and_the_unsplit_h(g, H, Fd, split13):
 @needs_cuda
 def test_row_chunks_split_k_and_skipped_experts():
     """More rows per expert than a CTA's row block (several chunks), splits the units do not
-    divide (w2 and w13), unrolled unit loops, an expert whose slot is -1 and padding ids -1: all as
-    the reference."""
+    divide (w2 and w13), unrolled unit loops, unit loops with their own stages, an expert whose slot
+    is -1 and padding ids -1: all as the reference."""
     from cmoe.executor.kernels_triton import KernelConfig
     gen = torch.Generator(device="cuda").manual_seed(5)
     g, H, Fd, E, S, k, M = 64, 448, 640, 4, 6, 2, 50          # w13: 3 units + a 64 tail
@@ -157,7 +157,11 @@ def test_row_chunks_split_k_and_skipped_experts():
                 # the unit loop unrolled: 2 and 4 do not divide w13's 3 units, 3 not w2's 5
                 KernelConfig(16, 32, 2, 3, 64, 1, 1, 3, deq=False, deq2=False, unroll13=2, unroll2=3),
                 KernelConfig(16, 16, 1, 3, 32, 2, 1, 2, unroll13=4, unroll2=2),
-                KernelConfig(16, 32, 2, 3, 64, 3, 1, 3, deq=False, deq2=True, split13=2, unroll13=2, unroll2=4)):
+                KernelConfig(16, 32, 2, 3, 64, 3, 1, 3, deq=False, deq2=True, split13=2, unroll13=2, unroll2=4),
+                # the unit loop's own stages (its loads pipelined): 2 to 4, with a split and an unroll
+                KernelConfig(16, 32, 2, 3, 64, 3, 1, 3, deq=False, deq2=False, stg13=3, stg2=4),
+                KernelConfig(16, 32, 2, 3, 64, 7, 1, 3, deq=True, deq2=True, stg13=2, stg2=2, split13=2),
+                KernelConfig(16, 16, 1, 3, 32, 2, 1, 2, stg13=4, stg2=3, unroll13=2)):
         got = moe_forward(x, ids, wts, table, pool, lay, config=cfg, out_dtype=torch.float32)
         ref = moe_reference(x, ids, wts, table, pool, lay, out_dtype=torch.float32)
         assert _rel(got, ref) < (5e-3 if not cfg.deq else 1e-2), cfg

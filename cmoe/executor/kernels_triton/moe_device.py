@@ -56,12 +56,33 @@ def _block(acc_g, acc_u, a_g, a_u, xs, blk, kb, N, wrow, wmask, xrow, rk, mrow, 
 
 
 @triton.jit
+def _unit(acc_g, acc_u, a_g, a_u, xs, sg0, sg1, sg2, sg3, su0, su1, su2, su3, u, u_hi, wp, sp, NR, N, rn, mn,
+          wrow, wmask, xrow, rk, mrow, ones, zero, BPU: tl.constexpr, PPG: tl.constexpr, GPU: tl.constexpr,
+          IS_W13: tl.constexpr, ASM: tl.constexpr, DEQ: tl.constexpr, ZP: tl.constexpr):
+    """k-unit u, whose (scale, zero) pairs were loaded one unit ahead: the accumulators after it and
+    the next unit's pairs."""
+    cg0, cg1, cg2, cg3, cu0, cu1, cu2, cu3 = sg0, sg1, sg2, sg3, su0, su1, su2, su3
+    sg0, sg1, sg2, sg3, su0, su1, su2, su3 = _ldsz(sp, (u + 1) * GPU, NR, N, rn, mn & (u + 1 < u_hi), GPU, IS_W13)
+    for b in tl.static_range(BPU):
+        kb = u * BPU + b
+        blk = wp + kb * NR * 16
+        acc_g, acc_u, a_g, a_u, xs = _block(acc_g, acc_u, a_g, a_u, xs, blk, kb, N, wrow, wmask, xrow, rk,
+                                            mrow, ones, zero, cg0, cg1, cg2, cg3, cu0, cu1, cu2, cu3,
+                                            b, PPG, IS_W13, ASM, DEQ, ZP)
+    return acc_g, acc_u, a_g, a_u, xs, sg0, sg1, sg2, sg3, su0, su1, su2, su3
+
+
+@triton.jit
 def _units(wp, sp, NR, N, K, pid_k, UPS, rn, mn, wrow, wmask, xrow, rk, mrow, ones, zero,
            U: tl.constexpr, BPU: tl.constexpr, PPG: tl.constexpr, GPU: tl.constexpr,
-           IS_W13: tl.constexpr, ASM: tl.constexpr, DEQ: tl.constexpr, ZP: tl.constexpr, UNR: tl.constexpr):
+           IS_W13: tl.constexpr, ASM: tl.constexpr, DEQ: tl.constexpr, ZP: tl.constexpr, UNR: tl.constexpr,
+           STG: tl.constexpr):
     """The whole k-units of split pid_k (UPS units a split): the accumulators (acc_g, acc_u, and
     without DEQ the open group's a_g, a_u, xs) after them, from zero. UNR > 1 unrolls the unit loop
-    that many times, so that the weight loads of UNR units are issued before the first is used."""
+    that many times, so that the weight loads of UNR units are issued before the first is used.
+    STG (None: Triton's choice) sets the loop's own `num_stages`: Triton pipelines the loads of a
+    loop (cp.async into shared memory, STG - 1 units ahead) when the loop names its stages, which
+    keeps more bytes in flight per CTA without holding them in registers."""
     acc_g = zero
     acc_u = zero
     a_g = zero
@@ -72,16 +93,10 @@ def _units(wp, sp, NR, N, K, pid_k, UPS, rn, mn, wrow, wmask, xrow, rk, mrow, on
     u_hi = tl.minimum(n_units, u_lo + UPS)
     # the scales of the next unit are loaded one unit ahead (their latency hides behind a unit)
     sg0, sg1, sg2, sg3, su0, su1, su2, su3 = _ldsz(sp, u_lo * GPU, NR, N, rn, mn & (u_lo < u_hi), GPU, IS_W13)
-    for u in tl.range(u_lo, u_hi, loop_unroll_factor=UNR):
-        cg0, cg1, cg2, cg3, cu0, cu1, cu2, cu3 = sg0, sg1, sg2, sg3, su0, su1, su2, su3
-        sg0, sg1, sg2, sg3, su0, su1, su2, su3 = _ldsz(sp, (u + 1) * GPU, NR, N, rn, mn & (u + 1 < u_hi),
-                                                       GPU, IS_W13)
-        for b in tl.static_range(BPU):
-            kb = u * BPU + b
-            blk = wp + kb * NR * 16
-            acc_g, acc_u, a_g, a_u, xs = _block(acc_g, acc_u, a_g, a_u, xs, blk, kb, N, wrow, wmask, xrow, rk,
-                                                mrow, ones, zero, cg0, cg1, cg2, cg3, cu0, cu1, cu2, cu3,
-                                                b, PPG, IS_W13, ASM, DEQ, ZP)
+    for u in tl.range(u_lo, u_hi, num_stages=STG, loop_unroll_factor=UNR):
+        acc_g, acc_u, a_g, a_u, xs, sg0, sg1, sg2, sg3, su0, su1, su2, su3 = _unit(
+            acc_g, acc_u, a_g, a_u, xs, sg0, sg1, sg2, sg3, su0, su1, su2, su3, u, u_hi, wp, sp, NR, N, rn, mn,
+            wrow, wmask, xrow, rk, mrow, ones, zero, BPU, PPG, GPU, IS_W13, ASM, DEQ, ZP)
     return acc_g, acc_u, a_g, a_u, xs
 
 
@@ -203,7 +218,7 @@ def _expert_mm(x_ptr, stride_x, pool_ptr, slot_bytes, table_ptr, E,
                out_ptr, stride_o, w_off, sz_off, N, K, TOPK, NCH, UPS, SPLIT, part_ptr, stride_ps,
                G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, IS_W13: tl.constexpr,
                ASM: tl.constexpr, DEQ: tl.constexpr, T64: tl.constexpr, T32: tl.constexpr,
-               SPLIT13: tl.constexpr, ZP: tl.constexpr, UNR: tl.constexpr = 1):
+               SPLIT13: tl.constexpr, ZP: tl.constexpr, UNR: tl.constexpr = 1, STG: tl.constexpr = None):
     """One CTA: BN weight rows of its segment's expert (gate and up rows with IS_W13) times the
     segment's chunk of BM rows, over split pid_k of K (see `moe.py`)."""
     pid_n = tl.program_id(0)
@@ -247,7 +262,7 @@ def _expert_mm(x_ptr, stride_x, pool_ptr, slot_bytes, table_ptr, E,
     PPG: tl.constexpr = G // 16                     # planes per group
     GPU: tl.constexpr = U // G                      # groups per unit (1, 2 or 4)
     acc_g, acc_u, a_g, a_u, xs = _units(wp, sp, NR, N, K, pid_k, UPS, rn, mn, wrow, wmask, xrow, rk, mrow, ones,
-                                        zero, U, BPU, PPG, GPU, IS_W13, ASM, DEQ, ZP, UNR)
+                                        zero, U, BPU, PPG, GPU, IS_W13, ASM, DEQ, ZP, UNR, STG)
     acc_g, acc_u = _tail(acc_g, acc_u, a_g, a_u, xs, base, w_off, sp, NR, N, K, pid_k, SPLIT, rn, mn, wrow, wmask,
                          xrow, rk, mrow, ones, zero, G, PPG, IS_W13, DEQ, T64, T32, ZP)
     _store(acc_g, acc_u, pos, pair, rn, mn, mrow, out_ptr, stride_o, wt_ptr, part_ptr, stride_ps, pid_k, N, TOPK,
