@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cmoe.executor.streams import _Runtime  # noqa: E402
+from cmoe.executor.cuda_rt import Runtime  # noqa: E402
 
 
 def _per_call(fn, n: int, setup=None) -> float:
@@ -40,9 +40,9 @@ def _per_call(fn, n: int, setup=None) -> float:
 
 
 def _cudart():
-    """The CUDA runtime torch loaded (the executor's own lookup, `_Runtime`), with the event calls
-    bound too; (None, None) where it is not found."""
-    rt = _Runtime.get()
+    """The CUDA runtime torch loaded (the executor's own lookup, `cuda_rt.Runtime`), its library with
+    the calls bound again as the first measurements did; (None, None) where it is not found."""
+    rt = Runtime.get()
     if rt is None:
         return None, None
     lib = rt._lib

@@ -85,9 +85,10 @@ def test_loads_go_through_the_runtime_and_land_byte_for_byte():
     stream switch cost the host ~18 us more a load): the slot then holds the source's bytes, and a
     kernel queued behind the slot's ready event reads them."""
     from cmoe.executor.layout import expert_layout
-    from cmoe.executor.streams import Clock, DevicePool, _Runtime
+    from cmoe.executor.cuda_rt import Runtime
+    from cmoe.executor.streams import Clock, DevicePool
     from cmoe.policy.pool import PoolLayout
-    assert _Runtime.get() is not None, "the CUDA runtime torch loaded was not found: loads fall back to torch"
+    assert Runtime.get() is not None, "the CUDA runtime torch loaded was not found: loads fall back to torch"
     dev = torch.device("cuda")
     ex = expert_layout("w4g32", 64, 96)
     layout = PoolLayout((ex.nbytes, ex.nbytes), (2, 2), 4 * ex.nbytes)

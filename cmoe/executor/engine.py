@@ -70,8 +70,8 @@ class Engine(Routes):
             # whichever policy ran first look ~1.8x slower. Flash/efficient kernels need no plans.
             torch.backends.cuda.enable_cudnn_sdp(False)
         self.M = spec.num_moe_layers
-        self.pool = DevicePool(policy.layout, store.layout, device, views=store.packing != "tiled")
-        self.clock = Clock(device)
+        self.clock = Clock(device)                     # on CUDA: the runtime's events, or torch's without it
+        self.pool = DevicePool(policy.layout, store.layout, device, views=store.packing != "tiled", rt=self.clock.rt)
         self.cs = self.pool.compute                    # the compute stream, looked up once a pass (run_pass)
         self.record_plans = record_plans
         self.log = RunLog()
@@ -320,7 +320,7 @@ class Engine(Routes):
         steps (`self.cs`) and for the pool's waits and read marks."""
         if not self.cuda:
             return None
-        self.cs = self.pool.compute = torch.cuda.current_stream(self.device)
+        self.cs = self.pool.use_compute(torch.cuda.current_stream(self.device))
         return self.cs
 
     def run_pass(self, p: PassInput, cache) -> torch.Tensor:
@@ -374,6 +374,8 @@ class Engine(Routes):
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self._resolve(final=True)
+        self.pool.settle()
+        self.clock.close()
         self.log.spans.sort(key=lambda s: (s[START], s[END], s[STREAM]))
         return self.log
 

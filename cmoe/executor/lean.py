@@ -271,7 +271,7 @@ class LeanEngine(HostSteps, Segments, Engine):
         pass, which the GPU spent idle before the next pass (the fourth H200 validation)."""
         for p, start, end, idx, marks, copied in self._books:
             if self.cuda:
-                end.synchronize()
+                self.clock.wait(end)
                 if copied is not None:
                     copied.synchronize()
             if self.silent:

@@ -2,45 +2,73 @@
 with its copy stream.
 
 On CUDA a mark is a timing event recorded on a stream (read back once the pass is over, so
-measuring never stalls the pipeline), and ordering uses one persistent event pair per slot:
-`ready` (recorded on the copy stream after a load) and `read` (recorded on the compute stream
-after the last kernel that read the slot). A load waits for `read` before overwriting; a kernel
-waits for `ready` before reading. On the CPU everything is synchronous: marks are
-`perf_counter` readings and waits are no-ops, so the same engine code runs in the tests.
-Host-side spans (CPU experts, round trips) are placed on the device clock through the offset
-taken when the clock started, right after a full synchronisation.
+measuring never stalls the pipeline), and ordering goes through one event per slot and
+direction: `ready` (a load's end mark, on the copy stream) and `read` (the end mark of the last
+launch that read the slot, or the slot's own event recorded after a kernel, on the compute
+stream). A load waits for `read` before overwriting; a kernel waits for `ready` before reading.
+On the CPU everything is synchronous: marks are `perf_counter` readings and waits are no-ops, so
+the same engine code runs in the tests. Host-side spans (CPU experts, round trips) are placed on
+the device clock through the offset taken when the clock started, right after a full
+synchronisation.
 
-The host's cost of a load is on every loading policy's critical path, so a load makes as few
-calls as it can. Measured on the H200's host (`benchmarks/host_ops_h200.py`, median per call):
-torch's `copy_` of an expert's 91 MB pinned slice costs 9.7 us and entering the copy stream's
-context 8.8 us, where the CUDA runtime's own `cudaMemcpyAsync` on that stream costs 2.6 us;
-`torch.cuda.current_stream()` costs 4.7 us. So a load calls the runtime torch loaded directly
-(`_Runtime`; the pinned store outlives every copy, so torch's pinned-memory bookkeeping has
-nothing to track), and the compute stream is looked up once per pass (`DevicePool.compute`),
-not per read. Where the runtime is not found (not Linux, a static build), loads go through
-torch as before.
+The host's cost of every call here is on a loading policy's critical path (issue 13), so the
+calls go to the CUDA runtime torch loaded, through ctypes (`cmoe.executor.cuda_rt`). Measured on
+the H200's host (`benchmarks/host_ops_h200.py`, median per call): a new torch timing event and
+its `record` 3.09 us against the runtime's `cudaEventRecord` 0.84 us on an event made ahead
+(`cuda_rt.Marks`); `cudaStreamWaitEvent` 0.83 us; torch's `copy_` of an expert's 91 MB pinned
+slice 9.7 us and entering the copy stream's context 8.8 us, where `cudaMemcpyAsync` on that
+stream costs 2.6 us (the pinned store outlives every copy, so torch's pinned-memory bookkeeping
+has nothing to track); `torch.cuda.current_stream()` 4.7 us, so the compute stream is looked up
+once per pass (`DevicePool.use_compute`), not per read. A mark whose time has been read gives
+its event back, and a wait for it is skipped: it has happened. Where the runtime is not found
+(not Linux, a static build), everything goes through torch as before (`Clock.calls` says which).
 """
 
 from __future__ import annotations
 
-import ctypes
 import time
 
 import torch
 
+from cmoe.executor.cuda_rt import DISABLE_TIMING, H2D, Mark, Marks, Runtime
 from cmoe.executor.kernels import ExpertViews
 from cmoe.executor.layout import ExpertLayout
 from cmoe.policy.pool import PoolLayout
 
+# timing marks a pass makes per MoE layer, for the events made before timing (`Clock.reserve`): a
+# loading policy's layer makes five (its entry, plan, launch start and end, exit) and two a load
+MARKS_PER_LAYER = 10
+
 
 class Clock:
-    def __init__(self, device: torch.device):
+    """rt: the runtime to time with on CUDA (default: the one torch loaded, `Runtime.get()`);
+    None: torch's events."""
+
+    def __init__(self, device: torch.device, rt: "Runtime | None | bool" = True):
         self.cuda = device.type == "cuda"
+        self.rt = None
+        self._marks: Marks | None = None
         if self.cuda:
-            self.ref = torch.cuda.Event(enable_timing=True)
-            self.ref.record()
+            rt = Runtime.get() if rt is True else rt
+            stream = torch.cuda.current_stream(device)
+            if rt is not None:
+                self.rt = rt
+                self._marks = Marks(rt, stream.cuda_stream, device.index)
+            else:
+                self.ref = torch.cuda.Event(enable_timing=True)
+                self.ref.record(stream)
             torch.cuda.synchronize(device)
         self.host0 = time.perf_counter()
+
+    @property
+    def calls(self) -> str:
+        """Which calls time and order the run: host (the CPU), runtime (the CUDA runtime), torch."""
+        return "host" if not self.cuda else "runtime" if self._marks is not None else "torch"
+
+    @property
+    def late(self) -> int:
+        """Timing events made during the run because the reserve ran out (0 with torch)."""
+        return self._marks.late if self._marks is not None else 0
 
     def host(self) -> float:
         """Now, on the host, in microseconds since the clock started."""
@@ -49,21 +77,50 @@ class Clock:
     def mark(self, stream=None):
         if not self.cuda:
             return self.host()
+        if self._marks is not None:
+            return self._marks.mark((stream if stream is not None else torch.cuda.current_stream()).cuda_stream)
         ev = torch.cuda.Event(enable_timing=True)
         ev.record(stream)
         return ev
 
     def done(self, h) -> bool:
+        if type(h) is Mark:
+            return self._marks.done(h)
         return isinstance(h, float) or h.query()
 
     def us(self, h) -> float:
+        if type(h) is Mark:
+            return self._marks.us(h)
         return h if isinstance(h, float) else self.ref.elapsed_time(h) * 1e3
+
+    def wait(self, h) -> None:
+        """The host waits until the mark has happened."""
+        if type(h) is Mark:
+            self._marks.wait(h)
+        elif not isinstance(h, float):
+            h.synchronize()
+
+    def reserve(self, passes: int, layers: int) -> None:
+        """Before timing: the events `passes` passes of `layers` MoE layers mark with, made now."""
+        if self._marks is not None:
+            self._marks.reserve(passes * (2 + layers * MARKS_PER_LAYER))
+
+    def order_event(self) -> int:
+        """A runtime event for ordering alone, destroyed with the clock (runtime clocks only)."""
+        return self._marks.order_event()
+
+    def close(self) -> None:
+        """After the run's last read: the clock's events destroyed (its marks cannot be read again)."""
+        if self._marks is not None:
+            self._marks.close()
 
 
 class DevicePool:
-    """One pre-allocated buffer carved into equal slots per block, plus the copy stream."""
+    """One pre-allocated buffer carved into equal slots per block, plus the copy stream. rt: the
+    runtime loads and waits go through (default: `Runtime.get()`; None: torch)."""
 
-    def __init__(self, layout: PoolLayout, expert: ExpertLayout, device: torch.device, views: bool = True):
+    def __init__(self, layout: PoolLayout, expert: ExpertLayout, device: torch.device, views: bool = True,
+                 rt: "Runtime | None | bool" = True):
         self.layout, self.device = layout, device
         self.cuda = device.type == "cuda"
         for m, sb in enumerate(layout.slot_bytes):
@@ -81,17 +138,29 @@ class DevicePool:
             off += sb * n
         self.expert = [[-1] * n for n in layout.slots]           # what physically sits in each slot
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
-        # the stream the kernels read on: the engine sets it when a pass starts (`Engine.run_pass`)
-        self.compute = torch.cuda.current_stream(device) if self.cuda else None
-        self._rt = _Runtime.get() if self.cuda else None          # the runtime loads are copied with
+        self.compute = self.compute_h = None                      # the stream kernels read on (`use_compute`)
+        if self.cuda:
+            self.use_compute(torch.cuda.current_stream(device))
+        self._rt = (Runtime.get() if rt is True else rt) if self.cuda else None
         self._direct_ok: dict[int, bool] = {}                     # source address -> a direct copy is right
         self._cp_handle = self.copy_stream.cuda_stream if self.cuda else 0
         self._dst_ptr = [[r.data_ptr() for r in raw] for raw in self.raw]
         self._nbytes = expert.nbytes
-        self.ready = [[torch.cuda.Event() if self.cuda else None for _ in range(n)] for n in layout.slots]
-        self.read = [[torch.cuda.Event() if self.cuda else None for _ in range(n)] for n in layout.slots]
-        self.pending = [[False] * n for n in layout.slots]         # a load not yet waited for by compute
-        self.was_read = [[False] * n for n in layout.slots]
+        self._forget()
+
+    def _forget(self) -> None:
+        """No slot has anything in flight (a new pool, or the device synchronised)."""
+        slots = self.layout.slots
+        self.ready = [[None] * n for n in slots]                  # the mark a reader waits for
+        self.read = [[None] * n for n in slots]                   # what a load into the slot waits for
+        self.own_read = [[None] * n for n in slots]               # the slot's own read event (`after_read`)
+        self.pending = [[False] * n for n in slots]               # a load not yet waited for by compute
+        self.was_read = [[False] * n for n in slots]
+
+    def use_compute(self, stream):
+        """The stream kernels read on, set when a pass starts; returns it."""
+        self.compute, self.compute_h = stream, stream.cuda_stream
+        return stream
 
     def load(self, m: int, slot: int, e: int, src: torch.Tensor, clock: Clock):
         """Copy expert e's host bytes into a slot on the copy stream. Returns (start, end) marks."""
@@ -99,7 +168,7 @@ class DevicePool:
         if self.cuda:
             cp = self.copy_stream
             if self.was_read[m][slot]:
-                cp.wait_event(self.read[m][slot])
+                self._wait(cp, self._cp_handle, self.read[m][slot])
             t0 = clock.mark(cp)
             if not self._direct(m, slot, src):
                 with torch.cuda.stream(cp):
@@ -127,18 +196,39 @@ class DevicePool:
             ok = self._direct_ok[sp] = bool(src.device.type == "cpu" and src.dtype == torch.uint8
                                            and src.is_contiguous() and src.is_pinned() and src.numel() >= self._nbytes)
         if ok:
-            rt.h2d(self._dst_ptr[m][slot], sp, self._nbytes, self._cp_handle)
+            rt.copy(self._dst_ptr[m][slot], sp, self._nbytes, H2D, self._cp_handle)
         return ok
+
+    def _wait(self, stream, handle: int, ev) -> None:
+        """`stream` (torch's, and its handle) waits for `ev`: a runtime mark (none once its time was
+        read: it has happened), a runtime event, or a torch event."""
+        if type(ev) is Mark:
+            if ev.ev is not None:
+                self._rt.wait(handle, ev.ev)
+        elif type(ev) is int:
+            self._rt.wait(handle, ev)
+        else:
+            stream.wait_event(ev)
 
     def before_read(self, m: int, slot: int) -> None:
         if self.pending[m][slot]:
             if self.cuda:
-                self.compute.wait_event(self.ready[m][slot])
+                self._wait(self.compute, self.compute_h, self.ready[m][slot])
             self.pending[m][slot] = False
 
     def after_read(self, m: int, slot: int) -> None:
+        """A kernel read the slot: its own read event recorded on the compute stream."""
         if self.cuda:
-            self.read[m][slot].record(self.compute)
+            own = self.own_read[m][slot]
+            if self._rt is not None:
+                if own is None:
+                    own = self.own_read[m][slot] = self._rt.event(DISABLE_TIMING)
+                self._rt.record(own, self.compute_h)
+            else:
+                if own is None:
+                    own = self.own_read[m][slot] = torch.cuda.Event()
+                own.record(self.compute)
+            self.read[m][slot] = own
         self.was_read[m][slot] = True
 
     def mark_read(self, m: int, slots, event) -> None:
@@ -148,51 +238,10 @@ class DevicePool:
                 self.read[m][s] = event
             self.was_read[m][s] = True
 
-
-class _Runtime:
-    """The CUDA runtime library torch loaded, called through ctypes for host-to-device copies on a
-    stream torch owns (the same library, so the same context and stream handles)."""
-
-    _one: "_Runtime | None | bool" = False                      # False: not looked for yet
-
-    def __init__(self, path: str):
-        lib = self._lib = ctypes.CDLL(path)
-        f = lib.cudaMemcpyAsync
-        f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-        f.restype = ctypes.c_int
-        self._memcpy = f
-        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
-        lib.cudaGetErrorString.restype = ctypes.c_char_p
-        self._err = lib.cudaGetErrorString
-        self.path = path
-
-    @classmethod
-    def get(cls) -> "_Runtime | None":
-        if cls._one is False:
-            cls._one = None
-            try:
-                with open("/proc/self/maps") as f:
-                    paths = [ln.split(None, 5)[-1].strip() for ln in f if "libcudart.so" in ln]
-            except OSError:
-                paths = []
-            paths = [p for p in paths if not p.endswith("(deleted)")]
-            if paths:
-                try:
-                    rt = cls(paths[0])
-                    cls._one = rt if rt.matches_torch() else None
-                except (OSError, AttributeError):
-                    cls._one = None
-        return cls._one
-
-    def matches_torch(self) -> bool:
-        """The runtime's major version is the one torch was built with (a second CUDA runtime in the
-        process, loaded by another library, would have its own context state)."""
-        v = ctypes.c_int(0)
-        if self._lib.cudaRuntimeGetVersion(ctypes.byref(v)) != 0 or torch.version.cuda is None:
-            return False
-        return v.value // 1000 == int(torch.version.cuda.split(".")[0])
-
-    def h2d(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        rc = self._memcpy(dst, src, nbytes, 1, stream)           # 1: cudaMemcpyHostToDevice
-        if rc != 0:
-            raise RuntimeError(f"cudaMemcpyAsync failed: {self._err(rc).decode()}")
+    def settle(self) -> None:
+        """After the device has been synchronised: nothing is in flight, so nothing waits, and the
+        slots' own runtime events are destroyed."""
+        if self._rt is not None:
+            for ev in (e for row in self.own_read for e in row if e is not None):
+                self._rt.destroy(ev)
+        self._forget()
