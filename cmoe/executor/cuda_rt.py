@@ -23,7 +23,7 @@ from contextlib import nullcontext
 
 import torch
 
-H2D = 1                            # cudaMemcpyHostToDevice
+H2D, D2H = 1, 2                    # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
 DISABLE_TIMING = 2                 # cudaEventDisableTiming: an event only for ordering
 NOT_READY = 600                    # cudaErrorNotReady
 

@@ -92,7 +92,7 @@ class LeanEngine(HostSteps, Segments, Engine):
         self.graphs = None
         self.kin = None                                    # kernel inputs the host writes (`_make_kin`)
         self._kin_k = 0
-        self._rb_pin: list = []                            # per MoE layer: the read-back's pinned buffer
+        self._rb_pin: list = []                            # per MoE layer: the read-back's (pinned buffer, event)
         self.io: dict | None = None                        # the pass's inputs: ids, positions, mask
         self.kv = None                                     # the run's StaticKV
         self.log.capture_us = None

@@ -2,20 +2,20 @@
 segment (X_m): the read-back, the policy's plan, the loads, the slot table and the launches
 (`_host_layer`); commit's no-wait step (`_commit_layer`); and what they share. A mixin of
 `cmoe.executor.lean.LeanEngine`, apart so that "how the executor runs a layer's experts" reads in
-one file."""
+one file; the step's copies between host and device are in `lean_io`."""
 
 from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
+from cmoe.executor.lean_io import HostIO
 from cmoe.executor.records import PlanRecord, _loads, _slot_table
 from cmoe.policy.waves import waves as launch_waves
 
 
-class HostSteps:
+class HostSteps(HostIO):
     def _host_layer(self, m: int, graphs: bool) -> None:
         """Layer m's step between A_m and X_m: the policy's plan from the read-back, its loads,
         the launches (one, or one per wave), then the CPU experts and the residual if any."""
@@ -213,21 +213,6 @@ class HostSteps:
         self.last = t1
         self.h_last = clock.host()
 
-    def _write_candidates(self, m: int, chosen: list[int], live: list[int]) -> None:
-        """commit's kernel inputs for layer m: each live row's predicted experts that were committed
-        (up to top_k, the device's OWA weights them) and the committed set, copied without blocking."""
-        k, K, keep = self.kin, self.spec.top_k, set(chosen)
-        ids = k["ids_np"][m]
-        ids.fill(-1)
-        for i in live:
-            mine = [e for e in dict.fromkeys(self.token_pred[m][i]) if e in keep][:K]
-            ids[i, :len(mine)] = mine
-        comm = k["comm_np"][m]
-        comm.fill(False)
-        comm[chosen] = True
-        k["ids_m"][m].copy_(k["ids_h_m"][m], non_blocking=True)
-        k["comm_m"][m].copy_(k["comm_h_m"][m], non_blocking=True)
-
     def _tick(self, phase: str | None) -> None:
         """Host time by phase of the policy's step (`CMOE_HOST_PROFILE=1`; summed in `host_phases`)."""
         if self.host_phases is None:
@@ -261,65 +246,6 @@ class HostSteps:
             self.graphs[("experts", m)].replay()
         else:
             self.seg_experts(m)
-
-    def _read_back(self, m: int) -> np.ndarray:
-        """The layer's one read-back: a non-blocking copy into pinned memory, then its event."""
-        return self._read_back_wait(self._read_back_start(m))
-
-    def _read_back_start(self, m: int):
-        """Queue the read-back copy on the compute stream (behind A_m, ahead of anything queued
-        later, such as commit's experts) and record its event; `_read_back_wait` waits for it."""
-        rb = self.t["rb"][m]
-        if not self.cuda:
-            return rb.numpy(), None
-        pin = self._rb_pin[m]
-        if pin is None or pin.shape != rb.shape:
-            pin = self._rb_pin[m] = torch.empty(rb.shape, dtype=rb.dtype, pin_memory=True)
-        pin.copy_(rb, non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record(self.cs)
-        return pin, ev
-
-    def _read_back_wait(self, started) -> np.ndarray:
-        pin, ev = started
-        if ev is None:
-            return pin
-        ev.synchronize()
-        return pin.numpy()
-
-    def _set_table(self, m: int, slots: dict[int, int], wave: int = 0) -> None:
-        """Row m of the device's expert -> slot table, for one launch (`wave`) of the layer: written
-        into its own pinned staging row and copied without blocking, on the compute stream, so
-        the launch after it reads it and a later wave's row never overwrites one not yet read."""
-        if not self.cuda:
-            row = self._table_host[m]
-            row.fill(-1)
-            for e, s in slots.items():
-                row[e] = s
-            self.table[m].copy_(torch.from_numpy(row))
-            return
-        k = self.kin
-        row = k["table_np"][m, wave]
-        row.fill(-1)
-        for e, s in slots.items():
-            row[e] = s
-        k["rows"][m].copy_(k["stage"][m][wave], non_blocking=True)
-
-    def _write_assignment(self, m: int, assign: dict, N: int) -> None:
-        """commit in decode: each row's committed experts and OWA weights, the kernel's inputs."""
-        k = self.kin
-        ids, w = k["ids_np"][m], k["w_np"][m]
-        ids.fill(-1)
-        w.fill(0.0)
-        fill = [0] * N
-        for e, pairs in assign.items():
-            for i, wt in pairs:
-                j = fill[i]
-                ids[i, j] = e
-                w[i, j] = wt
-                fill[i] = j + 1
-        k["ids_m"][m].copy_(k["ids_h_m"][m], non_blocking=True)
-        k["w_m"][m].copy_(k["w_h_m"][m], non_blocking=True)
 
     def _cpu_acc(self, m, d, cpu, assign, x_host) -> torch.Tensor:
         """CPU experts of the layer, on the host, summed with their weights (fp32, host tensor)."""

@@ -1,0 +1,142 @@
+"""What crosses between the host and the device in the lean engine's host step for a layer: the
+layer's read-back (`_read_back_start`, `_read_back_wait`) and the kernel inputs the host writes
+(the slot table's row, commit's ids, weights and committed set). A mixin of
+`cmoe.executor.lean.LeanEngine`, through `cmoe.executor.lean_steps.HostSteps`.
+
+On CUDA these go through the CUDA runtime torch loaded (`cmoe.executor.cuda_rt`), where it was
+found: the read-back is its device-to-host `cudaMemcpyAsync` into the layer's pinned buffer and a
+`cudaEventRecord` of the layer's own event, waited for with `cudaEventSynchronize`; an input's row
+is one host-to-device `cudaMemcpyAsync` from its pinned staging. Measured on the H200's host
+(`benchmarks/host_ops_h200.py`, median per call): torch's `copy_(non_blocking=True)` of a 32-byte
+pinned tensor 3.48 us, a new torch event and its record 3.09 us; the runtime's `cudaEventRecord`
+0.84 us, `cudaMemcpyAsync` 2.55 us for a whole 91 MB expert. Without the runtime, torch's calls.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cmoe.executor.cuda_rt import D2H, H2D
+
+
+class HostIO:
+    def _read_back(self, m: int) -> np.ndarray:
+        """The layer's one read-back: a non-blocking copy into pinned memory, then its event."""
+        return self._read_back_wait(self._read_back_start(m))
+
+    def _read_back_start(self, m: int):
+        """Queue the read-back copy on the compute stream (behind A_m, ahead of anything queued
+        later, such as commit's experts) and record its event; `_read_back_wait` waits for it."""
+        rb = self.t["rb"][m]
+        if not self.cuda:
+            return rb.numpy(), None
+        rt = self.clock.rt
+        got = self._rb_pin[m]
+        if got is None or got[0].shape != rb.shape:
+            pin = torch.empty(rb.shape, dtype=rb.dtype, pin_memory=True)
+            got = self._rb_pin[m] = (pin, self.clock.order_event() if rt is not None else None)
+        pin, ev = got
+        if ev is not None and rb.is_contiguous():          # the runtime's copy and the layer's own event
+            h = self.pool.compute_h
+            rt.copy(pin.data_ptr(), rb.data_ptr(), pin.nbytes, D2H, h)
+            rt.record(ev, h)
+            return pin, ev
+        pin.copy_(rb, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(self.cs)
+        return pin, ev
+
+    def _read_back_wait(self, started) -> np.ndarray:
+        pin, ev = started
+        if ev is None:
+            return pin
+        if type(ev) is int:
+            self.clock.rt.sync(ev)
+        else:
+            ev.synchronize()
+        return pin.numpy()
+
+    def _set_table(self, m: int, slots: dict[int, int], wave: int = 0) -> None:
+        """Row m of the device's expert -> slot table, for one launch (`wave`) of the layer: written
+        into its own pinned staging row and copied without blocking, on the compute stream, so
+        the launch after it reads it and a later wave's row never overwrites one not yet read."""
+        if not self.cuda:
+            row = self._table_host[m]
+            row.fill(-1)
+            for e, s in slots.items():
+                row[e] = s
+            self.table[m].copy_(torch.from_numpy(row))
+            return
+        row = self.kin["table_np"][m, wave]
+        row.fill(-1)
+        for e, s in slots.items():
+            row[e] = s
+        self._copy_in("table", m, wave)
+
+    def _copy_in(self, what: str, m: int, wave: int = 0) -> None:
+        """Layer m's row of a kernel input the host wrote (`what`: table, with its wave's staging
+        row, or ids, w, comm), from its pinned staging into the device tensor, without blocking, on
+        the compute stream: the runtime's cudaMemcpyAsync, else torch's `copy_`. Either way the
+        staging is what keeps the copy right: each layer and wave has its own row, written again
+        only in a later pass (after the pass boundary's synchronisation), and it lives as long
+        as kin (torch's pinned-memory bookkeeping, skipped by the runtime's copy, only guards a
+        freed buffer)."""
+        k, rt = self.kin, self.clock.rt
+        if rt is not None:
+            ptr = k.get("ptr")
+            if ptr is None:
+                ptr = k["ptr"] = _kin_addresses(k)
+            c = ptr[what][m][wave] if what == "table" else ptr[what][m]
+            if c is not None:
+                rt.copy(c[0], c[1], c[2], H2D, self.pool.compute_h)
+                return
+        if what == "table":
+            k["rows"][m].copy_(k["stage"][m][wave], non_blocking=True)
+        else:
+            k[what + "_m"][m].copy_(k[what + "_h_m"][m], non_blocking=True)
+
+    def _write_assignment(self, m: int, assign: dict, N: int) -> None:
+        """commit in decode: each row's committed experts and OWA weights, the kernel's inputs."""
+        k = self.kin
+        ids, w = k["ids_np"][m], k["w_np"][m]
+        ids.fill(-1)
+        w.fill(0.0)
+        fill = [0] * N
+        for e, pairs in assign.items():
+            for i, wt in pairs:
+                j = fill[i]
+                ids[i, j] = e
+                w[i, j] = wt
+                fill[i] = j + 1
+        self._copy_in("ids", m)
+        self._copy_in("w", m)
+
+    def _write_candidates(self, m: int, chosen: list[int], live: list[int]) -> None:
+        """commit's kernel inputs for layer m: each live row's predicted experts that were committed
+        (up to top_k, the device's OWA weights them) and the committed set, copied without blocking."""
+        k, K, keep = self.kin, self.spec.top_k, set(chosen)
+        ids = k["ids_np"][m]
+        ids.fill(-1)
+        for i in live:
+            mine = [e for e in dict.fromkeys(self.token_pred[m][i]) if e in keep][:K]
+            ids[i, :len(mine)] = mine
+        comm = k["comm_np"][m]
+        comm.fill(False)
+        comm[chosen] = True
+        self._copy_in("ids", m)
+        self._copy_in("comm", m)
+
+
+def _kin_addresses(k: dict) -> dict:
+    """(device address, pinned address, bytes) of each host-written kernel input's row, per layer
+    (the table's per layer and wave), for the runtime's copies; None where a row is not a
+    contiguous pinned buffer of its device row's size (torch copies it)."""
+    def pair(d, s):
+        ok = d.is_cuda and s.is_pinned() and d.is_contiguous() and s.is_contiguous() and d.nbytes == s.nbytes
+        return (d.data_ptr(), s.data_ptr(), d.nbytes) if ok else None
+    out = {"table": [[pair(d, s) for s in stage] for d, stage in zip(k["rows"], k["stage"])]}
+    for a in ("ids", "w", "comm"):
+        if a + "_m" in k and a + "_h_m" in k:
+            out[a] = [pair(d, s) for d, s in zip(k[a + "_m"], k[a + "_h_m"])]
+    return out
