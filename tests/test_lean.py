@@ -85,6 +85,7 @@ def test_upper_decode_has_no_host_step(fused_checkpoints):
     assert len(experts) == r.metrics["hits"] and r.metrics["loads"] == 0
     assert len(r.log.plans) == len(r.log.pass_us) * (1 + len(r.layout.slots))
     assert np.all([s[6] <= s[7] for s in experts])
+    assert (r.metrics["host_calls"], r.metrics["late_events"]) == ("host", 0)     # no device calls on the CPU
 
 
 def test_marks_resolve_late_as_on_a_busy_gpu(fused_checkpoints, monkeypatch):

@@ -375,6 +375,7 @@ class Engine(Routes):
             torch.cuda.synchronize(self.device)
         self._resolve(final=True)
         self.pool.settle()
+        self.log.host_calls, self.log.late_events = self.clock.calls, self.clock.late
         self.clock.close()
         self.log.spans.sort(key=lambda s: (s[START], s[END], s[STREAM]))
         return self.log

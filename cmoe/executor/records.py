@@ -40,6 +40,8 @@ class PlanRecord:
 class RunLog(RunRecord):
     plans: list = field(default_factory=list)
     slot_mismatches: int | None = None     # slots whose bytes differ from their expert's (checked on request)
+    host_calls: str = "host"               # runtime, torch or host: what timed and ordered the run (`Clock.calls`)
+    late_events: int = 0                   # timing events made during the passes (`Clock.late`)
 
 
 def _loads(loads) -> tuple:

@@ -271,6 +271,7 @@ def run_policy(w: Workload, cfg: ExecConfig, policy_name: str) -> ExecResult:
             pins = [PassInput(i, p.decode, torch.as_tensor(ids, device=dev), torch.as_tensor(pos, device=dev),
                               None, np.ones(ids.size, bool), rows) for i, (p, ids, pos, rows) in enumerate(passes)]
             eng.prepare(pins)
+            eng.clock.reserve(len(pins), eng.M)        # the timing events, made before timing
             for pin in pins:
                 lg = eng.run_pass(pin, cache)
                 if cfg.keep_logits:
@@ -302,10 +303,11 @@ def _live(eng: Engine, w: Workload, cfg: ExecConfig, cache) -> list:
     ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
     out = []
     active = mask.cpu().numpy().reshape(-1).astype(bool)
+    steps = cfg.tokens if cfg.teacher is None else min(cfg.tokens, len(cfg.teacher))
+    eng.clock.reserve(1 + steps, eng.M)
     lg = eng.run_pass(PassInput(0, False, ids, pos, mask if not active.all() else None, active), cache)
     if cfg.keep_logits:
         out.append(lg.float().cpu())
-    steps = cfg.tokens if cfg.teacher is None else min(cfg.tokens, len(cfg.teacher))
     for s in range(steps):
         if cfg.teacher is None:
             nxt = lg.argmax(-1, keepdim=True)
@@ -340,6 +342,9 @@ def metrics(log: RunLog, w: Workload, cfg: ExecConfig, policy: str, layout: Pool
         **summary(log),
         "h2d_gbps": sum(s[BYTES] for s in loads) / load_us / 1e3 if load_us else float("nan"),
         "engine": cfg.engine,
+        # which calls timed and ordered the device work: the CUDA runtime's, torch's (the runtime
+        # was not found), or none (the CPU); and the timing events the run made late (its reserve used up)
+        "host_calls": log.host_calls, "late_events": log.late_events,
         # first-request cost: warm-up and CUDA-graph capture on the first decode pass (lean, CUDA)
         "capture_ms": (getattr(log, "capture_us", None) or 0.0) / 1e3,
         "expert_ms_per_pass": by_op.get("expert", 0.0) / n_dec / 1e3,
