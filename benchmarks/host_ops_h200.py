@@ -4,8 +4,11 @@ The loading policies' host step takes 100-170 us per MoE layer at batch 1 (BENCH
 H200 session), against issue 13's 60 us. This times, one by one, every kind of call that step
 makes: timing events (new and reused), stream switches, waits, the slot table's small pinned
 copy, an expert's 91 MB pinned copy (through torch and through the CUDA runtime directly),
-graph replays and the read-back's round trip. Each figure is the median host time of one call
-over many, in microseconds; the GPU is kept busy where a call would otherwise find it idle.
+graph replays and the read-back's round trip; then the executor's own runtime calls
+(`cmoe.executor.cuda_rt`) as the host step makes them since: a mark on a pooled event, reading
+it back, making an event, a query, the small copy and the read-back through the runtime. Each
+figure is the median host time of one call over many, in microseconds; the GPU is kept busy
+where a call would otherwise find it idle.
 
     python benchmarks/host_ops_h200.py --out $OUT/host-ops.json
 """
@@ -24,7 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cmoe.executor.cuda_rt import Runtime  # noqa: E402
+from cmoe.executor.cuda_rt import D2H, H2D, Runtime  # noqa: E402
+from cmoe.executor.streams import Clock  # noqa: E402
 
 
 def _per_call(fn, n: int, setup=None) -> float:
@@ -50,6 +54,45 @@ def _cudart():
     lib.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.cudaStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
     return lib, rt.path
+
+
+def _executor_calls(r: dict, n: int, dev, cs, keep_busy) -> None:
+    """The executor's own runtime calls as its host step makes them (`cuda_rt`, `Clock`): a mark
+    on a pooled event, reading it back, making an event, a query, the slot table's small copy,
+    and the read-back's round trip."""
+    rt = Runtime.get()
+    clock = Clock(dev)
+    clock.reserve(n, 0)
+    keep_busy()
+    marks = []
+    r["Clock.mark, runtime (pooled event)"] = _per_call(lambda: marks.append(clock.mark(cs)), n)
+    torch.cuda.synchronize()
+    it = iter(marks)
+    r["Clock.us, runtime (read once, event back to the pool)"] = _per_call(lambda: clock.us(next(it)), n)
+    made = []
+    r["cudaEventCreateWithFlags (Runtime.event)"] = _per_call(lambda: made.append(rt.event(0)), n)
+    for ev in made:
+        rt.destroy(ev)
+    ev = clock.order_event()
+    rt.record(ev, cs.cuda_stream)
+    torch.cuda.synchronize()
+    r["cudaEventQuery, done (Runtime.query)"] = _per_call(lambda: rt.query(ev), n)
+    th = torch.zeros(8, dtype=torch.int32, pin_memory=True)
+    td = torch.zeros(8, dtype=torch.int32, device=dev)
+    h, src, dst = cs.cuda_stream, th.data_ptr(), td.data_ptr()
+    keep_busy()
+    r["small pinned H2D cudaMemcpyAsync (32 B, Runtime.copy)"] = _per_call(lambda: rt.copy(dst, src, 32, H2D, h), n)
+    torch.cuda.synchronize()
+    rb = torch.zeros(4, 16, device=dev)
+    pin = torch.empty((4, 16), pin_memory=True)
+    pp, rp, nb = pin.data_ptr(), rb.data_ptr(), pin.nbytes
+
+    def roundtrip():
+        rt.copy(pp, rp, nb, D2H, h)
+        rt.record(ev, h)
+        rt.sync(ev)
+    r["read-back round trip, runtime, GPU idle"] = _per_call(roundtrip, 500)
+    clock.close()
 
 
 def main() -> None:
@@ -133,6 +176,7 @@ def main() -> None:
         r["cudaEventRecord (ctypes)"] = _per_call(lambda: lib.cudaEventRecord(eh, cs.cuda_stream), n)
         r["cudaStreamWaitEvent (ctypes)"] = _per_call(lambda: lib.cudaStreamWaitEvent(sh, eh, 0), n)
         torch.cuda.synchronize()
+        _executor_calls(r, n, dev, cs, keep_busy)
 
     # graph replays: one small kernel, and 12 small kernels
     x = torch.zeros(4096, device=dev)
