@@ -10,6 +10,9 @@
 #   bash benchmarks/gpu_session.sh validate   # issue 15: calibrate (4-layer cut, ~190 s), then measure the
 #                                             # GPU-only policies at pools 16/20/26, batches 1/2/4/8; the
 #                                             # tarballs under $OUT go to benchmarks/validate_table.py here
+#   bash benchmarks/gpu_session.sh host-ab    # issue 13: the host's step by phase, batch 1, pool 20, in four
+#                                             # processes alternating .before/ (a tree to compare against,
+#                                             # carried) and this tree; logs and JSON under $OUT/host-ab/
 #   bash benchmarks/gpu_session.sh validate-r 1,2,4   # the same with every configuration run twice (--repeat),
 #   bash benchmarks/gpu_session.sh validate-r 8       # in two calls: all four batches took over 450 s of runs
 #                                             # on the H200 (sixth session); each call calibrates again
@@ -40,5 +43,14 @@ case "${1:-}" in
                 --commit "${COMMIT:-unknown}" 2>&1 | tee "$OUT/validate.log" | grep -v "^  " || true
               (cd /tmp/v && tar czf "$OUT/head.tgz" results.json profile.json profile.measurements.json \
                 && for b in 1 2 4 8; do ls -d pool*-b$b >/dev/null 2>&1 && tar czf "$OUT/meas-b$b.tgz" pool*-b$b; done; true) ;;
-  *) echo "usage: $0 tests|gptq|b1|b48|cpu48|validate|validate-r BATCHES" >&2; exit 2 ;;
+  host-ab) mkdir -p "$OUT/host-ab"
+           for i in 1 2; do for t in before after; do
+             d=$PWD; [ "$t" = before ] && d=$PWD/.before
+             (cd "$d" && PYTHONPATH=$d:/tmp/site timeout 100 python3 benchmarks/lean_h200.py --out "$OUT/host-ab/$t$i" \
+                --tokens 64 --policy-tokens 64 --repeats 1 --batches 1 --pools 20 --engines lean \
+                --policies upper,ondemand,lru-prefetch,commit,oracle,adaptive --host-profile 2>&1 \
+                | grep -E "^lean|host phases|Error|error" > "$OUT/host-ab/$t$i.log") || true
+           done; done
+           grep -h "^lean" "$OUT"/host-ab/*.log | cut -c1-150 || true ;;
+  *) echo "usage: $0 tests|gptq|b1|b48|cpu48|validate|validate-r BATCHES|host-ab" >&2; exit 2 ;;
 esac
