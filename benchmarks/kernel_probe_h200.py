@@ -12,10 +12,8 @@ that (BENCHMARKS.md). This probe times, in one run on the GPU:
   has no cp.async without them and 36 with 2), while the kernel's loop, which has dots, is
   pipelined at the launch's stages. So the pipelined stream is the ceiling of the access pattern
   for each (BN, warps, split), and each row records its PTX's cp.async count;
-- the w13 and w2 kernels at M = 1, 2, 4, 8, 16 over tiles, warps and the way the affine part is
-  applied: dequantizing in registers, or not with sum(x) by dots with ones (committed) or by a sum
-  in registers (`KernelConfig.xs13`, `xs2`: a third of w13's tensor-core dots and half of w2's gone,
-  by their sm_90 PTX: 48 -> 32 and 128 -> 64 mma per CTA);
+- the w13 and w2 kernels at M = 1, 2, 4, 8, 16 over tiles, warps, dequantizing or not and the
+  unit loop unrolled 1, 2 or 4 times (`KernelConfig.unroll13`, `unroll2`);
 - per M, the committed configuration and the fastest w13 + w2 pair that is right (one expert and
   a layer of 8 experts, top-2, against the fp32 reference), one expert and the layer timed.
 
@@ -99,16 +97,17 @@ def _experts(lay, n: int, gen) -> torch.Tensor:
 
 
 def _candidates(base):
-    """Tiles x warps x the way the affine part is applied: deq, or not with sum(x) by dots with ones
-    (as committed) or by a sum in registers (`xs13`/`xs2`)."""
-    ways13 = (dict(deq=True), dict(deq=False), dict(deq=False, xs13=True))
-    ways2 = (dict(deq2=True), dict(deq2=False), dict(deq2=False, xs2=True))
-    c13 = [replace(base, bn13=bn, warps13=w, stages13=3, unroll13=1, **way)
-           for bn, w in ((16, 1), (32, 1), (32, 2), (32, 4), (64, 2), (64, 4)) for way in ways13]
-    c2 = [replace(base, bn2=bn, warps2=w, split2=sp, stages2=3, unroll2=1, **way)
+    """Tiles x warps x the unit loop's own stages (0: unset, as committed) x dequantizing or not."""
+    c13 = [replace(base, bn13=bn, warps13=w, stages13=3, deq=deq, unroll13=1, stg13=st)
+           for bn, w in ((16, 1), (32, 1), (32, 2), (32, 4), (64, 2), (64, 4)) for st in STAGES
+           for deq in (False, True)]
+    c2 = [replace(base, bn2=bn, warps2=w, split2=sp, stages2=3, deq2=deq, unroll2=1, stg2=st)
           for bn, w, sp in ((32, 1, 16), (64, 1, 16), (64, 2, 16), (32, 1, 8), (64, 2, 8), (128, 4, 16))
-          for way in ways2]
+          for st in STAGES for deq in (False, True)]
     return c13, c2
+
+
+STAGES = (0, 4)        # the kernel's loop is already pipelined at the launch's 3 stages (its PTX)
 
 
 def _cp_async(k) -> int:
@@ -161,8 +160,10 @@ def main() -> None:
             return _stream.warmup(*a, grid=grid, **kw)
         return _stream[grid](*a, **kw)
 
-    streams = [(True, bn, w, 1, 1, st) for bn, w in ((16, 1), (32, 2)) for st in (None, 4)]
-    streams += [(False, bn, w, sp, 1, st) for bn, w, sp in ((64, 1, 16), (32, 1, 8)) for st in (None, 4)]
+    streams = [(True, bn, w, 1, u, st) for bn, w in ((16, 1), (32, 1), (32, 2), (32, 4), (64, 4), (64, 8))
+               for u in (1, 4) for st in (None, 2, 3, 4, 6)]
+    streams += [(False, bn, w, sp, u, st) for bn, w, sp in ((16, 1, 4), (32, 1, 16), (64, 2, 16), (32, 1, 8))
+                for u in (1, 4) for st in (None, 2, 3, 4, 6)]
     c13, c2 = _candidates(pick_config(1))
     ms = [int(v) for v in args.ms.split(",")]
     data = {}
@@ -233,10 +234,9 @@ def main() -> None:
         for a in r13[:3]:
             for b in r2[:3]:
                 picks.append(("best", replace(committed, bn13=a["bn13"], warps13=a["warps13"], stages13=a["stages13"],
-                                              deq=a["deq"], unroll13=a["unroll13"], stg13=a["stg13"], xs13=a["xs13"],
-                                              bn2=b["bn2"], warps2=b["warps2"], split2=b["split2"],
-                                              stages2=b["stages2"], deq2=b["deq2"], unroll2=b["unroll2"],
-                                              stg2=b["stg2"], xs2=b["xs2"])))
+                                              deq=a["deq"], unroll13=a["unroll13"], stg13=a["stg13"], bn2=b["bn2"],
+                                              warps2=b["warps2"], split2=b["split2"], stages2=b["stages2"],
+                                              deq2=b["deq2"], unroll2=b["unroll2"], stg2=b["stg2"])))
         done_best = False
         for tag, cfg in picks:
             if tag == "best" and done_best:
@@ -272,12 +272,12 @@ def main() -> None:
             sel = sorted((r for r in rows if r["what"] == "kernel" and r["kernel"] == kind and r.get("M") == M),
                          key=lambda r: r["us"])
             print(f"--- M={M} {kind}:", [(r[f"bn{kind[1:]}"], r[f"warps{kind[1:]}"], r.get("split2"),
-                                          r[f"xs{kind[1:]}"], r["deq" if kind == "w13" else "deq2"],
+                                          r[f"stg{kind[1:]}"], r["deq" if kind == "w13" else "deq2"],
                                           round(r["us"], 1), round(r["tbps"], 2), r["spills"], r["cp_async"])
                                          for r in sel[:5]])
             com = pick_config(M)
             mine = [r for r in sel if all(r[f] == getattr(com, f) for f in
-                                          ((f"bn{kind[1:]}", f"warps{kind[1:]}", f"xs{kind[1:]}",
+                                          ((f"bn{kind[1:]}", f"warps{kind[1:]}", f"stg{kind[1:]}",
                                             "deq" if kind == "w13" else "deq2") + (("split2",) if kind == "w2" else ())))]
             if mine:
                 print(f"    committed-like: {round(mine[0]['us'], 1)} us, cp.async {mine[0]['cp_async']}")

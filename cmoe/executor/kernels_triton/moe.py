@@ -75,8 +75,6 @@ class KernelConfig:
     unroll2: int = 1     # the same for w2
     stg13: int = 0       # the w13 k-unit loop's own num_stages (0: unset; >= 2 pipelines its loads)
     stg2: int = 0        # the same for w2
-    xs13: bool = False   # w13 without deq: sum(x) by a sum in registers, not a dot with ones
-    xs2: bool = False    # the same for w2
 
 
 # by batch rows M (the smallest bucket >= M): the configurations benchmarks/expert_kernel_h200.py
@@ -201,7 +199,7 @@ def launch_w13(ws: Workspace, x, slot_table, pool, layout, topk: int, cfg: Kerne
             Fd, H, topk, nch, ups, split, part, part.stride(0))
     kw = dict(G=layout.group, BN=cfg.bn13, BM=cfg.bm, IS_W13=True, ASM=cfg.asm, DEQ=cfg.deq,
               T64=t >= 64, T32=t % 64 == 32, SPLIT13=split > 1, ZP=layout.zero_point, num_warps=cfg.warps13,
-              num_stages=cfg.stages13, UNR=cfg.unroll13, STG=cfg.stg13 or None, XS=cfg.xs13)
+              num_stages=cfg.stages13, UNR=cfg.unroll13, STG=cfg.stg13 or None)
     k13 = _run(_expert_mm, (tiles, ws.A * nch, split), args, kw, warmup)
     if split > 1:
         # RB rows a step (a segment has <= M rows; a loop covers the chunk), ~1024 elements a CTA and
@@ -228,7 +226,7 @@ def launch_w2(ws: Workspace, topk_weights, slot_table, pool, layout, topk: int, 
             H, Fd, topk, nch, ups, split, ws.acc, 0)
     kw = dict(G=layout.group, BN=cfg.bn2, BM=cfg.bm, IS_W13=False, ASM=cfg.asm, DEQ=cfg.deq2,
               T64=t >= 64, T32=t % 64 == 32, SPLIT13=False, ZP=layout.zero_point, num_warps=cfg.warps2,
-              num_stages=cfg.stages2, UNR=cfg.unroll2, STG=cfg.stg2 or None, XS=cfg.xs2)
+              num_stages=cfg.stages2, UNR=cfg.unroll2, STG=cfg.stg2 or None)
     return _run(_expert_mm, (triton.cdiv(H, cfg.bn2), ws.A * nch, split), args, kw, warmup)
 
 

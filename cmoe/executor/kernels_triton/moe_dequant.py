@@ -189,25 +189,16 @@ def _ldsz(sp, grp, NR, N, rn, m, GPU: tl.constexpr, IS_W13: tl.constexpr):
 
 
 @triton.jit
-def _flush(acc, a, xs, sz, ZP: tl.constexpr, XS: tl.constexpr):
-    """acc + s * a + (z - 136 s) * sum(x) for (scale, zero) pairs read as int32 [BN] (see _sz_f32):
-    sum(x) is xs ([BN, BM], from the dots with ones) or, with XS, xs summed over its 16 k-lanes
-    ([16, BM] -> [BM], broadcast over the weight rows): one reduction a group."""
+def _flush(acc, a, xs, sz, ZP: tl.constexpr):
+    """acc + s * a + (z - 136 s) * xs for (scale, zero) pairs read as int32 [BN] (see _sz_f32)."""
     s, z = _sz_f32(sz, ZP)
-    if XS:
-        r = acc + a * s[:, None] + (z - 136.0 * s)[:, None] * tl.sum(xs, axis=0)[None, :]
-    else:
-        r = acc + a * s[:, None] + (z - 136.0 * s)[:, None] * xs
-    return r
+    return acc + a * s[:, None] + (z - 136.0 * s)[:, None] * xs
 
 
 @triton.jit
-def _step(acc_g, acc_u, a_g, a_u, xs, pg, pu, xt, ones, IS_W13: tl.constexpr, DEQ: tl.constexpr,
-          XS: tl.constexpr):
+def _step(acc_g, acc_u, a_g, a_u, xs, pg, pu, xt, ones, IS_W13: tl.constexpr, DEQ: tl.constexpr):
     """One 16-k plane: with DEQ the dequantized plane into the accumulators; else 128 + q into the
-    group's partial dots, and sum(x): by a dot with ones ([BN, BM], on the tensor cores, as many
-    dots as the weights') or, with XS, by adding the x tile into xs ([16, BM], in registers; the
-    16 k-lanes are summed once a group, in `_flush`)."""
+    group's partial dots, and sum(x) by a dot with ones."""
     if DEQ:
         acc_g = _mma(pg, xt, acc_g)
         if IS_W13:
@@ -216,8 +207,5 @@ def _step(acc_g, acc_u, a_g, a_u, xs, pg, pu, xt, ones, IS_W13: tl.constexpr, DE
         a_g = _mma(pg, xt, a_g)
         if IS_W13:
             a_u = _mma(pu, xt, a_u)
-        if XS:
-            xs = xs + xt.to(tl.float32)
-        else:
-            xs = _mma(ones, xt, xs)
+        xs = _mma(ones, xt, xs)
     return acc_g, acc_u, a_g, a_u, xs

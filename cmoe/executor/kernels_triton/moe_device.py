@@ -16,7 +16,7 @@ from cmoe.executor.kernels_triton.moe_dequant import _deq4, _flush, _ldsz, _pick
 @triton.jit
 def _block(acc_g, acc_u, a_g, a_u, xs, blk, kb, N, wrow, wmask, xrow, rk, mrow, ones, zero,
            cg0, cg1, cg2, cg3, cu0, cu1, cu2, cu3, b: tl.constexpr, PPG: tl.constexpr,
-           IS_W13: tl.constexpr, ASM: tl.constexpr, DEQ: tl.constexpr, ZP: tl.constexpr, XS: tl.constexpr):
+           IS_W13: tl.constexpr, ASM: tl.constexpr, DEQ: tl.constexpr, ZP: tl.constexpr):
     """Block b (128 k, 8 planes of int32 words at blk) of a k-unit whose (scale, zero) pairs are
     cg0..cg3 (gate) and cu0..cu3 (up): the accumulators after it."""
     wg = tl.load(blk + wrow, mask=wmask, other=0)
@@ -39,26 +39,26 @@ def _block(acc_g, acc_u, a_g, a_u, xs, blk, kb, N, wrow, wmask, xrow, rk, mrow, 
             xt = tl.load(xrow + (k0 + p * 16 + rk)[:, None], mask=mrow[None, :], other=0.0)
             if IS_W13:
                 acc_g, acc_u, a_g, a_u, xs = _step(acc_g, acc_u, a_g, a_u, xs, pg[p4], pu[p4], xt, ones,
-                                                   IS_W13, DEQ, XS)
+                                                   IS_W13, DEQ)
             else:
                 acc_g, acc_u, a_g, a_u, xs = _step(acc_g, acc_u, a_g, a_u, xs, pg[p4], pg[p4], xt, ones,
-                                                   IS_W13, DEQ, XS)
+                                                   IS_W13, DEQ)
             if not DEQ:
                 if (b * 8 + p + 1) % PPG == 0:
                     q = (b * 8 + p) // PPG
-                    acc_g = _flush(acc_g, a_g, xs, _pick4(q, cg0, cg1, cg2, cg3), ZP, XS)
+                    acc_g = _flush(acc_g, a_g, xs, _pick4(q, cg0, cg1, cg2, cg3), ZP)
                     if IS_W13:
-                        acc_u = _flush(acc_u, a_u, xs, _pick4(q, cu0, cu1, cu2, cu3), ZP, XS)
+                        acc_u = _flush(acc_u, a_u, xs, _pick4(q, cu0, cu1, cu2, cu3), ZP)
                     a_g = zero
                     a_u = zero
-                    xs = tl.zeros_like(xs)
+                    xs = zero
     return acc_g, acc_u, a_g, a_u, xs
 
 
 @triton.jit
 def _unit(acc_g, acc_u, a_g, a_u, xs, sg0, sg1, sg2, sg3, su0, su1, su2, su3, u, u_hi, wp, sp, NR, N, rn, mn,
           wrow, wmask, xrow, rk, mrow, ones, zero, BPU: tl.constexpr, PPG: tl.constexpr, GPU: tl.constexpr,
-          IS_W13: tl.constexpr, ASM: tl.constexpr, DEQ: tl.constexpr, ZP: tl.constexpr, XS: tl.constexpr):
+          IS_W13: tl.constexpr, ASM: tl.constexpr, DEQ: tl.constexpr, ZP: tl.constexpr):
     """k-unit u, whose (scale, zero) pairs were loaded one unit ahead: the accumulators after it and
     the next unit's pairs."""
     cg0, cg1, cg2, cg3, cu0, cu1, cu2, cu3 = sg0, sg1, sg2, sg3, su0, su1, su2, su3
@@ -68,7 +68,7 @@ def _unit(acc_g, acc_u, a_g, a_u, xs, sg0, sg1, sg2, sg3, su0, su1, su2, su3, u,
         blk = wp + kb * NR * 16
         acc_g, acc_u, a_g, a_u, xs = _block(acc_g, acc_u, a_g, a_u, xs, blk, kb, N, wrow, wmask, xrow, rk,
                                             mrow, ones, zero, cg0, cg1, cg2, cg3, cu0, cu1, cu2, cu3,
-                                            b, PPG, IS_W13, ASM, DEQ, ZP, XS)
+                                            b, PPG, IS_W13, ASM, DEQ, ZP)
     return acc_g, acc_u, a_g, a_u, xs, sg0, sg1, sg2, sg3, su0, su1, su2, su3
 
 
@@ -76,7 +76,7 @@ def _unit(acc_g, acc_u, a_g, a_u, xs, sg0, sg1, sg2, sg3, su0, su1, su2, su3, u,
 def _units(wp, sp, NR, N, K, pid_k, UPS, rn, mn, wrow, wmask, xrow, rk, mrow, ones, zero,
            U: tl.constexpr, BPU: tl.constexpr, PPG: tl.constexpr, GPU: tl.constexpr,
            IS_W13: tl.constexpr, ASM: tl.constexpr, DEQ: tl.constexpr, ZP: tl.constexpr, UNR: tl.constexpr,
-           STG: tl.constexpr, XS: tl.constexpr):
+           STG: tl.constexpr):
     """The whole k-units of split pid_k (UPS units a split): the accumulators (acc_g, acc_u, and
     without DEQ the open group's a_g, a_u, xs) after them, from zero. UNR > 1 unrolls the unit loop
     that many times, so that the weight loads of UNR units are issued before the first is used.
@@ -87,10 +87,7 @@ def _units(wp, sp, NR, N, K, pid_k, UPS, rn, mn, wrow, wmask, xrow, rk, mrow, on
     acc_u = zero
     a_g = zero
     a_u = zero
-    if XS:
-        xs = tl.zeros((16, zero.shape[1]), tl.float32)   # the open group's x tiles, summed: [16, BM]
-    else:
-        xs = zero
+    xs = zero
     n_units = K // U
     u_lo = pid_k * UPS
     u_hi = tl.minimum(n_units, u_lo + UPS)
@@ -99,14 +96,13 @@ def _units(wp, sp, NR, N, K, pid_k, UPS, rn, mn, wrow, wmask, xrow, rk, mrow, on
     for u in tl.range(u_lo, u_hi, num_stages=STG, loop_unroll_factor=UNR):
         acc_g, acc_u, a_g, a_u, xs, sg0, sg1, sg2, sg3, su0, su1, su2, su3 = _unit(
             acc_g, acc_u, a_g, a_u, xs, sg0, sg1, sg2, sg3, su0, su1, su2, su3, u, u_hi, wp, sp, NR, N, rn, mn,
-            wrow, wmask, xrow, rk, mrow, ones, zero, BPU, PPG, GPU, IS_W13, ASM, DEQ, ZP, XS)
+            wrow, wmask, xrow, rk, mrow, ones, zero, BPU, PPG, GPU, IS_W13, ASM, DEQ, ZP)
     return acc_g, acc_u, a_g, a_u, xs
 
 
 @triton.jit
 def _tail64(acc_g, acc_u, a_g, a_u, xs, tb, k0, sp, NR, N, rn, mn, wrow, wmask, xrow, rk, mrow, ones, zero,
-            G: tl.constexpr, PPG: tl.constexpr, IS_W13: tl.constexpr, DEQ: tl.constexpr, ZP: tl.constexpr,
-            XS: tl.constexpr):
+            G: tl.constexpr, PPG: tl.constexpr, IS_W13: tl.constexpr, DEQ: tl.constexpr, ZP: tl.constexpr):
     """The k tail's 64 k (4 planes in int16 words at tb, from k0): the accumulators after them."""
     tp = tb.to(tl.pointer_type(tl.int16))
     ga, gb, _g2, _g3, ua, ub, _u2, _u3 = _ldsz(sp, k0 // G, NR, N, rn, mn, 2 if G == 32 else 1, IS_W13)
@@ -125,24 +121,24 @@ def _tail64(acc_g, acc_u, a_g, a_u, xs, tb, k0, sp, NR, N, rn, mn, wrow, wmask, 
         xt = tl.load(xrow + (k0 + p * 16 + rk)[:, None], mask=mrow[None, :], other=0.0)
         if IS_W13:
             acc_g, acc_u, a_g, a_u, xs = _step(acc_g, acc_u, a_g, a_u, xs, pg[p], pu[p], xt, ones,
-                                               IS_W13, DEQ, XS)
+                                               IS_W13, DEQ)
         else:
             acc_g, acc_u, a_g, a_u, xs = _step(acc_g, acc_u, a_g, a_u, xs, pg[p], pg[p], xt, ones,
-                                               IS_W13, DEQ, XS)
+                                               IS_W13, DEQ)
         if not DEQ:
             if (p + 1) % PPG == 0:
-                acc_g = _flush(acc_g, a_g, xs, ga if p < 2 else gb, ZP, XS)
+                acc_g = _flush(acc_g, a_g, xs, ga if p < 2 else gb, ZP)
                 if IS_W13:
-                    acc_u = _flush(acc_u, a_u, xs, ua if p < 2 else ub, ZP, XS)
+                    acc_u = _flush(acc_u, a_u, xs, ua if p < 2 else ub, ZP)
                 a_g = zero
                 a_u = zero
-                xs = tl.zeros_like(xs)
+                xs = zero
     return acc_g, acc_u, a_g, a_u, xs
 
 
 @triton.jit
 def _tail32(acc_g, acc_u, a_g, a_u, xs, tb, k0, sp, NR, N, rn, mn, wrow, wmask, xrow, rk, mrow, ones,
-            G: tl.constexpr, IS_W13: tl.constexpr, DEQ: tl.constexpr, ZP: tl.constexpr, XS: tl.constexpr):
+            G: tl.constexpr, IS_W13: tl.constexpr, DEQ: tl.constexpr, ZP: tl.constexpr):
     """The k tail's last 32 k (2 planes in bytes at tb, from k0, one group): the accumulators after them."""
     tp = tb.to(tl.pointer_type(tl.uint8))
     ga, _g1, _g2, _g3, ua, _u1, _u2, _u3 = _ldsz(sp, k0 // G, NR, N, rn, mn, 1, IS_W13)
@@ -161,21 +157,21 @@ def _tail32(acc_g, acc_u, a_g, a_u, xs, tb, k0, sp, NR, N, rn, mn, wrow, wmask, 
         xt = tl.load(xrow + (k0 + p * 16 + rk)[:, None], mask=mrow[None, :], other=0.0)
         if IS_W13:
             acc_g, acc_u, a_g, a_u, xs = _step(acc_g, acc_u, a_g, a_u, xs, pg[p], pu[p], xt, ones,
-                                               IS_W13, DEQ, XS)
+                                               IS_W13, DEQ)
         else:
             acc_g, acc_u, a_g, a_u, xs = _step(acc_g, acc_u, a_g, a_u, xs, pg[p], pg[p], xt, ones,
-                                               IS_W13, DEQ, XS)
+                                               IS_W13, DEQ)
     if not DEQ:
-        acc_g = _flush(acc_g, a_g, xs, ga, ZP, XS)
+        acc_g = _flush(acc_g, a_g, xs, ga, ZP)
         if IS_W13:
-            acc_u = _flush(acc_u, a_u, xs, ua, ZP, XS)
+            acc_u = _flush(acc_u, a_u, xs, ua, ZP)
     return acc_g, acc_u
 
 
 @triton.jit
 def _tail(acc_g, acc_u, a_g, a_u, xs, base, w_off, sp, NR, N, K, pid_k, SPLIT, rn, mn, wrow, wmask, xrow, rk,
           mrow, ones, zero, G: tl.constexpr, PPG: tl.constexpr, IS_W13: tl.constexpr, DEQ: tl.constexpr,
-          T64: tl.constexpr, T32: tl.constexpr, ZP: tl.constexpr, XS: tl.constexpr):
+          T64: tl.constexpr, T32: tl.constexpr, ZP: tl.constexpr):
     """The k tail (K % 128 = 64 and/or 32), in the last split only: (acc_g, acc_u) after it."""
     if T64 or T32:
         if pid_k == SPLIT - 1:       # the k tail (g = 32 or 64 only): groups never straddle it
@@ -184,13 +180,12 @@ def _tail(acc_g, acc_u, a_g, a_u, xs, base, w_off, sp, NR, N, K, pid_k, SPLIT, r
             k0 = kb * 128
             if T64:
                 acc_g, acc_u, a_g, a_u, xs = _tail64(acc_g, acc_u, a_g, a_u, xs, tb, k0, sp, NR, N, rn, mn, wrow,
-                                                     wmask, xrow, rk, mrow, ones, zero, G, PPG, IS_W13, DEQ, ZP,
-                                                     XS)
+                                                     wmask, xrow, rk, mrow, ones, zero, G, PPG, IS_W13, DEQ, ZP)
                 tb = tb + NR * 32
                 k0 = k0 + 64
             if T32:
                 acc_g, acc_u = _tail32(acc_g, acc_u, a_g, a_u, xs, tb, k0, sp, NR, N, rn, mn, wrow, wmask, xrow, rk,
-                                       mrow, ones, G, IS_W13, DEQ, ZP, XS)
+                                       mrow, ones, G, IS_W13, DEQ, ZP)
     return acc_g, acc_u
 
 
@@ -223,8 +218,7 @@ def _expert_mm(x_ptr, stride_x, pool_ptr, slot_bytes, table_ptr, E,
                out_ptr, stride_o, w_off, sz_off, N, K, TOPK, NCH, UPS, SPLIT, part_ptr, stride_ps,
                G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, IS_W13: tl.constexpr,
                ASM: tl.constexpr, DEQ: tl.constexpr, T64: tl.constexpr, T32: tl.constexpr,
-               SPLIT13: tl.constexpr, ZP: tl.constexpr, UNR: tl.constexpr = 1, STG: tl.constexpr = None,
-               XS: tl.constexpr = False):
+               SPLIT13: tl.constexpr, ZP: tl.constexpr, UNR: tl.constexpr = 1, STG: tl.constexpr = None):
     """One CTA: BN weight rows of its segment's expert (gate and up rows with IS_W13) times the
     segment's chunk of BM rows, over split pid_k of K (see `moe.py`)."""
     pid_n = tl.program_id(0)
@@ -268,9 +262,9 @@ def _expert_mm(x_ptr, stride_x, pool_ptr, slot_bytes, table_ptr, E,
     PPG: tl.constexpr = G // 16                     # planes per group
     GPU: tl.constexpr = U // G                      # groups per unit (1, 2 or 4)
     acc_g, acc_u, a_g, a_u, xs = _units(wp, sp, NR, N, K, pid_k, UPS, rn, mn, wrow, wmask, xrow, rk, mrow, ones,
-                                        zero, U, BPU, PPG, GPU, IS_W13, ASM, DEQ, ZP, UNR, STG, XS)
+                                        zero, U, BPU, PPG, GPU, IS_W13, ASM, DEQ, ZP, UNR, STG)
     acc_g, acc_u = _tail(acc_g, acc_u, a_g, a_u, xs, base, w_off, sp, NR, N, K, pid_k, SPLIT, rn, mn, wrow, wmask,
-                         xrow, rk, mrow, ones, zero, G, PPG, IS_W13, DEQ, T64, T32, ZP, XS)
+                         xrow, rk, mrow, ones, zero, G, PPG, IS_W13, DEQ, T64, T32, ZP)
     _store(acc_g, acc_u, pos, pair, rn, mn, mrow, out_ptr, stride_o, wt_ptr, part_ptr, stride_ps, pid_k, N, TOPK,
            IS_W13, SPLIT13)
 
