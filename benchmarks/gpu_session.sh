@@ -43,7 +43,8 @@ case "${1:-}" in
                 --commit "${COMMIT:-unknown}" 2>&1 | tee "$OUT/validate.log" | grep -v "^  " || true
               (cd /tmp/v && tar czf "$OUT/head.tgz" results.json profile.json profile.measurements.json \
                 && for b in 1 2 4 8; do ls -d pool*-b$b >/dev/null 2>&1 && tar czf "$OUT/meas-b$b.tgz" pool*-b$b; done; true) ;;
-  host-ab) mkdir -p "$OUT/host-ab"
+  host-ab) [ -f .before/benchmarks/lean_h200.py ] || { echo "host-ab: no .before/ tree (carry it with the call)" >&2; exit 2; }
+           mkdir -p "$OUT/host-ab"
            for i in 1 2; do for t in before after; do
              d=$PWD; [ "$t" = before ] && d=$PWD/.before
              (cd "$d" && PYTHONPATH=$d:/tmp/site timeout 100 python3 benchmarks/lean_h200.py --out "$OUT/host-ab/$t$i" \

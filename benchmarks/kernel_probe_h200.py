@@ -12,8 +12,8 @@ that (BENCHMARKS.md). This probe times, in one run on the GPU:
   has no cp.async without them and 36 with 2), while the kernel's loop, which has dots, is
   pipelined at the launch's stages. So the pipelined stream is the ceiling of the access pattern
   for each (BN, warps, split), and each row records its PTX's cp.async count;
-- the w13 and w2 kernels at M = 1, 2, 4, 8, 16 over tiles, warps, dequantizing or not and the
-  unit loop unrolled 1, 2 or 4 times (`KernelConfig.unroll13`, `unroll2`);
+- the w13 and w2 kernels at M = 1, 2, 4, 8, 16 over tiles, warps, dequantizing or not, and the
+  unit loop's stages unset (the launch's) or named (4: `KernelConfig.stg13`, `stg2`);
 - per M, the committed configuration and the fastest w13 + w2 pair that is right (one expert and
   a layer of 8 experts, top-2, against the fp32 reference), one expert and the layer timed.
 

@@ -139,7 +139,7 @@ def main() -> None:
               f"{m['pass_ms_mean']:7.2f} ms/pass (floor {m['hbm_floor_ms']:.2f}, link {m['link_limit_ms']:.2f}) "
               f"loads/pass {m['loads_per_pass']:5.1f} host {m['host_work_us_per_layer']:5.1f} us/layer "
               f"sync {m['host_sync_us_per_layer']:6.1f} capture {m['capture_ms']:.0f} ms ({m['wall_s']:.0f} s) "
-              f"calls {getattr(r.log, 'host_calls', '-')} late {getattr(r.log, 'late_events', '-')}", flush=True)
+              f"calls {m['host_calls']} late {m['late_events']}", flush=True)
         (a.out / "results.json").write_text(json.dumps(res, indent=1))
         return r
 

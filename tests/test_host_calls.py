@@ -6,6 +6,7 @@ test_host_calls_gpu.py."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import random
 from types import SimpleNamespace
@@ -13,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cmoe.executor.cuda_rt import DISABLE_TIMING, NOT_READY, Mark, Marks, Runtime
+from cmoe.executor.cuda_rt import DISABLE_TIMING, H2D, NOT_READY, Mark, Marks, Runtime
 from cmoe.executor.streams import MARKS_PER_LAYER, Clock, DevicePool
 
 
@@ -27,6 +28,7 @@ class FakeRuntime:
         self.at: dict[int, int] = {}
         self.tick = 0
         self.pending: set[int] = set()
+        self.fail_destroy: set[int] = set()
 
     def event(self, flags=0):
         self.made += 1
@@ -54,6 +56,11 @@ class FakeRuntime:
 
     def destroy(self, ev):
         self.calls.append(("destroy", ev))
+        if ev in self.fail_destroy:
+            raise RuntimeError(f"cudaEventDestroy failed: event {ev}")
+
+    def copy(self, dst, src, n, kind, stream):
+        self.calls.append(("copy", dst, src, n, kind, stream))
 
     def take(self):
         out, self.calls = self.calls, []
@@ -87,6 +94,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "Event", _TorchEvent)
+    monkeypatch.setattr(torch.cuda, "device", lambda device=None: contextlib.nullcontext())
     _TorchEvent.made = []
     return stream
 
@@ -187,9 +195,10 @@ def test_the_clock_takes_the_runtime_and_falls_back_to_torch_without_it(fake_cud
     ev = torch_clock.mark(s)
     assert isinstance(ev, _TorchEvent) and ev.recorded == [s] and torch_clock.us(ev) == 250.0
     torch_clock.wait(ev)
-    torch_clock.reserve(passes=3, layers=2)
+    before = len(_TorchEvent.made)
+    torch_clock.reserve(passes=3, layers=2)                            # torch makes its events as it marks
     torch_clock.close()
-    assert ev.synced == 1 and rt.calls == []
+    assert ev.synced == 1 and len(_TorchEvent.made) == before and rt.calls == []
     monkeypatch.setattr(Runtime, "get", classmethod(lambda cls: None))   # not found: torch
     assert Clock(cuda).calls == "torch"
     monkeypatch.setattr(Runtime, "get", classmethod(lambda cls: rt))
@@ -242,3 +251,107 @@ def test_the_runtime_binds_its_calls_and_raises_with_its_message():
         with pytest.raises(RuntimeError, match=f"{name} failed: error 1"):
             call()
         assert lib.calls == [name, "cudaGetLastError"]
+
+
+def _fake_pool(rt, slots=2, nbytes=4):
+    """A DevicePool on a faked device: copy stream handle 11, compute stream handle 7, slot
+    addresses 1000, 2000, .. (its constructor allocates on the device, so it is put together here)."""
+    pool = DevicePool.__new__(DevicePool)
+    pool.layout = SimpleNamespace(slots=[slots])
+    pool.device, pool.cuda, pool._rt = torch.device("cuda"), True, rt
+    pool.raw = [[torch.zeros(nbytes, dtype=torch.uint8) for _ in range(slots)]]
+    pool.expert = [[-1] * slots]
+    pool.copy_stream, pool._cp_handle = SimpleNamespace(cuda_stream=11), 11
+    pool.compute, pool.compute_h = SimpleNamespace(cuda_stream=7), 7
+    pool._dst_ptr = [[1000 * (s + 1) for s in range(slots)]]
+    pool._nbytes, pool._direct_ok = nbytes, {}
+    pool._forget()
+    return pool
+
+
+def test_a_slot_is_loaded_read_and_loaded_again_in_order(fake_cuda, monkeypatch):
+    """A load waits for the slot's last read before its start mark, copies by the runtime between
+    its two marks; a read waits for the load's end mark, once; the slot's own read event is made
+    once and recorded after each read; the next load waits for it; settle destroys it."""
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    rt = FakeRuntime()
+    clock = Clock(torch.device("cuda"), rt=rt)
+    clock.reserve_events(8)
+    pool = _fake_pool(rt)
+    src = torch.arange(6, dtype=torch.uint8)
+    rt.take()
+    t0, t1 = pool.load(0, 1, 5, src, clock)
+    assert rt.take() == [("record", t0.ev, 11), ("copy", 2000, src.data_ptr(), 4, H2D, 11), ("record", t1.ev, 11)]
+    assert pool.expert[0] == [-1, 5] and pool.ready[0][1] is t1 and pool.pending[0][1]
+    pool.before_read(0, 1)
+    pool.before_read(0, 1)                                        # waited once: no second wait
+    assert rt.take() == [("wait", 7, t1.ev)]
+    pool.after_read(0, 1)
+    own = pool.own_read[0][1]
+    pool.after_read(0, 1)
+    assert rt.take() == [("event", DISABLE_TIMING), ("record", own, 7), ("record", own, 7)]
+    u0, u1 = pool.load(0, 1, 6, src, clock)
+    assert rt.take() == [("wait", 11, own), ("record", u0.ev, 11), ("copy", 2000, src.data_ptr(), 4, H2D, 11),
+                         ("record", u1.ev, 11)]
+    clock.us(u1)                                                   # its time read: it has happened
+    rt.take()
+    pool.before_read(0, 1)
+    assert rt.take() == [] and not pool.pending[0][1]
+    pool.settle()
+    assert rt.take() == [("destroy", own)]
+    assert pool.own_read == [[None, None]] and pool.was_read == [[False, False]]
+    torch_pool = _fake_pool(None)                                  # a runtime mark and a pool without the runtime
+    torch_pool.pending[0][0], torch_pool.ready[0][0] = True, clock.mark(SimpleNamespace(cuda_stream=7))
+    with pytest.raises(RuntimeError, match="built without the runtime"):
+        torch_pool.before_read(0, 0)
+
+
+def test_a_closed_clock_refuses_its_marks_and_closing_destroys_every_event(fake_cuda):
+    rt = FakeRuntime()
+    clock = Clock(torch.device("cuda"), rt=rt)
+    clock.reserve_events(3)
+    a = clock.mark(fake_cuda)
+    b = clock.mark(fake_cuda)
+    t = clock.us(a)
+    made = [c[1] for c in rt.calls if c[0] == "record"][:1] + [ev for ev in range(101, 101 + rt.made)]
+    rt.fail_destroy.add(102)                                       # one destroy fails: the rest still go
+    rt.take()
+    with pytest.raises(RuntimeError, match="event 102"):
+        clock.close()
+    assert sorted(c[1] for c in rt.take()) == sorted(set(made))
+    clock.close()                                                  # twice: nothing
+    assert rt.take() == []
+    assert clock.us(a) == t                                        # read before: kept
+    for use in (lambda: clock.us(b), lambda: clock.mark(fake_cuda), lambda: clock.done(b), lambda: clock.wait(b),
+                lambda: clock.reserve_events(1)):
+        with pytest.raises(RuntimeError, match="destroyed"):
+            use()
+    assert rt.take() == []
+
+
+def test_a_run_sizes_its_events_by_what_its_layers_can_mark():
+    from cmoe.executor.run import _reserve
+    from cmoe.executor.streams import marks_per_layer
+    assert marks_per_layer(1, 2, 8) == 11 and marks_per_layer(8, 2, 8) == 23 and marks_per_layer(8, 1, 8) == 23
+    asked = []
+    w = SimpleNamespace(spec=SimpleNamespace(num_experts=8, top_k=2))
+    cfg = SimpleNamespace(batch=1)
+    for each_pass, want in ((False, 2 + 32 * 23 + 256 * (2 + 32 * 11)), (True, 2 + 32 * 23 + (2 + 32 * 11))):
+        eng = SimpleNamespace(M=32, spans_each_pass=each_pass, clock=SimpleNamespace(reserve_events=asked.append))
+        _reserve(eng, w, cfg, 257)
+        assert asked.pop() == want
+
+
+def test_a_run_that_raises_still_destroys_its_events():
+    from cmoe.executor.engine import Engine
+    done = []
+
+    def settle():
+        done.append("settle")
+        raise RuntimeError("settle broke")
+
+    eng = SimpleNamespace(cuda=False, pool=SimpleNamespace(settle=settle),
+                          clock=SimpleNamespace(close=lambda: done.append("close")))
+    with pytest.raises(RuntimeError, match="settle broke"):
+        Engine.release(eng)
+    assert done == ["settle", "close"]

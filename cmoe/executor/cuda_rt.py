@@ -3,10 +3,13 @@ layer (issue 13), and the timing marks made with its events.
 
 Why not torch's own calls: each goes through Python wrappers and the dispatcher before it
 reaches the runtime. Measured on the H200's host (`benchmarks/host_ops_h200.py`, median per
-call): a new `torch.cuda.Event(enable_timing=True)` and its `record` 3.09 us, recording an
-existing torch event again 1.66 us, a torch `copy_(non_blocking=True)` of a 32-byte pinned
-tensor 3.48 us; the runtime's own `cudaEventRecord` through ctypes 0.84 us,
-`cudaStreamWaitEvent` 0.83 us, `cudaMemcpyAsync` of an expert 2.55 us. It is the same library
+call, `benchmarks/results/lean-h200-6/host-ops.json`): a timing mark, which needs a new event
+unless events are kept, costs 3.09 us through torch (a new `torch.cuda.Event(enable_timing=True)`
+and its `record`; recording a kept torch event again, 1.66 us) against 0.84 us for the runtime's
+`cudaEventRecord` on an event made ahead; an expert's copy 9.65 us through torch's `copy_` against
+2.55 us for `cudaMemcpyAsync`. A stream's wait costs the same either way (torch's `wait_event`
+0.82-0.88 us, `cudaStreamWaitEvent` 0.83 us): it goes through the runtime because the runtime's
+events do. What the whole step gained is in BENCHMARKS.md (seventh session). It is the same library
 torch calls (found in the process's own maps, its major version checked against torch's), so
 the same context, streams and events: a handle from torch (`stream.cuda_stream`) is valid here.
 
@@ -68,12 +71,14 @@ class Runtime:
             except OSError:
                 paths = []
             paths = [p for p in paths if not p.endswith("(deleted)")]
-            if paths:
+            for path in dict.fromkeys(paths):          # each mapped runtime, until one matches torch's
                 try:
-                    rt = cls(ctypes.CDLL(paths[0]), paths[0])
-                    cls._one = rt if rt.matches_torch() else None
+                    rt = cls(ctypes.CDLL(path), path)
                 except (OSError, AttributeError):
-                    cls._one = None
+                    continue
+                if rt.matches_torch():
+                    cls._one = rt
+                    break
         return cls._one
 
     def matches_torch(self) -> bool:
@@ -158,6 +163,7 @@ class Marks:
         self.free: list[int] = []              # events whose last mark was read
         self.made: list[int] = []              # every event made here (the pool's, the reference, ordering ones)
         self.late = 0                          # events made on demand, the reserve being used up
+        self.closed = False
         with self._on():
             self.ref = self._new(0)            # the clock's zero: the marks' times are read against it
         rt.record(self.ref, stream)
@@ -173,16 +179,24 @@ class Marks:
 
     def reserve(self, n: int) -> None:
         """Make events until n are free (before timing: a mark then only records)."""
+        self._check()
         with self._on():
             while len(self.free) < n:
                 self.free.append(self._new(0))
 
     def order_event(self) -> int:
         """An event for ordering alone (no timing), the caller's for as long as the clock lives."""
+        self._check()
         with self._on():
             return self._new(DISABLE_TIMING)
 
+    def _check(self) -> None:
+        if self.closed:
+            raise RuntimeError("the clock's events were destroyed (Clock.close): its marks cannot be made or read")
+
     def mark(self, stream: int) -> Mark:
+        if self.closed:
+            self._check()
         if self.free:
             ev = self.free.pop()
         else:
@@ -196,20 +210,35 @@ class Marks:
         """The mark's time, read once (it must have happened); its event then goes back to the pool."""
         t = m.t
         if t is None:
+            self._check()
             t = m.t = self.rt.elapsed_ms(self.ref, m.ev) * 1e3
             self.free.append(m.ev)
             m.ev = None
         return t
 
     def done(self, m: Mark) -> bool:
-        return m.t is not None or self.rt.query(m.ev)
+        if m.t is not None:
+            return True
+        self._check()
+        return self.rt.query(m.ev)
 
     def wait(self, m: Mark) -> None:
         if m.t is None:
+            self._check()
             self.rt.sync(m.ev)
 
     def close(self) -> None:
-        """Destroy every event made here (after the device has finished with them)."""
-        for ev in self.made:
-            self.rt.destroy(ev)
-        self.made, self.free = [], []
+        """Destroy every event made here (after the device has finished with them); every one is
+        tried, and the first failure raised after. Closing twice does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        made, self.made, self.free = self.made, [], []
+        err = None
+        for ev in made:
+            try:
+                self.rt.destroy(ev)
+            except RuntimeError as e:
+                err = err or e
+        if err is not None:
+            raise err

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from cmoe.executor.kernels import ffn
 from cmoe.executor.records import PassInput, PlanRecord, RunLog, _loads, _slot_table
 from cmoe.executor.routes import Routes
-from cmoe.executor.streams import Clock, DevicePool
+from cmoe.executor.streams import Clock, DevicePool, sleep_cycles
 from cmoe.core.metrics import classify
 from cmoe.core.timeline import STREAM, START, END, Span
 from cmoe.policy.policies import Policy
@@ -59,6 +59,8 @@ DENSE_ROWS = 16          # up to this many rows, every expert runs on all rows (
 
 
 class Engine(Routes):
+    spans_each_pass = True               # its marks read after every pass (the lean engine on CUDA: at finish)
+
     def __init__(self, model, shims, spec: ModelSpec, store, policy: Policy, device: torch.device,
                  record_plans: bool = False, owa: bool = True, lead_us: float = 0.0, hooks: bool = True):
         self.model, self.spec, self.store, self.policy, self.device = model, spec, store, policy, device
@@ -90,7 +92,7 @@ class Engine(Routes):
         self._prev_end: float | None = None
         self._cpu_views: dict = {}
         self._predicting = False
-        self._lead_cycles = _sleep_cycles(lead_us, device) if lead_us and self.cuda else 0
+        self._lead_cycles = sleep_cycles(lead_us, device) if lead_us and self.cuda else 0
         # the current pass (set by run_pass and the per-layer steps)
         self.cur: PassInput | None = None            # the pass being run
         self.begun = False                           # its layer-0 prediction and first loads are out
@@ -371,24 +373,25 @@ class Engine(Routes):
         return bad
 
     def finish(self) -> RunLog:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-        self._resolve(final=True)
-        self.pool.settle()
-        self.log.host_calls, self.log.late_events = self.clock.calls, self.clock.late
-        self.clock.close()
+        try:
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+            self._resolve(final=True)
+            self.log.host_calls, self.log.late_events = self.clock.calls, self.clock.late
+        finally:
+            self.release()
         self.log.spans.sort(key=lambda s: (s[START], s[END], s[STREAM]))
         return self.log
 
+    def release(self) -> None:
+        """The run's device events destroyed: after `finish`, or after a run that raised (the
+        events would otherwise outlive it in the process's CUDA context). Twice does nothing."""
+        try:
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+        finally:
+            try:
+                self.pool.settle()
+            finally:
+                self.clock.close()
 
-def _sleep_cycles(us: float, device: torch.device) -> int:
-    """GPU clock cycles that `torch.cuda._sleep` spins for `us` microseconds (measured once)."""
-    n = 10_000_000
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(10):              # an idle GPU clocks down: spin long enough for it to clock up first
-        torch.cuda._sleep(n)
-    s.record()
-    torch.cuda._sleep(n)
-    e.record()
-    e.synchronize()
-    return int(n * us / (s.elapsed_time(e) * 1e3))

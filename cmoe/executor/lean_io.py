@@ -7,9 +7,11 @@ On CUDA these go through the CUDA runtime torch loaded (`cmoe.executor.cuda_rt`)
 found: the read-back is its device-to-host `cudaMemcpyAsync` into the layer's pinned buffer and a
 `cudaEventRecord` of the layer's own event, waited for with `cudaEventSynchronize`; an input's row
 is one host-to-device `cudaMemcpyAsync` from its pinned staging. Measured on the H200's host
-(`benchmarks/host_ops_h200.py`, median per call): torch's `copy_(non_blocking=True)` of a 32-byte
-pinned tensor 3.48 us, a new torch event and its record 3.09 us; the runtime's `cudaEventRecord`
-0.84 us, `cudaMemcpyAsync` 2.55 us for a whole 91 MB expert. Without the runtime, torch's calls.
+(`benchmarks/host_ops_h200.py`, median per call, `benchmarks/results/lean-h200-6/host-ops.json`):
+torch's `copy_(non_blocking=True)` of a 32-byte pinned tensor 3.48 us, a new torch event and its
+record 3.09 us; the runtime's `cudaEventRecord` 0.84 us. The runtime's small copies and its
+read-back have not been timed alone (the script times them now; its expert copy took 2.55 us);
+the whole step's change is in BENCHMARKS.md (seventh session). Without the runtime, torch's calls.
 """
 
 from __future__ import annotations
@@ -35,7 +37,11 @@ class HostIO:
         got = self._rb_pin[m]
         if got is None or got[0].shape != rb.shape:
             pin = torch.empty(rb.shape, dtype=rb.dtype, pin_memory=True)
-            got = self._rb_pin[m] = (pin, self.clock.order_event() if rt is not None else None)
+            ev = None
+            if rt is not None:                             # the layer's event, made once a run (`_rb_pin`
+                order = self.__dict__.setdefault("_rb_order", {})   # is made anew every eager pass)
+                ev = order.get(m) or order.setdefault(m, self.clock.order_event())
+            got = self._rb_pin[m] = (pin, ev)
         pin, ev = got
         if ev is not None and rb.is_contiguous():          # the runtime's copy and the layer's own event
             h = self.pool.compute_h

@@ -24,6 +24,7 @@ from cmoe.executor.checks import check_gpu_fits, check_trace_matches, mem_availa
 from cmoe.executor.engine import Engine
 from cmoe.executor.records import PassInput, RunLog
 from cmoe.executor.replay_rows import replay_passes
+from cmoe.executor.streams import run_events
 from cmoe.executor.layout import expert_layout, slot_size
 from cmoe.core.metrics import summary
 from cmoe.policy.budget import expert_budget
@@ -263,6 +264,7 @@ def run_policy(w: Workload, cfg: ExecConfig, policy_name: str) -> ExecResult:
     # batch 8) out of the collector's reach while the passes run: a full collection over them took
     # 190 ms on a 2-core host, and the H200 runs showed single stalls of ~300 ms in one run of three
     gc.freeze()
+    done = False
     try:
         if passes is not None:
             # every pass's inputs on the device before the timed loop: a replay knows them all, and a
@@ -271,17 +273,24 @@ def run_policy(w: Workload, cfg: ExecConfig, policy_name: str) -> ExecResult:
             pins = [PassInput(i, p.decode, torch.as_tensor(ids, device=dev), torch.as_tensor(pos, device=dev),
                               None, np.ones(ids.size, bool), rows) for i, (p, ids, pos, rows) in enumerate(passes)]
             eng.prepare(pins)
-            eng.clock.reserve(len(pins), eng.M)        # the timing events, made before timing
+            _reserve(eng, w, cfg, len(pins))           # the timing events, made before timing
             for pin in pins:
                 lg = eng.run_pass(pin, cache)
                 if cfg.keep_logits:
                     logits_out.append(lg.float().cpu())
         else:
             logits_out = _live(eng, w, cfg, cache)
+        done = True
     finally:
         gc.unfreeze()
         eng.close()
-    log = eng.finish()
+        if not done:
+            eng.release()                              # a run that raised: its device events destroyed
+    try:
+        log = eng.finish()
+    except BaseException:
+        eng.release()
+        raise
     if cfg.record_plans:
         log.slot_mismatches = eng.check_slots()
     del cache
@@ -289,6 +298,11 @@ def run_policy(w: Workload, cfg: ExecConfig, policy_name: str) -> ExecResult:
         torch.cuda.empty_cache()
     return ExecResult(policy_name, layout, budget, log, metrics(log, w, cfg, policy_name, layout), logits_out)
 
+
+def _reserve(eng: Engine, w: Workload, cfg: ExecConfig, passes: int) -> None:
+    """The run's timing events, made before timing (`streams.run_events`)."""
+    spec = w.spec
+    eng.clock.reserve_events(run_events(passes, eng.M, spec.num_experts, spec.top_k, cfg.batch, eng.spans_each_pass))
 
 def _live(eng: Engine, w: Workload, cfg: ExecConfig, cache) -> list:
     dev = w.device
@@ -304,7 +318,7 @@ def _live(eng: Engine, w: Workload, cfg: ExecConfig, cache) -> list:
     out = []
     active = mask.cpu().numpy().reshape(-1).astype(bool)
     steps = cfg.tokens if cfg.teacher is None else min(cfg.tokens, len(cfg.teacher))
-    eng.clock.reserve(1 + steps, eng.M)
+    _reserve(eng, w, cfg, 1 + steps)
     lg = eng.run_pass(PassInput(0, False, ids, pos, mask if not active.all() else None, active), cache)
     if cfg.keep_logits:
         out.append(lg.float().cpu())

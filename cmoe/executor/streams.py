@@ -13,9 +13,10 @@ synchronisation.
 
 The host's cost of every call here is on a loading policy's critical path (issue 13), so the
 calls go to the CUDA runtime torch loaded, through ctypes (`cmoe.executor.cuda_rt`). Measured on
-the H200's host (`benchmarks/host_ops_h200.py`, median per call): a new torch timing event and
-its `record` 3.09 us against the runtime's `cudaEventRecord` 0.84 us on an event made ahead
-(`cuda_rt.Marks`); `cudaStreamWaitEvent` 0.83 us; torch's `copy_` of an expert's 91 MB pinned
+the H200's host (`benchmarks/host_ops_h200.py`, median per call,
+`benchmarks/results/lean-h200-6/host-ops.json`): a new torch timing event and its `record` 3.09 us
+(a kept one recorded again 1.66) against the runtime's `cudaEventRecord` 0.84 us on an event made
+ahead (`cuda_rt.Marks`); a stream's wait the same either way (0.82-0.88 us); torch's `copy_` of an expert's 91 MB pinned
 slice 9.7 us and entering the copy stream's context 8.8 us, where `cudaMemcpyAsync` on that
 stream costs 2.6 us (the pinned store outlives every copy, so torch's pinned-memory bookkeeping
 has nothing to track); `torch.cuda.current_stream()` 4.7 us, so the compute stream is looked up
@@ -36,8 +37,25 @@ from cmoe.executor.layout import ExpertLayout
 from cmoe.policy.pool import PoolLayout
 
 # timing marks a pass makes per MoE layer, for the events made before timing (`Clock.reserve`): a
-# loading policy's layer makes five (its entry, plan, launch start and end, exit) and two a load
+# loading policy's layer makes five (its entry, plan, launch start and end, exit), two a further
+# launch (wave) and two a load; MARKS_PER_LAYER is the default, `marks_per_layer` the bound a run uses
 MARKS_PER_LAYER = 10
+
+
+def marks_per_layer(rows: int, top_k: int, experts: int, waves: int = 2) -> int:
+    """The most marks a layer makes: five, two for each further launch, two a load, and a layer
+    loads at most the experts its rows route to (rows * top_k) or the layer's experts."""
+    return 5 + 2 * (waves - 1) + 2 * min(experts, rows * top_k)
+
+
+def run_events(passes: int, layers: int, experts: int, top_k: int, batch: int, each_pass: bool) -> int:
+    """The timing events a run marks with, made before timing: the first pass (the prefill) may
+    load any expert, a decode pass those its rows route to; an engine that reads its marks after
+    every pass (the reference) reuses them, so two passes' worth do."""
+    if each_pass:
+        passes = min(passes, 2)
+    first = 2 + layers * marks_per_layer(experts, 1, experts)
+    return first + (passes - 1) * (2 + layers * marks_per_layer(batch, top_k, experts))
 
 
 class Clock:
@@ -45,7 +63,7 @@ class Clock:
     None: torch's events."""
 
     def __init__(self, device: torch.device, rt: "Runtime | None | bool" = True):
-        self.cuda = device.type == "cuda"
+        self.cuda, self.device = device.type == "cuda", device
         self.rt = None
         self._marks: Marks | None = None
         if self.cuda:
@@ -78,7 +96,7 @@ class Clock:
         if not self.cuda:
             return self.host()
         if self._marks is not None:
-            return self._marks.mark((stream if stream is not None else torch.cuda.current_stream()).cuda_stream)
+            return self._marks.mark((stream if stream is not None else torch.cuda.current_stream(self.device)).cuda_stream)
         ev = torch.cuda.Event(enable_timing=True)
         ev.record(stream)
         return ev
@@ -100,10 +118,15 @@ class Clock:
         elif not isinstance(h, float):
             h.synchronize()
 
-    def reserve(self, passes: int, layers: int) -> None:
-        """Before timing: the events `passes` passes of `layers` MoE layers mark with, made now."""
+    def reserve(self, passes: int, layers: int, per_layer: int = MARKS_PER_LAYER) -> None:
+        """Before timing: the events `passes` passes of `layers` MoE layers mark with (`per_layer`
+        marks a layer at most, `marks_per_layer`), made now."""
+        self.reserve_events(passes * (2 + layers * per_layer))
+
+    def reserve_events(self, n: int) -> None:
+        """Before timing: n timing events free, made now (runtime clocks; torch makes its own)."""
         if self._marks is not None:
-            self._marks.reserve(passes * (2 + layers * MARKS_PER_LAYER))
+            self._marks.reserve(n)
 
     def order_event(self) -> int:
         """A runtime event for ordering alone, destroyed with the clock (runtime clocks only)."""
@@ -202,11 +225,14 @@ class DevicePool:
     def _wait(self, stream, handle: int, ev) -> None:
         """`stream` (torch's, and its handle) waits for `ev`: a runtime mark (none once its time was
         read: it has happened), a runtime event, or a torch event."""
-        if type(ev) is Mark:
-            if ev.ev is not None:
+        if type(ev) is Mark or type(ev) is int:
+            if self._rt is None:
+                raise RuntimeError("a runtime event reached a pool built without the runtime: build the "
+                                   "DevicePool with its clock's runtime (rt=clock.rt)")
+            if type(ev) is int:
+                self._rt.wait(handle, ev)
+            elif ev.ev is not None:
                 self._rt.wait(handle, ev.ev)
-        elif type(ev) is int:
-            self._rt.wait(handle, ev)
         else:
             stream.wait_event(ev)
 
@@ -222,7 +248,8 @@ class DevicePool:
             own = self.own_read[m][slot]
             if self._rt is not None:
                 if own is None:
-                    own = self.own_read[m][slot] = self._rt.event(DISABLE_TIMING)
+                    with torch.cuda.device(self.device):   # an event belongs to the device current when made
+                        own = self.own_read[m][slot] = self._rt.event(DISABLE_TIMING)
                 self._rt.record(own, self.compute_h)
             else:
                 if own is None:
@@ -245,3 +272,16 @@ class DevicePool:
             for ev in (e for row in self.own_read for e in row if e is not None):
                 self._rt.destroy(ev)
         self._forget()
+
+
+def sleep_cycles(us: float, device: torch.device) -> int:
+    """GPU clock cycles that `torch.cuda._sleep` spins for `us` microseconds (measured once)."""
+    n = 10_000_000
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(10):              # an idle GPU clocks down: spin long enough for it to clock up first
+        torch.cuda._sleep(n)
+    s.record()
+    torch.cuda._sleep(n)
+    e.record()
+    e.synchronize()
+    return int(n * us / (s.elapsed_time(e) * 1e3))

@@ -73,7 +73,7 @@ class KernelConfig:
     split13: int = 1     # split-K of w13 (partials in Workspace.part, summed by `_gate_up_kernel`)
     unroll13: int = 1    # the w13 kernel's k-unit loop unrolled this many times (more loads in flight)
     unroll2: int = 1     # the same for w2
-    stg13: int = 0       # the w13 k-unit loop's own num_stages (0: unset; >= 2 pipelines its loads)
+    stg13: int = 0       # the w13 k-unit loop's own num_stages (0: the launch's; measured no faster)
     stg2: int = 0        # the same for w2
 
 

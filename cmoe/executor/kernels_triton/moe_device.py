@@ -80,9 +80,10 @@ def _units(wp, sp, NR, N, K, pid_k, UPS, rn, mn, wrow, wmask, xrow, rk, mrow, on
     """The whole k-units of split pid_k (UPS units a split): the accumulators (acc_g, acc_u, and
     without DEQ the open group's a_g, a_u, xs) after them, from zero. UNR > 1 unrolls the unit loop
     that many times, so that the weight loads of UNR units are issued before the first is used.
-    STG (None: Triton's choice) sets the loop's own `num_stages`: Triton pipelines the loads of a
-    loop (cp.async into shared memory, STG - 1 units ahead) when the loop names its stages, which
-    keeps more bytes in flight per CTA without holding them in registers."""
+    STG (None: the launch's num_stages) sets the loop's own stages. The loop has dots, so Triton
+    already pipelines its loads at the launch's stages (36-48 cp.async in its sm_90 code); naming
+    them measured no faster on the H200 (29.7 against 29.6 us, BENCHMARKS.md, seventh session), so
+    CONFIGS leave it unset. (A loop without dots is pipelined only when it names its stages.)"""
     acc_g = zero
     acc_u = zero
     a_g = zero
