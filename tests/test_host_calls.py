@@ -340,6 +340,8 @@ def test_a_run_sizes_its_events_by_what_its_layers_can_mark():
         eng = SimpleNamespace(M=32, spans_each_pass=each_pass, clock=SimpleNamespace(reserve_events=asked.append))
         _reserve(eng, w, cfg, 257)
         assert asked.pop() == want
+    from cmoe.executor.streams import RESERVE_MAX, run_events
+    assert run_events(257, 26, 64, 8, 8, False) == RESERVE_MAX     # many experts: capped, the rest made late
 
 
 def test_a_run_that_raises_still_destroys_its_events():

@@ -51,11 +51,16 @@ def marks_per_layer(rows: int, top_k: int, experts: int, waves: int = 2) -> int:
 def run_events(passes: int, layers: int, experts: int, top_k: int, batch: int, each_pass: bool) -> int:
     """The timing events a run marks with, made before timing: the first pass (the prefill) may
     load any expert, a decode pass those its rows route to; an engine that reads its marks after
-    every pass (the reference) reuses them, so two passes' worth do."""
+    every pass (the reference) reuses them, so two passes' worth do. At most RESERVE_MAX: a
+    many-expert model's bound would make far more than it uses, and a run past it reports the
+    events it made late (`late_events`)."""
     if each_pass:
         passes = min(passes, 2)
     first = 2 + layers * marks_per_layer(experts, 1, experts)
-    return first + (passes - 1) * (2 + layers * marks_per_layer(batch, top_k, experts))
+    return min(RESERVE_MAX, first + (passes - 1) * (2 + layers * marks_per_layer(batch, top_k, experts)))
+
+
+RESERVE_MAX = 1 << 17       # events made before timing at most (Mixtral, 256 tokens, batch 1: 91,362)
 
 
 class Clock:
