@@ -16,7 +16,6 @@ where a call would otherwise find it idle.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import statistics
 import sys
@@ -44,16 +43,10 @@ def _per_call(fn, n: int, setup=None) -> float:
 
 
 def _cudart():
-    """The CUDA runtime torch loaded (the executor's own lookup, `cuda_rt.Runtime`), its library with
-    the calls bound again as the first measurements did; (None, None) where it is not found."""
+    """The CUDA runtime torch loaded (the executor's own lookup, `cuda_rt.Runtime`) and its library,
+    whose calls `Runtime` bound (the raw ctypes calls are timed); (None, None) where it is not found."""
     rt = Runtime.get()
-    if rt is None:
-        return None, None
-    lib = rt._lib
-    lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-    lib.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    lib.cudaStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
-    return lib, rt.path
+    return (None, None) if rt is None else (rt._lib, rt.path)
 
 
 def _executor_calls(r: dict, n: int, dev, cs, keep_busy) -> None:

@@ -175,7 +175,7 @@ class LeanEngine(HostSteps, Segments, Engine):
             k["comm_np"] = k["comm_h"].numpy()
         k.update({a + "_m": list(k[a]) for a in ("ids", "w", "ids_h", "w_h", "comm", "comm_h") if a in k})
         self.kin = k
-        self._rb_pin = [None] * M
+        self._rb_pin = self._rb_pin if len(self._rb_pin) == M else [None] * M   # kept: a buffer per shape
 
     # --- a pass ----------------------------------------------------------------------------------
     def run_pass(self, p, cache) -> torch.Tensor:

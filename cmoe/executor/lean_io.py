@@ -35,12 +35,9 @@ class HostIO:
             return rb.numpy(), None
         rt = self.clock.rt
         got = self._rb_pin[m]
-        if got is None or got[0].shape != rb.shape:
-            pin = torch.empty(rb.shape, dtype=rb.dtype, pin_memory=True)
-            ev = None
-            if rt is not None:                             # the layer's event, made once a run (`_rb_pin`
-                order = self.__dict__.setdefault("_rb_order", {})   # is made anew every eager pass)
-                ev = order.get(m) or order.setdefault(m, self.clock.order_event())
+        if got is None or got[0].shape != rb.shape:        # a new shape (prefill, then decode): a new
+            pin = torch.empty(rb.shape, dtype=rb.dtype, pin_memory=True)   # buffer, the layer's event kept
+            ev = got[1] if got is not None else self.clock.order_event() if rt is not None else None
             got = self._rb_pin[m] = (pin, ev)
         pin, ev = got
         if ev is not None and rb.is_contiguous():          # the runtime's copy and the layer's own event

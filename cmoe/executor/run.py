@@ -264,33 +264,31 @@ def run_policy(w: Workload, cfg: ExecConfig, policy_name: str) -> ExecResult:
     # batch 8) out of the collector's reach while the passes run: a full collection over them took
     # 190 ms on a 2-core host, and the H200 runs showed single stalls of ~300 ms in one run of three
     gc.freeze()
-    done = False
+    finished = False
     try:
-        if passes is not None:
-            # every pass's inputs on the device before the timed loop: a replay knows them all, and a
-            # live engine's come from its own argmax on the device, so copying them in the loop would
-            # charge the engine a host step it does not have (on the H200 ~250 us a pass with the GPU idle)
-            pins = [PassInput(i, p.decode, torch.as_tensor(ids, device=dev), torch.as_tensor(pos, device=dev),
-                              None, np.ones(ids.size, bool), rows) for i, (p, ids, pos, rows) in enumerate(passes)]
-            eng.prepare(pins)
-            _reserve(eng, w, cfg, len(pins))           # the timing events, made before timing
-            for pin in pins:
-                lg = eng.run_pass(pin, cache)
-                if cfg.keep_logits:
-                    logits_out.append(lg.float().cpu())
-        else:
-            logits_out = _live(eng, w, cfg, cache)
-        done = True
-    finally:
-        gc.unfreeze()
-        eng.close()
-        if not done:
-            eng.release()                              # a run that raised: its device events destroyed
-    try:
+        try:
+            if passes is not None:
+                # every pass's inputs on the device before the timed loop: a replay knows them all, and a
+                # live engine's come from its own argmax on the device, so copying them in the loop would
+                # charge the engine a host step it does not have (on the H200 ~250 us a pass with the GPU idle)
+                pins = [PassInput(i, p.decode, torch.as_tensor(ids, device=dev), torch.as_tensor(pos, device=dev),
+                                  None, np.ones(ids.size, bool), rows) for i, (p, ids, pos, rows) in enumerate(passes)]
+                eng.prepare(pins)
+                _reserve(eng, w, cfg, len(pins))           # the timing events, made before timing
+                for pin in pins:
+                    lg = eng.run_pass(pin, cache)
+                    if cfg.keep_logits:
+                        logits_out.append(lg.float().cpu())
+            else:
+                logits_out = _live(eng, w, cfg, cache)
+        finally:
+            gc.unfreeze()
+            eng.close()
         log = eng.finish()
-    except BaseException:
-        eng.release()
-        raise
+        finished = True
+    finally:
+        if not finished:
+            eng.release()                              # a run, or its finish, that raised: its device events destroyed
     if cfg.record_plans:
         log.slot_mismatches = eng.check_slots()
     del cache
