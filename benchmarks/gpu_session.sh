@@ -13,6 +13,9 @@
 #   bash benchmarks/gpu_session.sh host-ab    # issue 13: the host's step by phase, batch 1, pool 20, in four
 #                                             # processes alternating .before/ (a tree to compare against,
 #                                             # carried) and this tree; logs and JSON under $OUT/host-ab/
+#   bash benchmarks/gpu_session.sh ncu        # issue 14: the M = 1 kernels under Nsight Compute (counters,
+#                                             # stall reasons, per-instruction samples) into $OUT/ncu.tgz
+#   bash benchmarks/gpu_session.sh host-tests # the host-call, lean and reference-engine GPU tests (~1 min)
 #   bash benchmarks/gpu_session.sh validate-r 1,2,4   # the same with every configuration run twice (--repeat),
 #   bash benchmarks/gpu_session.sh validate-r 8       # in two calls: all four batches took over 450 s of runs
 #                                             # on the H200 (sixth session); each call calibrates again
@@ -32,6 +35,16 @@ case "${1:-}" in
          --policies ondemand,lru-prefetch,commit,oracle ;;
   cpu48) timeout 570 $B --out "$OUT/cpu48" --batches 4,8 --pools 20,16,26 --engines lean --repeats 0 \
            --policies lfu-fallback,static ;;
+  host-tests) timeout 200 python3 -m pytest -q -m gpu tests/test_host_calls_gpu.py tests/test_lean_gpu.py \
+                tests/test_executor_gpu.py -p no:cacheprovider | tail -15 ;;
+  ncu) N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1); mkdir -p /tmp/ncu
+       timeout 120 python3 benchmarks/kernel_ncu.py --time --reps 2 | tee /tmp/ncu/time.log
+       timeout 400 "$N" --clock-control none --set full -k 'regex:_expert_mm|_stream' --launch-count 6 -f \
+         -o /tmp/ncu/k python3 benchmarks/kernel_ncu.py --reps 2 > /tmp/ncu/run.log 2>&1 || tail -5 /tmp/ncu/run.log
+       "$N" -i /tmp/ncu/k.ncu-rep --page details --csv > /tmp/ncu/details.csv 2>&1 || true
+       "$N" -i /tmp/ncu/k.ncu-rep --page source --csv --print-source sass > /tmp/ncu/source.csv 2>&1 || true
+       "$N" -i /tmp/ncu/k.ncu-rep --page raw --csv > /tmp/ncu/raw.csv 2>&1 || true
+       (cd /tmp && tar czf "$OUT/ncu.tgz" ncu); ls -la /tmp/ncu ;;
   gptq) timeout 300 python3 benchmarks/gptq_h200.py run --src .gq --out "$OUT/gptq-h200.json" 2>&1 | tail -30 ;;
   validate) timeout 560 python3 benchmarks/validate_h200.py --out /tmp/v --pools 16,20,26 --batches 1,2,4,8 \
               --tokens 32 --policies upper,ondemand,lru-prefetch,commit,oracle --measure-only \
@@ -53,5 +66,5 @@ case "${1:-}" in
                 | grep -E "^lean|host phases|Error|error" > "$OUT/host-ab/$t$i.log") || true
            done; done
            grep -h "^lean" "$OUT"/host-ab/*.log | cut -c1-150 || true ;;
-  *) echo "usage: $0 tests|gptq|b1|b48|cpu48|validate|validate-r BATCHES|host-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|host-tests|ncu|gptq|b1|b48|cpu48|validate|validate-r BATCHES|host-ab" >&2; exit 2 ;;
 esac
