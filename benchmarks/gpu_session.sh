@@ -15,6 +15,8 @@
 #                                             # carried) and this tree; logs and JSON under $OUT/host-ab/
 #   bash benchmarks/gpu_session.sh ncu        # issue 14: the M = 1 kernels under Nsight Compute (counters,
 #                                             # stall reasons, per-instruction samples) into $OUT/ncu.tgz
+#   bash benchmarks/gpu_session.sh variants   # issue 14: kernel variants against the committed configs, M 1-16
+#   bash benchmarks/gpu_session.sh ncu-variants [NAMES]  # the same variants' M = 1 launches under ncu
 #   bash benchmarks/gpu_session.sh host-tests # the host-call, lean and reference-engine GPU tests (~1 min)
 #   bash benchmarks/gpu_session.sh validate-r 1,2,4   # the same with every configuration run twice (--repeat),
 #   bash benchmarks/gpu_session.sh validate-r 8       # in two calls: all four batches took over 450 s of runs
@@ -45,6 +47,14 @@ case "${1:-}" in
        "$N" -i /tmp/ncu/k.ncu-rep --page source --csv --print-source sass > /tmp/ncu/source.csv 2>&1 || true
        "$N" -i /tmp/ncu/k.ncu-rep --page raw --csv > /tmp/ncu/raw.csv 2>&1 || true
        (cd /tmp && tar czf "$OUT/ncu.tgz" ncu); ls -la /tmp/ncu ;;
+  variants) timeout 300 python3 benchmarks/kernel_variants_h200.py --out "$OUT/variants" 2>&1 | grep -v Warning ;;
+  ncu-variants) N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1); mkdir -p /tmp/ncuv
+       timeout 300 "$N" --clock-control none --set full -k 'regex:_expert_mm|_gate_up' -f -o /tmp/ncuv/v \
+         python3 benchmarks/kernel_variants_h200.py --launch-only --ms 1 --variants "${2:-committed,pairs-piped,split13-2}" \
+         > /tmp/ncuv/run.log 2>&1 || tail -5 /tmp/ncuv/run.log
+       "$N" -i /tmp/ncuv/v.ncu-rep --page raw --csv > /tmp/ncuv/raw.csv 2>&1 || true
+       "$N" -i /tmp/ncuv/v.ncu-rep --page source --csv --print-source sass > /tmp/ncuv/source.csv 2>&1 || true
+       (cd /tmp && tar czf "$OUT/ncuv.tgz" ncuv/raw.csv ncuv/source.csv ncuv/run.log); ls -la /tmp/ncuv ;;
   gptq) timeout 300 python3 benchmarks/gptq_h200.py run --src .gq --out "$OUT/gptq-h200.json" 2>&1 | tail -30 ;;
   validate) timeout 560 python3 benchmarks/validate_h200.py --out /tmp/v --pools 16,20,26 --batches 1,2,4,8 \
               --tokens 32 --policies upper,ondemand,lru-prefetch,commit,oracle --measure-only \
@@ -66,5 +76,5 @@ case "${1:-}" in
                 | grep -E "^lean|host phases|Error|error" > "$OUT/host-ab/$t$i.log") || true
            done; done
            grep -h "^lean" "$OUT"/host-ab/*.log | cut -c1-150 || true ;;
-  *) echo "usage: $0 tests|host-tests|ncu|gptq|b1|b48|cpu48|validate|validate-r BATCHES|host-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|host-tests|ncu|variants|ncu-variants|gptq|b1|b48|cpu48|validate|validate-r BATCHES|host-ab" >&2; exit 2 ;;
 esac

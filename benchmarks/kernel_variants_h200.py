@@ -1,0 +1,144 @@
+"""Variants of the expert kernel against the committed configuration, in one run (issue 14).
+
+For each M and each variant (the committed `pick_config(M)` with some fields replaced), on
+Mixtral-8x7B shapes (W4A16 g128, random codes in the tiled layout): the w13 launch alone (with
+split13 > 1 its reduction too), the w2 launch alone, one expert through `moe_triton` and a layer of
+8 experts at top-2, each the median of CUDA-graph replays rotating over slots so that nothing is
+served from L2 (`expert_kernel_h200.graph_us`); and the error of the expert and of the layer
+against `moe_reference` in fp32 (a variant that misses the committed tolerance is reported, not
+timed). Effective bandwidth = the bytes read (codes and (scale, zero) pairs) over the time.
+
+    python3 benchmarks/kernel_variants_h200.py --out $OUT/variants            # ~1-2 min on the H200
+    python3 benchmarks/kernel_variants_h200.py --launch-only --ms 1           # for ncu: launches only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.expert_kernel_h200 import graph_us, hbm_tbps  # noqa: E402
+from benchmarks.kernel_probe_h200 import FF, G, H, _experts, _rel  # noqa: E402
+from cmoe.executor.moe_kernel import tiled_layout  # noqa: E402
+
+# name -> the fields replaced in the committed configuration
+VARIANTS: dict[str, dict] = {
+    "committed": {},
+    "pairs-piped": dict(spd13=0, stg13=3, spd2=0, stg2=3),      # (scale, zero) pairs streamed by cp.async
+    "pairs-piped-4": dict(spd13=0, stg13=4, spd2=0, stg2=4),
+    "split13-2": dict(split13=2),
+    "split13-4": dict(split13=4),
+    "piped-split13-2": dict(spd13=0, stg13=3, spd2=0, stg2=3, split13=2),
+    "piped-bn16": dict(spd13=0, stg13=3, spd2=0, stg2=3, bn13=16, warps13=1),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="out/variants")
+    ap.add_argument("--ms", default="1,2,4,8,16")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--launch-only", action="store_true", help="launch w13 and w2 of each variant twice (ncu)")
+    args = ap.parse_args()
+    from cmoe.executor.kernels_triton import Workspace, moe_triton, pick_config
+    from cmoe.executor.kernels_triton import moe as K
+    from cmoe.executor.moe_kernel import moe_reference
+
+    t0 = time.time()
+    names = args.variants.split(",")
+    ms = [int(v) for v in args.ms.split(",")]
+    lay = tiled_layout(f"w4g{G}", H, FF)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pool = _experts(lay, 4 if args.launch_only else 16, gen)
+    tables = [torch.tensor([r], dtype=torch.int32, device="cuda") for r in range(4)]
+    lay_tables = [torch.arange(8, dtype=torch.int32, device="cuda") + 8 * i for i in range(2)]
+    b13 = lay.part("w13").nbytes + lay.part("w13_sz").nbytes
+    b2 = lay.part("w2").nbytes + lay.part("w2_sz").nbytes
+    data = {}
+    for M in ms:
+        x = torch.randn(M, H, device="cuda", generator=gen).to(torch.bfloat16)
+        ws = Workspace(M, 1, H, FF, 1, "cuda")
+        K.launch_route(ws, torch.zeros(M, 1, dtype=torch.int32, device="cuda"))
+        ws.h.normal_()
+        data[M] = (x, torch.ones(M, 1, device="cuda"), ws)
+    cfgs = {(n, M): replace(pick_config(M), **VARIANTS[n]) for n in names for M in ms}
+
+    def w13(M, c, t, warmup=False):
+        x, _, ws = data[M]
+        return K.launch_w13(ws, x, t, pool, lay, 1, c, warmup=warmup)
+
+    def w2(M, c, t, warmup=False):
+        _, wts, ws = data[M]
+        return K.launch_w2(ws, wts, t, pool, lay, 1, M, c, warmup=warmup)
+
+    with ThreadPoolExecutor(16) as ex, triton.AsyncCompileMode(ex, ignore_errors=True):
+        for (n, M), c in cfgs.items():
+            w13(M, c, tables[0], warmup=True)
+            w2(M, c, tables[0], warmup=True)
+    print(f"compiled {len(cfgs)} configurations in {time.time() - t0:.0f} s", flush=True)
+    if args.launch_only:
+        for (n, M), c in cfgs.items():
+            for i in range(2):
+                w13(M, c, tables[i])
+                w2(M, c, tables[i])
+            torch.cuda.synchronize()
+            print("launched", n, M, c, flush=True)
+        return
+
+    res = {"hbm_copy_tbps": hbm_tbps(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": triton.__version__, "bytes": {"w13": b13, "w2": b2, "expert": lay.nbytes}, "rows": []}
+    for M in ms:
+        x, wts, ws = data[M]
+        ids1 = torch.zeros(M, 1, dtype=torch.int32, device="cuda")
+        lg = torch.Generator().manual_seed(100 + M)
+        ids2 = torch.stack([torch.randperm(8, generator=lg)[:2] for _ in range(M)]).int().cuda()
+        w2t = torch.rand(M, 2, generator=lg).cuda()
+        wsl = Workspace(M, 2, H, FF, 8, "cuda")
+        ref1 = moe_reference(x, ids1, wts, tables[0], pool, lay, out_dtype=torch.float32)
+        ref2 = moe_reference(x, ids2, w2t, lay_tables[0], pool, lay, out_dtype=torch.float32)
+        nexp = len(set(ids2.reshape(-1).tolist()))
+        for n in names:
+            c = cfgs[(n, M)]
+            e1 = _rel(moe_triton(x, ids1, wts, tables[0], pool, lay, workspace=ws, config=c, out_dtype=torch.float32),
+                      ref1)
+            e2 = _rel(moe_triton(x, ids2, w2t, lay_tables[0], pool, lay, workspace=wsl, config=c,
+                                 out_dtype=torch.float32), ref2)
+            row = {"M": M, "variant": n, "config": asdict(c), "expert_rel_err": e1, "layer_rel_err": e2,
+                   "ok": max(e1, e2) < (1e-2 if (c.deq or c.deq2) else 5e-3)}
+            if row["ok"]:
+                row["w13_us"] = graph_us([lambda t=t: w13(M, c, t) for t in tables])
+                row["w2_us"] = graph_us([lambda t=t: w2(M, c, t) for t in tables])
+                row["expert_us"] = graph_us([lambda t=t: moe_triton(x, ids1, wts, t, pool, lay, workspace=ws, config=c)
+                                             for t in tables])
+                row["layer_us"] = graph_us([lambda t=t: moe_triton(x, ids2, w2t, t, pool, lay, workspace=wsl,
+                                                                   config=c) for t in lay_tables])
+                row["w13_tbps"] = b13 / row["w13_us"] / 1e6
+                row["w2_tbps"] = b2 / row["w2_us"] / 1e6
+                row["expert_tbps"] = lay.nbytes / row["expert_us"] / 1e6
+                row["layer_tbps"] = nexp * lay.nbytes / row["layer_us"] / 1e6
+            res["rows"].append(row)
+            print(f"M={M:<3} {n:18} err {e1:.1e}/{e2:.1e} "
+                  + (f"w13 {row['w13_us']:6.1f} us ({row['w13_tbps']:.2f}) w2 {row['w2_us']:5.1f} ({row['w2_tbps']:.2f}) "
+                     f"expert {row['expert_us']:6.1f} ({row['expert_tbps']:.2f}) layer {row['layer_us']:6.1f} "
+                     f"({row['layer_tbps']:.2f} TB/s)" if row["ok"] else "WRONG"), flush=True)
+    res["seconds"] = time.time() - t0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "kernel_variants.json.tmp"
+    tmp.write_text(json.dumps(res, indent=1))
+    tmp.rename(out / "kernel_variants.json")
+    print(f"HBM copy {res['hbm_copy_tbps']:.2f} TB/s; took {res['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
