@@ -212,3 +212,54 @@ def test_decode_passes_take_the_lean_attention(fused_checkpoints, monkeypatch, f
     layers = len(r.layout.slots) + (1 if family == "deepseek_v2" else 0)
     assert decode == 4                                    # --tokens 4: a prefill, then 4 decode passes
     assert calls == ([2] * decode * layers if family == "qwen3_moe" else [])
+
+
+def _marks_by_layer(monkeypatch, model_dir, policies):
+    """Run `policies` on the CPU, keeping each MoE layer's host step's timing marks (each a
+    cudaEventRecord on CUDA) by the function that made it, and the mark it left in `last`."""
+    import sys
+
+    from cmoe.executor.lean import LeanEngine
+    from cmoe.executor.streams import Clock
+    made, steps = [], []
+    mark, host_layer = Clock.mark, LeanEngine._host_layer
+
+    def spy_mark(self, stream=None):
+        t = mark(self, stream)
+        made.append((sys._getframe(1).f_code.co_name, t))
+        return t
+
+    def spy_layer(self, m, graphs):
+        n = len(made)
+        host_layer(self, m, graphs)
+        steps.append((self.policy.name, self.cur.index, self.cur.decode, m, made[n:], self.last))
+    monkeypatch.setattr(Clock, "mark", spy_mark)
+    monkeypatch.setattr(LeanEngine, "_host_layer", spy_layer)
+    _, results = run_exec(model_dir, policies, fmt="w4g32", kernel="fused")
+    plans = {(r.policy, p.pass_index, p.layer): p for r in results for p in r.log.plans}
+    return steps, plans
+
+
+def test_each_layer_marks_its_entry_plan_and_launches_once(fused_checkpoints, monkeypatch):
+    """The marks of a loading policy's layer: its entry, its plan, each launch's start and end, two
+    a load (on the copy stream), a CPU experts' wait mark, and an exit mark only where something
+    follows the last launch on the compute stream: a one-launch layer's launch end is its `last`,
+    where the next layer's attention begins. upper: its entry and its launch's end."""
+    steps, plans = _marks_by_layer(monkeypatch, fused_checkpoints["mixtral"], ["upper", "ondemand", "lfu-fallback"])
+    seen = set()
+    for pol, p, _, m, made, last in steps:
+        names = [n for n, _ in made if n != "load"]
+        if pol == "upper":
+            assert names == ["_enter_layer", "_host_layer"] and last is made[-1][1]
+            continue
+        plan = plans[(pol, p, m)]
+        assert sum(n == "load" for n, _ in made) == 2 * len(plan.loads)
+        w = names.count("_launch_waves") // 2
+        one = w == 1 and not plan.cpu
+        assert names == ["_enter_layer", "_host_layer"] + ["_launch_waves"] * 2 * w + \
+            ["_host_layer"] * (bool(plan.cpu) + (not one)), (pol, p, m)
+        launch_end = [t for n, t in made if n == "_launch_waves"][-1]
+        assert (last is launch_end) == one and last is [t for n, t in made if n != "load"][-1]
+        seen.add((pol, one, w > 1, bool(plan.cpu)))
+    assert {("ondemand", True, False, False), ("ondemand", False, True, False),
+            ("lfu-fallback", False, False, True)} <= seen

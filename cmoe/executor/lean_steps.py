@@ -53,7 +53,9 @@ class HostSteps(HostIO):
                 self.cur.index, m, tuple(st["needed"]), tuple(st["predicted"]) if st["predicted"] is not None else None,
                 _loads(plan.loads), tuple(plan.gpu), tuple(plan.cpu), tuple(plan.skipped), tuple(self.pool.expert[m]),
                 tuple(_slot_table(self.policy.pool.where[m], len(self.pool.expert[m])))))
-        self.last = clock.mark(cs)
+        # one launch: nothing is queued on the compute stream after its end mark, which already
+        # marks where the layer's work ends (as silent's and commit's layers use theirs)
+        self.last = st["end"] if st["one_launch"] else clock.mark(cs)
         self.h_last = clock.host()
 
     def _loop_layer(self, m: int, graphs: bool) -> None:
@@ -137,7 +139,7 @@ class HostSteps(HostIO):
             else:
                 part = self._kernel(m, self.table[m], torch.float32)
                 y = part.clone() if y is None else y + part
-            t1 = due = clock.mark(cs)
+            t1 = due = st["end"] = clock.mark(cs)
             self._tick("launch")
             self._fused_span(d, wave, t0, t1)
             self.pool.mark_read(m, [plan.slots[e] for e in wave], t1 if self.cuda else None)

@@ -37,14 +37,15 @@ from cmoe.executor.layout import ExpertLayout
 from cmoe.policy.pool import PoolLayout
 
 # timing marks a pass makes per MoE layer, for the events made before timing (`Clock.reserve`): a
-# loading policy's layer makes five (its entry, plan, launch start and end, exit), two a further
-# launch (wave) and two a load; MARKS_PER_LAYER is the default, `marks_per_layer` the bound a run uses
+# loading policy's layer makes four in one launch (its entry, plan, launch start and end), in more
+# launches (waves) two a further launch and an exit mark, and two a load; MARKS_PER_LAYER is the
+# default, `marks_per_layer` the bound a run uses
 MARKS_PER_LAYER = 10
 
 
 def marks_per_layer(rows: int, top_k: int, experts: int, waves: int = 2) -> int:
-    """The most marks a layer makes: five, two for each further launch, two a load, and a layer
-    loads at most the experts its rows route to (rows * top_k) or the layer's experts."""
+    """The most marks a layer makes: five (four in one launch), two for each further launch, two a
+    load, and a layer loads at most the experts its rows route to (rows * top_k) or the layer's experts."""
     return 5 + 2 * (waves - 1) + 2 * min(experts, rows * top_k)
 
 
