@@ -283,8 +283,8 @@ def test_a_slot_is_loaded_read_and_loaded_again_in_order(fake_cuda, monkeypatch)
     t0, t1 = pool.load(0, 1, 5, src, clock)
     assert rt.take() == [("record", t0.ev, 11), ("copy", 2000, src.data_ptr(), 4, H2D, 11), ("record", t1.ev, 11)]
     assert pool.expert[0] == [-1, 5] and pool.ready[0][1] is t1 and pool.pending[0][1]
-    pool.before_read(0, 1)
-    pool.before_read(0, 1)                                        # waited once: no second wait
+    assert pool.before_read(0, 1) is True
+    assert pool.before_read(0, 1) is False                        # waited once: no second wait
     assert rt.take() == [("wait", 7, t1.ev)]
     pool.after_read(0, 1)
     own = pool.own_read[0][1]
@@ -295,7 +295,7 @@ def test_a_slot_is_loaded_read_and_loaded_again_in_order(fake_cuda, monkeypatch)
                          ("record", u1.ev, 11)]
     clock.us(u1)                                                   # its time read: it has happened
     rt.take()
-    pool.before_read(0, 1)
+    assert pool.before_read(0, 1) is False                        # pending, but landed: no wait queued
     assert rt.take() == [] and not pool.pending[0][1]
     pool.settle()
     assert rt.take() == [("destroy", own)]

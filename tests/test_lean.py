@@ -244,13 +244,21 @@ def test_each_layer_marks_its_entry_plan_and_launches_once(fused_checkpoints, mo
     """The marks of a loading policy's layer: its entry, its plan, each launch's start and end, two
     a load (on the copy stream), a CPU experts' wait mark, and an exit mark only where something
     follows the last launch on the compute stream: a one-launch layer's launch end is its `last`,
-    where the next layer's attention begins. upper: its entry and its launch's end."""
-    steps, plans = _marks_by_layer(monkeypatch, fused_checkpoints["mixtral"], ["upper", "ondemand", "lfu-fallback"])
+    where the next layer's attention begins. upper: its entry and its launch's end. commit's decode:
+    its entry, its plan, and its launch's start only where a copy is waited for (never on the CPU)."""
+    steps, plans = _marks_by_layer(monkeypatch, fused_checkpoints["mixtral"],
+                                   ["upper", "ondemand", "lfu-fallback", "commit"])
     seen = set()
-    for pol, p, _, m, made, last in steps:
+    for pol, p, decode, m, made, last in steps:
         names = [n for n, _ in made if n != "load"]
         if pol == "upper":
             assert names == ["_enter_layer", "_host_layer"] and last is made[-1][1]
+            continue
+        if pol == "commit" and decode:
+            assert names == ["_enter_layer", "_commit_layer", "_commit_layer"]
+            assert last is [t for n, t in made if n != "load"][-1]            # its launch's end
+            assert sum(n == "load" for n, _ in made) == 2 * len(plans[(pol, p, m)].loads)
+            seen.add((pol, decode))
             continue
         plan = plans[(pol, p, m)]
         assert sum(n == "load" for n, _ in made) == 2 * len(plan.loads)
@@ -262,4 +270,4 @@ def test_each_layer_marks_its_entry_plan_and_launches_once(fused_checkpoints, mo
         assert (last is launch_end) == one and last is [t for n, t in made if n != "load"][-1]
         seen.add((pol, one, w > 1, bool(plan.cpu)))
     assert {("ondemand", True, False, False), ("ondemand", False, True, False),
-            ("lfu-fallback", False, False, True)} <= seen
+            ("lfu-fallback", False, False, True), ("commit", True)} <= seen

@@ -184,13 +184,15 @@ class HostSteps(HostIO):
         t_plan = clock.mark(cs)                            # before the waits: a late copy shows as a gap
         self._span(d, "compute", "route", -1, t_in, t_plan)
         h0 = clock.host()
+        waited = False
         for e in chosen:
             s = slots[e]
             assert self.pool.expert[m][s] == e, f"slot {s} of layer {m} holds {self.pool.expert[m][s]}, commit says {e}"
             landed = self._landed[(m, e)] if self.pool.pending[m][s] else None
             self._experts.append((self.cur.index, False, landed, t_plan, h0))
-            self.pool.before_read(m, s)
-        t0 = clock.mark(cs)
+            waited = self.pool.before_read(m, s) or waited
+        # no wait queued: the launch starts at the plan's mark, the same stream position
+        t0 = clock.mark(cs) if waited else t_plan
         self._run_x(m, graphs)
         t1 = clock.mark(cs)
         self._fused_span(d, chosen, t0, t1)

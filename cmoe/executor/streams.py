@@ -228,9 +228,9 @@ class DevicePool:
             rt.copy(self._dst_ptr[m][slot], sp, self._nbytes, H2D, self._cp_handle)
         return ok
 
-    def _wait(self, stream, handle: int, ev) -> None:
+    def _wait(self, stream, handle: int, ev) -> bool:
         """`stream` (torch's, and its handle) waits for `ev`: a runtime mark (none once its time was
-        read: it has happened), a runtime event, or a torch event."""
+        read: it has happened), a runtime event, or a torch event. Returns whether a wait was queued."""
         if type(ev) is Mark or type(ev) is int:
             if self._rt is None:
                 raise RuntimeError("a runtime event reached a pool built without the runtime: build the "
@@ -239,14 +239,21 @@ class DevicePool:
                 self._rt.wait(handle, ev)
             elif ev.ev is not None:
                 self._rt.wait(handle, ev.ev)
+            else:
+                return False
         else:
             stream.wait_event(ev)
+        return True
 
-    def before_read(self, m: int, slot: int) -> None:
+    def before_read(self, m: int, slot: int) -> bool:
+        """The compute stream waits for the slot's pending copy, once. Returns whether a wait was
+        queued on it (none on the CPU, none for a copy known to have landed)."""
+        waited = False
         if self.pending[m][slot]:
             if self.cuda:
-                self._wait(self.compute, self.compute_h, self.ready[m][slot])
+                waited = self._wait(self.compute, self.compute_h, self.ready[m][slot])
             self.pending[m][slot] = False
+        return waited
 
     def after_read(self, m: int, slot: int) -> None:
         """A kernel read the slot: its own read event recorded on the compute stream."""
