@@ -29,36 +29,48 @@ class HostIO:
 
     def _read_back_start(self, m: int):
         """Queue the read-back copy on the compute stream (behind A_m, ahead of anything queued
-        later, such as commit's experts) and record its event; `_read_back_wait` waits for it."""
+        later, such as commit's experts) and record its event; `_read_back_wait` waits for it.
+        What the copy needs is worked out once per source tensor (`_rb_entry`): a graph's
+        read-back buffer is the same tensor every pass, so a replayed layer asks torch nothing."""
         rb = self.t["rb"][m]
         if not self.cuda:
             return rb.numpy(), None
-        rt = self.clock.rt
         got = self._rb_pin[m]
-        if got is None or got[0].shape != rb.shape:        # a new shape (prefill, then decode): a new
-            pin = torch.empty(rb.shape, dtype=rb.dtype, pin_memory=True)   # buffer, the layer's event kept
-            ev = got[1] if got is not None else self.clock.order_event() if rt is not None else None
-            got = self._rb_pin[m] = (pin, ev)
-        pin, ev = got
-        if ev is not None and rb.is_contiguous():          # the runtime's copy and the layer's own event
-            h = self.pool.compute_h
-            rt.copy(pin.data_ptr(), rb.data_ptr(), pin.nbytes, D2H, h)
+        if got is None or got[2] is not rb:
+            got = self._rb_pin[m] = self._rb_entry(rb, got)
+        pin, ev, _, args, host = got
+        if args is not None:                               # the runtime's copy and the layer's own event
+            rt, h = self.clock.rt, self.pool.compute_h
+            rt.copy(args[0], args[1], args[2], D2H, h)
             rt.record(ev, h)
-            return pin, ev
+            return host, ev
         pin.copy_(rb, non_blocking=True)
         ev = torch.cuda.Event()
         ev.record(self.cs)
-        return pin, ev
+        return host, ev
+
+    def _rb_entry(self, rb: torch.Tensor, got) -> tuple:
+        """Layer m's read-back of `rb`: (pinned buffer, the layer's runtime event or None, rb, the
+        runtime copy's (host, device, bytes) or None for torch's copy, the buffer as numpy). A new
+        shape (prefill, then decode) takes a new buffer; the layer's event is kept."""
+        rt = self.clock.rt
+        if got is None or got[0].shape != rb.shape:
+            pin = torch.empty(rb.shape, dtype=rb.dtype, pin_memory=True)
+            ev = got[1] if got is not None else self.clock.order_event() if rt is not None else None
+        else:
+            pin, ev = got[0], got[1]
+        args = (pin.data_ptr(), rb.data_ptr(), pin.nbytes) if ev is not None and rb.is_contiguous() else None
+        return pin, ev, rb, args, pin.numpy()
 
     def _read_back_wait(self, started) -> np.ndarray:
-        pin, ev = started
+        host, ev = started
         if ev is None:
-            return pin
+            return host
         if type(ev) is int:
             self.clock.rt.sync(ev)
         else:
             ev.synchronize()
-        return pin.numpy()
+        return host
 
     def _set_table(self, m: int, slots: dict[int, int], wave: int = 0) -> None:
         """Row m of the device's expert -> slot table, for one launch (`wave`) of the layer: written

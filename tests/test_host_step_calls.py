@@ -1,0 +1,69 @@
+"""The lean engine's host step on CUDA, its runtime calls checked on the CPU with the stand-in
+runtime of test_host_calls.py: what a layer's read-back and a load ask of the runtime and of
+torch, pass after pass. Whole runs through the runtime on a GPU: test_host_calls_gpu.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from cmoe.executor.cuda_rt import D2H, DISABLE_TIMING
+from cmoe.executor.lean_io import HostIO
+from tests.test_host_calls import FakeRuntime, _TorchEvent, fake_cuda  # noqa: F401 (a fixture)
+
+
+def _engine(rt, rb):
+    eng = SimpleNamespace(cuda=True, t={"rb": [rb]}, _rb_pin=[None], pool=SimpleNamespace(compute_h=7),
+                          cs="compute stream",
+                          clock=SimpleNamespace(rt=rt, order_event=lambda: rt.event(DISABLE_TIMING)))
+    eng._rb_entry = lambda rb, got: HostIO._rb_entry(eng, rb, got)
+    return eng
+
+
+def test_a_layers_read_back_asks_torch_once_per_buffer(monkeypatch):
+    """The read-back of one layer, pass after pass: its copy and its own event's record, then the
+    wait; torch is asked for the addresses once per source tensor (a graph's is the same every
+    pass), the pinned buffer and event are kept for a new tensor of the same shape, and a new
+    shape takes a new buffer with the same event."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))   # no CUDA here
+    asked = []
+    data_ptr = torch.Tensor.data_ptr
+    monkeypatch.setattr(torch.Tensor, "data_ptr", lambda self: asked.append(1) or data_ptr(self))
+    rt = FakeRuntime()
+    rb = torch.arange(12, dtype=torch.float32).reshape(2, 6)
+    eng = _engine(rt, rb)
+    started = HostIO._read_back_start(eng, 0)
+    pin, ev = eng._rb_pin[0][0], eng._rb_pin[0][1]
+    assert rt.take() == [("event", DISABLE_TIMING), ("copy", data_ptr(pin), data_ptr(rb), 48, D2H, 7), ("record", ev, 7)]
+    host = HostIO._read_back_wait(eng, started)
+    assert rt.take() == [("sync", ev)] and len(asked) == 2
+    pin[:] = rb                                           # what the device's copy would have written
+    for _ in range(3):                                    # the next passes: no torch call, the same view
+        again = HostIO._read_back_wait(eng, HostIO._read_back_start(eng, 0))
+        assert again is host and again.tolist() == rb.tolist()
+        assert rt.take() == [("copy", data_ptr(pin), data_ptr(rb), 48, D2H, 7), ("record", ev, 7), ("sync", ev)]
+    assert len(asked) == 2
+    eng.t["rb"][0] = rb2 = rb + 1                         # a new tensor, the same shape: buffer and event kept
+    HostIO._read_back_start(eng, 0)
+    assert eng._rb_pin[0][0] is pin and rt.take() == [("copy", data_ptr(pin), data_ptr(rb2), 48, D2H, 7),
+                                                     ("record", ev, 7)]
+    eng.t["rb"][0] = rb3 = torch.zeros(1, 6)               # a new shape: a new buffer, the same event
+    HostIO._read_back_start(eng, 0)
+    pin3 = eng._rb_pin[0][0]
+    assert pin3 is not pin and pin3.shape == rb3.shape and eng._rb_pin[0][1] == ev
+    assert rt.take() == [("copy", data_ptr(pin3), data_ptr(rb3), 24, D2H, 7), ("record", ev, 7)]
+
+
+def test_a_read_back_without_the_runtime_goes_through_torch(fake_cuda, monkeypatch):  # noqa: F811
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    rb = torch.arange(6, dtype=torch.float32).reshape(1, 6)
+    eng = _engine(None, rb)
+    for _ in range(2):
+        host = HostIO._read_back_wait(eng, HostIO._read_back_start(eng, 0))
+        ev = _TorchEvent.made[-1]
+        assert host.tolist() == rb.tolist() and ev.recorded == ["compute stream"] and ev.synced == 1
+        assert eng._rb_pin[0][1] is None and eng._rb_pin[0][3] is None
+    assert len(_TorchEvent.made) == 2
