@@ -264,7 +264,7 @@ def _fake_pool(rt, slots=2, nbytes=4):
     pool.copy_stream, pool._cp_handle = SimpleNamespace(cuda_stream=11), 11
     pool.compute, pool.compute_h = SimpleNamespace(cuda_stream=7), 7
     pool._dst_ptr = [[1000 * (s + 1) for s in range(slots)]]
-    pool._nbytes, pool._direct_ok = nbytes, {}
+    pool.expert_nbytes, pool._direct_ok = nbytes, {}
     pool._forget()
     return pool
 

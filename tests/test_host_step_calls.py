@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from cmoe.executor.cuda_rt import D2H, DISABLE_TIMING
+from cmoe.executor.cuda_rt import D2H, DISABLE_TIMING, H2D
 from cmoe.executor.lean_io import HostIO
 from tests.test_host_calls import FakeRuntime, _TorchEvent, fake_cuda  # noqa: F401 (a fixture)
 
@@ -67,3 +67,33 @@ def test_a_read_back_without_the_runtime_goes_through_torch(fake_cuda, monkeypat
         assert host.tolist() == rb.tolist() and ev.recorded == ["compute stream"] and ev.synced == 1
         assert eng._rb_pin[0][1] is None and eng._rb_pin[0][3] is None
     assert len(_TorchEvent.made) == 2
+
+
+def test_a_load_takes_the_stores_row_once_and_three_runtime_calls(fake_cuda, monkeypatch):  # noqa: F811
+    """Engine._load on the runtime: the store's row of an expert is looked up the first time it is
+    loaded and kept; each load is its start mark, the copy and its end mark on the copy stream
+    (and a wait for the slot's last read where it was read), its span of the expert's bytes."""
+    from cmoe.executor.engine import Engine
+    from cmoe.executor.records import RunLog
+    from cmoe.executor.streams import Clock
+    from cmoe.policy.policies import Load
+    from tests.test_host_calls import _fake_pool
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    rt = FakeRuntime()
+    clock = Clock(torch.device("cuda"), rt=rt)
+    clock.reserve_events(8)
+    rows = torch.arange(3 * 6, dtype=torch.uint8).reshape(3, 6)
+    looked = []
+    eng = SimpleNamespace(_srcs={}, _landed={}, _pending=[], log=RunLog(), clock=clock, pool=_fake_pool(rt),
+                          cur=SimpleNamespace(index=4), spec=SimpleNamespace(moe_layers=[1]),
+                          store=SimpleNamespace(expert=lambda m, e: looked.append((m, e)) or rows[e]))
+    eng._span = lambda *a: Engine._span(eng, *a)
+    rt.take()
+    for slot in (1, 0, 1):
+        Engine._load(eng, Load(0, 2, slot, None, "demand"))
+        t0, t1 = eng._pending[-1][5:7]
+        assert rt.take() == [("record", t0.ev, 11), ("copy", 1000 * (slot + 1), rows[2].data_ptr(), 4, H2D, 11),
+                             ("record", t1.ev, 11)]
+        assert eng._pending[-1] == (4, 1, "copy0", "load", 2, t0, t1, 4) and eng._landed[(0, 2)] is t1
+    assert looked == [(0, 2)] and eng._srcs[(0, 2)].data_ptr() == rows[2].data_ptr()
+    assert (eng.log.at(4).loads, eng.log.at(4).bytes_moved) == (3, 12)

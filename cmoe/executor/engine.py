@@ -89,6 +89,7 @@ class Engine(Routes):
         self._experts: list = []                     # (pass, own load, landed mark, due mark, host issue us)
         self._cpu_waits: list = []                   # (pass, GPU done mark, host us when CPU results return)
         self._landed: dict = {}                      # (layer, expert) -> end mark of its latest load
+        self._srcs: dict = {}                        # (layer, expert) -> its row of the store (`_load`)
         self._prev_end: float | None = None
         self._cpu_views: dict = {}
         self._predicting = False
@@ -183,12 +184,14 @@ class Engine(Routes):
         return later
 
     def _load(self, ld) -> None:
-        src = self.store.expert(ld.layer, ld.expert)
+        key = (ld.layer, ld.expert)
+        src = self._srcs.get(key)                    # the store's row, a view made once (indexing ~1 us)
+        if src is None:
+            src = self._srcs[key] = self.store.expert(ld.layer, ld.expert)
         t0, t1 = self.pool.load(ld.layer, ld.slot, ld.expert, src, self.clock)
-        nbytes = self.pool.raw[ld.layer][ld.slot].numel()
-        self._span(self.spec.moe_layers[ld.layer], "copy0", "load", ld.expert, t0, t1, nbytes)
-        self._landed[(ld.layer, ld.expert)] = t1
-        self.log.loaded(self.cur.index, nbytes)
+        self._span(self.spec.moe_layers[ld.layer], "copy0", "load", ld.expert, t0, t1, self.pool.expert_nbytes)
+        self._landed[key] = t1
+        self.log.loaded(self.cur.index, self.pool.expert_nbytes)
 
     # --- the MoE layer --------------------------------------------------------------------
     def moe_layer(self, m: int, hidden: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

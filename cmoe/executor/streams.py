@@ -174,7 +174,7 @@ class DevicePool:
         self._direct_ok: dict[int, bool] = {}                     # source address -> a direct copy is right
         self._cp_handle = self.copy_stream.cuda_stream if self.cuda else 0
         self._dst_ptr = [[r.data_ptr() for r in raw] for raw in self.raw]
-        self._nbytes = expert.nbytes
+        self.expert_nbytes = expert.nbytes                       # a slot's bytes of an expert, every copy's size
         self._forget()
 
     def _forget(self) -> None:
@@ -223,9 +223,9 @@ class DevicePool:
         ok = self._direct_ok.get(sp)
         if ok is None:
             ok = self._direct_ok[sp] = bool(src.device.type == "cpu" and src.dtype == torch.uint8
-                                           and src.is_contiguous() and src.is_pinned() and src.numel() >= self._nbytes)
+                                           and src.is_contiguous() and src.is_pinned() and src.numel() >= self.expert_nbytes)
         if ok:
-            rt.copy(self._dst_ptr[m][slot], sp, self._nbytes, H2D, self._cp_handle)
+            rt.copy(self._dst_ptr[m][slot], sp, self.expert_nbytes, H2D, self._cp_handle)
         return ok
 
     def _wait(self, stream, handle: int, ev) -> bool:
