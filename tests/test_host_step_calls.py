@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from cmoe.executor.cuda_rt import D2H, DISABLE_TIMING, H2D
@@ -97,3 +98,14 @@ def test_a_load_takes_the_stores_row_once_and_three_runtime_calls(fake_cuda, mon
         assert eng._pending[-1] == (4, 1, "copy0", "load", 2, t0, t1, 4) and eng._landed[(0, 2)] is t1
     assert looked == [(0, 2)] and eng._srcs[(0, 2)].data_ptr() == rows[2].data_ptr()
     assert (eng.log.at(4).loads, eng.log.at(4).bytes_moved) == (3, 12)
+
+
+def test_a_pass_lists_its_real_rows_once():
+    """`_live`, asked by every layer's step: listed once per pass, again for the next pass."""
+    from cmoe.executor.routes import Routes
+    eng = Routes()
+    eng.cur = SimpleNamespace(active=np.array([True, False, True]))
+    first = eng._live()
+    assert first == [0, 2] and eng._live() is first
+    eng.cur = SimpleNamespace(active=np.array([False, True, True]))
+    assert eng._live() == [1, 2]

@@ -41,6 +41,10 @@ def test_waves_follow_deferred_loads():
     assert _waves([2, 3, 5, 6, 7], later) == [[2, 3], [5, 7], [6]]
     assert _waves([1, 2], []) == [[1, 2]]
     assert _waves([], []) == []
+    from cmoe.policy.waves import waves                # none deferred: the shortcut says what waves says
+    for gpu in ([], [4], [3, 1, 7], list(range(8))):
+        got = _waves(gpu, [])
+        assert got == waves(gpu, {}) and all(w is not gpu for w in got)     # lists of its own, as waves makes
 
 
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v2", "deepseek_v3", "qwen2_moe", "qwen3_moe", "olmoe"])

@@ -296,5 +296,8 @@ def owa_device(logits: torch.Tensor, ids: torch.Tensor, comm: torch.Tensor, top_
 
 
 def _waves(gpu: list[int], later: list) -> list[list[int]]:
-    """The layer's GPU experts in launches (`cmoe.policy.waves`, which the simulator reads too)."""
+    """The layer's GPU experts in launches (`cmoe.policy.waves`, which the simulator reads too);
+    with no load deferred behind a launch, what it returns without being asked: one launch."""
+    if not later:
+        return [list(gpu)] if gpu else []
     return launch_waves(gpu, {ld.expert: ld.victim for ld in later})

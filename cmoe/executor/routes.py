@@ -51,8 +51,14 @@ class Routes:
             self._predicting = False
         return out
 
+    _live_of = None                                   # the pass whose real rows `_live_rows` lists
+
     def _live(self) -> list[int]:
-        return [i for i, a in enumerate(self.cur.active) if a]
+        """The pass's real rows (not padding), listed once a pass: every layer's step asks (read only)."""
+        cur = self.cur
+        if self._live_of is not cur:
+            self._live_of, self._live_rows = cur, [i for i, a in enumerate(cur.active) if a]
+        return self._live_rows
 
     def _ahead(self, q: int, live: list[int]) -> dict:
         """`plan`'s and `begin_pass`'s `ahead` for a policy that looks further than one layer: what
