@@ -43,6 +43,39 @@ from cmoe.core.timeline import STEP, STREAM, OP, START, END, BYTES, write_parque
 HOST_WORK = ("host_attention", "host_route", "host_expert", "host_predict")
 
 
+def kernel_profile(w, cfg, short: int = 4, long: int = 20) -> dict:
+    """GPU time per decode token by kernel name, graph replays included (CUPTI reports their
+    kernels): torch.profiler over an `upper` run of `short` and of `long` decode tokens, the
+    difference over long - short tokens, so prefill and warm-up cancel out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels(tokens: int):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            r = run_policy(w, replace(cfg, tokens=tokens), "upper")
+            torch.cuda.synchronize()
+        out = {}
+        for e in prof.key_averages():
+            t = getattr(e, "device_time_total", 0) or getattr(e, "self_device_time_total", 0)
+            if t and e.count:
+                out[e.key] = (float(t), int(e.count))
+        return out, r.metrics["tpot_ms_mean"]
+
+    a, _ = kernels(short)
+    b, tpot = kernels(long)
+    n = long - short
+    rows = []
+    for k, (t, c) in b.items():
+        t0, c0 = a.get(k, (0.0, 0))
+        rows.append({"kernel": k[:120], "us_per_token": (t - t0) / n, "launches_per_token": (c - c0) / n})
+    rows.sort(key=lambda r: -r["us_per_token"])
+    total = sum(r["us_per_token"] for r in rows)
+    print(f"--- kernels, b{cfg.batch}: {total:.0f} us of GPU time per decode token (tpot {tpot:.2f} ms "
+          f"under the profiler)", flush=True)
+    for r in rows[:30]:
+        print(f"   {r['us_per_token']:8.1f} us {r['launches_per_token']:6.1f}x  {r['kernel'][:100]}", flush=True)
+    return {"gpu_us_per_token": total, "tpot_ms_profiled": tpot, "rows": rows[:60]}
+
+
 def decode_stats(r, spec, hbm: float, load_s: float) -> dict:
     log = r.log
     dec = {p for p, d, _, _ in log.pass_us if d}
@@ -85,6 +118,8 @@ def main() -> None:
                     help="also run lean upper with transformers' own attention (CMOE_FAST_ATTN=0)")
     ap.add_argument("--wave-ablation", action="store_true",
                     help="run each policy also with its launch waves eager (CMOE_WAVE_GRAPHS=0), first")
+    ap.add_argument("--kernel-profile", action="store_true",
+                    help="lean upper: GPU time per decode token by kernel (torch.profiler, runs of 4 and 20 tokens)")
     ap.add_argument("--steps-ablation", action="store_true",
                     help="also run lean upper with torch's router top-k and residual sums (CMOE_FUSED_STEPS=0)")
     a = ap.parse_args()
@@ -163,6 +198,9 @@ def main() -> None:
                     pr.disable()
                     print(f"--- profile {pp}: {rr.metrics['tpot_ms_mean']:.2f} ms/token under the profiler", flush=True)
                     pstats.Stats(pr).sort_stats("tottime").print_stats(22)
+            if engine == "lean" and a.kernel_profile:
+                res.setdefault("kernel_profile", {})[str(batch)] = kernel_profile(w, cfg)
+                (a.out / "results.json").write_text(json.dumps(res, indent=1))
             if engine == "lean" and a.norm_ablation:
                 import os
                 os.environ["CMOE_FUSED_NORM"] = "0"
