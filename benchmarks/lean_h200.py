@@ -43,6 +43,17 @@ from cmoe.core.timeline import STEP, STREAM, OP, START, END, BYTES, write_parque
 HOST_WORK = ("host_attention", "host_route", "host_expert", "host_predict")
 
 
+def synced(run) -> None:
+    """`run()` with a sync at each end of every pass (CMOE_PASS_SYNC=1: the lean engine before its
+    decode passes were queued back to back), for an A/B within one process."""
+    import os
+    os.environ["CMOE_PASS_SYNC"] = "1"
+    try:
+        run()
+    finally:
+        os.environ["CMOE_PASS_SYNC"] = "0"
+
+
 def kernel_profile(w, cfg, short: int = 4, long: int = 20) -> dict:
     """GPU time per decode token by kernel name, graph replays included (CUPTI reports their
     kernels): torch.profiler over an `upper` run of `short` and of `long` decode tokens, the
@@ -118,6 +129,8 @@ def main() -> None:
                     help="also run lean upper with transformers' own attention (CMOE_FAST_ATTN=0)")
     ap.add_argument("--wave-ablation", action="store_true",
                     help="run each policy also with its launch waves eager (CMOE_WAVE_GRAPHS=0), first")
+    ap.add_argument("--sync-ablation", action="store_true",
+                    help="lean: every run also with a sync at each pass's ends (CMOE_PASS_SYNC=1), right before it")
     ap.add_argument("--kernel-profile", action="store_true",
                     help="lean upper: GPU time per decode token by kernel (torch.profiler, runs of 4 and 20 tokens)")
     ap.add_argument("--steps-ablation", action="store_true",
@@ -174,7 +187,7 @@ def main() -> None:
               f"{m['pass_ms_mean']:7.2f} ms/pass (floor {m['hbm_floor_ms']:.2f}, link {m['link_limit_ms']:.2f}) "
               f"loads/pass {m['loads_per_pass']:5.1f} host {m['host_work_us_per_layer']:5.1f} us/layer "
               f"sync {m['host_sync_us_per_layer']:6.1f} capture {m['capture_ms']:.0f} ms ({m['wall_s']:.0f} s) "
-              f"calls {m['host_calls']} late {m['late_events']}", flush=True)
+              f"calls {m['host_calls']} late {m['late_events']}" + (f" [{tag}]" if tag else ""), flush=True)
         (a.out / "results.json").write_text(json.dumps(res, indent=1))
         return r
 
@@ -221,6 +234,8 @@ def main() -> None:
             for i in range(reps):
                 if not left():
                     break
+                if engine == "lean" and a.sync_ablation:
+                    synced(lambda: one(engine, w, replace(cfg, tokens=tok), "upper", tag=f"synced passes, repeat {i}"))
                 r = one(engine, w, replace(cfg, tokens=tok), "upper", tag=f"repeat {i}")
                 if batch == 1 and i == 0:
                     write_parquet(r.log.spans, a.out / f"timeline-{engine}-b1-upper.parquet")
@@ -237,6 +252,8 @@ def main() -> None:
                         os.environ["CMOE_WAVE_GRAPHS"] = "0"
                         one(engine, w2, replace(cfg2, tokens=ptok), p, tag="eager waves")
                         os.environ["CMOE_WAVE_GRAPHS"] = "1"
+                    if engine == "lean" and a.sync_ablation:
+                        synced(lambda: one(engine, w2, replace(cfg2, tokens=ptok), p, tag="synced passes"))
                     r = one(engine, w2, replace(cfg2, tokens=ptok), p)
                     if batch == 1 and pool == pools[0] and p == "commit":
                         write_parquet(r.log.spans, a.out / f"timeline-{engine}-b1-commit.parquet")

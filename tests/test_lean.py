@@ -150,7 +150,7 @@ def test_a_sliding_window_shorter_than_the_run_is_refused():
     from types import SimpleNamespace
 
     from cmoe.core.errors import CmoeError
-    from cmoe.executor.lean import _check_window
+    from cmoe.executor.kv import check_window as _check_window
     _check_window(SimpleNamespace(sliding_window=None), 10_000)
     _check_window(SimpleNamespace(sliding_window=64, use_sliding_window=False), 10_000)
     _check_window(SimpleNamespace(sliding_window=4096), 320)

@@ -16,9 +16,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 EXACT = [p for p in POLICIES if not trait(p, "skips") and p != "oracle"]
 
 
-def _run(model_dir, policies, graphs=True, fmt="w4g32", tokens=5, batch=2, slots=3):
+def _run(model_dir, policies, graphs=True, fmt="w4g32", tokens=5, batch=2, slots=3, keep_logits=True):
     cfg = ExecConfig(policies=tuple(policies), slots=slots, batch=batch, tokens=tokens, device="cuda", quant=fmt,
-                     keep_logits=True, record_plans=True)
+                     keep_logits=keep_logits, record_plans=True)
     w, cfg = prepare(spec_name=None, model_dir=model_dir, trace_src=None, data=None, cfg=cfg)
     if not graphs:
         import cmoe.executor.lean as lean
@@ -100,3 +100,20 @@ def test_lean_upper_decodes_without_host_waits(fused_checkpoints):
     ops = {s[4] for s in r.log.spans if s[1] in dec and s[3] == "host"}
     assert "host_sync" not in ops and "host_route" not in ops
     assert r.metrics["loads"] == 0 and r.metrics["hits"] > 0 and r.metrics["late"] == r.metrics["demand"] == 0
+
+
+def test_lean_queued_passes_decide_as_synced_ones(fused_checkpoints, monkeypatch):
+    """Graphed decode passes queued back to back (the default: the host prepares the next pass
+    while the GPU finishes this one) against passes with a sync at each end (CMOE_PASS_SYNC=1):
+    the same plans, no slot ever read with wrong bytes, the same hits, and every pass timed. No
+    logits kept, so nothing else syncs between the passes."""
+    pols = ["upper", "ondemand", "commit", "lfu-fallback", "adaptive-ahead"]
+    runs = {}
+    for sync in ("0", "1"):
+        monkeypatch.setenv("CMOE_PASS_SYNC", sync)
+        _, runs[sync] = _run(fused_checkpoints["mixtral"], pols, tokens=8, keep_logits=False)
+    for a, b in zip(runs["0"], runs["1"]):
+        assert [p.loads for p in a.log.plans] == [p.loads for p in b.log.plans], a.policy
+        assert a.log.slot_mismatches == 0 and b.log.slot_mismatches == 0, a.policy
+        assert a.metrics["hits"] == b.metrics["hits"] and a.metrics["loads"] == b.metrics["loads"], a.policy
+        assert len(a.log.pass_us) == len(b.log.pass_us) == 9 and all(us > 0 for *_, us in a.log.pass_us)

@@ -40,6 +40,8 @@ FLAT_FIFO = replace(FLAT, copy_fifo=True, host_layer_us=12.0, host_expert_us=2.0
 LEAN = replace(EAGER, silent_upper=True, commit_ahead=True, wave_gbps=3000.0, wave_us=25.0, wave_row_us=0.5,
                host_expert_us=40.0)
 FLAT_WAVE = replace(FLAT_FIFO, wave_gbps=0.5, wave_us=1.0, wave_row_us=1.0, commit_ahead=True)
+# the lean executor's graphed decode passes queued back to back, its host a little slower than the GPU
+QUEUED = replace(LEAN, pass_overlap=True, host_layer_us=300.0, host_pass_start_us=250.0, pass_gap_us=120.0)
 
 
 def same_run(a, b) -> None:
@@ -73,6 +75,7 @@ CASES = [  # model, pool GB, batch, profile
     ("mixtral-8x7b", 20, 1, H200), ("mixtral-8x7b", 16, 4, EAGER), ("mixtral-8x7b", 14, 2, TWO_ENGINES),
     ("deepseek-v2-lite", 6, 1, H200), ("deepseek-v2-lite", 6, 3, ON_HOST), ("qwen1.5-moe-a2.7b", 6, 2, EAGER),
     ("olmoe-1b-7b", 3, 4, TWO_ENGINES), ("mixtral-8x7b", 16, 4, LEAN), ("deepseek-v2-lite", 6, 3, LEAN),
+    ("mixtral-8x7b", 16, 1, QUEUED), ("deepseek-v2-lite", 6, 3, QUEUED),
 ]
 
 
@@ -490,3 +493,32 @@ def test_look_ahead_policies_pay_for_every_early_router():
     same_run(a, b)
     one = both(t, "adaptive-ahead", replace(EAGER, predict_layer_us=0.0, predict_gpu_us=0.0), 1)[0]
     assert sum(x[3] for x in a.pass_us) > sum(x[3] for x in one.pass_us)
+
+
+def test_queued_passes_start_where_the_gpu_gets_to_them():
+    """`pass_overlap` (the lean executor's graphed decode): with the host ahead, a decode pass that
+    follows a decode pass starts on the GPU exactly where the pass before ended (no gap, no sync),
+    so each such pass is shorter than a synced one by the host's pass start less the GPU's; the
+    first decode pass (capture) and the prefill still sync. Both engines alike, to the bit."""
+    t = generate(preset("mixtral-8x7b"), recipe("w4a16"), SyntheticParams(requests=1, prompt_len=8, decode_len=10))
+    fast = replace(LEAN, host_layer_us=5.0, host_head_us=10.0, host_pass_start_us=50.0, pass_start_us=20.0,
+                   pass_gap_us=40.0)
+    q, qb, _, _ = both(t, "upper", replace(fast, pass_overlap=True), 1)
+    s, sb, _, _ = both(t, "upper", fast, 1)
+    same_run(q, qb)
+    same_run(s, sb)
+
+    def bounds(run):
+        first = {p: min(x[6] for x in run.spans if x[1] == p and x[4] == "attention") for p, *_ in run.pass_us}
+        head = {p: max(x[7] for x in run.spans if x[1] == p and x[4] == "head") for p, *_ in run.pass_us}
+        return first, head
+    (qf, qh), (sf, sh) = bounds(q), bounds(s)
+    dec = [p for p, d, _, _ in q.pass_us if d]
+    for p in dec[1:]:                                   # chained: no gap at all; synced: the host's gap
+        assert qf[p] == qh[p - 1]
+        assert sf[p] == pytest.approx(sh[p - 1] + 40.0)
+    assert qf[dec[0]] == pytest.approx(qh[dec[0] - 1] + 40.0)     # the first decode pass syncs
+    qp, sp = dict((p, us) for p, _, _, us in q.pass_us), dict((p, us) for p, _, _, us in s.pass_us)
+    for p in dec[1:]:
+        assert sp[p] - qp[p] == pytest.approx(50.0 - 20.0)
+    assert qp[dec[0]] == pytest.approx(sp[dec[0]])

@@ -149,6 +149,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         commit_gpu_copy_us=m["layer"].get("commit_gpu_copy_s", 0.0) * 1e6, copy_fifo=True,
         copy_on_host=device.lower() == "cpu", dense_rows=int(m.get("dense_rows", 0)),
         silent_upper=bool(m.get("silent_upper", False)), commit_ahead=bool(m.get("commit_ahead", False)),
+        pass_overlap=bool(m.get("pass_overlap", False)),
         **{per_key_field: per_key * 1e6},
         **host, **table, **waves,
         sources={k: src for k in (*_MEASURED, per_key_field, *host, *table)}
@@ -171,7 +172,8 @@ _EXECUTOR = {      # the fields the executor's design sets, not a measurement
     "silent_upper": "the executor runs a layer's experts in one launch from a device-side slot table, "
                     "so upper has no host step",
     "commit_ahead": "the executor launches commit's committed experts before the layer's read-back "
-                    "(OWA on the device)"}
+                    "(OWA on the device)",
+    "pass_overlap": "the executor queues graphed decode passes back to back (no sync between them)"}
 
 
 def _owa_fit(points: list, waves: dict) -> dict:

@@ -88,6 +88,11 @@ class HardwareProfile:
     commit_ahead: bool = False                      # commit in decode launches a layer's committed experts before
                                                     # its read-back and plans the next layer while they run (the
                                                     # lean executor's one-launch kernel)
+    pass_overlap: bool = False                      # decode passes are queued back to back (the lean executor's
+                                                    # graphs on CUDA): the host neither waits for a decode pass's
+                                                    # end, only for the pass before it, nor syncs the device (copies
+                                                    # included) before the next, whose first mark lands where the
+                                                    # GPU gets to it; the first decode pass (capture) and others sync
     # The lean executor's fused expert launch (calibrate fits it from upper's own layers): with
     # wave_gbps > 0 a layer's GPU experts run in waves (`cmoe.policy.waves`), each one launch that
     # starts once all of its copies have landed and takes wave_us + its experts' bytes at wave_gbps

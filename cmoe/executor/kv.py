@@ -83,3 +83,13 @@ class StaticKV:
         self._write = self.slots
         self.length += 1
         return s
+
+
+def check_window(config, max_len: int) -> None:
+    """The static cache's mask attends to the whole context; a model that attends within a sliding
+    window shorter than the run's context would be computed wrongly, so it is refused."""
+    from cmoe.core.errors import CmoeError
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if window is not None and max_len > window:
+        raise CmoeError(f"this model attends within a sliding window of {window} tokens and the run needs "
+                        f"{max_len}: use --engine hf, or fewer --tokens")

@@ -59,6 +59,7 @@ import numpy as np
 import torch
 
 from cmoe.executor.engine import Engine
+from cmoe.executor.kv import check_window
 from cmoe.executor.records import PlanRecord, _expert_to_slot, _slot_table
 from cmoe.executor.lean_program import Segments, _Capture, _fresh
 from cmoe.executor.replay_rows import routes_on_device
@@ -125,6 +126,10 @@ class LeanEngine(HostSteps, Segments, Engine):
         self._in_graph = False                             # warm-up and capture: no spans
         self._static_out = False
         self.t_graph = None
+        # graphed decode passes queued back to back, no sync between (docs/executor.md); the
+        # calibration's GPU-sleep runs and CMOE_PASS_SYNC=1 (the A/B) keep the syncs
+        self._overlap = self.cuda and not self._lead_cycles and os.environ.get("CMOE_PASS_SYNC", "0") != "1"
+        self._chained = False
 
     # --- hooks (record tensors; run inside graph capture too) ------------------------------------
     def _on_mid(self, m):
@@ -184,7 +189,7 @@ class LeanEngine(HostSteps, Segments, Engine):
         self.cur = p
         self.kv = cache
         if p.index == 0:
-            _check_window(self.model.config, cache.max_len)
+            check_window(self.model.config, cache.max_len)
         self.token_pred = [None] * self.M
         self.token_pred_w = [None] * self.M
         B, n = p.input_ids.shape
@@ -194,7 +199,8 @@ class LeanEngine(HostSteps, Segments, Engine):
             self._capture(B)
             self._prev_end = None                          # capture is not a pass's time
         cs = self._compute_stream()
-        if self.cuda:
+        chained = graphs and self._chained                 # queued behind the last pass: no wait for it
+        if self.cuda and not chained:
             torch.cuda.synchronize(self.device)
             if self._lead_cycles:
                 torch.cuda._sleep(self._lead_cycles)
@@ -212,7 +218,8 @@ class LeanEngine(HostSteps, Segments, Engine):
         self._settle(self.spans_each_pass)                 # the previous pass's, while the GPU runs this one
         self._books.append(books)
         self._tick("pass: books, settle")
-        if self.cuda:
+        self._chained = graphs and self._overlap
+        if self.cuda and not self._chained:
             cs.synchronize()
         self._tick("pass: sync")
         self.log.occupancy.append(self.policy.pool.occupancy())
@@ -375,6 +382,8 @@ class LeanEngine(HostSteps, Segments, Engine):
         super()._resolve(final)
 
     def close(self) -> None:
+        if self._chained:                                  # the last pass was queued: let it end first
+            torch.cuda.synchronize(self.device)
         super().close()
         if self._fused_mods:
             from cmoe.executor.kernels_triton.norm import unfuse
@@ -389,12 +398,3 @@ class LeanEngine(HostSteps, Segments, Engine):
         self._rb_pin = []
         self._cap.sink = {}
 
-
-def _check_window(config, max_len: int) -> None:
-    """The static cache's mask attends to the whole context; a model that attends within a sliding
-    window shorter than the run's context would be computed wrongly, so it is refused."""
-    from cmoe.core.errors import CmoeError
-    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    if window is not None and max_len > window:
-        raise CmoeError(f"this model attends within a sliding window of {window} tokens and the run needs "
-                        f"{max_len}: use --engine hf, or fewer --tokens")

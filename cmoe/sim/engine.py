@@ -199,8 +199,11 @@ class Simulation(ExpertSteps):
         self._silent = silent(hw, pol)
         moe_gpu = moe_attention_extra_us(hw, pol, self._M)
         H = G = prev_end = 0.0
+        queued = False                               # the last pass ended with no host wait (`pass_overlap`)
         for ps in self.passes:
-            x, H, G, last = yield from self._begin_pass(ps, H, G)
+            chained = queued and ps.decode
+            queued = hw.pass_overlap and ps.decode
+            x, H, G, last = yield from self._begin_pass(ps, H, G, chained)
             n, p = x.n, x.p
             prev_layer = -1
             for m, d in enumerate(c.moe_layers):
@@ -221,27 +224,30 @@ class Simulation(ExpertSteps):
             H, G = self._op(H, G, hw.host_head_us, hw.head_us)
             if hw.head_us or hw.host_head_us:
                 self._span(p, -1, "compute", "head", -1, last, G)
-            H = max(H, G)                           # the host waits for the logits
+            # the host waits for the logits; a queued pass, only for the pass before it (its books)
+            H = max(H, prev_end) if queued else max(H, G)
             yield from self._sync(H)
             run.pass_us.append((p, ps.decode, n, G - prev_end))
             prev_end = G
             run.occupancy.append(pol.pool.occupancy())
 
-    def _begin_pass(self, ps: Pass, H: float, G: float):
+    def _begin_pass(self, ps: Pass, H: float, G: float, chained: bool = False):
         """A pass's start: wait for every copy to land (the device is synchronised between
         passes), work out the pass's per-layer costs, run its start-up (embedding, masks, its first
         sync: counted with layer 0's attention, whose span starts after the host's `pass_gap_us`, where
-        the executor's first mark lands) and issue the policy's loads for the pass. Returns
-        (the pass's costs, H, G, where layer 0's attention span starts)."""
+        the executor's first mark lands) and issue the policy's loads for the pass. A `chained`
+        pass (`pass_overlap`) waits for nothing: the host goes on from where it is, copies stay in
+        flight, and its first mark lands when the GPU gets to it. Returns (the pass's costs, H, G,
+        where layer 0's attention span starts)."""
         env, hw, pol = self.env, self.hw, self.policy
-        if self.in_flight:                   # the device is synchronised between passes, copies included
+        if self.in_flight and not chained:   # the device is synchronised between passes, copies included
             self.drained = env.event()
             yield self.drained
-        H = max(H, G, env.now)
+        H = max(H, env.now) if chained else max(H, G, env.now)
         yield from self._sync(H)
         self.pass_index = ps.index
         x = PassCosts(ps, self.run.at(ps.index), hw, self.c, pol.commits, self._predict_us)
-        last = H + hw.pass_gap     # the pass's first mark, past the gap
+        last = max(G, H) if chained else H + hw.pass_gap     # the pass's first mark, past the gap
         H, G = self._op(H, G, hw.host_pass_start_us, hw.pass_start_us)
         if x.commit_decode:                        # layer 0's prediction is read back and planned before it runs
             H = max(H, G) + hw.host_sync_us + hw.commit_start_us

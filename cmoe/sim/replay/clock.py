@@ -56,7 +56,8 @@ Costs = namedtuple("Costs", [
     "h2d", "xfix", "ebytes", "cpu1", "moe_layers",         # [M, E] copy us, expert us at one row, bytes, CPU us at one row; [M]
     "hwf", "hwi",                                          # profile scalars (below)
     "layer_gpu", "layer_host", "route_host", "dense_gpu", "dense_host", "attn_gpu", "attn_host",
-    "ntok", "commit_decode", "all_rows", "votes_ptr", "votes_e", "votes_n",   # per pass; votes per (pass, layer)
+    "ntok", "commit_decode", "queued", "all_rows", "votes_ptr", "votes_e", "votes_n",   # per pass (queued:
+    # a decode pass the host does not wait for, `pass_overlap`); votes per (pass, layer)
     "xtab", "xcls", "htab",                                # expert us [class, rows], [M, E] class; host issue us [rows]
     "wfix",                                                # [M, E] an expert's share of a fused launch at 0 rows
     "wcnt",                                                # a fused launch's own cost by its expert count [0..E]

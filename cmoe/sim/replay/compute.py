@@ -162,16 +162,23 @@ def _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M):
 
 
 @njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False, inline="always")
-def _begin(c, x, o, d, p, j0, H, G, M):
+def _begin(c, x, o, d, p, j0, H, G, M, chained):
     """`Simulation._begin_pass`: every copy landed, the pass's start-up, its first sync (commit),
-    the policy's loads for the pass. Returns (H, G, where layer 0's span starts)."""
-    if c.I[IN_FLIGHT]:                              # the device is synchronised between passes
+    the policy's loads for the pass; a `chained` pass waits for nothing. Returns (H, G, where
+    layer 0's span starts)."""
+    if c.I[IN_FLIGHT] and not chained:              # the device is synchronised between passes
         c.I[DRAINED] = 1
         _advance(c, x, o, W_DRAINED, 0)
-    H = pmax(pmax(H, G), c.F[NOW])
+    if chained:
+        H = pmax(H, c.F[NOW])
+    else:
+        H = pmax(pmax(H, G), c.F[NOW])
     _sync(c, x, o, H)
     c.I[PASS_INDEX] = p
-    last = H + x.hwf[PASS_GAP]                      # the pass's first mark, past the gap
+    if chained:
+        last = pmax(G, H)                           # the first mark lands when the GPU gets to it
+    else:
+        last = H + x.hwf[PASS_GAP]                  # the pass's first mark, past the gap
     H2 = H + x.hwf[HOST_PASS_START]
     G = pmax(pmax(G, H) + x.hwf[PASS_START], H2)
     H = H2
@@ -283,7 +290,8 @@ def run(c, x, o, d, p0, p1, M):
     for p in range(p0, p1):
         j0 = (p - p0) * (M + 1)
         n = x.ntok[p]
-        H, G, last = _begin(c, x, o, d, p, j0, H, G, M)
+        chained = p > 0 and x.queued[p - 1] and x.queued[p]
+        H, G, last = _begin(c, x, o, d, p, j0, H, G, M, chained)
         prev_layer = -1
         for m in range(M):
             dl = x.moe_layers[m]
@@ -307,7 +315,10 @@ def run(c, x, o, d, p0, p1, M):
         H = H2
         if x.hwi[HEAD_SPAN]:
             _span(c, o, x, p, -1, 0, OP_HEAD, -1, last, G, 0, -1, -1)
-        H = pmax(H, G)                                  # the host waits for the logits
+        if x.queued[p]:                                 # the host waits for the pass before (its books)
+            H = pmax(H, prev_end)
+        else:                                           # the host waits for the logits
+            H = pmax(H, G)
         _sync(c, x, o, H)
         o.pass_us[p] = G - prev_end
         prev_end = G
