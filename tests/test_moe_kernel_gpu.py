@@ -304,38 +304,3 @@ def test_interpreter_route_kernel_equals_route_into(P):
     for a, b in ((ws.order, o), (ws.sorted, s), (ws.seg_e, e), (ws.seg_s, st), (ws.seg_end, en)):
         assert torch.equal(a, b)
     assert (ws.acc == 0).all()
-
-
-def _pairs_piped_matches(device: str, asm: bool):
-    """(scale, zero) pairs loaded in their own unit and streamed by the pipeliner (spd = 0 with the
-    loop's stages named) against the committed hand prefetch (spd = 1): the same loads, the same
-    arithmetic in the same order, so h is bit-identical; the layer matches the reference."""
-    from cmoe.executor.kernels_triton import KernelConfig, Workspace, moe_triton
-    for g, H, Fd in ISHAPES:
-        gen = torch.Generator(device=device).manual_seed(g + 7)
-        E, S, k = 3, 4, 2
-        lay, pool, table = _pool(E, S, H, Fd, g, gen, device)
-        for M in (1, 3):
-            x, ids, wts = _inputs(M, k, E, H, gen, device)
-            base = KernelConfig(16, 128, 4, 3, 128, 1, 4, 3, asm=asm, deq=M == 3, deq2=False)
-            hs = []
-            for cfg in (base, replace(base, spd13=0, stg13=3, spd2=0, stg2=3)):
-                ws = Workspace(M, k, H, Fd, E, device)
-                ws.h.fill_(float("nan"))
-                got = moe_triton(x, ids, wts, table, pool, lay, workspace=ws, config=cfg, out_dtype=torch.float32)
-                ref = moe_reference(x, ids, wts, table, pool, lay, out_dtype=torch.float32)
-                assert _rel(got, ref) < (2e-2 if M == 3 else 1e-2), (g, M, cfg.spd13)
-                hs.append(ws.h[: M * k].clone())
-            assert torch.equal(hs[0], hs[1]), (g, M)
-
-
-@pytest.mark.slow
-@needs_interpreter
-def test_interpreter_pairs_piped_equal_the_hand_prefetch():
-    _pairs_piped_matches("cpu", asm=False)
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_cuda_pairs_piped_equal_the_hand_prefetch():
-    _pairs_piped_matches("cuda", asm=True)

@@ -75,8 +75,6 @@ class KernelConfig:
     unroll2: int = 1     # the same for w2
     stg13: int = 0       # the w13 k-unit loop's own num_stages (0: the launch's; measured no faster)
     stg2: int = 0        # the same for w2
-    spd13: int = 1       # w13: (scale, zero) loads one k-unit ahead by hand (1), or in the unit (0),
-    spd2: int = 1        # left to the pipeliner (with stg13 set: streamed by cp.async); the same for w2
 
 
 # by batch rows M (the smallest bucket >= M): the configurations benchmarks/expert_kernel_h200.py
@@ -201,7 +199,7 @@ def launch_w13(ws: Workspace, x, slot_table, pool, layout, topk: int, cfg: Kerne
             Fd, H, topk, nch, ups, split, part, part.stride(0))
     kw = dict(G=layout.group, BN=cfg.bn13, BM=cfg.bm, IS_W13=True, ASM=cfg.asm, DEQ=cfg.deq,
               T64=t >= 64, T32=t % 64 == 32, SPLIT13=split > 1, ZP=layout.zero_point, num_warps=cfg.warps13,
-              num_stages=cfg.stages13, UNR=cfg.unroll13, STG=cfg.stg13 or None, SPD=cfg.spd13)
+              num_stages=cfg.stages13, UNR=cfg.unroll13, STG=cfg.stg13 or None)
     k13 = _run(_expert_mm, (tiles, ws.A * nch, split), args, kw, warmup)
     if split > 1:
         # RB rows a step (a segment has <= M rows; a loop covers the chunk), ~1024 elements a CTA and
@@ -228,7 +226,7 @@ def launch_w2(ws: Workspace, topk_weights, slot_table, pool, layout, topk: int, 
             H, Fd, topk, nch, ups, split, ws.acc, 0)
     kw = dict(G=layout.group, BN=cfg.bn2, BM=cfg.bm, IS_W13=False, ASM=cfg.asm, DEQ=cfg.deq2,
               T64=t >= 64, T32=t % 64 == 32, SPLIT13=False, ZP=layout.zero_point, num_warps=cfg.warps2,
-              num_stages=cfg.stages2, UNR=cfg.unroll2, STG=cfg.stg2 or None, SPD=cfg.spd2)
+              num_stages=cfg.stages2, UNR=cfg.unroll2, STG=cfg.stg2 or None)
     return _run(_expert_mm, (triton.cdiv(H, cfg.bn2), ws.A * nch, split), args, kw, warmup)
 
 

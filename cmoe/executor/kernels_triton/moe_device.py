@@ -56,41 +56,34 @@ def _block(acc_g, acc_u, a_g, a_u, xs, blk, kb, N, wrow, wmask, xrow, rk, mrow, 
 
 
 @triton.jit
-def _unit(acc_g, acc_u, a_g, a_u, xs, cg0, cg1, cg2, cg3, cu0, cu1, cu2, cu3, u, wp, NR, N,
-          wrow, wmask, xrow, rk, mrow, ones, zero, BPU: tl.constexpr, PPG: tl.constexpr,
+def _unit(acc_g, acc_u, a_g, a_u, xs, sg0, sg1, sg2, sg3, su0, su1, su2, su3, u, u_hi, wp, sp, NR, N, rn, mn,
+          wrow, wmask, xrow, rk, mrow, ones, zero, BPU: tl.constexpr, PPG: tl.constexpr, GPU: tl.constexpr,
           IS_W13: tl.constexpr, ASM: tl.constexpr, DEQ: tl.constexpr, ZP: tl.constexpr):
-    """k-unit u with its (scale, zero) pairs cg0..cg3 (gate) and cu0..cu3 (up), loaded ahead by
-    `_units`: the accumulators after it."""
+    """k-unit u, whose (scale, zero) pairs were loaded one unit ahead: the accumulators after it and
+    the next unit's pairs."""
+    cg0, cg1, cg2, cg3, cu0, cu1, cu2, cu3 = sg0, sg1, sg2, sg3, su0, su1, su2, su3
+    sg0, sg1, sg2, sg3, su0, su1, su2, su3 = _ldsz(sp, (u + 1) * GPU, NR, N, rn, mn & (u + 1 < u_hi), GPU, IS_W13)
     for b in tl.static_range(BPU):
         kb = u * BPU + b
         blk = wp + kb * NR * 16
         acc_g, acc_u, a_g, a_u, xs = _block(acc_g, acc_u, a_g, a_u, xs, blk, kb, N, wrow, wmask, xrow, rk,
                                             mrow, ones, zero, cg0, cg1, cg2, cg3, cu0, cu1, cu2, cu3,
                                             b, PPG, IS_W13, ASM, DEQ, ZP)
-    return acc_g, acc_u, a_g, a_u, xs
+    return acc_g, acc_u, a_g, a_u, xs, sg0, sg1, sg2, sg3, su0, su1, su2, su3
 
 
 @triton.jit
 def _units(wp, sp, NR, N, K, pid_k, UPS, rn, mn, wrow, wmask, xrow, rk, mrow, ones, zero,
            U: tl.constexpr, BPU: tl.constexpr, PPG: tl.constexpr, GPU: tl.constexpr,
            IS_W13: tl.constexpr, ASM: tl.constexpr, DEQ: tl.constexpr, ZP: tl.constexpr, UNR: tl.constexpr,
-           STG: tl.constexpr, SPD: tl.constexpr):
+           STG: tl.constexpr):
     """The whole k-units of split pid_k (UPS units a split): the accumulators (acc_g, acc_u, and
     without DEQ the open group's a_g, a_u, xs) after them, from zero. UNR > 1 unrolls the unit loop
     that many times, so that the weight loads of UNR units are issued before the first is used.
     STG (None: the launch's num_stages) sets the loop's own stages. The loop has dots, so Triton
     already pipelines its loads at the launch's stages (36-48 cp.async in its sm_90 code); naming
     them measured no faster on the H200 (29.7 against 29.6 us, BENCHMARKS.md, seventh session), so
-    CONFIGS leave it unset. (A loop without dots is pipelined only when it names its stages.)
-
-    The (scale, zero) pairs feed no dot, so Triton leaves them alone unless the loop names its
-    stages. SPD = 1: plain loads issued one unit ahead of their use, by hand. At M = 1 the H200's
-    Nsight Compute samples put 11% of the w13 kernel's warp time on the move that waits for them
-    (BENCHMARKS.md, eighth session): one unit of work is shorter than a loaded DRAM access. SPD = 0:
-    each unit loads its own pairs in the loop, and with STG set the pipeliner streams them through
-    shared memory by cp.async as it does the codes (compiled for sm_90: the loop's plain loads go,
-    12 cp.async come). Carrying them two units ahead by hand instead made Triton drop the loop's
-    pipelining altogether (no cp.async left in its sm_90 code), so that is not offered."""
+    CONFIGS leave it unset. (A loop without dots is pipelined only when it names its stages.)"""
     acc_g = zero
     acc_u = zero
     a_g = zero
@@ -99,20 +92,12 @@ def _units(wp, sp, NR, N, K, pid_k, UPS, rn, mn, wrow, wmask, xrow, rk, mrow, on
     n_units = K // U
     u_lo = pid_k * UPS
     u_hi = tl.minimum(n_units, u_lo + UPS)
-    cg0, cg1, cg2, cg3, cu0, cu1, cu2, cu3 = _ldsz(sp, u_lo * GPU, NR, N, rn, mn & (u_lo < u_hi), GPU, IS_W13)
+    # the scales of the next unit are loaded one unit ahead (their latency hides behind a unit)
+    sg0, sg1, sg2, sg3, su0, su1, su2, su3 = _ldsz(sp, u_lo * GPU, NR, N, rn, mn & (u_lo < u_hi), GPU, IS_W13)
     for u in tl.range(u_lo, u_hi, num_stages=STG, loop_unroll_factor=UNR):
-        if SPD == 0:
-            # the unit's own pairs, left to the pipeliner (with STG set, it streams them as it does the codes)
-            cg0, cg1, cg2, cg3, cu0, cu1, cu2, cu3 = _ldsz(sp, u * GPU, NR, N, rn, mn, GPU, IS_W13)
-        else:
-            # the next unit's pairs, issued before this unit's work
-            fg0, fg1, fg2, fg3, fu0, fu1, fu2, fu3 = _ldsz(sp, (u + 1) * GPU, NR, N, rn, mn & (u + 1 < u_hi),
-                                                           GPU, IS_W13)
-        acc_g, acc_u, a_g, a_u, xs = _unit(acc_g, acc_u, a_g, a_u, xs, cg0, cg1, cg2, cg3, cu0, cu1, cu2, cu3, u,
-                                           wp, NR, N, wrow, wmask, xrow, rk, mrow, ones, zero, BPU, PPG, IS_W13,
-                                           ASM, DEQ, ZP)
-        if SPD == 1:
-            cg0, cg1, cg2, cg3, cu0, cu1, cu2, cu3 = fg0, fg1, fg2, fg3, fu0, fu1, fu2, fu3
+        acc_g, acc_u, a_g, a_u, xs, sg0, sg1, sg2, sg3, su0, su1, su2, su3 = _unit(
+            acc_g, acc_u, a_g, a_u, xs, sg0, sg1, sg2, sg3, su0, su1, su2, su3, u, u_hi, wp, sp, NR, N, rn, mn,
+            wrow, wmask, xrow, rk, mrow, ones, zero, BPU, PPG, GPU, IS_W13, ASM, DEQ, ZP)
     return acc_g, acc_u, a_g, a_u, xs
 
 
@@ -234,8 +219,7 @@ def _expert_mm(x_ptr, stride_x, pool_ptr, slot_bytes, table_ptr, E,
                out_ptr, stride_o, w_off, sz_off, N, K, TOPK, NCH, UPS, SPLIT, part_ptr, stride_ps,
                G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, IS_W13: tl.constexpr,
                ASM: tl.constexpr, DEQ: tl.constexpr, T64: tl.constexpr, T32: tl.constexpr,
-               SPLIT13: tl.constexpr, ZP: tl.constexpr, UNR: tl.constexpr = 1, STG: tl.constexpr = None,
-               SPD: tl.constexpr = 1):
+               SPLIT13: tl.constexpr, ZP: tl.constexpr, UNR: tl.constexpr = 1, STG: tl.constexpr = None):
     """One CTA: BN weight rows of its segment's expert (gate and up rows with IS_W13) times the
     segment's chunk of BM rows, over split pid_k of K (see `moe.py`)."""
     pid_n = tl.program_id(0)
@@ -279,7 +263,7 @@ def _expert_mm(x_ptr, stride_x, pool_ptr, slot_bytes, table_ptr, E,
     PPG: tl.constexpr = G // 16                     # planes per group
     GPU: tl.constexpr = U // G                      # groups per unit (1, 2 or 4)
     acc_g, acc_u, a_g, a_u, xs = _units(wp, sp, NR, N, K, pid_k, UPS, rn, mn, wrow, wmask, xrow, rk, mrow, ones,
-                                        zero, U, BPU, PPG, GPU, IS_W13, ASM, DEQ, ZP, UNR, STG, SPD)
+                                        zero, U, BPU, PPG, GPU, IS_W13, ASM, DEQ, ZP, UNR, STG)
     acc_g, acc_u = _tail(acc_g, acc_u, a_g, a_u, xs, base, w_off, sp, NR, N, K, pid_k, SPLIT, rn, mn, wrow, wmask,
                          xrow, rk, mrow, ones, zero, G, PPG, IS_W13, DEQ, T64, T32, ZP)
     _store(acc_g, acc_u, pos, pair, rn, mn, mrow, out_ptr, stride_o, wt_ptr, part_ptr, stride_ps, pid_k, N, TOPK,
