@@ -47,11 +47,15 @@ def synced(run) -> None:
     """`run()` with a sync at each end of every pass (CMOE_PASS_SYNC=1: the lean engine before its
     decode passes were queued back to back), for an A/B within one process."""
     import os
+    was = os.environ.get("CMOE_PASS_SYNC")
     os.environ["CMOE_PASS_SYNC"] = "1"
     try:
         run()
     finally:
-        os.environ["CMOE_PASS_SYNC"] = "0"
+        if was is None:
+            os.environ.pop("CMOE_PASS_SYNC")
+        else:
+            os.environ["CMOE_PASS_SYNC"] = was
 
 
 def kernel_profile(w, cfg, short: int = 4, long: int = 20) -> dict:

@@ -305,6 +305,25 @@ def test_pass_overhead_of_a_lean_upper_run():
     assert (host, start, head) == (pytest.approx(440e-6), pytest.approx(240e-6), pytest.approx(180e-6))
 
 
+def test_host_between_passes_of_runs_that_read_back():
+    """Queued decode passes (`pass_overlap`): the host's pass start is its own lane's gap from one
+    pass's head to the next pass's first layer, plus layer 0's excess over the other layers."""
+    from types import SimpleNamespace
+    from cmoe.calibrate.measure_model import _host_between
+    from cmoe.core.timeline import Span
+
+    def one_pass(p, t0, gap):
+        return [Span("gpu", p, 0, "host", "host_attention", -1, t0 + gap, t0 + gap + 50.0),   # 30 over layer 1
+                Span("gpu", p, 0, "host", "host_sync", -1, t0 + gap + 50.0, t0 + gap + 200.0),
+                Span("gpu", p, 1, "host", "host_attention", -1, t0 + gap + 300.0, t0 + gap + 320.0),
+                Span("gpu", p, -1, "host", "host_head", -1, t0 + gap + 400.0, t0 + gap + 410.0)]
+    # heads end at 410, 1510, 2610; the next passes' first layers enter at 1000 + 100, 2000 + 300
+    log = SimpleNamespace(spans=one_pass(1, 0.0, 0.0) + one_pass(2, 1000.0, 100.0) + one_pass(3, 2000.0, 300.0),
+                          pass_us=[(0, False, 0, 0.0), (1, True, 0, 0.0), (2, True, 0, 0.0), (3, True, 0, 0.0)])
+    gaps = [(1000.0 + 100.0) - 410.0, (2000.0 + 300.0) - (1000.0 + 100.0 + 410.0)]
+    assert _host_between(log, 0) == pytest.approx((sum(gaps) / 2 + 30.0) / 1e6)
+
+
 def test_the_lean_engines_gpu_side_steps_run_on_the_cpu(checkpoints, monkeypatch):
     """The steps calibrate takes only for the lean engine on CUDA (`_ModelRuns.lean`: upper's own
     run for the GPU side, the read-back's and the prediction's cost inside A_m, the fused launches,
@@ -319,6 +338,11 @@ def test_the_lean_engines_gpu_side_steps_run_on_the_cpu(checkpoints, monkeypatch
     lay = out["layer"]
     assert lay["readback_gpu_s"] >= 0.0 and lay["predict_gpu_s"] >= 0.0
     assert lay["host"]["pass_gap_s"] == pytest.approx(lay["host"]["pass_start_s"] - lay["pass_start_s"])
+    # queued decode passes: the host's pass start from the runs that read back, never below upper's
+    monkeypatch.setattr(mm._ModelRuns, "queued", property(lambda self: True))
+    q = mm.layers(torch.device("cpu"), check_checkpoint(d), "fp32", 2, d, tokens=4)["layer"]
+    assert q["host"]["pass_start_s"] >= q["host"]["pass_gap_s"] + q["pass_start_s"] - 1e-12
+    assert q["host"]["pass_start_s"] > 0.0
     assert lay["commit_gpu_s"] >= 0.0 and lay["commit_gpu_copy_s"] >= 0.0
     # a difference of two runs' layer-0 excesses: either sign is possible, the fit clamps it at 0
     assert isinstance(lay["commit_start_excess_s"], float) and abs(lay["commit_start_excess_s"]) < 1.0

@@ -72,8 +72,8 @@ def test_a_read_back_without_the_runtime_goes_through_torch(fake_cuda, monkeypat
 
 def test_a_load_takes_the_stores_row_once_and_three_runtime_calls(fake_cuda, monkeypatch):  # noqa: F811
     """Engine._load on the runtime: the store's row of an expert is looked up the first time it is
-    loaded and kept; each load is its start mark, the copy and its end mark on the copy stream
-    (and a wait for the slot's last read where it was read), its span of the expert's bytes."""
+    loaded and kept; each load of a slot no kernel has read is its start mark, the copy and its end
+    mark on the copy stream (a read slot's wait first: tests/test_host_calls.py), and its span."""
     from cmoe.executor.engine import Engine
     from cmoe.executor.records import RunLog
     from cmoe.executor.streams import Clock

@@ -108,10 +108,18 @@ def test_lean_queued_passes_decide_as_synced_ones(fused_checkpoints, monkeypatch
     the same plans, no slot ever read with wrong bytes, the same hits, and every pass timed. No
     logits kept, so nothing else syncs between the passes."""
     pols = ["upper", "ondemand", "commit", "lfu-fallback", "adaptive-ahead"]
-    runs = {}
+    runs, syncs = {}, {}
+    real = torch.cuda.synchronize
+
+    def counted(*a, **k):
+        syncs[sync] = syncs.get(sync, 0) + 1
+        return real(*a, **k)
+    monkeypatch.setattr(torch.cuda, "synchronize", counted)
     for sync in ("0", "1"):
         monkeypatch.setenv("CMOE_PASS_SYNC", sync)
         _, runs[sync] = _run(fused_checkpoints["mixtral"], pols, tokens=8, keep_logits=False)
+    # queued: no device sync at the start of the 7 decode passes after the first, per policy
+    assert syncs["1"] - syncs["0"] >= 7 * len(pols), syncs
     for a, b in zip(runs["0"], runs["1"]):
         assert [p.loads for p in a.log.plans] == [p.loads for p in b.log.plans], a.policy
         assert a.log.slot_mismatches == 0 and b.log.slot_mismatches == 0, a.policy

@@ -193,8 +193,8 @@ def measure(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4
     # the lean engine's decode attention (CUDA, the families it covers): rows side by side, each walking
     # the cache up to the step's slot, so its cost follows the longest row's keys, not their sum
     walks = cuda and fused and spec.family in attention.FAMILIES and attention.enabled()
-    # the lean engine's graphs (CUDA) queue decode passes back to back (`LeanEngine.run_pass`)
-    queued = cuda and fused and os.environ.get("CMOE_PASS_SYNC", "0") != "1"
+    # the lean engine's graphs (CUDA, either kernel) queue decode passes back to back (`LeanEngine.run_pass`)
+    queued = cuda and os.environ.get("CMOE_PASS_SYNC", "0") != "1"
     out: dict = {"dense_rows": 0 if fused else DENSE_ROWS, "silent_upper": fused, "commit_ahead": fused,
                  "pass_overlap": queued,
                  "attention_walks_cache": walks, "repeats": {}}

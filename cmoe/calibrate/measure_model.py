@@ -13,44 +13,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import os
 import time
 
 import numpy as np
 import torch
 
 from cmoe.core.spec import ModelSpec
-from cmoe.core.timeline import STEP, LAYER, STREAM, OP, EXPERT, START, END
-
-
-def _per_layer(log, ops: tuple[str, ...], first: int | None) -> tuple[float, float]:
-    """Mean over decode passes of (the `ops` spans' time less the pass's start-up, start-up) in us,
-    where the start-up is layer `first`'s excess over the mean of the other layers. Means, not
-    medians: throughput pays for the slow passes too. (0, 0) when the run has no such span: the
-    engine does that step where the host does not see it (the lean engine's early router inside a
-    CUDA graph costs the host nothing; its GPU time lies in `attention`)."""
-    per: dict[int, dict[int, float]] = {}
-    dec = {p for p, d, _, _ in log.pass_us if d}
-    for s in log.spans:
-        if s[STEP] in dec and s[OP] in ops:
-            layer = per.setdefault(s[STEP], {})
-            layer[s[LAYER]] = layer.get(s[LAYER], 0.0) + s[END] - s[START]
-    if not per:
-        return 0.0, 0.0
-    tot, st = [], []
-    for att in per.values():
-        others = [v for k, v in att.items() if k != first]
-        start = 0.0 if first is None else max(att[first] - (float(np.mean(others)) if others else 0.0), 0.0)
-        st.append(start)
-        tot.append(sum(att.values()) - start)
-    return float(np.mean(tot)), float(np.mean(st))
-
-
-def _mean(log, op: str, stat=np.mean) -> float:
-    """Mean (or `stat`) duration of the decode passes' `op` spans, in seconds; 0 when the run has
-    none (an engine that never does that step pays nothing for it)."""
-    dec = {p for p, d, _, _ in log.pass_us if d}
-    xs = [s[END] - s[START] for s in log.spans if s[STEP] in dec and s[OP] == op]
-    return float(stat(xs)) / 1e6 if xs else 0.0
+from cmoe.calibrate.spans import _gaps, _host_between, _mean, _pass_overhead, _per_layer, _sync_s  # noqa: F401
+from cmoe.core.timeline import STEP, LAYER, OP, EXPERT, START, END
 
 
 LONG_PROMPT = 2048    # the context of the long run that prices attention per key (a CPU uses an eighth)
@@ -77,55 +48,6 @@ def _wave_points(log, tr, batch: int, spec: ModelSpec) -> list[list[float]]:
         out.append([len(spans), sum(votes.get(s[EXPERT], 1) for s in spans),
                     (max(s[END] for s in spans) - min(s[START] for s in spans)) / 1e6, nbytes])
     return out
-
-
-def _gaps(log) -> list[float]:
-    """Per decode layer with experts: the GPU's idle time between the end of its attention and the
-    start of its first expert, less the host's route and launch spans (seconds), which the
-    simulator adds after host_sync_us (the launch less its tail: `_result` adds the tail back).
-    With every expert resident it is the read-back's latency once the GPU is done, which the
-    host_sync span alone overstates: that span also holds the GPU work the host waited behind."""
-    dec = {p for p, d, _, _ in log.pass_us if d}
-    att, first, route, issue = {}, {}, {}, {}
-    for s in log.spans:
-        if s[STEP] not in dec:
-            continue
-        k = (s[STEP], s[LAYER])
-        if s[OP] == "attention":
-            att[k] = s[END]
-        elif s[OP] == "expert":
-            first[k] = min(first.get(k, s[START]), s[START])
-        elif s[OP] == "host_route":
-            route[k] = s[END] - s[START]
-        elif s[OP] == "host_expert":
-            issue[k] = issue.get(k, 0.0) + s[END] - s[START]
-    return [(first[k] - att[k] - route.get(k, 0.0) - issue.get(k, 0.0)) / 1e6 for k in first if k in att]
-
-
-def _sync_s(host: dict, tail: list) -> float:
-    """host_sync_us in seconds: the median gap (`_gaps`) with the launch's tail added back, as the
-    simulator charges it (attention's end, + host_sync, + route, + launch - tail = the experts'
-    start); without gaps (the reference engine) the host_sync spans' median."""
-    if not host["gaps"]:
-        return float(np.median(host["sync"]))
-    return max(float(np.median(host["gaps"])) + float(np.mean([x for _, x in tail])), 0.0)
-
-
-def _pass_overhead(log, first: int) -> tuple[float, float, float]:
-    """From a lean `upper` run (the GPU's own timeline, its host ahead except between passes):
-    (the host's time per pass with the GPU idle: the gap between one decode pass's last GPU op and
-    the next one's first, plus layer `first`'s start-up excess; that excess alone; the LM head),
-    in seconds."""
-    by: dict[int, list[float]] = {}
-    for s in log.spans:
-        if s[STREAM] == "compute":
-            a = by.setdefault(s[STEP], [s[START], s[END]])
-            a[0], a[1] = min(a[0], s[START]), max(a[1], s[END])
-    dec = sorted(p for p, d, _, _ in log.pass_us if d and p in by)
-    gaps = [by[q][0] - by[p][1] for p, q in zip(dec, dec[1:])]
-    _, start = _per_layer(log, ("attention",), first)
-    gap = float(np.mean(gaps)) if gaps else 0.0
-    return (gap + start) / 1e6, start / 1e6, _mean(log, "head")
 
 
 def _cpu_points(log, tr, batch: int, spec: ModelSpec) -> tuple[list, list]:
@@ -182,6 +104,11 @@ class _ModelRuns:
         self.one: dict[str, float] = {}
         self.seconds: dict[str, float] = {}     # wall time of each step: what calibrating costs, reported
         self.w = built
+
+    @property
+    def queued(self) -> bool:
+        """The lean engine queues its graphed decode passes (CUDA, `LeanEngine.run_pass`)."""
+        return self.cuda and os.environ.get("CMOE_PASS_SYNC", "0") != "1"
 
     @property
     def lean(self) -> bool:
@@ -271,19 +198,7 @@ def _measure_batch(r: _ModelRuns, batch: int) -> None:
     host["expert_span"].append((batch, np.mean([_mean(e, "expert") for e in eager])))
     host["sync"] += [_mean(e, "host_sync", np.median) for e in eager]
     if r.lean:
-        # the lean engine's fused launch: upper's own run is the GPU's time (its host keeps ahead, with
-        # no host step), for the layer outside the experts too; the eager runs' gaps price the read-back
-        plain = run_policy(w, cfg, "upper").log
-        gpu["waves"] += _wave_points(plain, w.trace, batch, spec)
-        up = _per_layer(plain, ("attention",), r.first)[0]
-        gpu["plain_points"].append((batch, up / L / 1e6))
-        # what the read-back's packing adds to A_m on the GPU (the eager runs read back; upper does
-        # not), charged per MoE layer; batch 1 keeps the eager runs' attention for the prediction's
-        att = float(np.mean([_per_layer(e, ("attention",), r.first)[0] for e in eager]))
-        gpu["readback"].append((batch, (att - up) / M / 1e6))
-        host["gaps"] += [g for e in eager for g in _gaps(e)]
-        if batch == 1:
-            r.one["eager_attention"], r.one["plain"] = att, _pass_overhead(plain, r.first)
+        _lean_batch(r, w, cfg, batch, eager)
     if batch == 1:
         _batch_one(r, cfg, start, h_start, eager, queued, h_route)
     if batch in (1, 8) and (not r.cuda or w.store.cpu_twins is not None):
@@ -291,6 +206,27 @@ def _measure_batch(r: _ModelRuns, batch: int) -> None:
         p, t = _cpu_points(st, w.trace, batch, spec)
         r.cpu_pts += p
         r.trips += t
+
+
+def _lean_batch(r: _ModelRuns, w, cfg, batch: int, eager: list) -> None:
+    """The lean engine's fused launch: upper's own run is the GPU's time (its host keeps ahead, with
+    no host step), for the layer outside the experts too; the eager runs' gaps price the read-back."""
+    from cmoe.executor.run import run_policy
+    gpu, host, L, M = r.gpu, r.host, r.L, r.M
+    plain = run_policy(w, cfg, "upper").log
+    gpu["waves"] += _wave_points(plain, w.trace, batch, r.spec)
+    up = _per_layer(plain, ("attention",), r.first)[0]
+    gpu["plain_points"].append((batch, up / L / 1e6))
+    # what the read-back's packing adds to A_m on the GPU (the eager runs read back; upper does
+    # not), charged per MoE layer; batch 1 keeps the eager runs' attention for the prediction's
+    att = float(np.mean([_per_layer(e, ("attention",), r.first)[0] for e in eager]))
+    gpu["readback"].append((batch, (att - up) / M / 1e6))
+    host["gaps"] += [g for e in eager for g in _gaps(e)]
+    if batch == 1:
+        r.one["eager_attention"], r.one["plain"] = att, _pass_overhead(plain, r.first)
+        # queued decode passes: upper's host is ahead even between passes, so the host's pass
+        # start is read off the runs that read back, where the host keeps pace with the GPU
+        r.one["host_between"] = float(np.mean([_host_between(e, r.first) for e in eager]))
 
 
 def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, queued, h_route: float) -> None:
@@ -355,6 +291,8 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
     if "plain" in one:            # the lean engine: a pass's start and head as upper's own run shows them
         one["host_start"], one["gpu_start"], one["gpu_head"] = one.pop("plain")
         gap = one["host_start"] - one["gpu_start"]      # the GPU's idle gap between passes, before the first mark
+        if r.queued:                                    # its host ahead between passes: the gap is ~0 by
+            one["host_start"] = max(one.pop("host_between"), one["host_start"])   # construction
     ne_bytes = non_expert_bytes(r.spec, r.rec)
     per_layer = (ne_bytes["attention"] + ne_bytes["norms"]) // r.spec.num_layers
     tail = [(t, max(a[1] - b[1], 0.0)) for t, a, b in zip((1, 8), host["expert"], host["expert_span"])]

@@ -72,7 +72,8 @@ class HardwareProfile:
     host_load_us: float = 0.0                       # issuing one load: planning it, events, the copy call
     host_pass_start_us: float = 0.0                 # per pass, host side of pass_start_us
     host_head_us: float = 0.0
-    pass_gap_us: float = 0.0                        # per pass, of host_pass_start_us: the part before the pass's
+    pass_gap_us: float = 0.0                        # per synced pass (not a queued one, `pass_overlap`), of
+                                                    # host_pass_start_us: the part before the pass's
                                                     # first mark (the GPU idle between passes), where layer 0's
                                                     # span starts; the rest is layer 0's start-up (timeline only)
     predict_layer_us: float = 0.0                   # per MoE layer, policies that predict, on the host: the early router

@@ -382,19 +382,10 @@ class LeanEngine(HostSteps, Segments, Engine):
         super()._resolve(final)
 
     def close(self) -> None:
-        if self._chained:                                  # the last pass was queued: let it end first
-            torch.cuda.synchronize(self.device)
-        super().close()
-        if self._fused_mods:
-            from cmoe.executor.kernels_triton.norm import unfuse
-            unfuse(self._fused_mods)
-            self._fused_mods = []
-        if self._attn:
-            from cmoe.executor import attention
-            attention.uninstall(self._attn)
-            self._attn = []
-        self.graphs = None
-        self.t = self.t_graph = self.kin = self.io = self._ws = self._wave_acc = None
-        self._rb_pin = []
-        self._cap.sink = {}
-
+        try:
+            if self._chained:                              # the last pass was queued: let it end first
+                torch.cuda.synchronize(self.device)
+        finally:
+            self._chained = False
+            super().close()
+            self._drop_program()

@@ -94,9 +94,12 @@ class HostIO:
         row, or ids, w, comm), from its pinned staging into the device tensor, without blocking, on
         the compute stream: the runtime's cudaMemcpyAsync, else torch's `copy_`. Either way the
         staging is what keeps the copy right: each layer and wave has its own row, written again
-        only in a later pass (after the pass boundary's synchronisation), and it lives as long
-        as kin (torch's pinned-memory bookkeeping, skipped by the runtime's copy, only guards a
-        freed buffer)."""
+        only in a later pass, and only after the host has waited there for something queued
+        behind this copy (the layer's read-back, or for commit's layer 0 the prediction's
+        `.cpu()`): decode passes are queued without a sync between them, so a step that wrote a
+        row before any wait in its pass could race the last pass's copy of it. The row lives as
+        long as kin (torch's pinned-memory bookkeeping, skipped by the runtime's copy, only
+        guards a freed buffer)."""
         k, rt = self.kin, self.clock.rt
         if rt is not None:
             ptr = k.get("ptr")

@@ -39,6 +39,22 @@ def _fresh(M: int) -> dict:
 
 
 class Segments:
+    def _drop_program(self) -> None:
+        """At close: the model's modules as they were (norms, attention), and the graphs and the
+        buffers they were captured over let go."""
+        if self._fused_mods:
+            from cmoe.executor.kernels_triton.norm import unfuse
+            unfuse(self._fused_mods)
+            self._fused_mods = []
+        if self._attn:
+            from cmoe.executor import attention
+            attention.uninstall(self._attn)
+            self._attn = []
+        self.graphs = None
+        self.t = self.t_graph = self.kin = self.io = self._ws = self._wave_acc = None
+        self._rb_pin = []
+        self._cap.sink = {}
+
     def _decoder(self, d: int, h: torch.Tensor) -> torch.Tensor:
         io = self.io
         out = self.layers[d](h, attention_mask=io["mask"], position_ids=io["pos"], past_key_values=self.kv,

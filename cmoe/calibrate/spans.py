@@ -1,0 +1,108 @@
+"""What calibrate reads off an executor run's timeline (`RunLog.spans`, `pass_us`): per-layer
+means of span kinds and the start-up excess of the pass's first layer, the GPU's idle before a
+layer's experts, and the pass's overhead on either side. Pure Python over spans; `measure_model`
+runs the executor and `commit_steps` reads commit's own runs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cmoe.core.timeline import END, LAYER, OP, START, STEP, STREAM
+
+
+def _per_layer(log, ops: tuple[str, ...], first: int | None) -> tuple[float, float]:
+    """Mean over decode passes of (the `ops` spans' time less the pass's start-up, start-up) in us,
+    where the start-up is layer `first`'s excess over the mean of the other layers. Means, not
+    medians: throughput pays for the slow passes too. (0, 0) when the run has no such span: the
+    engine does that step where the host does not see it (the lean engine's early router inside a
+    CUDA graph costs the host nothing; its GPU time lies in `attention`)."""
+    per: dict[int, dict[int, float]] = {}
+    dec = {p for p, d, _, _ in log.pass_us if d}
+    for s in log.spans:
+        if s[STEP] in dec and s[OP] in ops:
+            layer = per.setdefault(s[STEP], {})
+            layer[s[LAYER]] = layer.get(s[LAYER], 0.0) + s[END] - s[START]
+    if not per:
+        return 0.0, 0.0
+    tot, st = [], []
+    for att in per.values():
+        others = [v for k, v in att.items() if k != first]
+        start = 0.0 if first is None else max(att[first] - (float(np.mean(others)) if others else 0.0), 0.0)
+        st.append(start)
+        tot.append(sum(att.values()) - start)
+    return float(np.mean(tot)), float(np.mean(st))
+
+
+def _mean(log, op: str, stat=np.mean) -> float:
+    """Mean (or `stat`) duration of the decode passes' `op` spans, in seconds; 0 when the run has
+    none (an engine that never does that step pays nothing for it)."""
+    dec = {p for p, d, _, _ in log.pass_us if d}
+    xs = [s[END] - s[START] for s in log.spans if s[STEP] in dec and s[OP] == op]
+    return float(stat(xs)) / 1e6 if xs else 0.0
+
+
+def _gaps(log) -> list[float]:
+    """Per decode layer with experts: the GPU's idle time between the end of its attention and the
+    start of its first expert, less the host's route and launch spans (seconds), which the
+    simulator adds after host_sync_us (the launch less its tail: `_result` adds the tail back).
+    With every expert resident it is the read-back's latency once the GPU is done, which the
+    host_sync span alone overstates: that span also holds the GPU work the host waited behind."""
+    dec = {p for p, d, _, _ in log.pass_us if d}
+    att, first, route, issue = {}, {}, {}, {}
+    for s in log.spans:
+        if s[STEP] not in dec:
+            continue
+        k = (s[STEP], s[LAYER])
+        if s[OP] == "attention":
+            att[k] = s[END]
+        elif s[OP] == "expert":
+            first[k] = min(first.get(k, s[START]), s[START])
+        elif s[OP] == "host_route":
+            route[k] = s[END] - s[START]
+        elif s[OP] == "host_expert":
+            issue[k] = issue.get(k, 0.0) + s[END] - s[START]
+    return [(first[k] - att[k] - route.get(k, 0.0) - issue.get(k, 0.0)) / 1e6 for k in first if k in att]
+
+
+def _sync_s(host: dict, tail: list) -> float:
+    """host_sync_us in seconds: the median gap (`_gaps`) with the launch's tail added back, as the
+    simulator charges it (attention's end, + host_sync, + route, + launch - tail = the experts'
+    start); without gaps (the reference engine) the host_sync spans' median."""
+    if not host["gaps"]:
+        return float(np.median(host["sync"]))
+    return max(float(np.median(host["gaps"])) + float(np.mean([x for _, x in tail])), 0.0)
+
+
+def _host_between(log, first: int) -> float:
+    """The host's own time from one decode pass's head to the next pass's first layer issued, less
+    a layer's (seconds): the gap on the host lane between a `host_head` span and the next pass's
+    first `host_attention`, plus layer `first`'s excess. Taken from runs whose host keeps pace with
+    the GPU (every layer reads back), so the gap holds the host's books, inputs and replays and no
+    wait: with queued decode passes (`pass_overlap`) that, not the GPU's idle, is the pass start
+    a host-bound policy pays."""
+    dec = sorted(p for p, d, _, _ in log.pass_us if d)
+    head = {s[STEP]: s[END] for s in log.spans if s[OP] == "host_head" and s[STEP] in dec}
+    enter: dict[int, float] = {}
+    for s in log.spans:
+        if s[OP] == "host_attention" and s[STEP] in dec:
+            enter[s[STEP]] = min(enter.get(s[STEP], s[START]), s[START])
+    gaps = [enter[q] - head[p] for p, q in zip(dec, dec[1:]) if p in head and q in enter]
+    _, start = _per_layer(log, ("host_attention",), first)
+    return (max(float(np.mean(gaps)), 0.0) if gaps else 0.0) / 1e6 + start / 1e6
+
+
+def _pass_overhead(log, first: int) -> tuple[float, float, float]:
+    """From a lean `upper` run (the GPU's own timeline, its host ahead; with queued decode passes
+    ahead between passes too): (the host's time per pass with the GPU idle: the gap between one
+    decode pass's last GPU op and the next one's first, plus layer `first`'s start-up excess; that
+    excess alone; the LM head), in seconds."""
+    by: dict[int, list[float]] = {}
+    for s in log.spans:
+        if s[STREAM] == "compute":
+            a = by.setdefault(s[STEP], [s[START], s[END]])
+            a[0], a[1] = min(a[0], s[START]), max(a[1], s[END])
+    dec = sorted(p for p, d, _, _ in log.pass_us if d and p in by)
+    gaps = [by[q][0] - by[p][1] for p, q in zip(dec, dec[1:])]
+    _, start = _per_layer(log, ("attention",), first)
+    gap = float(np.mean(gaps)) if gaps else 0.0
+    return (gap + start) / 1e6, start / 1e6, _mean(log, "head")
