@@ -119,6 +119,53 @@ def _cp_async(k) -> int:
     return ptx.count("cp.async.cg") + ptx.count("cp.async.ca")
 
 
+def one_expert_inputs(ms, gen) -> dict:
+    """M -> (x [M, H] bf16, routing weights of ones, a Workspace routed to one expert with a random
+    h): what the w13 and w2 launches of one expert read, for each M."""
+    from cmoe.executor.kernels_triton import Workspace
+    from cmoe.executor.kernels_triton import moe as K
+    data = {}
+    for M in ms:
+        x = torch.randn(M, H, device="cuda", generator=gen).to(torch.bfloat16)
+        ws = Workspace(M, 1, H, FF, 1, "cuda")
+        K.launch_route(ws, torch.zeros(M, 1, dtype=torch.int32, device="cuda"))
+        ws.h.normal_()
+        data[M] = (x, torch.ones(M, 1, device="cuda"), ws)
+    return data
+
+
+def one_expert_launches(data: dict, pool, lay):
+    """(w13(M, config, slot table, warmup=False), w2(...)): one expert's two launches over
+    `one_expert_inputs`' buffers (with warmup, compile only)."""
+    from cmoe.executor.kernels_triton import moe as K
+
+    def w13(M, c, t, warmup=False):
+        x, _, ws = data[M]
+        return K.launch_w13(ws, x, t, pool, lay, 1, c, warmup=warmup)
+
+    def w2(M, c, t, warmup=False):
+        _, wts, ws = data[M]
+        return K.launch_w2(ws, wts, t, pool, lay, 1, M, c, warmup=warmup)
+    return w13, w2
+
+
+def references(M: int, x, wts, pool, lay, tables, lay_tables):
+    """The per-M cases the kernel benchmarks check and time: one expert (every row to slot
+    tables[0]) and a layer of 8 experts at top-2 (seeded ids and weights, slots lay_tables[0]),
+    with the layer's workspace and the fp32 reference of each. Returns (ids1, ref1, ids2, w2t,
+    ws_layer, ref2)."""
+    from cmoe.executor.kernels_triton import Workspace
+    from cmoe.executor.moe_kernel import moe_reference
+    ids1 = torch.zeros(M, 1, dtype=torch.int32, device="cuda")
+    lg = torch.Generator().manual_seed(100 + M)
+    ids2 = torch.stack([torch.randperm(8, generator=lg)[:2] for _ in range(M)]).int().cuda()
+    w2t = torch.rand(M, 2, generator=lg).cuda()
+    wsl = Workspace(M, 2, H, FF, 8, "cuda")
+    ref1 = moe_reference(x, ids1, wts, tables[0], pool, lay, out_dtype=torch.float32)
+    ref2 = moe_reference(x, ids2, w2t, lay_tables[0], pool, lay, out_dtype=torch.float32)
+    return ids1, ref1, ids2, w2t, wsl, ref2
+
+
 def _rel(a, b) -> float:
     return float(((a.double() - b.double()).norm() / b.double().norm()).item())
 
@@ -130,9 +177,7 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from cmoe.executor.kernels_triton import Workspace, moe_triton, pick_config
-    from cmoe.executor.kernels_triton import moe as K
-    from cmoe.executor.moe_kernel import moe_reference
+    from cmoe.executor.kernels_triton import moe_triton, pick_config
 
     t0 = time.time()
     res: dict = {"hbm_copy_tbps": hbm_tbps(), "device": torch.cuda.get_device_name()}
@@ -166,21 +211,8 @@ def main() -> None:
                 for u in (1, 4) for st in (None, 2, 3, 4, 6)]
     c13, c2 = _candidates(pick_config(1))
     ms = [int(v) for v in args.ms.split(",")]
-    data = {}
-    for M in ms:
-        x = torch.randn(M, H, device="cuda", generator=gen).to(torch.bfloat16)
-        ws = Workspace(M, 1, H, FF, 1, "cuda")
-        K.launch_route(ws, torch.zeros(M, 1, dtype=torch.int32, device="cuda"))
-        ws.h.normal_()
-        data[M] = (x, torch.ones(M, 1, device="cuda"), ws)
-
-    def w13_call(M, c, t, warmup=False):
-        x, _, ws = data[M]
-        return K.launch_w13(ws, x, t, pool, lay, 1, c, warmup=warmup)
-
-    def w2_call(M, c, t, warmup=False):
-        _, wts, ws = data[M]
-        return K.launch_w2(ws, wts, t, pool, lay, 1, M, c, warmup=warmup)
+    data = one_expert_inputs(ms, gen)
+    w13_call, w2_call = one_expert_launches(data, pool, lay)
 
     tc = time.time()
     with ThreadPoolExecutor(16) as ex, triton.AsyncCompileMode(ex, ignore_errors=True):
@@ -218,13 +250,7 @@ def main() -> None:
     table = []
     for M in ms:
         x, wts, ws = data[M]
-        ids1 = torch.zeros(M, 1, dtype=torch.int32, device="cuda")
-        lg = torch.Generator().manual_seed(100 + M)
-        ids2 = torch.stack([torch.randperm(8, generator=lg)[:2] for _ in range(M)]).int().cuda()
-        w2t = torch.rand(M, 2, generator=lg).cuda()
-        wsl = Workspace(M, 2, H, FF, 8, "cuda")
-        ref1 = moe_reference(x, ids1, wts, tables[0], pool, lay, out_dtype=torch.float32)
-        ref2 = moe_reference(x, ids2, w2t, lay_tables[0], pool, lay, out_dtype=torch.float32)
+        ids1, ref1, ids2, w2t, wsl, ref2 = references(M, x, wts, pool, lay, tables, lay_tables)
         r13 = sorted((r for r in rows if r["what"] == "kernel" and r["kernel"] == "w13" and r["M"] == M and not r["spills"]),
                      key=lambda r: r["us"])
         r2 = sorted((r for r in rows if r["what"] == "kernel" and r["kernel"] == "w2" and r["M"] == M and not r["spills"]),

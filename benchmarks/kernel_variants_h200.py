@@ -28,7 +28,8 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.expert_kernel_h200 import graph_us, hbm_tbps  # noqa: E402
-from benchmarks.kernel_probe_h200 import FF, G, H, _experts, _rel  # noqa: E402
+from benchmarks.kernel_probe_h200 import (FF, G, H, _experts, _rel, one_expert_inputs,  # noqa: E402
+                                          one_expert_launches, references)
 from cmoe.executor.moe_kernel import tiled_layout  # noqa: E402
 
 # name -> the fields replaced in the committed configuration
@@ -36,6 +37,8 @@ VARIANTS: dict[str, dict] = {
     "committed": {},
     "split13-2": dict(split13=2),
     "split13-4": dict(split13=4),
+    "gsum": dict(gsum13=True, gsum2=True),                        # sum(x) from a table, no dots with ones
+    "gsum-split13-2": dict(gsum13=True, gsum2=True, split13=2),
 }
 # measured in the eighth session at 0569aec, and removed after (slower at every M): the (scale, zero)
 # pairs loaded in their own unit and streamed by the pipeliner (spd13 = spd2 = 0 with stg13 = stg2 =
@@ -49,9 +52,7 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--launch-only", action="store_true", help="launch w13 and w2 of each variant twice (ncu)")
     args = ap.parse_args()
-    from cmoe.executor.kernels_triton import Workspace, moe_triton, pick_config
-    from cmoe.executor.kernels_triton import moe as K
-    from cmoe.executor.moe_kernel import moe_reference
+    from cmoe.executor.kernels_triton import moe_triton, pick_config
 
     t0 = time.time()
     names = args.variants.split(",")
@@ -63,22 +64,9 @@ def main() -> None:
     lay_tables = [torch.arange(8, dtype=torch.int32, device="cuda") + 8 * i for i in range(2)]
     b13 = lay.part("w13").nbytes + lay.part("w13_sz").nbytes
     b2 = lay.part("w2").nbytes + lay.part("w2_sz").nbytes
-    data = {}
-    for M in ms:
-        x = torch.randn(M, H, device="cuda", generator=gen).to(torch.bfloat16)
-        ws = Workspace(M, 1, H, FF, 1, "cuda")
-        K.launch_route(ws, torch.zeros(M, 1, dtype=torch.int32, device="cuda"))
-        ws.h.normal_()
-        data[M] = (x, torch.ones(M, 1, device="cuda"), ws)
+    data = one_expert_inputs(ms, gen)
     cfgs = {(n, M): replace(pick_config(M), **VARIANTS[n]) for n in names for M in ms}
-
-    def w13(M, c, t, warmup=False):
-        x, _, ws = data[M]
-        return K.launch_w13(ws, x, t, pool, lay, 1, c, warmup=warmup)
-
-    def w2(M, c, t, warmup=False):
-        _, wts, ws = data[M]
-        return K.launch_w2(ws, wts, t, pool, lay, 1, M, c, warmup=warmup)
+    w13, w2 = one_expert_launches(data, pool, lay)
 
     with ThreadPoolExecutor(16) as ex, triton.AsyncCompileMode(ex, ignore_errors=True):
         for (n, M), c in cfgs.items():
@@ -98,13 +86,7 @@ def main() -> None:
            "triton": triton.__version__, "bytes": {"w13": b13, "w2": b2, "expert": lay.nbytes}, "rows": []}
     for M in ms:
         x, wts, ws = data[M]
-        ids1 = torch.zeros(M, 1, dtype=torch.int32, device="cuda")
-        lg = torch.Generator().manual_seed(100 + M)
-        ids2 = torch.stack([torch.randperm(8, generator=lg)[:2] for _ in range(M)]).int().cuda()
-        w2t = torch.rand(M, 2, generator=lg).cuda()
-        wsl = Workspace(M, 2, H, FF, 8, "cuda")
-        ref1 = moe_reference(x, ids1, wts, tables[0], pool, lay, out_dtype=torch.float32)
-        ref2 = moe_reference(x, ids2, w2t, lay_tables[0], pool, lay, out_dtype=torch.float32)
+        ids1, ref1, ids2, w2t, wsl, ref2 = references(M, x, wts, pool, lay, tables, lay_tables)
         nexp = len(set(ids2.reshape(-1).tolist()))
         for n in names:
             c = cfgs[(n, M)]

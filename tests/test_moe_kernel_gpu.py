@@ -304,3 +304,45 @@ def test_interpreter_route_kernel_equals_route_into(P):
     for a, b in ((ws.order, o), (ws.sorted, s), (ws.seg_e, e), (ws.seg_s, st), (ws.seg_end, en)):
         assert torch.equal(a, b)
     assert (ws.acc == 0).all()
+
+
+def _group_sums_match(device: str, asm: bool, splits=(1, 2)):
+    """sum(x) per group from a table made before each launch (gsum13, gsum2) instead of a dot with
+    ones: the layer as the reference (every group size, k tails, a skipped expert), and h as the
+    committed path's h up to the order of fp32 sums."""
+    from cmoe.executor.kernels_triton import KernelConfig, Workspace, moe_triton
+    for g, H, Fd in ISHAPES:
+        gen = torch.Generator(device=device).manual_seed(g + 11)
+        E, S, k = 3, 4, 2
+        lay, pool, table = _pool(E, S, H, Fd, g, gen, device)
+        for M in (1, 5):
+            x, ids, wts = _inputs(M, k, E, H, gen, device)
+            tab = table.clone()
+            if M == 5:
+                tab[int(ids[0, 0])] = -1
+            ref = moe_reference(x, ids, wts, tab, pool, lay, out_dtype=torch.float32)
+            for split13 in splits:
+                base = KernelConfig(16, 128, 4, 3, 128, 1, 4, 3, asm=asm, deq=False, deq2=False, split13=split13)
+                hs = []
+                for cfg in (base, replace(base, gsum13=True, gsum2=True)):
+                    ws = Workspace(M, k, H, Fd, E, device)
+                    ws.h.fill_(float("nan"))
+                    got = moe_triton(x, ids, wts, tab, pool, lay, workspace=ws, config=cfg, out_dtype=torch.float32)
+                    assert _rel(got, ref) < 1e-2, (g, M, split13, cfg.gsum13, _rel(got, ref))
+                    hs.append(ws.h[: M * k].float().clone())
+                live = torch.isfinite(hs[0]).all(1)
+                assert live.any() and torch.equal(live, torch.isfinite(hs[1]).all(1))
+                assert _rel(hs[1][live], hs[0][live]) < 2e-3, (g, M, split13)
+            assert sorted(ws.gsum) == ["h", "x"]
+
+
+@pytest.mark.slow
+@needs_interpreter
+def test_interpreter_group_sums_replace_the_dots_with_ones():
+    _group_sums_match("cpu", asm=False)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_group_sums_replace_the_dots_with_ones():
+    _group_sums_match("cuda", asm=True, splits=(1, 3))
