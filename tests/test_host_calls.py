@@ -213,7 +213,8 @@ class _FakeLib:
     def __init__(self):
         self.rc: dict[str, int] = {}
         self.calls: list[str] = []
-        for name in ("cudaMemcpyAsync", "cudaEventCreateWithFlags", "cudaEventRecord", "cudaStreamWaitEvent",
+        for name in ("cudaMemcpyAsync", "cudaMemset2DAsync", "cudaEventCreateWithFlags", "cudaEventRecord",
+                     "cudaStreamWaitEvent",
                      "cudaEventSynchronize", "cudaEventQuery", "cudaEventElapsedTime", "cudaEventDestroy",
                      "cudaGetLastError"):
             setattr(self, name, self._call(name))
@@ -235,6 +236,8 @@ def test_the_runtime_binds_its_calls_and_raises_with_its_message():
     rt = Runtime(lib)
     assert lib.cudaEventRecord.argtypes == [ctypes.c_void_p, ctypes.c_void_p]
     assert lib.cudaEventQuery.restype is ctypes.c_int
+    size = ctypes.c_size_t
+    assert lib.cudaMemset2DAsync.argtypes == [ctypes.c_void_p, size, ctypes.c_int, size, size, ctypes.c_void_p]
     assert rt.event(DISABLE_TIMING) == 0xE0 and rt.elapsed_ms(1, 2) == 1.5 and rt.query(1)
     lib.rc["cudaEventQuery"] = NOT_READY
     lib.calls = []
@@ -245,7 +248,8 @@ def test_the_runtime_binds_its_calls_and_raises_with_its_message():
     for name, call in (("cudaEventRecord", lambda: rt.record(1, 2)), ("cudaStreamWaitEvent", lambda: rt.wait(2, 1)),
                        ("cudaEventSynchronize", lambda: rt.sync(1)), ("cudaMemcpyAsync", lambda: rt.copy(1, 2, 3, 2, 4)),
                        ("cudaEventDestroy", lambda: rt.destroy(1)), ("cudaEventElapsedTime", lambda: rt.elapsed_ms(1, 2)),
-                       ("cudaEventCreateWithFlags", lambda: rt.event())):
+                       ("cudaEventCreateWithFlags", lambda: rt.event()),
+                       ("cudaMemset2DAsync", lambda: rt.memset2d(1, 16, 1, 1, 2, 4))):
         lib.rc[name] = 1
         lib.calls = []
         with pytest.raises(RuntimeError, match=f"{name} failed: error 1"):

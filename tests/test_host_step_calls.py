@@ -109,3 +109,36 @@ def test_a_pass_lists_its_real_rows_once():
     assert first == [0, 2] and eng._live() is first
     eng.cur = SimpleNamespace(active=np.array([False, True, True]))
     assert eng._live() == [1, 2]
+
+
+def test_a_graphed_passs_inputs_are_runtime_calls_and_torchs_ops_where_they_must(monkeypatch):
+    """`pass_inputs`: with the runtime and device tensors, the cache's next slot (8 bytes from a
+    pinned table of positions, made once), its mask column (one 2-D memset) and each pair device
+    to device, all on the compute stream, pass after pass; the cache's state as `step` leaves it.
+    Without the runtime, or a pair that is not two like device tensors, torch's ops do the same."""
+    from cmoe.executor import lean_io
+    from cmoe.executor.cuda_rt import D2D
+    from cmoe.executor.kv import StaticKV
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))   # no CUDA here
+    monkeypatch.setattr(lean_io, "_on_device", lambda t: True)
+    rt = FakeRuntime()
+    rt.memset2d = lambda *a: rt.calls.append(("memset2d", *a))
+    kv = StaticKV(3, 16, torch.device("cpu"))
+    kv.prefill(5, None)
+    dst, src = torch.zeros(3, 1, dtype=torch.long), torch.tensor([[7], [8], [9]])
+    table = None
+    for s in (5, 6):
+        table = lean_io.pass_inputs(rt, kv, [(dst, src)], 7, table)
+        assert rt.take() == [("copy", kv.slots.data_ptr(), table.data_ptr() + 8 * s, 8, H2D, 7),
+                             ("memset2d", kv.valid.data_ptr() + s, 16, 1, 1, 3, 7),
+                             ("copy", dst.data_ptr(), src.data_ptr(), 24, D2D, 7)]
+        assert kv.length == s + 1 and kv.decoding and table.tolist() == list(range(16))
+    assert kv.slots.item() == 0 and not kv.valid[:, 5:].any()          # the fake runtime wrote nothing
+    for fallback in ((None, [(dst, src)]), (rt, [(dst, src.int())])):
+        kv = StaticKV(3, 16, torch.device("cpu"))
+        kv.prefill(5, None)
+        dst.zero_()
+        assert lean_io.pass_inputs(fallback[0], kv, fallback[1], 7, table) is table
+        assert rt.take() == [] and dst.tolist() == [[7], [8], [9]] and kv.length == 6
+        assert kv.slots.item() == 5 and kv.valid[:, 5].all() and not kv.valid[:, 6:].any()

@@ -26,7 +26,7 @@ from contextlib import nullcontext
 
 import torch
 
-H2D, D2H = 1, 2                    # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
+H2D, D2H, D2D = 1, 2, 3            # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost, DeviceToDevice
 DISABLE_TIMING = 2                 # cudaEventDisableTiming: an event only for ordering
 NOT_READY = 600                    # cudaErrorNotReady
 
@@ -47,6 +47,8 @@ class Runtime:
             f.argtypes, f.restype = list(args), ctypes.c_int
             return f
         self._memcpy = bind("cudaMemcpyAsync", p, p, ctypes.c_size_t, i, p)
+        sz = ctypes.c_size_t
+        self._memset2d = bind("cudaMemset2DAsync", p, sz, i, sz, sz, p)
         self._create = bind("cudaEventCreateWithFlags", ctypes.POINTER(p), u)
         self._record = bind("cudaEventRecord", p, p)
         self._wait = bind("cudaStreamWaitEvent", p, p, u)
@@ -99,6 +101,13 @@ class Runtime:
         rc = self._memcpy(dst, src, nbytes, kind, stream)
         if rc:
             self._fail("cudaMemcpyAsync", rc)
+
+    def memset2d(self, ptr: int, pitch: int, value: int, width: int, height: int, stream: int) -> None:
+        """cudaMemset2DAsync on `stream`: `height` rows of `width` bytes, `pitch` bytes apart, set
+        to `value` (one column of a row-major byte matrix: width 1, pitch its row length)."""
+        rc = self._memset2d(ptr, pitch, value, width, height, stream)
+        if rc:
+            self._fail("cudaMemset2DAsync", rc)
 
     def event(self, flags: int = 0) -> int:
         """A new event: flags 0 times, DISABLE_TIMING only orders."""

@@ -75,11 +75,17 @@ class StaticKV:
     def step(self) -> int:
         """Make room for one decode token per row: its slot is written on the device, in place
         (outside any graph). Returns the slot. The decode mask is `decode_mask`."""
+        s = self.advance()
+        self.slots.fill_(s)
+        self.valid[:, s] = True
+        return s
+
+    def advance(self) -> int:
+        """`step`'s host side alone: the next slot, taken; the caller writes `slots` and the
+        `valid` column on the device (the lean engine's runtime calls: `lean_io.pass_inputs`)."""
         if self.length >= self.max_len:
             raise ValueError(f"the cache holds {self.max_len} positions and all are used")
         s = self.length
-        self.slots.fill_(s)
-        self.valid[:, s] = True
         self._write = self.slots
         self.length += 1
         return s

@@ -60,6 +60,7 @@ import torch
 
 from cmoe.executor.engine import Engine
 from cmoe.executor.kv import check_window
+from cmoe.executor.lean_io import pass_inputs
 from cmoe.executor.records import PlanRecord, _expert_to_slot, _slot_table
 from cmoe.executor.lean_program import Segments, _Capture, _fresh
 from cmoe.executor.replay_rows import routes_on_device
@@ -129,7 +130,7 @@ class LeanEngine(HostSteps, Segments, Engine):
         # graphed decode passes queued back to back, no sync between (docs/executor.md); the
         # calibration's GPU-sleep runs and CMOE_PASS_SYNC=1 (the A/B) keep the syncs
         self._overlap = self.cuda and not self._lead_cycles and os.environ.get("CMOE_PASS_SYNC", "0") != "1"
-        self._chained = False
+        self._chained, self._slot_src = False, None         # _slot_src: pinned positions (`pass_inputs`)
 
     # --- hooks (record tensors; run inside graph capture too) ------------------------------------
     def _on_mid(self, m):
@@ -298,10 +299,10 @@ class LeanEngine(HostSteps, Segments, Engine):
 
     def _inputs(self, p, graphs: bool) -> None:
         B, n = p.input_ids.shape
-        if graphs:
-            self.kv.step()
-            self.io["ids"].copy_(p.input_ids, non_blocking=True)
-            self.io["pos"].copy_(p.position_ids, non_blocking=True)
+        if graphs:                                         # runtime calls where it can (`pass_inputs`)
+            pairs = [(self.io["ids"], p.input_ids), (self.io["pos"], p.position_ids)] + self._route_pairs(p)
+            self._slot_src = pass_inputs(self.clock.rt, self.kv, pairs, self.pool.compute_h, self._slot_src)
+            return
         else:
             if self.graphs is not None:
                 # the eager path replaces the inputs and workspace the graphs were captured over
@@ -316,15 +317,19 @@ class LeanEngine(HostSteps, Segments, Engine):
             if self.fused:
                 self._make_kin(B * n, p.decode)
                 self._ws = None
-        k = self.kin
-        if self._reads_routes(p):
-            # a replayed trace's routes for every layer: one copy for the pass, from the device where
-            # `prepare` put them before timing (a caller that skipped it pays the upload here)
-            if "device" not in p.replay:
-                routes_on_device(p.replay, self.device)
-            ids, wt = p.replay["device"]
-            k["ids"].copy_(ids, non_blocking=True)
-            k["w"].copy_(wt, non_blocking=True)
+        for d, s in self._route_pairs(p):
+            d.copy_(s, non_blocking=True)
+
+    def _route_pairs(self, p) -> list:
+        """A replayed trace's routes for every layer, (destination, source): one copy each for the
+        pass, from the device where `prepare` put them before timing (a caller that skipped it
+        pays the upload here)."""
+        if not self._reads_routes(p):
+            return []
+        if "device" not in p.replay:
+            routes_on_device(p.replay, self.device)
+        ids, wt = p.replay["device"]
+        return [(self.kin["ids"], ids), (self.kin["w"], wt)]
 
     def _reads_routes(self, p) -> bool:                    # the replayed trace's, not the router's or commit's
         return self.fused and p.replay is not None and not (self.commit and p.decode)

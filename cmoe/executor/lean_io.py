@@ -1,7 +1,8 @@
 """What crosses between the host and the device in the lean engine's host step for a layer: the
 layer's read-back (`_read_back_start`, `_read_back_wait`) and the kernel inputs the host writes
 (the slot table's row, commit's ids, weights and committed set). A mixin of
-`cmoe.executor.lean.LeanEngine`, through `cmoe.executor.lean_steps.HostSteps`.
+`cmoe.executor.lean.LeanEngine`, through `cmoe.executor.lean_steps.HostSteps`; and a graphed
+decode pass's own inputs (`pass_inputs`: the cache's slot and mask column, ids, positions, routes).
 
 On CUDA these go through the CUDA runtime torch loaded (`cmoe.executor.cuda_rt`), where it was
 found: the read-back is its device-to-host `cudaMemcpyAsync` into the layer's pinned buffer and a
@@ -19,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cmoe.executor.cuda_rt import D2H, H2D
+from cmoe.executor.cuda_rt import D2D, D2H, H2D
 
 
 class HostIO:
@@ -158,3 +159,33 @@ def _kin_addresses(k: dict) -> dict:
         if a + "_m" in k and a + "_h_m" in k:
             out[a] = [pair(d, s) for d, s in zip(k[a + "_m"], k[a + "_h_m"])]
     return out
+
+
+def _on_device(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def pass_inputs(rt, kv, pairs: list, h: int, slot_src: torch.Tensor | None) -> torch.Tensor | None:
+    """A graphed decode pass's inputs on the compute stream (handle `h`): the cache's next slot and
+    its mask column, then each (destination, source) pair of device tensors (the token ids and
+    positions, a replay's routes). With the runtime, one call each, ~1 us against ~15-30 for a
+    torch op on the H200's host (six of them took ~170 us a pass before layer 0 could be issued):
+    the slot from a pinned table of every position (made on the first call, returned for the
+    next), the column by `cudaMemset2DAsync`, the pairs device to device. Without it, or where a
+    pair is not two contiguous device tensors of one dtype and size, torch's ops. Returns the table."""
+    same = all(_on_device(d) and _on_device(s) and d.dtype == s.dtype and d.numel() == s.numel()
+               and d.is_contiguous() and s.is_contiguous() for d, s in pairs)
+    if rt is None or not same:
+        kv.step()
+        for d, s in pairs:
+            d.copy_(s, non_blocking=True)
+        return slot_src
+    if slot_src is None or slot_src.numel() < kv.max_len:
+        slot_src = torch.empty(kv.max_len, dtype=torch.int64, pin_memory=True)
+        slot_src.copy_(torch.arange(kv.max_len, dtype=torch.int64))
+    s = kv.advance()
+    rt.copy(kv.slots.data_ptr(), slot_src.data_ptr() + 8 * s, 8, H2D, h)
+    rt.memset2d(kv.valid.data_ptr() + s, kv.max_len, 1, 1, kv.batch, h)
+    for d, src in pairs:
+        rt.copy(d.data_ptr(), src.data_ptr(), d.nbytes, D2D, h)
+    return slot_src
