@@ -13,6 +13,8 @@ from cmoe.executor.cuda_rt import D2H, DISABLE_TIMING, H2D
 from cmoe.executor.lean_io import HostIO
 from tests.test_host_calls import FakeRuntime, _TorchEvent, fake_cuda  # noqa: F401 (a fixture)
 
+ANY = type("Any", (), {"__eq__": lambda self, other: True, "__repr__": lambda self: "ANY"})()
+
 
 def _engine(rt, rb):
     eng = SimpleNamespace(cuda=True, t={"rb": [rb]}, _rb_pin=[None], pool=SimpleNamespace(compute_h=7),
@@ -135,10 +137,19 @@ def test_a_graphed_passs_inputs_are_runtime_calls_and_torchs_ops_where_they_must
                              ("copy", dst.data_ptr(), src.data_ptr(), 24, D2D, 7)]
         assert kv.length == s + 1 and kv.decoding and table.tolist() == list(range(16))
     assert kv.slots.item() == 0 and not kv.valid[:, 5:].any()          # the fake runtime wrote nothing
-    for fallback in ((None, [(dst, src)]), (rt, [(dst, src.int())])):
-        kv = StaticKV(3, 16, torch.device("cpu"))
-        kv.prefill(5, None)
-        dst.zero_()
-        assert lean_io.pass_inputs(fallback[0], kv, fallback[1], 7, table) is table
-        assert rt.take() == [] and dst.tolist() == [[7], [8], [9]] and kv.length == 6
-        assert kv.slots.item() == 5 and kv.valid[:, 5].all() and not kv.valid[:, 6:].any()
+    # a pair of another dtype (a recorded trace's int32 ids): torch's copy for it, the runtime's for the rest
+    kv = StaticKV(3, 16, torch.device("cpu"))
+    kv.prefill(5, None)
+    other, dst2 = torch.zeros(3, 1, dtype=torch.long), torch.zeros(2, dtype=torch.long)
+    assert lean_io.pass_inputs(rt, kv, [(other, src.int()), (dst2, torch.tensor([4, 5]))], 7, table) is table
+    assert rt.take() == [("copy", kv.slots.data_ptr(), table.data_ptr() + 40, 8, H2D, 7),
+                         ("memset2d", kv.valid.data_ptr() + 5, 16, 1, 1, 3, 7)] + [("copy", dst2.data_ptr(), ANY, 16, D2D, 7)]
+    assert other.tolist() == [[7], [8], [9]] and dst2.tolist() == [0, 0] and kv.length == 6
+    # no runtime: torch's ops for everything, as `step` and `copy_` do
+    kv = StaticKV(3, 16, torch.device("cpu"))
+    kv.prefill(5, None)
+    dst.zero_()
+    assert lean_io.pass_inputs(None, kv, [(dst, src)], 7, table) is table
+    assert rt.take() == [] and dst.tolist() == [[7], [8], [9]] and kv.length == 6
+    assert kv.slots.item() == 5 and kv.valid[:, 5].all() and not kv.valid[:, 6:].any()
+    assert lean_io.slot_table(4).tolist() == [0, 1, 2, 3]

@@ -115,11 +115,16 @@ def test_lean_queued_passes_decide_as_synced_ones(fused_checkpoints, monkeypatch
         syncs[sync] = syncs.get(sync, 0) + 1
         return real(*a, **k)
     monkeypatch.setattr(torch.cuda, "synchronize", counted)
+    from cmoe.executor.cuda_rt import Runtime
+    memsets, memset2d = [], Runtime.memset2d
+    monkeypatch.setattr(Runtime, "memset2d", lambda self, *a: memsets.append(a) or memset2d(self, *a))
     for sync in ("0", "1"):
         monkeypatch.setenv("CMOE_PASS_SYNC", sync)
         _, runs[sync] = _run(fused_checkpoints["mixtral"], pols, tokens=8, keep_logits=False)
     # queued: no device sync at the start of the 7 decode passes after the first, per policy
     assert syncs["1"] - syncs["0"] >= 7 * len(pols), syncs
+    # each graphed pass's inputs by the runtime (`pass_inputs`): one memset of the mask column each
+    assert Runtime.get() is None or len(memsets) >= 2 * 7 * len(pols), len(memsets)
     for a, b in zip(runs["0"], runs["1"]):
         assert [p.loads for p in a.log.plans] == [p.loads for p in b.log.plans], a.policy
         assert a.log.slot_mismatches == 0 and b.log.slot_mismatches == 0, a.policy

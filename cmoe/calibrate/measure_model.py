@@ -199,6 +199,8 @@ def _measure_batch(r: _ModelRuns, batch: int) -> None:
     host["sync"] += [_mean(e, "host_sync", np.median) for e in eager]
     if r.lean:
         _lean_batch(r, w, cfg, batch, eager)
+    if batch == 1 and r.queued:      # queued decode passes (either kernel): the host's pass start is
+        r.one["host_between"] = float(np.mean([_host_between(e, r.first) for e in eager]))   # its lane's
     if batch == 1:
         _batch_one(r, cfg, start, h_start, eager, queued, h_route)
     if batch in (1, 8) and (not r.cuda or w.store.cpu_twins is not None):
@@ -224,9 +226,6 @@ def _lean_batch(r: _ModelRuns, w, cfg, batch: int, eager: list) -> None:
     host["gaps"] += [g for e in eager for g in _gaps(e)]
     if batch == 1:
         r.one["eager_attention"], r.one["plain"] = att, _pass_overhead(plain, r.first)
-        # queued decode passes: upper's host is ahead even between passes, so the host's pass
-        # start is read off the runs that read back, where the host keeps pace with the GPU
-        r.one["host_between"] = float(np.mean([_host_between(e, r.first) for e in eager]))
 
 
 def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, queued, h_route: float) -> None:
@@ -291,8 +290,8 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
     if "plain" in one:            # the lean engine: a pass's start and head as upper's own run shows them
         one["host_start"], one["gpu_start"], one["gpu_head"] = one.pop("plain")
         gap = one["host_start"] - one["gpu_start"]      # the GPU's idle gap between passes, before the first mark
-        if r.queued:                                    # its host ahead between passes: the gap is ~0 by
-            one["host_start"] = max(one.pop("host_between"), one["host_start"])   # construction
+    if "host_between" in one:     # queued passes: upper's host is ahead between passes too (its gap ~0 by
+        one["host_start"] = one.pop("host_between")   # construction); the runs that read back keep pace
     ne_bytes = non_expert_bytes(r.spec, r.rec)
     per_layer = (ne_bytes["attention"] + ne_bytes["norms"]) // r.spec.num_layers
     tail = [(t, max(a[1] - b[1], 0.0)) for t, a, b in zip((1, 8), host["expert"], host["expert_span"])]

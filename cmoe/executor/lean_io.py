@@ -170,22 +170,38 @@ def pass_inputs(rt, kv, pairs: list, h: int, slot_src: torch.Tensor | None) -> t
     its mask column, then each (destination, source) pair of device tensors (the token ids and
     positions, a replay's routes). With the runtime, one call each, ~1 us against ~15-30 for a
     torch op on the H200's host (six of them took ~170 us a pass before layer 0 could be issued):
-    the slot from a pinned table of every position (made on the first call, returned for the
-    next), the column by `cudaMemset2DAsync`, the pairs device to device. Without it, or where a
-    pair is not two contiguous device tensors of one dtype and size, torch's ops. Returns the table."""
-    same = all(_on_device(d) and _on_device(s) and d.dtype == s.dtype and d.numel() == s.numel()
-               and d.is_contiguous() and s.is_contiguous() for d, s in pairs)
-    if rt is None or not same:
+    the slot from a pinned table of every position (`slot_table`; made here if none is given, and
+    returned), the column by `cudaMemset2DAsync`, each pair device to device, or by torch's copy
+    where a pair is not two like tensors (`_like`). Without the runtime, torch's ops. The sources
+    are the caller's tensors, on the compute stream's allocations (stream order keeps them)."""
+    v = kv.valid
+    if rt is None or not (v.is_contiguous() and v.dtype == torch.bool and kv.slots.dtype == torch.int64):
         kv.step()
         for d, s in pairs:
             d.copy_(s, non_blocking=True)
         return slot_src
     if slot_src is None or slot_src.numel() < kv.max_len:
-        slot_src = torch.empty(kv.max_len, dtype=torch.int64, pin_memory=True)
-        slot_src.copy_(torch.arange(kv.max_len, dtype=torch.int64))
+        slot_src = slot_table(kv.max_len)
     s = kv.advance()
     rt.copy(kv.slots.data_ptr(), slot_src.data_ptr() + 8 * s, 8, H2D, h)
-    rt.memset2d(kv.valid.data_ptr() + s, kv.max_len, 1, 1, kv.batch, h)
+    rt.memset2d(v.data_ptr() + s, v.stride(0), 1, 1, v.shape[0], h)
     for d, src in pairs:
-        rt.copy(d.data_ptr(), src.data_ptr(), d.nbytes, D2D, h)
+        if _like(d, src):
+            rt.copy(d.data_ptr(), src.data_ptr(), d.nbytes, D2D, h)
+        else:                                  # another dtype (a recorded trace's int32 ids), a view
+            d.copy_(src, non_blocking=True)
     return slot_src
+
+
+def _like(d: torch.Tensor, s: torch.Tensor) -> bool:
+    """Two contiguous tensors of one dtype and size on one device: a copy of their bytes."""
+    return (_on_device(d) and _on_device(s) and d.device == s.device and d.dtype == s.dtype
+            and d.numel() == s.numel() and d.is_contiguous() and s.is_contiguous())
+
+
+def slot_table(n: int) -> torch.Tensor:
+    """Positions 0..n-1 as int64 in pinned memory: `pass_inputs`' source of the cache's slot (made
+    once, at capture, so that no timed pass pays the pinned allocation)."""
+    t = torch.empty(n, dtype=torch.int64, pin_memory=True)
+    t.copy_(torch.arange(n, dtype=torch.int64))
+    return t

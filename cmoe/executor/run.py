@@ -271,7 +271,8 @@ def run_policy(w: Workload, cfg: ExecConfig, policy_name: str) -> ExecResult:
                 # every pass's inputs on the device before the timed loop: a replay knows them all, and a
                 # live engine's come from its own argmax on the device, so copying them in the loop would
                 # charge the engine a host step it does not have (on the H200 ~250 us a pass with the GPU idle)
-                pins = [PassInput(i, p.decode, torch.as_tensor(ids, device=dev), torch.as_tensor(pos, device=dev),
+                pins = [PassInput(i, p.decode, torch.as_tensor(ids, dtype=torch.long, device=dev),
+                                  torch.as_tensor(pos, dtype=torch.long, device=dev),
                                   None, np.ones(ids.size, bool), rows) for i, (p, ids, pos, rows) in enumerate(passes)]
                 eng.prepare(pins)
                 _reserve(eng, w, cfg, len(pins))           # the timing events, made before timing

@@ -245,6 +245,7 @@ def launch_w2(ws: Workspace, topk_weights, slot_table, pool, layout, topk: int, 
     split, ups = k_split(Fd, layout.group, cfg.split2)
     t = Fd % 128
     gs_on = cfg.gsum2 and not cfg.deq2
+    assert not gs_on or ws.h.shape[1] == Fd, (ws.h.shape, Fd)
     gs = group_sums(ws, "h", ws.h, layout.group, warmup) if gs_on else ws.acc
     args = (ws.h, ws.h.stride(0), pool, pool.stride(0), slot_table, E,
             ws.seg_e, ws.seg_s, ws.seg_end, ws.order, topk_weights,
