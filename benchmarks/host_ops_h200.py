@@ -55,7 +55,7 @@ def _executor_calls(r: dict, n: int, dev, cs, keep_busy) -> None:
     and the read-back's round trip."""
     rt = Runtime.get()
     clock = Clock(dev)
-    clock.reserve(n, 0)
+    clock.reserve_events(2 * n)
     keep_busy()
     marks = []
     r["Clock.mark, runtime (pooled event)"] = _per_call(lambda: marks.append(clock.mark(cs)), n)

@@ -23,7 +23,8 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.kernel_probe_h200 import FF, G, H, _experts, _stream  # noqa: E402
+from benchmarks.kernel_probe_h200 import (FF, G, H, _experts, _stream, one_expert_inputs,  # noqa: E402
+                                          one_expert_launches)
 from cmoe.executor.layout import slot_size  # noqa: E402
 from cmoe.executor.moe_kernel import tiled_layout  # noqa: E402
 
@@ -34,18 +35,14 @@ def main() -> None:
     ap.add_argument("--time", action="store_true")
     args = ap.parse_args()
     from benchmarks.expert_kernel_h200 import graph_us
-    from cmoe.executor.kernels_triton import CONFIGS, Workspace
-    from cmoe.executor.kernels_triton import moe as K
+    from cmoe.executor.kernels_triton import CONFIGS
 
     lay = tiled_layout(f"w4g{G}", H, FF)
     sb = slot_size(lay)
     gen = torch.Generator(device="cuda").manual_seed(0)
     pool = _experts(lay, 4, gen)
     tables = [torch.tensor([r], dtype=torch.int32, device="cuda") for r in range(4)]
-    x = torch.randn(1, H, device="cuda", generator=gen).to(torch.bfloat16)
-    ws = Workspace(1, 1, H, FF, 1, "cuda")
-    K.launch_route(ws, torch.zeros(1, 1, dtype=torch.int32, device="cuda"))
-    wts = torch.ones(1, 1, device="cuda")
+    w13, w2 = one_expert_launches(one_expert_inputs([1], gen), pool, lay)
     cfg = CONFIGS[1]
     sink = torch.empty(2 * FF * 64, dtype=torch.int32, device="cuda")
 
@@ -54,9 +51,7 @@ def main() -> None:
         _stream[(triton.cdiv(FF, 32), 1)](pool, sb, t, sink, lay.part("w13").offset, lay.part("w13_sz").offset,
                                           FF, kb, kb, BN=32, W13=True, UNR=1, STG=4, num_warps=2, num_stages=3)
 
-    calls = {"w13": lambda t: K.launch_w13(ws, x, t, pool, lay, 1, cfg),
-             "w2": lambda t: K.launch_w2(ws, wts, t, pool, lay, 1, 1, cfg),
-             "stream": stream}
+    calls = {"w13": lambda t: w13(1, cfg, t), "w2": lambda t: w2(1, cfg, t), "stream": stream}
     for name, call in calls.items():
         for i in range(args.reps):
             call(tables[i % 4])

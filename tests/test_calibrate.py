@@ -211,7 +211,7 @@ def test_per_layer_sums_a_step_and_is_zero_where_the_engine_has_none():
     """The host's time of an op per decode pass, less layer 0's start-up; a run whose engine never
     shows the op (the lean engine's early router inside a graph) costs 0, not NaN."""
     from types import SimpleNamespace
-    from cmoe.calibrate.measure_model import _per_layer
+    from cmoe.calibrate.spans import _per_layer
     from cmoe.core.timeline import Span
     spans = [Span("gpu", 0, 0, "host", "host_route", -1, 0.0, 50.0),          # prefill: left out
              Span("gpu", 1, 0, "host", "host_route", -1, 0.0, 30.0),
@@ -271,7 +271,7 @@ def test_gaps_price_the_read_back_not_the_gpu_work_the_host_waited_behind():
     attention and its first expert, less the host's route and launch spans, which the simulator
     adds after it (the launch less its tail, so the tail is added back)."""
     from types import SimpleNamespace
-    from cmoe.calibrate.measure_model import _gaps, _sync_s
+    from cmoe.calibrate.spans import _gaps, _sync_s
     from cmoe.core.timeline import Span
     spans = [Span("gpu", 1, 0, "compute", "attention", -1, 0.0, 100.0),
              Span("gpu", 1, 0, "host", "host_sync", -1, 10.0, 130.0),       # waited behind 90 us of GPU work
@@ -290,7 +290,7 @@ def test_pass_overhead_of_a_lean_upper_run():
     """Between two decode passes the GPU idles while the host turns logits into the next inputs;
     that gap plus layer 0's start-up excess is the host's per pass; the head is its own span."""
     from types import SimpleNamespace
-    from cmoe.calibrate.measure_model import _pass_overhead
+    from cmoe.calibrate.spans import _pass_overhead
     from cmoe.core.timeline import Span
 
     def one_pass(p, t0):
@@ -309,7 +309,7 @@ def test_host_between_passes_of_runs_that_read_back():
     """Queued decode passes (`pass_overlap`): the host's pass start is its own lane's gap from one
     pass's head to the next pass's first layer, plus layer 0's excess over the other layers."""
     from types import SimpleNamespace
-    from cmoe.calibrate.measure_model import _host_between
+    from cmoe.calibrate.spans import _host_between
     from cmoe.core.timeline import Span
 
     def one_pass(p, t0, gap):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cmoe.executor.cuda_rt import DISABLE_TIMING, H2D, NOT_READY, Mark, Marks, Runtime
-from cmoe.executor.streams import MARKS_PER_LAYER, Clock, DevicePool
+from cmoe.executor.streams import Clock, DevicePool
 
 
 class FakeRuntime:
@@ -180,8 +180,8 @@ def test_the_clock_takes_the_runtime_and_falls_back_to_torch_without_it(fake_cud
     assert on_rt.calls == "runtime" and on_rt.rt is rt and _TorchEvent.made == []
     m = on_rt.mark(SimpleNamespace(cuda_stream=3))
     assert type(m) is Mark and rt.calls[-1] == ("record", m.ev, 3)
-    on_rt.reserve(passes=3, layers=2)
-    assert sum(c[0] == "event" for c in rt.calls) == 2 + 3 * (2 + 2 * MARKS_PER_LAYER)
+    on_rt.reserve_events(46)
+    assert sum(c[0] == "event" for c in rt.calls) == 2 + 46
     assert on_rt.order_event() and rt.calls[-1] == ("event", DISABLE_TIMING)
     made = rt.made
     on_rt.close()
@@ -196,7 +196,7 @@ def test_the_clock_takes_the_runtime_and_falls_back_to_torch_without_it(fake_cud
     assert isinstance(ev, _TorchEvent) and ev.recorded == [s] and torch_clock.us(ev) == 250.0
     torch_clock.wait(ev)
     before = len(_TorchEvent.made)
-    torch_clock.reserve(passes=3, layers=2)                            # torch makes its events as it marks
+    torch_clock.reserve_events(46)                                     # torch makes its events as it marks
     torch_clock.close()
     assert ev.synced == 1 and len(_TorchEvent.made) == before and rt.calls == []
     monkeypatch.setattr(Runtime, "get", classmethod(lambda cls: None))   # not found: torch

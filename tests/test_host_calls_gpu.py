@@ -23,7 +23,7 @@ def test_runtime_marks_time_the_stream_as_torch_events_do():
     cs = torch.cuda.current_stream(dev)
     on_rt, on_torch = Clock(dev), Clock(dev, rt=None)
     assert on_rt.calls == "runtime" and on_torch.calls == "torch"
-    on_rt.reserve(1, 1)
+    on_rt.reserve_events(12)
     pairs = []
     for n in (1, 4, 2, 8):
         torch.cuda._sleep(n * 2_000_000)

@@ -115,9 +115,10 @@ def test_a_pass_lists_its_real_rows_once():
 
 def test_a_graphed_passs_inputs_are_runtime_calls_and_torchs_ops_where_they_must(monkeypatch):
     """`pass_inputs`: with the runtime and device tensors, the cache's next slot (8 bytes from a
-    pinned table of positions, made once), its mask column (one 2-D memset) and each pair device
+    pinned table of positions, made once per cache), its mask column (one 2-D memset) and each pair device
     to device, all on the compute stream, pass after pass; the cache's state as `step` leaves it.
-    Without the runtime, or a pair that is not two like device tensors, torch's ops do the same."""
+    Without the runtime or the table, torch's ops do the same; a pair that is not two like device
+    tensors, torch's copy alone."""
     from cmoe.executor import lean_io
     from cmoe.executor.cuda_rt import D2D
     from cmoe.executor.kv import StaticKV
@@ -129,9 +130,9 @@ def test_a_graphed_passs_inputs_are_runtime_calls_and_torchs_ops_where_they_must
     kv = StaticKV(3, 16, torch.device("cpu"))
     kv.prefill(5, None)
     dst, src = torch.zeros(3, 1, dtype=torch.long), torch.tensor([[7], [8], [9]])
-    table = None
+    table = lean_io.slot_table(kv)
     for s in (5, 6):
-        table = lean_io.pass_inputs(rt, kv, [(dst, src)], 7, table)
+        assert lean_io.pass_inputs(rt, kv, [(dst, src)], 7, table) is None
         assert rt.take() == [("copy", kv.slots.data_ptr(), table.data_ptr() + 8 * s, 8, H2D, 7),
                              ("memset2d", kv.valid.data_ptr() + s, 16, 1, 1, 3, 7),
                              ("copy", dst.data_ptr(), src.data_ptr(), 24, D2D, 7)]
@@ -141,15 +142,21 @@ def test_a_graphed_passs_inputs_are_runtime_calls_and_torchs_ops_where_they_must
     kv = StaticKV(3, 16, torch.device("cpu"))
     kv.prefill(5, None)
     other, dst2 = torch.zeros(3, 1, dtype=torch.long), torch.zeros(2, dtype=torch.long)
-    assert lean_io.pass_inputs(rt, kv, [(other, src.int()), (dst2, torch.tensor([4, 5]))], 7, table) is table
+    lean_io.pass_inputs(rt, kv, [(other, src.int()), (dst2, torch.tensor([4, 5]))], 7, table)
     assert rt.take() == [("copy", kv.slots.data_ptr(), table.data_ptr() + 40, 8, H2D, 7),
-                         ("memset2d", kv.valid.data_ptr() + 5, 16, 1, 1, 3, 7)] + [("copy", dst2.data_ptr(), ANY, 16, D2D, 7)]
+                         ("memset2d", kv.valid.data_ptr() + 5, 16, 1, 1, 3, 7),
+                         ("copy", dst2.data_ptr(), ANY, 16, D2D, 7)]
     assert other.tolist() == [[7], [8], [9]] and dst2.tolist() == [0, 0] and kv.length == 6
-    # no runtime: torch's ops for everything, as `step` and `copy_` do
-    kv = StaticKV(3, 16, torch.device("cpu"))
-    kv.prefill(5, None)
-    dst.zero_()
-    assert lean_io.pass_inputs(None, kv, [(dst, src)], 7, table) is table
-    assert rt.take() == [] and dst.tolist() == [[7], [8], [9]] and kv.length == 6
-    assert kv.slots.item() == 5 and kv.valid[:, 5].all() and not kv.valid[:, 6:].any()
-    assert lean_io.slot_table(4).tolist() == [0, 1, 2, 3]
+    # no runtime, or no table: torch's ops for everything, as `step` and `copy_` do
+    for no_rt, no_table in ((None, table), (rt, None)):
+        kv = StaticKV(3, 16, torch.device("cpu"))
+        kv.prefill(5, None)
+        dst.zero_()
+        lean_io.pass_inputs(no_rt, kv, [(dst, src)], 7, no_table)
+        assert rt.take() == [] and dst.tolist() == [[7], [8], [9]] and kv.length == 6
+        assert kv.slots.item() == 5 and kv.valid[:, 5].all() and not kv.valid[:, 6:].any()
+    # the table: every position; none for a mask the runtime's memset would not write right
+    assert lean_io.slot_table(StaticKV(1, 4, torch.device("cpu"))).tolist() == [0, 1, 2, 3]
+    odd = StaticKV(2, 4, torch.device("cpu"))
+    odd.valid = odd.valid.t().contiguous().t()
+    assert lean_io.slot_table(odd) is None

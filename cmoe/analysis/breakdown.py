@@ -5,9 +5,9 @@ engine's: the spans have one schema). Pure Python over spans; the report draws w
 stream and is as long as the pass's latency (`passes-POLICY.json`'s `us`, what TPOT averages), so
 it also holds the wait before the pass's first span: both engines synchronise the device between
 passes, copies included (queued decode passes, `pass_overlap`, do not: their window starts where
-the last one ended, and a copy under way in it may be the next pass's). Without latencies it starts at the pass's first span on any lane. The
-compute stream's busy time is split by op; its idle time by what else was under way while it
-sat idle, in this order of blame:
+the last one ended, and a copy under way in it may be the next pass's). Without latencies it
+starts at the pass's first span on any lane. The compute stream's busy time is split by op; its
+idle time by what else was under way while it sat idle, in this order of blame:
 - `idle: copy in flight`  a copy (`load`) of any pass was on a copy stream;
 - `idle: CPU experts`     else a CPU expert or its hidden-state round trip was running;
 - `idle: host`            else nothing the timeline shows: the host preparing, launching, reading back.

@@ -9,7 +9,6 @@ reads; every microbenchmark time is the best of several repeats, and every repea
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -193,10 +192,9 @@ def measure(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4
     # the lean engine's decode attention (CUDA, the families it covers): rows side by side, each walking
     # the cache up to the step's slot, so its cost follows the longest row's keys, not their sum
     walks = cuda and fused and spec.family in attention.FAMILIES and attention.enabled()
-    # the lean engine's graphs (CUDA, either kernel) queue decode passes back to back (`LeanEngine.run_pass`)
-    queued = cuda and os.environ.get("CMOE_PASS_SYNC", "0") != "1"
+    from cmoe.executor.lean_program import queues_passes
     out: dict = {"dense_rows": 0 if fused else DENSE_ROWS, "silent_upper": fused, "commit_ahead": fused,
-                 "pass_overlap": queued,
+                 "pass_overlap": queues_passes(cuda),
                  "attention_walks_cache": walks, "repeats": {}}
     for name, fn in tqdm(steps, desc="calibrate", disable=not progress):
         got = fn()

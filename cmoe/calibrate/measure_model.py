@@ -13,14 +13,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import os
 import time
 
 import numpy as np
 import torch
 
 from cmoe.core.spec import ModelSpec
-from cmoe.calibrate.spans import _gaps, _host_between, _mean, _pass_overhead, _per_layer, _sync_s  # noqa: F401
+from cmoe.calibrate.spans import _gaps, _host_between, _mean, _pass_overhead, _per_layer, _sync_s
 from cmoe.core.timeline import STEP, LAYER, OP, EXPERT, START, END
 
 
@@ -107,8 +106,9 @@ class _ModelRuns:
 
     @property
     def queued(self) -> bool:
-        """The lean engine queues its graphed decode passes (CUDA, `LeanEngine.run_pass`)."""
-        return self.cuda and os.environ.get("CMOE_PASS_SYNC", "0") != "1"
+        """The lean engine queues its graphed decode passes (`lean_program.queues_passes`)."""
+        from cmoe.executor.lean_program import queues_passes
+        return queues_passes(self.cuda)
 
     @property
     def lean(self) -> bool:
@@ -199,8 +199,6 @@ def _measure_batch(r: _ModelRuns, batch: int) -> None:
     host["sync"] += [_mean(e, "host_sync", np.median) for e in eager]
     if r.lean:
         _lean_batch(r, w, cfg, batch, eager)
-    if batch == 1 and r.queued:      # queued decode passes (either kernel): the host's pass start is
-        r.one["host_between"] = float(np.mean([_host_between(e, r.first) for e in eager]))   # its lane's
     if batch == 1:
         _batch_one(r, cfg, start, h_start, eager, queued, h_route)
     if batch in (1, 8) and (not r.cuda or w.store.cpu_twins is not None):
@@ -238,6 +236,8 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
     one = r.one
     one["gpu_start"], one["gpu_head"] = start / 1e6, _mean(queued, "head")
     one["host_start"], one["host_head"] = h_start / 1e6, float(np.mean([_mean(e, "host_head") for e in eager]))
+    if r.queued:          # queued decode passes (either kernel): the host's pass start is its own lane's
+        one["host_between"] = float(np.mean([_host_between(e, r.first) for e in eager]))
     cc = replace(cfg, policies=("commit",), slots=spec.num_experts)
     run_policy(w, cc, "commit")
     c_log = run_policy(w, cc, "commit").log

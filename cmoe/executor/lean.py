@@ -62,7 +62,7 @@ from cmoe.executor.engine import Engine
 from cmoe.executor.kv import check_window
 from cmoe.executor.lean_io import pass_inputs
 from cmoe.executor.records import PlanRecord, _expert_to_slot, _slot_table
-from cmoe.executor.lean_program import Segments, _Capture, _fresh
+from cmoe.executor.lean_program import Segments, _Capture, _fresh, queues_passes
 from cmoe.executor.replay_rows import routes_on_device
 from cmoe.executor.lean_steps import HostSteps
 from cmoe.core.metrics import classify
@@ -129,7 +129,7 @@ class LeanEngine(HostSteps, Segments, Engine):
         self.t_graph = None
         # graphed decode passes queued back to back, no sync between (docs/executor.md); the
         # calibration's GPU-sleep runs and CMOE_PASS_SYNC=1 (the A/B) keep the syncs
-        self._overlap = self.cuda and not self._lead_cycles and os.environ.get("CMOE_PASS_SYNC", "0") != "1"
+        self._overlap = queues_passes(self.cuda) and not self._lead_cycles
         self._chained, self._slot_src = False, None         # _slot_src: pinned positions (`pass_inputs`)
 
     # --- hooks (record tensors; run inside graph capture too) ------------------------------------
@@ -301,22 +301,21 @@ class LeanEngine(HostSteps, Segments, Engine):
         B, n = p.input_ids.shape
         if graphs:                                         # runtime calls where it can (`pass_inputs`)
             pairs = [(self.io["ids"], p.input_ids), (self.io["pos"], p.position_ids)] + self._route_pairs(p)
-            self._slot_src = pass_inputs(self.clock.rt, self.kv, pairs, self.pool.compute_h, self._slot_src)
+            pass_inputs(self.clock.rt, self.kv, pairs, self.pool.compute_h, self._slot_src)
             return
+        if self.graphs is not None:
+            # the eager path replaces the inputs and workspace the graphs were captured over
+            raise RuntimeError("an eager pass after the decode graphs were captured: one engine serves "
+                               "one prefill and its decode steps")
+        if p.decode:
+            self.kv.step()
+            mask = self.kv.decode_mask
         else:
-            if self.graphs is not None:
-                # the eager path replaces the inputs and workspace the graphs were captured over
-                raise RuntimeError("an eager pass after the decode graphs were captured: one engine serves "
-                                   "one prefill and its decode steps")
-            if p.decode:
-                self.kv.step()
-                mask = self.kv.decode_mask
-            else:
-                mask = self.kv.prefill(n, p.attention_mask)
-            self.io = {"ids": p.input_ids, "pos": p.position_ids, "mask": mask}
-            if self.fused:
-                self._make_kin(B * n, p.decode)
-                self._ws = None
+            mask = self.kv.prefill(n, p.attention_mask)
+        self.io = {"ids": p.input_ids, "pos": p.position_ids, "mask": mask}
+        if self.fused:
+            self._make_kin(B * n, p.decode)
+            self._ws = None
         for d, s in self._route_pairs(p):
             d.copy_(s, non_blocking=True)
 

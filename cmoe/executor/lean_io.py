@@ -165,32 +165,28 @@ def _on_device(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def pass_inputs(rt, kv, pairs: list, h: int, slot_src: torch.Tensor | None) -> torch.Tensor | None:
+def pass_inputs(rt, kv, pairs: list, h: int, table: torch.Tensor | None) -> None:
     """A graphed decode pass's inputs on the compute stream (handle `h`): the cache's next slot and
     its mask column, then each (destination, source) pair of device tensors (the token ids and
-    positions, a replay's routes). With the runtime, one call each, ~1 us against ~15-30 for a
-    torch op on the H200's host (six of them took ~170 us a pass before layer 0 could be issued):
-    the slot from a pinned table of every position (`slot_table`; made here if none is given, and
-    returned), the column by `cudaMemset2DAsync`, each pair device to device, or by torch's copy
-    where a pair is not two like tensors (`_like`). Without the runtime, torch's ops. The sources
-    are the caller's tensors, on the compute stream's allocations (stream order keeps them)."""
-    v = kv.valid
-    if rt is None or not (v.is_contiguous() and v.dtype == torch.bool and kv.slots.dtype == torch.int64):
+    positions, a replay's routes). With the runtime and the cache's `slot_table`, one call each,
+    ~1 us against ~15-30 for a torch op on the H200's host (six of them took ~170 us a pass before
+    layer 0 could be issued): the slot from the table, the column by `cudaMemset2DAsync`, each
+    pair device to device, or by torch's copy where a pair is not two like tensors (`_like`).
+    Without them, torch's ops. The sources are the caller's tensors, on the compute stream's
+    allocations (stream order keeps them)."""
+    if rt is None or table is None:
         kv.step()
         for d, s in pairs:
             d.copy_(s, non_blocking=True)
-        return slot_src
-    if slot_src is None or slot_src.numel() < kv.max_len:
-        slot_src = slot_table(kv.max_len)
-    s = kv.advance()
-    rt.copy(kv.slots.data_ptr(), slot_src.data_ptr() + 8 * s, 8, H2D, h)
+        return
+    s, v = kv.advance(), kv.valid
+    rt.copy(kv.slots.data_ptr(), table.data_ptr() + 8 * s, 8, H2D, h)
     rt.memset2d(v.data_ptr() + s, v.stride(0), 1, 1, v.shape[0], h)
     for d, src in pairs:
         if _like(d, src):
             rt.copy(d.data_ptr(), src.data_ptr(), d.nbytes, D2D, h)
         else:                                  # another dtype (a recorded trace's int32 ids), a view
             d.copy_(src, non_blocking=True)
-    return slot_src
 
 
 def _like(d: torch.Tensor, s: torch.Tensor) -> bool:
@@ -199,9 +195,14 @@ def _like(d: torch.Tensor, s: torch.Tensor) -> bool:
             and d.numel() == s.numel() and d.is_contiguous() and s.is_contiguous())
 
 
-def slot_table(n: int) -> torch.Tensor:
-    """Positions 0..n-1 as int64 in pinned memory: `pass_inputs`' source of the cache's slot (made
-    once, at capture, so that no timed pass pays the pinned allocation)."""
-    t = torch.empty(n, dtype=torch.int64, pin_memory=True)
-    t.copy_(torch.arange(n, dtype=torch.int64))
+def slot_table(kv) -> torch.Tensor | None:
+    """The cache's positions 0..max_len-1 as int64 in pinned memory, `pass_inputs`' source of its
+    slot; None where its slot and mask are not what the runtime's calls write (an int64 slot, a
+    contiguous bool mask), so torch's ops do. Made once, at capture: no timed pass pays the pinned
+    allocation or the checks."""
+    v = kv.valid
+    if not (v.is_contiguous() and v.dtype == torch.bool and kv.slots.dtype == torch.int64):
+        return None
+    t = torch.empty(kv.max_len, dtype=torch.int64, pin_memory=True)
+    t.copy_(torch.arange(kv.max_len, dtype=torch.int64))
     return t

@@ -15,6 +15,14 @@ import torch
 from cmoe.executor.lean_steps import owa_device
 
 
+def queues_passes(cuda: bool) -> bool:
+    """Whether the lean engine queues its graphed decode passes back to back, with no sync between
+    them (on CUDA; CMOE_PASS_SYNC=1 keeps a sync at each end, for the A/B): the engine itself, and
+    calibrate, which sets the profile's `pass_overlap` by it and prices the host's pass start so.
+    The calibration's GPU-sleep runs keep the syncs whatever this says (`LeanEngine.run_pass`)."""
+    return cuda and os.environ.get("CMOE_PASS_SYNC", "0") != "1"
+
+
 class _Capture:
     """Stands in for the engine behind each experts shim: keeps the layer's MLP input and routing
     (tensors on the device) and returns zeros, so the MoE block's own forward computes its shared
@@ -178,7 +186,7 @@ class Segments:
         self.kv.aim_decode()                             # warm-up writes where this pass will write
         if self.clock.rt is not None:                    # `pass_inputs`' positions, pinned, untimed
             from cmoe.executor.lean_io import slot_table
-            self._slot_src = slot_table(self.kv.max_len)
+            self._slot_src = slot_table(self.kv)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         self.t = _fresh(self.M)

@@ -36,16 +36,11 @@ from cmoe.executor.kernels import ExpertViews
 from cmoe.executor.layout import ExpertLayout
 from cmoe.policy.pool import PoolLayout
 
-# timing marks a pass makes per MoE layer, for the events made before timing (`Clock.reserve`): a
-# loading policy's layer makes four in one launch (its entry, plan, launch start and end), in more
-# launches (waves) two a further launch and an exit mark, and two a load; MARKS_PER_LAYER is the
-# default, `marks_per_layer` the bound a run uses
-MARKS_PER_LAYER = 10
-
-
 def marks_per_layer(rows: int, top_k: int, experts: int, waves: int = 2) -> int:
-    """The most marks a layer makes: five (four in one launch), two for each further launch, two a
-    load, and a layer loads at most the experts its rows route to (rows * top_k) or the layer's experts."""
+    """The most timing marks a layer makes, for the events made before timing (`run_events`): a
+    loading policy's layer makes four in one launch (its entry, plan, launch start and end), in more
+    launches (waves) two a further launch and an exit mark, and two a load; a layer loads at most
+    the experts its rows route to (rows * top_k) or the layer's experts."""
     return 5 + 2 * (waves - 1) + 2 * min(experts, rows * top_k)
 
 
@@ -124,13 +119,9 @@ class Clock:
         elif not isinstance(h, float):
             h.synchronize()
 
-    def reserve(self, passes: int, layers: int, per_layer: int = MARKS_PER_LAYER) -> None:
-        """Before timing: the events `passes` passes of `layers` MoE layers mark with (`per_layer`
-        marks a layer at most, `marks_per_layer`), made now."""
-        self.reserve_events(passes * (2 + layers * per_layer))
-
     def reserve_events(self, n: int) -> None:
-        """Before timing: n timing events free, made now (runtime clocks; torch makes its own)."""
+        """Before timing: n timing events free, made now (runtime clocks; torch makes its own): a
+        run's are `run_events`."""
         if self._marks is not None:
             self._marks.reserve(n)
 

@@ -25,8 +25,9 @@ Processes and resources:
   queued only once no planned kernel still reads the slot and no earlier write to it is pending.
   Either way a copy starts no earlier than the last reader's end. A pass starts once every copy
   has landed (the executor synchronises the device between passes), except a decode pass after a
-  decode pass under `pass_overlap` (the lean executor's queued graphs), which waits for nothing. With `profile.copy_on_host`
-  (the executor on a CPU) the host thread does each copy itself before it goes on.
+  decode pass under `pass_overlap` (the lean executor's queued graphs), which waits for nothing.
+  With `profile.copy_on_host` (the executor on a CPU) the host thread does each copy itself
+  before it goes on.
 - CPU worker: fallback experts run one after another on the host after it has issued the GPU
   experts, between the two halves of the GPU->CPU->GPU round trip; the layer ends when both the
   GPU experts and the CPU results are done.

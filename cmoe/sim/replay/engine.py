@@ -85,7 +85,8 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
     c_ = np.ascontiguousarray                    # one array type everywhere: numba compiles once
     return ck.Costs(h2d, xfix, eb, cpu1, np.array(c.moe_layers, np.int64), hwf, hwi, c_(layer_gpu), c_(layer_host),
                     c_(route_host), c_(dense_gpu), c_(dense_host), c_(attn_gpu), c_(attn_host), c_(pa.ntok),
-                    c_(commit_decode), c_(pa.decode & bool(hw.pass_overlap)), c_(pa.ntok <= hw.dense_rows), c_(pa.need_ptr), c_(pa.need), c_(pa.votes),
+                    c_(commit_decode), c_(pa.decode & bool(hw.pass_overlap)), c_(pa.ntok <= hw.dense_rows),
+                    c_(pa.need_ptr), c_(pa.need), c_(pa.votes),
                     c_(xtab), c_(xcls), c_(htab), c_(wfix), c_(wcnt))
 
 
