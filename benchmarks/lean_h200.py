@@ -43,19 +43,29 @@ from cmoe.core.timeline import STEP, STREAM, OP, START, END, BYTES, write_parque
 HOST_WORK = ("host_attention", "host_route", "host_expert", "host_predict")
 
 
-def synced(run) -> None:
-    """`run()` with a sync at each end of every pass (CMOE_PASS_SYNC=1: the lean engine before its
-    decode passes were queued back to back), for an A/B within one process."""
+def under_env(name: str, value: str, run) -> None:
+    """`run()` with the environment variable `name` set to `value`, restored after: the lean engine's
+    switches for an A/B within one process (CMOE_PASS_SYNC=1: a sync at each end of every pass, as
+    before decode passes were queued back to back; CMOE_RUNTIME_INPUTS=0: a pass's inputs by torch's
+    ops instead of the runtime's calls)."""
     import os
-    was = os.environ.get("CMOE_PASS_SYNC")
-    os.environ["CMOE_PASS_SYNC"] = "1"
+    was = os.environ.get(name)
+    os.environ[name] = value
     try:
         run()
     finally:
         if was is None:
-            os.environ.pop("CMOE_PASS_SYNC")
+            os.environ.pop(name)
         else:
-            os.environ["CMOE_PASS_SYNC"] = was
+            os.environ[name] = was
+
+
+def ablations(a, run) -> None:
+    """The twins that `--sync-ablation` and `--inputs-ablation` ask for, each right before `run`."""
+    if a.sync_ablation:
+        under_env("CMOE_PASS_SYNC", "1", lambda: run("synced passes"))
+    if a.inputs_ablation:
+        under_env("CMOE_RUNTIME_INPUTS", "0", lambda: run("torch pass inputs"))
 
 
 def kernel_profile(w, cfg, short: int = 4, long: int = 20) -> dict:
@@ -135,6 +145,8 @@ def main() -> None:
                     help="run each policy also with its launch waves eager (CMOE_WAVE_GRAPHS=0), first")
     ap.add_argument("--sync-ablation", action="store_true",
                     help="lean: every run also with a sync at each pass's ends (CMOE_PASS_SYNC=1), right before it")
+    ap.add_argument("--inputs-ablation", action="store_true",
+                    help="lean: every run also with its pass inputs by torch's ops (CMOE_RUNTIME_INPUTS=0), right before it")
     ap.add_argument("--kernel-profile", action="store_true",
                     help="lean upper: GPU time per decode token by kernel (torch.profiler, runs of 4 and 20 tokens)")
     ap.add_argument("--steps-ablation", action="store_true",
@@ -238,8 +250,8 @@ def main() -> None:
             for i in range(reps):
                 if not left():
                     break
-                if engine == "lean" and a.sync_ablation:
-                    synced(lambda: one(engine, w, replace(cfg, tokens=tok), "upper", tag=f"synced passes, repeat {i}"))
+                if engine == "lean":
+                    ablations(a, lambda t: one(engine, w, replace(cfg, tokens=tok), "upper", tag=f"{t}, repeat {i}"))
                 r = one(engine, w, replace(cfg, tokens=tok), "upper", tag=f"repeat {i}")
                 if batch == 1 and i == 0:
                     write_parquet(r.log.spans, a.out / f"timeline-{engine}-b1-upper.parquet")
@@ -256,8 +268,8 @@ def main() -> None:
                         os.environ["CMOE_WAVE_GRAPHS"] = "0"
                         one(engine, w2, replace(cfg2, tokens=ptok), p, tag="eager waves")
                         os.environ["CMOE_WAVE_GRAPHS"] = "1"
-                    if engine == "lean" and a.sync_ablation:
-                        synced(lambda: one(engine, w2, replace(cfg2, tokens=ptok), p, tag="synced passes"))
+                    if engine == "lean":
+                        ablations(a, lambda t: one(engine, w2, replace(cfg2, tokens=ptok), p, tag=t))
                     r = one(engine, w2, replace(cfg2, tokens=ptok), p)
                     if batch == 1 and pool == pools[0] and p == "commit":
                         write_parquet(r.log.spans, a.out / f"timeline-{engine}-b1-commit.parquet")

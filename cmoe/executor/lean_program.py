@@ -184,9 +184,9 @@ class Segments:
             from cmoe.executor.kernels_triton import Workspace
             self._ws = Workspace(B, self._kin_k, self.spec.hidden, self.spec.expert_ffn, E, dev)
         self.kv.aim_decode()                             # warm-up writes where this pass will write
-        if self.clock.rt is not None:                    # `pass_inputs`' positions, pinned, untimed
-            from cmoe.executor.lean_io import slot_table
-            self._slot_src = slot_table(self.kv)
+        if self.clock.rt is not None and os.environ.get("CMOE_RUNTIME_INPUTS", "1") != "0":
+            from cmoe.executor.lean_io import slot_table  # `pass_inputs`' positions, pinned, untimed
+            self._slot_src = slot_table(self.kv)          # (CMOE_RUNTIME_INPUTS=0: torch's ops, an A/B)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         self.t = _fresh(self.M)
