@@ -227,6 +227,7 @@ def main() -> None:
                     pr.disable()
                     print(f"--- profile {pp}: {rr.metrics['tpot_ms_mean']:.2f} ms/token under the profiler", flush=True)
                     pstats.Stats(pr).sort_stats("tottime").print_stats(22)
+                    pr.dump_stats(a.out / f"profile-{pp}.prof")   # callers and callees, read with pstats
             if engine == "lean" and a.kernel_profile:
                 res.setdefault("kernel_profile", {})[str(batch)] = kernel_profile(w, cfg)
                 (a.out / "results.json").write_text(json.dumps(res, indent=1))
