@@ -121,8 +121,9 @@ def test_lean_queued_passes_decide_as_synced_ones(fused_checkpoints, monkeypatch
     for sync in ("0", "1"):
         monkeypatch.setenv("CMOE_PASS_SYNC", sync)
         _, runs[sync] = _run(fused_checkpoints["mixtral"], pols, tokens=8, keep_logits=False)
-    # queued: no device sync at the start of the 7 decode passes after the first, per policy
-    assert syncs["1"] - syncs["0"] >= 7 * len(pols), syncs
+    # per policy, 8 decode passes: synced, a device sync at the start of each; queued, one at the
+    # first (its capture) and one at close (the last pass still queued). On the H200: 129 and 99
+    assert syncs["1"] - syncs["0"] == (8 - 2) * len(pols), syncs
     # each graphed pass's inputs by the runtime (`pass_inputs`): one memset of the mask column each
     assert Runtime.get() is None or len(memsets) >= 2 * 7 * len(pols), len(memsets)
     for a, b in zip(runs["0"], runs["1"]):
