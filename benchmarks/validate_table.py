@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,7 +34,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("folder", type=Path)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--work", type=Path, default=Path("/tmp/cmoe-validate-table"))
+    ap.add_argument("--work", type=Path, default=Path("/tmp/cmoe-validate-table"),
+                    help="scratch folder for the predictions: its poolP-bB/predicted* folders are replaced")
     ap.add_argument("--profile", type=Path, default=None,
                     help="predict with this profile instead of the folder's (a diagnosis: say so beside its table)")
     ap.add_argument("--host-adjust", action="store_true",
@@ -51,6 +53,8 @@ def main() -> None:
         pols = list(c["policies"])
         w = SimpleNamespace(trace=load_trace(f"synthetic:{res['spec']}", None, b), spec=spec, fmt="w4g128")
         pred = a.work / here.name / "predicted"
+        for old in (pred, pred.with_name("predicted-host")):     # this script's own scratch, from a run before
+            shutil.rmtree(old, ignore_errors=True)
         predict(w, SimpleNamespace(policies=pols, pool_gb=pool, batch=b, slots=None, tokens=res["tokens"],
                                     include_prefill=True), prof, pred)
         # each measured run read once, held against the prediction (and under --host-adjust the second)
@@ -83,6 +87,21 @@ def main() -> None:
         "profile": prof.name, "rows": rows}
     write_text_atomic(a.out or a.folder / "summary.json", json.dumps(summary, indent=1))
     print(table(rows))
+    print(counts(rows))
+
+
+def counts(rows: list[dict]) -> str:
+    """The issue-15 tallies: rows within 3, 5 and 10% end to end, and rows whose every layer's mean
+    time is within 8% (host-adjusted too where it was asked for)."""
+    n = len(rows)
+    within = lambda key, t: sum(abs(r[key]) <= t for r in rows if key in r)  # noqa: E731
+    layers = sum(all(abs(x) <= 0.08 for x in r["layer_mean_error_worst"]) for r in rows)
+    line = (f"{n} configurations: {within('error', .03)} within 3%, {within('error', .05)} within 5%, "
+            f"{within('error', .10)} within 10%; every layer within 8% in {layers}")
+    if any("host_adjusted_error" in r for r in rows):
+        line += (f"; at the runs' host speed {within('host_adjusted_error', .03)} / {within('host_adjusted_error', .05)}"
+                 f" / {within('host_adjusted_error', .10)}")
+    return line
 
 
 def table(rows: list[dict]) -> str:
