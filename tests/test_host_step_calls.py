@@ -21,7 +21,29 @@ def _engine(rt, rb):
                           cs="compute stream",
                           clock=SimpleNamespace(rt=rt, order_event=lambda: rt.event(DISABLE_TIMING)))
     eng._rb_entry = lambda rb, got: HostIO._rb_entry(eng, rb, got)
+    eng._rb_queue = lambda got: HostIO._rb_queue(eng, got)
     return eng
+
+
+def test_commits_layer0_prediction_reads_back_like_a_layer(monkeypatch):
+    """commit's layer-0 prediction (`t["rb0"]`) at a decode pass's start: the runtime's copy into
+    its own pinned buffer and its event, the same three calls a layer's read-back makes, the
+    buffer kept from pass to pass; none where the pass has no such buffer."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))   # no CUDA here
+    rt = FakeRuntime()
+    rb0 = torch.tensor([[3.0, 5.0, 0.75, 0.25]])
+    eng = _engine(rt, rb0)
+    eng.t["rb0"], eng._rb_pin0 = rb0, None
+    started = HostIO._read_back_pred0(eng)
+    pin, ev = eng._rb_pin0[0], eng._rb_pin0[1]
+    assert rt.take() == [("event", DISABLE_TIMING), ("copy", pin.data_ptr(), rb0.data_ptr(), 16, D2H, 7), ("record", ev, 7)]
+    pin[:] = rb0                                          # what the device's copy would have written
+    assert HostIO._read_back_wait(eng, started).tolist() == [[3.0, 5.0, 0.75, 0.25]] and rt.take() == [("sync", ev)]
+    HostIO._read_back_pred0(eng)
+    assert eng._rb_pin0[0] is pin and rt.take() == [("copy", pin.data_ptr(), rb0.data_ptr(), 16, D2H, 7), ("record", ev, 7)]
+    del eng.t["rb0"]
+    assert HostIO._read_back_pred0(eng) is None and rt.take() == []
 
 
 def test_a_layers_read_back_asks_torch_once_per_buffer(monkeypatch):

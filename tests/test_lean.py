@@ -162,7 +162,8 @@ def test_commit_launches_its_committed_layers_before_the_read_back(fused_checkpo
     """commit in decode takes the no-wait step on every MoE layer of every decode pass (OWA on the
     device: the logits equal the reference engine's, see test_lean_and_reference_engines_decide_alike);
     its host lane then waits for the read-back after the experts' launch, not before, and the
-    read-back's copy is queued ahead of the launch."""
+    read-back's copy is queued ahead of the launch. The pass's start waits for its layer-0
+    prediction as a `host_sync` span of the first MoE layer, after that layer's own host work."""
     from cmoe.executor.lean import LeanEngine
     calls, order = [], []
     orig = LeanEngine._commit_layer
@@ -172,15 +173,22 @@ def test_commit_launches_its_committed_layers_before_the_read_back(fused_checkpo
         monkeypatch.setattr(LeanEngine, name, lambda *a, _n=name, _f=real: (order.append(_n), _f(*a))[1])
     w, (r,) = run_exec(fused_checkpoints["mixtral"], ["commit"], fmt="w4g32", kernel="fused", tokens=3)
     assert len(calls) == 3 * w.spec.num_moe_layers
-    # the read-back copy is queued before the experts (so its wait ends with A_m), waited for after
-    n = len(order) - 3 * len(calls)
-    assert order[n:] == ["_read_back_start", "_run_x", "_read_back_wait"] * len(calls)
+    # the read-back copy is queued before the experts (so its wait ends with A_m), waited for after;
+    # each decode pass first waits for its layer-0 prediction's read-back (`_read_back_pred0`)
+    per_pass = ["_read_back_wait"] + ["_read_back_start", "_run_x", "_read_back_wait"] * w.spec.num_moe_layers
+    n = len(order) - 3 * len(per_pass)
+    assert order[n:] == per_pass * 3
     dec = {p for p, d, _, _ in r.log.pass_us if d}
     for p in dec:
         lane = sorted((s for s in r.log.spans if s[1] == p and s[3] == "host" and s[2] == w.spec.moe_layers[1]
                        and s[4] != "host_predict"),
                       key=lambda s: s[6])
         assert [s[4] for s in lane] == ["host_attention", "host_expert", "host_sync", "host_route"]
+        first = sorted((s for s in r.log.spans if s[1] == p and s[3] == "host" and s[2] == w.spec.moe_layers[0]
+                        and s[4] != "host_predict"), key=lambda s: s[6])
+        assert [s[4] for s in first] == ["host_attention", "host_sync", "host_attention", "host_expert",
+                                         "host_sync", "host_route"]
+        assert first[0][7] == first[1][6] and first[1][7] == first[2][6]   # back to back: nothing counted twice
 
 
 def test_owa_on_the_device_equals_the_host_rule():

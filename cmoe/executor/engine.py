@@ -156,13 +156,13 @@ class Engine(Routes):
                 self._begin_pass()
         return hook
 
-    def _begin_pass(self, pred=None) -> None:
+    def _begin_pass(self, pred=None, host=None) -> None:
         """The policy's loads at the start of the pass (commit: from the layer-0 prediction, `pred`
-        or the one the hooks kept)."""
+        or the one the hooks kept, or already on the host as [ids, weights] rows: `host`)."""
         pred0: list[int] = []
         if self.commit and self.cur.decode:
             idx, w = pred if pred is not None else self.pred_gpu[0]
-            host = torch.cat([idx.float(), w.float()], 1).cpu().numpy()
+            host = torch.cat([idx.float(), w.float()], 1).cpu().numpy() if host is None else host
             K = idx.shape[1]
             rows = self._keep_prediction(0, host[:, :K], host[:, K:])
             pred0 = list(ranked([r for r, a in zip(rows, self.cur.active) if a])[0])

@@ -119,10 +119,10 @@ class LeanEngine(HostSteps, Segments, Engine):
             from cmoe.executor.kernels_triton.steps import fuse_routers
             self._fused_mods += fuse_routers(model)
         self.has_shared = spec.shared_ffn > 0               # else the MoE block's output is the routed sum
-        self._books: list = []
+        self._books: list = []                             # passes whose bookkeeping waits for the next launch
         self.host_phases = {} if os.environ.get("CMOE_HOST_PROFILE") == "1" else None
         self._t_phase = 0.0
-        self._fused: list = []                             # one launch's marks, split per expert when resolved                             # passes whose bookkeeping waits for the next launch
+        self._fused: list = []                             # one launch's marks, split per expert when resolved
         self._upper_marks: list = []
         self._in_graph = False                             # warm-up and capture: no spans
         self._static_out = False
@@ -130,7 +130,7 @@ class LeanEngine(HostSteps, Segments, Engine):
         # graphed decode passes queued back to back, no sync between (docs/executor.md); the
         # calibration's GPU-sleep runs and CMOE_PASS_SYNC=1 (the A/B) keep the syncs
         self._overlap = queues_passes(self.cuda) and not self._lead_cycles
-        self._chained, self._slot_src = False, None         # _slot_src: pinned positions (`pass_inputs`)
+        self._chained, self._slot_src, self._rb_pin0 = False, None, None   # `pass_inputs`' table; `_read_back_pred0`'s
 
     # --- hooks (record tensors; run inside graph capture too) ------------------------------------
     def _on_mid(self, m):
@@ -245,7 +245,7 @@ class LeanEngine(HostSteps, Segments, Engine):
             self._static_out = False
             self._in_graph = False
             self.seg_pre()
-        self._begin_pass(self.t["pred"][0])
+        self._begin_pass(self.t["pred"][0], self._pred0_host())
         self._tick("pass: pre, begin")
         for m in range(self.M):
             if graphs:

@@ -39,7 +39,41 @@ class HostIO:
         got = self._rb_pin[m]
         if got is None or got[2] is not rb:
             got = self._rb_pin[m] = self._rb_entry(rb, got)
-        pin, ev, _, args, host = got
+        return self._rb_queue(got)
+
+    def _read_back_pred0(self):
+        """commit's layer-0 prediction (`t["rb0"]`, which the pre segment makes) to the host, as a
+        layer's read-back is (`_read_back_wait` waits for it): with queued passes the host need not
+        wait for the whole pass before, only for this pass's pre segment behind it. None when the
+        pass has no such buffer."""
+        rb = self.t.get("rb0")
+        if rb is None:
+            return None
+        if not self.cuda:
+            return rb.numpy(), None
+        got = self._rb_pin0
+        if got is None or got[2] is not rb:
+            got = self._rb_pin0 = self._rb_entry(rb, got)
+        return self._rb_queue(got)
+
+    def _pred0_host(self):
+        """commit in decode: the layer-0 prediction read back (`_read_back_pred0`), the host's wait
+        for it a `host_sync` span of the first MoE layer, apart from the host's own work before it
+        (its `host_attention`), as a layer's read-back wait is. None otherwise."""
+        started = self._read_back_pred0() if self.commit and self.cur.decode else None
+        if started is None:
+            return None
+        d0, h0 = self.spec.moe_layers[0], self.clock.host()
+        host = self._read_back_wait(started)
+        h1 = self.clock.host()
+        self._span(d0, "host", "host_attention", -1, self.h_last, h0)
+        self._span(d0, "host", "host_sync", -1, h0, h1)
+        self.h_last = h1
+        return host
+
+    def _rb_queue(self, got):
+        """A read-back entry's copy and event queued on the compute stream: (host array, event)."""
+        pin, ev, rb, args, host = got
         if args is not None:                               # the runtime's copy and the layer's own event
             rt, h = self.clock.rt, self.pool.compute_h
             rt.copy(args[0], args[1], args[2], D2H, h)

@@ -92,6 +92,9 @@ class Segments:
             if self.spec.moe_layers[0] == 0:                # the source is layer 0's input norm
                 t["src0"] = self.layers[0].input_layernorm(h)
             self._predict(0, t["src0"])
+            if self.commit:                                  # its one read-back (`_read_back_pred0`)
+                idx, w = t["pred"][0]
+                t["rb0"] = torch.cat([idx.float(), w.float()], 1)
 
     def seg_attn(self, m: int) -> None:
         t = self.t
