@@ -48,11 +48,7 @@ class HostSteps(HostIO):
                 self._cpu_waits.append((self.cur.index, gpu_done, clock.host()))
             self.seg_experts(m, y.to(self.t["x"][m].dtype))
         if self.record_plans:
-            plan = st["plan"]
-            self.log.plans.append(PlanRecord(
-                self.cur.index, m, tuple(st["needed"]), tuple(st["predicted"]) if st["predicted"] is not None else None,
-                _loads(plan.loads), tuple(plan.gpu), tuple(plan.cpu), tuple(plan.skipped), tuple(self.pool.expert[m]),
-                tuple(_slot_table(self.policy.pool.where[m], len(self.pool.expert[m])))))
+            self._record_plan(m, st["needed"], st["predicted"], st["plan"], st["plan"].cpu)
         # one launch: nothing is queued on the compute stream after its end mark, which already
         # marks where the layer's work ends (as silent's and commit's layers use theirs)
         self.last = st["end"] if st["one_launch"] else clock.mark(cs)
@@ -132,6 +128,7 @@ class HostSteps(HostIO):
                 self.pool.before_read(m, s)
             self._tick("table, waits")
             t0 = clock.mark(cs)
+            self._tick("launch: marks")
             if st["one_launch"]:
                 self._run_x(m, graphs)
             elif st["wave_graphs"]:
@@ -139,8 +136,9 @@ class HostSteps(HostIO):
             else:
                 part = self._kernel(m, self.table[m], torch.float32)
                 y = part.clone() if y is None else y + part
+            self._tick("launch: replay or kernel")
             t1 = due = st["end"] = clock.mark(cs)
-            self._tick("launch")
+            self._tick("launch: marks")
             self._fused_span(d, wave, t0, t1)
             self.pool.mark_read(m, [plan.slots[e] for e in wave], t1 if self.cuda else None)
             for ld in [x for x in later if x.victim in wave]:
@@ -170,6 +168,7 @@ class HostSteps(HostIO):
         the router's live scores. The host then reads the layer back, while the experts run, and
         plans: the same `plan` call (its GPU set is the committed one), whose loads are layer m+1's."""
         d, clock, cs, h_in, t_in = self._enter_layer(m)
+        self._tick(None)
         # the read-back first, right behind A_m: ahead of the kernel inputs' copies and of the
         # waits on this layer's slot copies, so its wait below ends with A_m, not with a late load
         started = self._read_back_start(m)
@@ -179,6 +178,7 @@ class HostSteps(HostIO):
         self._write_candidates(m, chosen, live)
         slots = {e: self.policy.pool.slot_of(m, e) for e in chosen}
         self._set_table(m, slots, 0)
+        self._tick("commit: read-back, ids, table")
         if self._lead_cycles:
             torch.cuda._sleep(self._lead_cycles)
         t_plan = clock.mark(cs)                            # before the waits: a late copy shows as a gap
@@ -193,29 +193,42 @@ class HostSteps(HostIO):
             waited = self.pool.before_read(m, s) or waited
         # no wait queued: the launch starts at the plan's mark, the same stream position
         t0 = clock.mark(cs) if waited else t_plan
+        self._tick("table, waits")
         self._run_x(m, graphs)
+        self._tick("launch: replay or kernel")
         t1 = clock.mark(cs)
         self._fused_span(d, chosen, t0, t1)
         self.pool.mark_read(m, list(slots.values()), t1 if self.cuda else None)
         self._span(d, "host", "host_expert", -1, h0, clock.host())
+        self._tick("launch: marks")
         h_rb = clock.host()
         host = self._read_back_wait(started)               # while the layer's experts run
+        self._tick("read-back wait")
         self.h_synced = clock.host()
         self._span(d, "host", "host_sync", -1, h_rb, self.h_synced)
         K2 = self.t["pred"][m + 1][0].shape[1] if m + 1 < self.M else 0
         rows, wsorted, scores, needed, predicted = self._parse_routes(m, host, K, K2, live)
+        self._tick("parse routes")
         plan = self.policy.plan(m, needed, predicted, **self._ahead(m + 1, live))
         assert plan.gpu == chosen, (plan.gpu, chosen)
+        self._tick("plan")
         self._issue(plan.loads, defer=set())               # layer m+1's: no slot of this layer is touched
+        self._tick("issue loads")
         self.log.at(self.cur.index).skipped += len(plan.skipped)
         if self.record_plans:
-            self.log.plans.append(PlanRecord(
-                self.cur.index, m, tuple(needed), tuple(predicted) if predicted is not None else None,
-                _loads(plan.loads), tuple(plan.gpu), (), tuple(plan.skipped), tuple(self.pool.expert[m]),
-                tuple(_slot_table(self.policy.pool.where[m], len(self.pool.expert[m])))))
+            self._record_plan(m, needed, predicted, plan, ())
         self._span(d, "host", "host_route", -1, self.h_synced, clock.host())
         self.last = t1
         self.h_last = clock.host()
+        self._tick("after launch")
+
+    def _record_plan(self, m: int, needed, predicted, plan, cpu) -> None:
+        """Layer m's decision as `record_plans` keeps it: what it needed and predicted, its loads,
+        where its experts ran (`cpu`: the CPU's), what it skipped, and the slots after it."""
+        self.log.plans.append(PlanRecord(
+            self.cur.index, m, tuple(needed), tuple(predicted) if predicted is not None else None,
+            _loads(plan.loads), tuple(plan.gpu), tuple(cpu), tuple(plan.skipped), tuple(self.pool.expert[m]),
+            tuple(_slot_table(self.policy.pool.where[m], len(self.pool.expert[m])))))
 
     def _tick(self, phase: str | None) -> None:
         """Host time by phase of the policy's step (`CMOE_HOST_PROFILE=1`; summed in `host_phases`)."""
