@@ -50,7 +50,7 @@ case "${1:-}" in
   variants) timeout 300 python3 benchmarks/kernel_variants_h200.py --out "$OUT/variants" 2>&1 | grep -v Warning ;;
   ncu-variants) N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1); mkdir -p /tmp/ncuv
        timeout 300 "$N" --clock-control none --set full -k 'regex:_expert_mm|_gate_up' -f -o /tmp/ncuv/v \
-         python3 benchmarks/kernel_variants_h200.py --launch-only --ms 1 --variants "${2:-committed,gsum,split13-2}" \
+         python3 benchmarks/kernel_variants_h200.py --launch-only --ms 1 --variants "${2:-committed,split13-2}" \
          > /tmp/ncuv/run.log 2>&1 || tail -5 /tmp/ncuv/run.log
        "$N" -i /tmp/ncuv/v.ncu-rep --page raw --csv > /tmp/ncuv/raw.csv 2>&1 || true
        "$N" -i /tmp/ncuv/v.ncu-rep --page source --csv --print-source sass > /tmp/ncuv/source.csv 2>&1 || true
