@@ -36,13 +36,10 @@ bf16 pair per plane in two instructions: prmt, lop3). Two ways to apply the affi
 With ZP (a `-fp16` format: fp16 (scale, zero point) pairs, GPTQ and AWQ as stored) a pair becomes
 fp32 (s, (8 - zp) * s), exact, and both ways compute as above in fp32; DEQ then takes the plain
 path (no inline PTX: its bf16x2 fma would round s and z). Without ZP the code is unchanged.
-With gsum13 / gsum2 (not deq) sum(x) comes from a table of each row's group sums made before the
-launch (`_group_sums`, one more launch) instead of the dot with ones: a third of w13's HMMAs and a
-fifth of w2's go, the loop's instruction count stays (343 against 340 in the sm_90 code, the
-table's loads and addresses replacing them). The H200's counters put the tensor pipe at 32-35%
-busy and half the math-pipe throttling of the split-K variant on the HMMAs (BENCHMARKS.md,
-eighth session): whether fewer of them pays is for a measurement, not yet made; CONFIGS leave
-it off. Scales are prefetched one k-unit ahead (their loads would otherwise stall every unit); weights and
+sum(x) read instead from a table of each row's group sums made before the launch (gsum13 /
+gsum2, 1e587ca: a third of w13's HMMAs gone) was slower on the H200 at every M (one expert at
+M = 1: 50.8 us against 45.0; benchmarks/results/lean-h200-9/call1-variants.json) and was removed.
+Scales are prefetched one k-unit ahead (their loads would otherwise stall every unit); weights and
 x tiles stream through Triton's cp.async pipeline. Accumulation is fp32 throughout. Which of these
 is fastest depends on M (CONFIGS); with 32 weight rows per warp Triton keeps the unpacked operand
 in registers and uses mma.sync, which beat its wgmma code here (that waits after every wgmma).
@@ -60,7 +57,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from cmoe.executor.kernels_triton.moe_device import _expert_mm, _gate_up_kernel, _group_sums, _route_kernel
+from cmoe.executor.kernels_triton.moe_device import _expert_mm, _gate_up_kernel, _route_kernel
 
 
 @dataclass(frozen=True)
@@ -81,8 +78,6 @@ class KernelConfig:
     unroll2: int = 1     # the same for w2
     stg13: int = 0       # the w13 k-unit loop's own num_stages (0: the launch's; measured no faster)
     stg2: int = 0        # the same for w2
-    gsum13: bool = False # w13 without deq: sum(x) per group from a table made before the launch
-    gsum2: bool = False  # (`_group_sums`, one more launch each) instead of a dot with ones; the same for w2
 
 
 # by batch rows M (the smallest bucket >= M): the configurations benchmarks/expert_kernel_h200.py
@@ -126,7 +121,6 @@ class Workspace:
         self.acc = torch.empty(M, hidden, dtype=torch.float32, device=device)
         self.out = torch.empty(M, hidden, dtype=dtype, device=device)
         self.part = None                     # split-K of w13 only: see split_buffers
-        self.gsum: dict = {}                 # "x" [M, H / g], "h" [pairs, F / g]: see group_sums
 
     def split_buffers(self, splits: int) -> torch.Tensor:
         """fp32 [S >= splits, P, 2F]: the partial gate and up sums of w13's splits (gate in columns
@@ -138,19 +132,6 @@ class Workspace:
             self.part = torch.empty(splits, self.P, 2 * self.h.shape[1], dtype=torch.float32,
                                     device=self.h.device)
         return self.part
-
-
-def group_sums(ws: Workspace, name: str, src: torch.Tensor, group: int, warmup: bool = False) -> torch.Tensor:
-    """fp32 [rows, K / group]: each row's sum over each group of `src` [rows, K] (bf16, unit stride
-    along K), into the workspace's buffer `name` (made on the first call: warm up before capture)."""
-    R, K = src.shape
-    ng = K // group
-    out = ws.gsum.get(name)
-    if out is None or out.shape != (R, ng):
-        out = ws.gsum[name] = torch.empty(R, ng, dtype=torch.float32, device=src.device)
-    gb = max(1, min(triton.next_power_of_2(ng), 4096 // group))
-    _run(_group_sums, (R, triton.cdiv(ng, gb)), (src, src.stride(0), out, ng), dict(G=group, GB=gb), warmup)
-    return out
 
 
 _WS: dict[tuple, Workspace] = {}
@@ -215,15 +196,13 @@ def launch_w13(ws: Workspace, x, slot_table, pool, layout, topk: int, cfg: Kerne
     split, ups = k_split(H, layout.group, cfg.split13)
     tiles = triton.cdiv(Fd, cfg.bn13)
     part = ws.split_buffers(split) if split > 1 else ws.acc
-    gs_on = cfg.gsum13 and not cfg.deq
-    gs = group_sums(ws, "x", x, layout.group, warmup) if gs_on else ws.acc
     args = (x, x.stride(0), pool, pool.stride(0), slot_table, E,
             ws.seg_e, ws.seg_s, ws.seg_end, ws.order, ws.order,
             ws.h, ws.h.stride(0), layout.part("w13").offset, layout.part("w13_sz").offset,
-            Fd, H, topk, nch, ups, split, part, part.stride(0), gs, gs.stride(0))
+            Fd, H, topk, nch, ups, split, part, part.stride(0))
     kw = dict(G=layout.group, BN=cfg.bn13, BM=cfg.bm, IS_W13=True, ASM=cfg.asm, DEQ=cfg.deq,
               T64=t >= 64, T32=t % 64 == 32, SPLIT13=split > 1, ZP=layout.zero_point, num_warps=cfg.warps13,
-              num_stages=cfg.stages13, UNR=cfg.unroll13, STG=cfg.stg13 or None, GS=gs_on)
+              num_stages=cfg.stages13, UNR=cfg.unroll13, STG=cfg.stg13 or None)
     k13 = _run(_expert_mm, (tiles, ws.A * nch, split), args, kw, warmup)
     if split > 1:
         # RB rows a step (a segment has <= M rows; a loop covers the chunk), ~1024 elements a CTA and
@@ -244,16 +223,13 @@ def launch_w2(ws: Workspace, topk_weights, slot_table, pool, layout, topk: int, 
     nch = triton.cdiv(M, cfg.bm)
     split, ups = k_split(Fd, layout.group, cfg.split2)
     t = Fd % 128
-    gs_on = cfg.gsum2 and not cfg.deq2
-    assert not gs_on or ws.h.shape[1] == Fd, (ws.h.shape, Fd)
-    gs = group_sums(ws, "h", ws.h, layout.group, warmup) if gs_on else ws.acc
     args = (ws.h, ws.h.stride(0), pool, pool.stride(0), slot_table, E,
             ws.seg_e, ws.seg_s, ws.seg_end, ws.order, topk_weights,
             ws.acc, ws.acc.stride(0), layout.part("w2").offset, layout.part("w2_sz").offset,
-            H, Fd, topk, nch, ups, split, ws.acc, 0, gs, gs.stride(0))
+            H, Fd, topk, nch, ups, split, ws.acc, 0)
     kw = dict(G=layout.group, BN=cfg.bn2, BM=cfg.bm, IS_W13=False, ASM=cfg.asm, DEQ=cfg.deq2,
               T64=t >= 64, T32=t % 64 == 32, SPLIT13=False, ZP=layout.zero_point, num_warps=cfg.warps2,
-              num_stages=cfg.stages2, UNR=cfg.unroll2, STG=cfg.stg2 or None, GS=gs_on)
+              num_stages=cfg.stages2, UNR=cfg.unroll2, STG=cfg.stg2 or None)
     return _run(_expert_mm, (triton.cdiv(H, cfg.bn2), ws.A * nch, split), args, kw, warmup)
 
 

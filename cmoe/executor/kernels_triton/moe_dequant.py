@@ -196,10 +196,9 @@ def _flush(acc, a, xs, sz, ZP: tl.constexpr):
 
 
 @triton.jit
-def _step(acc_g, acc_u, a_g, a_u, xs, pg, pu, xt, ones, IS_W13: tl.constexpr, DEQ: tl.constexpr,
-          GS: tl.constexpr = False):
+def _step(acc_g, acc_u, a_g, a_u, xs, pg, pu, xt, ones, IS_W13: tl.constexpr, DEQ: tl.constexpr):
     """One 16-k plane: with DEQ the dequantized plane into the accumulators; else 128 + q into the
-    group's partial dots, and sum(x) by a dot with ones (with GS read from a table at the flush)."""
+    group's partial dots, and sum(x) by a dot with ones."""
     if DEQ:
         acc_g = _mma(pg, xt, acc_g)
         if IS_W13:
@@ -208,17 +207,5 @@ def _step(acc_g, acc_u, a_g, a_u, xs, pg, pu, xt, ones, IS_W13: tl.constexpr, DE
         a_g = _mma(pg, xt, a_g)
         if IS_W13:
             a_u = _mma(pu, xt, a_u)
-        if not GS:
-            xs = _mma(ones, xt, xs)
+        xs = _mma(ones, xt, xs)
     return acc_g, acc_u, a_g, a_u, xs
-
-
-@triton.jit
-def _gsum(xs, gsp, q, mrow, GS: tl.constexpr):
-    """sum(x) over group q for the flush: the dot with ones' [BN, BM] accumulator, or with GS the
-    precomputed sums' row [1, BM] (`gsp`: each row's pointer into the [rows, K / g] table)."""
-    if GS:
-        r = tl.load(gsp + q, mask=mrow, other=0.0)[None, :]
-    else:
-        r = xs
-    return r

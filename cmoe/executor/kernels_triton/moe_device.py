@@ -10,13 +10,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from cmoe.executor.kernels_triton.moe_dequant import _deq4, _flush, _gsum, _ldsz, _pick4, _planes4, _step
+from cmoe.executor.kernels_triton.moe_dequant import _deq4, _flush, _ldsz, _pick4, _planes4, _step
 
 
 @triton.jit
-def _block(acc_g, acc_u, a_g, a_u, xs, blk, kb, N, wrow, wmask, xrow, rk, mrow, ones, zero, gsp,
+def _block(acc_g, acc_u, a_g, a_u, xs, blk, kb, N, wrow, wmask, xrow, rk, mrow, ones, zero,
            cg0, cg1, cg2, cg3, cu0, cu1, cu2, cu3, b: tl.constexpr, PPG: tl.constexpr,
-           IS_W13: tl.constexpr, ASM: tl.constexpr, DEQ: tl.constexpr, ZP: tl.constexpr, GS: tl.constexpr):
+           IS_W13: tl.constexpr, ASM: tl.constexpr, DEQ: tl.constexpr, ZP: tl.constexpr):
     """Block b (128 k, 8 planes of int32 words at blk) of a k-unit whose (scale, zero) pairs are
     cg0..cg3 (gate) and cu0..cu3 (up): the accumulators after it."""
     wg = tl.load(blk + wrow, mask=wmask, other=0)
@@ -39,17 +39,16 @@ def _block(acc_g, acc_u, a_g, a_u, xs, blk, kb, N, wrow, wmask, xrow, rk, mrow, 
             xt = tl.load(xrow + (k0 + p * 16 + rk)[:, None], mask=mrow[None, :], other=0.0)
             if IS_W13:
                 acc_g, acc_u, a_g, a_u, xs = _step(acc_g, acc_u, a_g, a_u, xs, pg[p4], pu[p4], xt, ones,
-                                                   IS_W13, DEQ, GS)
+                                                   IS_W13, DEQ)
             else:
                 acc_g, acc_u, a_g, a_u, xs = _step(acc_g, acc_u, a_g, a_u, xs, pg[p4], pg[p4], xt, ones,
-                                                   IS_W13, DEQ, GS)
+                                                   IS_W13, DEQ)
             if not DEQ:
                 if (b * 8 + p + 1) % PPG == 0:
                     q = (b * 8 + p) // PPG
-                    xg = _gsum(xs, gsp, (k0 + p * 16) // (PPG * 16), mrow, GS)
-                    acc_g = _flush(acc_g, a_g, xg, _pick4(q, cg0, cg1, cg2, cg3), ZP)
+                    acc_g = _flush(acc_g, a_g, xs, _pick4(q, cg0, cg1, cg2, cg3), ZP)
                     if IS_W13:
-                        acc_u = _flush(acc_u, a_u, xg, _pick4(q, cu0, cu1, cu2, cu3), ZP)
+                        acc_u = _flush(acc_u, a_u, xs, _pick4(q, cu0, cu1, cu2, cu3), ZP)
                     a_g = zero
                     a_u = zero
                     xs = zero
@@ -58,8 +57,8 @@ def _block(acc_g, acc_u, a_g, a_u, xs, blk, kb, N, wrow, wmask, xrow, rk, mrow, 
 
 @triton.jit
 def _unit(acc_g, acc_u, a_g, a_u, xs, sg0, sg1, sg2, sg3, su0, su1, su2, su3, u, u_hi, wp, sp, NR, N, rn, mn,
-          wrow, wmask, xrow, rk, mrow, ones, zero, gsp, BPU: tl.constexpr, PPG: tl.constexpr, GPU: tl.constexpr,
-          IS_W13: tl.constexpr, ASM: tl.constexpr, DEQ: tl.constexpr, ZP: tl.constexpr, GS: tl.constexpr):
+          wrow, wmask, xrow, rk, mrow, ones, zero, BPU: tl.constexpr, PPG: tl.constexpr, GPU: tl.constexpr,
+          IS_W13: tl.constexpr, ASM: tl.constexpr, DEQ: tl.constexpr, ZP: tl.constexpr):
     """k-unit u, whose (scale, zero) pairs were loaded one unit ahead: the accumulators after it and
     the next unit's pairs."""
     cg0, cg1, cg2, cg3, cu0, cu1, cu2, cu3 = sg0, sg1, sg2, sg3, su0, su1, su2, su3
@@ -68,16 +67,16 @@ def _unit(acc_g, acc_u, a_g, a_u, xs, sg0, sg1, sg2, sg3, su0, su1, su2, su3, u,
         kb = u * BPU + b
         blk = wp + kb * NR * 16
         acc_g, acc_u, a_g, a_u, xs = _block(acc_g, acc_u, a_g, a_u, xs, blk, kb, N, wrow, wmask, xrow, rk,
-                                            mrow, ones, zero, gsp, cg0, cg1, cg2, cg3, cu0, cu1, cu2, cu3,
-                                            b, PPG, IS_W13, ASM, DEQ, ZP, GS)
+                                            mrow, ones, zero, cg0, cg1, cg2, cg3, cu0, cu1, cu2, cu3,
+                                            b, PPG, IS_W13, ASM, DEQ, ZP)
     return acc_g, acc_u, a_g, a_u, xs, sg0, sg1, sg2, sg3, su0, su1, su2, su3
 
 
 @triton.jit
-def _units(wp, sp, NR, N, K, pid_k, UPS, rn, mn, wrow, wmask, xrow, rk, mrow, ones, zero, gsp,
+def _units(wp, sp, NR, N, K, pid_k, UPS, rn, mn, wrow, wmask, xrow, rk, mrow, ones, zero,
            U: tl.constexpr, BPU: tl.constexpr, PPG: tl.constexpr, GPU: tl.constexpr,
            IS_W13: tl.constexpr, ASM: tl.constexpr, DEQ: tl.constexpr, ZP: tl.constexpr, UNR: tl.constexpr,
-           STG: tl.constexpr, GS: tl.constexpr):
+           STG: tl.constexpr):
     """The whole k-units of split pid_k (UPS units a split): the accumulators (acc_g, acc_u, and
     without DEQ the open group's a_g, a_u, xs) after them, from zero. UNR > 1 unrolls the unit loop
     that many times, so that the weight loads of UNR units are issued before the first is used.
@@ -98,14 +97,13 @@ def _units(wp, sp, NR, N, K, pid_k, UPS, rn, mn, wrow, wmask, xrow, rk, mrow, on
     for u in tl.range(u_lo, u_hi, num_stages=STG, loop_unroll_factor=UNR):
         acc_g, acc_u, a_g, a_u, xs, sg0, sg1, sg2, sg3, su0, su1, su2, su3 = _unit(
             acc_g, acc_u, a_g, a_u, xs, sg0, sg1, sg2, sg3, su0, su1, su2, su3, u, u_hi, wp, sp, NR, N, rn, mn,
-            wrow, wmask, xrow, rk, mrow, ones, zero, gsp, BPU, PPG, GPU, IS_W13, ASM, DEQ, ZP, GS)
+            wrow, wmask, xrow, rk, mrow, ones, zero, BPU, PPG, GPU, IS_W13, ASM, DEQ, ZP)
     return acc_g, acc_u, a_g, a_u, xs
 
 
 @triton.jit
-def _tail64(acc_g, acc_u, a_g, a_u, xs, tb, k0, sp, NR, N, rn, mn, wrow, wmask, xrow, rk, mrow, ones, zero, gsp,
-            G: tl.constexpr, PPG: tl.constexpr, IS_W13: tl.constexpr, DEQ: tl.constexpr, ZP: tl.constexpr,
-            GS: tl.constexpr):
+def _tail64(acc_g, acc_u, a_g, a_u, xs, tb, k0, sp, NR, N, rn, mn, wrow, wmask, xrow, rk, mrow, ones, zero,
+            G: tl.constexpr, PPG: tl.constexpr, IS_W13: tl.constexpr, DEQ: tl.constexpr, ZP: tl.constexpr):
     """The k tail's 64 k (4 planes in int16 words at tb, from k0): the accumulators after them."""
     tp = tb.to(tl.pointer_type(tl.int16))
     ga, gb, _g2, _g3, ua, ub, _u2, _u3 = _ldsz(sp, k0 // G, NR, N, rn, mn, 2 if G == 32 else 1, IS_W13)
@@ -124,16 +122,15 @@ def _tail64(acc_g, acc_u, a_g, a_u, xs, tb, k0, sp, NR, N, rn, mn, wrow, wmask, 
         xt = tl.load(xrow + (k0 + p * 16 + rk)[:, None], mask=mrow[None, :], other=0.0)
         if IS_W13:
             acc_g, acc_u, a_g, a_u, xs = _step(acc_g, acc_u, a_g, a_u, xs, pg[p], pu[p], xt, ones,
-                                               IS_W13, DEQ, GS)
+                                               IS_W13, DEQ)
         else:
             acc_g, acc_u, a_g, a_u, xs = _step(acc_g, acc_u, a_g, a_u, xs, pg[p], pg[p], xt, ones,
-                                               IS_W13, DEQ, GS)
+                                               IS_W13, DEQ)
         if not DEQ:
             if (p + 1) % PPG == 0:
-                xg = _gsum(xs, gsp, (k0 + p * 16) // G, mrow, GS)
-                acc_g = _flush(acc_g, a_g, xg, ga if p < 2 else gb, ZP)
+                acc_g = _flush(acc_g, a_g, xs, ga if p < 2 else gb, ZP)
                 if IS_W13:
-                    acc_u = _flush(acc_u, a_u, xg, ua if p < 2 else ub, ZP)
+                    acc_u = _flush(acc_u, a_u, xs, ua if p < 2 else ub, ZP)
                 a_g = zero
                 a_u = zero
                 xs = zero
@@ -141,8 +138,8 @@ def _tail64(acc_g, acc_u, a_g, a_u, xs, tb, k0, sp, NR, N, rn, mn, wrow, wmask, 
 
 
 @triton.jit
-def _tail32(acc_g, acc_u, a_g, a_u, xs, tb, k0, sp, NR, N, rn, mn, wrow, wmask, xrow, rk, mrow, ones, gsp,
-            G: tl.constexpr, IS_W13: tl.constexpr, DEQ: tl.constexpr, ZP: tl.constexpr, GS: tl.constexpr):
+def _tail32(acc_g, acc_u, a_g, a_u, xs, tb, k0, sp, NR, N, rn, mn, wrow, wmask, xrow, rk, mrow, ones,
+            G: tl.constexpr, IS_W13: tl.constexpr, DEQ: tl.constexpr, ZP: tl.constexpr):
     """The k tail's last 32 k (2 planes in bytes at tb, from k0, one group): the accumulators after them."""
     tp = tb.to(tl.pointer_type(tl.uint8))
     ga, _g1, _g2, _g3, ua, _u1, _u2, _u3 = _ldsz(sp, k0 // G, NR, N, rn, mn, 1, IS_W13)
@@ -161,22 +158,21 @@ def _tail32(acc_g, acc_u, a_g, a_u, xs, tb, k0, sp, NR, N, rn, mn, wrow, wmask, 
         xt = tl.load(xrow + (k0 + p * 16 + rk)[:, None], mask=mrow[None, :], other=0.0)
         if IS_W13:
             acc_g, acc_u, a_g, a_u, xs = _step(acc_g, acc_u, a_g, a_u, xs, pg[p], pu[p], xt, ones,
-                                               IS_W13, DEQ, GS)
+                                               IS_W13, DEQ)
         else:
             acc_g, acc_u, a_g, a_u, xs = _step(acc_g, acc_u, a_g, a_u, xs, pg[p], pg[p], xt, ones,
-                                               IS_W13, DEQ, GS)
+                                               IS_W13, DEQ)
     if not DEQ:
-        xg = _gsum(xs, gsp, k0 // G, mrow, GS)
-        acc_g = _flush(acc_g, a_g, xg, ga, ZP)
+        acc_g = _flush(acc_g, a_g, xs, ga, ZP)
         if IS_W13:
-            acc_u = _flush(acc_u, a_u, xg, ua, ZP)
+            acc_u = _flush(acc_u, a_u, xs, ua, ZP)
     return acc_g, acc_u
 
 
 @triton.jit
 def _tail(acc_g, acc_u, a_g, a_u, xs, base, w_off, sp, NR, N, K, pid_k, SPLIT, rn, mn, wrow, wmask, xrow, rk,
-          mrow, ones, zero, gsp, G: tl.constexpr, PPG: tl.constexpr, IS_W13: tl.constexpr, DEQ: tl.constexpr,
-          T64: tl.constexpr, T32: tl.constexpr, ZP: tl.constexpr, GS: tl.constexpr):
+          mrow, ones, zero, G: tl.constexpr, PPG: tl.constexpr, IS_W13: tl.constexpr, DEQ: tl.constexpr,
+          T64: tl.constexpr, T32: tl.constexpr, ZP: tl.constexpr):
     """The k tail (K % 128 = 64 and/or 32), in the last split only: (acc_g, acc_u) after it."""
     if T64 or T32:
         if pid_k == SPLIT - 1:       # the k tail (g = 32 or 64 only): groups never straddle it
@@ -185,13 +181,12 @@ def _tail(acc_g, acc_u, a_g, a_u, xs, base, w_off, sp, NR, N, K, pid_k, SPLIT, r
             k0 = kb * 128
             if T64:
                 acc_g, acc_u, a_g, a_u, xs = _tail64(acc_g, acc_u, a_g, a_u, xs, tb, k0, sp, NR, N, rn, mn, wrow,
-                                                     wmask, xrow, rk, mrow, ones, zero, gsp, G, PPG, IS_W13, DEQ,
-                                                     ZP, GS)
+                                                     wmask, xrow, rk, mrow, ones, zero, G, PPG, IS_W13, DEQ, ZP)
                 tb = tb + NR * 32
                 k0 = k0 + 64
             if T32:
                 acc_g, acc_u = _tail32(acc_g, acc_u, a_g, a_u, xs, tb, k0, sp, NR, N, rn, mn, wrow, wmask, xrow, rk,
-                                       mrow, ones, gsp, G, IS_W13, DEQ, ZP, GS)
+                                       mrow, ones, G, IS_W13, DEQ, ZP)
     return acc_g, acc_u
 
 
@@ -221,11 +216,10 @@ def _store(acc_g, acc_u, pos, pair, rn, mn, mrow, out_ptr, stride_o, wt_ptr, par
 @triton.jit(do_not_specialize=["E", "TOPK", "NCH", "UPS", "SPLIT"])
 def _expert_mm(x_ptr, stride_x, pool_ptr, slot_bytes, table_ptr, E,
                seg_e_ptr, seg_s_ptr, seg_end_ptr, order_ptr, wt_ptr,
-               out_ptr, stride_o, w_off, sz_off, N, K, TOPK, NCH, UPS, SPLIT, part_ptr, stride_ps, gs_ptr, stride_gs,
+               out_ptr, stride_o, w_off, sz_off, N, K, TOPK, NCH, UPS, SPLIT, part_ptr, stride_ps,
                G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, IS_W13: tl.constexpr,
                ASM: tl.constexpr, DEQ: tl.constexpr, T64: tl.constexpr, T32: tl.constexpr,
-               SPLIT13: tl.constexpr, ZP: tl.constexpr, UNR: tl.constexpr = 1, STG: tl.constexpr = None,
-               GS: tl.constexpr = False):
+               SPLIT13: tl.constexpr, ZP: tl.constexpr, UNR: tl.constexpr = 1, STG: tl.constexpr = None):
     """One CTA: BN weight rows of its segment's expert (gate and up rows with IS_W13) times the
     segment's chunk of BM rows, over split pid_k of K (see `moe.py`)."""
     pid_n = tl.program_id(0)
@@ -248,13 +242,11 @@ def _expert_mm(x_ptr, stride_x, pool_ptr, slot_bytes, table_ptr, E,
     mrow = pos < end
     pair = tl.load(order_ptr + pos, mask=mrow, other=0)
     if IS_W13:
-        srow = (pair // TOPK).to(tl.int64)
+        xrow = x_ptr + (pair // TOPK).to(tl.int64)[None, :] * stride_x
         NR = 2 * N
     else:
-        srow = pos.to(tl.int64)
+        xrow = x_ptr + pos.to(tl.int64)[None, :] * stride_x
         NR = N
-    xrow = x_ptr + srow[None, :] * stride_x
-    gsp = gs_ptr + srow * stride_gs                  # GS: each row's group sums of x (`_group_sums`)
     base = pool_ptr + slot.to(tl.int64) * slot_bytes
     wp = (base + w_off).to(tl.pointer_type(tl.int32))
     sp = (base + sz_off).to(tl.pointer_type(tl.int32))
@@ -271,9 +263,9 @@ def _expert_mm(x_ptr, stride_x, pool_ptr, slot_bytes, table_ptr, E,
     PPG: tl.constexpr = G // 16                     # planes per group
     GPU: tl.constexpr = U // G                      # groups per unit (1, 2 or 4)
     acc_g, acc_u, a_g, a_u, xs = _units(wp, sp, NR, N, K, pid_k, UPS, rn, mn, wrow, wmask, xrow, rk, mrow, ones,
-                                        zero, gsp, U, BPU, PPG, GPU, IS_W13, ASM, DEQ, ZP, UNR, STG, GS)
+                                        zero, U, BPU, PPG, GPU, IS_W13, ASM, DEQ, ZP, UNR, STG)
     acc_g, acc_u = _tail(acc_g, acc_u, a_g, a_u, xs, base, w_off, sp, NR, N, K, pid_k, SPLIT, rn, mn, wrow, wmask,
-                         xrow, rk, mrow, ones, zero, gsp, G, PPG, IS_W13, DEQ, T64, T32, ZP, GS)
+                         xrow, rk, mrow, ones, zero, G, PPG, IS_W13, DEQ, T64, T32, ZP)
     _store(acc_g, acc_u, pos, pair, rn, mn, mrow, out_ptr, stride_o, wt_ptr, part_ptr, stride_ps, pid_k, N, TOPK,
            IS_W13, SPLIT13)
 
@@ -314,19 +306,6 @@ def _gate_up_kernel(part_ptr, stride_ps, h_ptr, stride_h, table_ptr, E, seg_e_pt
             u += tl.load(q + N, mask=m, other=0.0)
         h = g * tl.sigmoid(g) * u
         tl.store(h_ptr + pos.to(tl.int64)[:, None] * stride_h + rn[None, :], h.to(h_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _group_sums(src_ptr, stride_s, out_ptr, NG, G: tl.constexpr, GB: tl.constexpr):
-    """out[r, j] = the fp32 sum of src[r, j*G : (j+1)*G] (bf16 rows): grid (rows, groups / GB), for
-    the expert kernels' GS path, whose flush reads sum(x) per group here instead of computing it
-    with a dot with ones (a third of w13's tensor-core dots, half of w2's)."""
-    r = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1) * GB + tl.arange(0, GB)
-    k = tl.arange(0, G)
-    m = j < NG
-    v = tl.load(src_ptr + r * stride_s + j[:, None] * G + k[None, :], mask=m[:, None], other=0.0)
-    tl.store(out_ptr + r * NG + j, tl.sum(v.to(tl.float32), 1), mask=m)
 
 
 @triton.jit
