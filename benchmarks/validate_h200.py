@@ -4,7 +4,8 @@ size and batch simulate and execute every policy over the same trace and validat
 What `cmoe run` does for one configuration, done for several with one calibration and one host
 store (building Mixtral-8x7B's 256 int4 experts takes half a minute; the configurations differ
 only in pool and batch). Writes, under --out:
-- profile.json, profile.measurements.json: the calibration;
+- profile.json, profile.measurements.json: the calibration (under --calibrate-on both also
+  profile-cut.json and its measurements: the cut model's, held against the same runs);
 - pool{GB}-b{B}/predicted, .../measured (run folders as cmoe simulate/execute write them, without
   the Chrome traces), .../validation.json;
 - results.json: per configuration and policy, predicted and measured tokens/s and mean time per
@@ -48,10 +49,12 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=None)
     ap.add_argument("--profile", default=None, help="use this profile instead of calibrating")
     ap.add_argument("--layers", type=int, default=4, help="decoder layers built for calibrating")
-    ap.add_argument("--calibrate-on", choices=("cut", "built"), default="cut",
+    ap.add_argument("--calibrate-on", choices=("cut", "built", "both"), default="cut",
                     help="cut: the preset cut to --layers layers, built by calibrate itself (as `cmoe calibrate` "
                     "does; the same per-layer shapes, an eighth of the runs' time); built: the full model built "
-                    "for the runs (`cmoe run`'s way; its GPU-time runs hold each of 32 layers back 5 ms)")
+                    "for the runs (`cmoe run`'s way; its GPU-time runs hold each of 32 layers back 5 ms); both: "
+                    "the cut first (profile-cut.json, a comparison on the same runs), then the built one, which "
+                    "predicts (the cut's stands in, said so in results.json, if the built one fails)")
     ap.add_argument("--commit", default=None, help="the commit being run, where git cannot say (the GPU "
                     "machine's copy of the tree keeps the .git of the session's start)")
     ap.add_argument("--measure-only", action="store_true", help="no predictions here even with simpy installed "
@@ -89,19 +92,7 @@ def main() -> None:
         from cmoe.core.hw import load_profile
         prof = load_profile(a.profile)
     else:                                 # as cmoe run does: on this machine, on the model just built
-        from cmoe.calibrate.measure import calibrate
-        from cmoe.calibrate.profile_fit import beside
-        t0 = time.perf_counter()
-        prof, m = calibrate(w.device, w.spec, w.fmt, a.layers, where["model_dir"],
-                            name=f"calibrated-{card.split()[-1].lower()}", built=w if a.calibrate_on == "built" else None)
-        res["calibrate_s"] = time.perf_counter() - t0
-        print(beside(prof, m), flush=True)
-        write_text_atomic(a.out / "profile.json", json.dumps(prof.to_dict(), indent=1))
-        write_text_atomic(a.out / "profile.measurements.json", json.dumps(m, indent=1))
-        res["calibrated_on"] = a.calibrate_on
-        print(f"calibrated in {res['calibrate_s']:.0f} s", flush=True)
-        if w.device.type == "cuda":
-            torch.cuda.empty_cache()
+        prof = _calibrate(a, w, where, card, res)
     built = (w.store, w.model, w.shims)
 
     for batch in [int(b) for b in a.batches.split(",")]:
@@ -155,6 +146,41 @@ def main() -> None:
             del results
             if w.device.type == "cuda":
                 torch.cuda.empty_cache()
+
+
+def _calibrate(a, w, where: dict, card: str, res: dict):
+    """The profile that predicts, calibrated here as --calibrate-on says; under `both` the cut's
+    profile is written beside it as profile-cut.json (the same runs held against two
+    calibrations: what the model's depth changes in the host's costs)."""
+    from cmoe.calibrate.measure import calibrate
+    from cmoe.calibrate.profile_fit import beside
+    name = f"calibrated-{card.split()[-1].lower()}"
+    ways = ("cut", "built") if a.calibrate_on == "both" else (a.calibrate_on,)
+    prof = None
+    for way in ways:
+        t0 = time.perf_counter()
+        try:
+            p, m = calibrate(w.device, w.spec, w.fmt, a.layers, where["model_dir"], name=name,
+                             built=w if way == "built" else None)
+        except Exception as e:                   # noqa: BLE001  (a benchmark: the cut's profile stands in)
+            if prof is None:
+                raise
+            print(f"calibrating on the {way} model failed ({type(e).__name__}: {e}); the cut's profile predicts",
+                  flush=True)
+            res["calibrated_on"] = f"cut (built failed: {type(e).__name__}: {e})"
+            write_text_atomic(a.out / "profile.json", json.dumps(prof.to_dict(), indent=1))
+            break
+        res[f"calibrate_{way}_s" if len(ways) > 1 else "calibrate_s"] = time.perf_counter() - t0
+        print(f"calibrated on the {way} model in {time.perf_counter() - t0:.0f} s", flush=True)
+        print(beside(p, m), flush=True)
+        stem = "profile-cut" if len(ways) > 1 and way == "cut" else "profile"
+        write_text_atomic(a.out / f"{stem}.json", json.dumps(p.to_dict(), indent=1))
+        write_text_atomic(a.out / f"{stem}.measurements.json", json.dumps(m, indent=1))
+        res["calibrated_on"] = way
+        prof = p
+        if w.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return prof
 
 
 def _timed(w, cfg, policy: str, what: str):
