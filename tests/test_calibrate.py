@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from cmoe.core.hw import GB, H200, load_profile
+from cmoe.calibrate.measure_model import HOST_ROUNDS
 from cmoe.calibrate.profile_fit import beside, fit_line, fit_profile
 
 
@@ -126,12 +127,12 @@ def test_cpu_calibration_gives_a_profile_the_simulator_runs(checkpoints, tiny_tr
     assert "measured" in r.output and "fitted" in r.output
     assert "H2D pageable 16 MiB" in r.output and "D2H pageable 64 KiB" in r.output      # curves across sizes
     m = json.loads(out.with_suffix(".measurements.json").read_text())
-    runs = ("host, layer", "host, route", "host, one expert")                # the two eager runs' means
+    runs = ("host, layer", "host, route", "host, one expert")                # the eager runs' means
     assert {"H2D pinned", "D2H pinned", "expert", "CPU expert", "round trip", *runs} <= set(m["repeats"])
     micro = {k: c for k, c in m["repeats"].items() if k not in ("expert in model", *runs)}
     assert all(len(ts) >= 3 for c in micro.values() for _, ts in c["points"])                # every repeat kept
     host = [ts for k in runs for _, ts in m["repeats"][k]["points"]]
-    assert host and all(len(ts) == 2 for ts in host)
+    assert host and all(len(ts) == 2 * HOST_ROUNDS for ts in host)           # two runs a round
     assert len(m["noise"]["spread"]) == sum(len(c["points"]) for c in micro.values()) + len(host)
     route = next(x.split() for x in r.output.splitlines() if x.startswith("host, route, 1 tokens"))
     assert route[-1].endswith("%")                                       # its two runs' spread, shown
@@ -351,3 +352,30 @@ def test_the_lean_engines_gpu_side_steps_run_on_the_cpu(checkpoints, monkeypatch
     assert len(out["commit_waves"]) > 0 and all(len(w) == 4 for w in out["commit_waves"])
     assert lay["points"] == [pt for pt in lay["points"] if pt[1] > 0] and len(lay["points"]) == 2   # batches 1, 8
     assert set(out["seconds"]) >= {"batch 1", "batch 8", "long context"}
+
+
+def test_host_points_are_means_over_every_rounds_runs():
+    """The host's table takes each batch's mean over all its rounds' runs, keeps each run's figure
+    under `repeats`, and pools the read-back waits and gaps of all of them."""
+    from types import SimpleNamespace
+
+    from cmoe.calibrate.measure_model import _host_points
+
+    def run(layer, route, expert, span, sync, gaps):
+        return {"layer": layer, "start": 0.0, "route": route, "expert": expert, "expert_span": span,
+                "sync": sync, "gaps": gaps}
+    host = {k: [] for k in ("layer", "route", "expert", "expert_span", "sync", "layer_runs", "route_runs",
+                            "expert_runs", "gaps")}
+    r = SimpleNamespace(host=host, host_runs={
+        1: [run(1.0, 10.0, 100.0, 5.0, 0.5, [1.0]), run(3.0, 30.0, 300.0, 7.0, 1.5, []),     # round 1
+            run(2.0, 20.0, 200.0, 6.0, 1.0, [2.0, 3.0]), run(6.0, 60.0, 600.0, 2.0, 2.0, [])],  # round 2
+        8: [run(4.0, 8.0, 16.0, 1.0, 0.25, [])] * 2 + [run(8.0, 16.0, 32.0, 3.0, 0.75, [4.0])] * 2})
+    _host_points(r, (1, 8))
+    assert host["layer"] == [(1, 3.0), (8, 6.0)]
+    assert host["route"] == [(1, 30.0), (8, 12.0)]
+    assert host["expert"] == [(1, 300.0), (8, 24.0)]
+    assert host["expert_span"] == [(1, 5.0), (8, 2.0)]
+    assert host["layer_runs"] == [[1, [1.0, 3.0, 2.0, 6.0]], [8, [4.0, 4.0, 8.0, 8.0]]]
+    assert host["route_runs"][1] == [8, [8.0, 8.0, 16.0, 16.0]]
+    assert host["sync"] == [0.5, 1.5, 1.0, 2.0, 0.25, 0.25, 0.75, 0.75]
+    assert host["gaps"] == [1.0, 2.0, 3.0, 4.0, 4.0]

@@ -3,10 +3,16 @@ one just built, or the preset cut to its first layers) under `upper`, `commit`, 
 `static`, on the host's lane and on the compute stream. On CUDA a run whose GPU is held back
 (`lead_us`) lets the host get ahead, so its compute spans are the GPU's own time; on the CPU both
 sides are the same run. Means, not best-of: throughput pays for the slow passes too. The host's
-layer time of each of the two eager runs is kept under `repeats` ("host, layer"), so that the noise
-verdict (`cmoe.calibrate.noise.noise`) sees how far two runs of the same model disagree, and so is an
-expert kernel's mean time at batch 1 and 8 (it may not fall with rows); the two runs' route and
-per-expert host times are kept there too, shown with their spread but not judged.
+layer time of each eager run is kept under `repeats` ("host, layer"), so that the noise verdict
+(`cmoe.calibrate.noise.noise`) sees how far runs of the same model disagree, and so is an expert
+kernel's mean time at batch 1 and 8 (it may not fall with rows); the runs' route and per-expert
+host times are kept there too, shown with their spread but not judged.
+
+The host's side is measured in rounds (`HOST_ROUNDS`) over every batch size, not all at once per
+batch: a lent machine's host speed moves within seconds (on the H200's host the ninth session saw
+one calibration's batch-2 runs take twice the time per layer of its batch-1 and batch-4 runs, a
+bump no host cost has), so each batch's figure is a mean over moments apart, and a slow stretch
+spreads over the whole table instead of bending one point of it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from cmoe.core.timeline import STEP, LAYER, OP, EXPERT, START, END
 LONG_PROMPT = 2048    # the context of the long run that prices attention per key (a CPU uses an eighth)
 LEAD_US = 5000.0      # GPU sleep queued before each layer's experts in the GPU-time run: longer than
                       # the host takes to issue a layer's experts and the next layer's attention
+HOST_ROUNDS = 2       # rounds of two eager runs per batch size for the host's side (module docstring)
 
 
 def _wave_points(log, tr, batch: int, spec: ModelSpec) -> list[list[float]]:
@@ -98,6 +105,8 @@ class _ModelRuns:
         self.gpu: dict[str, list] = {"points": [], "expert": [], "waves": [], "plain_points": [], "readback": []}
         self.host: dict[str, list] = {"layer": [], "route": [], "expert": [], "expert_span": [], "sync": [],
                                       "layer_runs": [], "route_runs": [], "expert_runs": [], "gaps": []}
+        self.host_runs: dict[int, list[dict]] = {}    # batch -> each eager run's host figures (`_host_run`)
+        self.host_work: dict[int, tuple] = {}         # batch -> (workload, config) of its eager runs
         self.cpu_pts: list = []
         self.trips: list = []
         self.one: dict[str, float] = {}
@@ -148,10 +157,17 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
     r = _ModelRuns(device, spec, fmt, model_dir, tokens, built)
     # every batch bucket the benchmarks use on a GPU, so the host's costs are tables, not lines
     # through two points; a CPU keeps two (its main job runs batch 1, and it is slow)
-    for batch in ((1, 2, 4, 8, 16) if r.cuda else (1, 8)):
+    batches = (1, 2, 4, 8, 16) if r.cuda else (1, 8)
+    for batch in batches:
         t0 = time.perf_counter()
         _measure_batch(r, batch)
         r.seconds[f"batch {batch}"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(HOST_ROUNDS - 1):
+        for batch in batches:
+            _host_round(r, batch)
+    _host_points(r, batches)
+    r.seconds["host rounds"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     ctx = _context_points(r)
     r.seconds["long context"] = time.perf_counter() - t0
@@ -160,11 +176,12 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
 
 def _measure_batch(r: _ModelRuns, batch: int) -> None:
     """One batch size: warm up on `upper`, then the host's side from two eager `ondemand` runs with
-    every expert resident and the GPU's from a queued `upper` run (on a CPU, the first eager run);
+    every expert resident (the first round: `_host_round` adds the later ones) and the GPU's from a
+    queued `upper` run (on a CPU, the first eager run);
     at batch 1 also predicting and loads (`_batch_one`), at 1 and 8 CPU experts in the model."""
     from cmoe.executor.run import ExecConfig, build, run_policy
     from cmoe.trace.synthetic import SyntheticParams
-    spec, gpu, host, L, M = r.spec, r.gpu, r.host, r.L, r.M
+    spec, gpu, L, M = r.spec, r.gpu, r.L, r.M
     r.w = w = r.on(SyntheticParams(requests=batch, prompt_len=16, decode_len=r.tokens + 4, seed=batch))
     cfg = ExecConfig(policies=("upper",), pool_gb=1e3, batch=batch, tokens=r.tokens, device=r.device.type)
     if w.store is None:
@@ -179,24 +196,15 @@ def _measure_batch(r: _ModelRuns, batch: int) -> None:
     hc = replace(cfg, policies=("ondemand",), slots=spec.num_experts)
     run_policy(w, hc, "ondemand")
     eager = [run_policy(w, hc, "ondemand").log for _ in range(2)]
+    r.host_work[batch] = (w, hc)
     queued = run_policy(w, replace(cfg, lead_us=LEAD_US), "upper").log if r.cuda else eager[0]
     ne, start = _per_layer(queued, ("attention",), r.first)
     gpu["points"].append((batch, ne / L / 1e6))
     gpu["expert"].append((batch, _mean(queued, "expert")))
-    per_run = [_per_layer(e, ("host_attention",), r.first) for e in eager]
-    host["layer_runs"].append([batch, [float(ne_r) / L / 1e6 for ne_r, _ in per_run]])
-    h_ne, h_start = np.mean(per_run, axis=0)
-    routes = [_per_layer(e, ("host_route",), None)[0] for e in eager]
-    h_route = np.mean(routes)
-    experts = [_mean(e, "host_expert") for e in eager]
-    host["layer"].append((batch, h_ne / L / 1e6))
-    host["route"].append((batch, h_route / M / 1e6))
-    host["expert"].append((batch, np.mean(experts)))
-    host["route_runs"].append([batch, [float(x) / M / 1e6 for x in routes]])
-    host["expert_runs"].append([batch, [float(x) for x in experts]])
-    # on a host-bound GPU an expert's compute span is the host's time between its two marks
-    host["expert_span"].append((batch, np.mean([_mean(e, "expert") for e in eager])))
-    host["sync"] += [_mean(e, "host_sync", np.median) for e in eager]
+    runs = r.host_runs.setdefault(batch, [])
+    runs += [_host_run(r, e) for e in eager]
+    h_start = float(np.mean([x["start"] for x in runs]))
+    h_route = float(np.mean([x["route"] for x in runs])) * M * 1e6     # this round's, per pass (us)
     if r.lean:
         _lean_batch(r, w, cfg, batch, eager)
     if batch == 1:
@@ -208,11 +216,47 @@ def _measure_batch(r: _ModelRuns, batch: int) -> None:
         r.trips += t
 
 
+def _host_run(r: _ModelRuns, log) -> dict:
+    """One eager run's host figures, in seconds: per decoder layer issuing the attention side
+    (`layer`, and the pass's start-up excess `start` in us), the route per MoE layer (`route`),
+    a launch (`expert`) and an expert's compute span (`expert_span`: on a host-bound GPU the host's
+    time between its two marks), the read-back wait's median (`sync`) and, on the lean engine, the
+    read-back's gaps (`gaps`)."""
+    ne, start = _per_layer(log, ("host_attention",), r.first)
+    return {"layer": ne / r.L / 1e6, "start": start, "route": _per_layer(log, ("host_route",), None)[0] / r.M / 1e6,
+            "expert": _mean(log, "host_expert"), "expert_span": _mean(log, "expert"),
+            "sync": _mean(log, "host_sync", np.median), "gaps": _gaps(log) if r.lean else []}
+
+
+def _host_round(r: _ModelRuns, batch: int) -> None:
+    """A later round of the host's side at `batch`: two more eager runs of its workload, after one
+    untimed (the model was last run at another batch size)."""
+    from cmoe.executor.run import run_policy
+    w, hc = r.host_work[batch]
+    run_policy(w, hc, "ondemand")
+    r.host_runs[batch] += [_host_run(r, run_policy(w, hc, "ondemand").log) for _ in range(2)]
+
+
+def _host_points(r: _ModelRuns, batches) -> None:
+    """The host's table points from every round's runs: per batch, the mean over its runs (each
+    run's own figure kept under `repeats`)."""
+    host = r.host
+    for batch in batches:
+        runs = r.host_runs[batch]
+        host["layer_runs"].append([batch, [x["layer"] for x in runs]])
+        host["route_runs"].append([batch, [x["route"] for x in runs]])
+        host["expert_runs"].append([batch, [x["expert"] for x in runs]])
+        for k in ("layer", "route", "expert", "expert_span"):
+            host[k].append((batch, float(np.mean([x[k] for x in runs]))))
+        host["sync"] += [x["sync"] for x in runs]
+        host["gaps"] += [g for x in runs for g in x["gaps"]]
+
+
 def _lean_batch(r: _ModelRuns, w, cfg, batch: int, eager: list) -> None:
     """The lean engine's fused launch: upper's own run is the GPU's time (its host keeps ahead, with
     no host step), for the layer outside the experts too; the eager runs' gaps price the read-back."""
     from cmoe.executor.run import run_policy
-    gpu, host, L, M = r.gpu, r.host, r.L, r.M
+    gpu, L, M = r.gpu, r.L, r.M
     plain = run_policy(w, cfg, "upper").log
     gpu["waves"] += _wave_points(plain, w.trace, batch, r.spec)
     up = _per_layer(plain, ("attention",), r.first)[0]
@@ -221,7 +265,6 @@ def _lean_batch(r: _ModelRuns, w, cfg, batch: int, eager: list) -> None:
     # not), charged per MoE layer; batch 1 keeps the eager runs' attention for the prediction's
     att = float(np.mean([_per_layer(e, ("attention",), r.first)[0] for e in eager]))
     gpu["readback"].append((batch, (att - up) / M / 1e6))
-    host["gaps"] += [g for e in eager for g in _gaps(e)]
     if batch == 1:
         r.one["eager_attention"], r.one["plain"] = att, _pass_overhead(plain, r.first)
 
