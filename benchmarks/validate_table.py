@@ -23,7 +23,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cmoe.core.hw import load_profile  # noqa: E402
-from cmoe.pipeline import host_ratio, host_speed, predict  # noqa: E402
+from cmoe.pipeline import host_ratio, host_speed, link_ratio, predict  # noqa: E402
 from cmoe.core.spec import preset  # noqa: E402
 from cmoe.trace.load import load_trace  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
@@ -42,6 +42,9 @@ def main() -> None:
                     help="also predict each configuration with the profile's host costs scaled by its runs' measured "
                     "host speed (`cmoe.pipeline.host_speed`, the mean over the configuration's runs): a diagnosis of "
                     "how much of an error the host's drift explains")
+    ap.add_argument("--link-adjust", action="store_true",
+                    help="also predict each policy's run with the profile's link scaled to the rate its loads moved at "
+                    "(`cmoe.pipeline.link_ratio`, the mean over its runs): how much of an error the link's drift explains")
     a = ap.parse_args()
     res = json.loads((a.folder / "results.json").read_text())
     prof = load_profile(str(a.profile or a.folder / "profile.json"))
@@ -53,7 +56,7 @@ def main() -> None:
         pols = list(c["policies"])
         w = SimpleNamespace(trace=load_trace(f"synthetic:{res['spec']}", None, b), spec=spec, fmt="w4g128")
         pred = a.work / here.name / "predicted"
-        for old in (pred, pred.with_name("predicted-host")):     # this script's own scratch, from a run before
+        for old in (pred, pred.with_name("predicted-host"), pred.with_name("predicted-link")):  # scratch from before
             shutil.rmtree(old, ignore_errors=True)
         predict(w, SimpleNamespace(policies=pols, pool_gb=pool, batch=b, slots=None, tokens=res["tokens"],
                                     include_prefill=True), prof, pred)
@@ -69,6 +72,15 @@ def main() -> None:
                                         include_prefill=True), prof.host_scaled(speed), pred2)
             adj = [[validate(read_run(pred2, p), m) for p, m in zip(pols, ms)] for ms in measured]
             adjusted = {r["policy"]: r for r in against_repeats(adj)}
+        linked = {}
+        for i, p in enumerate(pols if a.link_adjust else []):
+            ks = [k for r in runs if (k := link_ratio(r[i])) is not None]
+            if not ks:
+                continue
+            pred3 = a.work / here.name / "predicted-link" / p
+            predict(w, SimpleNamespace(policies=[p], pool_gb=pool, batch=b, slots=None, tokens=res["tokens"],
+                                        include_prefill=True), prof.link_scaled(sum(ks) / len(ks)), pred3)
+            linked[p] = against_repeats([[validate(read_run(pred3, p), ms[i])] for ms in measured])[0]
         for i, agg in enumerate(against_repeats(runs)):
             vs = [r[i] for r in runs]
             tpot_m = [v["per_token"]["meas_mean_us"] / 1e3 for v in vs]
@@ -80,9 +92,12 @@ def main() -> None:
                          "layer_mean_error_worst": agg["per_layer_mean_error_max"],
                          "layer_mape_mean": [v["per_layer_mape_mean"] for v in vs],
                          "error_from": [v["error_from"] for v in vs],
-                         "host_speed": [host_ratio(v, prof, b) for v in vs]}
+                         "host_speed": [host_ratio(v, prof, b) for v in vs],
+                         "link_speed": [link_ratio(v) for v in vs]}
                         | ({"host_adjusted_tok_s": adjusted[agg["policy"]]["predicted"],
-                            "host_adjusted_error": adjusted[agg["policy"]]["error"]} if adjusted else {}))
+                            "host_adjusted_error": adjusted[agg["policy"]]["error"]} if adjusted else {})
+                        | ({"link_adjusted_tok_s": linked[agg["policy"]]["predicted"],
+                            "link_adjusted_error": linked[agg["policy"]]["error"]} if agg["policy"] in linked else {}))
     summary = {k: res[k] for k in ("date", "card", "torch", "commit", "spec", "tokens")} | {
         "profile": prof.name, "rows": rows}
     write_text_atomic(a.out or a.folder / "summary.json", json.dumps(summary, indent=1))
@@ -101,26 +116,37 @@ def counts(rows: list[dict]) -> str:
     if any("host_adjusted_error" in r for r in rows):
         line += (f"; at the runs' host speed {within('host_adjusted_error', .03)} / {within('host_adjusted_error', .05)}"
                  f" / {within('host_adjusted_error', .10)}")
+    if any("link_adjusted_error" in r for r in rows):
+        both = lambda t: sum(abs(r.get("link_adjusted_error", r["error"])) <= t for r in rows)  # noqa: E731
+        line += f"; at the runs' link speed (the rows without loads as they are) {both(.03)} / {both(.05)} / {both(.10)}"
     return line
 
 
 def table(rows: list[dict]) -> str:
     adj = any("host_adjusted_tok_s" in r for r in rows)
+    ladj = any("link_adjusted_tok_s" in r for r in rows)
     out = ["| pool GB (experts) | batch | policy | predicted tok/s | measured tok/s | error | runs' spread "
-           "| TPOT ms pred / meas | worst layer (mean time) | layer MAPE | host, run / calibration |"
-           + (" predicted at the runs' host speed | error |" if adj else ""),
-           "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if adj else "")]
+           "| TPOT ms pred / meas | worst layer (mean time) | layer MAPE | host, run / calibration "
+           "| link, run / calibration |"
+           + (" predicted at the runs' host speed | error |" if adj else "")
+           + (" predicted at the runs' link speed | error |" if ladj else ""),
+           "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+           + (" ---: | ---: |" if adj else "") + (" ---: | ---: |" if ladj else "")]
     for r in rows:
         meas = " / ".join(f"{x:.1f}" for x in r["measured_tok_s"])
         worst = " / ".join(f"{x * 100:+.0f}%" for x in r["layer_mean_error_worst"])
         mape = " / ".join(f"{x * 100:.0f}%" for x in r["layer_mape_mean"])
         host = " / ".join(f"{x:.2f}x" if x else "-" for x in r["host_speed"])
+        link = " / ".join(f"{x:.3f}x" if x else "-" for x in r.get("link_speed", []))
         line = (f"| {r['pool_gb']:g} ({r['experts_fit']}) | {r['batch']} | {r['policy']} | {r['predicted_tok_s']:.1f} "
                 f"| {meas} | {r['error'] * 100:+.1f}% | {r['spread'] * 100:.0f}% "
-                f"| {r['predicted_tpot_ms']:.1f} / {r['measured_tpot_ms']:.1f} | {worst} | {mape} | {host} |")
+                f"| {r['predicted_tpot_ms']:.1f} / {r['measured_tpot_ms']:.1f} | {worst} | {mape} | {host} | {link or '-'} |")
         if adj:
             line += (f" {r['host_adjusted_tok_s']:.1f} | {r['host_adjusted_error'] * 100:+.1f}% |"
                      if "host_adjusted_tok_s" in r else " - | - |")
+        if ladj:
+            line += (f" {r['link_adjusted_tok_s']:.1f} | {r['link_adjusted_error'] * 100:+.1f}% |"
+                     if "link_adjusted_tok_s" in r else " - | - |")
         out.append(line)
     return "\n".join(out)
 

@@ -102,8 +102,8 @@ def _run_into(out: Path, final: Path, w, cfg, profile: str | None, model_dir: Pa
         errors, spreads = [r["error"] for r in rows], [r["spread"] for r in rows]
     from cmoe.calibrate.profile_fit import run_verdict
     write_text_atomic(out / "validation.json", json.dumps(doc, indent=1))
-    host = host_speed(runs, prof, cfg.batch)
-    return summary_doc(w, cfg, sims, results, errors, run_verdict(cal, errors, spreads, host or None))
+    host, link = host_speed(runs, prof, cfg.batch), link_speed(runs)
+    return summary_doc(w, cfg, sims, results, errors, run_verdict(cal, errors, spreads, host or None, link or None))
 
 
 def host_speed(runs: list[list[dict]], prof, batch: int) -> list[float]:
@@ -123,6 +123,19 @@ def host_ratio(v: dict, prof, batch: int) -> float | None:
     profile's `host_layer` at the batch; None where either is missing."""
     base = prof.host_layer(batch)
     return v["host_layer_us"] / base if v.get("host_layer_us") and base > 0 else None
+
+
+def link_speed(runs: list[list[dict]]) -> list[float]:
+    """Each measured run's link rate over its prediction's (`link_gbps` of its validation): the
+    bandwidth its expert loads moved at against the calibrated curve's at the same sizes; only
+    the runs that loaded anything."""
+    return [x for r in runs for v in r if (x := link_ratio(v)) is not None]
+
+
+def link_ratio(v: dict) -> float | None:
+    """One validation's measured link rate over its predicted one; None where either run loaded nothing."""
+    g = v.get("link_gbps") or {}
+    return g["measured"] / g["predicted"] if g.get("measured") and g.get("predicted") else None
 
 
 def summary_doc(w, cfg, sims, results, errors, noise: str) -> dict:

@@ -116,3 +116,9 @@ def test_run_verdict():
     assert run_verdict(quiet, [-0.07], None, [0.55]).endswith(
         "the runs' host took 0.55-0.55x its calibrated time per layer: the host ran at another speed than when it "
         "was calibrated: where the host bounds a policy, its error follows the host, not the model")
+    # the runs' loads against the calibrated link: within 3% named only; beyond, the link decides
+    assert run_verdict(quiet, [0.04], None, [1.1], [0.98, 1.02]).endswith(
+        "their loads moved at 0.980-1.020x the calibrated link: the errors stand above the noise measured")
+    assert run_verdict(quiet, [0.055], None, [1.1], [0.95, 1.02]).endswith(
+        "their loads moved at 0.950-1.020x the calibrated link: the link ran at another speed than when it was "
+        "calibrated: where the loads bound a policy, its error follows the link, not the model")

@@ -177,6 +177,37 @@ def test_a_host_k_times_slower_scales_the_hosts_costs_and_nothing_else():
     assert all(isinstance(getattr(p, f), float) for f in HOST_FIELDS)
 
 
+def test_a_link_k_times_as_fast_scales_the_h2d_curve_and_nothing_else():
+    from dataclasses import fields
+    from cmoe.core.hw import H200
+    q = H200.link_scaled(0.95)
+    assert q.h2d_pinned == tuple((b, g * 0.95) for b, g in H200.h2d_pinned)
+    assert q.h2d_us(93_585_408) == pytest.approx(H200.h2d_us(93_585_408) / 0.95)
+    for f in fields(H200):
+        if f.name != "h2d_pinned":
+            assert getattr(q, f.name) == getattr(H200, f.name), f.name
+
+
+def test_link_rate_is_the_loads_bytes_over_their_time_in_the_passes_compared():
+    from cmoe.analysis.validate import link_gbps
+    from cmoe.core.timeline import Span
+    spans = [Span("gpu", 1, 0, "copy0", "load", 3, 100.0, 1100.0, 50_000_000),      # 50 GB/s
+             Span("gpu", 2, 4, "copy0", "load", 1, 2000.0, 2500.0, 30_000_000),     # 60 GB/s
+             Span("gpu", 0, 0, "copy0", "load", 2, 0.0, 10.0, 10_000_000),          # prefill: not compared
+             Span("gpu", 1, 0, "compute", "expert", 3, 1100.0, 1140.0, 50_000_000)]
+    assert link_gbps(spans, {1, 2}) == pytest.approx(80_000_000 / 1500.0 / 1e3)
+    assert link_gbps(spans, {3}) is None
+
+
+def test_link_speed_is_each_loading_runs_measured_rate_over_its_predicted():
+    from cmoe.pipeline import link_ratio, link_speed
+    runs = [[{"policy": "upper", "link_gbps": {"predicted": None, "measured": None}},
+             {"policy": "ondemand", "link_gbps": {"predicted": 50.0, "measured": 52.5}}],
+            [{"policy": "oracle", "link_gbps": {"predicted": 50.0, "measured": 47.5}}, {"policy": "old"}]]
+    assert link_speed(runs) == [1.05, 0.95]
+    assert link_ratio(runs[1][1]) is None
+
+
 def test_host_speed_reads_the_policies_whose_host_step_calibrate_times():
     """`upper` (no host step on the lean engine) and the committing policies (they plan behind their
     experts) are left out of the host-speed ratio; the rest are each run's time over the profile's."""

@@ -120,14 +120,17 @@ def verdict(n: Noise, strict: bool, measurements: str) -> str:
 
 
 HOST_DRIFT = 0.2     # a run's host this much faster or slower per layer than calibrated has moved
+LINK_DRIFT = 0.03    # a run's loads this much faster or slower than the calibrated link: as large as the goal
 
 
 def run_verdict(cal: Noise | None, errors: list[float], run_spreads: list[float] | None,
-                host_speed: list[float] | None = None) -> str:
+                host_speed: list[float] | None = None, link_speed: list[float] | None = None) -> str:
     """The line `cmoe run` prints beside its errors: how noisy the calibration (None: not measured
     here) and the repeated runs ((max - min) / mean of each policy's tokens/s; None: one run) were,
     how long the runs' host took per layer against the calibration (`host_speed`, each run's ratio;
-    the H200's host drifted 2x within minutes), and whether the errors stand above that noise."""
+    the H200's host drifted 2x within minutes), how fast their loads moved against the calibrated
+    link (`link_speed`, each run's ratio; the H200's link drifted 7% in spells of seconds), and
+    whether the errors stand above that noise."""
     lo, hi = min(errors), max(errors)
     err = f"error {lo * 100:+.1f}%" if len(errors) == 1 else f"errors {lo * 100:+.1f}% to {hi * 100:+.1f}%"
     parts = [err, "calibration not measured (a profile without its measurements)" if cal is None
@@ -136,13 +139,19 @@ def run_verdict(cal: Noise | None, errors: list[float], run_spreads: list[float]
                  else "one run, its own spread not measured (--repeat 3 measures it)")
     if host_speed:
         parts.append(f"the runs' host took {min(host_speed):.2f}-{max(host_speed):.2f}x its calibrated time per layer")
+    if link_speed:
+        parts.append(f"their loads moved at {min(link_speed):.3f}-{max(link_speed):.3f}x the calibrated link")
     drifted = bool(host_speed) and (max(host_speed) > 1 + HOST_DRIFT or min(host_speed) < 1 - HOST_DRIFT)
+    link_drifted = bool(link_speed) and (max(link_speed) > 1 + LINK_DRIFT or min(link_speed) < 1 - LINK_DRIFT)
     worst = max(abs(e) for e in errors)
     if cal is not None and not cal.quiet:
         then = "recalibrate on a quiet machine before reading these errors"
     elif drifted:
         then = ("the host ran at another speed than when it was calibrated: where the host bounds a policy, "
                 "its error follows the host, not the model")
+    elif link_drifted:
+        then = ("the link ran at another speed than when it was calibrated: where the loads bound a policy, "
+                "its error follows the link, not the model")
     elif run_spreads and max(run_spreads) >= worst:
         then = "the runs' own noise is as large as the errors, which say little about the model"
     elif run_spreads or cal is not None:
