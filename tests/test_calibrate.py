@@ -102,6 +102,23 @@ def test_large_copies_follow_one_line_so_a_slow_size_does_not_move_an_experts_co
     assert interpolated.h2d_us(expert) > 1.03 * got.h2d_us(expert)   # what the size-by-size curve said
 
 
+def test_the_link_line_goes_through_the_median_of_the_rounds_largest_copy():
+    """The largest copy timed again in later rounds (`h2d_rounds`): one round caught in a slow spell
+    (as the tenth H200 session's calibration was, at 54.1 GB/s against 55.4 a minute before) does
+    not set the line; the median of the rounds does, and without rounds the first round's best."""
+    from cmoe.calibrate.profile_fit import curve
+    lat, big = 18e-6, 256 * 2**20
+    sizes = [64 * 1024, 16 * 2**20, 64 * 2**20, big]
+    at = lambda gbps: [(b, lat + b / (gbps * GB)) for b in sizes]  # noqa: E731
+    slow_first = at(51.0)
+    calm = lat + big / (55.0 * GB)
+    got = dict(curve(slow_first, [calm, calm * 1.002, calm * 0.998]))
+    assert got[big] == pytest.approx(big / (calm * 1.001) / GB)         # four rounds: the middle two's mean
+    assert dict(curve(slow_first))[big] == pytest.approx(big / (lat + big / (51.0 * GB)) / GB)
+    assert dict(curve(slow_first, []))[big] == dict(curve(slow_first))[big]
+    assert got[64 * 1024] == dict(curve(slow_first))[64 * 1024]       # the small sizes as measured
+
+
 def test_a_kernel_that_walks_the_cache_is_priced_per_key_of_the_longest_row():
     """The lean engine's decode attention (`attention_walks_cache`): the same context points give
     the per-key cost as attn_us_per_cache_key, and none per key summed over rows."""
@@ -133,6 +150,9 @@ def test_cpu_calibration_gives_a_profile_the_simulator_runs(checkpoints, tiny_tr
     assert all(len(ts) >= 3 for c in micro.values() for _, ts in c["points"])                # every repeat kept
     host = [ts for k in runs for _, ts in m["repeats"][k]["points"]]
     assert host and all(len(ts) == 2 * HOST_ROUNDS for ts in host)           # two runs a round
+    from cmoe.calibrate.measure import LINK_ROUNDS
+    assert len(m["h2d_rounds"]) == LINK_ROUNDS - 1 and all(t > 0 for t in m["h2d_rounds"])   # after each later step
+    assert [f"H2D pinned 16 MiB, round {i}" in r.output for i in range(2, LINK_ROUNDS + 1)] == [True] * (LINK_ROUNDS - 1)
     assert len(m["noise"]["spread"]) == sum(len(c["points"]) for c in micro.values()) + len(host)
     route = next(x.split() for x in r.output.splitlines() if x.startswith("host, route, 1 tokens"))
     assert route[-1].endswith("%")                                       # its two runs' spread, shown

@@ -22,6 +22,7 @@ from cmoe.core.spec import ModelSpec
 
 
 REPEATS = 9     # of a microbenchmark: the fit takes the fastest; the spread needs more than one slow repeat
+LINK_ROUNDS = 4  # the largest pinned H2D copy timed once per step of `measure` (`profile_fit.curve` says why)
 
 
 class Timings:
@@ -82,8 +83,14 @@ def copies(device: torch.device, sizes: list[int]) -> dict:
         pd2h.append((n, rec.best("D2H pageable", "bytes", n, lambda: page[:n].copy_(dev[:n]), judged=False)))
     d2 = torch.empty_like(dev)
     hbm = (2 * big, rec.best("device copy", "bytes", 2 * big, lambda: d2.copy_(dev), grows=False))
+    rounds: list[float] = []
+
+    def link_round() -> None:
+        """The largest pinned H2D copy again, best of REPEATS, into `h2d_rounds` (called later)."""
+        rounds.append(min(rec.times(lambda: dev.copy_(host, non_blocking=True), REPEATS)))
     return {"h2d": h2d, "d2h": d2h, "h2d_pageable": ph2d[-1], "h2d_pageable_points": ph2d,
-            "d2h_pageable_points": pd2h, "hbm": hbm, "repeats": rec.curves}
+            "d2h_pageable_points": pd2h, "hbm": hbm, "h2d_rounds": rounds, "link_round": link_round,
+            "repeats": rec.curves}
 
 
 def compute(device: torch.device) -> dict:
@@ -196,10 +203,14 @@ def measure(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4
     out: dict = {"dense_rows": 0 if fused else DENSE_ROWS, "silent_upper": fused, "commit_ahead": fused,
                  "pass_overlap": queues_passes(cuda),
                  "attention_walks_cache": walks, "repeats": {}}
+    link_round = None
     for name, fn in tqdm(steps, desc="calibrate", disable=not progress):
         got = fn()
         out["repeats"].update(got.pop("repeats", {}))
+        link_round = got.pop("link_round", link_round)
         out.update(got)
+        if name != "copies" and link_round is not None and len(out["h2d_rounds"]) < LINK_ROUNDS - 1:
+            link_round()                       # one round after each later step: spread over the minute
     out["sizes"] = np.array(sizes).tolist()
     return out
 
