@@ -56,7 +56,6 @@ lives in `cmoe.calibrate.noise`; its names are re-exported here).
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import numpy as np
@@ -64,13 +63,13 @@ import numpy as np
 from cmoe.calibrate.noise import (FALL_SLACK, JITTER_S, SPREAD_LIMIT, Noise, noise, point_label, run_verdict,
                                   size_label, spread, verdict)
 from cmoe.core.errors import CmoeError
+from cmoe.calibrate.link_fit import LINE_FROM, Points, best_per_size, curve
 from cmoe.core.hw import GB, HardwareProfile, table_us
 
 __all__ = ["FALL_SLACK", "JITTER_S", "Noise", "SPREAD_LIMIT", "beside", "best_per_size", "curve", "fit_line",
            "fit_profile", "noise", "noise_of", "point_label", "refit_profile", "run_verdict", "spread", "verdict",
-           "with_expert_classes"]   # the noise verdict lives in cmoe.calibrate.noise
-
-Points = list[tuple[float, float]]
+           "with_expert_classes", "LINE_FROM", "Points"]   # the noise verdict lives in cmoe.calibrate.noise,
+#                                                                 the link's curve in cmoe.calibrate.link_fit
 
 
 def fit_line(points: Points, weights: list[float] | None = None) -> tuple[float, float]:
@@ -82,46 +81,6 @@ def fit_line(points: Points, weights: list[float] | None = None) -> tuple[float,
         return float(np.average(y, weights=w)), 0.0
     b, a = np.polyfit(x, y, 1, w=np.sqrt(w))
     return float(a), float(b)
-
-
-def best_per_size(points: Points) -> list[tuple[int, float]]:
-    """The fastest of the repeats at each size, ascending by size."""
-    best: dict[int, float] = {}
-    for b, s in points:
-        best[int(b)] = min(best.get(int(b), math.inf), s)
-    return sorted(best.items())
-
-
-LINE_FROM = 16 * 2**20     # copies from this size up are fitted as one line (`curve`)
-
-
-def curve(points: Points, top_rounds: list[float] | None = None) -> tuple[tuple[int, float], ...]:
-    """(bytes, seconds) copies -> ascending (bytes, GB/s) points.
-
-    From LINE_FROM up the points lie on one line, t = latency + bytes / bandwidth, through the
-    smallest and the largest copy's best times, the two measurements least mixed with the other
-    term (the smallest is nearly all latency, the largest nearly all bandwidth). Each large size's
-    own best is not kept, because an expert's copy (~91 MB for Mixtral) falls between two
-    measured sizes and one slow size moved it: on the H200 (sixth session) one calibration's 64 MiB copy
-    ran at 50.4 GB/s between 51.1 at 16 MiB and 54.0 at 256 MiB, and the interpolated expert copy
-    came to 1,826 us where that machine's runs measured a median of 1,709 (the line: 1,756; the
-    session's other calibration: 1,709 by the line, 1,701 interpolated, 1,694 measured).
-
-    `top_rounds`: the largest copy's best in later rounds of the calibration; the line goes through
-    the median of every round's best. The link drifts in spells of seconds (the H200, tenth session:
-    loads at 49-55.4 GB/s within one run, the largest copy's best 54.1 GB/s in one calibration and
-    55.4 in the one a minute before it), and a spell outlasts a round's nine back-to-back repeats,
-    which then all see it: rounds spread over the calibration see the link's usual state."""
-    best = best_per_size(points)
-    (b0, t0), (bn, tn) = (best[0], best[-1]) if best else ((0, 0.0), (0, 0.0))
-    if top_rounds and best:
-        tn = float(np.median([tn, *top_rounds]))
-        best[-1] = (bn, tn)
-    if bn >= LINE_FROM and bn > b0 and tn > t0:
-        per_byte = (tn - t0) / (bn - b0)
-        lat = t0 - b0 * per_byte
-        best = [(b, s) if b < LINE_FROM else (b, lat + per_byte * b) for b, s in best]
-    return tuple((b, b / s / GB) for b, s in best)
 
 
 def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) -> HardwareProfile:
