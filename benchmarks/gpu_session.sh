@@ -18,6 +18,8 @@
 #                                             # stall reasons, per-instruction samples) into $OUT/ncu.tgz
 #   bash benchmarks/gpu_session.sh variants   # issue 14: kernel variants against the committed configs, M 1-16
 #   bash benchmarks/gpu_session.sh ncu-variants [NAMES]  # the same variants' M = 1 launches under ncu
+#   bash benchmarks/gpu_session.sh wait       # issue 15: the host polling each read-back (CMOE_WAIT=spin) against its
+#                                             # event sync, batches 1/2, pools 16/26, right before each run
 #   bash benchmarks/gpu_session.sh host-tests # the host-call, lean and reference-engine GPU tests (~1 min)
 #   bash benchmarks/gpu_session.sh validate-r 1,2,4   # the same with every configuration run twice (--repeat),
 #   bash benchmarks/gpu_session.sh validate-r 8       # in two calls: all four batches took over 450 s of runs
@@ -38,6 +40,9 @@ case "${1:-}" in
          --policies ondemand,lru-prefetch,commit,oracle ;;
   cpu48) timeout 570 $B --out "$OUT/cpu48" --batches 4,8 --pools 20,16,26 --engines lean --repeats 0 \
            --policies lfu-fallback,static ;;
+  wait) timeout 540 python3 benchmarks/lean_h200.py --out "$OUT/wait" --tokens 64 --policy-tokens 64 --repeats 0 \
+          --batches 1,2 --pools 16,26 --engines lean --policies ondemand,lru-prefetch,oracle --wait-ablation \
+          --budget-s 480 2>&1 | grep -E "^lean|^HBM|rror" ;;
   host-tests) timeout 200 python3 -m pytest -q -m gpu tests/test_host_calls_gpu.py tests/test_lean_gpu.py \
                 tests/test_executor_gpu.py -p no:cacheprovider | tail -15 ;;
   ncu) N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1); mkdir -p /tmp/ncu
@@ -77,5 +82,5 @@ case "${1:-}" in
                 | grep -E "^lean|host phases|Error|error" > "$OUT/host-ab/$t$i.log") || true
            done; done
            grep -h "^lean" "$OUT"/host-ab/*.log | cut -c1-150 || true ;;
-  *) echo "usage: $0 tests|host-tests|ncu|variants|ncu-variants|gptq|b1|b48|cpu48|validate|validate-r BATCHES|host-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|host-tests|wait|ncu|variants|ncu-variants|gptq|b1|b48|cpu48|validate|validate-r BATCHES|host-ab" >&2; exit 2 ;;
 esac

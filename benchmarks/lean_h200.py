@@ -61,11 +61,14 @@ def under_env(name: str, value: str, run) -> None:
 
 
 def ablations(a, run) -> None:
-    """The twins that `--sync-ablation` and `--inputs-ablation` ask for, each right before `run`."""
+    """The twins that `--sync-ablation`, `--inputs-ablation` and `--wait-ablation` ask for, each right
+    before `run`."""
     if a.sync_ablation:
         under_env("CMOE_PASS_SYNC", "1", lambda: run("synced passes"))
     if a.inputs_ablation:
         under_env("CMOE_RUNTIME_INPUTS", "0", lambda: run("torch pass inputs"))
+    if a.wait_ablation:
+        under_env("CMOE_WAIT", "spin", lambda: run("spin waits"))
 
 
 def kernel_profile(w, cfg, short: int = 4, long: int = 20) -> dict:
@@ -147,6 +150,8 @@ def main() -> None:
                     help="lean: every run also with a sync at each pass's ends (CMOE_PASS_SYNC=1), right before it")
     ap.add_argument("--inputs-ablation", action="store_true",
                     help="lean: every run also with its pass inputs by torch's ops (CMOE_RUNTIME_INPUTS=0), right before it")
+    ap.add_argument("--wait-ablation", action="store_true",
+                    help="lean: every run also with the host polling each read-back's event (CMOE_WAIT=spin), right before it")
     ap.add_argument("--kernel-profile", action="store_true",
                     help="lean upper: GPU time per decode token by kernel (torch.profiler, runs of 4 and 20 tokens)")
     ap.add_argument("--steps-ablation", action="store_true",

@@ -283,3 +283,30 @@ def test_each_layer_marks_its_entry_plan_and_launches_once(fused_checkpoints, mo
         seen.add((pol, one, w > 1, bool(plan.cpu)))
     assert {("ondemand", True, False, False), ("ondemand", False, True, False),
             ("lfu-fallback", False, False, True), ("commit", True)} <= seen
+
+
+def test_a_spinning_read_back_wait_polls_the_event_until_it_has_happened():
+    """CMOE_WAIT=spin (the A/B `benchmarks/lean_h200.py --wait-ablation` measures): the host polls
+    the read-back's runtime event instead of synchronizing on it, and returns the same buffer."""
+    from types import SimpleNamespace
+
+    from cmoe.executor.lean_io import HostIO
+    calls = []
+
+    class RT:
+        def query(self, ev):
+            calls.append(("query", ev))
+            return len(calls) >= 3
+
+        def sync(self, ev):
+            calls.append(("sync", ev))
+    io = HostIO()
+    io.clock = SimpleNamespace(rt=RT())
+    buf = object()
+    io._spin = True
+    assert io._read_back_wait((buf, 7)) is buf and calls == [("query", 7)] * 3
+    calls.clear()
+    io._spin = False
+    assert io._read_back_wait((buf, 7)) is buf and calls == [("sync", 7)]
+    calls.clear()
+    assert io._read_back_wait((buf, None)) is buf and calls == []

@@ -131,6 +131,7 @@ class LeanEngine(HostSteps, Segments, Engine):
         # calibration's GPU-sleep runs and CMOE_PASS_SYNC=1 (the A/B) keep the syncs
         self._overlap = queues_passes(self.cuda) and not self._lead_cycles
         self._chained, self._slot_src, self._rb_pin0 = False, None, None   # `pass_inputs`' table; `_read_back_pred0`'s
+        self._spin = os.environ.get("CMOE_WAIT", "sync") == "spin"     # `HostIO._read_back_wait`: the A/B
 
     # --- hooks (record tensors; run inside graph capture too) ------------------------------------
     def _on_mid(self, m):

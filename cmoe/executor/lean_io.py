@@ -98,11 +98,23 @@ class HostIO:
         return pin, ev, rb, args, pin.numpy()
 
     def _read_back_wait(self, started) -> np.ndarray:
+        """Wait for the read-back's event: the runtime's (or torch's) event synchronize, or with
+        CMOE_WAIT=spin (`_spin`, an A/B) the host polls the event in a loop and never leaves the
+        CPU, a question about the lent host: whether a wait that blocks is what makes the host's
+        next layer slower after a long load (benchmarks/lean_h200.py --wait-ablation)."""
         host, ev = started
         if ev is None:
             return host
         if type(ev) is int:
-            self.clock.rt.sync(ev)
+            if getattr(self, "_spin", False):
+                query = self.clock.rt.query
+                while not query(ev):
+                    pass
+            else:
+                self.clock.rt.sync(ev)
+        elif getattr(self, "_spin", False):
+            while not ev.query():
+                pass
         else:
             ev.synchronize()
         return host
