@@ -127,8 +127,7 @@ class LeanEngine(HostSteps, Segments, Engine):
         self._in_graph = False                             # warm-up and capture: no spans
         self._static_out = False
         self.t_graph = None
-        # graphed decode passes queued back to back, no sync between (docs/executor.md); the
-        # calibration's GPU-sleep runs and CMOE_PASS_SYNC=1 (the A/B) keep the syncs
+        # passes queued back to back (docs/executor.md); GPU-sleep runs and CMOE_PASS_SYNC=1 keep syncs
         self._overlap = queues_passes(self.cuda) and not self._lead_cycles
         self._chained, self._slot_src, self._rb_pin0 = False, None, None   # `pass_inputs`' table; `_read_back_pred0`'s
         self._spin = os.environ.get("CMOE_WAIT", "sync") == "spin"     # `HostIO._read_back_wait`: the A/B
