@@ -40,9 +40,9 @@ case "${1:-}" in
          --policies ondemand,lru-prefetch,commit,oracle ;;
   cpu48) timeout 570 $B --out "$OUT/cpu48" --batches 4,8 --pools 20,16,26 --engines lean --repeats 0 \
            --policies lfu-fallback,static ;;
-  wait) timeout 540 python3 benchmarks/lean_h200.py --out "$OUT/wait" --tokens 64 --policy-tokens 64 --repeats 0 \
+  wait) timeout 400 python3 benchmarks/lean_h200.py --out "$OUT/wait" --tokens 48 --policy-tokens 48 --repeats 0 \
           --batches 1,2 --pools 16,26 --engines lean --policies ondemand,lru-prefetch,oracle --wait-ablation \
-          --budget-s 480 2>&1 | grep -E "^lean|^HBM|rror" ;;
+          --budget-s 300 2>&1 | grep -E "^lean|^HBM|rror" ;;
   host-tests) timeout 200 python3 -m pytest -q -m gpu tests/test_host_calls_gpu.py tests/test_lean_gpu.py \
                 tests/test_executor_gpu.py -p no:cacheprovider | tail -15 ;;
   ncu) N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1); mkdir -p /tmp/ncu
