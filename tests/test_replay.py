@@ -522,3 +522,21 @@ def test_queued_passes_start_where_the_gpu_gets_to_them():
     for p in dec[1:]:
         assert sp[p] - qp[p] == pytest.approx(50.0 - 20.0)
     assert qp[dec[0]] == pytest.approx(sp[dec[0]])
+
+
+def test_a_loads_host_cost_comes_before_its_copy():
+    """The executor plans a load (its slot, its victim) before it issues the copy, so the copy
+    starts `host_load_us` after the host's route step, in both engines: the first load of an
+    `ondemand` run moves by exactly the cost, and nothing before it moves (tenth H200 session: a
+    layer's first copy started 38.7 us after its attention at batch 1, the model had it at 15.0)."""
+    t = trace_of("mixtral-8x7b", 2, 3)
+    first = {}
+    for cost in (0.0, 50.0):
+        prof = replace(FLAT_FIFO, host_load_us=cost)
+        a, b, _, _ = both(t, "ondemand", prof, 1, pool_gb=16)
+        same_run(a, b)
+        from cmoe.core.timeline import END, OP, START
+        loads = sorted(s[START] for s in a.spans if s[OP] == "load")
+        first[cost] = (loads[0], [s for s in a.spans if s[END] < 13.0])      # what ended before any load
+    assert first[0.0][0] == 13.0 and first[50.0][0] == 63.0
+    assert first[50.0][1] == first[0.0][1] and first[0.0][1]

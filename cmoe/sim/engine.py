@@ -302,10 +302,11 @@ class Simulation(ExpertSteps):
             for e in plan.gpu:        # reads of resident experts; a loaded one is read after its write
                 if e not in loaded:
                     self.slots[m][plan.slots[e]].pending += 1
-        for ld in now_loads:
+        for ld in now_loads:          # each load's host cost (its slot, its victim) comes before its copy
+            H += hw.host_load_us
             if H > env.now:
                 yield env.timeout(H - env.now)
-            H += self._issue(ld, x.p)
+            H += self._issue(ld, x.p) - hw.host_load_us
         if plan.cpu:                  # the hidden states go to the host first (first half of the trip)
             self._span(x.p, d, "cpu", "roundtrip", -1, H, H + hw.roundtrip_us / 2)
             H += hw.roundtrip_us / 2

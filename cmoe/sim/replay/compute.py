@@ -10,7 +10,7 @@ from __future__ import annotations
 from numba import njit
 
 from cmoe.sim.replay.clock import (DRAINED, ENGINES, ERR, FIFO, G_, H_, HALF_RT, HEAD, HEAD_SPAN, HOST_HEAD,
-                                   AHEAD, COMMIT_GPU, COMMIT_GPU_COPY, COMMIT_START, HOST_PASS_START, HOST_SYNC,
+                                   AHEAD, COMMIT_GPU, COMMIT_GPU_COPY, COMMIT_START, HOST_LOAD, HOST_PASS_START, HOST_SYNC,
                                    IN_FLIGHT, NOW, OP_ATTN, SILENT,
                                    OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, OWA_GPU, PASS_GAP,
                                    PASS_INDEX, PASS_START, PREV_END, CPU_TOK, SLOW, TAIL, WAVE, WAVE_ROW,
@@ -263,9 +263,10 @@ def _layer(c, x, o, d, p, m, dl, j, H, G, t_in, n, slow, M, fifo, cpu):
     for i in range(l0, l1):
         if _deferred(d, g0, g1, i, m, fifo):
             continue
+        H += x.hwf[HOST_LOAD]                       # the load's host cost comes before its copy
         if H > c.F[NOW]:
             _sync(c, x, o, H)
-        H += _issue(c, x, o, d.l_layer[i], d.l_e[i], d.l_slot[i], d.l_kind[i], p, M)
+        H += _issue(c, x, o, d.l_layer[i], d.l_e[i], d.l_slot[i], d.l_kind[i], p, M) - x.hwf[HOST_LOAD]
     if c1 > c0:                                     # the hidden states go to the host first
         _span(c, o, x, p, dl, cpu, OP_RT, -1, H, H + x.hwf[HALF_RT], 0, -1, -1)
         H += x.hwf[HALF_RT]
