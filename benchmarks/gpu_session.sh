@@ -19,7 +19,7 @@
 #   bash benchmarks/gpu_session.sh variants   # issue 14: kernel variants against the committed configs, M 1-16
 #   bash benchmarks/gpu_session.sh ncu-variants [NAMES]  # the same variants' M = 1 launches under ncu
 #   bash benchmarks/gpu_session.sh wait       # issue 15: the host polling each read-back (CMOE_WAIT=spin) against its
-#                                             # event sync, batches 2/1, pools 16/26, ondemand and oracle, right before each
+#                                             # event sync, batch 2, pools 16/26, ondemand and oracle, right before each
 #   bash benchmarks/gpu_session.sh host-tests # the host-call, lean and reference-engine GPU tests (~1 min)
 #   bash benchmarks/gpu_session.sh validate-r 1,2,4   # the same with every configuration run twice (--repeat),
 #   bash benchmarks/gpu_session.sh validate-r 8       # in two calls: all four batches took over 450 s of runs
@@ -40,9 +40,9 @@ case "${1:-}" in
          --policies ondemand,lru-prefetch,commit,oracle ;;
   cpu48) timeout 570 $B --out "$OUT/cpu48" --batches 4,8 --pools 20,16,26 --engines lean --repeats 0 \
            --policies lfu-fallback,static ;;
-  wait) timeout 400 python3 benchmarks/lean_h200.py --out "$OUT/wait" --tokens 48 --policy-tokens 48 --repeats 0 \
-          --batches 2,1 --pools 16,26 --engines lean --policies ondemand,oracle --wait-ablation \
-          --budget-s 200 2>&1 | grep -E "^lean|^HBM|rror" ;;
+  wait) timeout 260 python3 benchmarks/lean_h200.py --out "$OUT/wait" --tokens 32 --policy-tokens 32 --repeats 0 \
+          --batches 2 --pools 16,26 --engines lean --policies ondemand,oracle --wait-ablation \
+          --budget-s 120 2>&1 | grep -E "^lean|^HBM|rror" ;;
   host-tests) timeout 200 python3 -m pytest -q -m gpu tests/test_host_calls_gpu.py tests/test_lean_gpu.py \
                 tests/test_executor_gpu.py -p no:cacheprovider | tail -15 ;;
   ncu) N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1); mkdir -p /tmp/ncu
