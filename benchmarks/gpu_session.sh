@@ -41,8 +41,8 @@ case "${1:-}" in
   cpu48) timeout 570 $B --out "$OUT/cpu48" --batches 4,8 --pools 20,16,26 --engines lean --repeats 0 \
            --policies lfu-fallback,static ;;
   wait) timeout 260 python3 benchmarks/lean_h200.py --out "$OUT/wait" --tokens 32 --policy-tokens 32 --repeats 0 \
-          --batches 2 --pools 16,26 --engines lean --policies ondemand,oracle --wait-ablation \
-          --budget-s 120 2>&1 | grep -E "^lean|^HBM|rror" ;;
+          --batches 2 --pools ${POOLS:-16,26} --engines lean --policies ${POLS:-ondemand,oracle} --wait-ablation \
+          --timelines --budget-s ${BUDGET:-120} 2>&1 | grep -E "^lean|^HBM|^built|rror" ;;
   host-tests) timeout 200 python3 -m pytest -q -m gpu tests/test_host_calls_gpu.py tests/test_lean_gpu.py \
                 tests/test_executor_gpu.py -p no:cacheprovider | tail -15 ;;
   ncu) N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1); mkdir -p /tmp/ncu

@@ -152,6 +152,7 @@ def main() -> None:
                     help="lean: every run also with its pass inputs by torch's ops (CMOE_RUNTIME_INPUTS=0), right before it")
     ap.add_argument("--wait-ablation", action="store_true",
                     help="lean: every run also with the host polling each read-back's event (CMOE_WAIT=spin), right before it")
+    ap.add_argument("--timelines", action="store_true", help="write every run's timeline under --out")
     ap.add_argument("--kernel-profile", action="store_true",
                     help="lean upper: GPU time per decode token by kernel (torch.profiler, runs of 4 and 20 tokens)")
     ap.add_argument("--steps-ablation", action="store_true",
@@ -204,6 +205,9 @@ def main() -> None:
             m["host_phases_us_per_layer"] = {k: v / n for k, v in ph.items()}
             print("   host phases, us per layer:", ", ".join(f"{k} {v / n:.1f}" for k, v in ph.items()), flush=True)
         res["runs"].append(m)
+        if a.timelines:                                  # every run's spans, for the host's steps offline
+            name = f"timeline-{engine}-b{cfg.batch}-{cfg.pool_gb:g}-{p}" + (f"-{tag}".replace(" ", "_") if tag else "")
+            write_parquet(r.log.spans, a.out / f"{name.replace(',', '')}.parquet")
         print(f"{engine:<4} b{cfg.batch} {cfg.pool_gb:4.0f}GB {p:<13} {m['tokens_per_s']:8.1f} tok/s "
               f"{m['pass_ms_mean']:7.2f} ms/pass (floor {m['hbm_floor_ms']:.2f}, link {m['link_limit_ms']:.2f}) "
               f"loads/pass {m['loads_per_pass']:5.1f} host {m['host_work_us_per_layer']:5.1f} us/layer "
