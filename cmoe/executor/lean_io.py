@@ -101,7 +101,9 @@ class HostIO:
         """Wait for the read-back's event: the runtime's (or torch's) event synchronize, or with
         CMOE_WAIT=spin (`_spin`, an A/B) the host polls the event in a loop and never leaves the
         CPU, a question about the lent host: whether a wait that blocks is what makes the host's
-        next layer slower after a long load (benchmarks/lean_h200.py --wait-ablation)."""
+        next layer slower after a long load (benchmarks/lean_h200.py --wait-ablation). On the
+        H200 (tenth session) it is not: the step after a long wait stayed as slow polling, and
+        polling cost 2.7% at pool 26 batch 2, so the sync is the default (BENCHMARKS.md)."""
         host, ev = started
         if ev is None:
             return host
