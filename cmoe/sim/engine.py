@@ -97,16 +97,17 @@ class Simulation(ExpertSteps):
         self.env.process(self._compute())
 
     # loads ------------------------------------------------------------------------------------
-    def _issue(self, ld: Load, pass_idx: int) -> float:
-        """Queue a load; returns the host time issuing it costs (the whole copy where the host
-        copies itself, as the executor does on a CPU)."""
+    def _issue(self, ld: Load, pass_idx: int, planned: bool = False) -> float:
+        """Queue a load; returns the host time issuing it costs: `host_load_us` (unless `planned`:
+        the caller paid it before the copy, as a layer's own plan does) and the whole copy where
+        the host copies itself, as the executor does on a CPU."""
         self.ready[(ld.layer, ld.expert)] = self.env.event()
         self.seq += 1
         self.in_flight += 1
         nbytes = self.c.expert_bytes[ld.layer][ld.expert]
         self.run.loaded(pass_idx, nbytes)
         self.queued_us += self.hw.h2d_us(nbytes)
-        cost = self.hw.host_load_us
+        cost = 0.0 if planned else self.hw.host_load_us
         if self.hw.copy_on_host:
             cost += self.hw.h2d_us(nbytes)
         if self.hw.copy_fifo:
@@ -306,7 +307,7 @@ class Simulation(ExpertSteps):
             H += hw.host_load_us
             if H > env.now:
                 yield env.timeout(H - env.now)
-            H += self._issue(ld, x.p) - hw.host_load_us
+            H += self._issue(ld, x.p, planned=True)
         if plan.cpu:                  # the hidden states go to the host first (first half of the trip)
             self._span(x.p, d, "cpu", "roundtrip", -1, H, H + hw.roundtrip_us / 2)
             H += hw.roundtrip_us / 2

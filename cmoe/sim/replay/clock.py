@@ -334,8 +334,9 @@ def _sync(c, x, o, t):
 
 
 @njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False)
-def _issue(c, x, o, m, e, slot, rank, p, M):
-    """Simulation._issue: queue a load; returns the host time issuing it costs."""
+def _issue(c, x, o, m, e, slot, rank, p, M, planned=False):
+    """Simulation._issue: queue a load; returns the host time issuing it costs (`planned`: its
+    `host_load_us` paid by the caller before the copy)."""
     mask = c.lm.size - 1
     ld = c.I[NLOAD]
     if c.I[IN_FLIGHT] >= mask:
@@ -349,7 +350,7 @@ def _issue(c, x, o, m, e, slot, rank, p, M):
     o.loads[p] += 1
     o.bytes_moved[p] += x.ebytes[m, e]
     c.F[QUEUED] += x.h2d[m, e]
-    cost = x.hwf[HOST_LOAD]
+    cost = 0.0 if planned else x.hwf[HOST_LOAD]
     if x.hwi[ON_HOST]:
         cost += x.h2d[m, e]
     if x.hwi[FIFO]:

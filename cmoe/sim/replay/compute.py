@@ -266,7 +266,7 @@ def _layer(c, x, o, d, p, m, dl, j, H, G, t_in, n, slow, M, fifo, cpu):
         H += x.hwf[HOST_LOAD]                       # the load's host cost comes before its copy
         if H > c.F[NOW]:
             _sync(c, x, o, H)
-        H += _issue(c, x, o, d.l_layer[i], d.l_e[i], d.l_slot[i], d.l_kind[i], p, M) - x.hwf[HOST_LOAD]
+        H += _issue(c, x, o, d.l_layer[i], d.l_e[i], d.l_slot[i], d.l_kind[i], p, M, True)
     if c1 > c0:                                     # the hidden states go to the host first
         _span(c, o, x, p, dl, cpu, OP_RT, -1, H, H + x.hwf[HALF_RT], 0, -1, -1)
         H += x.hwf[HALF_RT]
