@@ -24,6 +24,8 @@ from cmoe.executor.cuda_rt import D2D, D2H, H2D
 
 
 class HostIO:
+    _spin = False                     # CMOE_WAIT=spin: `_read_back_wait` polls (LeanEngine sets it)
+
     def _read_back(self, m: int) -> np.ndarray:
         """The layer's one read-back: a non-blocking copy into pinned memory, then its event."""
         return self._read_back_wait(self._read_back_start(m))
@@ -107,16 +109,13 @@ class HostIO:
         host, ev = started
         if ev is None:
             return host
-        if type(ev) is int:
-            if getattr(self, "_spin", False):
-                query = self.clock.rt.query
-                while not query(ev):
-                    pass
-            else:
-                self.clock.rt.sync(ev)
-        elif getattr(self, "_spin", False):
-            while not ev.query():
+        runtime = type(ev) is int
+        if self._spin:
+            happened = (lambda: self.clock.rt.query(ev)) if runtime else ev.query
+            while not happened():
                 pass
+        elif runtime:
+            self.clock.rt.sync(ev)
         else:
             ev.synchronize()
         return host
