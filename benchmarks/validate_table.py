@@ -23,11 +23,11 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cmoe.core.hw import load_profile  # noqa: E402
-from cmoe.pipeline import host_ratio, host_speed, link_ratio, predict  # noqa: E402
+from cmoe.pipeline import host_ratio, host_speed, predict  # noqa: E402
 from cmoe.core.spec import preset  # noqa: E402
 from cmoe.trace.load import load_trace  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
-from cmoe.analysis.validate import against_repeats, read_run, validate  # noqa: E402
+from cmoe.analysis.validate import against_repeats, link_ratio, read_run, validate  # noqa: E402
 
 
 def main() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
                     "how much of an error the host's drift explains")
     ap.add_argument("--link-adjust", action="store_true",
                     help="also predict each policy's run with the profile's link scaled to the rate its loads moved at "
-                    "(`cmoe.pipeline.link_ratio`, the mean over its runs): how much of an error the link's drift explains")
+                    "(`cmoe.analysis.validate.link_ratio`, the mean over its runs): how much of an error the link's drift explains")
     a = ap.parse_args()
     res = json.loads((a.folder / "results.json").read_text())
     prof = load_profile(str(a.profile or a.folder / "profile.json"))
@@ -117,8 +117,9 @@ def counts(rows: list[dict]) -> str:
         line += (f"; at the runs' host speed {within('host_adjusted_error', .03)} / {within('host_adjusted_error', .05)}"
                  f" / {within('host_adjusted_error', .10)}")
     if any("link_adjusted_error" in r for r in rows):
-        both = lambda t: sum(abs(r.get("link_adjusted_error", r["error"])) <= t for r in rows)  # noqa: E731
-        line += f"; at the runs' link speed (the rows without loads as they are) {both(.03)} / {both(.05)} / {both(.10)}"
+        linked = lambda t: sum(abs(r.get("link_adjusted_error", r["error"])) <= t for r in rows)  # noqa: E731
+        line += (f"; at the runs' link speed (the rows without loads as they are) {linked(.03)} / {linked(.05)}"
+                 f" / {linked(.10)}")
     return line
 
 

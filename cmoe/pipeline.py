@@ -126,16 +126,11 @@ def host_ratio(v: dict, prof, batch: int) -> float | None:
 
 
 def link_speed(runs: list[list[dict]]) -> list[float]:
-    """Each measured run's link rate over its prediction's (`link_gbps` of its validation): the
-    bandwidth its expert loads moved at against the calibrated curve's at the same sizes; only
+    """Each measured run's link rate over its prediction's (`cmoe.analysis.validate.link_ratio`):
+    the bandwidth its expert loads moved at against the calibrated curve's at the same sizes; only
     the runs that loaded anything."""
+    from cmoe.analysis.validate import link_ratio
     return [x for r in runs for v in r if (x := link_ratio(v)) is not None]
-
-
-def link_ratio(v: dict) -> float | None:
-    """One validation's measured link rate over its predicted one; None where either run loaded nothing."""
-    g = v.get("link_gbps") or {}
-    return g["measured"] / g["predicted"] if g.get("measured") and g.get("predicted") else None
 
 
 def summary_doc(w, cfg, sims, results, errors, noise: str) -> dict:

@@ -200,7 +200,8 @@ def test_link_rate_is_the_loads_bytes_over_their_time_in_the_passes_compared():
 
 
 def test_link_speed_is_each_loading_runs_measured_rate_over_its_predicted():
-    from cmoe.pipeline import link_ratio, link_speed
+    from cmoe.analysis.validate import link_ratio
+    from cmoe.pipeline import link_speed
     runs = [[{"policy": "upper", "link_gbps": {"predicted": None, "measured": None}},
              {"policy": "ondemand", "link_gbps": {"predicted": 50.0, "measured": 52.5}}],
             [{"policy": "oracle", "link_gbps": {"predicted": 50.0, "measured": 47.5}}, {"policy": "old"}]]

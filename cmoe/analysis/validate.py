@@ -155,6 +155,13 @@ def link_gbps(spans, steps: set[int]) -> float | None:
     return nbytes / us / 1e3 if us else None
 
 
+def link_ratio(v: dict) -> float | None:
+    """One validation's measured link rate over its predicted one (`link_gbps`); None where either
+    run loaded nothing."""
+    g = v.get("link_gbps") or {}
+    return g["measured"] / g["predicted"] if g.get("measured") and g.get("predicted") else None
+
+
 def validate(pred: Run, meas: Run) -> dict:
     check_same_setup(pred, meas)
     dp = {p["pass"]: p for p in pred.passes if p["decode"]}
@@ -219,10 +226,10 @@ def format_validation(v: dict) -> str:
     lines.append(f"  mean decode pass, predicted vs measured: {parts}")
     lines.append(f"  the error comes mostly from {v['error_from']} "
                  f"({c['difference'][v['error_from']] / 1e3:+.2f} ms per pass)")
-    link = v.get("link_gbps") or {}
-    if link.get("measured") and link.get("predicted"):
-        lines.append(f"  loads moved at {link['measured']:.1f} GB/s measured, {link['predicted']:.1f} predicted "
-                     f"(the link at {link['measured'] / link['predicted']:.3f}x its calibration)")
+    if (k := link_ratio(v)) is not None:
+        g = v["link_gbps"]
+        lines.append(f"  loads moved at {g['measured']:.1f} GB/s measured, {g['predicted']:.1f} predicted "
+                     f"(the link at {k:.3f}x its calibration)")
     return "\n".join(lines)
 
 

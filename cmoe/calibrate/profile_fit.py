@@ -66,10 +66,10 @@ from cmoe.core.errors import CmoeError
 from cmoe.calibrate.link_fit import LINE_FROM, Points, best_per_size, curve
 from cmoe.core.hw import GB, HardwareProfile, table_us
 
-__all__ = ["FALL_SLACK", "JITTER_S", "Noise", "SPREAD_LIMIT", "beside", "best_per_size", "curve", "fit_line",
-           "fit_profile", "noise", "noise_of", "point_label", "refit_profile", "run_verdict", "spread", "verdict",
-           "with_expert_classes", "LINE_FROM", "Points"]   # the noise verdict lives in cmoe.calibrate.noise,
-#                                                                 the link's curve in cmoe.calibrate.link_fit
+# the noise verdict lives in cmoe.calibrate.noise, the link's curve in cmoe.calibrate.link_fit
+__all__ = ["FALL_SLACK", "JITTER_S", "LINE_FROM", "Noise", "Points", "SPREAD_LIMIT", "beside", "best_per_size",
+           "curve", "fit_line", "fit_profile", "noise", "noise_of", "point_label", "refit_profile", "run_verdict",
+           "spread", "verdict", "with_expert_classes"]
 
 
 def fit_line(points: Points, weights: list[float] | None = None) -> tuple[float, float]:
@@ -106,7 +106,8 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     # the lean kernel's rows run side by side: its per-key cost is per key of the longest row
     per_key_field = "attn_us_per_cache_key" if m.get("attention_walks_cache") else "attn_us_per_ctx_token"
     return HardwareProfile(
-        name=name, gpu_mem_bytes=gpu_mem_bytes, h2d_pinned=curve(m["h2d"], m.get("h2d_rounds")), d2h_pinned=curve(m["d2h"]),
+        name=name, gpu_mem_bytes=gpu_mem_bytes, h2d_pinned=curve(m["h2d"], m.get("h2d_rounds")),
+        d2h_pinned=curve(m["d2h"]),
         h2d_pageable_gbps=m["h2d_pageable"][0] / m["h2d_pageable"][1] / GB, copy_engines=1,
         hbm_gbps=hbm, matmul_tflops=rate,
         expert_gbps=tuple(classes), launch_us=launch_s * 1e6, layer_fixed_us=max(la, 0.0) * 1e6,
