@@ -32,11 +32,35 @@ from benchmarks.kernel_probe_h200 import (FF, G, H, _experts, _rel, one_expert_i
                                           one_expert_launches, references)
 from cmoe.executor.moe_kernel import tiled_layout  # noqa: E402
 
-# name -> the fields replaced in the committed configuration
-VARIANTS: dict[str, dict] = {
+def _gemv(bn13: int, w13: int, st13: int, bn2: int, w2: int, split2: int, st2: int, bm: int = 0, **more):
+    """A CUDA-core variant (`moe_gemv._expert_gemv` for both matrices): its fields for batch rows M
+    (bm = 0: one row chunk of min(M, 4) rows)."""
+    def fields(M: int) -> dict:
+        return dict(gemv13=True, gemv2=True, bm=bm or min(M, 4), bn13=bn13, warps13=w13, stages13=st13,
+                    bn2=bn2, warps2=w2, split2=split2, stages2=st2, **more)
+    return fields
+
+
+# name -> the fields replaced in the committed configuration (or a function of M giving them)
+VARIANTS: dict = {
     "committed": {},
     "split13-2": dict(split13=2),
-    "split13-4": dict(split13=4),
+    # rN: N weight rows a thread (x reused N times, 2N with up); the warps of w13 for one expert are
+    # 14336 / (8 N), times split13: at 1 warp a CTA, a layer of 2 experts needs >= 528 to fill the
+    # H200's 132 x 4 schedulers
+    "gv-r8": _gemv(64, 1, 3, 64, 1, 16, 3),
+    "gv-r8s2": _gemv(64, 1, 3, 64, 1, 16, 3, split13=2),
+    "gv-r8s4": _gemv(64, 1, 3, 64, 1, 16, 3, split13=4),
+    "gv-r8st5": _gemv(64, 1, 5, 64, 1, 28, 5, split13=2),
+    "gv-r4": _gemv(32, 1, 4, 32, 1, 8, 4),
+    "gv-r4s2": _gemv(32, 1, 4, 32, 1, 16, 4, split13=2),
+    "gv-r4st3": _gemv(32, 1, 3, 64, 2, 16, 3),
+    "gv-r4w4": _gemv(128, 4, 3, 128, 4, 16, 3),
+    "gv-r4w4s2": _gemv(128, 4, 3, 128, 4, 32, 3, split13=2),
+    "gv-r2": _gemv(16, 1, 4, 16, 1, 8, 4),
+    "gv-r4-bm1": _gemv(32, 1, 4, 32, 1, 8, 4, bm=1),
+    "gv-r4-bm2": _gemv(32, 1, 4, 32, 1, 8, 4, bm=2),
+    "gv-r4w4-bm2": _gemv(128, 4, 3, 128, 4, 16, 3, bm=2),
 }
 # measured in the eighth session at 0569aec, and removed after (slower at every M): the (scale, zero)
 # pairs loaded in their own unit and streamed by the pipeliner (spd13 = spd2 = 0 with stg13 = stg2 =
@@ -45,6 +69,25 @@ VARIANTS: dict[str, dict] = {
 # (slower at every M, alone and with split13 = 2): sum(x) per group from a table made before the
 # launch instead of the dot with ones (gsum13 = gsum2 = True, 1e587ca); one expert at M = 1 took
 # 50.8 us against 45.0 (w13 32.1 against 30.8, w2 15.3 against 13.6)
+
+
+def _write(res: dict, out: Path, t0: float) -> None:
+    res["seconds"] = time.time() - t0
+    res["best_layer"] = best_layer(res["rows"])
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "kernel_variants.json.tmp"
+    tmp.write_text(json.dumps(res, indent=1))
+    tmp.rename(out / "kernel_variants.json")
+
+
+def best_layer(rows: list) -> dict:
+    """Per M, the right variant whose layer of 8 experts ran fastest (what the executor launches):
+    {M: {"variant", "layer_us", "config"}}; `lean_h200.py --kernel-configs` runs `upper` with them."""
+    best: dict = {}
+    for r in rows:
+        if r["ok"] and (r["M"] not in best or r["layer_us"] < best[r["M"]]["layer_us"]):
+            best[r["M"]] = {"variant": r["variant"], "layer_us": r["layer_us"], "config": r["config"]}
+    return best
 
 
 def main() -> None:
@@ -67,7 +110,8 @@ def main() -> None:
     b13 = lay.part("w13").nbytes + lay.part("w13_sz").nbytes
     b2 = lay.part("w2").nbytes + lay.part("w2_sz").nbytes
     data = one_expert_inputs(ms, gen)
-    cfgs = {(n, M): replace(pick_config(M), **VARIANTS[n]) for n in names for M in ms}
+    cfgs = {(n, M): replace(pick_config(M), **(VARIANTS[n](M) if callable(VARIANTS[n]) else VARIANTS[n]))
+            for n in names for M in ms}
     w13, w2 = one_expert_launches(data, pool, lay)
 
     with ThreadPoolExecutor(16) as ex, triton.AsyncCompileMode(ex, ignore_errors=True):
@@ -96,8 +140,9 @@ def main() -> None:
                       ref1)
             e2 = _rel(moe_triton(x, ids2, w2t, lay_tables[0], pool, lay, workspace=wsl, config=c,
                                  out_dtype=torch.float32), ref2)
+            exact = (c.gemv13 or not c.deq) and (c.gemv2 or not c.deq2)     # fp32 affine per group
             row = {"M": M, "variant": n, "config": asdict(c), "expert_rel_err": e1, "layer_rel_err": e2,
-                   "ok": max(e1, e2) < (1e-2 if (c.deq or c.deq2) else 5e-3)}
+                   "ok": max(e1, e2) < (5e-3 if exact else 1e-2)}
             if row["ok"]:
                 row["w13_us"] = graph_us([lambda t=t: w13(M, c, t) for t in tables])
                 row["w2_us"] = graph_us([lambda t=t: w2(M, c, t) for t in tables])
@@ -114,12 +159,8 @@ def main() -> None:
                   + (f"w13 {row['w13_us']:6.1f} us ({row['w13_tbps']:.2f}) w2 {row['w2_us']:5.1f} ({row['w2_tbps']:.2f}) "
                      f"expert {row['expert_us']:6.1f} ({row['expert_tbps']:.2f}) layer {row['layer_us']:6.1f} "
                      f"({row['layer_tbps']:.2f} TB/s)" if row["ok"] else "WRONG"), flush=True)
-    res["seconds"] = time.time() - t0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "kernel_variants.json.tmp"
-    tmp.write_text(json.dumps(res, indent=1))
-    tmp.rename(out / "kernel_variants.json")
+            _write(res, Path(args.out), t0)               # after every row: a run cut short keeps its rows
+    _write(res, Path(args.out), t0)
     print(f"HBM copy {res['hbm_copy_tbps']:.2f} TB/s; took {res['seconds']:.0f} s")
 
 

@@ -60,15 +60,32 @@ def under_env(name: str, value: str, run) -> None:
             os.environ[name] = was
 
 
+def under_configs(path: Path, run) -> None:
+    """`run()` with the expert kernel's CONFIGS buckets replaced by the per-M configurations in `path`
+    (`kernel_variants_h200.py`'s "best_layer"), restored after."""
+    from cmoe.executor.kernels_triton import CONFIGS, KernelConfig
+    best = json.loads(path.read_text())["best_layer"]
+    was = dict(CONFIGS)
+    try:
+        for m, b in best.items():
+            CONFIGS[int(m)] = KernelConfig(**b["config"])
+        run()
+    finally:
+        CONFIGS.clear()
+        CONFIGS.update(was)
+
+
 def ablations(a, run) -> None:
-    """The twins that `--sync-ablation`, `--inputs-ablation` and `--wait-ablation` ask for, each right
-    before `run`."""
+    """The twins that `--sync-ablation`, `--inputs-ablation`, `--wait-ablation` and `--kernel-configs`
+    ask for, each right before `run`."""
     if a.sync_ablation:
         under_env("CMOE_PASS_SYNC", "1", lambda: run("synced passes"))
     if a.inputs_ablation:
         under_env("CMOE_RUNTIME_INPUTS", "0", lambda: run("torch pass inputs"))
     if a.wait_ablation:
         under_env("CMOE_WAIT", "spin", lambda: run("spin waits"))
+    if a.kernel_configs:
+        under_configs(a.kernel_configs, lambda: run(f"kernel configs {a.kernel_configs.parent.name}"))
 
 
 def kernel_profile(w, cfg, short: int = 4, long: int = 20) -> dict:
@@ -153,6 +170,8 @@ def main() -> None:
     ap.add_argument("--wait-ablation", action="store_true",
                     help="lean: every run also with the host polling each read-back's event (CMOE_WAIT=spin), right before it")
     ap.add_argument("--timelines", action="store_true", help="write every run's timeline under --out")
+    ap.add_argument("--kernel-configs", type=Path, default=None,
+                    help="a kernel_variants.json: each run also with its best per-M expert kernel configurations")
     ap.add_argument("--kernel-profile", action="store_true",
                     help="lean upper: GPU time per decode token by kernel (torch.profiler, runs of 4 and 20 tokens)")
     ap.add_argument("--steps-ablation", action="store_true",
