@@ -32,10 +32,12 @@ from benchmarks.kernel_probe_h200 import (FF, G, H, _experts, _rel, one_expert_i
                                           one_expert_launches, references)
 from cmoe.executor.moe_kernel import tiled_layout  # noqa: E402
 
-def _gemv(bn13: int, w13: int, st13: int, bn2: int, w2: int, split2: int, st2: int, bm: int = 0, **more):
+def _gemv(bn13: int, w13: int, st13: int, bn2: int, w2: int, split2: int, st2: int, bm: int = 0, gemv2=True, **more):
     """A CUDA-core variant (`moe_gemv._expert_gemv` for both matrices): its fields for batch rows M
     (bm = 0: one row chunk of min(M, 4) rows)."""
     def fields(M: int) -> dict:
+        if not gemv2:                   # w2 as committed (the tensor-core kernel)
+            return dict(gemv13=True, bm=bm or min(M, 4), bn13=bn13, warps13=w13, stages13=st13, **more)
         return dict(gemv13=True, gemv2=True, bm=bm or min(M, 4), bn13=bn13, warps13=w13, stages13=st13,
                     bn2=bn2, warps2=w2, split2=split2, stages2=st2, **more)
     return fields
@@ -58,6 +60,14 @@ VARIANTS: dict = {
     "gv-r4w4": _gemv(128, 4, 3, 128, 4, 16, 3),
     "gv-r4w4s2": _gemv(128, 4, 3, 128, 4, 32, 3, split13=2),
     "gv-r2": _gemv(16, 1, 4, 16, 1, 8, 4),
+    # stages 1: no cp.async, the next block's words prefetched into registers
+    "gv-pf-r4": _gemv(32, 1, 1, 32, 1, 8, 1),
+    "gv-pf-r4s2": _gemv(32, 1, 1, 32, 1, 16, 1, split13=2),
+    "gv-pf-r4s4": _gemv(32, 1, 1, 64, 1, 32, 1, split13=4),
+    "gv-pf-r8s2": _gemv(64, 1, 1, 64, 1, 16, 1, split13=2),
+    "gv-pf-r4w4s2": _gemv(128, 4, 1, 128, 4, 32, 1, split13=2),
+    "gv13-r4s2": _gemv(32, 1, 4, 0, 0, 0, 0, split13=2, gemv2=False),
+    "gv13-pf-r4s2": _gemv(32, 1, 1, 0, 0, 0, 0, split13=2, gemv2=False),
     "gv-r4-bm1": _gemv(32, 1, 4, 32, 1, 8, 4, bm=1),
     "gv-r4-bm2": _gemv(32, 1, 4, 32, 1, 8, 4, bm=2),
     "gv-r4w4-bm2": _gemv(128, 4, 3, 128, 4, 16, 3, bm=2),

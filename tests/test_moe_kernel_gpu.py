@@ -170,7 +170,9 @@ def test_row_chunks_split_k_and_skipped_experts():
 # CUDA-core configurations (`moe_gemv._expert_gemv`): rows per chunk, tiles, warps, stages, splits
 GEMV_CFGS = [dict(bm=1, bn13=64, warps13=1, stages13=3, bn2=64, warps2=1, split2=16, stages2=3),
              dict(bm=2, bn13=32, warps13=1, stages13=4, bn2=32, warps2=2, split2=3, stages2=2),
-             dict(bm=4, bn13=64, warps13=2, stages13=2, bn2=128, warps2=4, split2=7, stages2=4, split13=3)]
+             dict(bm=4, bn13=64, warps13=2, stages13=2, bn2=128, warps2=4, split2=7, stages2=4, split13=3),
+             # stages 1: the next block's words prefetched into registers (no cp.async)
+             dict(bm=1, bn13=32, warps13=1, stages13=1, bn2=32, warps2=1, split2=5, stages2=1, split13=2)]
 
 
 @pytest.mark.parametrize("gv", range(len(GEMV_CFGS)))

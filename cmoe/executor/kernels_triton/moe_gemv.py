@@ -96,17 +96,39 @@ def _gemv_units(wp, sp, NR, N, K, pid_k, UPS, rn2, mn2, mn3, w3, xrow3, rj3, mro
     n_units = K // (BPU * 128)
     u_lo = pid_k * UPS
     u_hi = tl.minimum(n_units, u_lo + UPS)
+    # STG = 1 (one block a unit): no cp.async; the next unit's words are loaded into registers
+    # before this unit's are used
+    PF: tl.constexpr = (STG == 1) and (BPU == 1)
+    nx_g = tl.load(wp + u_lo * NR * 16 + w3, mask=mn3 & (u_lo < u_hi) & PF, other=0)
+    nx_u = nx_g
+    if IS_W13:
+        nx_u = tl.load(wp + u_lo * NR * 16 + N * 16 + w3, mask=mn3 & (u_lo < u_hi) & PF, other=0)
     for u in tl.range(u_lo, u_hi, num_stages=STG):
         a_g = zero3
         a_u = zero3
         xs = zx3
+        if PF:
+            cur_g = nx_g
+            cur_u = nx_u
+            more = mn3 & (u + 1 < u_hi)
+            nx_g = tl.load(wp + (u + 1) * NR * 16 + w3, mask=more, other=0)
+            if IS_W13:
+                nx_u = tl.load(wp + (u + 1) * NR * 16 + N * 16 + w3, mask=more, other=0)
         for b in tl.static_range(BPU):
             kb = u * BPU + b
             blk = wp + kb * NR * 16
-            pg = _f32planes(tl.load(blk + w3, mask=mn3, other=0), ASM)
+            if PF:
+                wg = cur_g
+                wu = cur_u
+            else:
+                wg = tl.load(blk + w3, mask=mn3, other=0)
+                wu = wg
+                if IS_W13:
+                    wu = tl.load(blk + N * 16 + w3, mask=mn3, other=0)
+            pg = _f32planes(wg, ASM)
             pu = pg
             if IS_W13:
-                pu = _f32planes(tl.load(blk + N * 16 + w3, mask=mn3, other=0), ASM)
+                pu = _f32planes(wu, ASM)
             for p in tl.static_range(8):
                 xp = tl.load(xrow3 + (kb * 128 + p * 16) + rj3, mask=mrow3, other=0.0).to(tl.float32)
                 a_g += pg[p] * xp
