@@ -17,7 +17,7 @@
 #   bash benchmarks/gpu_session.sh ncu        # issue 14: the M = 1 kernels under Nsight Compute (counters,
 #                                             # stall reasons, per-instruction samples) into $OUT/ncu.tgz
 #   bash benchmarks/gpu_session.sh variants   # issue 14: kernel variants against the committed configs, M 1-16
-#   bash benchmarks/gpu_session.sh gemv       # issue 14: the variants at M 1-8 (CUDA-core ones among them), then
+#   bash benchmarks/gpu_session.sh kernel-ab  # issue 14: the variants at M 1-8, then
 #                                             # upper at batches 1/4/8 with the committed and the fastest per M
 #   bash benchmarks/gpu_session.sh ncu-variants [NAMES]  # the same variants' M = 1 launches under ncu
 #   bash benchmarks/gpu_session.sh wait       # issue 15: the host polling each read-back (CMOE_WAIT=spin) against its
@@ -56,11 +56,11 @@ case "${1:-}" in
        "$N" -i /tmp/ncu/k.ncu-rep --page raw --csv > /tmp/ncu/raw.csv 2>&1 || true
        (cd /tmp && tar czf "$OUT/ncu.tgz" ncu); ls -la /tmp/ncu ;;
   variants) timeout 300 python3 benchmarks/kernel_variants_h200.py --out "$OUT/variants" 2>&1 | grep -v Warning ;;
-  gemv) timeout 280 python3 benchmarks/kernel_variants_h200.py --out "$OUT/variants" --ms 1,2,4,8 2>&1 | grep -v Warning
+  kernel-ab) timeout 280 python3 benchmarks/kernel_variants_h200.py --out "$OUT/variants" --ms 1,2,4,8 2>&1 | grep -v Warning
         timeout 170 python3 benchmarks/lean_h200.py --out "$OUT/lean" --tokens 128 --batches 1,4,8 --pools 20 \
           --engines lean --policies "" --repeats 2 --kernel-configs "$OUT/variants/kernel_variants.json" \
           --budget-s 110 2>&1 | grep -E "^lean|^HBM|^built|rror" || true
-        timeout 90 python3 -m pytest -q -m gpu tests/test_moe_kernel_gpu.py -k gemv -x -p no:cacheprovider | tail -5 ;;
+        timeout 150 python3 -m pytest -q -m gpu tests/test_moe_kernel_gpu.py -x -p no:cacheprovider | tail -5 ;;
   ncu-variants) N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1); mkdir -p /tmp/ncuv
        timeout 300 "$N" --clock-control none --set full -k 'regex:_expert_mm|_gate_up' -f -o /tmp/ncuv/v \
          python3 benchmarks/kernel_variants_h200.py --launch-only --ms 1 --variants "${2:-committed,split13-2}" \

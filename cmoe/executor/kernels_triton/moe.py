@@ -44,9 +44,11 @@ x tiles stream through Triton's cp.async pipeline. Accumulation is fp32 througho
 is fastest depends on M (CONFIGS); with 32 weight rows per warp Triton keeps the unpacked operand
 in registers and uses mma.sync, which beat its wgmma code here (that waits after every wgmma).
 
-On CUDA cores instead (`gemv13`, `gemv2`; `moe_gemv._expert_gemv`, same grid, segments and
-epilogue, no k tails): no padding of a segment's rows to 16, each nibble made into fp32 128 + q by
-bit moves and an fma per row; for the one or two rows per expert of a decode step.
+Not on CUDA cores: a kernel with this grid and epilogue that made each nibble an fp32 128 + q by
+bit moves and spent an fma per row (no padding of rows to 16; ~30 SASS instructions per word) was
+no faster on the H200 at M = 1 (w13 29.3-59.4 us against 31.3-31.9, w2 14.6-20.1 against 13.6-13.7,
+a layer of 2 experts 78.3-100.7 against 76.7-77.5) and far slower from M = 2 on (BENCHMARKS.md, eleventh session; 6518921 and
+its successor hold it).
 
 Files: this one holds the host side (KernelConfig, CONFIGS, Workspace, the launches, `moe_triton`);
 `moe_device.py` the kernels (`_route_kernel`, `_expert_mm` with its parts as inlined
@@ -62,7 +64,6 @@ import torch
 import triton
 
 from cmoe.executor.kernels_triton.moe_device import _expert_mm, _gate_up_kernel, _route_kernel
-from cmoe.executor.kernels_triton.moe_gemv import _expert_gemv
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,6 @@ class KernelConfig:
     unroll2: int = 1     # the same for w2
     stg13: int = 0       # the w13 k-unit loop's own num_stages (0: the launch's; measured no faster)
     stg2: int = 0        # the same for w2
-    gemv13: bool = False  # w13 on CUDA cores (`moe_gemv._expert_gemv`: bm rows, bn13, warps13, stages13)
-    gemv2: bool = False   # the same for w2 (bn2, split2, warps2, stages2)
 
 
 # by batch rows M (the smallest bucket >= M): the configurations benchmarks/expert_kernel_h200.py
@@ -207,16 +206,10 @@ def launch_w13(ws: Workspace, x, slot_table, pool, layout, topk: int, cfg: Kerne
             ws.seg_e, ws.seg_s, ws.seg_end, ws.order, ws.order,
             ws.h, ws.h.stride(0), layout.part("w13").offset, layout.part("w13_sz").offset,
             Fd, H, topk, nch, ups, split, part, part.stride(0))
-    if cfg.gemv13 and not t:
-        kern = _expert_gemv
-        kw = dict(G=layout.group, BN=cfg.bn13, BM=cfg.bm, IS_W13=True, SPLIT13=split > 1, ZP=layout.zero_point,
-                  num_warps=cfg.warps13, num_stages=cfg.stages13, STG=cfg.stg13 or cfg.stages13)
-    else:
-        kern = _expert_mm
-        kw = dict(G=layout.group, BN=cfg.bn13, BM=cfg.bm, IS_W13=True, ASM=cfg.asm, DEQ=cfg.deq,
-                  T64=t >= 64, T32=t % 64 == 32, SPLIT13=split > 1, ZP=layout.zero_point, num_warps=cfg.warps13,
-                  num_stages=cfg.stages13, UNR=cfg.unroll13, STG=cfg.stg13 or None)
-    k13 = _run(kern, (tiles, ws.A * nch, split), args, kw, warmup)
+    kw = dict(G=layout.group, BN=cfg.bn13, BM=cfg.bm, IS_W13=True, ASM=cfg.asm, DEQ=cfg.deq,
+              T64=t >= 64, T32=t % 64 == 32, SPLIT13=split > 1, ZP=layout.zero_point, num_warps=cfg.warps13,
+              num_stages=cfg.stages13, UNR=cfg.unroll13, STG=cfg.stg13 or None)
+    k13 = _run(_expert_mm, (tiles, ws.A * nch, split), args, kw, warmup)
     if split > 1:
         # RB rows a step (a segment has <= M rows; a loop covers the chunk), ~1024 elements a CTA and
         # 4 a thread: all S partials' loads are issued at once (S * 8 registers a thread, no spills)
@@ -240,16 +233,10 @@ def launch_w2(ws: Workspace, topk_weights, slot_table, pool, layout, topk: int, 
             ws.seg_e, ws.seg_s, ws.seg_end, ws.order, topk_weights,
             ws.acc, ws.acc.stride(0), layout.part("w2").offset, layout.part("w2_sz").offset,
             H, Fd, topk, nch, ups, split, ws.acc, 0)
-    if cfg.gemv2 and not t:
-        kern = _expert_gemv
-        kw = dict(G=layout.group, BN=cfg.bn2, BM=cfg.bm, IS_W13=False, SPLIT13=False, ZP=layout.zero_point,
-                  num_warps=cfg.warps2, num_stages=cfg.stages2, STG=cfg.stg2 or cfg.stages2)
-    else:
-        kern = _expert_mm
-        kw = dict(G=layout.group, BN=cfg.bn2, BM=cfg.bm, IS_W13=False, ASM=cfg.asm, DEQ=cfg.deq2,
-                  T64=t >= 64, T32=t % 64 == 32, SPLIT13=False, ZP=layout.zero_point, num_warps=cfg.warps2,
-                  num_stages=cfg.stages2, UNR=cfg.unroll2, STG=cfg.stg2 or None)
-    return _run(kern, (triton.cdiv(H, cfg.bn2), ws.A * nch, split), args, kw, warmup)
+    kw = dict(G=layout.group, BN=cfg.bn2, BM=cfg.bm, IS_W13=False, ASM=cfg.asm, DEQ=cfg.deq2,
+              T64=t >= 64, T32=t % 64 == 32, SPLIT13=False, ZP=layout.zero_point, num_warps=cfg.warps2,
+              num_stages=cfg.stages2, UNR=cfg.unroll2, STG=cfg.stg2 or None)
+    return _run(_expert_mm, (triton.cdiv(H, cfg.bn2), ws.A * nch, split), args, kw, warmup)
 
 
 def moe_triton(x, topk_ids, topk_weights, slot_table, pool, layout, workspace=None, config=None, out_dtype=None):
