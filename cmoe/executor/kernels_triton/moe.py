@@ -46,9 +46,9 @@ in registers and uses mma.sync, which beat its wgmma code here (that waits after
 
 Not on CUDA cores: a kernel with this grid and epilogue that made each nibble an fp32 128 + q by
 bit moves and spent an fma per row (no padding of rows to 16; ~30 SASS instructions per word) was
-no faster on the H200 at M = 1 (w13 29.3-59.4 us against 31.3-31.9, w2 14.6-20.1 against 13.6-13.7,
-a layer of 2 experts 78.3-100.7 against 76.7-77.5) and far slower from M = 2 on (BENCHMARKS.md, eleventh session; 6518921 and
-its successor hold it).
+no faster on the H200 at M = 1 (w13 29.3-59.4 us against 31.3-31.9, w2 14.6-20.1 against
+13.6-13.7, a layer of 2 experts 78.3-100.7 against 76.7-77.5) and far slower from M = 2 on
+(BENCHMARKS.md, eleventh session; commits 6518921 and 3801b7b hold it).
 
 Files: this one holds the host side (KernelConfig, CONFIGS, Workspace, the launches, `moe_triton`);
 `moe_device.py` the kernels (`_route_kernel`, `_expert_mm` with its parts as inlined
