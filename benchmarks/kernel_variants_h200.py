@@ -38,6 +38,17 @@ VARIANTS: dict[str, dict] = {
     "committed": {},
     "split13-2": dict(split13=2),
     "split13-4": dict(split13=4),
+    # the CUDA C++ kernel (kernels_cuda, twelfth session): warps a CTA for w13 (cu13) and w2 (cu2),
+    # w2's 16-row tiles a warp (cut2) and split-K over CTAs (cus2); 0 warps: that matrix on Triton
+    "cuda-a": dict(cu13=4, cu2=4, cut2=2, cus2=4),
+    "cuda-b": dict(cu13=2, cu2=4, cut2=1, cus2=4),
+    "cuda-c": dict(cu13=8, cu2=4, cut2=2, cus2=8),
+    "cuda-d": dict(cu13=1, cu2=2, cut2=2, cus2=4),
+    "cuda-e": dict(cu13=4, cu2=8, cut2=2, cus2=2),
+    "cuda-f": dict(cu13=4, cu2=4, cut2=4, cus2=4),
+    "cuda-g": dict(cu13=4, cu2=4, cut2=2, cus2=16),
+    "cuda-13": dict(cu13=4),
+    "cuda-2": dict(cu2=4, cut2=2, cus2=4),
 }
 # measured in the eighth session at 0569aec, and removed after (slower at every M): the (scale, zero)
 # pairs loaded in their own unit and streamed by the pipeliner (spd13 = spd2 = 0 with stg13 = stg2 =

@@ -84,6 +84,10 @@ class KernelConfig:
     unroll2: int = 1     # the same for w2
     stg13: int = 0       # the w13 k-unit loop's own num_stages (0: the launch's; measured no faster)
     stg2: int = 0        # the same for w2
+    cu13: int = 0        # w13 by the CUDA kernel (kernels_cuda) on this many warps a CTA; 0: Triton
+    cu2: int = 0         # the same for w2
+    cut2: int = 2        # the CUDA w2's 16-row tiles a warp
+    cus2: int = 4        # the CUDA w2's split-K over CTAs
 
 
 # by batch rows M (the smallest bucket >= M): the configurations benchmarks/expert_kernel_h200.py
@@ -191,9 +195,19 @@ def k_split(K: int, group: int, want: int) -> tuple[int, int]:
     return split, ups
 
 
+def _cuda(layout, x_stride: int, cfg: KernelConfig) -> bool:
+    """Whether a launch that names CUDA warps (cu13, cu2) runs the CUDA kernel: NVRTC through torch
+    and shapes it takes (`kernels_cuda.moe.fits`); otherwise the Triton kernel runs."""
+    from cmoe.executor.kernels_cuda import moe as C
+    return C.available() and C.fits(layout, x_stride, cfg.cut2)
+
+
 def launch_w13(ws: Workspace, x, slot_table, pool, layout, topk: int, cfg: KernelConfig, warmup=False):
     """gate/up with SiLU into ws.h; with split13 > 1 two launches (the split w13, its reduction).
     Returns the w13 launch's kernel (with warmup: both are compiled)."""
+    if cfg.cu13 and _cuda(layout, x.stride(0), cfg):
+        from cmoe.executor.kernels_cuda import moe as C
+        return C.launch_w13(ws, x, slot_table, pool, layout, topk, cfg.cu13, warmup)
     H, Fd = layout.hidden, layout.ffn
     E = slot_table.numel()
     M = x.shape[0]
@@ -224,6 +238,9 @@ def launch_w13(ws: Workspace, x, slot_table, pool, layout, topk: int, cfg: Kerne
 
 def launch_w2(ws: Workspace, topk_weights, slot_table, pool, layout, topk: int, M: int, cfg: KernelConfig,
               warmup=False):
+    if cfg.cu2 and _cuda(layout, ws.h.stride(0), cfg):
+        from cmoe.executor.kernels_cuda import moe as C
+        return C.launch_w2(ws, topk_weights, slot_table, pool, layout, topk, M, cfg.cu2, cfg.cut2, cfg.cus2, warmup)
     H, Fd = layout.hidden, layout.ffn
     E = slot_table.numel()
     nch = triton.cdiv(M, cfg.bm)

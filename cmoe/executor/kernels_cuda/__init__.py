@@ -1,0 +1,1 @@
+"""CUDA C++ kernels for the executor, compiled at first use by NVRTC through PyTorch (`moe.py`)."""

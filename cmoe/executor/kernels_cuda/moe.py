@@ -1,0 +1,82 @@
+"""The expert matmuls in CUDA C++ (`moe_mma.cu`, which says how and why), compiled at first use by
+NVRTC through `torch.cuda._compile_kernel`, launched in place of the Triton `_expert_mm` by
+`kernels_triton.moe.launch_w13` / `launch_w2` when a `KernelConfig` names warps for them (cu13,
+cu2) and the shapes allow it (`fits`). Route, workspace, h and acc are the Triton path's, so the
+two mix per launch and the CUDA-graph rules are the same (the launch goes to the current stream).
+
+NVRTC comes with PyTorch's CUDA wheels (nvidia-cuda-nvrtc); no nvcc and no C++ toolchain is
+needed. One binary per (role, group, warps, tiles, zero-point format, weight dtype, device),
+compiled once per process (~1 s each).
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+
+import torch
+
+BM = 8                      # rows of a segment a CTA (the mma's n)
+
+
+@functools.cache
+def source() -> str:
+    return resources.files(__package__).joinpath("moe_mma.cu").read_text()
+
+
+def available() -> bool:
+    return torch.cuda.is_available() and hasattr(torch.cuda, "_compile_kernel")
+
+
+def defines(is_w13: bool, group: int, warps: int, tiles: int, zp: bool, wt_bf16: bool) -> str:
+    vals = dict(IS_W13=int(is_w13), G=group, NW=warps, MT=tiles, ZP=int(zp), WT_BF16=int(wt_bf16))
+    return "".join(f"#define {k} {v}\n" for k, v in vals.items())
+
+
+@functools.cache
+def _kernel(is_w13: bool, group: int, warps: int, tiles: int, zp: bool, wt_bf16: bool, device: int):
+    with torch.cuda.device(device):
+        return torch.cuda._compile_kernel(defines(is_w13, group, warps, tiles, zp, wt_bf16) + source(), "moe_mma",
+                                          nvcc_options=["-std=c++17"])
+
+
+def fits(layout, x_stride: int, tiles2: int) -> bool:
+    """Whether the CUDA kernels can run this layout: no k tail (K % 128 == 0 for both matrices),
+    whole 16-row tiles (w13: F % 16, w2: H % (16 * tiles2)) and 8-byte aligned x and h rows."""
+    H, Fd = layout.hidden, layout.ffn
+    return (H % 128 == 0 and Fd % 128 == 0 and Fd % 16 == 0 and H % (16 * tiles2) == 0
+            and x_stride % 4 == 0 and layout.group in (32, 64, 128, 256))
+
+
+def launch_w13(ws, x, slot_table, pool, layout, topk: int, warps: int, warmup: bool = False):
+    """gate/up with SiLU into ws.h (rows in sorted order), one launch, K not split across CTAs."""
+    k = _kernel(True, layout.group, warps, 1, bool(layout.zero_point), False, x.device.index or 0)
+    if warmup:
+        return k
+    M = x.shape[0]
+    nch = -(-M // BM)
+    units = layout.hidden // max(128, layout.group)
+    k(grid=(layout.ffn // 16, ws.A * nch, 1), block=(32 * warps, 1, 1),
+      args=[x, x.stride(0), pool, pool.stride(0), slot_table, slot_table.numel(), ws.seg_e, ws.seg_s, ws.seg_end,
+            ws.order, ws.order, ws.h, ws.h.stride(0), layout.part("w13").offset, layout.part("w13_sz").offset,
+            layout.ffn, layout.hidden, topk, nch, units])
+    return k
+
+
+def launch_w2(ws, topk_weights, slot_table, pool, layout, topk: int, M: int, warps: int, tiles: int,
+              split: int, warmup: bool = False):
+    """down with the routing weights, atomically added into ws.acc; K split `split` ways over grid z
+    (as `k_split` cuts it for the Triton kernel)."""
+    from cmoe.executor.kernels_triton.moe import k_split
+    wt_bf16 = topk_weights.dtype == torch.bfloat16
+    k = _kernel(False, layout.group, warps, tiles, bool(layout.zero_point), wt_bf16, ws.h.device.index or 0)
+    if warmup:
+        return k
+    assert topk_weights.dtype in (torch.float32, torch.bfloat16), topk_weights.dtype
+    nch = -(-M // BM)
+    s, ups = k_split(layout.ffn, layout.group, split)
+    k(grid=(layout.hidden // (16 * tiles), ws.A * nch, s), block=(32 * warps, 1, 1),
+      args=[ws.h, ws.h.stride(0), pool, pool.stride(0), slot_table, slot_table.numel(), ws.seg_e, ws.seg_s,
+            ws.seg_end, ws.order, topk_weights, ws.acc, ws.acc.stride(0), layout.part("w2").offset,
+            layout.part("w2_sz").offset, layout.hidden, layout.ffn, topk, nch, ups])
+    return k

@@ -1,0 +1,184 @@
+"""The CUDA C++ expert kernel (`cmoe.executor.kernels_cuda`) against the plain-torch reference.
+
+On CUDA (marked `gpu`): every group size, bf16 (scale, zero) and fp16 (scale, zero point) pairs,
+one and several row chunks of 8, warps 1-8 a CTA, w2 tiles 1-4 and split-K over CTAs that does and
+does not divide the units, an expert without a slot and padding ids, bf16 routing weights, the
+Triton kernel's h for the same rows, CUDA-graph replays on new inputs, and shapes with a k tail
+(which the CUDA kernel does not take: the Triton kernel runs them). On the CPU: which shapes the
+CUDA kernel takes, and (where NVRTC is installed) that its source compiles for sm_90 in every
+macro combination the host can ask for.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from cmoe.executor.layout import slot_size
+from cmoe.executor.moe_kernel import moe_forward, moe_reference, route_reference, tiled_layout, write_codes
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                                reason="needs CUDA (and not TRITON_INTERPRET=1)")
+
+# (group, H, F), K % 128 == 0 in both matrices
+SHAPES = [(32, 512, 384), (64, 256, 512), (128, 512, 384), (256, 512, 768), (128, 1024, 256)]
+
+
+def _pool(E, S, H, Fd, g, gen, zp: bool):
+    lay = tiled_layout(f"w4g{g}-fp16" if zp else f"w4g{g}", H, Fd)
+    pool = torch.full((S, slot_size(lay)), 0xFF, dtype=torch.uint8, device="cuda")
+    perm = torch.randperm(S, generator=gen, device="cuda")[:E]
+    for e in range(E):
+        for name, (n, k) in (("w13", (2 * Fd, H)), ("w2", (H, Fd))):
+            codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen, device="cuda")
+            s = torch.rand(k // g, n, generator=gen, device="cuda") * 0.02 + 0.001
+            if zp:
+                z = torch.randint(0, 17, (k // g, n), generator=gen, device="cuda").float()
+                sz = torch.stack([s, z], -1).to(torch.float16)
+            else:
+                sz = torch.stack([s, (torch.rand(k // g, n, generator=gen, device="cuda") - 0.5) * 0.1],
+                                 -1).to(torch.bfloat16)
+            write_codes(pool[int(perm[e])], lay, name, codes, sz)
+    return lay, pool, perm.int()
+
+
+def _inputs(M, k, E, H, gen):
+    x = torch.randn(M, H, generator=gen, device="cuda").to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=gen, device="cuda")[:k] for _ in range(M)]).int()
+    return x, ids, torch.rand(M, k, generator=gen, device="cuda")
+
+
+def _rel(a, b) -> float:
+    assert torch.isfinite(a).all()
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+CUDA_CFGS = [dict(cu13=4, cu2=4, cut2=2, cus2=4), dict(cu13=1, cu2=1, cut2=1, cus2=1),
+             dict(cu13=2, cu2=8, cut2=4, cus2=3), dict(cu13=8, cu2=2, cut2=2, cus2=7)]
+
+
+@pytest.mark.parametrize("zp", [False, True])
+@pytest.mark.parametrize("g,H,Fd", SHAPES)
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_layer_matches_the_reference_and_the_triton_h(g, H, Fd, zp):
+    from cmoe.executor.kernels_triton import Workspace, pick_config
+    gen = torch.Generator(device="cuda").manual_seed(g + H + zp)
+    E, S, k = 8, 11, 2
+    lay, pool, table = _pool(E, S, H, Fd, g, gen, zp)
+    for M in (1, 3, 8, 16, 37):
+        x, ids, wts = _inputs(M, k, E, H, gen)
+        if M == 16:
+            table_m = table.clone()
+            table_m[int(ids[0, 0])] = -1                 # an expert without a slot
+            ids[1, 1] = -1                                # a padding id
+        else:
+            table_m = table
+        ref = moe_reference(x, ids, wts, table_m, pool, lay, out_dtype=torch.float32)
+        tri = Workspace(M, k, H, Fd, E, "cuda")
+        base = replace(pick_config(M), deq=False, deq2=False)
+        moe_forward(x, ids, wts, table_m, pool, lay, workspace=tri, config=base, out_dtype=torch.float32)
+        for c in CUDA_CFGS:
+            ws = Workspace(M, k, H, Fd, E, "cuda")
+            ws.h.fill_(float("nan"))
+            ws.acc.fill_(float("nan"))
+            got = moe_forward(x, ids, wts, table_m, pool, lay, workspace=ws, config=replace(base, **c),
+                              out_dtype=torch.float32)
+            assert _rel(got, ref) < 5e-3, (M, c, _rel(got, ref))
+            srt = ids.reshape(-1)[route_reference(ids, E)["order"].long()].tolist()
+            rows = [p for p, e in enumerate(srt) if 0 <= e < E and int(table_m[e]) >= 0]
+            idx = torch.tensor(rows, dtype=torch.long, device="cuda")
+            assert _rel(ws.h.index_select(0, idx), tri.h.index_select(0, idx)) < 1e-2, (M, c)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_bf16_weights_tails_to_triton_and_graph_replays():
+    from cmoe.executor.kernels_cuda import moe as C
+    from cmoe.executor.kernels_triton import Workspace, pick_config
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    cfg = replace(pick_config(4), **CUDA_CFGS[0])
+    # a k tail (F % 128 = 64): the CUDA kernel does not take it, the Triton kernel runs, still right
+    lay, pool, table = _pool(4, 5, 256, 320, 64, gen, False)
+    assert not C.fits(lay, 256, 2)
+    x, ids, wts = _inputs(4, 2, 4, 256, gen)
+    got = moe_forward(x, ids, wts, table, pool, lay, config=cfg, out_dtype=torch.float32)
+    assert _rel(got, moe_reference(x, ids, wts, table, pool, lay, out_dtype=torch.float32)) < 1e-2
+    # bf16 routing weights, then a CUDA graph replayed on new inputs and moved experts
+    g, H, Fd, E, M, k = 128, 512, 384, 8, 4, 2
+    lay, pool, table = _pool(E, E, H, Fd, g, gen, False)
+    x, ids, wts = _inputs(M, k, E, H, gen)
+    wb = wts.to(torch.bfloat16)
+    ws = Workspace(M, k, H, Fd, E, "cuda")
+    got = moe_forward(x, ids, wb, table, pool, lay, workspace=ws, config=cfg, out_dtype=torch.float32)
+    assert _rel(got, moe_reference(x, ids, wb.float(), table, pool, lay, out_dtype=torch.float32)) < 5e-3
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_forward(x, ids, wts, table, pool, lay, workspace=ws, config=cfg)
+    for _ in range(3):
+        x2, ids2, wts2 = _inputs(M, k, E, H, gen)
+        x.copy_(x2)
+        ids.copy_(ids2)
+        wts.copy_(wts2)
+        table.copy_(table[torch.randperm(E, generator=gen, device="cuda")])
+        graph.replay()
+        ref = moe_reference(x, ids, wts, table, pool, lay, out_dtype=torch.float32)
+        assert _rel(out.float(), ref) < 1e-2
+
+
+# --- CPU -----------------------------------------------------------------------------------------------
+
+def test_fits_takes_whole_blocks_and_tiles_only():
+    from cmoe.executor.kernels_cuda.moe import fits
+    assert fits(tiled_layout("w4g128", 4096, 14336), 4096, 2)
+    assert fits(tiled_layout("w4g32-fp16", 2048, 1408), 2048, 4)
+    assert not fits(tiled_layout("w4g64", 256, 320), 256, 2)          # F % 128 = 64
+    assert not fits(tiled_layout("w4g32", 448, 256), 448, 2)          # H % 128 = 64
+    assert not fits(tiled_layout("w4g128", 4096, 384), 4094, 2)       # x rows not 8-byte aligned
+    assert fits(tiled_layout("w4g128", 384, 512), 384, 8) and not fits(tiled_layout("w4g128", 384, 512), 384, 16)
+
+
+def _nvrtc():
+    pats = [os.path.join(p, "nvidia", "*", "lib", "libnvrtc.so.*") for p in sys.path if p]
+    libs = sorted(f for p in pats for f in glob.glob(p) if "builtins" not in f and "alt" not in f)
+    if not libs:
+        return None
+    try:
+        # its builtins library first (NVRTC dlopens it by name, which finds a loaded one)
+        for b in glob.glob(os.path.join(os.path.dirname(libs[-1]), "libnvrtc-builtins.so.*")):
+            if "alt" not in b:
+                ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
+        return ctypes.CDLL(libs[-1])
+    except OSError:
+        return None
+
+
+@pytest.mark.parametrize("w13,g,warps,tiles,zp,wbf", [(True, 32, 4, 1, False, False), (True, 256, 8, 1, True, False),
+                                                      (False, 64, 4, 2, False, True), (False, 128, 1, 4, True, False),
+                                                      (False, 256, 2, 1, False, False)])
+def test_the_cuda_source_compiles_for_sm90(w13, g, warps, tiles, zp, wbf):
+    """NVRTC (the nvidia-cuda-nvrtc wheel, where installed) compiles the source for sm_90 with the
+    macros the host sets: a syntax or asm-constraint error is caught without a GPU."""
+    lib = _nvrtc()
+    if lib is None:
+        pytest.skip("NVRTC is not installed (pip install nvidia-cuda-nvrtc)")
+    from cmoe.executor.kernels_cuda.moe import defines, source
+    prog = ctypes.c_void_p()
+    src = (defines(w13, g, warps, tiles, zp, wbf) + source()).encode()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"moe_mma.cu", 0, None, None) == 0
+    opts = [b"--gpu-architecture=sm_90", b"-std=c++17"]
+    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    n = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+    log = ctypes.create_string_buffer(n.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    assert rc == 0, log.value.decode()
+    lib.nvrtcGetCUBINSize(prog, ctypes.byref(n))
+    assert n.value > 0
