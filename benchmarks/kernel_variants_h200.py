@@ -49,6 +49,17 @@ VARIANTS: dict[str, dict] = {
     "cuda-g": dict(cu13=4, cu2=4, cut2=2, cus2=16),
     "cuda-13": dict(cu13=4),
     "cuda-2": dict(cu2=4, cut2=2, cus2=4),
+    # the same with k-units loaded further ahead (cud), x loaded per block when computed (cux=False)
+    # and launch bounds that cap the registers (cub CTAs a multiprocessor)
+    "cuda-f-d2": dict(cu13=4, cu2=4, cut2=4, cus2=4, cud=2, cux=False),
+    "cuda-f-d2m4": dict(cu13=4, cu2=4, cut2=4, cus2=4, cud=2, cux=False, cub=4),
+    "cuda-f-d2m5": dict(cu13=4, cu2=4, cut2=4, cus2=4, cud=2, cux=False, cub=5),
+    "cuda-f-d3": dict(cu13=4, cu2=4, cut2=4, cus2=4, cud=3, cux=False),
+    "cuda-f-d1x0": dict(cu13=4, cu2=4, cut2=4, cus2=4, cux=False),
+    "cuda-f-d1m6": dict(cu13=4, cu2=4, cut2=4, cus2=4, cux=False, cub=6),
+    "cuda-f-d2x": dict(cu13=4, cu2=4, cut2=4, cus2=4, cud=2),
+    "cuda-b-d2": dict(cu13=2, cu2=2, cut2=4, cus2=4, cud=2, cux=False),
+    "cuda-d-d2": dict(cu13=1, cu2=2, cut2=2, cus2=4, cud=2, cux=False),
 }
 # measured in the eighth session at 0569aec, and removed after (slower at every M): the (scale, zero)
 # pairs loaded in their own unit and streamed by the pipeliner (spd13 = spd2 = 0 with stg13 = stg2 =

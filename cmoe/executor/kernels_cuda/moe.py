@@ -28,16 +28,17 @@ def available() -> bool:
     return torch.cuda.is_available() and hasattr(torch.cuda, "_compile_kernel")
 
 
-def defines(is_w13: bool, group: int, warps: int, tiles: int, zp: bool, wt_bf16: bool) -> str:
-    vals = dict(IS_W13=int(is_w13), G=group, NW=warps, MT=tiles, ZP=int(zp), WT_BF16=int(wt_bf16))
+def defines(is_w13: bool, group: int, warps: int, tiles: int, zp: bool, wt_bf16: bool, depth: int = 1,
+            xpf: bool = True, minb: int = 1) -> str:
+    vals = dict(IS_W13=int(is_w13), G=group, NW=warps, MT=tiles, ZP=int(zp), WT_BF16=int(wt_bf16), DEPTH=depth,
+                XPF=int(xpf), MINB=minb)
     return "".join(f"#define {k} {v}\n" for k, v in vals.items())
 
 
 @functools.cache
-def _kernel(is_w13: bool, group: int, warps: int, tiles: int, zp: bool, wt_bf16: bool, device: int):
+def _kernel(device: int, *macros):
     with torch.cuda.device(device):
-        return torch.cuda._compile_kernel(defines(is_w13, group, warps, tiles, zp, wt_bf16) + source(), "moe_mma",
-                                          nvcc_options=["-std=c++17"])
+        return torch.cuda._compile_kernel(defines(*macros) + source(), "moe_mma", nvcc_options=["-std=c++17"])
 
 
 def fits(layout, x_stride: int, tiles2: int) -> bool:
@@ -48,9 +49,10 @@ def fits(layout, x_stride: int, tiles2: int) -> bool:
             and x_stride % 4 == 0 and layout.group in (32, 64, 128, 256))
 
 
-def launch_w13(ws, x, slot_table, pool, layout, topk: int, warps: int, warmup: bool = False):
-    """gate/up with SiLU into ws.h (rows in sorted order), one launch, K not split across CTAs."""
-    k = _kernel(True, layout.group, warps, 1, bool(layout.zero_point), False, x.device.index or 0)
+def launch_w13(ws, x, slot_table, pool, layout, topk: int, warps: int, opt=(1, True, 1), warmup: bool = False):
+    """gate/up with SiLU into ws.h (rows in sorted order), one launch, K not split across CTAs.
+    opt: (DEPTH, XPF, MINB) of `moe_mma.cu`."""
+    k = _kernel(x.device.index or 0, True, layout.group, warps, 1, bool(layout.zero_point), False, *opt)
     if warmup:
         return k
     M = x.shape[0]
@@ -64,12 +66,12 @@ def launch_w13(ws, x, slot_table, pool, layout, topk: int, warps: int, warmup: b
 
 
 def launch_w2(ws, topk_weights, slot_table, pool, layout, topk: int, M: int, warps: int, tiles: int,
-              split: int, warmup: bool = False):
+              split: int, opt=(1, True, 1), warmup: bool = False):
     """down with the routing weights, atomically added into ws.acc; K split `split` ways over grid z
     (as `k_split` cuts it for the Triton kernel)."""
     from cmoe.executor.kernels_triton.moe import k_split
     wt_bf16 = topk_weights.dtype == torch.bfloat16
-    k = _kernel(False, layout.group, warps, tiles, bool(layout.zero_point), wt_bf16, ws.h.device.index or 0)
+    k = _kernel(ws.h.device.index or 0, False, layout.group, warps, tiles, bool(layout.zero_point), wt_bf16, *opt)
     if warmup:
         return k
     assert topk_weights.dtype in (torch.float32, torch.bfloat16), topk_weights.dtype

@@ -27,7 +27,8 @@
 //
 // Macros (set by the host): IS_W13, G (group: 32, 64, 128, 256), NW (warps a CTA), MT (16-row
 // tiles a warp in the w2 role; w13 always one gate and one up tile), ZP (fp16 (scale, zero point)
-// pairs), WT_BF16 (routing weights in bf16, else fp32), BM = 8 (rows of a segment a CTA: the
+// pairs), WT_BF16 (routing weights in bf16, else fp32), DEPTH (units loaded ahead), XPF (x loaded
+// with the unit, else per block when computed), MINB (launch bounds' CTAs a multiprocessor), BM = 8 (rows of a segment a CTA: the
 // mma's n). Requires K % 128 == 0, N % (16 * MT) == 0, x's row stride % 4 == 0 (the host checks).
 
 #ifndef IS_W13
@@ -48,6 +49,15 @@
 #ifndef WT_BF16
 #define WT_BF16 0
 #endif
+#ifndef DEPTH
+#define DEPTH 1                    // k-units whose loads are in flight while one is computed
+#endif
+#ifndef XPF
+#define XPF 1                      // x (B) loaded with its unit's weights; 0: when its block is computed
+#endif
+#ifndef MINB
+#define MINB 1                     // __launch_bounds__' minimum CTAs a multiprocessor (caps registers)
+#endif
 
 #define BM 8
 #if IS_W13
@@ -65,7 +75,9 @@ typedef unsigned short u16;
 
 struct Unit {
     uint4 w[BPU][TILES][2];        // [block][tile][row half: gid, gid + 8] this lane's 16 bytes
+#if XPF
     uint2 x[BPU][8];               // [block][plane] 4 bf16 of B for column gid
+#endif
     u32 sz[GPU_][TILES][2];        // (scale, zero) words of each group, tile, row half
 };
 
@@ -143,6 +155,14 @@ struct Ctx {
     int gid, c;
 };
 
+__device__ __forceinline__ void load_x(uint2 (&x)[8], const Ctx& cx, int kb) {
+#pragma unroll
+    for (int p = 0; p < 8; ++p) {
+        if (cx.xp) x[p] = ldx(cx.xp + ((kb * 128 + p * 16 + 4 * cx.c) >> 1));
+        else x[p] = make_uint2(0u, 0u);
+    }
+}
+
 __device__ __forceinline__ void load_unit(Unit& un, const Ctx& cx, int u) {
 #pragma unroll
     for (int b = 0; b < BPU; ++b) {
@@ -155,11 +175,9 @@ __device__ __forceinline__ void load_unit(Unit& un, const Ctx& cx, int u) {
                 un.w[b][t][h] = ldw(cx.wp + row * 4 + cx.c);
             }
         }
-#pragma unroll
-        for (int p = 0; p < 8; ++p) {
-            if (cx.xp) un.x[b][p] = ldx(cx.xp + ((kb * 128 + p * 16 + 4 * cx.c) >> 1));
-            else un.x[b][p] = make_uint2(0u, 0u);
-        }
+#if XPF
+        load_x(un.x[b], cx, kb);
+#endif
     }
 #pragma unroll
     for (int q = 0; q < GPU_; ++q) {
@@ -174,8 +192,9 @@ __device__ __forceinline__ void load_unit(Unit& un, const Ctx& cx, int u) {
 }
 
 template <int P>
-__device__ __forceinline__ void plane(const Unit& un, int b, float (&ga)[TILES][4], float (&xs)[4]) {
-    const u32 b0 = un.x[b][P].x, b1 = un.x[b][P].y;
+__device__ __forceinline__ void plane(const Unit& un, const uint2 (&x)[8], int b, float (&ga)[TILES][4],
+                                      float (&xs)[4]) {
+    const u32 b0 = x[P].x, b1 = x[P].y;
 #pragma unroll
     for (int t = 0; t < TILES; ++t) {
         const uint4 r0 = un.w[b][t][0], r1 = un.w[b][t][1];
@@ -205,13 +224,13 @@ __device__ __forceinline__ void flush(const Unit& un, int q, float (&acc)[TILES]
 }
 
 template <int P>
-__device__ __forceinline__ void plane_and_flush(const Unit& un, int b, float (&acc)[TILES][4],
+__device__ __forceinline__ void plane_and_flush(const Unit& un, const uint2 (&x)[8], int b, float (&acc)[TILES][4],
                                                 float (&ga)[TILES][4], float (&xs)[4]) {
-    plane<P>(un, b, ga, xs);
+    plane<P>(un, x, b, ga, xs);
     if ((b * 8 + P + 1) % PPG == 0) flush(un, (b * 8 + P) / PPG, acc, ga, xs);
 }
 
-__device__ __forceinline__ void compute_unit(const Unit& un, float (&acc)[TILES][4]) {
+__device__ __forceinline__ void compute_unit(const Unit& un, float (&acc)[TILES][4], const Ctx& cx, int u) {
     float ga[TILES][4], xs[4];
 #pragma unroll
     for (int t = 0; t < TILES; ++t)
@@ -221,18 +240,24 @@ __device__ __forceinline__ void compute_unit(const Unit& un, float (&acc)[TILES]
     for (int j = 0; j < 4; ++j) xs[j] = 0.0f;
 #pragma unroll
     for (int b = 0; b < BPU; ++b) {
-        plane_and_flush<0>(un, b, acc, ga, xs);
-        plane_and_flush<1>(un, b, acc, ga, xs);
-        plane_and_flush<2>(un, b, acc, ga, xs);
-        plane_and_flush<3>(un, b, acc, ga, xs);
-        plane_and_flush<4>(un, b, acc, ga, xs);
-        plane_and_flush<5>(un, b, acc, ga, xs);
-        plane_and_flush<6>(un, b, acc, ga, xs);
-        plane_and_flush<7>(un, b, acc, ga, xs);
+#if XPF
+        const uint2 (&x)[8] = un.x[b];
+#else
+        uint2 x[8];
+        load_x(x, cx, u * BPU + b);
+#endif
+        plane_and_flush<0>(un, x, b, acc, ga, xs);
+        plane_and_flush<1>(un, x, b, acc, ga, xs);
+        plane_and_flush<2>(un, x, b, acc, ga, xs);
+        plane_and_flush<3>(un, x, b, acc, ga, xs);
+        plane_and_flush<4>(un, x, b, acc, ga, xs);
+        plane_and_flush<5>(un, x, b, acc, ga, xs);
+        plane_and_flush<6>(un, x, b, acc, ga, xs);
+        plane_and_flush<7>(un, x, b, acc, ga, xs);
     }
 }
 
-extern "C" __global__ void __launch_bounds__(NW * 32)
+extern "C" __global__ void __launch_bounds__(NW * 32, MINB)
 moe_mma(const u16* __restrict__ x, int stride_x, const unsigned char* __restrict__ pool, int slot_bytes,
         const int* __restrict__ table, int E, const int* __restrict__ seg_e, const int* __restrict__ seg_s,
         const int* __restrict__ seg_end, const int* __restrict__ order, const void* __restrict__ wt,
@@ -273,17 +298,21 @@ moe_mma(const u16* __restrict__ x, int stride_x, const unsigned char* __restrict
     // this CTA's units [lo, hi) (split pid z of grid z), taken by the warps in turn
     const int units = K / U;
     const int lo = blockIdx.z * ups, hi = min(units, lo + ups);
+    // a ring of DEPTH + 1 units: DEPTH in flight while one is computed (indices fixed by the unroll)
     int u = lo + warp;
-    Unit ua, ub;
-    if (u < hi) load_unit(ua, cx, u);
+    Unit ring[DEPTH + 1];
+#pragma unroll
+    for (int i = 0; i < DEPTH; ++i)
+        if (u + i * NW < hi) load_unit(ring[i], cx, u + i * NW);
     while (u < hi) {
-        if (u + NW < hi) load_unit(ub, cx, u + NW);
-        compute_unit(ua, acc);
-        u += NW;
-        if (u >= hi) break;
-        if (u + NW < hi) load_unit(ua, cx, u + NW);
-        compute_unit(ub, acc);
-        u += NW;
+#pragma unroll
+        for (int s = 0; s <= DEPTH; ++s) {
+            if (u < hi) {
+                if (u + DEPTH * NW < hi) load_unit(ring[(s + DEPTH) % (DEPTH + 1)], cx, u + DEPTH * NW);
+                compute_unit(ring[s], acc, cx, u);
+            }
+            u += NW;
+        }
     }
 
     // the warps' parts, added in warp order

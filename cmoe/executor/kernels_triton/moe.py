@@ -88,6 +88,9 @@ class KernelConfig:
     cu2: int = 0         # the same for w2
     cut2: int = 2        # the CUDA w2's 16-row tiles a warp
     cus2: int = 4        # the CUDA w2's split-K over CTAs
+    cud: int = 1         # the CUDA kernels' k-units loaded ahead (DEPTH)
+    cux: bool = True     # x loaded with its unit's weights (XPF), else when its block is computed
+    cub: int = 1         # the CUDA kernels' launch bounds: CTAs a multiprocessor (MINB; caps registers)
 
 
 # by batch rows M (the smallest bucket >= M): the configurations benchmarks/expert_kernel_h200.py
@@ -207,7 +210,7 @@ def launch_w13(ws: Workspace, x, slot_table, pool, layout, topk: int, cfg: Kerne
     Returns the w13 launch's kernel (with warmup: both are compiled)."""
     if cfg.cu13 and _cuda(layout, x.stride(0), cfg):
         from cmoe.executor.kernels_cuda import moe as C
-        return C.launch_w13(ws, x, slot_table, pool, layout, topk, cfg.cu13, warmup)
+        return C.launch_w13(ws, x, slot_table, pool, layout, topk, cfg.cu13, (cfg.cud, cfg.cux, cfg.cub), warmup)
     H, Fd = layout.hidden, layout.ffn
     E = slot_table.numel()
     M = x.shape[0]
@@ -240,7 +243,8 @@ def launch_w2(ws: Workspace, topk_weights, slot_table, pool, layout, topk: int, 
               warmup=False):
     if cfg.cu2 and _cuda(layout, ws.h.stride(0), cfg):
         from cmoe.executor.kernels_cuda import moe as C
-        return C.launch_w2(ws, topk_weights, slot_table, pool, layout, topk, M, cfg.cu2, cfg.cut2, cfg.cus2, warmup)
+        return C.launch_w2(ws, topk_weights, slot_table, pool, layout, topk, M, cfg.cu2, cfg.cut2, cfg.cus2,
+                           (cfg.cud, cfg.cux, cfg.cub), warmup)
     H, Fd = layout.hidden, layout.ffn
     E = slot_table.numel()
     nch = triton.cdiv(M, cfg.bm)
