@@ -63,11 +63,11 @@ case "${1:-}" in
           --engines lean --policies "" --repeats 2 --kernel-configs "$OUT/variants/kernel_variants.json" \
           --budget-s 110 2>&1 | grep -E "^lean|^HBM|^built|rror" || true
         timeout 150 python3 -m pytest -q -m gpu tests/test_moe_kernel_gpu.py -x -p no:cacheprovider | tail -5 ;;
-  cuda-ab) timeout 150 python3 -m pytest -q -m gpu tests/test_moe_cuda_gpu.py -x -p no:cacheprovider 2>&1 | tail -8 || true
-        timeout 240 python3 benchmarks/kernel_variants_h200.py --out "$OUT/variants" --ms "${2:-1,2,4,8,16}" ${3:+--variants $3} 2>&1 | grep -v Warning
+  cuda-ab) timeout 240 python3 benchmarks/kernel_variants_h200.py --out "$OUT/variants" --ms "${2:-1,2,4,8,16}" ${3:+--variants $3} 2>&1 | grep -v Warning
         timeout 170 python3 benchmarks/lean_h200.py --out "$OUT/lean" --tokens 128 --batches 1,4,8 --pools 20 \
           --engines lean --policies "" --repeats 2 --kernel-configs "$OUT/variants/kernel_variants.json" \
-          --budget-s 110 2>&1 | grep -E "^lean|^HBM|^built|rror" || true ;;
+          --budget-s 110 2>&1 | grep -E "^lean|^HBM|^built|rror" || true
+        timeout 170 python3 -m pytest -q -m gpu tests/test_moe_cuda_gpu.py -x -p no:cacheprovider 2>&1 | tail -8 ;;
   ncu-variants) N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1); mkdir -p /tmp/ncuv
        timeout 300 "$N" --clock-control none --set full -k 'regex:_expert_mm|_gate_up' -f -o /tmp/ncuv/v \
          python3 benchmarks/kernel_variants_h200.py --launch-only --ms 1 --variants "${2:-committed,split13-2}" \
