@@ -39,27 +39,17 @@ VARIANTS: dict[str, dict] = {
     "split13-2": dict(split13=2),
     "split13-4": dict(split13=4),
     # the CUDA C++ kernel (kernels_cuda, twelfth session): warps a CTA for w13 (cu13) and w2 (cu2),
-    # w2's 16-row tiles a warp (cut2) and split-K over CTAs (cus2); 0 warps: that matrix on Triton
-    "cuda-a": dict(cu13=4, cu2=4, cut2=2, cus2=4),
-    "cuda-b": dict(cu13=2, cu2=4, cut2=1, cus2=4),
-    "cuda-c": dict(cu13=8, cu2=4, cut2=2, cus2=8),
-    "cuda-d": dict(cu13=1, cu2=2, cut2=2, cus2=4),
-    "cuda-e": dict(cu13=4, cu2=8, cut2=2, cus2=2),
-    "cuda-f": dict(cu13=4, cu2=4, cut2=4, cus2=4),
-    "cuda-g": dict(cu13=4, cu2=4, cut2=2, cus2=16),
-    "cuda-13": dict(cu13=4),
-    "cuda-2": dict(cu2=4, cut2=2, cus2=4),
-    # the same with k-units loaded further ahead (cud), x loaded per block when computed (cux=False)
-    # and launch bounds that cap the registers (cub CTAs a multiprocessor)
-    "cuda-f-d2": dict(cu13=4, cu2=4, cut2=4, cus2=4, cud=2, cux=False),
-    "cuda-f-d2m4": dict(cu13=4, cu2=4, cut2=4, cus2=4, cud=2, cux=False, cub=4),
-    "cuda-f-d2m5": dict(cu13=4, cu2=4, cut2=4, cus2=4, cud=2, cux=False, cub=5),
-    "cuda-f-d3": dict(cu13=4, cu2=4, cut2=4, cus2=4, cud=3, cux=False),
-    "cuda-f-d1x0": dict(cu13=4, cu2=4, cut2=4, cus2=4, cux=False),
-    "cuda-f-d1m6": dict(cu13=4, cu2=4, cut2=4, cus2=4, cux=False, cub=6),
-    "cuda-f-d2x": dict(cu13=4, cu2=4, cut2=4, cus2=4, cud=2),
-    "cuda-b-d2": dict(cu13=2, cu2=2, cut2=4, cus2=4, cud=2, cux=False),
-    "cuda-d-d2": dict(cu13=1, cu2=2, cut2=2, cus2=4, cud=2, cux=False),
+    # w2's 16-row tiles a warp (cut2) and split-K over CTAs (cus2), x loaded with the unit's weights
+    # (cux13, cux2) or per block; cu13 = cu2 = 0 is the Triton kernel alone
+    "triton": dict(cu13=0, cu2=0),
+    "cuda-f": dict(cu13=4, cu2=4, cut2=4, cus2=4, cux13=False, cux2=True),
+    "cuda-d": dict(cu13=1, cu2=2, cut2=2, cus2=4, cux13=False, cux2=True),
+    "cuda-d2w": dict(cu13=2, cu2=2, cut2=2, cus2=4, cux13=False, cux2=True),
+    "cuda-f-x13": dict(cu13=4, cu2=4, cut2=4, cus2=4, cux13=True, cux2=True),
+    "cuda-f-x2off": dict(cu13=4, cu2=4, cut2=4, cus2=4, cux13=False, cux2=False),
+    "cuda-a": dict(cu13=4, cu2=4, cut2=2, cus2=4, cux13=False, cux2=True),
+    "cuda-f-s8": dict(cu13=4, cu2=4, cut2=4, cus2=8, cux13=False, cux2=True),
+    "cuda-d-t4": dict(cu13=1, cu2=2, cut2=4, cus2=4, cux13=False, cux2=True),
 }
 # measured in the eighth session at 0569aec, and removed after (slower at every M): the (scale, zero)
 # pairs loaded in their own unit and streamed by the pipeliner (spd13 = spd2 = 0 with stg13 = stg2 =
@@ -73,6 +63,11 @@ VARIANTS: dict[str, dict] = {
 # 1, 2, 4 or 8 weight rows a thread, 1-4 warps, split13 1-4, stages 3-5 or a register prefetch,
 # 1-4 batch rows a chunk; at M = 1 w13 29.3-59.4 us against 31.3, w2 14.6-20.1 against 13.6, and no
 # layer faster than the committed one at any M from 1 to 8 (from M = 2 on 1.4-9.5x slower)
+# measured in the twelfth session (results/lean-h200-12/call1-, call2-kernel_variants.json), and
+# dropped: the CUDA kernel with w13 on 2 or 8 warps (x with the unit), w2 on 8 warps, split 2 or 16,
+# and (call 2, 0820d57) a ring loading 2-3 units ahead and launch bounds of 4-6 CTAs a
+# multiprocessor: slower than 4 warps loading one unit ahead at every M (M = 1: w13 25.0-39.8 us
+# against 21.7, w2 12.3-26.8 against 11.6)
 
 
 def _write(res: dict, out: Path, t0: float) -> None:

@@ -61,8 +61,8 @@ def _rel(a, b) -> float:
 
 CUDA_CFGS = [dict(cu13=4, cu2=4, cut2=2, cus2=4), dict(cu13=1, cu2=1, cut2=1, cus2=1),
              dict(cu13=2, cu2=8, cut2=4, cus2=3), dict(cu13=8, cu2=2, cut2=2, cus2=7),
-             dict(cu13=4, cu2=4, cut2=2, cus2=4, cud=2, cux=False, cub=4),
-             dict(cu13=2, cu2=4, cut2=1, cus2=3, cud=3, cux=False), dict(cu13=1, cu2=1, cut2=4, cus2=5, cud=2)]
+             dict(cu13=4, cu2=4, cut2=2, cus2=4, cux13=True, cux2=False),
+             dict(cu13=2, cu2=4, cut2=1, cus2=3, cux13=False, cux2=False), dict(cu13=1, cu2=1, cut2=4, cus2=5, cux13=True)]
 
 
 @pytest.mark.parametrize("zp", [False, True])
@@ -163,9 +163,9 @@ def _nvrtc():
 
 
 @pytest.mark.parametrize("w13,g,warps,tiles,zp,wbf,opt", [
-    (True, 32, 4, 1, False, False, (1, True, 1)), (True, 256, 8, 1, True, False, (2, False, 4)),
-    (False, 64, 4, 2, False, True, (3, False, 1)), (False, 128, 1, 4, True, False, (2, True, 6)),
-    (False, 256, 2, 1, False, False, (1, False, 1))])
+    (True, 32, 4, 1, False, False, True), (True, 256, 8, 1, True, False, False),
+    (False, 64, 4, 2, False, True, False), (False, 128, 1, 4, True, False, True),
+    (False, 256, 2, 1, False, False, False)])
 def test_the_cuda_source_compiles_for_sm90(w13, g, warps, tiles, zp, wbf, opt):
     """NVRTC (the nvidia-cuda-nvrtc wheel, where installed) compiles the source for sm_90 with the
     macros the host sets: a syntax or asm-constraint error is caught without a GPU."""
@@ -174,7 +174,7 @@ def test_the_cuda_source_compiles_for_sm90(w13, g, warps, tiles, zp, wbf, opt):
         pytest.skip("NVRTC is not installed (pip install nvidia-cuda-nvrtc)")
     from cmoe.executor.kernels_cuda.moe import defines, source
     prog = ctypes.c_void_p()
-    src = (defines(w13, g, warps, tiles, zp, wbf, *opt) + source()).encode()
+    src = (defines(w13, g, warps, tiles, zp, wbf, opt) + source()).encode()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"moe_mma.cu", 0, None, None) == 0
     opts = [b"--gpu-architecture=sm_90", b"-std=c++17"]
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))

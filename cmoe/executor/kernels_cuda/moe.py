@@ -28,10 +28,8 @@ def available() -> bool:
     return torch.cuda.is_available() and hasattr(torch.cuda, "_compile_kernel")
 
 
-def defines(is_w13: bool, group: int, warps: int, tiles: int, zp: bool, wt_bf16: bool, depth: int = 1,
-            xpf: bool = True, minb: int = 1) -> str:
-    vals = dict(IS_W13=int(is_w13), G=group, NW=warps, MT=tiles, ZP=int(zp), WT_BF16=int(wt_bf16), DEPTH=depth,
-                XPF=int(xpf), MINB=minb)
+def defines(is_w13: bool, group: int, warps: int, tiles: int, zp: bool, wt_bf16: bool, xpf: bool = True) -> str:
+    vals = dict(IS_W13=int(is_w13), G=group, NW=warps, MT=tiles, ZP=int(zp), WT_BF16=int(wt_bf16), XPF=int(xpf))
     return "".join(f"#define {k} {v}\n" for k, v in vals.items())
 
 
@@ -49,10 +47,10 @@ def fits(layout, x_stride: int, tiles2: int) -> bool:
             and x_stride % 4 == 0 and layout.group in (32, 64, 128, 256))
 
 
-def launch_w13(ws, x, slot_table, pool, layout, topk: int, warps: int, opt=(1, True, 1), warmup: bool = False):
+def launch_w13(ws, x, slot_table, pool, layout, topk: int, warps: int, xpf: bool = False, warmup: bool = False):
     """gate/up with SiLU into ws.h (rows in sorted order), one launch, K not split across CTAs.
-    opt: (DEPTH, XPF, MINB) of `moe_mma.cu`."""
-    k = _kernel(x.device.index or 0, True, layout.group, warps, 1, bool(layout.zero_point), False, *opt)
+    xpf: x loaded with its unit's weights (XPF in `moe_mma.cu`), else per block when computed."""
+    k = _kernel(x.device.index or 0, True, layout.group, warps, 1, bool(layout.zero_point), False, xpf)
     if warmup:
         return k
     M = x.shape[0]
@@ -66,17 +64,16 @@ def launch_w13(ws, x, slot_table, pool, layout, topk: int, warps: int, opt=(1, T
 
 
 def launch_w2(ws, topk_weights, slot_table, pool, layout, topk: int, M: int, warps: int, tiles: int,
-              split: int, opt=(1, True, 1), warmup: bool = False):
-    """down with the routing weights, atomically added into ws.acc; K split `split` ways over grid z
-    (as `k_split` cuts it for the Triton kernel)."""
-    from cmoe.executor.kernels_triton.moe import k_split
+              ksplit: tuple[int, int], xpf: bool = True, warmup: bool = False):
+    """down with the routing weights, atomically added into ws.acc; K split over grid z as
+    ksplit = (splits, units a split) says (`kernels_triton.moe.k_split`, which cuts it for both)."""
     wt_bf16 = topk_weights.dtype == torch.bfloat16
-    k = _kernel(ws.h.device.index or 0, False, layout.group, warps, tiles, bool(layout.zero_point), wt_bf16, *opt)
+    k = _kernel(ws.h.device.index or 0, False, layout.group, warps, tiles, bool(layout.zero_point), wt_bf16, xpf)
     if warmup:
         return k
     assert topk_weights.dtype in (torch.float32, torch.bfloat16), topk_weights.dtype
     nch = -(-M // BM)
-    s, ups = k_split(layout.ffn, layout.group, split)
+    s, ups = ksplit
     k(grid=(layout.hidden // (16 * tiles), ws.A * nch, s), block=(32 * warps, 1, 1),
       args=[ws.h, ws.h.stride(0), pool, pool.stride(0), slot_table, slot_table.numel(), ws.seg_e, ws.seg_s,
             ws.seg_end, ws.order, topk_weights, ws.acc, ws.acc.stride(0), layout.part("w2").offset,

@@ -27,8 +27,8 @@
 //
 // Macros (set by the host): IS_W13, G (group: 32, 64, 128, 256), NW (warps a CTA), MT (16-row
 // tiles a warp in the w2 role; w13 always one gate and one up tile), ZP (fp16 (scale, zero point)
-// pairs), WT_BF16 (routing weights in bf16, else fp32), DEPTH (units loaded ahead), XPF (x loaded
-// with the unit, else per block when computed), MINB (launch bounds' CTAs a multiprocessor), BM = 8 (rows of a segment a CTA: the
+// pairs), WT_BF16 (routing weights in bf16, else fp32), XPF (x loaded with its unit's weights, else
+// per block when computed), BM = 8 (rows of a segment a CTA: the
 // mma's n). Requires K % 128 == 0, N % (16 * MT) == 0, x's row stride % 4 == 0 (the host checks).
 
 #ifndef IS_W13
@@ -49,14 +49,8 @@
 #ifndef WT_BF16
 #define WT_BF16 0
 #endif
-#ifndef DEPTH
-#define DEPTH 1                    // k-units whose loads are in flight while one is computed
-#endif
 #ifndef XPF
 #define XPF 1                      // x (B) loaded with its unit's weights; 0: when its block is computed
-#endif
-#ifndef MINB
-#define MINB 1                     // __launch_bounds__' minimum CTAs a multiprocessor (caps registers)
 #endif
 
 #define BM 8
@@ -257,7 +251,7 @@ __device__ __forceinline__ void compute_unit(const Unit& un, float (&acc)[TILES]
     }
 }
 
-extern "C" __global__ void __launch_bounds__(NW * 32, MINB)
+extern "C" __global__ void __launch_bounds__(NW * 32)
 moe_mma(const u16* __restrict__ x, int stride_x, const unsigned char* __restrict__ pool, int slot_bytes,
         const int* __restrict__ table, int E, const int* __restrict__ seg_e, const int* __restrict__ seg_s,
         const int* __restrict__ seg_end, const int* __restrict__ order, const void* __restrict__ wt,
@@ -298,21 +292,20 @@ moe_mma(const u16* __restrict__ x, int stride_x, const unsigned char* __restrict
     // this CTA's units [lo, hi) (split pid z of grid z), taken by the warps in turn
     const int units = K / U;
     const int lo = blockIdx.z * ups, hi = min(units, lo + ups);
-    // a ring of DEPTH + 1 units: DEPTH in flight while one is computed (indices fixed by the unroll)
+    // two units in turn: the next one's loads are issued before the current one is computed
+    // (measured on the H200: a ring of 3 or 4 units, loads 2-3 units ahead, was slower at every M, and
+    // so were launch bounds capping the registers at 4-6 CTAs a multiprocessor; BENCHMARKS.md)
     int u = lo + warp;
-    Unit ring[DEPTH + 1];
-#pragma unroll
-    for (int i = 0; i < DEPTH; ++i)
-        if (u + i * NW < hi) load_unit(ring[i], cx, u + i * NW);
+    Unit ua, ub;
+    if (u < hi) load_unit(ua, cx, u);
     while (u < hi) {
-#pragma unroll
-        for (int s = 0; s <= DEPTH; ++s) {
-            if (u < hi) {
-                if (u + DEPTH * NW < hi) load_unit(ring[(s + DEPTH) % (DEPTH + 1)], cx, u + DEPTH * NW);
-                compute_unit(ring[s], acc, cx, u);
-            }
-            u += NW;
-        }
+        if (u + NW < hi) load_unit(ub, cx, u + NW);
+        compute_unit(ua, acc, cx, u);
+        u += NW;
+        if (u >= hi) break;
+        if (u + NW < hi) load_unit(ua, cx, u + NW);
+        compute_unit(ub, acc, cx, u);
+        u += NW;
     }
 
     // the warps' parts, added in warp order

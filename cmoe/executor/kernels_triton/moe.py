@@ -58,7 +58,7 @@ dequantize the int4 planes (the inline PTX), load the (scale, zero) pairs and do
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -88,21 +88,24 @@ class KernelConfig:
     cu2: int = 0         # the same for w2
     cut2: int = 2        # the CUDA w2's 16-row tiles a warp
     cus2: int = 4        # the CUDA w2's split-K over CTAs
-    cud: int = 1         # the CUDA kernels' k-units loaded ahead (DEPTH)
-    cux: bool = True     # x loaded with its unit's weights (XPF), else when its block is computed
-    cub: int = 1         # the CUDA kernels' launch bounds: CTAs a multiprocessor (MINB; caps registers)
+    cux13: bool = False  # the CUDA w13 loads x with its unit's weights (else when its block is computed)
+    cux2: bool = True    # the same for the CUDA w2
 
 
 # by batch rows M (the smallest bucket >= M): the configurations benchmarks/expert_kernel_h200.py
 # chose on the H200 (2026-12-01; each checked against the fp32 reference on a Mixtral layer and
 # expert, then the fastest layer among the correct candidates). 32 rows per warp keeps the
 # unpacked operand in registers (mma.sync); 4 warps and BN >= 64 make Triton use wgmma.
+# M <= 8: both matrices on the CUDA kernel (kernels_cuda; benchmarks/kernel_variants_h200.py, twelfth
+# session: one expert at M = 1 in ~38 us against 45, a layer of 8 experts at top-2 faster at M = 1-8);
+# at M = 16 the Triton kernel's layer was as fast or faster, so from 16 rows on it runs alone.
+_TRITON_1 = KernelConfig(16, 32, 2, 3, 64, 16, 1, 3, deq=False, deq2=False)
 CONFIGS: dict[int, KernelConfig] = {
-    1: KernelConfig(16, 32, 2, 3, 64, 16, 1, 3, deq=False, deq2=False),
-    2: KernelConfig(16, 64, 2, 3, 128, 16, 4, 3, deq=False, deq2=True),
-    4: KernelConfig(16, 32, 2, 3, 64, 16, 1, 3, deq=False, deq2=False),
-    8: KernelConfig(16, 32, 2, 3, 64, 16, 1, 3, deq=False, deq2=False),
-    16: KernelConfig(16, 32, 2, 3, 64, 16, 1, 3, deq=False, deq2=False),
+    1: replace(_TRITON_1, cu13=4, cu2=4, cut2=4, cus2=4),
+    2: KernelConfig(16, 64, 2, 3, 128, 16, 4, 3, deq=False, deq2=True, cu13=4, cu2=4, cut2=4, cus2=4),
+    4: replace(_TRITON_1, cu13=1, cu2=2, cut2=2, cus2=4),
+    8: replace(_TRITON_1, cu13=1, cu2=2, cut2=2, cus2=4),
+    16: _TRITON_1,
     32: KernelConfig(32, 64, 2, 3, 128, 16, 4, 3, deq=True, deq2=True),
     64: KernelConfig(64, 64, 4, 3, 128, 8, 4, 3, deq=False, deq2=True),
 }
@@ -210,7 +213,7 @@ def launch_w13(ws: Workspace, x, slot_table, pool, layout, topk: int, cfg: Kerne
     Returns the w13 launch's kernel (with warmup: both are compiled)."""
     if cfg.cu13 and _cuda(layout, x.stride(0), cfg):
         from cmoe.executor.kernels_cuda import moe as C
-        return C.launch_w13(ws, x, slot_table, pool, layout, topk, cfg.cu13, (cfg.cud, cfg.cux, cfg.cub), warmup)
+        return C.launch_w13(ws, x, slot_table, pool, layout, topk, cfg.cu13, cfg.cux13, warmup)
     H, Fd = layout.hidden, layout.ffn
     E = slot_table.numel()
     M = x.shape[0]
@@ -243,8 +246,8 @@ def launch_w2(ws: Workspace, topk_weights, slot_table, pool, layout, topk: int, 
               warmup=False):
     if cfg.cu2 and _cuda(layout, ws.h.stride(0), cfg):
         from cmoe.executor.kernels_cuda import moe as C
-        return C.launch_w2(ws, topk_weights, slot_table, pool, layout, topk, M, cfg.cu2, cfg.cut2, cfg.cus2,
-                           (cfg.cud, cfg.cux, cfg.cub), warmup)
+        return C.launch_w2(ws, topk_weights, slot_table, pool, layout, topk, M, cfg.cu2, cfg.cut2,
+                           k_split(layout.ffn, layout.group, cfg.cus2), cfg.cux2, warmup)
     H, Fd = layout.hidden, layout.ffn
     E = slot_table.numel()
     nch = triton.cdiv(M, cfg.bm)
