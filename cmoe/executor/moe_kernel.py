@@ -167,7 +167,8 @@ def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
 def moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 slot_table: torch.Tensor, pool: torch.Tensor, layout: ExpertLayout,
                 workspace=None, config=None, out_dtype=None) -> torch.Tensor:
-    """The layer on the device: the Triton kernels on CUDA, the reference elsewhere.
+    """The layer on the device: the Triton kernels on CUDA (with the CUDA C++ matmuls of
+    `kernels_cuda` where the configuration names them), the reference elsewhere.
     `workspace` (kernels_triton.Workspace) holds the scratch buffers; pass the same one on every
     call of a CUDA graph. Returns [M, H] in out_dtype (default x.dtype)."""
     if not x.is_cuda:

@@ -50,6 +50,10 @@ no faster on the H200 at M = 1 (w13 29.3-59.4 us against 31.3-31.9, w2 14.6-20.1
 13.6-13.7, a layer of 2 experts 78.3-100.7 against 76.7-77.5) and far slower from M = 2 on
 (BENCHMARKS.md, eleventh session; commits 6518921 and 3801b7b hold it).
 
+The CUDA C++ kernel (`cmoe.executor.kernels_cuda`, twelfth session) takes the place of `_expert_mm`
+for either matrix when a KernelConfig names its warps (cu13, cu2) and the layout has no k tail: same
+slots, segments, h and acc, so route, reduction and copy stay here. CONFIGS use it up to 8 rows.
+
 Files: this one holds the host side (KernelConfig, CONFIGS, Workspace, the launches, `moe_triton`);
 `moe_device.py` the kernels (`_route_kernel`, `_expert_mm` with its parts as inlined
 @triton.jit helpers, `_gate_up_kernel`); `moe_dequant.py` the device helpers that unpack and
