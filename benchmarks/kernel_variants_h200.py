@@ -50,6 +50,14 @@ VARIANTS: dict[str, dict] = {
     "cuda-a": dict(cu13=4, cu2=4, cut2=2, cus2=4, cux13=False, cux2=True),
     "cuda-f-s8": dict(cu13=4, cu2=4, cut2=4, cus2=8, cux13=False, cux2=True),
     "cuda-d-t4": dict(cu13=1, cu2=2, cut2=4, cus2=4, cux13=False, cux2=True),
+    # the bulk-copy path: stages a warp for w13 (cubk13) and w2 (cubk2), capped by bulk_stages
+    "bk-a": dict(cu13=4, cu2=4, cut2=2, cus2=4, cubk13=4, cubk2=4),
+    "bk-b": dict(cu13=4, cu2=4, cut2=4, cus2=4, cubk13=3, cubk2=2),
+    "bk-c": dict(cu13=2, cu2=2, cut2=2, cus2=4, cubk13=4, cubk2=4),
+    "bk-d": dict(cu13=8, cu2=8, cut2=2, cus2=2, cubk13=2, cubk2=2),
+    "bk-e": dict(cu13=1, cu2=1, cut2=2, cus2=8, cubk13=4, cubk2=4),
+    "bk-f": dict(cu13=4, cu2=4, cut2=2, cus2=8, cubk13=2, cubk2=2),
+    "bk-g": dict(cu13=2, cu2=2, cut2=2, cus2=8, cubk13=5, cubk2=5),
 }
 # measured in the eighth session at 0569aec, and removed after (slower at every M): the (scale, zero)
 # pairs loaded in their own unit and streamed by the pipeliner (spd13 = spd2 = 0 with stg13 = stg2 =

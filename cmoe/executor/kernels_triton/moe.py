@@ -94,6 +94,8 @@ class KernelConfig:
     cus2: int = 4        # the CUDA w2's split-K over CTAs
     cux13: bool = False  # the CUDA w13 loads x with its unit's weights (else when its block is computed)
     cux2: bool = True    # the same for the CUDA w2
+    cubk13: int = 0      # the CUDA w13's bulk-copy stages a warp (0: its loads go into registers)
+    cubk2: int = 0       # the same for the CUDA w2
 
 
 # by batch rows M (the smallest bucket >= M): the configurations benchmarks/expert_kernel_h200.py
@@ -217,7 +219,7 @@ def launch_w13(ws: Workspace, x, slot_table, pool, layout, topk: int, cfg: Kerne
     Returns the w13 launch's kernel (with warmup: both are compiled)."""
     if cfg.cu13 and _cuda(layout, x.stride(0), cfg):
         from cmoe.executor.kernels_cuda import moe as C
-        return C.launch_w13(ws, x, slot_table, pool, layout, topk, cfg.cu13, cfg.cux13, warmup)
+        return C.launch_w13(ws, x, slot_table, pool, layout, topk, cfg.cu13, cfg.cux13, cfg.cubk13, warmup)
     H, Fd = layout.hidden, layout.ffn
     E = slot_table.numel()
     M = x.shape[0]
@@ -251,7 +253,7 @@ def launch_w2(ws: Workspace, topk_weights, slot_table, pool, layout, topk: int, 
     if cfg.cu2 and _cuda(layout, ws.h.stride(0), cfg):
         from cmoe.executor.kernels_cuda import moe as C
         return C.launch_w2(ws, topk_weights, slot_table, pool, layout, topk, M, cfg.cu2, cfg.cut2,
-                           k_split(layout.ffn, layout.group, cfg.cus2), cfg.cux2, warmup)
+                           k_split(layout.ffn, layout.group, cfg.cus2), cfg.cux2, cfg.cubk2, warmup)
     H, Fd = layout.hidden, layout.ffn
     E = slot_table.numel()
     nch = triton.cdiv(M, cfg.bm)
