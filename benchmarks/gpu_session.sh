@@ -24,8 +24,6 @@
 #   bash benchmarks/gpu_session.sh cuda-check VARIANTS TWIN.json  # the variants at M 1-16, upper at batches
 #                                             # 1/4/8 as committed and with TWIN's configurations, then the
 #                                             # kernel, lean and executor GPU tests
-#   bash benchmarks/gpu_session.sh bulk VARIANTS  # the variants at M 1-8, the CUDA kernel's tests, upper at
-#                                             # batches 1/8 as committed and with the fastest per M
 #   bash benchmarks/gpu_session.sh ncu-variants [NAMES]  # the same variants' M = 1 launches under ncu
 #   bash benchmarks/gpu_session.sh wait       # issue 15: the host polling each read-back (CMOE_WAIT=spin) against its
 #                                             # event sync, batch 2, pools 16/26, ondemand and oracle, right before each
@@ -80,12 +78,6 @@ case "${1:-}" in
           --budget-s 110 2>&1 | grep -E "^lean|^HBM|^built|rror" || true
         timeout 250 python3 -m pytest -q -m gpu tests/test_moe_cuda_gpu.py tests/test_moe_kernel_gpu.py \
           tests/test_moe_kernel_fp16.py tests/test_lean_gpu.py tests/test_executor_gpu.py -p no:cacheprovider 2>&1 | tail -12 ;;
-  bulk) timeout 150 python3 benchmarks/kernel_variants_h200.py --out "$OUT/variants" --ms 1,2,4,8 \
-          --variants "${2:?variants}" 2>&1 | grep -v Warning
-        timeout 150 python3 -m pytest -q -m gpu tests/test_moe_cuda_gpu.py -x -p no:cacheprovider 2>&1 | tail -8
-        timeout 130 python3 benchmarks/lean_h200.py --out "$OUT/lean" --tokens 128 --batches 1,8 --pools 20 \
-          --engines lean --policies "" --repeats 2 --kernel-configs "$OUT/variants/kernel_variants.json" \
-          --budget-s 80 2>&1 | grep -E "^lean|^HBM|^built|rror" || true ;;
   ncu-variants) N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1); mkdir -p /tmp/ncuv
        timeout 300 "$N" --clock-control none --set full -k 'regex:_expert_mm|_gate_up' -f -o /tmp/ncuv/v \
          python3 benchmarks/kernel_variants_h200.py --launch-only --ms 1 --variants "${2:-committed,split13-2}" \

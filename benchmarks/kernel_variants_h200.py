@@ -50,14 +50,6 @@ VARIANTS: dict[str, dict] = {
     "cuda-a": dict(cu13=4, cu2=4, cut2=2, cus2=4, cux13=False, cux2=True),
     "cuda-f-s8": dict(cu13=4, cu2=4, cut2=4, cus2=8, cux13=False, cux2=True),
     "cuda-d-t4": dict(cu13=1, cu2=2, cut2=4, cus2=4, cux13=False, cux2=True),
-    # the bulk-copy path: stages a warp for w13 (cubk13) and w2 (cubk2), capped by bulk_stages
-    "bk-a": dict(cu13=4, cu2=4, cut2=2, cus2=4, cubk13=4, cubk2=4),
-    "bk-b": dict(cu13=4, cu2=4, cut2=4, cus2=4, cubk13=3, cubk2=2),
-    "bk-c": dict(cu13=2, cu2=2, cut2=2, cus2=4, cubk13=4, cubk2=4),
-    "bk-d": dict(cu13=8, cu2=8, cut2=2, cus2=2, cubk13=2, cubk2=2),
-    "bk-e": dict(cu13=1, cu2=1, cut2=2, cus2=8, cubk13=4, cubk2=4),
-    "bk-f": dict(cu13=4, cu2=4, cut2=2, cus2=8, cubk13=2, cubk2=2),
-    "bk-g": dict(cu13=2, cu2=2, cut2=2, cus2=8, cubk13=5, cubk2=5),
 }
 # measured in the eighth session at 0569aec, and removed after (slower at every M): the (scale, zero)
 # pairs loaded in their own unit and streamed by the pipeliner (spd13 = spd2 = 0 with stg13 = stg2 =
@@ -75,7 +67,9 @@ VARIANTS: dict[str, dict] = {
 # dropped: the CUDA kernel with w13 on 2 or 8 warps (x with the unit), w2 on 8 warps, split 2 or 16,
 # and (call 2, 0820d57) a ring loading 2-3 units ahead and launch bounds of 4-6 CTAs a
 # multiprocessor: slower than 4 warps loading one unit ahead at every M (M = 1: w13 25.0-39.8 us
-# against 21.7, w2 12.3-26.8 against 11.6)
+# against 21.7, w2 12.3-26.8 against 11.6); and (call 6, ce8df29) the weights and pairs brought by
+# bulk copies (1 KB and 64 B runs on per-stage mbarriers, 2-5 stages a warp, bk-a..bk-g): right,
+# but w13 26.2-47.7 us against 22.6-23.8 and every layer 2-27% slower than the committed one
 
 
 def _write(res: dict, out: Path, t0: float) -> None:

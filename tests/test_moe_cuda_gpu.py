@@ -62,10 +62,7 @@ def _rel(a, b) -> float:
 CUDA_CFGS = [dict(cu13=4, cu2=4, cut2=2, cus2=4), dict(cu13=1, cu2=1, cut2=1, cus2=1),
              dict(cu13=2, cu2=8, cut2=4, cus2=3), dict(cu13=8, cu2=2, cut2=2, cus2=7),
              dict(cu13=4, cu2=4, cut2=2, cus2=4, cux13=True, cux2=False),
-             dict(cu13=2, cu2=4, cut2=1, cus2=3, cux13=False, cux2=False), dict(cu13=1, cu2=1, cut2=4, cus2=5, cux13=True),
-             # the bulk-copy path (stages capped by bulk_stages where g = 256's stages are larger)
-             dict(cu13=4, cu2=4, cut2=2, cus2=4, cubk13=4, cubk2=4), dict(cu13=2, cu2=8, cut2=1, cus2=3, cubk13=3, cubk2=2),
-             dict(cu13=1, cu2=1, cut2=4, cus2=5, cubk13=2, cubk2=2)]
+             dict(cu13=2, cu2=4, cut2=1, cus2=3, cux13=False, cux2=False), dict(cu13=1, cu2=1, cut2=4, cus2=5, cux13=True)]
 
 
 @pytest.mark.parametrize("zp", [False, True])
@@ -140,16 +137,6 @@ def test_bf16_weights_tails_to_triton_and_graph_replays():
 
 # --- CPU -----------------------------------------------------------------------------------------------
 
-def test_bulk_stages_stay_within_static_shared_memory():
-    from cmoe.executor.kernels_cuda.moe import bulk_stages
-    # w13 at g = 128 on 4 warps: a stage is 2 tiles x 1 KB + 2 x 64 B of pairs = 2176 B
-    assert bulk_stages(128, 4, 2, 4) == 4            # 4 x 4 x (2176 + 8) + 4 KB of sums = 39,040 B
-    assert bulk_stages(128, 4, 2, 6) == 5            # 6 would need 56 KB: capped at 5 (47,776 B)
-    assert bulk_stages(256, 4, 2, 4) == 2            # 4224 B stages: 2 fit
-    assert bulk_stages(256, 8, 4, 4) == 0            # not even 2 stages: loads into registers
-    assert bulk_stages(128, 4, 2, 0) == 0 and bulk_stages(128, 4, 2, 1) == 0
-
-
 def test_fits_takes_whole_blocks_and_tiles_only():
     from cmoe.executor.kernels_cuda.moe import fits
     assert fits(tiled_layout("w4g128", 4096, 14336), 4096, 2)
@@ -178,18 +165,16 @@ def _nvrtc():
 @pytest.mark.parametrize("w13,g,warps,tiles,zp,wbf,opt", [
     (True, 32, 4, 1, False, False, True), (True, 256, 8, 1, True, False, False),
     (False, 64, 4, 2, False, True, False), (False, 128, 1, 4, True, False, True),
-    (False, 256, 2, 1, False, False, False), (True, 128, 4, 1, False, False, 4), (True, 256, 2, 1, True, False, 3),
-    (False, 32, 4, 2, False, True, 2), (False, 64, 8, 4, True, False, 2)])
+    (False, 256, 2, 1, False, False, False)])
 def test_the_cuda_source_compiles_for_sm90(w13, g, warps, tiles, zp, wbf, opt):
     """NVRTC (the nvidia-cuda-nvrtc wheel, where installed) compiles the source for sm_90 with the
     macros the host sets: a syntax or asm-constraint error is caught without a GPU."""
     lib = _nvrtc()
     if lib is None:
         pytest.skip("NVRTC is not installed (pip install nvidia-cuda-nvrtc)")
-    from cmoe.executor.kernels_cuda.moe import bulk_stages, defines, source
+    from cmoe.executor.kernels_cuda.moe import defines, source
     prog = ctypes.c_void_p()
-    xpf, bulk = (opt, 0) if isinstance(opt, bool) else (False, bulk_stages(g, warps, 2 if w13 else tiles, opt))
-    src = (defines(w13, g, warps, tiles, zp, wbf, xpf, bulk) + source()).encode()
+    src = (defines(w13, g, warps, tiles, zp, wbf, opt) + source()).encode()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"moe_mma.cu", 0, None, None) == 0
     opts = [b"--gpu-architecture=sm_90", b"-std=c++17"]
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))

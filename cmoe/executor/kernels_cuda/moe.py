@@ -28,10 +28,8 @@ def available() -> bool:
     return torch.cuda.is_available() and hasattr(torch.cuda, "_compile_kernel")
 
 
-def defines(is_w13: bool, group: int, warps: int, tiles: int, zp: bool, wt_bf16: bool, xpf: bool = True,
-            bulk: int = 0) -> str:
-    vals = dict(IS_W13=int(is_w13), G=group, NW=warps, MT=tiles, ZP=int(zp), WT_BF16=int(wt_bf16), XPF=int(xpf),
-                BULK=bulk)
+def defines(is_w13: bool, group: int, warps: int, tiles: int, zp: bool, wt_bf16: bool, xpf: bool = True) -> str:
+    vals = dict(IS_W13=int(is_w13), G=group, NW=warps, MT=tiles, ZP=int(zp), WT_BF16=int(wt_bf16), XPF=int(xpf))
     return "".join(f"#define {k} {v}\n" for k, v in vals.items())
 
 
@@ -39,23 +37,6 @@ def defines(is_w13: bool, group: int, warps: int, tiles: int, zp: bool, wt_bf16:
 def _kernel(device: int, *macros):
     with torch.cuda.device(device):
         return torch.cuda._compile_kernel(defines(*macros) + source(), "moe_mma", nvcc_options=["-std=c++17"])
-
-
-SMEM_STATIC = 48 * 1024     # a kernel's static shared memory may not exceed this
-
-
-def bulk_stages(group: int, warps: int, tiles: int, want: int) -> int:
-    """The bulk-copy stages a CTA gets (BULK in `moe_mma.cu`): `want`, fewer where its stages, the
-    epilogue's sums and the barriers would pass the static shared-memory limit; 0 (loads into
-    registers) below 2 stages. tiles: 16-row tiles a warp (2 for w13: gate and up)."""
-    if want <= 0:
-        return 0
-    u = max(128, group)
-    stage = (u // 128) * tiles * 1024 + (u // group) * tiles * 64
-    red = warps * tiles * 4 * 32 * 4
-    fit = (SMEM_STATIC - red - 1024) // (warps * (stage + 8))      # 1 KB for alignment padding
-    n = min(want, fit)
-    return n if n >= 2 else 0
 
 
 def fits(layout, x_stride: int, tiles2: int) -> bool:
@@ -66,13 +47,10 @@ def fits(layout, x_stride: int, tiles2: int) -> bool:
             and x_stride % 4 == 0 and layout.group in (32, 64, 128, 256))
 
 
-def launch_w13(ws, x, slot_table, pool, layout, topk: int, warps: int, xpf: bool = False, bulk: int = 0,
-               warmup: bool = False):
+def launch_w13(ws, x, slot_table, pool, layout, topk: int, warps: int, xpf: bool = False, warmup: bool = False):
     """gate/up with SiLU into ws.h (rows in sorted order), one launch, K not split across CTAs.
-    xpf: x loaded with its unit's weights (XPF in `moe_mma.cu`), else per block when computed;
-    bulk: the stages of the bulk-copy path (`bulk_stages`), 0 for loads into registers."""
-    k = _kernel(x.device.index or 0, True, layout.group, warps, 1, bool(layout.zero_point), False, xpf,
-                bulk_stages(layout.group, warps, 2, bulk))
+    xpf: x loaded with its unit's weights (XPF in `moe_mma.cu`), else per block when computed."""
+    k = _kernel(x.device.index or 0, True, layout.group, warps, 1, bool(layout.zero_point), False, xpf)
     if warmup:
         return k
     M = x.shape[0]
@@ -86,12 +64,11 @@ def launch_w13(ws, x, slot_table, pool, layout, topk: int, warps: int, xpf: bool
 
 
 def launch_w2(ws, topk_weights, slot_table, pool, layout, topk: int, M: int, warps: int, tiles: int,
-              ksplit: tuple[int, int], xpf: bool = True, bulk: int = 0, warmup: bool = False):
+              ksplit: tuple[int, int], xpf: bool = True, warmup: bool = False):
     """down with the routing weights, atomically added into ws.acc; K split over grid z as
     ksplit = (splits, units a split) says (`kernels_triton.moe.k_split`, which cuts it for both)."""
     wt_bf16 = topk_weights.dtype == torch.bfloat16
-    k = _kernel(ws.h.device.index or 0, False, layout.group, warps, tiles, bool(layout.zero_point), wt_bf16, xpf,
-                bulk_stages(layout.group, warps, tiles, bulk))
+    k = _kernel(ws.h.device.index or 0, False, layout.group, warps, tiles, bool(layout.zero_point), wt_bf16, xpf)
     if warmup:
         return k
     assert topk_weights.dtype in (torch.float32, torch.bfloat16), topk_weights.dtype

@@ -28,7 +28,7 @@
 // Macros (set by the host): IS_W13, G (group: 32, 64, 128, 256), NW (warps a CTA), MT (16-row
 // tiles a warp in the w2 role; w13 always one gate and one up tile), ZP (fp16 (scale, zero point)
 // pairs), WT_BF16 (routing weights in bf16, else fp32), XPF (x loaded with its unit's weights, else
-// per block when computed), BULK (stages of the bulk-copy path; 0: loads into registers), BM = 8 (rows of a segment a CTA: the
+// per block when computed), BM = 8 (rows of a segment a CTA: the
 // mma's n). Requires K % 128 == 0, N % (16 * MT) == 0, x's row stride % 4 == 0 (the host checks).
 
 #ifndef IS_W13
@@ -51,13 +51,6 @@
 #endif
 #ifndef XPF
 #define XPF 1                      // x (B) loaded with its unit's weights; 0: when its block is computed
-#endif
-#ifndef BULK
-#define BULK 0                     // > 0: the weights and pairs come by bulk copies into BULK stages
-#endif
-#if BULK
-#undef XPF
-#define XPF 0
 #endif
 
 #define BM 8
@@ -258,93 +251,6 @@ __device__ __forceinline__ void compute_unit(const Unit& un, float (&acc)[TILES]
     }
 }
 
-#if BULK
-// --- the bulk-copy path: each warp feeds itself through BULK shared-memory stages --------------
-// A unit's bytes are whole runs: per block and tile the 16 rows' 64 bytes are 1 KB contiguous, per
-// group and tile the 16 (scale, zero) words 64 bytes. Lane 0 posts them as bulk copies (the copy
-// engine behind TMA, no tensor map) on the stage's mbarrier with their byte count; the warp waits
-// on the barrier's phase, reads the stage into registers, and lane 0 refills it with the unit BULK
-// ahead. So BULK units a warp are in flight, in shared memory instead of registers.
-#define STAGE_W (BPU * TILES * 1024)
-#define STAGE_B (STAGE_W + GPU_ * TILES * 64)
-
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void bulk_issue(unsigned char* stage, unsigned long long* bar, const Ctx& cx, int u) {
-    const u32 b = smem_addr(bar);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(b), "r"(STAGE_B) : "memory");
-#pragma unroll
-    for (int bb = 0; bb < BPU; ++bb) {
-        const int kb = u * BPU + bb;
-#pragma unroll
-        for (int t = 0; t < TILES; ++t) {
-            const uint4* src = cx.wp + ((long long)kb * cx.NR + cx.rowb[t]) * 4;
-            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 1024, [%2];"
-                         :: "r"(smem_addr(stage + (bb * TILES + t) * 1024)), "l"(src), "r"(b) : "memory");
-        }
-    }
-#pragma unroll
-    for (int q = 0; q < GPU_; ++q) {
-#pragma unroll
-        for (int t = 0; t < TILES; ++t) {
-            const u32* src = cx.sp + (long long)(u * GPU_ + q) * cx.NR + cx.rowb[t];
-            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 64, [%2];"
-                         :: "r"(smem_addr(stage + STAGE_W + (q * TILES + t) * 64)), "l"(src), "r"(b) : "memory");
-        }
-    }
-}
-
-__device__ __forceinline__ void bulk_wait(unsigned long long* bar, u32 parity) {
-    const u32 b = smem_addr(bar);
-    u32 done = 0;
-    while (!done) {
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                     : "=r"(done) : "r"(b), "r"(parity) : "memory");
-    }
-}
-
-__device__ __forceinline__ void bulk_read(Unit& un, const unsigned char* stage, const Ctx& cx) {
-#pragma unroll
-    for (int bb = 0; bb < BPU; ++bb)
-#pragma unroll
-        for (int t = 0; t < TILES; ++t)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-                un.w[bb][t][h] = *(const uint4*)(stage + (bb * TILES + t) * 1024 + (cx.gid + 8 * h) * 64 + cx.c * 16);
-#pragma unroll
-    for (int q = 0; q < GPU_; ++q)
-#pragma unroll
-        for (int t = 0; t < TILES; ++t)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-                un.sz[q][t][h] = *(const u32*)(stage + STAGE_W + (q * TILES + t) * 64 + (cx.gid + 8 * h) * 4);
-}
-
-// units first, first + NW, .. below hi of this warp, through its BULK stages
-__device__ __forceinline__ void bulk_loop(const Ctx& cx, float (&acc)[TILES][4], int first, int hi, int lane, int warp) {
-    __shared__ __align__(128) unsigned char stages[NW][BULK][STAGE_B];
-    __shared__ __align__(8) unsigned long long bars[NW][BULK];
-    const int n = first < hi ? (hi - first + NW - 1) / NW : 0;
-    if (lane == 0) {
-        for (int s = 0; s < BULK; ++s)
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(&bars[warp][s])) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        for (int i = 0; i < BULK && i < n; ++i) bulk_issue(stages[warp][i], &bars[warp][i], cx, first + i * NW);
-    }
-    __syncwarp();
-    for (int i = 0; i < n; ++i) {
-        const int s = i % BULK;
-        bulk_wait(&bars[warp][s], (u32)(i / BULK) & 1u);
-        Unit un;
-        bulk_read(un, stages[warp][s], cx);
-        __syncwarp();                                   // every lane has read the stage: refill it
-        if (lane == 0 && i + BULK < n) bulk_issue(stages[warp][s], &bars[warp][s], cx, first + (i + BULK) * NW);
-        compute_unit(un, acc, cx, first + i * NW);
-    }
-}
-#endif
-
 extern "C" __global__ void __launch_bounds__(NW * 32)
 moe_mma(const u16* __restrict__ x, int stride_x, const unsigned char* __restrict__ pool, int slot_bytes,
         const int* __restrict__ table, int E, const int* __restrict__ seg_e, const int* __restrict__ seg_s,
@@ -386,12 +292,11 @@ moe_mma(const u16* __restrict__ x, int stride_x, const unsigned char* __restrict
     // this CTA's units [lo, hi) (split pid z of grid z), taken by the warps in turn
     const int units = K / U;
     const int lo = blockIdx.z * ups, hi = min(units, lo + ups);
-#if BULK
-    bulk_loop(cx, acc, lo + warp, hi, lane, warp);
-#else
     // two units in turn: the next one's loads are issued before the current one is computed
-    // (measured on the H200: a ring of 3 or 4 units, loads 2-3 units ahead, was slower at every M, and
-    // so were launch bounds capping the registers at 4-6 CTAs a multiprocessor; BENCHMARKS.md)
+    // (measured on the H200, BENCHMARKS.md twelfth session, all slower at every M: a ring of 3 or 4
+    // units, loads 2-3 units ahead; launch bounds capping the registers at 4-6 CTAs a multiprocessor;
+    // and (ce8df29) each warp feeding itself through 2-5 shared-memory stages by bulk copies on
+    // mbarriers, 1 KB a copy: w13 at M = 1 26.2-40.6 us against 22.6, w2 14.9-17.3 against 13.0)
     int u = lo + warp;
     Unit ua, ub;
     if (u < hi) load_unit(ua, cx, u);
@@ -404,7 +309,6 @@ moe_mma(const u16* __restrict__ x, int stride_x, const unsigned char* __restrict
         compute_unit(ub, acc, cx, u);
         u += NW;
     }
-#endif
 
     // the warps' parts, added in warp order
     __shared__ float red[NW][TILES * 4][32];

@@ -94,8 +94,6 @@ class KernelConfig:
     cus2: int = 4        # the CUDA w2's split-K over CTAs
     cux13: bool = False  # the CUDA w13 loads x with its unit's weights (else when its block is computed)
     cux2: bool = True    # the same for the CUDA w2
-    cubk13: int = 0      # the CUDA w13's bulk-copy stages a warp (0: its loads go into registers)
-    cubk2: int = 0       # the same for the CUDA w2
 
 
 # by batch rows M (the smallest bucket >= M): the configurations benchmarks/expert_kernel_h200.py
@@ -103,13 +101,17 @@ class KernelConfig:
 # expert, then the fastest layer among the correct candidates). 32 rows per warp keeps the
 # unpacked operand in registers (mma.sync); 4 warps and BN >= 64 make Triton use wgmma.
 # M <= 8: both matrices on the CUDA kernel (kernels_cuda; benchmarks/kernel_variants_h200.py, twelfth
-# session: one expert at M = 1 in ~38 us against 45, a layer of 8 experts at top-2 faster at M = 1-8);
-# at M = 16 the Triton kernel's layer was as fast or faster, so from 16 rows on it runs alone.
+# session: one expert at M = 1 in ~38 us against 45-47, a layer of 8 experts at top-2 faster at
+# M = 1-8). M = 1-4: w13 on 4 warps with x loaded with its unit, w2 on 4 warps of 4 tiles, split 4
+# (the fastest layer at M = 1, 2 and 4 in calls 3 and 6); M = 8: one warp a w13 CTA and w2 on 2
+# warps (the layer's ~6.5 experts fill the machine; fastest there in both). At M = 16 the Triton
+# kernel's layer was as fast, so from 16 rows on it runs alone.
 _TRITON_1 = KernelConfig(16, 32, 2, 3, 64, 16, 1, 3, deq=False, deq2=False)
+_CUDA_F = dict(cu13=4, cux13=True, cu2=4, cut2=4, cus2=4)
 CONFIGS: dict[int, KernelConfig] = {
-    1: replace(_TRITON_1, cu13=4, cu2=4, cut2=4, cus2=4),
-    2: KernelConfig(16, 64, 2, 3, 128, 16, 4, 3, deq=False, deq2=True, cu13=4, cu2=4, cut2=4, cus2=4),
-    4: replace(_TRITON_1, cu13=1, cu2=2, cut2=2, cus2=4),
+    1: replace(_TRITON_1, **_CUDA_F),
+    2: KernelConfig(16, 64, 2, 3, 128, 16, 4, 3, deq=False, deq2=True, **_CUDA_F),
+    4: replace(_TRITON_1, **_CUDA_F),
     8: replace(_TRITON_1, cu13=1, cu2=2, cut2=2, cus2=4),
     16: _TRITON_1,
     32: KernelConfig(32, 64, 2, 3, 128, 16, 4, 3, deq=True, deq2=True),
@@ -219,7 +221,7 @@ def launch_w13(ws: Workspace, x, slot_table, pool, layout, topk: int, cfg: Kerne
     Returns the w13 launch's kernel (with warmup: both are compiled)."""
     if cfg.cu13 and _cuda(layout, x.stride(0), cfg):
         from cmoe.executor.kernels_cuda import moe as C
-        return C.launch_w13(ws, x, slot_table, pool, layout, topk, cfg.cu13, cfg.cux13, cfg.cubk13, warmup)
+        return C.launch_w13(ws, x, slot_table, pool, layout, topk, cfg.cu13, cfg.cux13, warmup)
     H, Fd = layout.hidden, layout.ffn
     E = slot_table.numel()
     M = x.shape[0]
@@ -253,7 +255,7 @@ def launch_w2(ws: Workspace, topk_weights, slot_table, pool, layout, topk: int, 
     if cfg.cu2 and _cuda(layout, ws.h.stride(0), cfg):
         from cmoe.executor.kernels_cuda import moe as C
         return C.launch_w2(ws, topk_weights, slot_table, pool, layout, topk, M, cfg.cu2, cfg.cut2,
-                           k_split(layout.ffn, layout.group, cfg.cus2), cfg.cux2, cfg.cubk2, warmup)
+                           k_split(layout.ffn, layout.group, cfg.cus2), cfg.cux2, warmup)
     H, Fd = layout.hidden, layout.ffn
     E = slot_table.numel()
     nch = triton.cdiv(M, cfg.bm)
