@@ -137,6 +137,23 @@ def test_bf16_weights_tails_to_triton_and_graph_replays():
 
 # --- CPU -----------------------------------------------------------------------------------------------
 
+def test_without_nvrtc_the_triton_kernel_runs_and_a_warning_says_so(monkeypatch):
+    import torch.cuda._utils as U
+
+    from cmoe.executor.kernels_cuda import moe as C
+
+    def missing():
+        raise OSError("libnvrtc.so: cannot open shared object file")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(U, "_get_gpu_rtc_library", missing)
+    C.available.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="NVRTC is not usable .*libnvrtc.so.*Triton kernel"):
+            assert C.available() is False
+    finally:
+        C.available.cache_clear()
+
+
 def test_fits_takes_whole_blocks_and_tiles_only():
     from cmoe.executor.kernels_cuda.moe import fits
     assert fits(tiled_layout("w4g128", 4096, 14336), 4096, 2)

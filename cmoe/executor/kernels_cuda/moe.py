@@ -12,6 +12,7 @@ compiled once per process (~1 s each).
 from __future__ import annotations
 
 import functools
+import warnings
 from importlib import resources
 
 import torch
@@ -24,8 +25,22 @@ def source() -> str:
     return resources.files(__package__).joinpath("moe_mma.cu").read_text()
 
 
+@functools.cache
 def available() -> bool:
-    return torch.cuda.is_available() and hasattr(torch.cuda, "_compile_kernel")
+    """CUDA, torch's NVRTC wrapper and the NVRTC library it loads. Without the library (a torch
+    build that lacks it) the Triton kernel runs every matmul, and a warning says so once."""
+    if not torch.cuda.is_available() or not hasattr(torch.cuda, "_compile_kernel") or torch.version.hip:
+        return False                                   # (the source is PTX-level CUDA: not for ROCm)
+    try:
+        from torch.cuda._utils import _get_gpu_rtc_library
+    except ImportError:
+        return True                                    # this torch finds NVRTC its own way
+    try:
+        _get_gpu_rtc_library()
+    except Exception as e:                                               # noqa: BLE001
+        warnings.warn(f"cmoe: NVRTC is not usable ({e}); the expert matmuls run on the Triton kernel")
+        return False
+    return True
 
 
 def defines(is_w13: bool, group: int, warps: int, tiles: int, zp: bool, wt_bf16: bool, xpf: bool = True) -> str:
