@@ -385,7 +385,7 @@ def split13_sweep(args, out: Path) -> None:
         d["ref_layer"] = _layer_ref(x, ids2, w2t, deq32)
         d["ref_one"] = _layer_ref(x, torch.zeros(M, 1, dtype=torch.int32), torch.ones(M, 1), deq32)
         data[M] = d
-        cands[M] = split13_variants(pick_config(M), args.tiny)
+        cands[M] = split13_variants(pick_config(M, triton_only=True), args.tiny)
     print(f"references at {time.time() - t0:.0f} s", flush=True)
 
     if DEV == "cuda":                      # compile every candidate at once (16 threads)
@@ -393,7 +393,7 @@ def split13_sweep(args, out: Path) -> None:
         with ThreadPoolExecutor(16) as pex, triton.AsyncCompileMode(pex, ignore_errors=True):
             for M in ms:
                 d = data[M]
-                for _, c in cands[M] + [(0, replace(pick_config(M), split13=1))]:
+                for _, c in cands[M] + [(0, replace(pick_config(M, triton_only=True), split13=1))]:
                     K.launch_w13(d["wsl"], d["x"], lay_tables[0], pool, lay, 2, c, warmup=True)
                     K.launch_w2(d["wsl"], d["w2d"], lay_tables[0], pool, lay, 2, M, c, warmup=True)
         print(f"compiled {sum(len(v) for v in cands.values())} candidates in {time.time() - tc:.0f} s", flush=True)
@@ -641,7 +641,7 @@ def main() -> None:
         cands = []
         if M in best:
             cands.append(best[M]["config"])
-        cands += [c for c in _fallbacks(M, pick_config(M)) if c not in cands]
+        cands += [c for c in _fallbacks(M, pick_config(M, triton_only=True)) if c not in cands]
         x, ids, wts, ws = single(M)
         hM = torch.randn(M, FF, generator=gen, device="cuda").to(torch.bfloat16)
         lg = torch.Generator().manual_seed(100 + M)

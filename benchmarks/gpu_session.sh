@@ -19,8 +19,9 @@
 #   bash benchmarks/gpu_session.sh variants   # issue 14: kernel variants against the committed configs, M 1-16
 #   bash benchmarks/gpu_session.sh kernel-ab  # issue 14: the variants at M 1-8, then
 #                                             # upper at batches 1/4/8 with the committed and the fastest per M
-#   bash benchmarks/gpu_session.sh cuda-ab [MS] # issue 14: the CUDA kernel's GPU tests, its variants beside the
-#                                             # committed (M 1-16), then upper at batches 1/4/8 with the fastest per M
+#   bash benchmarks/gpu_session.sh cuda-ab [MS [VARIANTS]] # issue 14: the variants beside the committed
+#                                             # (M 1-16), upper at batches 1/4/8 with the fastest per M, then
+#                                             # the CUDA kernel's GPU tests
 #   bash benchmarks/gpu_session.sh cuda-check VARIANTS TWIN.json  # the variants at M 1-16, upper at batches
 #                                             # 1/4/8 as committed and with TWIN's configurations, then the
 #                                             # kernel, lean and executor GPU tests

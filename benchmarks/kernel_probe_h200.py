@@ -209,7 +209,7 @@ def main() -> None:
                for u in (1, 4) for st in (None, 2, 3, 4, 6)]
     streams += [(False, bn, w, sp, u, st) for bn, w, sp in ((16, 1, 4), (32, 1, 16), (64, 2, 16), (32, 1, 8))
                 for u in (1, 4) for st in (None, 2, 3, 4, 6)]
-    c13, c2 = _candidates(pick_config(1))
+    c13, c2 = _candidates(pick_config(1, triton_only=True))
     ms = [int(v) for v in args.ms.split(",")]
     data = one_expert_inputs(ms, gen)
     w13_call, w2_call = one_expert_launches(data, pool, lay)

@@ -36,8 +36,8 @@ from cmoe.executor.moe_kernel import tiled_layout  # noqa: E402
 # name -> the fields replaced in the committed configuration
 VARIANTS: dict[str, dict] = {
     "committed": {},
-    "split13-2": dict(split13=2),
-    "split13-4": dict(split13=4),
+    "split13-2": dict(split13=2, cu13=0, cu2=0),          # split-K of the Triton w13
+    "split13-4": dict(split13=4, cu13=0, cu2=0),
     # the CUDA C++ kernel (kernels_cuda, twelfth session): warps a CTA for w13 (cu13) and w2 (cu2),
     # w2's 16-row tiles a warp (cut2) and split-K over CTAs (cus2), x loaded with the unit's weights
     # (cux13, cux2) or per block; cu13 = cu2 = 0 is the Triton kernel alone
@@ -63,13 +63,14 @@ VARIANTS: dict[str, dict] = {
 # 1, 2, 4 or 8 weight rows a thread, 1-4 warps, split13 1-4, stages 3-5 or a register prefetch,
 # 1-4 batch rows a chunk; at M = 1 w13 29.3-59.4 us against 31.3, w2 14.6-20.1 against 13.6, and no
 # layer faster than the committed one at any M from 1 to 8 (from M = 2 on 1.4-9.5x slower)
-# measured in the twelfth session (results/lean-h200-12/call1-, call2-kernel_variants.json), and
-# dropped: the CUDA kernel with w13 on 2 or 8 warps (x with the unit), w2 on 8 warps, split 2 or 16,
-# and (call 2, 0820d57) a ring loading 2-3 units ahead and launch bounds of 4-6 CTAs a
-# multiprocessor: slower than 4 warps loading one unit ahead at every M (M = 1: w13 25.0-39.8 us
-# against 21.7, w2 12.3-26.8 against 11.6); and (call 6, ce8df29) the weights and pairs brought by
-# bulk copies (1 KB and 64 B runs on per-stage mbarriers, 2-5 stages a warp, bk-a..bk-g): right,
-# but w13 26.2-47.7 us against 22.6-23.8 and every layer 2-27% slower than the committed one
+# measured in the twelfth session (results/lean-h200-12/), and dropped from this list: call 1, the
+# CUDA kernel's w13 on 2 or 8 warps with x with the unit (24.2-27.1 us at M = 1-8 against
+# 22.4-23.8 on 4), w2 on 8 warps split 2 (layers within 0.3% of cuda-f's) and w2 split 16 (slower
+# layers); call 2 (0820d57), a ring loading 2-3 units ahead and launch bounds of 4-6 CTAs a
+# multiprocessor (M = 1: w13 25.0-39.8 us against 21.7, w2 12.3-26.8 against 11.6); call 6
+# (ce8df29), the weights and pairs brought by bulk copies (1 KB and 64 B runs on per-stage
+# mbarriers, 2-5 stages a warp, bk-a..bk-g): right, but w13 26.2-47.7 us against 22.6-23.8 and
+# every layer 2-37% slower than the committed one
 
 
 def _write(res: dict, out: Path, t0: float) -> None:

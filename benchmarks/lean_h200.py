@@ -63,8 +63,16 @@ def under_env(name: str, value: str, run) -> None:
 def under_configs(path: Path, run) -> None:
     """`run()` with the expert kernel's CONFIGS buckets replaced by the per-M configurations in `path`
     (`kernel_variants_h200.py`'s "best_layer"), restored after."""
+    from dataclasses import fields
+
     from cmoe.executor.kernels_triton import CONFIGS, KernelConfig
     best = json.loads(path.read_text())["best_layer"]
+    known = {f.name for f in fields(KernelConfig)}
+    for m, b in best.items():
+        extra = sorted(set(b["config"]) - known)
+        if extra:       # a configuration measured at another commit: refuse it rather than drop fields
+            raise SystemExit(f"{path}: M = {m}'s configuration names fields this tree's KernelConfig lacks "
+                             f"({', '.join(extra)}); it was measured at another commit")
     was = dict(CONFIGS)
     try:
         for m, b in best.items():

@@ -28,7 +28,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get(
                                 reason="needs CUDA (and not TRITON_INTERPRET=1)")
 
 # (group, H, F), K % 128 == 0 in both matrices
-SHAPES = [(32, 512, 384), (64, 256, 512), (128, 512, 384), (256, 512, 768), (128, 1024, 256)]
+SHAPES = [(32, 512, 384), (64, 256, 512), (128, 512, 384), (256, 512, 768), (128, 1024, 256), (128, 256, 640)]
 
 
 def _pool(E, S, H, Fd, g, gen, zp: bool):
@@ -60,6 +60,14 @@ def _rel(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def _assert_cuda_ran(g: int, c: dict) -> None:
+    """The CUDA kernels of configuration c were compiled (not left to the Triton kernel)."""
+    from cmoe.executor.kernels_cuda import moe as C
+    assert C.available()
+    got = {(k[1], k[2], k[3]) for k, v in C._KERNELS.items() if v is not None and k[2] == g}
+    assert (True, g, c["cu13"]) in got and (False, g, c["cu2"]) in got, (g, c, got)
+
+
 CUDA_CFGS = [dict(cu13=4, cu2=4, cut2=2, cus2=4), dict(cu13=1, cu2=1, cut2=1, cus2=1),
              dict(cu13=2, cu2=8, cut2=4, cus2=3), dict(cu13=8, cu2=2, cut2=2, cus2=7),
              dict(cu13=4, cu2=4, cut2=2, cus2=4, cux13=True, cux2=False),
@@ -85,7 +93,7 @@ def test_cuda_layer_matches_the_reference_and_the_triton_h(g, H, Fd, zp):
             table_m = table
         ref = moe_reference(x, ids, wts, table_m, pool, lay, out_dtype=torch.float32)
         tri = Workspace(M, k, H, Fd, E, "cuda")
-        base = replace(pick_config(M), deq=False, deq2=False)
+        base = replace(pick_config(M), deq=False, deq2=False, cu13=0, cu2=0)      # the Triton kernel alone
         moe_forward(x, ids, wts, table_m, pool, lay, workspace=tri, config=base, out_dtype=torch.float32)
         for c in CUDA_CFGS:
             ws = Workspace(M, k, H, Fd, E, "cuda")
@@ -94,6 +102,7 @@ def test_cuda_layer_matches_the_reference_and_the_triton_h(g, H, Fd, zp):
             got = moe_forward(x, ids, wts, table_m, pool, lay, workspace=ws, config=replace(base, **c),
                               out_dtype=torch.float32)
             assert _rel(got, ref) < 5e-3, (M, c, _rel(got, ref))
+            _assert_cuda_ran(g, c)
             srt = ids.reshape(-1)[route_reference(ids, E)["order"].long()].tolist()
             rows = [p for p, e in enumerate(srt) if 0 <= e < E and int(table_m[e]) >= 0]
             idx = torch.tensor(rows, dtype=torch.long, device="cuda")
@@ -121,6 +130,7 @@ def test_bf16_weights_tails_to_triton_and_graph_replays():
     ws = Workspace(M, k, H, Fd, E, "cuda")
     got = moe_forward(x, ids, wb, table, pool, lay, workspace=ws, config=cfg, out_dtype=torch.float32)
     assert _rel(got, moe_reference(x, ids, wb.float(), table, pool, lay, out_dtype=torch.float32)) < 5e-3
+    moe_forward(x, ids, wts, table, pool, lay, workspace=ws, config=cfg)    # compile (fp32 weights) outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -140,12 +150,15 @@ def test_bf16_weights_tails_to_triton_and_graph_replays():
 
 def test_without_nvrtc_the_triton_kernel_runs_and_a_warning_says_so(monkeypatch):
     import torch.cuda._utils as U
+    if not (hasattr(U, "_get_gpu_rtc_library") and hasattr(torch.cuda, "_compile_kernel")):
+        pytest.skip("this torch has no NVRTC wrapper (2.8+)")
 
     from cmoe.executor.kernels_cuda import moe as C
 
     def missing():
         raise OSError("libnvrtc.so: cannot open shared object file")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     monkeypatch.setattr(U, "_get_gpu_rtc_library", missing)
     C.available.cache_clear()
     try:
@@ -155,25 +168,50 @@ def test_without_nvrtc_the_triton_kernel_runs_and_a_warning_says_so(monkeypatch)
         C.available.cache_clear()
 
 
-def test_fits_takes_whole_blocks_and_tiles_only():
+def test_a_kernel_that_does_not_compile_is_none_once_with_a_warning(monkeypatch):
+    import contextlib
+
+    from cmoe.executor.kernels_cuda import moe as C
+    calls = []
+
+    def fail(src, name, **kw):
+        calls.append(name)
+        raise RuntimeError("nvrtc: error: identifier \"x\" is undefined\nmore log")
+    monkeypatch.setattr(torch.cuda, "_compile_kernel", fail, raising=False)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    key = (0, True, 128, 4, 1, False, False, True)
+    monkeypatch.setattr(C, "_KERNELS", {})
+    with pytest.warns(UserWarning, match=r"did not compile \(RuntimeError: nvrtc: error: identifier .* undefined\)"):
+        assert C.kernel(*key) is None
+    assert C.kernel(*key) is None and calls == ["moe_mma"]          # cached: no second compile
+
+
+def test_fits_takes_whole_blocks_aligned_bf16_rows_and_slots_only():
     from cmoe.executor.kernels_cuda.moe import fits
-    assert fits(tiled_layout("w4g128", 4096, 14336), 4096, 2)
-    assert fits(tiled_layout("w4g32-fp16", 2048, 1408), 2048, 4)
-    assert not fits(tiled_layout("w4g64", 256, 320), 256, 2)          # F % 128 = 64
-    assert not fits(tiled_layout("w4g32", 448, 256), 448, 2)          # H % 128 = 64
-    assert not fits(tiled_layout("w4g128", 4096, 384), 4094, 2)       # x rows not 8-byte aligned
-    assert fits(tiled_layout("w4g128", 384, 512), 384, 8) and not fits(tiled_layout("w4g128", 384, 512), 384, 16)
+    lay = tiled_layout("w4g128", 4096, 14336)
+    x = torch.zeros(3, 4096, dtype=torch.bfloat16)
+    pool = torch.zeros(2, slot_size(lay), dtype=torch.uint8)
+    assert fits(lay, x, pool) and fits(lay, x, pool, 8)
+    assert fits(tiled_layout("w4g32-fp16", 2048, 1408), x[:, :2048], pool)
+    assert not fits(tiled_layout("w4g64", 256, 320), x, pool)              # F % 128 = 64
+    assert not fits(tiled_layout("w4g32", 448, 256), x, pool)              # H % 128 = 64
+    assert not fits(tiled_layout("w4g128", 384, 512), x, pool, 16)         # H % (16 tiles) != 0
+    assert not fits(lay, x.float(), pool)                                  # not bf16
+    assert not fits(lay, torch.zeros(3, 4098, dtype=torch.bfloat16)[:, :4096], pool)   # rows not 8-byte aligned
+    assert not fits(lay, x.reshape(-1)[1:4097].reshape(1, 4096), pool)     # start not 8-byte aligned
+    assert not fits(lay, x, pool.reshape(-1)[8:8 + slot_size(lay)].reshape(1, -1))      # slot not 16-byte aligned
 
 
 def _nvrtc():
     pats = [os.path.join(p, "nvidia", "*", "lib", "libnvrtc.so.*") for p in sys.path if p]
-    libs = sorted(f for p in pats for f in glob.glob(p) if "builtins" not in f and "alt" not in f)
+    libs = sorted(f for p in pats for f in glob.glob(p)
+                  if "builtins" not in os.path.basename(f) and ".alt." not in os.path.basename(f))
     if not libs:
         return None
     try:
         # its builtins library first (NVRTC dlopens it by name, which finds a loaded one)
         for b in glob.glob(os.path.join(os.path.dirname(libs[-1]), "libnvrtc-builtins.so.*")):
-            if "alt" not in b:
+            if ".alt." not in os.path.basename(b):
                 ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
         return ctypes.CDLL(libs[-1])
     except OSError:

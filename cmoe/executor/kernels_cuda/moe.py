@@ -1,12 +1,15 @@
 """The expert matmuls in CUDA C++ (`moe_mma.cu`, which says how and why), compiled at first use by
 NVRTC through `torch.cuda._compile_kernel`, launched in place of the Triton `_expert_mm` by
 `kernels_triton.moe.launch_w13` / `launch_w2` when a `KernelConfig` names warps for them (cu13,
-cu2) and the shapes allow it (`fits`). Route, workspace, h and acc are the Triton path's, so the
-two mix per launch and the CUDA-graph rules are the same (the launch goes to the current stream).
+cu2) and the tensors allow it (`fits`). Route, workspace, h and acc are the Triton path's, so the
+two mix per launch and the CUDA-graph rules are the same (the launch goes to the current stream;
+compile outside a capture, as a warm-up call does).
 
-NVRTC comes with PyTorch's CUDA wheels (nvidia-cuda-nvrtc); no nvcc and no C++ toolchain is
-needed. One binary per (role, group, warps, tiles, zero-point format, weight dtype, device),
-compiled once per process (~1 s each).
+NVRTC comes with PyTorch's CUDA wheels; torch's wrapper also asks for the CUDA toolkit's include
+path (CUDA_HOME), though the source includes no header. Where either is missing or a compile
+fails, a warning says so once and the Triton kernel runs those launches: slower, never wrong (a
+device older than sm_80, which has no bf16 mma, uses the Triton kernel without a warning). One binary per (role, group, warps, tiles, zero-point format,
+weight dtype, x loading, device), compiled once per process (~1 s each).
 """
 
 from __future__ import annotations
@@ -26,11 +29,14 @@ def source() -> str:
 
 
 @functools.cache
-def available() -> bool:
-    """CUDA, torch's NVRTC wrapper and the NVRTC library it loads. Without the library (a torch
-    build that lacks it) the Triton kernel runs every matmul, and a warning says so once."""
+def available(device: int = 0) -> bool:
+    """CUDA on an sm_80+ device, torch's NVRTC wrapper and the NVRTC library it loads (ROCm never:
+    the source is PTX-level CUDA). Without them the Triton kernel runs every matmul; a missing
+    NVRTC library gets a warning."""
     if not torch.cuda.is_available() or not hasattr(torch.cuda, "_compile_kernel") or torch.version.hip:
-        return False                                   # (the source is PTX-level CUDA: not for ROCm)
+        return False
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return False
     try:
         from torch.cuda._utils import _get_gpu_rtc_library
     except ImportError:
@@ -48,25 +54,43 @@ def defines(is_w13: bool, group: int, warps: int, tiles: int, zp: bool, wt_bf16:
     return "".join(f"#define {k} {v}\n" for k, v in vals.items())
 
 
-@functools.cache
-def _kernel(device: int, *macros):
-    with torch.cuda.device(device):
-        return torch.cuda._compile_kernel(defines(*macros) + source(), "moe_mma", nvcc_options=["-std=c++17"])
+_KERNELS: dict[tuple, object] = {}
 
 
-def fits(layout, x_stride: int, tiles2: int) -> bool:
-    """Whether the CUDA kernels can run this layout: no k tail (K % 128 == 0 for both matrices),
-    whole 16-row tiles (w13: F % 16, w2: H % (16 * tiles2)) and 8-byte aligned x and h rows."""
+def kernel(device: int, *macros):
+    """The compiled kernel for these `defines` on this device, or None where it did not compile
+    (a warning, once per binary; the caller runs the Triton kernel instead)."""
+    key = (device, *macros)
+    if key not in _KERNELS:
+        try:
+            with torch.cuda.device(device):
+                _KERNELS[key] = torch.cuda._compile_kernel(defines(*macros) + source(), "moe_mma",
+                                                           nvcc_options=["-std=c++17"])
+        except Exception as e:                                           # noqa: BLE001
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            warnings.warn(f"cmoe: the CUDA expert kernel did not compile ({type(e).__name__}: {first}); "
+                          "the Triton kernel runs instead")
+            _KERNELS[key] = None
+    return _KERNELS[key]
+
+
+def fits(layout, x: torch.Tensor, pool: torch.Tensor, tiles: int = 1) -> bool:
+    """Whether the CUDA kernel can read these: no k tail (K % 128 == 0 in both matrices), whole
+    16-row tiles (`tiles` of them a warp, w2's cut2; w13's F % 16 follows from F % 128), bf16
+    activations (x or h) with 8-byte aligned rows, and 16-byte aligned slots (its loads are 8 and
+    16 bytes wide)."""
     H, Fd = layout.hidden, layout.ffn
-    return (H % 128 == 0 and Fd % 128 == 0 and Fd % 16 == 0 and H % (16 * tiles2) == 0
-            and x_stride % 4 == 0 and layout.group in (32, 64, 128, 256))
+    return (H % 128 == 0 and Fd % 128 == 0 and H % (16 * tiles) == 0 and layout.group in (32, 64, 128, 256)
+            and x.dtype == torch.bfloat16 and x.stride(-1) == 1 and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0
+            and pool.dtype == torch.uint8 and pool.stride(0) % 16 == 0 and pool.data_ptr() % 16 == 0)
 
 
 def launch_w13(ws, x, slot_table, pool, layout, topk: int, warps: int, xpf: bool = False, warmup: bool = False):
     """gate/up with SiLU into ws.h (rows in sorted order), one launch, K not split across CTAs.
-    xpf: x loaded with its unit's weights (XPF in `moe_mma.cu`), else per block when computed."""
-    k = _kernel(x.device.index or 0, True, layout.group, warps, 1, bool(layout.zero_point), False, xpf)
-    if warmup:
+    xpf: x loaded with its unit's weights (XPF in `moe_mma.cu`), else per block when computed.
+    Returns the kernel, or None (nothing launched) where it did not compile."""
+    k = kernel(x.device.index or 0, True, layout.group, warps, 1, bool(layout.zero_point), False, xpf)
+    if k is None or warmup:
         return k
     M = x.shape[0]
     nch = -(-M // BM)
@@ -81,12 +105,15 @@ def launch_w13(ws, x, slot_table, pool, layout, topk: int, warps: int, xpf: bool
 def launch_w2(ws, topk_weights, slot_table, pool, layout, topk: int, M: int, warps: int, tiles: int,
               ksplit: tuple[int, int], xpf: bool = True, warmup: bool = False):
     """down with the routing weights, atomically added into ws.acc; K split over grid z as
-    ksplit = (splits, units a split) says (`kernels_triton.moe.k_split`, which cuts it for both)."""
+    ksplit = (splits, units a split) says (`kernels_triton.moe.k_split`, which cuts it for both).
+    Returns the kernel, or None (nothing launched) for routing weights neither fp32 nor bf16 or a
+    kernel that did not compile."""
+    if topk_weights.dtype not in (torch.float32, torch.bfloat16):
+        return None
     wt_bf16 = topk_weights.dtype == torch.bfloat16
-    k = _kernel(ws.h.device.index or 0, False, layout.group, warps, tiles, bool(layout.zero_point), wt_bf16, xpf)
-    if warmup:
+    k = kernel(ws.h.device.index or 0, False, layout.group, warps, tiles, bool(layout.zero_point), wt_bf16, xpf)
+    if k is None or warmup:
         return k
-    assert topk_weights.dtype in (torch.float32, torch.bfloat16), topk_weights.dtype
     nch = -(-M // BM)
     s, ups = ksplit
     k(grid=(layout.hidden // (16 * tiles), ws.A * nch, s), block=(32 * warps, 1, 1),

@@ -103,9 +103,10 @@ class KernelConfig:
 # M <= 8: both matrices on the CUDA kernel (kernels_cuda; benchmarks/kernel_variants_h200.py, twelfth
 # session: one expert at M = 1 in ~38 us against 45-47, a layer of 8 experts at top-2 faster at
 # M = 1-8). M = 1-4: w13 on 4 warps with x loaded with its unit, w2 on 4 warps of 4 tiles, split 4
-# (the fastest layer at M = 1, 2 and 4 in calls 3 and 6); M = 8: one warp a w13 CTA and w2 on 2
-# warps (the layer's ~6.5 experts fill the machine; fastest there in both). At M = 16 the Triton
-# kernel's layer was as fast, so from 16 rows on it runs alone.
+# (the fastest layer at M = 1, 2 and 4 in call 6, within 1% of the fastest in call 3); M = 8: one
+# warp a w13 CTA and w2 on 2 warps (the layer's 8 experts fill the machine; fastest in call 6,
+# 1.6% off call 3's fastest). M >= 16 stays on the Triton kernel: CUDA layers were ~3% faster at
+# M = 16 in two calls, but no `upper` run has used them yet.
 _TRITON_1 = KernelConfig(16, 32, 2, 3, 64, 16, 1, 3, deq=False, deq2=False)
 _CUDA_F = dict(cu13=4, cux13=True, cu2=4, cut2=4, cus2=4)
 CONFIGS: dict[int, KernelConfig] = {
@@ -119,11 +120,15 @@ CONFIGS: dict[int, KernelConfig] = {
 }
 
 
-def pick_config(M: int) -> KernelConfig:
+def pick_config(M: int, triton_only: bool = False) -> KernelConfig:
+    """CONFIGS' entry for M rows (the smallest bucket >= M); triton_only: with the CUDA kernel off
+    (cu13 = cu2 = 0), the base of a sweep of the Triton kernel's own settings."""
+    cfg = CONFIGS[max(CONFIGS)]
     for b in sorted(CONFIGS):
         if M <= b:
-            return CONFIGS[b]
-    return CONFIGS[max(CONFIGS)]
+            cfg = CONFIGS[b]
+            break
+    return replace(cfg, cu13=0, cu2=0) if triton_only else cfg
 
 
 class Workspace:
@@ -209,19 +214,21 @@ def k_split(K: int, group: int, want: int) -> tuple[int, int]:
     return split, ups
 
 
-def _cuda(layout, x_stride: int, cfg: KernelConfig) -> bool:
-    """Whether a launch that names CUDA warps (cu13, cu2) runs the CUDA kernel: NVRTC through torch
-    and shapes it takes (`kernels_cuda.moe.fits`); otherwise the Triton kernel runs."""
+def _cuda(layout, x, pool, tiles: int) -> bool:
+    """Whether a launch that names CUDA warps (cu13, cu2) may try the CUDA kernel: NVRTC through
+    torch on this device and tensors it reads (`kernels_cuda.moe.fits`); else the Triton kernel."""
     from cmoe.executor.kernels_cuda import moe as C
-    return C.available() and C.fits(layout, x_stride, cfg.cut2)
+    return C.available(x.device.index or 0) and C.fits(layout, x, pool, tiles)
 
 
 def launch_w13(ws: Workspace, x, slot_table, pool, layout, topk: int, cfg: KernelConfig, warmup=False):
     """gate/up with SiLU into ws.h; with split13 > 1 two launches (the split w13, its reduction).
     Returns the w13 launch's kernel (with warmup: both are compiled)."""
-    if cfg.cu13 and _cuda(layout, x.stride(0), cfg):
+    if cfg.cu13 and _cuda(layout, x, pool, 1):
         from cmoe.executor.kernels_cuda import moe as C
-        return C.launch_w13(ws, x, slot_table, pool, layout, topk, cfg.cu13, cfg.cux13, warmup)
+        k = C.launch_w13(ws, x, slot_table, pool, layout, topk, cfg.cu13, cfg.cux13, warmup)
+        if k is not None:                    # None: it did not compile (warned), Triton runs below
+            return k
     H, Fd = layout.hidden, layout.ffn
     E = slot_table.numel()
     M = x.shape[0]
@@ -252,10 +259,12 @@ def launch_w13(ws: Workspace, x, slot_table, pool, layout, topk: int, cfg: Kerne
 
 def launch_w2(ws: Workspace, topk_weights, slot_table, pool, layout, topk: int, M: int, cfg: KernelConfig,
               warmup=False):
-    if cfg.cu2 and _cuda(layout, ws.h.stride(0), cfg):
+    if cfg.cu2 and _cuda(layout, ws.h, pool, cfg.cut2):
         from cmoe.executor.kernels_cuda import moe as C
-        return C.launch_w2(ws, topk_weights, slot_table, pool, layout, topk, M, cfg.cu2, cfg.cut2,
-                           k_split(layout.ffn, layout.group, cfg.cus2), cfg.cux2, warmup)
+        k = C.launch_w2(ws, topk_weights, slot_table, pool, layout, topk, M, cfg.cu2, cfg.cut2,
+                        k_split(layout.ffn, layout.group, cfg.cus2), cfg.cux2, warmup)
+        if k is not None:
+            return k
     H, Fd = layout.hidden, layout.ffn
     E = slot_table.numel()
     nch = triton.cdiv(M, cfg.bm)
