@@ -80,7 +80,7 @@ case "${1:-}" in
         timeout 250 python3 -m pytest -q -m gpu tests/test_moe_cuda_gpu.py tests/test_moe_kernel_gpu.py \
           tests/test_moe_kernel_fp16.py tests/test_lean_gpu.py tests/test_executor_gpu.py -p no:cacheprovider 2>&1 | tail -12 ;;
   ncu-variants) N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1); mkdir -p /tmp/ncuv
-       timeout 300 "$N" --clock-control none --set full -k 'regex:_expert_mm|_gate_up' -f -o /tmp/ncuv/v \
+       timeout 300 "$N" --clock-control none --set full -k 'regex:_expert_mm|_gate_up|moe_mma' -f -o /tmp/ncuv/v \
          python3 benchmarks/kernel_variants_h200.py --launch-only --ms 1 --variants "${2:-committed,split13-2}" \
          > /tmp/ncuv/run.log 2>&1 || tail -5 /tmp/ncuv/run.log
        "$N" -i /tmp/ncuv/v.ncu-rep --page raw --csv > /tmp/ncuv/raw.csv 2>&1 || true
