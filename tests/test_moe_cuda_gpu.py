@@ -118,8 +118,8 @@ def test_bf16_weights_tails_to_triton_and_graph_replays():
     cfg = replace(pick_config(4), **CUDA_CFGS[0])
     # a k tail (F % 128 = 64): the CUDA kernel does not take it, the Triton kernel runs, still right
     lay, pool, table = _pool(4, 5, 256, 320, 64, gen, False)
-    assert not C.fits(lay, 256, 2)
     x, ids, wts = _inputs(4, 2, 4, 256, gen)
+    assert not C.fits(lay, x, pool, 2)
     got = moe_forward(x, ids, wts, table, pool, lay, config=cfg, out_dtype=torch.float32)
     assert _rel(got, moe_reference(x, ids, wts, table, pool, lay, out_dtype=torch.float32)) < 1e-2
     # bf16 routing weights, then a CUDA graph replayed on new inputs and moved experts
