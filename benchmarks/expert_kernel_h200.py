@@ -1,5 +1,7 @@
-"""Expert kernels at the bandwidth limit, measured on one GPU in one run: the Triton MoE-layer
-kernels (`cmoe.executor.kernels_triton`) against torch's `_weight_int4pack_mm` (tinygemm W4A16)
+"""Expert kernels at the bandwidth limit, measured on one GPU in one run: the MoE-layer kernels as
+CONFIGS choose them (`cmoe.executor.kernels_triton`, whose matmuls up to 8 rows are the CUDA C++
+ones of `kernels_cuda` since the twelfth session; the --split13-sweep candidates are Triton's
+alone) against torch's `_weight_int4pack_mm` (tinygemm W4A16)
 and bf16 `F.linear`, for one Mixtral-8x7B expert (H=4096, F=14336, g=128; w13, w2, and the
 whole expert) and for a whole layer (8 experts, top-2 routing of M rows), M = 1..64.
 
