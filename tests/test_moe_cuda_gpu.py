@@ -22,7 +22,10 @@ import pytest
 import torch
 
 from cmoe.executor.layout import slot_size
-from cmoe.executor.moe_kernel import moe_forward, moe_reference, route_reference, tiled_layout, write_codes
+from cmoe.executor.moe_kernel import moe_forward, moe_reference, route_reference, tiled_layout
+from tests.test_moe_kernel_fp16 import _pool as _pool_fp16
+from tests.test_moe_kernel_gpu import _inputs, _rel
+from tests.test_moe_kernel_gpu import _pool as _pool_bf16
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="needs CUDA (and not TRITON_INTERPRET=1)")
@@ -32,32 +35,9 @@ SHAPES = [(32, 512, 384), (64, 256, 512), (128, 512, 384), (256, 512, 768), (128
 
 
 def _pool(E, S, H, Fd, g, gen, zp: bool):
-    lay = tiled_layout(f"w4g{g}-fp16" if zp else f"w4g{g}", H, Fd)
-    pool = torch.full((S, slot_size(lay)), 0xFF, dtype=torch.uint8, device="cuda")
-    perm = torch.randperm(S, generator=gen, device="cuda")[:E]
-    for e in range(E):
-        for name, (n, k) in (("w13", (2 * Fd, H)), ("w2", (H, Fd))):
-            codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen, device="cuda")
-            s = torch.rand(k // g, n, generator=gen, device="cuda") * 0.02 + 0.001
-            if zp:
-                z = torch.randint(0, 17, (k // g, n), generator=gen, device="cuda").float()
-                sz = torch.stack([s, z], -1).to(torch.float16)
-            else:
-                sz = torch.stack([s, (torch.rand(k // g, n, generator=gen, device="cuda") - 0.5) * 0.1],
-                                 -1).to(torch.bfloat16)
-            write_codes(pool[int(perm[e])], lay, name, codes, sz)
-    return lay, pool, perm.int()
-
-
-def _inputs(M, k, E, H, gen):
-    x = torch.randn(M, H, generator=gen, device="cuda").to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(E, generator=gen, device="cuda")[:k] for _ in range(M)]).int()
-    return x, ids, torch.rand(M, k, generator=gen, device="cuda")
-
-
-def _rel(a, b) -> float:
-    assert torch.isfinite(a).all()
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+    """The Triton kernel tests' random pools: bf16 (scale, zero) pairs, or with zp fp16 (scale,
+    zero point) pairs."""
+    return (_pool_fp16 if zp else _pool_bf16)(E, S, H, Fd, g, gen, "cuda")
 
 
 def _assert_cuda_ran(g: int, c: dict) -> None:
@@ -93,7 +73,7 @@ def test_cuda_layer_matches_the_reference_and_the_triton_h(g, H, Fd, zp):
             table_m = table
         ref = moe_reference(x, ids, wts, table_m, pool, lay, out_dtype=torch.float32)
         tri = Workspace(M, k, H, Fd, E, "cuda")
-        base = replace(pick_config(M), deq=False, deq2=False, cu13=0, cu2=0)      # the Triton kernel alone
+        base = replace(pick_config(M, triton_only=True), deq=False, deq2=False)
         moe_forward(x, ids, wts, table_m, pool, lay, workspace=tri, config=base, out_dtype=torch.float32)
         for c in CUDA_CFGS:
             ws = Workspace(M, k, H, Fd, E, "cuda")

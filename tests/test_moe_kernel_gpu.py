@@ -88,7 +88,7 @@ def test_triton_layer_matches_the_reference(g, H, Fd, asm, deq):
         ws = Workspace(M, k, H, Fd, E, "cuda")
         ws.h.fill_(float("nan"))
         ws.acc.fill_(float("nan"))
-        cfg = replace(pick_config(M), asm=asm, deq=deq, deq2=deq, cu13=0, cu2=0)     # the Triton kernel alone
+        cfg = replace(pick_config(M, triton_only=True), asm=asm, deq=deq, deq2=deq)
         got = moe_forward(x, ids, wts, table, pool, lay, workspace=ws, config=cfg, out_dtype=torch.float32)
         ref = moe_reference(x, ids, wts, table, pool, lay, out_dtype=torch.float32)
         err = _rel(got, ref)
@@ -114,7 +114,7 @@ def test_split13_matches_the_reference_and_the_unsplit_h(g, H, Fd, split13):
     lay, pool, table = _pool(E, S, H, Fd, g, gen)
     for M in (1, 3, 16, 37, 64):
         x, ids, wts = _inputs(M, k, E, H, gen)
-        base = replace(pick_config(M), cu13=0, cu2=0)       # the Triton kernel alone
+        base = pick_config(M, triton_only=True)
         for deq in ((True, False) if M in (1, 16) else (base.deq,)):
             cfg = replace(base, split13=split13, deq=deq)
             ws = Workspace(M, k, H, Fd, E, "cuda")
@@ -177,7 +177,7 @@ def test_cuda_graph_replays_on_new_inputs(split13):
     lay, pool, table = _pool(E, S, H, Fd, g, gen)
     x, ids, wts = _inputs(M, k, E, H, gen)
     ws = Workspace(M, k, H, Fd, E, "cuda")
-    cfg = replace(pick_config(M), split13=split13, cu13=0, cu2=0)
+    cfg = replace(pick_config(M, triton_only=True), split13=split13)
     moe_forward(x, ids, wts, table, pool, lay, workspace=ws, config=cfg)   # compile (and size) outside the capture
     torch.cuda.synchronize()
     part = ws.part
