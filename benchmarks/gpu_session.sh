@@ -17,14 +17,10 @@
 #   bash benchmarks/gpu_session.sh ncu        # issue 14: the M = 1 kernels under Nsight Compute (counters,
 #                                             # stall reasons, per-instruction samples) into $OUT/ncu.tgz
 #   bash benchmarks/gpu_session.sh variants   # issue 14: kernel variants against the committed configs, M 1-16
-#   bash benchmarks/gpu_session.sh kernel-ab  # issue 14: the variants at M 1-8, then
-#                                             # upper at batches 1/4/8 with the committed and the fastest per M
-#   bash benchmarks/gpu_session.sh cuda-ab [MS [VARIANTS]] # issue 14: the variants beside the committed
-#                                             # (M 1-16), upper at batches 1/4/8 with the fastest per M, then
-#                                             # the CUDA kernel's GPU tests
-#   bash benchmarks/gpu_session.sh cuda-check VARIANTS TWIN.json  # the variants at M 1-16, upper at batches
-#                                             # 1/4/8 as committed and with TWIN's configurations, then the
-#                                             # kernel, lean and executor GPU tests
+#   bash benchmarks/gpu_session.sh kernel-ab [MS [VARIANTS [TWIN.json]]]  # issue 14: kernel_variants_h200.py at
+#                                             # M in MS (1,2,4,8,16) for VARIANTS (all), then upper at batches
+#                                             # 1/4/8 as committed and with TWIN's configurations (default: the
+#                                             # variants' fastest per M), then the expert kernels' GPU tests
 #   bash benchmarks/gpu_session.sh ncu-variants [NAMES]  # the same variants' M = 1 launches under ncu
 #   bash benchmarks/gpu_session.sh wait       # issue 15: the host polling each read-back (CMOE_WAIT=spin) against its
 #                                             # event sync, batch 2, pools 16/26, ondemand and oracle, right before each
@@ -62,23 +58,13 @@ case "${1:-}" in
        "$N" -i /tmp/ncu/k.ncu-rep --page raw --csv > /tmp/ncu/raw.csv 2>&1 || true
        (cd /tmp && tar czf "$OUT/ncu.tgz" ncu); ls -la /tmp/ncu ;;
   variants) timeout 300 python3 benchmarks/kernel_variants_h200.py --out "$OUT/variants" 2>&1 | grep -v Warning ;;
-  kernel-ab) timeout 280 python3 benchmarks/kernel_variants_h200.py --out "$OUT/variants" --ms 1,2,4,8 2>&1 | grep -v Warning
+  kernel-ab) timeout 240 python3 benchmarks/kernel_variants_h200.py --out "$OUT/variants" --ms "${2:-1,2,4,8,16}" \
+          ${3:+--variants $3} 2>&1 | grep -v Warning
         timeout 170 python3 benchmarks/lean_h200.py --out "$OUT/lean" --tokens 128 --batches 1,4,8 --pools 20 \
-          --engines lean --policies "" --repeats 2 --kernel-configs "$OUT/variants/kernel_variants.json" \
-          --budget-s 110 2>&1 | grep -E "^lean|^HBM|^built|rror" || true
-        timeout 150 python3 -m pytest -q -m gpu tests/test_moe_kernel_gpu.py -x -p no:cacheprovider | tail -5 ;;
-  cuda-ab) timeout 240 python3 benchmarks/kernel_variants_h200.py --out "$OUT/variants" --ms "${2:-1,2,4,8,16}" ${3:+--variants $3} 2>&1 | grep -v Warning
-        timeout 170 python3 benchmarks/lean_h200.py --out "$OUT/lean" --tokens 128 --batches 1,4,8 --pools 20 \
-          --engines lean --policies "" --repeats 2 --kernel-configs "$OUT/variants/kernel_variants.json" \
-          --budget-s 110 2>&1 | grep -E "^lean|^HBM|^built|rror" || true
-        timeout 170 python3 -m pytest -q -m gpu tests/test_moe_cuda_gpu.py -x -p no:cacheprovider 2>&1 | tail -8 ;;
-  cuda-check) timeout 150 python3 benchmarks/kernel_variants_h200.py --out "$OUT/variants" --ms 1,2,4,8,16 \
-          --variants "${2:?variants}" 2>&1 | grep -v Warning
-        timeout 170 python3 benchmarks/lean_h200.py --out "$OUT/lean" --tokens 128 --batches 1,4,8 --pools 20 \
-          --engines lean --policies "" --repeats 2 --kernel-configs "${3:?twin configs}" \
+          --engines lean --policies "" --repeats 2 --kernel-configs "${4:-$OUT/variants/kernel_variants.json}" \
           --budget-s 110 2>&1 | grep -E "^lean|^HBM|^built|rror" || true
         timeout 250 python3 -m pytest -q -m gpu tests/test_moe_cuda_gpu.py tests/test_moe_kernel_gpu.py \
-          tests/test_moe_kernel_fp16.py tests/test_lean_gpu.py tests/test_executor_gpu.py -p no:cacheprovider 2>&1 | tail -12 ;;
+          tests/test_moe_kernel_fp16.py -p no:cacheprovider 2>&1 | tail -12 ;;
   ncu-variants) N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1); mkdir -p /tmp/ncuv
        timeout 300 "$N" --clock-control none --set full -k 'regex:_expert_mm|_gate_up|moe_mma' -f -o /tmp/ncuv/v \
          python3 benchmarks/kernel_variants_h200.py --launch-only --ms 1 --variants "${2:-committed,split13-2}" \
