@@ -82,7 +82,7 @@ __device__ __forceinline__ uint4 ldw(const uint4* p) {
     return r;
 }
 
-__device__ __forceinline__ u32 lds32(const u32* p) {
+__device__ __forceinline__ u32 ldg32(const u32* p) {
     u32 r;
     asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
     return r;
@@ -180,7 +180,7 @@ __device__ __forceinline__ void load_unit(Unit& un, const Ctx& cx, int u) {
         for (int t = 0; t < TILES; ++t) {
 #pragma unroll
             for (int h = 0; h < 2; ++h)
-                un.sz[q][t][h] = lds32(cx.sp + (long long)grp * cx.NR + cx.rowb[t] + cx.gid + 8 * h);
+                un.sz[q][t][h] = ldg32(cx.sp + (long long)grp * cx.NR + cx.rowb[t] + cx.gid + 8 * h);
         }
     }
 }

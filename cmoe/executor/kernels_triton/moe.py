@@ -214,18 +214,17 @@ def k_split(K: int, group: int, want: int) -> tuple[int, int]:
     return split, ups
 
 
-def _cuda(layout, x, pool, tiles: int) -> bool:
-    """Whether a launch that names CUDA warps (cu13, cu2) may try the CUDA kernel: NVRTC through
-    torch on this device and tensors it reads (`kernels_cuda.moe.fits`); else the Triton kernel."""
+def _cuda(layout, x, pool, tiles: int):
+    """`kernels_cuda.moe` where a launch that names CUDA warps (cu13, cu2) may try the CUDA kernel:
+    NVRTC through torch on this device and tensors it reads (`fits`); else None (Triton runs)."""
     from cmoe.executor.kernels_cuda import moe as C
-    return C.available(x.device.index or 0) and C.fits(layout, x, pool, tiles)
+    return C if C.available(x.device.index or 0) and C.fits(layout, x, pool, tiles) else None
 
 
 def launch_w13(ws: Workspace, x, slot_table, pool, layout, topk: int, cfg: KernelConfig, warmup=False):
     """gate/up with SiLU into ws.h; with split13 > 1 two launches (the split w13, its reduction).
     Returns the w13 launch's kernel (with warmup: both are compiled)."""
-    if cfg.cu13 and _cuda(layout, x, pool, 1):
-        from cmoe.executor.kernels_cuda import moe as C
+    if cfg.cu13 and (C := _cuda(layout, x, pool, 1)):
         k = C.launch_w13(ws, x, slot_table, pool, layout, topk, cfg.cu13, cfg.cux13, warmup)
         if k is not None:                    # None: it did not compile (warned), Triton runs below
             return k
@@ -259,8 +258,7 @@ def launch_w13(ws: Workspace, x, slot_table, pool, layout, topk: int, cfg: Kerne
 
 def launch_w2(ws: Workspace, topk_weights, slot_table, pool, layout, topk: int, M: int, cfg: KernelConfig,
               warmup=False):
-    if cfg.cu2 and _cuda(layout, ws.h, pool, cfg.cut2):
-        from cmoe.executor.kernels_cuda import moe as C
+    if cfg.cu2 and (C := _cuda(layout, ws.h, pool, cfg.cut2)):
         k = C.launch_w2(ws, topk_weights, slot_table, pool, layout, topk, M, cfg.cu2, cfg.cut2,
                         k_split(layout.ffn, layout.group, cfg.cus2), cfg.cux2, warmup)
         if k is not None:
