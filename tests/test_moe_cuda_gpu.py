@@ -2,7 +2,8 @@
 
 On CUDA (marked `gpu`): every group size, bf16 (scale, zero) and fp16 (scale, zero point) pairs,
 one and several row chunks of 8, warps 1-8 a CTA, w2 tiles 1-4 and split-K over CTAs that does and
-does not divide the units, an expert without a slot and padding ids, bf16 routing weights, the
+does not divide the units, w2 as a programmatic dependent launch of w13 (bit for bit the plain
+launch's, eager and in a graph), an expert without a slot and padding ids, bf16 routing weights, the
 Triton kernel's h for the same rows, CUDA-graph replays on new inputs, and shapes with a k tail
 (which the CUDA kernel does not take: the Triton kernel runs them). On the CPU: which shapes the
 CUDA kernel takes, the fallback without NVRTC, and that its source compiles for sm_90 in the
@@ -51,7 +52,9 @@ def _assert_cuda_ran(g: int, c: dict) -> None:
 CUDA_CFGS = [dict(cu13=4, cu2=4, cut2=2, cus2=4), dict(cu13=1, cu2=1, cut2=1, cus2=1),
              dict(cu13=2, cu2=8, cut2=4, cus2=3), dict(cu13=8, cu2=2, cut2=2, cus2=7),
              dict(cu13=4, cu2=4, cut2=2, cus2=4, cux13=True, cux2=False),
-             dict(cu13=2, cu2=4, cut2=1, cus2=3, cux13=False, cux2=False), dict(cu13=1, cu2=1, cut2=4, cus2=5, cux13=True)]
+             dict(cu13=2, cu2=4, cut2=1, cus2=3, cux13=False, cux2=False), dict(cu13=1, cu2=1, cut2=4, cus2=5, cux13=True),
+             dict(cu13=4, cu2=4, cut2=4, cus2=4, cux13=True, cux2=True, cupdl=True),
+             dict(cu13=1, cu2=2, cut2=2, cus2=3, cux13=False, cux2=False, cupdl=True)]
 
 
 @pytest.mark.parametrize("zp", [False, True])
@@ -126,6 +129,43 @@ def test_bf16_weights_tails_to_triton_and_graph_replays():
         assert _rel(out.float(), ref) < 1e-2
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_w2_as_a_dependent_launch_matches_the_plain_one_bit_for_bit_eager_and_in_a_graph():
+    """cupdl: w2 launched as a programmatic dependent of w13 (its first weights load before it waits
+    for w13) gives the plain launch's bits; with top-1 and no split over CTAs each output element
+    gets one atomic add, so any h read before w13 wrote it would show. Also inside a replayed graph
+    (the capture keeps the programmatic edge)."""
+    from cmoe.executor.kernels_cuda import moe as C
+    from cmoe.executor.kernels_triton import Workspace, pick_config
+    if not C.pdl_ok(0):
+        pytest.skip("needs sm_90+ and cuLaunchKernelEx")
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    g, H, Fd, E, M, k = 128, 1024, 2048, 8, 5, 1
+    lay, pool, table = _pool(E, E, H, Fd, g, gen, False)
+    x, ids, wts = _inputs(M, k, E, H, gen)
+    plain = replace(pick_config(M), cu13=4, cu2=4, cut2=2, cus2=1, cux13=True, cux2=True)
+    dep = replace(plain, cupdl=True)
+    ref = moe_forward(x, ids, wts, table, pool, lay, workspace=Workspace(M, k, H, Fd, E, "cuda"), config=plain,
+                      out_dtype=torch.float32).clone()
+    ws = Workspace(M, k, H, Fd, E, "cuda")
+    got = moe_forward(x, ids, wts, table, pool, lay, workspace=ws, config=dep, out_dtype=torch.float32)
+    assert torch.equal(got, ref)
+    assert any(v is not None and key[-1] for key, v in C._KERNELS.items())      # a PDL binary ran
+    assert _rel(got, moe_reference(x, ids, wts, table, pool, lay, out_dtype=torch.float32)) < 5e-3
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_forward(x, ids, wts, table, pool, lay, workspace=ws, config=dep, out_dtype=torch.float32)
+    for _ in range(3):
+        x.copy_(torch.randn(M, H, generator=gen, device="cuda").to(x.dtype))
+        table.copy_(table[torch.randperm(E, generator=gen, device="cuda")])
+        graph.replay()
+        want = moe_forward(x, ids, wts, table, pool, lay, workspace=Workspace(M, k, H, Fd, E, "cuda"),
+                           config=plain, out_dtype=torch.float32)
+        assert torch.equal(out, want)
+
+
 # --- CPU -----------------------------------------------------------------------------------------------
 
 def test_without_nvrtc_the_triton_kernel_runs_and_a_warning_says_so(monkeypatch):
@@ -198,11 +238,12 @@ def _nvrtc():
         return None
 
 
-@pytest.mark.parametrize("w13,g,warps,tiles,zp,wbf,opt", [
-    (True, 32, 4, 1, False, False, True), (True, 256, 8, 1, True, False, False),
-    (False, 64, 4, 2, False, True, False), (False, 128, 1, 4, True, False, True),
-    (False, 256, 2, 1, False, False, False)])
-def test_the_cuda_source_compiles_for_sm90(w13, g, warps, tiles, zp, wbf, opt):
+@pytest.mark.parametrize("w13,g,warps,tiles,zp,wbf,opt,pdl", [
+    (True, 32, 4, 1, False, False, True, False), (True, 256, 8, 1, True, False, False, False),
+    (False, 64, 4, 2, False, True, False, False), (False, 128, 1, 4, True, False, True, False),
+    (False, 256, 2, 1, False, False, False, False), (True, 128, 4, 1, False, False, True, True),
+    (False, 128, 4, 4, False, False, True, True), (False, 256, 2, 2, True, True, False, True)])
+def test_the_cuda_source_compiles_for_sm90(w13, g, warps, tiles, zp, wbf, opt, pdl):
     """NVRTC (the nvidia-cuda-nvrtc wheel, where installed) compiles the source for sm_90 with the
     macros the host sets: a syntax or asm-constraint error is caught without a GPU."""
     lib = _nvrtc()
@@ -210,7 +251,7 @@ def test_the_cuda_source_compiles_for_sm90(w13, g, warps, tiles, zp, wbf, opt):
         pytest.skip("NVRTC is not installed (pip install nvidia-cuda-nvrtc)")
     from cmoe.executor.kernels_cuda.moe import defines, source
     prog = ctypes.c_void_p()
-    src = (defines(w13, g, warps, tiles, zp, wbf, opt) + source()).encode()
+    src = (defines(w13, g, warps, tiles, zp, wbf, opt, pdl) + source()).encode()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"moe_mma.cu", 0, None, None) == 0
     opts = [b"--gpu-architecture=sm_90", b"-std=c++17"]
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))

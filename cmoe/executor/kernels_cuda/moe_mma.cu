@@ -28,7 +28,10 @@
 // Macros (set by the host): IS_W13, G (group: 32, 64, 128, 256), NW (warps a CTA), MT (16-row
 // tiles a warp in the w2 role; w13 always one gate and one up tile), ZP (fp16 (scale, zero point)
 // pairs), WT_BF16 (routing weights in bf16, else fp32), XPF (x loaded with its unit's weights, else
-// per block when computed), BM = 8 (rows of a segment a CTA: the
+// per block when computed), PDL (sm_90+, programmatic dependent launch: the w13 role lets the next
+// grid start at once; the w2 role, launched as that dependent, loads its first two units' weights,
+// then waits for w13's grid to finish before it reads h, so its first loads overlap w13's last
+// wave and the launch gap), BM = 8 (rows of a segment a CTA: the
 // mma's n). Requires K % 128 == 0, N % (16 * MT) == 0, x's row stride % 4 == 0 (the host checks).
 
 #ifndef IS_W13
@@ -51,6 +54,9 @@
 #endif
 #ifndef XPF
 #define XPF 1                      // x (B) loaded with its unit's weights; 0: when its block is computed
+#endif
+#ifndef PDL
+#define PDL 0
 #endif
 
 #define BM 8
@@ -157,6 +163,15 @@ __device__ __forceinline__ void load_x(uint2 (&x)[8], const Ctx& cx, int kb) {
     }
 }
 
+// the unit's x (B) only: what a dependent w2 reads after its wait (h is the grid before's output)
+__device__ __forceinline__ void load_unit_x(Unit& un, const Ctx& cx, int u) {
+#if XPF
+#pragma unroll
+    for (int b = 0; b < BPU; ++b) load_x(un.x[b], cx, u * BPU + b);
+#endif
+}
+
+template <bool WITH_X = true>
 __device__ __forceinline__ void load_unit(Unit& un, const Ctx& cx, int u) {
 #pragma unroll
     for (int b = 0; b < BPU; ++b) {
@@ -170,7 +185,7 @@ __device__ __forceinline__ void load_unit(Unit& un, const Ctx& cx, int u) {
             }
         }
 #if XPF
-        load_x(un.x[b], cx, kb);
+        if (WITH_X) load_x(un.x[b], cx, kb);
 #endif
     }
 #pragma unroll
@@ -256,6 +271,9 @@ moe_mma(const u16* __restrict__ x, int stride_x, const unsigned char* __restrict
         const int* __restrict__ table, int E, const int* __restrict__ seg_e, const int* __restrict__ seg_s,
         const int* __restrict__ seg_end, const int* __restrict__ order, const void* __restrict__ wt,
         void* out, int stride_o, int w_off, int sz_off, int N, int K, int topk, int nch, int ups) {
+#if PDL
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");   // no-op without a dependent
+#endif
     const int seg = blockIdx.y / nch, ch = blockIdx.y % nch;
     const int e = seg_e[seg];
     if (e < 0 || e >= E) return;
@@ -299,9 +317,24 @@ moe_mma(const u16* __restrict__ x, int stride_x, const unsigned char* __restrict
     // mbarriers, 1 KB a copy: w13 at M = 1 26.2-40.6 us against 22.6, w2 14.9-17.3 against 13.0)
     int u = lo + warp;
     Unit ua, ub;
+#if PDL && !IS_W13
+    // segments, slot table and acc's zeros come from the route kernel, done before w13 began; h is
+    // w13's: the first two units' weights load, then the wait, then their h
+    if (u < hi) load_unit<false>(ua, cx, u);
+    if (u + NW < hi) load_unit<false>(ub, cx, u + NW);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    if (u < hi) load_unit_x(ua, cx, u);
+    if (u + NW < hi) load_unit_x(ub, cx, u + NW);
+    bool ahead = true;                               // ub is loaded already
+#else
     if (u < hi) load_unit(ua, cx, u);
+    const bool ahead = false;
+#endif
     while (u < hi) {
-        if (u + NW < hi) load_unit(ub, cx, u + NW);
+        if (u + NW < hi && !ahead) load_unit(ub, cx, u + NW);
+#if PDL && !IS_W13
+        ahead = false;
+#endif
         compute_unit(ua, acc, cx, u);
         u += NW;
         if (u >= hi) break;

@@ -94,6 +94,7 @@ class KernelConfig:
     cus2: int = 4        # the CUDA w2's split-K over CTAs
     cux13: bool = False  # the CUDA w13 loads x with its unit's weights (else when its block is computed)
     cux2: bool = True    # the same for the CUDA w2
+    cupdl: bool = False  # the CUDA w2 a programmatic dependent of the CUDA w13 (sm_90+): its first loads early
 
 
 # by batch rows M (the smallest bucket >= M): the configurations benchmarks/expert_kernel_h200.py
@@ -225,7 +226,7 @@ def launch_w13(ws: Workspace, x, slot_table, pool, layout, topk: int, cfg: Kerne
     """gate/up with SiLU into ws.h; with split13 > 1 two launches (the split w13, its reduction).
     Returns the w13 launch's kernel (with warmup: both are compiled)."""
     if cfg.cu13 and (C := _cuda(layout, x, pool, 1)):
-        k = C.launch_w13(ws, x, slot_table, pool, layout, topk, cfg.cu13, cfg.cux13, warmup)
+        k = C.launch_w13(ws, x, slot_table, pool, layout, topk, cfg.cu13, cfg.cux13, warmup, cfg.cupdl)
         if k is not None:                    # None: it did not compile (warned), Triton runs below
             return k
     H, Fd = layout.hidden, layout.ffn
@@ -260,7 +261,7 @@ def launch_w2(ws: Workspace, topk_weights, slot_table, pool, layout, topk: int, 
               warmup=False):
     if cfg.cu2 and (C := _cuda(layout, ws.h, pool, cfg.cut2)):
         k = C.launch_w2(ws, topk_weights, slot_table, pool, layout, topk, M, cfg.cu2, cfg.cut2,
-                        k_split(layout.ffn, layout.group, cfg.cus2), cfg.cux2, warmup)
+                        k_split(layout.ffn, layout.group, cfg.cus2), cfg.cux2, warmup, cfg.cupdl)
         if k is not None:
             return k
     H, Fd = layout.hidden, layout.ffn
