@@ -52,7 +52,7 @@ no faster on the H200 at M = 1 (w13 29.3-59.4 us against 31.3-31.9, w2 14.6-20.1
 
 The CUDA C++ kernel (`cmoe.executor.kernels_cuda`, twelfth session) takes the place of `_expert_mm`
 for either matrix when a KernelConfig names its warps (cu13, cu2) and the layout has no k tail: same
-slots, segments, h and acc, so route, reduction and copy stay here. CONFIGS use it up to 8 rows.
+slots, segments, h and acc, so route, reduction and copy stay here. CONFIGS use it up to 16 rows.
 
 Files: this one holds the host side (KernelConfig, CONFIGS, Workspace, the launches, `moe_triton`);
 `moe_device.py` the kernels (`_route_kernel`, `_expert_mm` with its parts as inlined
@@ -101,21 +101,24 @@ class KernelConfig:
 # chose on the H200 (2026-12-01; each checked against the fp32 reference on a Mixtral layer and
 # expert, then the fastest layer among the correct candidates). 32 rows per warp keeps the
 # unpacked operand in registers (mma.sync); 4 warps and BN >= 64 make Triton use wgmma.
-# M <= 8: both matrices on the CUDA kernel (kernels_cuda; benchmarks/kernel_variants_h200.py, twelfth
+# M <= 16: both matrices on the CUDA kernel (kernels_cuda; benchmarks/kernel_variants_h200.py, twelfth
 # session: one expert at M = 1 in ~38 us against 45-47, a layer of 8 experts at top-2 faster at
 # M = 1-8). M = 1-4: w13 on 4 warps with x loaded with its unit, w2 on 4 warps of 4 tiles, split 4
 # (the fastest layer at M = 1, 2 and 4 in call 6, within 1% of the fastest in call 3); M = 8: one
 # warp a w13 CTA and w2 on 2 warps (the layer's 8 experts fill the machine; fastest in call 6,
-# 1.6% off call 3's fastest). M >= 16 stays on the Triton kernel: CUDA layers were ~3% faster at
-# M = 16 in two calls, but no `upper` run has used them yet.
+# 1.6% off call 3's fastest). Thirteenth session (results/lean-h200-13/call3-kernel_variants.json):
+# w2 a programmatic dependent of w13 (cupdl) made the fastest layer at every M from 1 to 16 (one
+# expert at M = 1 35.6 us against 38.5, the layer at M = 16 235.2 against Triton's 250.7), so
+# M = 16 moves to the CUDA kernel too.
 _TRITON_1 = KernelConfig(16, 32, 2, 3, 64, 16, 1, 3, deq=False, deq2=False)
-_CUDA_F = dict(cu13=4, cux13=True, cu2=4, cut2=4, cus2=4)
+_CUDA_F = dict(cu13=4, cux13=True, cu2=4, cut2=4, cus2=4, cupdl=True)
+_CUDA_D = dict(cu13=1, cu2=2, cut2=2, cus2=4, cupdl=True)
 CONFIGS: dict[int, KernelConfig] = {
     1: replace(_TRITON_1, **_CUDA_F),
     2: KernelConfig(16, 64, 2, 3, 128, 16, 4, 3, deq=False, deq2=True, **_CUDA_F),
     4: replace(_TRITON_1, **_CUDA_F),
-    8: replace(_TRITON_1, cu13=1, cu2=2, cut2=2, cus2=4),
-    16: _TRITON_1,
+    8: replace(_TRITON_1, **_CUDA_D),
+    16: replace(_TRITON_1, **_CUDA_D),
     32: KernelConfig(32, 64, 2, 3, 128, 16, 4, 3, deq=True, deq2=True),
     64: KernelConfig(64, 64, 4, 3, 128, 8, 4, 3, deq=False, deq2=True),
 }
