@@ -206,6 +206,19 @@ def test_a_kernel_that_does_not_compile_is_none_once_with_a_warning(monkeypatch)
     assert C.kernel(*key) is None and calls == ["moe_mma"]          # cached: no second compile
 
 
+def test_the_dependent_launch_structs_have_cuda_h_layout():
+    """cuLaunchKernelEx reads CUlaunchConfig and CUlaunchAttribute as cuda.h lays them out on a
+    64-bit host: seven uints, the stream at 32, the attributes at 40, their count at 48; an
+    attribute is its id, padding to 8 and a 64-byte value, whose first int is the flag."""
+    from cmoe.executor.kernels_cuda.moe import _PROGRAMMATIC_STREAM_SERIALIZATION, _Attr, _LaunchConfig
+    assert ctypes.sizeof(_Attr) == 72 and _Attr.value.offset == 8
+    assert (_LaunchConfig.shared.offset, _LaunchConfig.stream.offset, _LaunchConfig.attrs.offset,
+            _LaunchConfig.n_attrs.offset) == (24, 32, 40, 48)
+    a = _Attr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    a.value[0] = 1
+    assert bytes(a)[:12] == bytes([6, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0]) and not any(bytes(a)[12:])
+
+
 def test_fits_takes_whole_blocks_aligned_bf16_rows_and_slots_only():
     from cmoe.executor.kernels_cuda.moe import fits
     lay = tiled_layout("w4g128", 4096, 14336)
