@@ -69,8 +69,8 @@ case "${1:-}" in
         timeout 250 python3 -m pytest -q -m gpu tests/test_moe_cuda_gpu.py tests/test_moe_kernel_gpu.py \
           tests/test_moe_kernel_fp16.py -p no:cacheprovider 2>&1 | tail -12 ;;
   check) timeout 260 python3 -m pytest -q -m gpu tests/test_moe_cuda_gpu.py tests/test_lean_gpu.py \
-           tests/test_executor_gpu.py -p no:cacheprovider 2>&1 | tail -12
-         timeout 160 python3 benchmarks/expert_kernel_h200.py --out "$OUT/expert" --no-sweep 2>&1 | grep -v Warning | tail -30
+           tests/test_executor_gpu.py -p no:cacheprovider 2>&1 | tail -12 || true
+         timeout 160 python3 benchmarks/expert_kernel_h200.py --out "$OUT/expert" --no-sweep 2>&1 | grep -v Warning | tail -30 || true
          timeout 130 python3 benchmarks/lean_h200.py --out "$OUT/lean" --tokens 128 --batches 1,4,8 --pools 20 \
            --engines lean --policies "" --repeats 2 --budget-s 80 2>&1 | grep -E "^lean|^HBM|^built|rror" || true ;;
   ncu-variants) N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1); mkdir -p /tmp/ncuv

@@ -129,29 +129,41 @@ def test_bf16_weights_tails_to_triton_and_graph_replays():
         assert _rel(out.float(), ref) < 1e-2
 
 
+@pytest.mark.parametrize("g,xpf", [(128, True), (256, True), (64, False)])
 @pytest.mark.gpu
 @needs_cuda
-def test_w2_as_a_dependent_launch_matches_the_plain_one_bit_for_bit_eager_and_in_a_graph():
-    """cupdl: w2 launched as a programmatic dependent of w13 (its first weights load before it waits
-    for w13) gives the plain launch's bits; with top-1 and no split over CTAs each output element
-    gets one atomic add, so any h read before w13 wrote it would show. Also inside a replayed graph
-    (the capture keeps the programmatic edge)."""
+def test_w2_as_a_dependent_launch_matches_the_plain_one_bit_for_bit_eager_and_in_a_graph(g, xpf, monkeypatch):
+    """cupdl: w2 launched as a programmatic dependent of w13 (its first two units' weights load
+    before it waits for w13) gives the plain launch's bits; with top-1 and no split over CTAs each
+    output element gets one atomic add, and h and acc start as NaN, so any h read before w13 wrote
+    it would show. 2048 / 128-k units over 4 warps: the preloaded second unit is used. Also inside a
+    replayed graph (the capture keeps the programmatic edge)."""
     from cmoe.executor.kernels_cuda import moe as C
     from cmoe.executor.kernels_triton import Workspace, pick_config
     if not C.pdl_ok(0):
         pytest.skip("needs sm_90+ and cuLaunchKernelEx")
-    gen = torch.Generator(device="cuda").manual_seed(13)
-    g, H, Fd, E, M, k = 128, 1024, 2048, 8, 5, 1
+    dependent = []
+    real = C._launch_dependent
+    monkeypatch.setattr(C, "_launch_dependent", lambda *a: (dependent.append(a[1]), real(*a)))
+    gen = torch.Generator(device="cuda").manual_seed(13 + g)
+    H, Fd, E, M, k = 1024, 2048, 8, 5, 1
     lay, pool, table = _pool(E, E, H, Fd, g, gen, False)
     x, ids, wts = _inputs(M, k, E, H, gen)
-    plain = replace(pick_config(M), cu13=4, cu2=4, cut2=2, cus2=1, cux13=True, cux2=True)
+    plain = replace(pick_config(M), cu13=4, cu2=4, cut2=2, cus2=1, cux13=xpf, cux2=xpf, cupdl=False)
     dep = replace(plain, cupdl=True)
-    ref = moe_forward(x, ids, wts, table, pool, lay, workspace=Workspace(M, k, H, Fd, E, "cuda"), config=plain,
-                      out_dtype=torch.float32).clone()
-    ws = Workspace(M, k, H, Fd, E, "cuda")
+
+    def fresh():
+        ws = Workspace(M, k, H, Fd, E, "cuda")
+        ws.h.fill_(float("nan"))
+        ws.acc.fill_(float("nan"))
+        return ws
+
+    ref = moe_forward(x, ids, wts, table, pool, lay, workspace=fresh(), config=plain, out_dtype=torch.float32).clone()
+    assert not dependent
+    ws = fresh()
     got = moe_forward(x, ids, wts, table, pool, lay, workspace=ws, config=dep, out_dtype=torch.float32)
+    assert len(dependent) == 1 and dependent[0][0] == H // 32 and dependent[0][2] == 1   # w2, by cuLaunchKernelEx
     assert torch.equal(got, ref)
-    assert any(v is not None and key[-1] for key, v in C._KERNELS.items())      # a PDL binary ran
     assert _rel(got, moe_reference(x, ids, wts, table, pool, lay, out_dtype=torch.float32)) < 5e-3
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -160,9 +172,9 @@ def test_w2_as_a_dependent_launch_matches_the_plain_one_bit_for_bit_eager_and_in
     for _ in range(3):
         x.copy_(torch.randn(M, H, generator=gen, device="cuda").to(x.dtype))
         table.copy_(table[torch.randperm(E, generator=gen, device="cuda")])
+        ws.h.fill_(float("nan"))
         graph.replay()
-        want = moe_forward(x, ids, wts, table, pool, lay, workspace=Workspace(M, k, H, Fd, E, "cuda"),
-                           config=plain, out_dtype=torch.float32)
+        want = moe_forward(x, ids, wts, table, pool, lay, workspace=fresh(), config=plain, out_dtype=torch.float32)
         assert torch.equal(out, want)
 
 

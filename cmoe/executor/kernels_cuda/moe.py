@@ -9,7 +9,7 @@ NVRTC comes with PyTorch's CUDA wheels; torch's wrapper also asks for the CUDA t
 path (CUDA_HOME), though the source includes no header. Where either is missing or a compile
 fails, a warning says so once and the Triton kernel runs those launches: slower, never wrong (a
 device older than sm_80, which has no bf16 mma, uses the Triton kernel without a warning). One binary per (role, group, warps, tiles, zero-point format,
-weight dtype, x loading, device), compiled once per process (~1 s each).
+weight dtype, x loading, dependent launch, device), compiled once per process (~1 s each).
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ def fits(layout, x: torch.Tensor, pool: torch.Tensor, tiles: int = 1) -> bool:
             and pool.dtype == torch.uint8 and pool.stride(0) % 16 == 0 and pool.data_ptr() % 16 == 0)
 
 
+@functools.cache
 def pdl_ok(device: int) -> bool:
     """Programmatic dependent launch: sm_90+ and a driver with cuLaunchKernelEx."""
     return torch.cuda.get_device_capability(device) >= (9, 0) and _launch_ex() is not None

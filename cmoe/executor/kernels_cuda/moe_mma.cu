@@ -271,7 +271,7 @@ moe_mma(const u16* __restrict__ x, int stride_x, const unsigned char* __restrict
         const int* __restrict__ table, int E, const int* __restrict__ seg_e, const int* __restrict__ seg_s,
         const int* __restrict__ seg_end, const int* __restrict__ order, const void* __restrict__ wt,
         void* out, int stride_o, int w_off, int sz_off, int N, int K, int topk, int nch, int ups) {
-#if PDL
+#if PDL && IS_W13
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");   // no-op without a dependent
 #endif
     const int seg = blockIdx.y / nch, ch = blockIdx.y % nch;
@@ -318,8 +318,8 @@ moe_mma(const u16* __restrict__ x, int stride_x, const unsigned char* __restrict
     int u = lo + warp;
     Unit ua, ub;
 #if PDL && !IS_W13
-    // segments, slot table and acc's zeros come from the route kernel, done before w13 began; h is
-    // w13's: the first two units' weights load, then the wait, then their h
+    // segments and acc's zeros come from the route kernel and the slot table from the host, all
+    // before w13 began; h is w13's: the first two units' weights load, then the wait, then their h
     if (u < hi) load_unit<false>(ua, cx, u);
     if (u + NW < hi) load_unit<false>(ub, cx, u + NW);
     asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -108,7 +108,7 @@ class KernelConfig:
 # warp a w13 CTA and w2 on 2 warps (the layer's 8 experts fill the machine; fastest in call 6,
 # 1.6% off call 3's fastest). Thirteenth session (results/lean-h200-13/call3-kernel_variants.json):
 # w2 a programmatic dependent of w13 (cupdl) made the fastest layer at every M from 1 to 16 (one
-# expert at M = 1 35.6 us against 38.5, the layer at M = 16 235.2 against Triton's 250.7), so
+# expert at M = 1 35.6 us against 38.5, the layer at M = 16 235.2 against Triton's 250.8), so
 # M = 16 moves to the CUDA kernel too.
 _TRITON_1 = KernelConfig(16, 32, 2, 3, 64, 16, 1, 3, deq=False, deq2=False)
 _CUDA_F = dict(cu13=4, cux13=True, cu2=4, cut2=4, cus2=4, cupdl=True)
