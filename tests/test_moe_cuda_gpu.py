@@ -129,15 +129,16 @@ def test_bf16_weights_tails_to_triton_and_graph_replays():
         assert _rel(out.float(), ref) < 1e-2
 
 
-@pytest.mark.parametrize("g,xpf", [(128, True), (256, True), (64, False)])
+@pytest.mark.parametrize("g,xpf,cu13", [(128, True, 4), (256, True, 4), (64, False, 4), (128, True, 0)])
 @pytest.mark.gpu
 @needs_cuda
-def test_w2_as_a_dependent_launch_matches_the_plain_one_bit_for_bit_eager_and_in_a_graph(g, xpf, monkeypatch):
+def test_w2_as_a_dependent_launch_matches_the_plain_one_bit_for_bit_eager_and_in_a_graph(g, xpf, cu13, monkeypatch):
     """cupdl: w2 launched as a programmatic dependent of w13 (its first two units' weights load
     before it waits for w13) gives the plain launch's bits; with top-1 and no split over CTAs each
     output element gets one atomic add, and h and acc start as NaN, so any h read before w13 wrote
     it would show. 2048 / 128-k units over 4 warps: the preloaded second unit is used. Also inside a
-    replayed graph (the capture keeps the programmatic edge)."""
+    replayed graph (the capture keeps the programmatic edge). cu13 = 0: after the Triton w13, which
+    never triggers early, so w2 starts when it ends and still waits."""
     from cmoe.executor.kernels_cuda import moe as C
     from cmoe.executor.kernels_triton import Workspace, pick_config
     if not C.pdl_ok(0):
@@ -149,7 +150,7 @@ def test_w2_as_a_dependent_launch_matches_the_plain_one_bit_for_bit_eager_and_in
     H, Fd, E, M, k = 1024, 2048, 8, 5, 1
     lay, pool, table = _pool(E, E, H, Fd, g, gen, False)
     x, ids, wts = _inputs(M, k, E, H, gen)
-    plain = replace(pick_config(M), cu13=4, cu2=4, cut2=2, cus2=1, cux13=xpf, cux2=xpf, cupdl=False)
+    plain = replace(pick_config(M), cu13=cu13, cu2=4, cut2=2, cus2=1, cux13=xpf, cux2=xpf, cupdl=False)
     dep = replace(plain, cupdl=True)
 
     def fresh():
