@@ -1,7 +1,7 @@
 """Expert kernels at the bandwidth limit, measured on one GPU in one run: the MoE-layer kernels as
-CONFIGS choose them (`cmoe.executor.kernels_triton`, whose matmuls up to 8 rows are the CUDA C++
-ones of `kernels_cuda` since the twelfth session; the --split13-sweep candidates are Triton's
-alone) against torch's `_weight_int4pack_mm` (tinygemm W4A16)
+CONFIGS choose them (`cmoe.executor.kernels_triton`, whose matmuls up to 16 rows are the CUDA C++
+ones of `kernels_cuda` since the thirteenth session, up to 8 in the twelfth; the --split13-sweep
+candidates are Triton's alone) against torch's `_weight_int4pack_mm` (tinygemm W4A16)
 and bf16 `F.linear`, for one Mixtral-8x7B expert (H=4096, F=14336, g=128; w13, w2, and the
 whole expert) and for a whole layer (8 experts, top-2 routing of M rows), M = 1..64.
 
@@ -286,7 +286,8 @@ def candidates(bm: int):
 def print_table(res: dict, rows: list) -> None:
     hbm = res.get("hbm_copy_tbps", float("nan"))
     print(f"\n{res['gpu']}, torch {res['torch']}, triton {res['triton']}, {res['date']}; HBM copy {hbm:.2f} TB/s")
-    print("effective TB/s (weight bytes / time); mine = CONFIGS as committed (CUDA C++ or Triton), tg = torch _weight_int4pack_mm, bf = bf16 F.linear")
+    print("effective TB/s (weight bytes / time); mine = CONFIGS as committed (CUDA C++ or Triton),"
+          " tg = torch _weight_int4pack_mm, bf = bf16 F.linear")
     hdr = f"{'M':>3} | " + " | ".join(f"{k:^20}" for k in ("w13", "w2", "expert", "layer (8 exp, top-2)"))
     print(hdr)
     print(f"{'':>3} | " + " | ".join(f"{'mine':>6} {'tg':>6} {'bf':>6}" for _ in range(4)))
