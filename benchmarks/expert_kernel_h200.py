@@ -245,8 +245,9 @@ def _diag(pool, lay, gen) -> dict:
 
 
 def _fallbacks(M: int, committed):
-    """Configurations tried after the sweep's best (or without a sweep): the committed one, the
-    same without split-K of w13, and the plain ones measured before split-K existed."""
+    """Triton configurations tried after the sweep's best and the committed CONFIGS entry: `committed`
+    (the entry with the CUDA kernel off), the same without split-K of w13, and the plain ones
+    measured before split-K existed."""
     from cmoe.executor.kernels_triton import KernelConfig
     out = [committed, replace(committed, split13=1)]
     if M <= 16:

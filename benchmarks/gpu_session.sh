@@ -38,6 +38,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=$PWD:/tmp/site
 OUT=${OUT:-/tmp/out}
 B="python3 benchmarks/lean_h200.py --tokens 256 --policy-tokens 128 --repeats 3 --hf-tokens 64 --budget-s 520"
+# upper at batches 1/4/8, pool 20, two runs each: upper SECONDS BUDGET [lean_h200.py options]
+upper() { timeout "$1" python3 benchmarks/lean_h200.py --out "$OUT/lean" --tokens 128 --batches 1,4,8 --pools 20 \
+            --engines lean --policies "" --repeats 2 --budget-s "$2" "${@:3}" 2>&1 | grep -E "^lean|^HBM|^built|rror" || true; }
 case "${1:-}" in
   tests) timeout 300 python3 -m pytest -q -m gpu tests/test_lean_gpu.py tests/test_executor_gpu.py \
            tests/test_moe_kernel_gpu.py -p no:cacheprovider | tail -15 ;;
@@ -63,16 +66,13 @@ case "${1:-}" in
   variants) timeout 300 python3 benchmarks/kernel_variants_h200.py --out "$OUT/variants" 2>&1 | grep -v Warning ;;
   kernel-ab) timeout 240 python3 benchmarks/kernel_variants_h200.py --out "$OUT/variants" --ms "${2:-1,2,4,8,16}" \
           ${3:+--variants $3} 2>&1 | grep -v Warning
-        timeout 170 python3 benchmarks/lean_h200.py --out "$OUT/lean" --tokens 128 --batches 1,4,8 --pools 20 \
-          --engines lean --policies "" --repeats 2 --kernel-configs "${4:-$OUT/variants/kernel_variants.json}" \
-          --budget-s 110 2>&1 | grep -E "^lean|^HBM|^built|rror" || true
+        upper 170 110 --kernel-configs "${4:-$OUT/variants/kernel_variants.json}"
         timeout 250 python3 -m pytest -q -m gpu tests/test_moe_cuda_gpu.py tests/test_moe_kernel_gpu.py \
           tests/test_moe_kernel_fp16.py -p no:cacheprovider 2>&1 | tail -12 ;;
   check) timeout 260 python3 -m pytest -q -m gpu tests/test_moe_cuda_gpu.py tests/test_lean_gpu.py \
            tests/test_executor_gpu.py -p no:cacheprovider 2>&1 | tail -12 || true
          timeout 160 python3 benchmarks/expert_kernel_h200.py --out "$OUT/expert" --no-sweep 2>&1 | grep -v Warning | tail -30 || true
-         timeout 130 python3 benchmarks/lean_h200.py --out "$OUT/lean" --tokens 128 --batches 1,4,8 --pools 20 \
-           --engines lean --policies "" --repeats 2 --budget-s 80 2>&1 | grep -E "^lean|^HBM|^built|rror" || true ;;
+         upper 130 80 ;;
   ncu-variants) N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1); mkdir -p /tmp/ncuv
        timeout 300 "$N" --clock-control none --set full -k 'regex:_expert_mm|_gate_up|moe_mma' -f -o /tmp/ncuv/v \
          python3 benchmarks/kernel_variants_h200.py --launch-only --ms 1 --variants "${2:-committed,split13-2}" \

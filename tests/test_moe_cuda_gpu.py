@@ -49,6 +49,15 @@ def _assert_cuda_ran(g: int, c: dict) -> None:
     assert (True, g, c["cu13"]) in got and (False, g, c["cu2"]) in got, (g, c, got)
 
 
+def _nan_workspace(M, k, H, Fd, E):
+    """A workspace whose h and acc start as NaN, so a value read before it is written shows."""
+    from cmoe.executor.kernels_triton import Workspace
+    ws = Workspace(M, k, H, Fd, E, "cuda")
+    ws.h.fill_(float("nan"))
+    ws.acc.fill_(float("nan"))
+    return ws
+
+
 CUDA_CFGS = [dict(cu13=4, cu2=4, cut2=2, cus2=4), dict(cu13=1, cu2=1, cut2=1, cus2=1),
              dict(cu13=2, cu2=8, cut2=4, cus2=3), dict(cu13=8, cu2=2, cut2=2, cus2=7),
              dict(cu13=4, cu2=4, cut2=2, cus2=4, cux13=True, cux2=False),
@@ -79,9 +88,7 @@ def test_cuda_layer_matches_the_reference_and_the_triton_h(g, H, Fd, zp):
         base = replace(pick_config(M, triton_only=True), deq=False, deq2=False)
         moe_forward(x, ids, wts, table_m, pool, lay, workspace=tri, config=base, out_dtype=torch.float32)
         for c in CUDA_CFGS:
-            ws = Workspace(M, k, H, Fd, E, "cuda")
-            ws.h.fill_(float("nan"))
-            ws.acc.fill_(float("nan"))
+            ws = _nan_workspace(M, k, H, Fd, E)
             got = moe_forward(x, ids, wts, table_m, pool, lay, workspace=ws, config=replace(base, **c),
                               out_dtype=torch.float32)
             assert _rel(got, ref) < 5e-3, (M, c, _rel(got, ref))
@@ -140,7 +147,7 @@ def test_w2_as_a_dependent_launch_matches_the_plain_one_bit_for_bit_eager_and_in
     replayed graph (the capture keeps the programmatic edge). cu13 = 0: after the Triton w13, which
     never triggers early, so w2 starts when it ends and still waits."""
     from cmoe.executor.kernels_cuda import moe as C
-    from cmoe.executor.kernels_triton import Workspace, pick_config
+    from cmoe.executor.kernels_triton import pick_config
     if not C.pdl_ok(0):
         pytest.skip("needs sm_90+ and cuLaunchKernelEx")
     dependent = []
@@ -153,15 +160,9 @@ def test_w2_as_a_dependent_launch_matches_the_plain_one_bit_for_bit_eager_and_in
     plain = replace(pick_config(M), cu13=cu13, cu2=4, cut2=2, cus2=1, cux13=xpf, cux2=xpf, cupdl=False)
     dep = replace(plain, cupdl=True)
 
-    def fresh():
-        ws = Workspace(M, k, H, Fd, E, "cuda")
-        ws.h.fill_(float("nan"))
-        ws.acc.fill_(float("nan"))
-        return ws
-
-    ref = moe_forward(x, ids, wts, table, pool, lay, workspace=fresh(), config=plain, out_dtype=torch.float32).clone()
+    ref = moe_forward(x, ids, wts, table, pool, lay, workspace=_nan_workspace(M, k, H, Fd, E), config=plain, out_dtype=torch.float32).clone()
     assert not dependent
-    ws = fresh()
+    ws = _nan_workspace(M, k, H, Fd, E)
     got = moe_forward(x, ids, wts, table, pool, lay, workspace=ws, config=dep, out_dtype=torch.float32)
     assert len(dependent) == 1 and dependent[0][0] == H // 32 and dependent[0][2] == 1   # w2, by cuLaunchKernelEx
     assert torch.equal(got, ref)
@@ -175,7 +176,7 @@ def test_w2_as_a_dependent_launch_matches_the_plain_one_bit_for_bit_eager_and_in
         table.copy_(table[torch.randperm(E, generator=gen, device="cuda")])
         ws.h.fill_(float("nan"))
         graph.replay()
-        want = moe_forward(x, ids, wts, table, pool, lay, workspace=fresh(), config=plain, out_dtype=torch.float32)
+        want = moe_forward(x, ids, wts, table, pool, lay, workspace=_nan_workspace(M, k, H, Fd, E), config=plain, out_dtype=torch.float32)
         assert torch.equal(out, want)
 
 

@@ -124,8 +124,7 @@ def _launch_dependent(k, grid, block, args) -> None:
     attr.value[0] = 1
     cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), 0,
                         torch.cuda.current_stream().cuda_stream, ctypes.pointer(attr), 1)
-    err = _launch_ex()(ctypes.byref(cfg), ctypes.c_void_p(k.func.value if hasattr(k.func, "value") else k.func),
-                       ptrs, None)
+    err = _launch_ex()(ctypes.byref(cfg), ctypes.c_void_p(getattr(k.func, "value", k.func)), ptrs, None)
     if err:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
 
