@@ -54,6 +54,8 @@ VARIANTS: dict[str, dict] = {
     "cuda-f-x13-pdl": dict(cu13=4, cu2=4, cut2=4, cus2=4, cux13=True, cux2=True, cupdl=True),
     "cuda-d-pdl": dict(cu13=1, cu2=2, cut2=2, cus2=4, cux13=False, cux2=True, cupdl=True),
     "cuda-f-x13-pdl-s8": dict(cu13=4, cu2=4, cut2=4, cus2=8, cux13=True, cux2=True, cupdl=True),
+    # fourteenth session: the route in both CUDA launches (no route launch before w13; w13 zeroes acc)
+    "committed-rt": dict(curt=True),
 }
 # measured in the eighth session at 0569aec, and removed after (slower at every M): the (scale, zero)
 # pairs loaded in their own unit and streamed by the pipeliner (spd13 = spd2 = 0 with stg13 = stg2 =
