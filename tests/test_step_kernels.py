@@ -55,6 +55,44 @@ def test_route_topk_equals_the_router(cls, E, k, norm, dtype):
         assert torch.equal(idx, idx2)
 
 
+@pytest.mark.parametrize("E,k,norm,H", [(8, 2, True, 4096), (60, 4, False, 2048), (128, 8, True, 2048),
+                                        (8, 2, False, 200)])
+def test_route_mm_topk_is_the_router_matmul_then_route_topk(E, k, norm, H):
+    """The logits within one rounding of the float64 product (bf16 on CUDA: at most one ulp, either
+    way; the interpreter's fp32: the fp32 sum's error), and the top k exactly `route_topk`'s on them."""
+    from cmoe.executor.kernels_triton.steps import route_mm_topk, route_topk
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float32     # the interpreter rounds bf16 its own way
+    g = torch.Generator().manual_seed(E + H)
+    x = torch.randn(5, H, generator=g).to(DEV, dt)
+    W = (torch.randn(E, H, generator=g) * 0.05).to(DEV, dt)
+    lg, w, idx = route_mm_topk(x, W, k, norm, torch.float32)
+    assert lg.dtype == dt and w.dtype == torch.float32 and idx.dtype == torch.int64
+    ref = x.double() @ W.double().T
+    if dt == torch.bfloat16:
+        ulp = torch.pow(2.0, torch.floor(torch.log2(ref.abs())) - 7)
+        assert ((lg.double() - ref).abs() <= ulp).all()
+    else:
+        assert ((lg.double() - ref).abs() <= 1e-5 * (x.double().abs() @ W.double().abs().T)).all()
+    w2, idx2 = route_topk(lg, k, norm, torch.float32)
+    assert torch.equal(w, w2) and torch.equal(idx, idx2)
+
+
+@pytest.mark.parametrize("mm", [False, True])
+def test_a_fused_router_takes_its_matmul_in_for_a_few_rows_only(mm, monkeypatch):
+    from cmoe.executor.kernels_triton import steps
+    calls = []
+    real = steps.route_mm_topk
+    monkeypatch.setattr(steps, "route_mm_topk", lambda *a: (calls.append(a[0].shape[0]), real(*a))[1])
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float32
+    r = _router("mixtral", 8, 2, True).to(DEV, dt).eval()
+    steps.fuse_routers(r, mm=mm)
+    with torch.no_grad():
+        for n in (1, 16, 17):
+            lg, w, idx = r(torch.randn(n, 64, generator=torch.Generator().manual_seed(n)).to(DEV, dt))
+            assert lg.shape == (n, 8) and idx.shape == (n, 2)
+    assert calls == ([1, 16] if mm else [])
+
+
 def test_route_topk_on_a_nan_row_still_names_real_experts():
     """An overflowed row (NaN logits) must not send an id past the last expert to the layer
     kernel's slot table (torch's topk never does)."""

@@ -1,10 +1,18 @@
-"""Two small steps of a decoder layer in one launch each (CUDA; the lean engine's graphs).
+"""Small steps of a decoder layer in one launch each (CUDA; the lean engine's graphs).
 
 `route_topk`: the softmax top-k routers (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): after the
 router's matmul, softmax in fp32, the top k, the optional renormalisation and the cast, in
 one launch instead of transformers' five or six. Ties go to the lower expert id. exp and the
 divisions are the accurate ones (libdevice expf, IEEE division), but the sum's order differs
 from torch's, so a probability can differ in its last bit (the GPU tests bound it).
+
+`route_mm_topk`: the same with the router's matmul in the launch, for a decode step's few rows
+(one program a row: the fp32 dot over the hidden size, rounded once to the logits' dtype, then the
+top k on those rounded logits). At one row torch's GEMM is cuBLAS's split-K with two reductions,
+three launches for 8 x 4096 (7.4 us a layer on the H200, BENCHMARKS.md seventh session); here the
+router costs one launch with its top k. The logits may differ from cuBLAS's in the last bit where
+the two sum orders round differently (the lean engine's q/k/v matmul has the same caveat).
+CMOE_ROUTE_MM=0 keeps torch's matmul (the A/B of BENCHMARKS.md).
 
 `residual_sum`: X_m's end, out = mid + (shared + y) with y the experts' fp32 sum rounded to the
 activations' dtype, each sum rounded as torch's element-wise adds round (bit-equal to the three
@@ -38,12 +46,9 @@ def _div(a, b):
 
 
 @triton.jit
-def _route_topk(logits_ptr, stride, w_ptr, idx_ptr, E, K: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr,
+def _topk_store(x, r, e, m, w_ptr, idx_ptr, E, K: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr,
                 RENORM: tl.constexpr):
-    r = tl.program_id(0)
-    e = tl.arange(0, EP)
-    m = e < E
-    x = tl.load(logits_ptr + r * stride + e, mask=m, other=float("-inf")).to(tl.float32)
+    """Row r's softmax over the fp32 logits x (-inf where not m), its top K and their weights."""
     p = _exp(x - tl.max(x, 0))
     p = tl.where(m, p, 0.0)
     p = _div(p, tl.broadcast_to(tl.sum(p, 0), [EP]))
@@ -64,6 +69,37 @@ def _route_topk(logits_ptr, stride, w_ptr, idx_ptr, E, K: tl.constexpr, EP: tl.c
     tl.store(idx_ptr + r * K + kk, ids, mask=km)
 
 
+@triton.jit
+def _route_topk(logits_ptr, stride, w_ptr, idx_ptr, E, K: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr,
+                RENORM: tl.constexpr):
+    r = tl.program_id(0)
+    e = tl.arange(0, EP)
+    m = e < E
+    x = tl.load(logits_ptr + r * stride + e, mask=m, other=float("-inf")).to(tl.float32)
+    _topk_store(x, r, e, m, w_ptr, idx_ptr, E, K, EP, KP, RENORM)
+
+
+@triton.jit
+def _route_mm_topk(x_ptr, stride, rw_ptr, lg_ptr, w_ptr, idx_ptr, E, Hd, K: tl.constexpr, EP: tl.constexpr,
+                   KP: tl.constexpr, HB: tl.constexpr, RENORM: tl.constexpr):
+    """Row r's router logits (an fp32 dot over the hidden size, rounded once to the logits' dtype,
+    as a GEMM with fp32 accumulation rounds), stored, then `_topk_store` on the rounded logits."""
+    r = tl.program_id(0)
+    e = tl.arange(0, EP)
+    m = e < E
+    acc = tl.zeros([EP], tl.float32)
+    for h0 in range(0, Hd, HB):
+        hh = h0 + tl.arange(0, HB)
+        mh = hh < Hd
+        xv = tl.load(x_ptr + r * stride + hh, mask=mh, other=0.0).to(tl.float32)
+        wv = tl.load(rw_ptr + e[:, None] * Hd + hh[None, :], mask=m[:, None] & mh[None, :], other=0.0)
+        acc += tl.sum(wv.to(tl.float32) * xv[None, :], 1)
+    lg = acc.to(lg_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(lg_ptr + r * E + e, lg, mask=m)
+    x = tl.where(m, lg.to(tl.float32), float("-inf"))
+    _topk_store(x, r, e, m, w_ptr, idx_ptr, E, K, EP, KP, RENORM)
+
+
 def route_topk(logits: torch.Tensor, k: int, renorm: bool, out_dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, E] -> (weights [N, k] in out_dtype, expert ids [N, k] int64), as the routers do."""
     N, E = logits.shape
@@ -77,15 +113,42 @@ def route_topk(logits: torch.Tensor, k: int, renorm: bool, out_dtype) -> tuple[t
     return w, idx
 
 
+# rows up to which the routers' matmul is `_route_mm_topk` (one program a row, each reading the whole
+# router): decode batches; longer passes (prefill) keep torch's GEMM
+ROUTE_MM_MAX_ROWS = 16
+
+
+def route_mm_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renorm: bool, out_dtype):
+    """x [N, H] @ weight [E, H]^T -> (logits [N, E] in x's dtype, weights [N, k], ids [N, k]) in one
+    launch: F.linear then `route_topk`, for a few rows. The logits are the fp32 dot rounded once, so
+    they may differ from cuBLAS's in the last bit where its sum order rounds the other way."""
+    N, Hd = x.shape
+    E = weight.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
+    lg = torch.empty((N, E), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    w = torch.empty((N, k), dtype=out_dtype, device=x.device)
+    idx = torch.empty((N, k), dtype=torch.int64, device=x.device)
+    EP = triton.next_power_of_2(E)
+    HB = min(triton.next_power_of_2(Hd), max(64, 8192 // EP))
+    _route_mm_topk[(N,)](x, x.stride(0), weight, lg, w, idx, E, Hd, K=k, EP=EP, KP=triton.next_power_of_2(k),
+                         HB=HB, RENORM=renorm, num_warps=4)
+    return lg, w, idx
+
+
 # router class -> (renormalise: attribute name or True, scores in the logits' dtype)
 ROUTERS = {"MixtralTopKRouter": (True, False), "Qwen2MoeTopKRouter": ("norm_topk_prob", True),
            "Qwen3MoeTopKRouter": ("norm_topk_prob", True), "OlmoeTopKRouter": ("norm_topk_prob", True)}
 
 
-def fuse_routers(model) -> list:
-    """Point every softmax top-k router of `model` at `route_topk` (its matmul stays torch's).
+def fuse_routers(model, mm: bool | None = None) -> list:
+    """Point every softmax top-k router of `model` at `route_topk`, and for up to ROUTE_MM_MAX_ROWS
+    rows (decode) at `route_mm_topk`, its matmul too (mm; default: CMOE_ROUTE_MM, on unless "0").
     Returns what `unfuse` in norm.py needs to put them back."""
     import torch.nn.functional as F
+    if mm is None:
+        mm = os.environ.get("CMOE_ROUTE_MM", "1") != "0"
     done = []
     for mod in model.modules():
         how = ROUTERS.get(type(mod).__name__)
@@ -94,7 +157,10 @@ def fuse_routers(model) -> list:
         renorm = how[0] if how[0] is True else bool(getattr(mod, how[0]))
 
         def fwd(hidden_states, _m=mod, _renorm=renorm, _cast=how[1]):
-            logits = F.linear(hidden_states.reshape(-1, _m.hidden_dim), _m.weight)
+            h = hidden_states.reshape(-1, _m.hidden_dim)
+            if mm and h.shape[0] <= ROUTE_MM_MAX_ROWS and h.dtype == _m.weight.dtype:
+                return route_mm_topk(h, _m.weight, _m.top_k, _renorm, h.dtype if _cast else torch.float32)
+            logits = F.linear(h, _m.weight)
             w, idx = route_topk(logits, _m.top_k, _renorm, logits.dtype if _cast else torch.float32)
             return logits, w, idx
         mod.forward = fwd
