@@ -84,7 +84,7 @@ def under_configs(path: Path, run) -> None:
 
 
 def ablations(a, run) -> None:
-    """The twins that `--sync-ablation`, `--inputs-ablation`, `--wait-ablation`, `--route-mm-ablation`
+    """The twins that `--sync-ablation`, `--inputs-ablation`, `--wait-ablation`, `--env-ablation`
     and `--kernel-configs` ask for, each right before `run`."""
     if a.sync_ablation:
         under_env("CMOE_PASS_SYNC", "1", lambda: run("synced passes"))
@@ -92,8 +92,9 @@ def ablations(a, run) -> None:
         under_env("CMOE_RUNTIME_INPUTS", "0", lambda: run("torch pass inputs"))
     if a.wait_ablation:
         under_env("CMOE_WAIT", "spin", lambda: run("spin waits"))
-    if a.route_mm_ablation:
-        under_env("CMOE_ROUTE_MM", "0", lambda: run("torch router matmul"))
+    for kv in filter(None, a.env_ablation.split(",")):
+        name, _, value = kv.partition("=")
+        under_env(name, value, lambda kv=kv: run(kv))
     if a.kernel_configs:
         under_configs(a.kernel_configs, lambda: run(f"kernel configs {a.kernel_configs.parent.name}"))
 
@@ -179,8 +180,10 @@ def main() -> None:
                     help="lean: every run also with its pass inputs by torch's ops (CMOE_RUNTIME_INPUTS=0), right before it")
     ap.add_argument("--wait-ablation", action="store_true",
                     help="lean: every run also with the host polling each read-back's event (CMOE_WAIT=spin), right before it")
-    ap.add_argument("--route-mm-ablation", action="store_true",
-                    help="lean: every run also with the routers' matmul by torch (CMOE_ROUTE_MM=0), right before it")
+    ap.add_argument("--env-ablation", default="",
+                    help="lean: every run also under each NAME=VALUE of this comma list, right before it (the "
+                         "engine's switches: CMOE_ROUTE_MM=0 torch's router matmul, CMOE_ROPE_ATTEND=0 two "
+                         "attention launches)")
     ap.add_argument("--timelines", action="store_true", help="write every run's timeline under --out")
     ap.add_argument("--kernel-configs", type=Path, default=None,
                     help="a kernel_variants.json: each run also with its best per-M expert kernel configurations")

@@ -112,11 +112,14 @@ def test_families_it_does_not_cover_and_the_switch(monkeypatch):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter on the CPU)")
+@pytest.mark.parametrize("one", ["1", "0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_decode_attention_equals_the_reference(dtype):
+def test_triton_decode_attention_equals_the_reference(dtype, one, monkeypatch):
     """The rotated keys equal transformers' bit for bit on CUDA (the interpreter's bf16 rounding
-    differs); the output agrees with SDPA over the repeated cache to the dtype's rounding."""
+    differs); the output agrees with SDPA over the repeated cache to the dtype's rounding. In one
+    launch, and in the two of CMOE_ROPE_ATTEND=0."""
     import os
+    monkeypatch.setenv("CMOE_ROPE_ATTEND", one)
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1")
     from cmoe.executor.kernels_triton.attention import decode_attention

@@ -1,17 +1,21 @@
-"""One decode step's attention in two launches (the CUDA side of `cmoe.executor.attention`).
+"""One decode step's attention in one launch (the CUDA side of `cmoe.executor.attention`).
 
-`_rope_write`, grid (B, Hq + Hkv): a program rotates one head of one row, q into a fresh buffer,
-k into the static cache at the decode slot (read on the device, so a graph replays it), and
-copies v beside it. The rotation rounds each product and the sum to the activations' dtype, as
-transformers' element-wise `q * cos + rotate_half(q) * sin` does, and is compiled without
-fused multiply-adds (which would skip the products' rounding in fp32), so the results are equal.
+`_rope_attend`, grid (B, Hkv): a program takes one kv head of one row and the G = Hq / Hkv query
+heads that share it (GQA without repeating the cache). It rotates the new key into the static
+cache at the decode slot (read on the device, so a graph replays it) and copies the value beside
+it, rotates its query heads in registers, then (after a barrier: the slot it wrote is read back)
+walks the cache in blocks of BL slots with an online softmax in fp32 (scores from a tensor-core
+dot, rows padded to 16), skipping slots whose `valid` entry is False. Every row has at least its
+own slot valid, so no softmax row is empty. The rotation rounds each product and the sum to the
+activations' dtype, as transformers' element-wise `q * cos + rotate_half(q) * sin` does, and the
+kernel is compiled without fused multiply-adds (which would skip the products' rounding in fp32),
+so the rotated q and k equal transformers'.
 
-`_attend`, grid (B, Hkv): a program takes the G = Hq / Hkv query heads that share one kv head
-(GQA without repeating the cache) and walks the cache in blocks of BL slots with an online
-softmax in fp32 (scores from a tensor-core dot, rows padded to 16), skipping slots whose `valid`
-entry is False. Every row has at least its own slot valid, so no softmax row is empty.
+Why one launch: under the lean engine's graphs each node costs the GPU ~2-3 us however small, and
+a decode layer's attention was two (`_rope_write`, grid (B, Hq + Hkv), a head a program, then the
+attention). CMOE_ROPE_ATTEND=0 runs those two launches again (the A/B of BENCHMARKS.md; the
+attention then keeps fused multiply-adds, as it was).
 """
-
 from __future__ import annotations
 
 import os
@@ -25,9 +29,9 @@ _NEG = tl.constexpr(-1.0e30)   # finite: a block with every slot masked must not
 
 
 @triton.jit
-def _rot(base, d, pd, keep, c, s, sign):
-    x = tl.load(base + d, mask=keep, other=0.0)
-    p = tl.load(base + pd, mask=keep, other=0.0)
+def _rot(x, p, c, s, sign):
+    """x * cos + rotate_half(x) * sin (p: x's partner halves), each product and the sum rounded
+    to x's dtype as transformers' element-wise ops round them."""
     dt = x.dtype
     a = (x.to(tl.float32) * c).to(dt, fp_downcast_rounding="rtne").to(tl.float32)
     b = (p.to(tl.float32) * sign * s).to(dt, fp_downcast_rounding="rtne").to(tl.float32)
@@ -47,13 +51,15 @@ def _rope_write(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, cos_ptr, sin_
     c = tl.load(cos_ptr + b * D + d, mask=keep, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + b * D + d, mask=keep, other=0.0).to(tl.float32)
     if h < HQ:
-        y = _rot(q_ptr + b * sqb + h * sqh, d, pd, keep, c, s, sign)
+        qb = q_ptr + b * sqb + h * sqh
+        y = _rot(tl.load(qb + d, mask=keep, other=0.0), tl.load(qb + pd, mask=keep, other=0.0), c, s, sign)
         tl.store(qo_ptr + (b * HQ + h) * D + d, y, mask=keep)
     else:
         j = h - HQ
         slot = tl.load(slot_ptr)
         off = ((b * HKV + j).to(tl.int64) * L + slot) * D + d
-        y = _rot(k_ptr + b * skb + j * skh, d, pd, keep, c, s, sign)
+        kb = k_ptr + b * skb + j * skh
+        y = _rot(tl.load(kb + d, mask=keep, other=0.0), tl.load(kb + pd, mask=keep, other=0.0), c, s, sign)
         tl.store(kc_ptr + off, y, mask=keep)
         v = tl.load(v_ptr + b * svb + j * svh + d, mask=keep, other=0.0)
         tl.store(vc_ptr + off, v, mask=keep)
@@ -69,23 +75,42 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _attend(q_ptr, kc_ptr, vc_ptr, valid_ptr, slot_ptr, o_ptr, HQ, HKV, L, scale, G: tl.constexpr,
-            GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BL: tl.constexpr, IEEE: tl.constexpr):
+def _rope_attend(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, cos_ptr, sin_ptr, kc_ptr, vc_ptr, valid_ptr,
+                 slot_ptr, o_ptr, HQ, HKV, L, scale, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                 DP: tl.constexpr, BL: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr):
     b = tl.program_id(0)
     j = tl.program_id(1)
     g = tl.arange(0, GP)
     d = tl.arange(0, DP)
     dm = d < D
-    rows = (b * HQ + j * G + g).to(tl.int64)
+    slot = tl.load(slot_ptr)
     qm = (g < G)[:, None] & dm[None, :]
-    q = tl.load(q_ptr + rows[:, None] * D + d[None, :], mask=qm, other=0.0)
+    qb = q_ptr + b * sqb + (j * G + g)[:, None] * sqh
+    if ROPE:
+        half = D // 2
+        pd = tl.where(d < half, d + half, d - half)
+        sign = tl.where(d < half, -1.0, 1.0)
+        c = tl.load(cos_ptr + b * D + d, mask=dm, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + b * D + d, mask=dm, other=0.0).to(tl.float32)
+        # this kv head's new key, rotated, and its value into the cache at the decode slot
+        kb = k_ptr + b * skb + j * skh
+        kr = _rot(tl.load(kb + d, mask=dm, other=0.0), tl.load(kb + pd, mask=dm, other=0.0), c, s, sign)
+        off = ((b * HKV + j).to(tl.int64) * L + slot) * D + d
+        tl.store(kc_ptr + off, kr, mask=dm)
+        tl.store(vc_ptr + off, tl.load(v_ptr + b * svb + j * svh + d, mask=dm, other=0.0), mask=dm)
+        # its G query heads, rotated in registers
+        q = _rot(tl.load(qb + d[None, :], mask=qm, other=0.0), tl.load(qb + pd[None, :], mask=qm, other=0.0),
+                 c[None, :], s[None, :], sign[None, :])
+        tl.debug_barrier()              # the slot's key and value, stored above, are read below
+    else:                               # `_rope_write` ran before: q rotated already
+        q = tl.load(qb + d[None, :], mask=qm, other=0.0)
     m_i = tl.full([GP], _NEG, tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
     base = (b * HKV + j).to(tl.int64) * L * D
     # keys up to the slot written this step, never the cache's whole length: nothing past it is
     # valid yet, and walking it cost the H200 ~1.6 us per 64 empty keys per layer
-    n_keys = tl.minimum(tl.load(slot_ptr).to(tl.int32) + 1, L)
+    n_keys = tl.minimum(slot.to(tl.int32) + 1, L)
     for start in range(0, n_keys, BL):
         n = start + tl.arange(0, BL)
         nm = n < n_keys
@@ -101,6 +126,7 @@ def _attend(q_ptr, kc_ptr, vc_ptr, valid_ptr, slot_ptr, o_ptr, HQ, HKV, L, scale
         acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, IEEE)
         m_i = m_new
     o = acc / l_i[:, None]
+    rows = (b * HQ + j * G + g).to(tl.int64)
     tl.store(o_ptr + rows[:, None] * D + d[None, :], o.to(o_ptr.dtype.element_ty), mask=qm)
 
 
@@ -117,13 +143,17 @@ def decode_attention(q, k, v, cos, sin, keys, values, slot, valid, scaling):
     if not (keys.is_contiguous() and values.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError("the cache and the rotary tables must be contiguous")
     DP = triton.next_power_of_2(D)
-    qo = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
-    _rope_write[(B, Hq + Hkv)](q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0),
-                               v.stride(1), cos, sin, qo, keys, values, slot, Hq, Hkv, L, D=D, DP=DP,
-                               num_warps=1 if DP <= 128 else 2, enable_fp_fusion=False)
+    one = os.environ.get("CMOE_ROPE_ATTEND", "1") != "0"
+    if not one:                          # the two-launch A/B: q rotated into its own buffer first
+        qo = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
+        _rope_write[(B, Hq + Hkv)](q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0),
+                                   v.stride(1), cos, sin, qo, keys, values, slot, Hq, Hkv, L, D=D, DP=DP,
+                                   num_warps=1 if DP <= 128 else 2, enable_fp_fusion=False)
+        q = qo
     G = Hq // Hkv
     o = torch.empty((B, Hq * D), dtype=q.dtype, device=q.device)
-    _attend[(B, Hkv)](qo, keys, values, valid.view(torch.uint8), slot, o, Hq, Hkv, L, float(scaling), G=G,
-                      GP=max(16, triton.next_power_of_2(G)), D=D, DP=max(16, DP), BL=64,
-                      IEEE=q.dtype == torch.float32, num_warps=4)
+    _rope_attend[(B, Hkv)](q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
+                           cos, sin, keys, values, valid.view(torch.uint8), slot, o, Hq, Hkv, L, float(scaling),
+                           G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=max(16, DP), BL=64,
+                           IEEE=q.dtype == torch.float32, ROPE=one, num_warps=4, enable_fp_fusion=one)
     return o
