@@ -84,8 +84,7 @@ case "${1:-}" in
               -p no:cacheprovider 2>&1 | tail -4 || true
             timeout 130 python3 benchmarks/kernel_variants_h200.py --out "$OUT/variants" --ms 1,2,4,8,16 \
               --variants committed,committed-rt 2>&1 | grep -v Warning || true ;;
-  route-upper) upper 330 250 --kernel-configs "${2:-$OUT/variants/kernel_variants.json}" \
-                 --env-ablation CMOE_ROUTE_MM=0,CMOE_ROPE_ATTEND=0
+  route-upper) upper 330 250 ${2:+--kernel-configs "$2"} --env-ablation CMOE_ROUTE_MM=0,CMOE_ROPE_ATTEND=0
                timeout 120 python3 benchmarks/lean_h200.py --out "$OUT/kp" --tokens 64 --batches 1 --pools 20 \
                  --engines lean --policies "" --repeats 0 --kernel-profile --budget-s 90 2>&1 | grep -E "^ |^---" || true ;;
   ncu-variants) N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1); mkdir -p /tmp/ncuv

@@ -155,5 +155,5 @@ def decode_attention(q, k, v, cos, sin, keys, values, slot, valid, scaling):
     _rope_attend[(B, Hkv)](q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
                            cos, sin, keys, values, valid.view(torch.uint8), slot, o, Hq, Hkv, L, float(scaling),
                            G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=max(16, DP), BL=64,
-                           IEEE=q.dtype == torch.float32, ROPE=one, num_warps=4, enable_fp_fusion=one)
+                           IEEE=q.dtype == torch.float32, ROPE=one, num_warps=4, enable_fp_fusion=not one)
     return o
