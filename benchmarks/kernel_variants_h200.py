@@ -54,8 +54,6 @@ VARIANTS: dict[str, dict] = {
     "cuda-f-x13-pdl": dict(cu13=4, cu2=4, cut2=4, cus2=4, cux13=True, cux2=True, cupdl=True),
     "cuda-d-pdl": dict(cu13=1, cu2=2, cut2=2, cus2=4, cux13=False, cux2=True, cupdl=True),
     "cuda-f-x13-pdl-s8": dict(cu13=4, cu2=4, cut2=4, cus2=8, cux13=True, cux2=True, cupdl=True),
-    # fourteenth session: the route in both CUDA launches (no route launch before w13; w13 zeroes acc)
-    "committed-rt": dict(curt=True),
 }
 # measured in the eighth session at 0569aec, and removed after (slower at every M): the (scale, zero)
 # pairs loaded in their own unit and streamed by the pipeliner (spd13 = spd2 = 0 with stg13 = stg2 =
@@ -77,6 +75,10 @@ VARIANTS: dict[str, dict] = {
 # (ce8df29), the weights and pairs brought by bulk copies (1 KB and 64 B runs on per-stage
 # mbarriers, 2-5 stages a warp, bk-a..bk-g): right, but w13 26.2-47.7 us against 22.6-23.8 and
 # every layer 2-37% slower than the committed one
+# measured in the fourteenth session (results/lean-h200-14/call1-kernel_variants.json) and removed after:
+# the route inside both CUDA launches (curt, 27518bf: each CTA sorts the <= 128 pairs in shared memory,
+# w13 zeroes acc, no route launch): one expert at M = 1 35.4 us against 35.7, but every layer slower
+# (M = 1-16: 65.3/97.7/166.7/228.4/257.6 us against 64.1/92.9/150.4/221.4/235.2)
 
 
 def _write(res: dict, out: Path, t0: float) -> None:

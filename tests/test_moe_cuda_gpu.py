@@ -63,9 +63,7 @@ CUDA_CFGS = [dict(cu13=4, cu2=4, cut2=2, cus2=4), dict(cu13=1, cu2=1, cut2=1, cu
              dict(cu13=4, cu2=4, cut2=2, cus2=4, cux13=True, cux2=False),
              dict(cu13=2, cu2=4, cut2=1, cus2=3, cux13=False, cux2=False), dict(cu13=1, cu2=1, cut2=4, cus2=5, cux13=True),
              dict(cu13=4, cu2=4, cut2=4, cus2=4, cux13=True, cux2=True, cupdl=True),
-             dict(cu13=1, cu2=2, cut2=2, cus2=3, cux13=False, cux2=False, cupdl=True),
-             dict(cu13=4, cu2=4, cut2=4, cus2=4, cux13=True, cux2=True, cupdl=True, curt=True),
-             dict(cu13=2, cu2=1, cut2=1, cus2=1, cux13=False, cux2=False, curt=True)]
+             dict(cu13=1, cu2=2, cut2=2, cus2=3, cux13=False, cux2=False, cupdl=True)]
 
 
 @pytest.mark.parametrize("zp", [False, True])
@@ -182,63 +180,6 @@ def test_w2_as_a_dependent_launch_matches_the_plain_one_bit_for_bit_eager_and_in
         assert torch.equal(out, want)
 
 
-@pytest.mark.parametrize("M,k,pdl,cu13", [(1, 2, True, 4), (20, 1, True, 4), (20, 1, False, 1), (61, 2, True, 4),
-                                         (70, 2, True, 4)])
-@pytest.mark.gpu
-@needs_cuda
-def test_the_route_in_the_kernel_matches_the_route_launch_bit_for_bit_eager_and_in_a_graph(M, k, pdl, cu13,
-                                                                                             monkeypatch):
-    """curt: each CUDA launch sorts the pairs itself and w13 zeroes acc, so no route launch runs; h
-    and acc start as NaN (an unzeroed acc or a row of h another CTA sorted differently would show).
-    Top-1 without a split over CTAs: one atomic add an element, so the plain route's bits must come
-    back. M = 20 at top-1: segments of up to 20 rows in chunks of 8. M = 61 at top-2 (122 pairs) is
-    near the in-kernel limit; M = 70 (140 pairs) is over it and the route kernel runs. Also in a
-    replayed graph, on new ids, x and slots."""
-    from cmoe.executor.kernels_cuda import moe as C
-    from cmoe.executor.kernels_triton import moe as K
-    from cmoe.executor.kernels_triton import pick_config
-    routed = []
-    real = K.launch_route
-    monkeypatch.setattr(K, "launch_route", lambda *a: (routed.append(1), real(*a)))
-    gen = torch.Generator(device="cuda").manual_seed(M + k)
-    H, Fd, E = 1024, 2048, 8
-    lay, pool, table = _pool(E, E + 2, H, Fd, 128, gen, False)
-    table[3] = -1                                        # an expert without a slot
-    x, ids, wts = _inputs(M, k, E, H, gen)
-    ids[0, 0] = -1                                       # a padding id
-    plain = replace(pick_config(min(M, 16)), cu13=cu13, cu2=4, cut2=2, cus2=1 if k == 1 else 4, cux13=True,
-                    cux2=True, cupdl=pdl and C.pdl_ok(0), curt=False)
-    inl = replace(plain, curt=True)
-
-    def run(cfg, ws=None):
-        return moe_forward(x, ids, wts, table, pool, lay, workspace=ws or _nan_workspace(M, k, H, Fd, E),
-                           config=cfg, out_dtype=torch.float32)
-    ref = run(plain).clone()
-    assert len(routed) == 1
-    ws = _nan_workspace(M, k, H, Fd, E)
-    got = run(inl, ws)
-    over = M * k > C.RT_MAX_PAIRS
-    assert len(routed) == 1 + over
-    if k == 1:
-        assert torch.equal(got, ref)
-    assert _rel(got, moe_reference(x, ids, wts, table, pool, lay, out_dtype=torch.float32)) < 5e-3
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run(inl, ws)
-    for _ in range(3):
-        x.copy_(torch.randn(M, H, generator=gen, device="cuda").to(x.dtype))
-        ids.copy_(torch.randint(0, E, ids.shape, generator=gen, device="cuda", dtype=ids.dtype))
-        table.copy_(table[torch.randperm(E, generator=gen, device="cuda")])
-        ws.h.fill_(float("nan"))
-        ws.acc.fill_(float("nan"))
-        graph.replay()
-        want = run(plain)
-        if k == 1:
-            assert torch.equal(out, want)
-        assert _rel(out, want) < 1e-5
-
-
 # --- CPU -----------------------------------------------------------------------------------------------
 
 def test_without_nvrtc_the_triton_kernel_runs_and_a_warning_says_so(monkeypatch):
@@ -277,51 +218,6 @@ def test_a_kernel_that_does_not_compile_is_none_once_with_a_warning(monkeypatch)
     with pytest.warns(UserWarning, match=r"did not compile \(RuntimeError: nvrtc: error: identifier .* undefined\)"):
         assert C.kernel(*key) is None
     assert C.kernel(*key) is None and calls == ["moe_mma"]          # cached: no second compile
-
-
-def test_the_route_goes_into_the_kernel_only_where_both_cuda_launches_take_it(monkeypatch):
-    """`route_inline`: curt with both matrices named for the CUDA kernel, both fitting, both
-    compiled (their warm-up launches return a kernel, with the ids), at most RT_MAX_PAIRS pairs;
-    anything else keeps the route launch (needs triton importable, as the Triton kernel's tests)."""
-    from types import SimpleNamespace
-    pytest.importorskip("triton")
-
-    from cmoe.executor.kernels_triton import Workspace
-    from cmoe.executor.kernels_triton import moe as K
-    seen, ok = [], {"w13": True, "w2": True}
-
-    def l13(ws, x, tab, pool, lay, topk, warps, xpf, warmup, pdl, ids):
-        seen.append(("w13", warps, warmup, ids is not None))
-        return "k13" if ok["w13"] else None
-
-    def l2(ws, wt, tab, pool, lay, topk, M, warps, tiles, ks, xpf, warmup, pdl, ids):
-        seen.append(("w2", warps, warmup, ids is not None))
-        return "k2" if ok["w2"] else None
-    fake = SimpleNamespace(RT_MAX_PAIRS=128, launch_w13=l13, launch_w2=l2)
-    fits = {"x": True, "h": True}
-    monkeypatch.setattr(K, "_cuda", lambda lay, t, pool, tiles: fake if fits["h" if t.shape[1] == 14336 else "x"]
-                        else None)
-    lay = tiled_layout("w4g128", 4096, 14336)
-    cfg = replace(K.pick_config(1), curt=True)
-
-    def decide(M, k, c=cfg):
-        ws = Workspace(M, k, 4096, 14336, 8, "cpu")
-        x, wt = torch.zeros(M, 4096, dtype=torch.bfloat16), torch.zeros(M, k)
-        ids = torch.zeros(M, k, dtype=torch.int32)
-        return K.route_inline(ws, x, wt, torch.zeros(8, dtype=torch.int32), None, lay, k, c, ids)
-    assert decide(1, 2) and seen == [("w13", 4, True, True), ("w2", 4, True, True)]
-    assert decide(64, 2) and not decide(65, 2) and decide(16, 8) and not decide(17, 8)
-    seen.clear()
-    assert not decide(1, 2, replace(cfg, curt=False)) and not decide(1, 2, replace(cfg, cu2=0))
-    assert not decide(1, 2, replace(cfg, cu13=0)) and seen == []
-    ok["w2"] = False
-    assert not decide(1, 2)
-    ok["w2"], ok["w13"] = True, False
-    assert not decide(1, 2)
-    ok["w13"], fits["h"] = True, False
-    assert not decide(1, 2)
-    fits["h"] = True
-    assert decide(1, 2)
 
 
 def test_the_dependent_launch_structs_have_cuda_h_layout():
@@ -369,14 +265,12 @@ def _nvrtc():
         return None
 
 
-@pytest.mark.parametrize("w13,g,warps,tiles,zp,wbf,opt,pdl,rt", [
-    (True, 32, 4, 1, False, False, True, False, False), (True, 256, 8, 1, True, False, False, False, False),
-    (False, 64, 4, 2, False, True, False, False, False), (False, 128, 1, 4, True, False, True, False, False),
-    (False, 256, 2, 1, False, False, False, False, False), (True, 128, 4, 1, False, False, True, True, False),
-    (False, 128, 4, 4, False, False, True, True, False), (False, 256, 2, 2, True, True, False, True, False),
-    (True, 128, 4, 1, False, False, True, True, True), (False, 128, 4, 4, False, False, True, True, True),
-    (True, 64, 1, 1, True, False, False, False, True), (False, 128, 2, 2, False, True, True, False, True)])
-def test_the_cuda_source_compiles_for_sm90(w13, g, warps, tiles, zp, wbf, opt, pdl, rt):
+@pytest.mark.parametrize("w13,g,warps,tiles,zp,wbf,opt,pdl", [
+    (True, 32, 4, 1, False, False, True, False), (True, 256, 8, 1, True, False, False, False),
+    (False, 64, 4, 2, False, True, False, False), (False, 128, 1, 4, True, False, True, False),
+    (False, 256, 2, 1, False, False, False, False), (True, 128, 4, 1, False, False, True, True),
+    (False, 128, 4, 4, False, False, True, True), (False, 256, 2, 2, True, True, False, True)])
+def test_the_cuda_source_compiles_for_sm90(w13, g, warps, tiles, zp, wbf, opt, pdl):
     """NVRTC (the nvidia-cuda-nvrtc wheel, where installed) compiles the source for sm_90 with the
     macros the host sets: a syntax or asm-constraint error is caught without a GPU."""
     lib = _nvrtc()
@@ -384,7 +278,7 @@ def test_the_cuda_source_compiles_for_sm90(w13, g, warps, tiles, zp, wbf, opt, p
         pytest.skip("NVRTC is not installed (pip install nvidia-cuda-nvrtc)")
     from cmoe.executor.kernels_cuda.moe import defines, source
     prog = ctypes.c_void_p()
-    src = (defines(w13, g, warps, tiles, zp, wbf, opt, pdl, rt) + source()).encode()
+    src = (defines(w13, g, warps, tiles, zp, wbf, opt, pdl) + source()).encode()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"moe_mma.cu", 0, None, None) == 0
     opts = [b"--gpu-architecture=sm_90", b"-std=c++17"]
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))

@@ -8,9 +8,8 @@ compile outside a capture, as a warm-up call does).
 NVRTC comes with PyTorch's CUDA wheels; torch's wrapper also asks for the CUDA toolkit's include
 path (CUDA_HOME), though the source includes no header. Where either is missing or a compile
 fails, a warning says so once and the Triton kernel runs those launches: slower, never wrong (a
-device older than sm_80, which has no bf16 mma, uses the Triton kernel without a warning). One
-binary per (role, group, warps, tiles, zero-point format, weight dtype, x loading, dependent launch,
-in-kernel route, device), compiled once per process (~1 s each).
+device older than sm_80, which has no bf16 mma, uses the Triton kernel without a warning). One binary per (role, group, warps, tiles, zero-point format,
+weight dtype, x loading, dependent launch, device), compiled once per process (~1 s each).
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from importlib import resources
 import torch
 
 BM = 8                      # rows of a segment a CTA (the mma's n)
-RT_MAX_PAIRS = 128          # PMAX in moe_mma.cu: the most pairs the in-kernel route (RT) sorts
 
 
 @functools.cache
@@ -53,9 +51,9 @@ def available(device: int = 0) -> bool:
 
 
 def defines(is_w13: bool, group: int, warps: int, tiles: int, zp: bool, wt_bf16: bool, xpf: bool = True,
-            pdl: bool = False, rt: bool = False) -> str:
+            pdl: bool = False) -> str:
     vals = dict(IS_W13=int(is_w13), G=group, NW=warps, MT=tiles, ZP=int(zp), WT_BF16=int(wt_bf16), XPF=int(xpf),
-                PDL=int(pdl), RT=int(rt))
+                PDL=int(pdl))
     return "".join(f"#define {k} {v}\n" for k, v in vals.items())
 
 
@@ -131,25 +129,14 @@ def _launch_dependent(k, grid, block, args) -> None:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
 
 
-def _route_args(ws, ids, zero: bool) -> list:
-    """The kernel's last four arguments: with ids (RT) the pairs' expert ids and their count, and
-    for w13 (zero) acc to zero; without, placeholders the kernel does not read."""
-    if ids is None:
-        return [ws.order, 0, ws.acc, 0]
-    return [ids, ids.numel(), ws.acc, ws.acc.numel() if zero else 0]
-
-
 def launch_w13(ws, x, slot_table, pool, layout, topk: int, warps: int, xpf: bool = False, warmup: bool = False,
-               pdl: bool = False, ids=None):
+               pdl: bool = False):
     """gate/up with SiLU into ws.h (rows in sorted order), one launch, K not split across CTAs.
     xpf: x loaded with its unit's weights (XPF in `moe_mma.cu`), else per block when computed;
-    pdl: compiled to let the next grid (w2 launched with pdl) start early (sm_90+, else ignored);
-    ids: the pairs' expert ids (int32, <= RT_MAX_PAIRS): the route in the kernel (RT), which also
-    zeroes ws.acc, so no route launch is needed (launch_w2 must get the same ids).
+    pdl: compiled to let the next grid (w2 launched with pdl) start early (sm_90+, else ignored).
     Returns the kernel, or None (nothing launched) where it did not compile."""
     dev = x.device.index or 0
-    k = kernel(dev, True, layout.group, warps, 1, bool(layout.zero_point), False, xpf, pdl and pdl_ok(dev),
-               ids is not None)
+    k = kernel(dev, True, layout.group, warps, 1, bool(layout.zero_point), False, xpf, pdl and pdl_ok(dev))
     if k is None or warmup:
         return k
     M = x.shape[0]
@@ -158,24 +145,24 @@ def launch_w13(ws, x, slot_table, pool, layout, topk: int, warps: int, xpf: bool
     k(grid=(layout.ffn // 16, ws.A * nch, 1), block=(32 * warps, 1, 1),
       args=[x, x.stride(0), pool, pool.stride(0), slot_table, slot_table.numel(), ws.seg_e, ws.seg_s, ws.seg_end,
             ws.order, ws.order, ws.h, ws.h.stride(0), layout.part("w13").offset, layout.part("w13_sz").offset,
-            layout.ffn, layout.hidden, topk, nch, units] + _route_args(ws, ids, True))
+            layout.ffn, layout.hidden, topk, nch, units])
     return k
 
 
 def launch_w2(ws, topk_weights, slot_table, pool, layout, topk: int, M: int, warps: int, tiles: int,
-              ksplit: tuple[int, int], xpf: bool = True, warmup: bool = False, pdl: bool = False, ids=None):
+              ksplit: tuple[int, int], xpf: bool = True, warmup: bool = False, pdl: bool = False):
     """down with the routing weights, atomically added into ws.acc; K split over grid z as
     ksplit = (splits, units a split) says (`kernels_triton.moe.k_split`, which cuts it for both).
     pdl: launched as a programmatic dependent of the launch before it (sm_90+, else a plain launch;
     right after any grid, since it waits for that grid before it reads h; early only after a w13
-    compiled with pdl); ids: the route in the kernel, as w13's. Returns the kernel, or None (nothing
-    launched) for routing weights neither fp32 nor bf16 or a kernel that did not compile."""
+    compiled with pdl). Returns the kernel, or None (nothing launched) for routing weights neither
+    fp32 nor bf16 or a kernel that did not compile."""
     if topk_weights.dtype not in (torch.float32, torch.bfloat16):
         return None
     wt_bf16 = topk_weights.dtype == torch.bfloat16
     dev = ws.h.device.index or 0
     pdl = pdl and pdl_ok(dev)
-    k = kernel(dev, False, layout.group, warps, tiles, bool(layout.zero_point), wt_bf16, xpf, pdl, ids is not None)
+    k = kernel(dev, False, layout.group, warps, tiles, bool(layout.zero_point), wt_bf16, xpf, pdl)
     if k is None or warmup:
         return k
     nch = -(-M // BM)
@@ -183,7 +170,7 @@ def launch_w2(ws, topk_weights, slot_table, pool, layout, topk: int, M: int, war
     grid, block = (layout.hidden // (16 * tiles), ws.A * nch, s), (32 * warps, 1, 1)
     args = [ws.h, ws.h.stride(0), pool, pool.stride(0), slot_table, slot_table.numel(), ws.seg_e, ws.seg_s,
             ws.seg_end, ws.order, topk_weights, ws.acc, ws.acc.stride(0), layout.part("w2").offset,
-            layout.part("w2_sz").offset, layout.hidden, layout.ffn, topk, nch, ups] + _route_args(ws, ids, False)
+            layout.part("w2_sz").offset, layout.hidden, layout.ffn, topk, nch, ups]
     if pdl:
         _launch_dependent(k, grid, block, args)
     else:

@@ -31,9 +31,7 @@
 // per block when computed), PDL (sm_90+, programmatic dependent launch: the w13 role lets the next
 // grid start at once; the w2 role, launched as that dependent, loads its first two units' weights,
 // then waits for w13's grid to finish before it reads h, so its first loads overlap w13's last
-// wave and the launch gap), RT (the route in the kernel: each CTA sorts the P <= PMAX pairs' expert
-// ids itself and finds its segment, and the w13 role zeroes acc, so no route launch runs before
-// w13; see `route_here`), BM = 8 (rows of a segment a CTA: the
+// wave and the launch gap), BM = 8 (rows of a segment a CTA: the
 // mma's n). Requires K % 128 == 0, N % (16 * MT) == 0, x's row stride % 4 == 0 (the host checks).
 
 #ifndef IS_W13
@@ -60,10 +58,6 @@
 #ifndef PDL
 #define PDL 0
 #endif
-#ifndef RT
-#define RT 0
-#endif
-#define PMAX 128                   // pairs (rows x top-k) the in-kernel route takes (RT)
 
 #define BM 8
 #if IS_W13
@@ -272,68 +266,20 @@ __device__ __forceinline__ void compute_unit(const Unit& un, float (&acc)[TILES]
     }
 }
 
-#if RT
-// The route of `_route_kernel` for segment `seg`, in one CTA: the P pairs sorted by expert id,
-// stably (rank = ids smaller, or equal at a lower index), into ord (pair index by sorted position);
-// the segment is the seg-th run of equal ids: (e, start, end) in seg3, e = -1 past the last run.
-// Every CTA computes the same sort, so w13's h rows and w2's reads of them agree.
-__device__ __forceinline__ void route_here(const int* __restrict__ ids, int P, int seg, int* id, int* srt,
-                                           int* ord, int* seg3) {
-    for (int i = threadIdx.x; i < P; i += NW * 32) id[i] = ids[i];
-    if (threadIdx.x == 0) { seg3[0] = -1; seg3[1] = 0; seg3[2] = P; }
-    __syncthreads();
-    for (int i = threadIdx.x; i < P; i += NW * 32) {
-        const int v = id[i];
-        int r = 0;
-        for (int j = 0; j < P; ++j) r += (id[j] < v) | ((id[j] == v) & (j < i));
-        srt[r] = v;
-        ord[r] = i;
-    }
-    __syncthreads();
-    for (int r = threadIdx.x; r < P; r += NW * 32) {
-        if (r > 0 && srt[r] == srt[r - 1]) continue;      // not the first of a run
-        int a = 0;                                         // runs before this one
-        for (int q = 1; q <= r; ++q) a += srt[q] != srt[q - 1];
-        if (a == seg) { seg3[0] = srt[r]; seg3[1] = r; }
-        if (a == seg + 1) seg3[2] = r;
-    }
-    __syncthreads();
-}
-#endif
-
 extern "C" __global__ void __launch_bounds__(NW * 32)
 moe_mma(const u16* __restrict__ x, int stride_x, const unsigned char* __restrict__ pool, int slot_bytes,
         const int* __restrict__ table, int E, const int* __restrict__ seg_e, const int* __restrict__ seg_s,
         const int* __restrict__ seg_end, const int* __restrict__ order, const void* __restrict__ wt,
-        void* out, int stride_o, int w_off, int sz_off, int N, int K, int topk, int nch, int ups,
-        const int* __restrict__ ids, int P, float* __restrict__ zero, int nzero) {
+        void* out, int stride_o, int w_off, int sz_off, int N, int K, int topk, int nch, int ups) {
 #if PDL && IS_W13
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");   // no-op without a dependent
 #endif
     const int seg = blockIdx.y / nch, ch = blockIdx.y % nch;
-#if RT
-#if IS_W13
-    // acc's zeros, the route kernel's other job: w2 adds into it only after w13's grid has ended
-    for (int i = (blockIdx.y * gridDim.x + blockIdx.x) * NW * 32 + threadIdx.x; i < nzero;
-         i += gridDim.x * gridDim.y * NW * 32)
-        zero[i] = 0.0f;
-#endif
-    __shared__ int r_id[PMAX], r_srt[PMAX], r_ord[PMAX], r_seg[3];
-    route_here(ids, P, seg, r_id, r_srt, r_ord, r_seg);
-    const int* ordp = r_ord;
-    const int e = r_seg[0];
-    if (e < 0 || e >= E) return;
-    const int slot = table[e];
-    if (slot < 0) return;
-    const int start = r_seg[1] + ch * BM, end = r_seg[2];
-#else
-    const int* ordp = order;
     const int e = seg_e[seg];
     if (e < 0 || e >= E) return;
     const int slot = table[e];
     if (slot < 0) return;
     const int start = seg_s[seg] + ch * BM, end = seg_end[seg];
-#endif
     if (start >= end) return;
     const int cnt = min(end - start, BM);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -348,7 +294,7 @@ moe_mma(const u16* __restrict__ x, int stride_x, const unsigned char* __restrict
     cx.NR = 2 * N;
     cx.rowb[0] = blockIdx.x * 16;
     cx.rowb[1] = N + blockIdx.x * 16;
-    cx.xp = cx.gid < cnt ? (const u32*)(x + (long long)(ordp[pos] / topk) * stride_x) : nullptr;
+    cx.xp = cx.gid < cnt ? (const u32*)(x + (long long)(order[pos] / topk) * stride_x) : nullptr;
 #else
     cx.NR = N;
 #pragma unroll
@@ -372,9 +318,8 @@ moe_mma(const u16* __restrict__ x, int stride_x, const unsigned char* __restrict
     int u = lo + warp;
     Unit ua, ub;
 #if PDL && !IS_W13
-    // segments and acc's zeros come from the route kernel (RT: the ids, and acc's zeros from w13,
-    // whose grid the wait covers; acc is first touched after it) and the slot table from the host,
-    // all before w13 began; h is w13's: the first two units' weights load, then the wait, then h
+    // segments and acc's zeros come from the route kernel and the slot table from the host, all
+    // before w13 began; h is w13's: the first two units' weights load, then the wait, then their h
     if (u < hi) load_unit<false>(ua, cx, u);
     if (u + NW < hi) load_unit<false>(ub, cx, u + NW);
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -427,7 +372,7 @@ moe_mma(const u16* __restrict__ x, int stride_x, const unsigned char* __restrict
             const float hv = g / (1.0f + expf(-g)) * up;
             ((u16*)out)[(long long)(start + col) * stride_o + cx.rowb[0] + cx.gid + 8 * h] = f2bf(hv);
 #else
-            const int pr = ordp[start + col];
+            const int pr = order[start + col];
 #if WT_BF16
             const float wv = bf_lo(((const u16*)wt)[pr]);
 #else

@@ -95,7 +95,6 @@ class KernelConfig:
     cux13: bool = False  # the CUDA w13 loads x with its unit's weights (else when its block is computed)
     cux2: bool = True    # the same for the CUDA w2
     cupdl: bool = False  # the CUDA w2 a programmatic dependent of the CUDA w13 (sm_90+): its first loads early
-    curt: bool = False   # both CUDA launches route in the kernel (no `_route_kernel` launch; <= 128 pairs)
 
 
 # by batch rows M (the smallest bucket >= M): the configurations benchmarks/expert_kernel_h200.py
@@ -226,29 +225,11 @@ def _cuda(layout, x, pool, tiles: int):
     return C if C.available(x.device.index or 0) and C.fits(layout, x, pool, tiles) else None
 
 
-def route_inline(ws: Workspace, x, topk_weights, slot_table, pool, layout, topk: int, cfg: KernelConfig,
-                 topk_ids) -> bool:
-    """Whether this call routes inside the CUDA launches (cfg.curt): both matrices on the CUDA kernel
-    (named, fitting, compiled: warm-up launches compile them), at most `RT_MAX_PAIRS` pairs. Then
-    `launch_route` is skipped and both launches get the ids; else the route kernel runs as before."""
-    if not (cfg.curt and cfg.cu13 and cfg.cu2):
-        return False
-    C = _cuda(layout, x, pool, 1)
-    if C is None or ws.P > C.RT_MAX_PAIRS or _cuda(layout, ws.h, pool, cfg.cut2) is None:
-        return False
-    M = x.shape[0]
-    return (C.launch_w13(ws, x, slot_table, pool, layout, topk, cfg.cu13, cfg.cux13, True, cfg.cupdl, topk_ids)
-            is not None and C.launch_w2(ws, topk_weights, slot_table, pool, layout, topk, M, cfg.cu2, cfg.cut2,
-                                        k_split(layout.ffn, layout.group, cfg.cus2), cfg.cux2, True, cfg.cupdl,
-                                        topk_ids) is not None)
-
-
-def launch_w13(ws: Workspace, x, slot_table, pool, layout, topk: int, cfg: KernelConfig, warmup=False, ids=None):
+def launch_w13(ws: Workspace, x, slot_table, pool, layout, topk: int, cfg: KernelConfig, warmup=False):
     """gate/up with SiLU into ws.h; with split13 > 1 two launches (the split w13, its reduction).
-    ids: the route in the CUDA kernel (`route_inline` said so). Returns the w13 launch's kernel
-    (with warmup: both are compiled)."""
+    Returns the w13 launch's kernel (with warmup: both are compiled)."""
     if cfg.cu13 and (C := _cuda(layout, x, pool, 1)):
-        k = C.launch_w13(ws, x, slot_table, pool, layout, topk, cfg.cu13, cfg.cux13, warmup, cfg.cupdl, ids)
+        k = C.launch_w13(ws, x, slot_table, pool, layout, topk, cfg.cu13, cfg.cux13, warmup, cfg.cupdl)
         if k is not None:                    # None: it did not compile (warned), Triton runs below
             return k
     H, Fd = layout.hidden, layout.ffn
@@ -280,10 +261,10 @@ def launch_w13(ws: Workspace, x, slot_table, pool, layout, topk: int, cfg: Kerne
 
 
 def launch_w2(ws: Workspace, topk_weights, slot_table, pool, layout, topk: int, M: int, cfg: KernelConfig,
-              warmup=False, ids=None):
+              warmup=False):
     if cfg.cu2 and (C := _cuda(layout, ws.h, pool, cfg.cut2)):
         k = C.launch_w2(ws, topk_weights, slot_table, pool, layout, topk, M, cfg.cu2, cfg.cut2,
-                        k_split(layout.ffn, layout.group, cfg.cus2), cfg.cux2, warmup, cfg.cupdl, ids)
+                        k_split(layout.ffn, layout.group, cfg.cus2), cfg.cux2, warmup, cfg.cupdl)
         if k is not None:
             return k
     H, Fd = layout.hidden, layout.ffn
@@ -317,11 +298,9 @@ def moe_triton(x, topk_ids, topk_weights, slot_table, pool, layout, workspace=No
         if ws is None:
             ws = _WS[key] = Workspace(M, topk, H, layout.ffn, E, x.device, x.dtype)
     cfg = config or pick_config(M)
-    ids = topk_ids if route_inline(ws, x, topk_weights, slot_table, pool, layout, topk, cfg, topk_ids) else None
-    if ids is None:
-        launch_route(ws, topk_ids)
-    launch_w13(ws, x, slot_table, pool, layout, topk, cfg, ids=ids)
-    launch_w2(ws, topk_weights, slot_table, pool, layout, topk, M, cfg, ids=ids)
+    launch_route(ws, topk_ids)
+    launch_w13(ws, x, slot_table, pool, layout, topk, cfg)
+    launch_w2(ws, topk_weights, slot_table, pool, layout, topk, M, cfg)
     if out_dtype == torch.float32:
         return ws.acc
     ws.out.copy_(ws.acc)
