@@ -24,11 +24,9 @@
 #   bash benchmarks/gpu_session.sh check      # a session's first call: the expert kernels', lean and executor GPU
 #                                             # tests, then expert_kernel_h200.py --no-sweep (CONFIGS, torch int4 and
 #                                             # bf16 in one run, M 1-64), then upper at batches 1/4/8 as committed
-#   bash benchmarks/gpu_session.sh route-ab   # the expert-kernel, lean, step-kernel and attention GPU tests, then
-#                                             # the in-kernel route (committed-rt) against the committed kernel, M 1-16
-#   bash benchmarks/gpu_session.sh route-upper [VARIANTS.json]  # upper at batches 1/4/8 as committed, with the
-#                                             # variants' fastest per M, with torch's router matmul (CMOE_ROUTE_MM=0)
-#                                             # and with two attention launches (CMOE_ROPE_ATTEND=0); the b1 kernel profile
+#   bash benchmarks/gpu_session.sh fuse-ab    # the step-kernel, attention and lean GPU tests, then upper at batches
+#                                             # 1/4/8 as committed and with each engine switch of ABL turned off
+#                                             # (default CMOE_ROUTE_MM=0,CMOE_LEAN_LAYER=0), then the b1 kernel profile
 #   bash benchmarks/gpu_session.sh ncu-variants [NAMES]  # the same variants' M = 1 launches under ncu
 #   bash benchmarks/gpu_session.sh wait       # issue 15: the host polling each read-back (CMOE_WAIT=spin) against its
 #                                             # event sync, batch 2, pools 16/26, ondemand and oracle, right before each
@@ -78,15 +76,12 @@ case "${1:-}" in
            tests/test_executor_gpu.py -p no:cacheprovider 2>&1 | tail -12 || true
          timeout 160 python3 benchmarks/expert_kernel_h200.py --out "$OUT/expert" --no-sweep 2>&1 | grep -v Warning | tail -30 || true
          upper 130 80 ;;
-  route-ab) timeout 330 python3 -m pytest -q -m gpu tests/test_moe_cuda_gpu.py tests/test_lean_gpu.py \
-              -p no:cacheprovider 2>&1 | tail -8 || true
-            timeout 100 python3 -m pytest -q tests/test_step_kernels.py tests/test_attention.py \
-              -p no:cacheprovider 2>&1 | tail -4 || true
-            timeout 130 python3 benchmarks/kernel_variants_h200.py --out "$OUT/variants" --ms 1,2,4,8,16 \
-              --variants committed,committed-rt 2>&1 | grep -v Warning || true ;;
-  route-upper) upper 330 250 ${2:+--kernel-configs "$2"} --env-ablation CMOE_ROUTE_MM=0,CMOE_ROPE_ATTEND=0
-               timeout 120 python3 benchmarks/lean_h200.py --out "$OUT/kp" --tokens 64 --batches 1 --pools 20 \
-                 --engines lean --policies "" --repeats 0 --kernel-profile --budget-s 90 2>&1 | grep -E "^ |^---" || true ;;
+  fuse-ab) timeout 100 python3 -m pytest -q tests/test_step_kernels.py tests/test_attention.py \
+             -p no:cacheprovider 2>&1 | tail -4 || true
+           timeout 200 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider 2>&1 | tail -6 || true
+           upper 200 140 --env-ablation "${ABL:-CMOE_ROUTE_MM=0,CMOE_LEAN_LAYER=0}"
+           timeout 100 python3 benchmarks/lean_h200.py --out "$OUT/kp" --tokens 64 --batches 1 --pools 20 \
+             --engines lean --policies "" --repeats 0 --kernel-profile --budget-s 80 2>&1 | grep -E "^ |^---" || true ;;
   ncu-variants) N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1); mkdir -p /tmp/ncuv
        timeout 300 "$N" --clock-control none --set full -k 'regex:_expert_mm|_gate_up|moe_mma' -f -o /tmp/ncuv/v \
          python3 benchmarks/kernel_variants_h200.py --launch-only --ms 1 --variants "${2:-committed,split13-2}" \
@@ -115,5 +110,5 @@ case "${1:-}" in
                 | grep -E "^lean|host phases|Error|error" > "$OUT/host-ab/$t$i.log") || true
            done; done
            grep -h "^lean" "$OUT"/host-ab/*.log | cut -c1-150 || true ;;
-  *) echo "usage: $0 check|route-ab|route-upper [JSON]|tests|host-tests|wait|ncu|variants|kernel-ab|ncu-variants|gptq|b1|b48|cpu48|validate|validate-r BATCHES|host-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 check|fuse-ab|tests|host-tests|wait|ncu|variants|kernel-ab|ncu-variants|gptq|b1|b48|cpu48|validate|validate-r BATCHES|host-ab" >&2; exit 2 ;;
 esac

@@ -131,3 +131,26 @@ def test_lean_queued_passes_decide_as_synced_ones(fused_checkpoints, monkeypatch
         assert a.log.slot_mismatches == 0 and b.log.slot_mismatches == 0, a.policy
         assert a.metrics["hits"] == b.metrics["hits"] and a.metrics["loads"] == b.metrics["loads"], a.policy
         assert len(a.log.pass_us) == len(b.log.pass_us) == 9 and all(us > 0 for *_, us in a.log.pass_us)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v2"])
+def test_lean_layer_step_only_where_the_decoder_is_the_plain_one(fused_checkpoints, family, monkeypatch):
+    """`_moe_decoder`: the families with the plain pre-norm decoder layer take the one-launch add and
+    norm, once per MoE layer each time a pass runs in Python (prefill, the decode graph's warm-up
+    and capture, eager passes); DeepSeek's (MLA attention) keeps transformers' forward, and so does
+    CMOE_LEAN_LAYER=0. With and without it the logits agree to the norm's sum order."""
+    from cmoe.executor.kernels_triton import norm
+    calls = []
+    real = norm.add_rms_norm
+    monkeypatch.setattr(norm, "add_rms_norm", lambda *a: (calls.append(a[0].shape), real(*a))[1])
+    out = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("CMOE_LEAN_LAYER", flag)
+        calls.clear()
+        w, (out[flag],) = _run(fused_checkpoints[family], ["upper"], tokens=4)
+        if flag == "0" or family.startswith("deepseek"):
+            assert calls == []
+        else:
+            assert calls and len(calls) % w.spec.num_moe_layers == 0, len(calls)
+    for x, y in zip(out["1"].logits, out["0"].logits):
+        assert _rel(x, y) < 1e-2

@@ -108,16 +108,7 @@ class LeanEngine(HostSteps, Segments, Engine):
                 self.table[m] = torch.tensor(_expert_to_slot(policy.pool.where[m], E), dtype=torch.int32)
         self._ws = None
         self._wave_acc = None                              # graphs: a layer's fp32 sum over its waves
-        self._fused_mods: list = []                        # modules whose forward is a one-launch kernel
-        if self.cuda and os.environ.get("CMOE_FUSED_NORM", "1") != "0":
-            from cmoe.executor.kernels_triton.norm import fuse_norms
-            self._fused_mods = fuse_norms(model)
-        from cmoe.executor import attention
-        self._attn = attention.install(model, spec.family, self.cuda)
-        self._steps = self.cuda and os.environ.get("CMOE_FUSED_STEPS", "1") != "0"
-        if self._steps:                                    # router top-k and X_m's sum in one launch each
-            from cmoe.executor.kernels_triton.steps import fuse_routers
-            self._fused_mods += fuse_routers(model)
+        self._fuse(model, spec.family)
         self.has_shared = spec.shared_ffn > 0               # else the MoE block's output is the routed sum
         self._books: list = []                             # passes whose bookkeeping waits for the next launch
         self.host_phases = {} if os.environ.get("CMOE_HOST_PROFILE") == "1" else None

@@ -47,6 +47,23 @@ def _fresh(M: int) -> dict:
 
 
 class Segments:
+    def _fuse(self, model, family: str) -> None:
+        """The one-launch kernels on CUDA, each with its switch for an A/B: RMSNorm (CMOE_FUSED_NORM),
+        the decode attention (`attention.install`), the layer's add and norm (`_moe_decoder`,
+        CMOE_LEAN_LAYER), the router's top-k and X_m's sum (CMOE_FUSED_STEPS)."""
+        self._fused_mods: list = []                        # modules whose forward is a one-launch kernel
+        if self.cuda and os.environ.get("CMOE_FUSED_NORM", "1") != "0":
+            from cmoe.executor.kernels_triton.norm import fuse_norms
+            self._fused_mods = fuse_norms(model)
+        from cmoe.executor import attention
+        self._attn = attention.install(model, family, self.cuda)
+        self._lean_layer = bool(self._fused_mods) and family in attention.FAMILIES \
+            and os.environ.get("CMOE_LEAN_LAYER", "1") != "0"
+        self._steps = self.cuda and os.environ.get("CMOE_FUSED_STEPS", "1") != "0"
+        if self._steps:
+            from cmoe.executor.kernels_triton.steps import fuse_routers
+            self._fused_mods += fuse_routers(model)
+
     def _drop_program(self) -> None:
         """At close: the model's modules as they were (norms, attention), and the graphs and the
         buffers they were captured over let go."""
@@ -68,6 +85,24 @@ class Segments:
         out = self.layers[d](h, attention_mask=io["mask"], position_ids=io["pos"], past_key_values=self.kv,
                              position_embeddings=self.t["pe"])
         return out[0] if isinstance(out, tuple) else out
+
+    def _moe_decoder(self, m: int, h: torch.Tensor) -> None:
+        """MoE layer m's decoder layer up to its experts: transformers' forward, or where the engine
+        may (`_lean_layer`: CUDA, the families whose decoder layers are input norm, attention,
+        residual add, post-attention norm, MLP, residual add) the same steps with the add and the
+        post-attention norm in one launch (`add_rms_norm`, which keeps mid for X_m) and without the
+        final add: X_m adds the residual itself, so transformers' sum (of mid and the MoE block's
+        zeros or shared part) was a launch whose result nobody read. CMOE_LEAN_LAYER=0: the A/B."""
+        d = self.spec.moe_layers[m]
+        if not self._lean_layer:
+            self._decoder(d, h)                             # hooks keep mid, x, routing, shared
+            return
+        from cmoe.executor.kernels_triton.norm import add_rms_norm
+        layer, io = self.layers[d], self.io
+        a, _ = layer.self_attn(hidden_states=layer.input_layernorm(h), attention_mask=io["mask"],
+                               position_ids=io["pos"], past_key_values=self.kv, position_embeddings=self.t["pe"])
+        self.t["mid"][m], x = add_rms_norm(h, a, layer.post_attention_layernorm)
+        layer.mlp(x)                                        # hooks keep x, routing, shared
 
     def _predict(self, m: int, src: torch.Tensor) -> None:
         """MoE layer m's router on an earlier hidden state. Eager, its host time is a `host_predict`
@@ -101,7 +136,7 @@ class Segments:
         h = t["h_in0"] if m == 0 else t["h"][m - 1]
         for d in self._dense_before[m] if m else ():
             h = self._decoder(d, h)
-        self._decoder(self.spec.moe_layers[m], h)           # hooks keep mid, x, routing, shared
+        self._moe_decoder(m, h)
         if self.policy.uses_prediction and m + 1 < self.M:
             self._predict(m + 1, t["x"][m])
         if not self.silent:

@@ -42,6 +42,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y.view(*x.shape[:-1], n)
 
 
+@triton.jit
+def _add_rms_kernel(r_ptr, a_ptr, w_ptr, mid_ptr, y_ptr, n, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    keep = offs < n
+    dt = mid_ptr.dtype.element_ty
+    r = tl.load(r_ptr + row * n + offs, mask=keep, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + row * n + offs, mask=keep, other=0.0).to(tl.float32)
+    mid = (r + a).to(dt, fp_downcast_rounding="rtne")               # torch's add: in fp32, rounded once
+    tl.store(mid_ptr + row * n + offs, mid, mask=keep)
+    x = mid.to(tl.float32)
+    var = tl.sum(x * x, axis=0) / n
+    h = (x * tl.rsqrt(var + eps)).to(dt)
+    w = tl.load(w_ptr + offs, mask=keep, other=0.0)
+    tl.store(y_ptr + row * n + offs, (w.to(tl.float32) * h.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=keep)
+
+
+def add_rms_norm(residual: torch.Tensor, a: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """mid = residual + a (as torch adds), then `norm` (an RMSNorm module) of mid: (mid, norm(mid))
+    in one launch, a decoder layer's residual add and post-attention norm (`cmoe.executor.
+    lean_program`). Two tensors of one shape and dtype."""
+    if residual.shape != a.shape or residual.dtype != a.dtype:
+        raise ValueError("add_rms_norm takes two tensors of one shape and dtype")
+    residual, a = residual.contiguous(), a.contiguous()
+    n = residual.shape[-1]
+    mid = torch.empty_like(residual)
+    y = torch.empty(residual.shape, dtype=torch.promote_types(norm.weight.dtype, residual.dtype), device=residual.device)
+    _add_rms_kernel[(residual.numel() // n,)](residual, a, norm.weight, mid, y, n, norm.variance_epsilon,
+                                              BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8)
+    return mid, y
+
+
 def fuse_norms(model) -> list:
     """Point every RMSNorm module of `model` at the one-launch kernel. Returns what `unfuse` needs
     to put them back (the model may be shared with the reference engine)."""

@@ -6,11 +6,14 @@ one launch instead of transformers' five or six. Ties go to the lower expert id.
 divisions are the accurate ones (libdevice expf, IEEE division), but the sum's order differs
 from torch's, so a probability can differ in its last bit (the GPU tests bound it).
 
-`route_mm_topk`: the same with the router's matmul in the launch, for a decode step's few rows
-(one program a row: the fp32 dot over the hidden size, rounded once to the logits' dtype, then the
-top k on those rounded logits). At one row torch's GEMM is cuBLAS's split-K with two reductions,
-three launches for 8 x 4096 (7.4 us a layer on the H200, BENCHMARKS.md seventh session); here the
-router costs one launch with its top k. The logits may differ from cuBLAS's in the last bit where
+`route_mm_topk`: the same with the router's matmul in the launch, for a decode step's few rows:
+programs over (row, hidden slice) store fp32 parts, and the last of a row's programs to finish (an
+atomic counter) adds them in a fixed order, rounds the logits once to their dtype and takes the
+top k of those rounded logits, so the result does not depend on which program ends last. At one
+row torch's GEMM is cuBLAS's split-K with two reductions, three launches for 8 x 4096 (7.4 us a
+layer on the H200, BENCHMARKS.md seventh session); here the router costs one launch with its top
+k. (A first version with one program a row, reading the whole router, took 13.9 us a launch on
+the H200: one multiprocessor's bandwidth; fourteenth session, call 2.) The logits may differ from cuBLAS's in the last bit where
 the two sum orders round differently (the lean engine's q/k/v matmul has the same caveat).
 CMOE_ROUTE_MM=0 keeps torch's matmul (the A/B of BENCHMARKS.md).
 
@@ -80,24 +83,31 @@ def _route_topk(logits_ptr, stride, w_ptr, idx_ptr, E, K: tl.constexpr, EP: tl.c
 
 
 @triton.jit
-def _route_mm_topk(x_ptr, stride, rw_ptr, lg_ptr, w_ptr, idx_ptr, E, Hd, K: tl.constexpr, EP: tl.constexpr,
-                   KP: tl.constexpr, HB: tl.constexpr, RENORM: tl.constexpr):
-    """Row r's router logits (an fp32 dot over the hidden size, rounded once to the logits' dtype,
-    as a GEMM with fp32 accumulation rounds), stored, then `_topk_store` on the rounded logits."""
+def _route_mm_topk(x_ptr, stride, rw_ptr, part_ptr, cnt_ptr, lg_ptr, w_ptr, idx_ptr, E, Hd, S,
+                   K: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr, HB: tl.constexpr, RENORM: tl.constexpr):
+    """Program (r, sp): row r's fp32 dots over hidden slice sp (HB wide) into part [r, sp]; the
+    last of the row's S programs to finish (a counter, reset by it for the next launch) adds the S
+    parts in order s = 0..S-1, rounds the logits once to their dtype (as a GEMM with fp32
+    accumulation rounds), stores them, and runs `_topk_store` on the rounded logits."""
     r = tl.program_id(0)
+    sp = tl.program_id(1)
     e = tl.arange(0, EP)
     m = e < E
-    acc = tl.zeros([EP], tl.float32)
-    for h0 in range(0, Hd, HB):
-        hh = h0 + tl.arange(0, HB)
-        mh = hh < Hd
-        xv = tl.load(x_ptr + r * stride + hh, mask=mh, other=0.0).to(tl.float32)
-        wv = tl.load(rw_ptr + e[:, None] * Hd + hh[None, :], mask=m[:, None] & mh[None, :], other=0.0)
-        acc += tl.sum(wv.to(tl.float32) * xv[None, :], 1)
-    lg = acc.to(lg_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-    tl.store(lg_ptr + r * E + e, lg, mask=m)
-    x = tl.where(m, lg.to(tl.float32), float("-inf"))
-    _topk_store(x, r, e, m, w_ptr, idx_ptr, E, K, EP, KP, RENORM)
+    hh = sp * HB + tl.arange(0, HB)
+    mh = hh < Hd
+    xv = tl.load(x_ptr + r * stride + hh, mask=mh, other=0.0).to(tl.float32)
+    wv = tl.load(rw_ptr + e[:, None] * Hd + hh[None, :], mask=m[:, None] & mh[None, :], other=0.0)
+    tl.store(part_ptr + (r * S + sp) * EP + e, tl.sum(wv.to(tl.float32) * xv[None, :], 1))
+    tl.debug_barrier()                                # every thread's part is stored before the count
+    if tl.atomic_add(cnt_ptr + r, 1, sem="acq_rel", scope="gpu") == S - 1:
+        acc = tl.zeros([EP], tl.float32)
+        for s in range(S):
+            acc += tl.load(part_ptr + (r * S + s) * EP + e, cache_modifier=".cg")
+        tl.store(cnt_ptr + r, 0)
+        lg = acc.to(lg_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(lg_ptr + r * E + e, lg, mask=m)
+        x = tl.where(m, lg.to(tl.float32), float("-inf"))
+        _topk_store(x, r, e, m, w_ptr, idx_ptr, E, K, EP, KP, RENORM)
 
 
 def route_topk(logits: torch.Tensor, k: int, renorm: bool, out_dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,15 +123,28 @@ def route_topk(logits: torch.Tensor, k: int, renorm: bool, out_dtype) -> tuple[t
     return w, idx
 
 
-# rows up to which the routers' matmul is `_route_mm_topk` (one program a row, each reading the whole
-# router): decode batches; longer passes (prefill) keep torch's GEMM
+# rows up to which the routers' matmul is `_route_mm_topk`: decode batches; longer passes (prefill)
+# keep torch's GEMM
 ROUTE_MM_MAX_ROWS = 16
+_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _scratch(device, N: int, S: int, EP: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The parts [N, S, EP] fp32 and the zeroed counters [N] of `_route_mm_topk`, one pair per
+    shape and device, shared by every router: their launches are ordered on the stream and each
+    leaves the counters at zero. Made at the first (warm-up) call, outside any graph capture."""
+    key = (torch.device(device), N, S, EP)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = (torch.empty((N, S, EP), dtype=torch.float32, device=device),
+                         torch.zeros(N, dtype=torch.int32, device=device))
+    return _SCRATCH[key]
 
 
 def route_mm_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renorm: bool, out_dtype):
     """x [N, H] @ weight [E, H]^T -> (logits [N, E] in x's dtype, weights [N, k], ids [N, k]) in one
-    launch: F.linear then `route_topk`, for a few rows. The logits are the fp32 dot rounded once, so
-    they may differ from cuBLAS's in the last bit where its sum order rounds the other way."""
+    launch: F.linear then `route_topk`, for a few rows, the hidden size split over programs of
+    ~2048 weights each. The logits are the fp32 dot rounded once, so they may differ from cuBLAS's
+    in the last bit where its sum order rounds the other way."""
     N, Hd = x.shape
     E = weight.shape[0]
     if x.stride(1) != 1:
@@ -131,9 +154,11 @@ def route_mm_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renorm: bool, o
     w = torch.empty((N, k), dtype=out_dtype, device=x.device)
     idx = torch.empty((N, k), dtype=torch.int64, device=x.device)
     EP = triton.next_power_of_2(E)
-    HB = min(triton.next_power_of_2(Hd), max(64, 8192 // EP))
-    _route_mm_topk[(N,)](x, x.stride(0), weight, lg, w, idx, E, Hd, K=k, EP=EP, KP=triton.next_power_of_2(k),
-                         HB=HB, RENORM=renorm, num_warps=4)
+    HB = min(triton.next_power_of_2(Hd), max(16, 2048 // EP))
+    S = triton.cdiv(Hd, HB)
+    part, cnt = _scratch(x.device, N, S, EP)
+    _route_mm_topk[(N, S)](x, x.stride(0), weight, part, cnt, lg, w, idx, E, Hd, S, K=k, EP=EP,
+                           KP=triton.next_power_of_2(k), HB=HB, RENORM=renorm, num_warps=4)
     return lg, w, idx
 
 
