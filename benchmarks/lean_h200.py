@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -197,7 +198,9 @@ def main() -> None:
         os.environ["CMOE_HOST_PROFILE"] = "1"
     t_start = time.perf_counter()
     a.out.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    # COMMIT as gpu_session.sh is called: the device's copy of the tree may carry an older .git
+    commit = os.environ.get("COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                        text=True).stdout.strip()
     res = {"date": time.strftime("%Y-%m-%d"), "card": torch.cuda.get_device_name(), "torch": torch.__version__,
            "commit": commit, "spec": a.spec, "tokens": a.tokens, "hbm_gbps": hbm_gbps(),
            "h2d_gbps_one_expert": h2d_gbps(93_585_408), "runs": []}

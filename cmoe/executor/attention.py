@@ -1,7 +1,7 @@
 """Decode attention in three launches for the Llama-style attention modules (Mixtral, Qwen2-MoE,
-Qwen3-MoE, OLMoE): one projection for q, k and v together, one kernel that rotates q and k and
-writes k and v into the static cache, one kernel that attends over the cache (GQA in place, the
-mask read from the cache's valid slots), then o_proj.
+Qwen3-MoE, OLMoE): one projection for q, k and v together, one kernel that rotates q and k, writes
+k and v into the static cache and attends over it (GQA in place, the mask read from the cache's
+valid slots; on the CPU two torch steps, `rope_write` and `attend`), then o_proj.
 
 Why: under the lean engine's graphs the host no longer pays per launch, but the GPU still pays
 ~2-3 us a graph node, and transformers' decode attention is about twenty launches (three
