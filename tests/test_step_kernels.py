@@ -144,3 +144,28 @@ def test_add_rms_norm_is_the_residual_add_then_the_norm(n):
     assert torch.allclose(y.float(), ref.float(), rtol=tol, atol=tol), (y.float() - ref.float()).abs().max()
     with pytest.raises(ValueError, match="one shape and dtype"):
         add_rms_norm(r, a[:, :, :-1], norm)
+
+
+@pytest.mark.parametrize("M,N,K,bias", [(1, 64, 512, False), (5, 40, 300, True), (16, 33, 128, False)])
+def test_gemv_is_the_projection(M, N, K, bias, monkeypatch):
+    """`gemv` against the float64 product (bf16 on CUDA: within a rounding of the output; fp32 under
+    the interpreter), uneven N and K tails, a bias; `linear` takes it only with CMOE_GEMV=1 on CUDA
+    bf16 rows, else it is F.linear itself."""
+    import torch.nn.functional as F
+
+    from cmoe.executor.kernels_triton import gemv as G
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(M + N)
+    x = torch.randn(M, K, generator=g).to(DEV, dt)
+    w = (torch.randn(N, K, generator=g) * 0.1).to(DEV, dt)
+    b = torch.randn(N, generator=g).to(DEV, dt) if bias else None
+    y = G.gemv(x, w, b, bk=64, stages=2)
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    tol = 1e-5 if dt == torch.float32 else 8e-3
+    assert y.shape == (M, N) and y.dtype == dt
+    assert ((y.double() - ref).abs() <= tol * (1 + ref.abs())).all()
+    monkeypatch.delenv("CMOE_GEMV", raising=False)
+    assert torch.equal(G.linear(x, w, b), F.linear(x, w, b))
+    monkeypatch.setenv("CMOE_GEMV", "1")
+    assert G.fits(x, w) == (DEV == "cuda")
+    assert torch.equal(G.linear(x, w, b), G.gemv(x, w, b) if DEV == "cuda" else F.linear(x, w, b))

@@ -90,6 +90,7 @@ class FastDecode:
         clip = getattr(attn.config, "clip_qkv", None)
         self.clip = float(clip) if clip is not None else None
         self.kernels = None
+        self.linear = F.linear                      # on CUDA `gemv.linear` (CMOE_GEMV=1 takes decode rows)
 
     def applies(self, h, position_embeddings, attention_mask, past_key_values) -> bool:
         from cmoe.executor.kv import StaticKV
@@ -103,7 +104,8 @@ class FastDecode:
             return self.orig(hidden_states, position_embeddings, attention_mask, past_key_values=past_key_values, **kw)
         a, kv, D = self.a, past_key_values, self.D
         B = hidden_states.shape[0]
-        qkv = F.linear(hidden_states.reshape(B, -1), self.w, self.b)
+        lin = self.linear
+        qkv = lin(hidden_states.reshape(B, -1), self.w, self.b)
         q, k, v = qkv.split([self.nq, self.nk, self.nk], -1)
         if self.norm == "full":
             q, k = a.q_norm(q), a.k_norm(k)
@@ -119,7 +121,7 @@ class FastDecode:
         else:
             qr = rope_write(q, k, v, cos, sin, keys, values, kv.slots)
             o = attend(qr, keys, values, kv.valid, a.scaling)
-        return a.o_proj(o).reshape(B, 1, -1), None
+        return lin(o, a.o_proj.weight, a.o_proj.bias).reshape(B, 1, -1), None
 
 
 def install(model, family: str, cuda: bool) -> list:
@@ -130,15 +132,16 @@ def install(model, family: str, cuda: bool) -> list:
         return []
     if getattr(model.config, "partial_rotary_factor", 1.0) not in (None, 1.0):
         return []                                   # the kernel rotates the whole head
-    kernels = None
+    kernels, linear = None, F.linear
     if cuda:
         from cmoe.executor.kernels_triton import attention as kernels
+        from cmoe.executor.kernels_triton.gemv import linear
     done = []
     for layer in model.model.layers:
         fd = getattr(layer.self_attn, "_cmoe_fast", None)     # an earlier engine's, on the same model
         if fd is None:
             fd = layer.self_attn._cmoe_fast = FastDecode(layer.self_attn, FAMILIES[family])
-        fd.kernels = kernels
+        fd.kernels, fd.linear = kernels, linear
         layer.self_attn.forward = fd
         done.append(fd)
     return done

@@ -1,0 +1,72 @@
+"""A decode step's bf16 projections (q/k/v and o_proj of the lean attention) for a few rows.
+
+`linear(x, w, b)`: y = x @ w^T (+ b) for x [M <= 16, K], one launch over programs of BN output
+rows each, every program streaming its BN x K slice of w once through a pipelined k loop and
+multiplying it on the tensor cores with x padded to 16 rows (fp32 accumulation, one rounding to
+the output dtype; the bias added in fp32 before it).
+
+Why: at one row cuBLAS ran the o projection (4096 x 4096) as a split-K GEMM plus a reduction, two
+launches, 10.7 + 1.8 us, and the q/k/v one (6144 x 4096) at 15.7 us, where their bytes take 7.9
+and 11.8 us at the H200's 4.26 TB/s (BENCHMARKS.md, fourteenth session). Whether this is faster
+is measured on the GPU against torch's own (`benchmarks/gemv_h200.py`); until then it is opt-in:
+CMOE_GEMV=1. The outputs may differ from cuBLAS's in the last bit, as any change of GEMM shape can.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16
+
+
+def enabled() -> bool:
+    return os.environ.get("CMOE_GEMV", "0") == "1"
+
+
+@triton.jit
+def _gemv(x_ptr, sx, w_ptr, b_ptr, y_ptr, sy, M, N, K, HAS_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+          STAGES: tl.constexpr):
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    nm = n < N
+    r = tl.arange(0, 16)
+    rm = r < M
+    acc = tl.zeros([BN, 16], tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        k = k0 + tl.arange(0, BK)
+        km = k < K
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        xt = tl.load(x_ptr + r[None, :] * sx + k[:, None], mask=rm[None, :] & km[:, None], other=0.0)
+        acc = tl.dot(w, xt, acc)
+    if HAS_B:
+        acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptr + r[None, :] * sy + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=nm[:, None] & rm[None, :])
+
+
+def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """What `_gemv` takes: a CUDA bf16 (or fp16) x of at most MAX_ROWS rows with a unit inner
+    stride, the weight of the same dtype and contiguous."""
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.stride(1) == 1 and x.dtype == w.dtype
+            and x.dtype in (torch.bfloat16, torch.float16) and w.is_contiguous())
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, bn: int = 16, bk: int = 256,
+         stages: int = 4) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T (+ b) -> [M, N] in x's dtype, by `_gemv` (see `fits`)."""
+    M, K = x.shape
+    N = w.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    _gemv[(triton.cdiv(N, bn),)](x, x.stride(0), w, b if b is not None else w, y, y.stride(0), M, N, K,
+                                 HAS_B=b is not None, BN=bn, BK=bk, STAGES=stages, num_warps=4)
+    return y
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, by `gemv` where it is enabled (CMOE_GEMV=1) and takes the shapes."""
+    if enabled() and fits(x, w):
+        return gemv(x, w, b)
+    return F.linear(x, w, b)
