@@ -67,7 +67,8 @@ def upper_floor_ms(r, spec, hbm: float) -> float:
     once), over the measured HBM bandwidth: the time no implementation beats."""
     from cmoe.executor.run import budget_recipe
     ne = non_expert_bytes(spec, budget_recipe("w4g128"))
-    resident = sum(ne.values()) - ne["embeddings"] // 2           # the embedding table: one row per token, ~0
+    # the embedding table: one row a token, ~0 (with tied embeddings it is the LM head, read whole)
+    resident = sum(ne.values()) - (0 if spec.tie_embeddings else ne["embeddings"] // 2)
     dec = {p for p, d, _, _ in r.log.pass_us if d}
     expert = sum(s[BYTES] for s in r.log.spans if s[OP] == "expert" and s[STEP] in dec) / max(len(dec), 1)
     return (resident + expert) / (hbm * 1e9) * 1e3

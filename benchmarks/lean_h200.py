@@ -49,7 +49,6 @@ def under_env(name: str, value: str, run) -> None:
     switches for an A/B within one process (CMOE_PASS_SYNC=1: a sync at each end of every pass, as
     before decode passes were queued back to back; CMOE_RUNTIME_INPUTS=0: a pass's inputs by torch's
     ops instead of the runtime's calls)."""
-    import os
     was = os.environ.get(name)
     os.environ[name] = value
     try:
@@ -94,7 +93,9 @@ def ablations(a, run) -> None:
     if a.wait_ablation:
         under_env("CMOE_WAIT", "spin", lambda: run("spin waits"))
     for kv in filter(None, a.env_ablation.split(",")):
-        name, _, value = kv.partition("=")
+        name, eq, value = kv.partition("=")
+        if not eq:
+            raise SystemExit(f"--env-ablation: {kv!r} is not NAME=VALUE")
         under_env(name, value, lambda kv=kv: run(kv))
     if a.kernel_configs:
         under_configs(a.kernel_configs, lambda: run(f"kernel configs {a.kernel_configs.parent.name}"))
@@ -139,7 +140,9 @@ def decode_stats(r, spec, hbm: float, load_s: float) -> dict:
     n = max(len(dec), 1)
     M = spec.num_moe_layers
     ne = non_expert_bytes(spec, budget_recipe("w4g128"))
-    resident = sum(ne.values()) - ne["embeddings"]              # one embedding row per token: ~0
+    # the embedding table is read one row a token (~0); the LM head whole, and with tied embeddings
+    # they are one matrix (before 2026-12-03 the head was left out: the floors were ~0.06 ms low)
+    resident = sum(ne.values()) - (0 if spec.tie_embeddings else ne["embeddings"] // 2)
     expert_bytes = sum(s[BYTES] for s in log.spans if s[OP] == "expert" and s[STEP] in dec) / n
     host = [s for s in log.spans if s[STREAM] == "host" and s[STEP] in dec]
     work = sum(s[END] - s[START] for s in host if s[OP] in HOST_WORK) / n / M
@@ -184,7 +187,8 @@ def main() -> None:
     ap.add_argument("--env-ablation", default="",
                     help="lean: every run also under each NAME=VALUE of this comma list, right before it (the "
                          "engine's switches: CMOE_ROUTE_MM=0 torch's router matmul, CMOE_ROPE_ATTEND=0 two "
-                         "attention launches)")
+                         "attention launches, CMOE_LEAN_LAYER=0 transformers' decoder layer, CMOE_GEMV=1 the "
+                         "Triton projections)")
     ap.add_argument("--timelines", action="store_true", help="write every run's timeline under --out")
     ap.add_argument("--kernel-configs", type=Path, default=None,
                     help="a kernel_variants.json: each run also with its best per-M expert kernel configurations")
@@ -194,7 +198,6 @@ def main() -> None:
                     help="also run lean upper with torch's router top-k and residual sums (CMOE_FUSED_STEPS=0)")
     a = ap.parse_args()
     if a.host_profile:
-        import os
         os.environ["CMOE_HOST_PROFILE"] = "1"
     t_start = time.perf_counter()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -278,17 +281,14 @@ def main() -> None:
                 res.setdefault("kernel_profile", {})[str(batch)] = kernel_profile(w, cfg)
                 (a.out / "results.json").write_text(json.dumps(res, indent=1))
             if engine == "lean" and a.norm_ablation:
-                import os
                 os.environ["CMOE_FUSED_NORM"] = "0"
                 one(engine, w, cfg, "upper", tag="transformers RMSNorm")
                 os.environ["CMOE_FUSED_NORM"] = "1"
             if engine == "lean" and a.attn_ablation:
-                import os
                 os.environ["CMOE_FAST_ATTN"] = "0"
                 one(engine, w, cfg, "upper", tag="transformers attention")
                 os.environ["CMOE_FAST_ATTN"] = "1"
             if engine == "lean" and a.steps_ablation:
-                import os
                 os.environ["CMOE_FUSED_STEPS"] = "0"
                 one(engine, w, cfg, "upper", tag="torch router and residual")
                 os.environ["CMOE_FUSED_STEPS"] = "1"
@@ -311,7 +311,6 @@ def main() -> None:
                     w2, cfg2 = workload(engine, batch, pool, [p])
                     ptok = min(tok, a.policy_tokens) if a.policy_tokens else tok
                     if a.wave_ablation and engine == "lean":
-                        import os
                         os.environ["CMOE_WAVE_GRAPHS"] = "0"
                         one(engine, w2, replace(cfg2, tokens=ptok), p, tag="eager waves")
                         os.environ["CMOE_WAVE_GRAPHS"] = "1"

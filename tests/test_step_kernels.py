@@ -1,6 +1,7 @@
-"""The lean engine's one-launch steps (`cmoe.executor.kernels_triton.steps`) against the torch
-operations they replace: the routers' softmax top-k (Mixtral's fp32 scores, Qwen's and OLMoE's
-cast, with and without renormalisation) and X_m's residual sum. On CUDA, or on the CPU under
+"""The lean engine's one-launch steps (`cmoe.executor.kernels_triton.steps`, `norm`, `gemv`) against
+the torch operations they replace: the routers' softmax top-k (Mixtral's fp32 scores, Qwen's and
+OLMoE's cast, with and without renormalisation), with and without the router's matmul, X_m's
+residual sum, a layer's residual add with its norm, and the decode projections. On CUDA, or on the CPU under
 Triton's interpreter (TRITON_INTERPRET=1) where Triton is installed; the CPU suite runs the
 torch operations themselves (the engine uses them there)."""
 
@@ -65,8 +66,10 @@ def test_route_mm_topk_is_the_router_matmul_then_route_topk(E, k, norm, H):
     g = torch.Generator().manual_seed(E + H)
     x = torch.randn(5, H, generator=g).to(DEV, dt)
     W = (torch.randn(E, H, generator=g) * 0.05).to(DEV, dt)
+    from cmoe.executor.kernels_triton.steps import _SCRATCH
     lg, w, idx = route_mm_topk(x, W, k, norm, torch.float32)
     assert lg.dtype == dt and w.dtype == torch.float32 and idx.dtype == torch.int64
+    assert all(not cnt.any() for _, cnt in _SCRATCH.values())          # the last programs reset them
     ref = x.double() @ W.double().T
     err = 1e-6 * (x.double().abs() @ W.double().abs().T)                 # the fp32 sum's own error
     if dt == torch.bfloat16:                                             # and one rounding to bf16
@@ -78,6 +81,21 @@ def test_route_mm_topk_is_the_router_matmul_then_route_topk(E, k, norm, H):
     assert torch.equal(idx, idx2) and torch.allclose(w, w2, rtol=1e-6, atol=0)
     lg3, w3, idx3 = route_mm_topk(x, W, k, norm, torch.float32)          # a second launch: same counters
     assert torch.equal(lg3, lg) and torch.equal(w3, w) and torch.equal(idx3, idx)
+    _, wc, idxc = route_mm_topk(x, W, k, norm, dt)                      # Qwen's and OLMoE's cast scores
+    w4, idx4 = route_topk(lg, k, norm, dt)
+    assert wc.dtype == dt and torch.equal(idxc, idx4) and torch.allclose(wc.float(), w4.float(), rtol=1e-2, atol=0)
+
+
+def test_route_mm_topk_will_not_make_its_counters_inside_a_capture():
+    """Zeros made inside a CUDA graph capture would exist only in the graph's replays."""
+    if DEV != "cuda":
+        pytest.skip("needs CUDA graphs")
+    from cmoe.executor.kernels_triton.steps import route_mm_topk
+    x = torch.randn(3, 256, device=DEV, dtype=torch.bfloat16)
+    W = torch.randn(12, 256, device=DEV, dtype=torch.bfloat16)     # a shape no other test uses
+    with pytest.raises(RuntimeError, match="outside the CUDA graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            route_mm_topk(x, W, 2, True, torch.float32)
 
 
 @pytest.mark.parametrize("mm", [False, True])

@@ -14,9 +14,9 @@ Arithmetic: the rotation is transformers' `q * cos + rotate_half(q) * sin` with 
 the sum rounded to the activations' dtype, as the element-wise ops round, so q and the cached k
 equal the module's given the same projections (the one q/k/v matmul may round differently from
 three, as any change of GEMM shape can). On the CPU the same program runs with torch's own ops
-(`rope_write`, `attend`: what the module computes, SDPA over repeat_kv); on CUDA the two kernels of
-`cmoe.executor.kernels_triton.attention` replace them (the attention in fp32 with an online
-softmax: not bit-equal to SDPA, checked against it in the GPU tests). The q, k, v projection is
+(`rope_write`, `attend`: what the module computes, SDPA over repeat_kv); on CUDA one kernel of
+`cmoe.executor.kernels_triton.attention` replaces both (two with CMOE_ROPE_ATTEND=0; the attention
+in fp32 with an online softmax: not bit-equal to SDPA, checked against it in the GPU tests). The q, k, v projection is
 one matmul over the three weights stacked; the modules' weights become views of that stack, so
 no memory is added and the module's forward reads the same numbers.
 

@@ -57,7 +57,7 @@ class Segments:
             self._fused_mods = fuse_norms(model)
         from cmoe.executor import attention
         self._attn = attention.install(model, family, self.cuda)
-        self._lean_layer = bool(self._fused_mods) and family in attention.FAMILIES \
+        self._lean_layer = self.cuda and family in attention.FAMILIES \
             and os.environ.get("CMOE_LEAN_LAYER", "1") != "0"
         self._steps = self.cuda and os.environ.get("CMOE_FUSED_STEPS", "1") != "0"
         if self._steps:

@@ -47,11 +47,13 @@ def _gemv(x_ptr, sx, w_ptr, b_ptr, y_ptr, sy, M, N, K, HAS_B: tl.constexpr, BN: 
     tl.store(y_ptr + r[None, :] * sy + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=nm[:, None] & rm[None, :])
 
 
-def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+def fits(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> bool:
     """What `_gemv` takes: a CUDA bf16 (or fp16) x of at most MAX_ROWS rows with a unit inner
-    stride, the weight of the same dtype and contiguous."""
+    stride, the weight [N, K] of the same dtype and contiguous, a bias (if any) of N contiguous."""
     return (x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.stride(1) == 1 and x.dtype == w.dtype
-            and x.dtype in (torch.bfloat16, torch.float16) and w.is_contiguous())
+            and x.dtype in (torch.bfloat16, torch.float16) and w.is_contiguous() and w.dim() == 2
+            and w.shape[1] == x.shape[1]
+            and (b is None or (b.is_contiguous() and b.shape == (w.shape[0],) and b.dtype == x.dtype)))
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, bn: int = 16, bk: int = 256,
@@ -67,6 +69,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, bn: in
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, by `gemv` where it is enabled (CMOE_GEMV=1) and takes the shapes."""
-    if enabled() and fits(x, w):
+    if enabled() and fits(x, w, b):
         return gemv(x, w, b)
     return F.linear(x, w, b)

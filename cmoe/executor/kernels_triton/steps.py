@@ -12,9 +12,10 @@ atomic counter) adds them in a fixed order, rounds the logits once to their dtyp
 top k of those rounded logits, so the result does not depend on which program ends last. At one
 row torch's GEMM is cuBLAS's split-K with two reductions, three launches for 8 x 4096 (7.4 us a
 layer on the H200, BENCHMARKS.md seventh session); here the router costs one launch with its top
-k. (A first version with one program a row, reading the whole router, took 13.9 us a launch on
-the H200: one multiprocessor's bandwidth; fourteenth session, call 2.) The logits may differ from cuBLAS's in the last bit where
-the two sum orders round differently (the lean engine's q/k/v matmul has the same caveat).
+k (3.9 us, 0.15 ms a token at batch 1; fourteenth session). A first version with one program a
+row, reading the whole router, took 13.9 us a launch: one multiprocessor's bandwidth. The logits
+may differ from cuBLAS's in the last bit where the two sum orders round differently (the lean
+engine's q/k/v matmul has the same caveat).
 CMOE_ROUTE_MM=0 keeps torch's matmul (the A/B of BENCHMARKS.md).
 
 `residual_sum`: X_m's end, out = mid + (shared + y) with y the experts' fp32 sum rounded to the
@@ -131,10 +132,14 @@ _SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def _scratch(device, N: int, S: int, EP: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The parts [N, S, EP] fp32 and the zeroed counters [N] of `_route_mm_topk`, one pair per
-    shape and device, shared by every router: their launches are ordered on the stream and each
-    leaves the counters at zero. Made at the first (warm-up) call, outside any graph capture."""
+    shape and device, shared by every router: their launches are ordered on one stream (two streams
+    at once would share the counters) and each leaves the counters at zero. Made at the first
+    (warm-up) call, outside any graph capture."""
     key = (torch.device(device), N, S, EP)
     if key not in _SCRATCH:
+        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # zeros made in a capture would exist only in its replays
+            raise RuntimeError("route_mm_topk: call it once outside the CUDA graph capture first (a warm-up)")
         _SCRATCH[key] = (torch.empty((N, S, EP), dtype=torch.float32, device=device),
                          torch.zeros(N, dtype=torch.int32, device=device))
     return _SCRATCH[key]
@@ -150,13 +155,13 @@ def route_mm_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renorm: bool, o
     if x.stride(1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
-    lg = torch.empty((N, E), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    w = torch.empty((N, k), dtype=out_dtype, device=x.device)
-    idx = torch.empty((N, k), dtype=torch.int64, device=x.device)
     EP = triton.next_power_of_2(E)
     HB = min(triton.next_power_of_2(Hd), max(16, 2048 // EP))
     S = triton.cdiv(Hd, HB)
     part, cnt = _scratch(x.device, N, S, EP)
+    lg = torch.empty((N, E), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    w = torch.empty((N, k), dtype=out_dtype, device=x.device)
+    idx = torch.empty((N, k), dtype=torch.int64, device=x.device)
     _route_mm_topk[(N, S)](x, x.stride(0), weight, part, cnt, lg, w, idx, E, Hd, S, K=k, EP=EP,
                            KP=triton.next_power_of_2(k), HB=HB, RENORM=renorm, num_warps=4)
     return lg, w, idx
