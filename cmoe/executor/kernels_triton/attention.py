@@ -39,30 +39,42 @@ def _rot(x, p, c, s, sign):
 
 
 @triton.jit
+def _tables(cos_ptr, sin_ptr, b, d, keep, D: tl.constexpr):
+    """Row b's rotation: each lane's partner in the other half, the sign of rotate_half, cos, sin."""
+    half = D // 2
+    pd = tl.where(d < half, d + half, d - half)
+    sign = tl.where(d < half, -1.0, 1.0)
+    c = tl.load(cos_ptr + b * D + d, mask=keep, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + b * D + d, mask=keep, other=0.0).to(tl.float32)
+    return pd, sign, c, s
+
+
+@triton.jit
+def _write_kv(k_ptr, skb, skh, v_ptr, svb, svh, kc_ptr, vc_ptr, b, j, slot, HKV, L, D: tl.constexpr, d, pd, keep,
+              c, s, sign):
+    """kv head j of row b into the cache at the slot: its key rotated, its value as it is."""
+    off = ((b * HKV + j).to(tl.int64) * L + slot) * D + d
+    kb = k_ptr + b * skb + j * skh
+    tl.store(kc_ptr + off, _rot(tl.load(kb + d, mask=keep, other=0.0), tl.load(kb + pd, mask=keep, other=0.0),
+                                c, s, sign), mask=keep)
+    tl.store(vc_ptr + off, tl.load(v_ptr + b * svb + j * svh + d, mask=keep, other=0.0), mask=keep)
+
+
+@triton.jit
 def _rope_write(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr,
                 slot_ptr, HQ, HKV, L, D: tl.constexpr, DP: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, DP)
     keep = d < D
-    half = D // 2
-    pd = tl.where(d < half, d + half, d - half)
-    sign = tl.where(d < half, -1.0, 1.0)
-    c = tl.load(cos_ptr + b * D + d, mask=keep, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + b * D + d, mask=keep, other=0.0).to(tl.float32)
+    pd, sign, c, s = _tables(cos_ptr, sin_ptr, b, d, keep, D)
     if h < HQ:
         qb = q_ptr + b * sqb + h * sqh
         y = _rot(tl.load(qb + d, mask=keep, other=0.0), tl.load(qb + pd, mask=keep, other=0.0), c, s, sign)
         tl.store(qo_ptr + (b * HQ + h) * D + d, y, mask=keep)
     else:
-        j = h - HQ
-        slot = tl.load(slot_ptr)
-        off = ((b * HKV + j).to(tl.int64) * L + slot) * D + d
-        kb = k_ptr + b * skb + j * skh
-        y = _rot(tl.load(kb + d, mask=keep, other=0.0), tl.load(kb + pd, mask=keep, other=0.0), c, s, sign)
-        tl.store(kc_ptr + off, y, mask=keep)
-        v = tl.load(v_ptr + b * svb + j * svh + d, mask=keep, other=0.0)
-        tl.store(vc_ptr + off, v, mask=keep)
+        _write_kv(k_ptr, skb, skh, v_ptr, svb, svh, kc_ptr, vc_ptr, b, h - HQ, tl.load(slot_ptr), HKV, L, D, d, pd,
+                  keep, c, s, sign)
 
 
 @triton.jit
@@ -87,17 +99,9 @@ def _rope_attend(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, cos_ptr, sin
     qm = (g < G)[:, None] & dm[None, :]
     qb = q_ptr + b * sqb + (j * G + g)[:, None] * sqh
     if ROPE:
-        half = D // 2
-        pd = tl.where(d < half, d + half, d - half)
-        sign = tl.where(d < half, -1.0, 1.0)
-        c = tl.load(cos_ptr + b * D + d, mask=dm, other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + b * D + d, mask=dm, other=0.0).to(tl.float32)
+        pd, sign, c, s = _tables(cos_ptr, sin_ptr, b, d, dm, D)
         # this kv head's new key, rotated, and its value into the cache at the decode slot
-        kb = k_ptr + b * skb + j * skh
-        kr = _rot(tl.load(kb + d, mask=dm, other=0.0), tl.load(kb + pd, mask=dm, other=0.0), c, s, sign)
-        off = ((b * HKV + j).to(tl.int64) * L + slot) * D + d
-        tl.store(kc_ptr + off, kr, mask=dm)
-        tl.store(vc_ptr + off, tl.load(v_ptr + b * svb + j * svh + d, mask=dm, other=0.0), mask=dm)
+        _write_kv(k_ptr, skb, skh, v_ptr, svb, svh, kc_ptr, vc_ptr, b, j, slot, HKV, L, D, d, pd, dm, c, s, sign)
         # its G query heads, rotated in registers
         q = _rot(tl.load(qb + d[None, :], mask=qm, other=0.0), tl.load(qb + pd[None, :], mask=qm, other=0.0),
                  c[None, :], s[None, :], sign[None, :])

@@ -18,16 +18,22 @@ NORM_CLASSES = ("MixtralRMSNorm", "OlmoeRMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRM
 
 
 @triton.jit
+def _rms_row(x, dt, w_ptr, y_ptr, row, offs, keep, n, eps):
+    """Row `row` of the norm into y: x (fp32, 0 past n) times rsqrt(mean(x^2) + eps), back to the
+    activations' dtype dt as transformers does, times the weight."""
+    var = tl.sum(x * x, axis=0) / n
+    h = (x * tl.rsqrt(var + eps)).to(dt)
+    w = tl.load(w_ptr + offs, mask=keep, other=0.0)
+    tl.store(y_ptr + row * n + offs, (w.to(tl.float32) * h.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
 def _rms_kernel(x_ptr, stride_x, w_ptr, y_ptr, n, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     keep = offs < n
     x = tl.load(x_ptr + row * stride_x + offs, mask=keep, other=0.0).to(tl.float32)
-    var = tl.sum(x * x, axis=0) / n
-    h = (x * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)      # back to x's dtype, as transformers does
-    w = tl.load(w_ptr + offs, mask=keep, other=0.0)
-    y = (w.to(tl.float32) * h.to(tl.float32)).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + row * n + offs, y, mask=keep)
+    _rms_row(x, x_ptr.dtype.element_ty, w_ptr, y_ptr, row, offs, keep, n, eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,11 +58,7 @@ def _add_rms_kernel(r_ptr, a_ptr, w_ptr, mid_ptr, y_ptr, n, eps, BLOCK: tl.const
     a = tl.load(a_ptr + row * n + offs, mask=keep, other=0.0).to(tl.float32)
     mid = (r + a).to(dt, fp_downcast_rounding="rtne")               # torch's add: in fp32, rounded once
     tl.store(mid_ptr + row * n + offs, mid, mask=keep)
-    x = mid.to(tl.float32)
-    var = tl.sum(x * x, axis=0) / n
-    h = (x * tl.rsqrt(var + eps)).to(dt)
-    w = tl.load(w_ptr + offs, mask=keep, other=0.0)
-    tl.store(y_ptr + row * n + offs, (w.to(tl.float32) * h.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=keep)
+    _rms_row(mid.to(tl.float32), dt, w_ptr, y_ptr, row, offs, keep, n, eps)
 
 
 def add_rms_norm(residual: torch.Tensor, a: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
