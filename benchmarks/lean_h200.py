@@ -83,20 +83,25 @@ def under_configs(path: Path, run) -> None:
         CONFIGS.update(was)
 
 
-def ablations(a, run) -> None:
-    """The twins that `--sync-ablation`, `--inputs-ablation`, `--wait-ablation`, `--env-ablation`
-    and `--kernel-configs` ask for, each right before `run`."""
-    if a.sync_ablation:
-        under_env("CMOE_PASS_SYNC", "1", lambda: run("synced passes"))
-    if a.inputs_ablation:
-        under_env("CMOE_RUNTIME_INPUTS", "0", lambda: run("torch pass inputs"))
-    if a.wait_ablation:
-        under_env("CMOE_WAIT", "spin", lambda: run("spin waits"))
+def env_twins(a, ap) -> list[tuple[str, str, str]]:
+    """(variable, value, tag) of each twin run the flags ask for: `--sync-ablation`,
+    `--inputs-ablation`, `--wait-ablation`, then each NAME=VALUE of `--env-ablation` (checked here,
+    before any model is built)."""
+    twins = [t for on, t in ((a.sync_ablation, ("CMOE_PASS_SYNC", "1", "synced passes")),
+                             (a.inputs_ablation, ("CMOE_RUNTIME_INPUTS", "0", "torch pass inputs")),
+                             (a.wait_ablation, ("CMOE_WAIT", "spin", "spin waits"))) if on]
     for kv in filter(None, a.env_ablation.split(",")):
         name, eq, value = kv.partition("=")
-        if not eq:
-            raise SystemExit(f"--env-ablation: {kv!r} is not NAME=VALUE")
-        under_env(name, value, lambda kv=kv: run(kv))
+        if not eq or not name:
+            ap.error(f"--env-ablation: {kv!r} is not NAME=VALUE")
+        twins.append((name, value, kv))
+    return twins
+
+
+def ablations(a, run) -> None:
+    """The twins of `env_twins` and `--kernel-configs`, each right before `run`."""
+    for name, value, tag in a.twins:
+        under_env(name, value, lambda tag=tag: run(tag))
     if a.kernel_configs:
         under_configs(a.kernel_configs, lambda: run(f"kernel configs {a.kernel_configs.parent.name}"))
 
@@ -197,6 +202,7 @@ def main() -> None:
     ap.add_argument("--steps-ablation", action="store_true",
                     help="also run lean upper with torch's router top-k and residual sums (CMOE_FUSED_STEPS=0)")
     a = ap.parse_args()
+    a.twins = env_twins(a, ap)
     if a.host_profile:
         os.environ["CMOE_HOST_PROFILE"] = "1"
     t_start = time.perf_counter()

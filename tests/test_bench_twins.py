@@ -1,0 +1,33 @@
+"""`benchmarks/lean_h200.py`'s twin runs: the A/B flags and `--env-ablation` become one list of
+(variable, value, tag), checked before any model is built."""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks.lean_h200 import env_twins
+
+
+def _args(env="", sync=False, inputs=False, wait=False):
+    return SimpleNamespace(env_ablation=env, sync_ablation=sync, inputs_ablation=inputs, wait_ablation=wait)
+
+
+def test_flags_and_env_pairs_make_one_list_in_order():
+    ap = argparse.ArgumentParser()
+    assert env_twins(_args(), ap) == []
+    got = env_twins(_args("CMOE_ROUTE_MM=0,CMOE_GEMV=1", sync=True, wait=True), ap)
+    assert got == [("CMOE_PASS_SYNC", "1", "synced passes"), ("CMOE_WAIT", "spin", "spin waits"),
+                   ("CMOE_ROUTE_MM", "0", "CMOE_ROUTE_MM=0"), ("CMOE_GEMV", "1", "CMOE_GEMV=1")]
+    assert env_twins(_args(inputs=True), ap) == [("CMOE_RUNTIME_INPUTS", "0", "torch pass inputs")]
+
+
+@pytest.mark.parametrize("bad", ["CMOE_GEMV", "=1", "A=1,B"])
+def test_a_pair_without_name_or_value_sign_stops_with_one_line(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        env_twins(_args(bad), argparse.ArgumentParser(prog="lean_h200.py"))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("lean_h200.py: error: --env-ablation:") and "is not NAME=VALUE" in err
