@@ -67,8 +67,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, bn: in
     return y
 
 
+def _config(n: int) -> tuple[int, int, int]:
+    """(BN, BK, stages) by the output width: the fastest of five on the H200 for Mixtral's q/k/v
+    (6144 rows: 64, 128, 4; 15.6 us at M = 1 against cuBLAS's 16.4) and o (4096: 32, 256, 3; 12.6
+    against 12.7), fifteenth session's `benchmarks/gemv_h200.py`."""
+    return (64, 128, 4) if n >= 6144 else (32, 256, 3)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, by `gemv` where it is enabled (CMOE_GEMV=1) and takes the shapes."""
     if enabled() and fits(x, w, b):
-        return gemv(x, w, b)
+        return gemv(x, w, b, *_config(w.shape[0]))
     return F.linear(x, w, b)
