@@ -30,9 +30,6 @@
 #   bash benchmarks/gpu_session.sh gemv       # the decode projections: kernels_triton.gemv against F.linear (cuBLAS),
 #                                             # M 1/4/8, its CUDA test, the lean GPU tests with it on (CMOE_GEMV=1),
 #                                             # then upper at batches 1/4/8 with and without it (~5 min)
-#   bash benchmarks/gpu_session.sh l2         # the L2 prefetch: its tests, l2_prefetch_h200.py, the lean GPU tests,
-#                                             # upper at batches 1/4/8 with CMOE_L2_PREFETCH=1 against without, the
-#                                             # fractions (ABL) with it on, and the b1 kernel profile with it on (~7 min)
 #   bash benchmarks/gpu_session.sh ncu-variants [NAMES]  # the same variants' M = 1 launches under ncu
 #   bash benchmarks/gpu_session.sh wait       # issue 15: the host polling each read-back (CMOE_WAIT=spin) against its
 #                                             # event sync, batch 2, pools 16/26, ondemand and oracle, right before each
@@ -92,15 +89,6 @@ case "${1:-}" in
         timeout 30 python3 -m pytest -q tests/test_step_kernels.py -k gemv -p no:cacheprovider 2>&1 | tail -2
         CMOE_GEMV=1 timeout 120 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider 2>&1 | tail -3
         upper 150 100 --env-ablation CMOE_GEMV=1 ;;
-  l2) timeout 60 python3 -m pytest -q -m gpu tests/test_prefetch.py -p no:cacheprovider 2>&1 | tail -2
-      timeout 90 python3 benchmarks/l2_prefetch_h200.py --out "$OUT/l2.json" 2>&1 | grep -v Warning || true
-      timeout 120 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider 2>&1 | tail -3
-      upper 150 100 --env-ablation CMOE_L2_PREFETCH=1
-      CMOE_L2_PREFETCH=1 timeout 200 python3 benchmarks/lean_h200.py --out "$OUT/lean-l2" --tokens 128 --batches 1,4,8 \
-        --pools 20 --engines lean --policies "" --repeats 1 --budget-s 150 --env-ablation "${ABL:-CMOE_L2_QKV=0,CMOE_L2_QKV=0.5,CMOE_L2_O=0,CMOE_GEMV=1}" \
-        2>&1 | grep -E "^lean|rror" || true
-      CMOE_L2_PREFETCH=1 timeout 100 python3 benchmarks/lean_h200.py --out "$OUT/kp" --tokens 64 --batches 1 --pools 20 \
-        --engines lean --policies "" --repeats 0 --kernel-profile --budget-s 80 2>&1 | grep -E "^ |^---" || true ;;
   ncu-variants) N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1); mkdir -p /tmp/ncuv
        timeout 300 "$N" --clock-control none --set full -k 'regex:_expert_mm|_gate_up|moe_mma' -f -o /tmp/ncuv/v \
          python3 benchmarks/kernel_variants_h200.py --launch-only --ms 1 --variants "${2:-committed,split13-2}" \

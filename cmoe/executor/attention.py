@@ -91,7 +91,6 @@ class FastDecode:
         self.clip = float(clip) if clip is not None else None
         self.kernels = None
         self.linear = F.linear                      # on CUDA `gemv.linear` (CMOE_GEMV=1 takes decode rows)
-        self.l2 = None                              # on CUDA a `prefetch.Prefetcher` (CMOE_L2_PREFETCH)
 
     def applies(self, h, position_embeddings, attention_mask, past_key_values) -> bool:
         from cmoe.executor.kv import StaticKV
@@ -102,8 +101,6 @@ class FastDecode:
 
     def __call__(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kw):
         if not self.applies(hidden_states, position_embeddings, attention_mask, past_key_values):
-            if self.l2 is not None:
-                self.l2.join()
             return self.orig(hidden_states, position_embeddings, attention_mask, past_key_values=past_key_values, **kw)
         a, kv, D = self.a, past_key_values, self.D
         B = hidden_states.shape[0]
@@ -120,22 +117,11 @@ class FastDecode:
         cos, sin = (t.reshape(B, D) for t in position_embeddings)
         keys, values = kv.keys[a.layer_idx], kv.values[a.layer_idx]
         if self.kernels is not None:
-            if self.l2 is not None:                 # o's weights into L2 while the attention runs
-                self.l2.branch("o", a.o_proj.weight)
             o = self.kernels.decode_attention(q, k, v, cos, sin, keys, values, kv.slots, kv.valid, a.scaling)
         else:
             qr = rope_write(q, k, v, cos, sin, keys, values, kv.slots)
             o = attend(qr, keys, values, kv.valid, a.scaling)
-        out = lin(o, a.o_proj.weight, a.o_proj.bias).reshape(B, 1, -1)
-        if self.l2 is not None:
-            self.l2.join()
-        return out, None
-
-    def prefetch_qkv(self) -> None:
-        """The first part of q/k/v's weights into L2 (CMOE_L2_PREFETCH), for a caller about to run
-        the input norm: the lean layer step (`Segments._moe_decoder`)."""
-        if self.l2 is not None and self.kernels is not None:
-            self.l2.branch("qkv", self.w)
+        return lin(o, a.o_proj.weight, a.o_proj.bias).reshape(B, 1, -1), None
 
 
 def install(model, family: str, cuda: bool) -> list:
@@ -146,19 +132,16 @@ def install(model, family: str, cuda: bool) -> list:
         return []
     if getattr(model.config, "partial_rotary_factor", 1.0) not in (None, 1.0):
         return []                                   # the kernel rotates the whole head
-    kernels, linear, l2 = None, F.linear, None
+    kernels, linear = None, F.linear
     if cuda:
         from cmoe.executor.kernels_triton import attention as kernels
         from cmoe.executor.kernels_triton.gemv import linear
-        from cmoe.executor.prefetch import Prefetcher, plan
-        spec = plan()
-        l2 = Prefetcher(spec, model.model.layers[0].self_attn.q_proj.weight.device) if spec else None
     done = []
     for layer in model.model.layers:
         fd = getattr(layer.self_attn, "_cmoe_fast", None)     # an earlier engine's, on the same model
         if fd is None:
             fd = layer.self_attn._cmoe_fast = FastDecode(layer.self_attn, FAMILIES[family])
-        fd.kernels, fd.linear, fd.l2 = kernels, linear, l2
+        fd.kernels, fd.linear = kernels, linear
         layer.self_attn.forward = fd
         done.append(fd)
     return done

@@ -99,9 +99,6 @@ class Segments:
             return
         from cmoe.executor.kernels_triton.norm import add_rms_norm
         layer, io = self.layers[d], self.io
-        fd = getattr(layer.self_attn, "_cmoe_fast", None)
-        if fd is not None and self._attn:
-            fd.prefetch_qkv()                               # CMOE_L2_PREFETCH: beside the input norm
         a, _ = layer.self_attn(hidden_states=layer.input_layernorm(h), attention_mask=io["mask"],
                                position_ids=io["pos"], past_key_values=self.kv, position_embeddings=self.t["pe"])
         self.t["mid"][m], x = add_rms_norm(h, a, layer.post_attention_layernorm)
