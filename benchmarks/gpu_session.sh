@@ -28,7 +28,7 @@
 #                                             # 1/4/8 as committed and with each engine switch of ABL turned off
 #                                             # (default CMOE_ROUTE_MM=0,CMOE_LEAN_LAYER=0), then the b1 kernel profile
 #   bash benchmarks/gpu_session.sh gemv       # the decode projections: kernels_triton.gemv against F.linear (cuBLAS),
-#                                             # M 1/4/8, its CUDA test, the lean GPU tests with it on (CMOE_GEMV=1),
+#                                             # M 1/4/8, its CUDA test, the lean GPU tests with cuBLAS (CMOE_GEMV=0),
 #                                             # then upper at batches 1/4/8 with and without it (~5 min)
 #   bash benchmarks/gpu_session.sh ncu-variants [NAMES]  # the same variants' M = 1 launches under ncu
 #   bash benchmarks/gpu_session.sh wait       # issue 15: the host polling each read-back (CMOE_WAIT=spin) against its
@@ -87,8 +87,8 @@ case "${1:-}" in
              --engines lean --policies "" --repeats 0 --kernel-profile --budget-s 80 2>&1 | grep -E "^ |^---" || true ;;
   gemv) timeout 60 python3 benchmarks/gemv_h200.py --out "$OUT/gemv.json" 2>&1 | grep -v Warning || true
         timeout 30 python3 -m pytest -q tests/test_step_kernels.py -k gemv -p no:cacheprovider 2>&1 | tail -2
-        CMOE_GEMV=1 timeout 120 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider 2>&1 | tail -3
-        upper 150 100 --env-ablation CMOE_GEMV=1 ;;
+        CMOE_GEMV=0 timeout 120 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider 2>&1 | tail -3
+        upper 150 100 --env-ablation CMOE_GEMV=0 ;;
   ncu-variants) N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1); mkdir -p /tmp/ncuv
        timeout 300 "$N" --clock-control none --set full -k 'regex:_expert_mm|_gate_up|moe_mma' -f -o /tmp/ncuv/v \
          python3 benchmarks/kernel_variants_h200.py --launch-only --ms 1 --variants "${2:-committed,split13-2}" \

@@ -192,8 +192,8 @@ def main() -> None:
     ap.add_argument("--env-ablation", default="",
                     help="lean: every run also under each NAME=VALUE of this comma list, right before it (the "
                          "engine's switches: CMOE_ROUTE_MM=0 torch's router matmul, CMOE_ROPE_ATTEND=0 two "
-                         "attention launches, CMOE_LEAN_LAYER=0 transformers' decoder layer, CMOE_GEMV=1 the "
-                         "Triton projections)")
+                         "attention launches, CMOE_LEAN_LAYER=0 transformers' decoder layer, CMOE_GEMV=0 cuBLAS's "
+                         "projections)")
     ap.add_argument("--timelines", action="store_true", help="write every run's timeline under --out")
     ap.add_argument("--kernel-configs", type=Path, default=None,
                     help="a kernel_variants.json: each run also with its best per-M expert kernel configurations")

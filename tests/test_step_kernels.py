@@ -167,8 +167,8 @@ def test_add_rms_norm_is_the_residual_add_then_the_norm(n):
 @pytest.mark.parametrize("M,N,K,bias", [(1, 64, 512, False), (5, 40, 300, True), (16, 33, 128, False)])
 def test_gemv_is_the_projection(M, N, K, bias, monkeypatch):
     """`gemv` against the float64 product (bf16 on CUDA: within a rounding of the output; fp32 under
-    the interpreter), uneven N and K tails, a bias; `linear` takes it only with CMOE_GEMV=1 on CUDA
-    bf16 rows, else it is F.linear itself."""
+    the interpreter), uneven N and K tails, a bias; `linear` takes it on CUDA bf16 rows unless
+    CMOE_GEMV=0, else it is F.linear itself."""
     import torch.nn.functional as F
 
     from cmoe.executor.kernels_triton import gemv as G
@@ -182,8 +182,8 @@ def test_gemv_is_the_projection(M, N, K, bias, monkeypatch):
     tol = 1e-5 if dt == torch.float32 else 8e-3
     assert y.shape == (M, N) and y.dtype == dt
     assert ((y.double() - ref).abs() <= tol * (1 + ref.abs())).all()
-    monkeypatch.delenv("CMOE_GEMV", raising=False)
+    monkeypatch.setenv("CMOE_GEMV", "0")
     assert torch.equal(G.linear(x, w, b), F.linear(x, w, b))
-    monkeypatch.setenv("CMOE_GEMV", "1")
+    monkeypatch.delenv("CMOE_GEMV", raising=False)
     assert G.fits(x, w) == (DEV == "cuda")
     assert torch.equal(G.linear(x, w, b), G.gemv(x, w, b) if DEV == "cuda" else F.linear(x, w, b))

@@ -90,7 +90,7 @@ class FastDecode:
         clip = getattr(attn.config, "clip_qkv", None)
         self.clip = float(clip) if clip is not None else None
         self.kernels = None
-        self.linear = F.linear                      # on CUDA `gemv.linear` (CMOE_GEMV=1 takes decode rows)
+        self.linear = F.linear                      # on CUDA `gemv.linear` (decode rows; CMOE_GEMV=0: cuBLAS)
 
     def applies(self, h, position_embeddings, attention_mask, past_key_values) -> bool:
         from cmoe.executor.kv import StaticKV

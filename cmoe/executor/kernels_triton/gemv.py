@@ -7,9 +7,12 @@ the output dtype; the bias added in fp32 before it).
 
 Why: at one row cuBLAS ran the o projection (4096 x 4096) as a split-K GEMM plus a reduction, two
 launches, 10.7 + 1.8 us, and the q/k/v one (6144 x 4096) at 15.7 us, where their bytes take 7.9
-and 11.8 us at the H200's 4.26 TB/s (BENCHMARKS.md, fourteenth session). Whether this is faster
-is measured on the GPU against torch's own (`benchmarks/gemv_h200.py`); until then it is opt-in:
-CMOE_GEMV=1. The outputs may differ from cuBLAS's in the last bit, as any change of GEMM shape can.
+and 11.8 us at the H200's 4.26 TB/s (BENCHMARKS.md, fourteenth session). Measured on the H200
+(fifteenth session), with the configuration of `_config`: 15.6 against cuBLAS's 16.4 us for q/k/v
+and 12.6 against 12.7 for o at one row (`benchmarks/gemv_h200.py`), and `upper` 3.87-3.88 ms a
+token at batch 1 against 3.93 with cuBLAS, 7.01-7.03 against 7.07-7.09 at batch 4, 8.33-8.39
+against 8.39 at batch 8, in one process. So it is the default on CUDA; CMOE_GEMV=0 keeps cuBLAS.
+The outputs may differ from cuBLAS's in the last bit, as any change of GEMM shape can.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ MAX_ROWS = 16
 
 
 def enabled() -> bool:
-    return os.environ.get("CMOE_GEMV", "0") == "1"
+    return os.environ.get("CMOE_GEMV", "1") != "0"
 
 
 @triton.jit
@@ -75,7 +78,7 @@ def _config(n: int) -> tuple[int, int, int]:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, by `gemv` where it is enabled (CMOE_GEMV=1) and takes the shapes."""
+    """F.linear, by `gemv` where it is enabled (unless CMOE_GEMV=0) and takes the shapes."""
     if enabled() and fits(x, w, b):
         return gemv(x, w, b, *_config(w.shape[0]))
     return F.linear(x, w, b)
