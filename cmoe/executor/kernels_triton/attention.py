@@ -1,12 +1,20 @@
 """One decode step's attention in one launch (the CUDA side of `cmoe.executor.attention`).
 
-`_rope_attend`, grid (B, Hkv): a program takes one kv head of one row and the G = Hq / Hkv query
-heads that share it (GQA without repeating the cache). It rotates the new key into the static
-cache at the decode slot (read on the device, so a graph replays it) and copies the value beside
-it, rotates its query heads in registers, then (after a barrier: the slot it wrote is read back)
-walks the cache in blocks of BL slots with an online softmax in fp32 (scores from a tensor-core
-dot, rows padded to 16), skipping slots whose `valid` entry is False. Every row has at least its
-own slot valid, so no softmax row is empty. The rotation rounds each product and the sum to the
+`_rope_attend`, grid (B, Hkv, S): a program takes one kv head of one row, the G = Hq / Hkv query
+heads that share it (GQA without repeating the cache), and one run of CH keys of the cache. The
+program whose run holds the decode slot (read on the device, so a graph replays it) rotates the
+new key into the static cache there and copies the value beside it; every program rotates its
+query heads in registers, then (after a barrier: the slot written is read back) walks its keys in
+blocks of BL slots with an online softmax in fp32 (scores from a tensor-core dot, rows padded to
+16), skipping slots whose `valid` entry is False. With S > 1 each program stores its softmax state
+and the last of a head's S programs to finish merges them in a fixed order (`_combine`), so the
+result does not depend on which finished first. Every row has at least its own slot valid, so no
+softmax row is empty.
+
+Why the split (`splits`: runs of a multiple of 64 keys, at most 16 a head; CMOE_ATTN_SPLIT=0 keeps
+one program a head): at batch 1 a head's program walked every key alone, one dependent block
+after another, on 8 of the H200's 132 multiprocessors; the merge costs one more pass over S small
+states. The rotation rounds each product and the sum to the
 activations' dtype, as transformers' element-wise `q * cos + rotate_half(q) * sin` does, and the
 kernel is compiled without fused multiply-adds (which would skip the products' rounding in fp32),
 so the rotated q and k equal transformers'.
@@ -88,20 +96,28 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _rope_attend(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, cos_ptr, sin_ptr, kc_ptr, vc_ptr, valid_ptr,
-                 slot_ptr, o_ptr, HQ, HKV, L, scale, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                 DP: tl.constexpr, BL: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr):
+                 slot_ptr, o_ptr, pm_ptr, pacc_ptr, cnt_ptr, HQ, HKV, L, CH, S, scale, G: tl.constexpr,
+                 GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BL: tl.constexpr, IEEE: tl.constexpr,
+                 ROPE: tl.constexpr, SPLIT: tl.constexpr):
     b = tl.program_id(0)
     j = tl.program_id(1)
+    sp = tl.program_id(2)
     g = tl.arange(0, GP)
     d = tl.arange(0, DP)
     dm = d < D
     slot = tl.load(slot_ptr)
+    # keys up to the slot written this step, never the cache's whole length: nothing past it is
+    # valid yet, and walking it cost the H200 ~1.6 us per 64 empty keys per layer
+    n_keys = tl.minimum(slot.to(tl.int32) + 1, L)
+    lo = sp * CH                                       # this program's keys: [lo, hi)
+    hi = tl.minimum(lo + CH, n_keys)
     qm = (g < G)[:, None] & dm[None, :]
     qb = q_ptr + b * sqb + (j * G + g)[:, None] * sqh
     if ROPE:
         pd, sign, c, s = _tables(cos_ptr, sin_ptr, b, d, dm, D)
-        # this kv head's new key, rotated, and its value into the cache at the decode slot
-        _write_kv(k_ptr, skb, skh, v_ptr, svb, svh, kc_ptr, vc_ptr, b, j, slot, HKV, L, D, d, pd, dm, c, s, sign)
+        if (slot >= lo) & (slot < lo + CH):            # the program whose keys hold the slot
+            # this kv head's new key, rotated, and its value into the cache at the decode slot
+            _write_kv(k_ptr, skb, skh, v_ptr, svb, svh, kc_ptr, vc_ptr, b, j, slot, HKV, L, D, d, pd, dm, c, s, sign)
         # its G query heads, rotated in registers
         q = _rot(tl.load(qb + d[None, :], mask=qm, other=0.0), tl.load(qb + pd[None, :], mask=qm, other=0.0),
                  c[None, :], s[None, :], sign[None, :])
@@ -112,12 +128,9 @@ def _rope_attend(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, cos_ptr, sin
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
     base = (b * HKV + j).to(tl.int64) * L * D
-    # keys up to the slot written this step, never the cache's whole length: nothing past it is
-    # valid yet, and walking it cost the H200 ~1.6 us per 64 empty keys per layer
-    n_keys = tl.minimum(slot.to(tl.int32) + 1, L)
-    for start in range(0, n_keys, BL):
+    for start in range(lo, hi, BL):
         n = start + tl.arange(0, BL)
-        nm = n < n_keys
+        nm = n < hi
         ok = tl.load(valid_ptr + b * L + n, mask=nm, other=0) != 0
         kt = tl.load(kc_ptr + base + n[None, :] * D + d[:, None], mask=nm[None, :] & dm[:, None], other=0.0)
         sc = _dot(q, kt, IEEE) * scale
@@ -129,9 +142,43 @@ def _rope_attend(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, cos_ptr, sin
         vt = tl.load(vc_ptr + base + n[:, None] * D + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, IEEE)
         m_i = m_new
-    o = acc / l_i[:, None]
     rows = (b * HQ + j * G + g).to(tl.int64)
-    tl.store(o_ptr + rows[:, None] * D + d[None, :], o.to(o_ptr.dtype.element_ty), mask=qm)
+    if SPLIT:
+        _combine(m_i, l_i, acc, pm_ptr, pacc_ptr, cnt_ptr, o_ptr, rows, b * HKV + j, sp, S, g, d, qm, GP, D, DP)
+    else:
+        o = acc / l_i[:, None]
+        tl.store(o_ptr + rows[:, None] * D + d[None, :], o.to(o_ptr.dtype.element_ty), mask=qm)
+
+
+@triton.jit
+def _combine(m_i, l_i, acc, pm_ptr, pacc_ptr, cnt_ptr, o_ptr, rows, bj, sp, S, g, d, qm, GP: tl.constexpr,
+             D: tl.constexpr, DP: tl.constexpr):
+    """Split sp of head bj stores its softmax state (running max, sum, unnormalised output); the
+    last of the head's S programs to finish (a counter, reset by it for the next launch) merges the
+    S states in order s = 0..S-1 and stores the output. A split with no keys left holds the max
+    _NEG and a zero sum, so its weight in the merge is exp(_NEG - max) = 0."""
+    at = (bj * S + sp).to(tl.int64)
+    tl.store(pm_ptr + (at * 2) * GP + g, m_i)
+    tl.store(pm_ptr + (at * 2 + 1) * GP + g, l_i)
+    tl.store(pacc_ptr + (at * GP + g[:, None]) * DP + d[None, :], acc)
+    tl.debug_barrier()                                # every thread's state is stored before the count
+    if tl.atomic_add(cnt_ptr + bj, 1, sem="acq_rel", scope="gpu") == S - 1:
+        m = tl.full([GP], _NEG, tl.float32)
+        lsum = tl.zeros([GP], tl.float32)
+        o = tl.zeros([GP, DP], tl.float32)
+        for s in range(S):
+            at = (bj * S + s).to(tl.int64)
+            ms = tl.load(pm_ptr + (at * 2) * GP + g, cache_modifier=".cg")
+            ls = tl.load(pm_ptr + (at * 2 + 1) * GP + g, cache_modifier=".cg")
+            accs = tl.load(pacc_ptr + (at * GP + g[:, None]) * DP + d[None, :], cache_modifier=".cg")
+            mn = tl.maximum(m, ms)
+            a, c = tl.exp(m - mn), tl.exp(ms - mn)
+            lsum = lsum * a + ls * c
+            o = o * a[:, None] + accs * c[:, None]
+            m = mn
+        tl.store(cnt_ptr + bj, 0)
+        o = o / lsum[:, None]
+        tl.store(o_ptr + rows[:, None] * D + d[None, :], o.to(o_ptr.dtype.element_ty), mask=qm)
 
 
 def decode_attention(q, k, v, cos, sin, keys, values, slot, valid, scaling):
@@ -155,9 +202,47 @@ def decode_attention(q, k, v, cos, sin, keys, values, slot, valid, scaling):
                                    num_warps=1 if DP <= 128 else 2, enable_fp_fusion=False)
         q = qo
     G = Hq // Hkv
+    GP, DPP = max(16, triton.next_power_of_2(G)), max(16, DP)
     o = torch.empty((B, Hq * D), dtype=q.dtype, device=q.device)
-    _rope_attend[(B, Hkv)](q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
-                           cos, sin, keys, values, valid.view(torch.uint8), slot, o, Hq, Hkv, L, float(scaling),
-                           G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=max(16, DP), BL=64,
-                           IEEE=q.dtype == torch.float32, ROPE=one, num_warps=4, enable_fp_fusion=not one)
+    S, CH = splits(L)
+    pm = pacc = cnt = o                  # unused without splits
+    if S > 1:
+        pm, pacc, cnt = _scratch(q.device, B * Hkv, S, GP, DPP)
+    _rope_attend[(B, Hkv, S)](q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
+                              cos, sin, keys, values, valid.view(torch.uint8), slot, o, pm, pacc, cnt, Hq, Hkv, L,
+                              CH, S, float(scaling), G=G, GP=GP, D=D, DP=DPP, BL=BL, IEEE=q.dtype == torch.float32,
+                              ROPE=one, SPLIT=S > 1, num_warps=4, enable_fp_fusion=not one)
     return o
+
+
+BL = 64                                  # keys a program takes per step
+MAX_SPLITS = 16
+
+
+def splits(L: int, env=None) -> tuple[int, int]:
+    """(S, CH): the cache's L keys cut into S runs of CH keys (a multiple of BL), one program each
+    per kv head, at most MAX_SPLITS; (1, L) under CMOE_ATTN_SPLIT=0 or when one run of BL covers L."""
+    env = os.environ if env is None else env
+    if env.get("CMOE_ATTN_SPLIT", "1") == "0" or L <= BL:
+        return 1, L
+    ch = BL * triton.cdiv(triton.cdiv(L, MAX_SPLITS), BL)
+    return triton.cdiv(L, ch), ch
+
+
+_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _scratch(device, BH: int, S: int, GP: int, DP: int):
+    """The split attention's softmax states (max and sum [BH, S, 2, GP], outputs [BH, S, GP, DP],
+    fp32) and its zeroed counters [BH], one set per shape and device, shared by every layer: their
+    launches are ordered on one stream and each leaves the counters at zero. Made at the first
+    (warm-up) call, outside any graph capture."""
+    key = (torch.device(device), BH, S, GP, DP)
+    if key not in _SCRATCH:
+        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # zeros made in a capture would exist only in its replays
+            raise RuntimeError("decode_attention: call it once outside the CUDA graph capture first (a warm-up)")
+        _SCRATCH[key] = (torch.empty(BH * S * 2 * GP, dtype=torch.float32, device=device),
+                         torch.empty(BH * S * GP * DP, dtype=torch.float32, device=device),
+                         torch.zeros(BH, dtype=torch.int32, device=device))
+    return _SCRATCH[key]
