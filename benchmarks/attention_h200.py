@@ -1,5 +1,6 @@
 """The decode attention's one launch (`kernels_triton.attention.decode_attention`) with its keys
-split over programs (the default) and without (CMOE_ATTN_SPLIT=0), in one run: Mixtral-8x7B's
+split over programs in runs sized by the cache (the default), in runs sized by the keys so far
+(CMOE_ATTN_SPLIT=keys) and without a split (CMOE_ATTN_SPLIT=0), in one run: Mixtral-8x7B's
 heads (32 query, 8 kv, 128 dims), bf16, batch 1 and 8, the slot (the keys so far) at 64, 320,
 1024 and 2048 of a cache of 2112 slots and of 320; each the median of CUDA-graph replays (one
 launch a call, the cache's layers rotating over 4 copies so little stays in L2).
@@ -44,7 +45,7 @@ def main() -> None:
                 valid = torch.zeros(B, L, dtype=torch.bool, device="cuda")
                 valid[:, :at + 1] = True
                 row = {"B": B, "L": L, "keys": at + 1}
-                for name, flag in (("split", "1"), ("one", "0")):
+                for name, flag in (("split", "1"), ("keys", "keys"), ("one", "0")):
                     os.environ["CMOE_ATTN_SPLIT"] = flag
                     row[name + "_runs"] = splits(L)[0]
                     row[name + "_us"] = graph_us([lambda c=c: decode_attention(q, k, v, cos, sin, c[0], c[1], slot, valid,
@@ -52,7 +53,7 @@ def main() -> None:
                 os.environ.pop("CMOE_ATTN_SPLIT")
                 res["rows"].append(row)
                 print(f"B={B} cache {L:5} keys {at + 1:5}: split ({row['split_runs']:2} runs) {row['split_us']:6.1f} us,"
-                      f" one program a head {row['one_us']:6.1f} us", flush=True)
+                      f" by keys {row['keys_us']:6.1f} us, one program a head {row['one_us']:6.1f} us", flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(a.out, json.dumps(res, indent=1))
 

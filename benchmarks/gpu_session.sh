@@ -31,7 +31,8 @@
 #                                             # M 1/4/8, its CUDA test, the lean GPU tests with cuBLAS (CMOE_GEMV=0),
 #                                             # then upper at batches 1/4/8 with and without it (~5 min)
 #   bash benchmarks/gpu_session.sh attn       # the decode attention's split keys: its tests, the lean GPU tests,
-#                                             # attention_h200.py, upper at batches 1/4/8 with CMOE_ATTN_SPLIT=0 beside
+#                                             # attention_h200.py, upper at batches 1/4/8 beside CMOE_ATTN_SPLIT=0 and
+#                                             # =keys (ABL)
 #   bash benchmarks/gpu_session.sh ncu-variants [NAMES]  # the same variants' M = 1 launches under ncu
 #   bash benchmarks/gpu_session.sh wait       # issue 15: the host polling each read-back (CMOE_WAIT=spin) against its
 #                                             # event sync, batch 2, pools 16/26, ondemand and oracle, right before each
@@ -90,7 +91,7 @@ case "${1:-}" in
   attn) timeout 90 python3 -m pytest -q tests/test_attention.py -p no:cacheprovider 2>&1 | tail -2
         timeout 100 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider 2>&1 | tail -3
         timeout 60 python3 benchmarks/attention_h200.py --out "$OUT/attention.json" 2>&1 | grep -v Warning || true
-        upper 120 80 --env-ablation CMOE_ATTN_SPLIT=0 ;;
+        upper 150 100 --env-ablation "${ABL:-CMOE_ATTN_SPLIT=0,CMOE_ATTN_SPLIT=keys}" ;;
   gemv) timeout 60 python3 benchmarks/gemv_h200.py --out "$OUT/gemv.json" 2>&1 | grep -v Warning || true
         timeout 30 python3 -m pytest -q tests/test_step_kernels.py -k gemv -p no:cacheprovider 2>&1 | tail -2
         CMOE_GEMV=0 timeout 120 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider 2>&1 | tail -3

@@ -112,15 +112,16 @@ def test_families_it_does_not_cover_and_the_switch(monkeypatch):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter on the CPU)")
-@pytest.mark.parametrize("one,split", [("1", "1"), ("1", "0"), ("0", "1")])
+@pytest.mark.parametrize("one,split", [("1", "1"), ("1", "0"), ("0", "1"), ("1", "keys"), ("0", "keys")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_decode_attention_equals_the_reference(dtype, one, split, monkeypatch):
     """The rotated keys equal transformers' bit for bit on CUDA (the interpreter's bf16 rounding
     differs); the output agrees with SDPA over the repeated cache to the dtype's rounding. In one
-    launch, and in the two of CMOE_ROPE_ATTEND=0; with the keys split over programs (L = 70 and
-    200: 2 and 4 runs of 64, the slot in the last or in an earlier run with empty runs after it)
-    and without (CMOE_ATTN_SPLIT=0). A second call on the same inputs gives the same output: the
-    split's counters are back at zero."""
+    launch, and in the two of CMOE_ROPE_ATTEND=0; with the keys split over programs (L = 70, 200
+    and 700: 2, 4 and 11 runs of 64, the slot in the last or in an earlier run with empty runs
+    after it), with the runs sized by the keys so far (CMOE_ATTN_SPLIT=keys: one run of up to 128
+    keys, or 2 and 6 runs of 128 at 198 and 651 keys) and without (CMOE_ATTN_SPLIT=0). A second
+    call on the same inputs gives the same output: the split's counters are back at zero."""
     import os
     monkeypatch.setenv("CMOE_ROPE_ATTEND", one)
     monkeypatch.setenv("CMOE_ATTN_SPLIT", split)
@@ -131,9 +132,9 @@ def test_triton_decode_attention_equals_the_reference(dtype, one, split, monkeyp
     gen = torch.Generator().manual_seed(9)
     from cmoe.executor.kernels_triton.attention import splits
     assert [splits(L, {"CMOE_ATTN_SPLIT": split}) for L in (21, 70, 200, 2052)] == (
-        [(1, 21), (2, 64), (4, 64), (11, 192)] if split == "1" else [(1, 21), (1, 70), (1, 200), (1, 2052)])
+        [(1, 21), (2, 64), (4, 64), (11, 192)] if split != "0" else [(1, 21), (1, 70), (1, 200), (1, 2052)])
     for B, Hq, Hkv, D, L, at in ((1, 32, 8, 128, 200, 197), (3, 4, 2, 8, 21, 18), (2, 6, 6, 48, 70, 67),
-                                 (2, 8, 2, 64, 200, 100)):
+                                 (2, 8, 2, 64, 200, 100), (1, 8, 2, 32, 700, 650)):
         qkv = torch.randn(B, (Hq + 2 * Hkv) * D, generator=gen).to(dtype).to(dev)
         q, k, v = (t.reshape(B, -1, D) for t in qkv.split([Hq * D, Hkv * D, Hkv * D], -1))
         cos, sin = (torch.randn(B, D, generator=gen).to(dtype).to(dev) for _ in range(2))
@@ -148,6 +149,8 @@ def test_triton_decode_attention_equals_the_reference(dtype, one, split, monkeyp
         ref = attention.attend(attention.rope_write(q, k, v, cos, sin, k1, v1, slot), k1, v1, valid, D ** -0.5)
         out = decode_attention(q, k, v, cos, sin, k2, v2, slot, valid, D ** -0.5)
         assert torch.equal(decode_attention(q, k, v, cos, sin, k2, v2, slot, valid, D ** -0.5), out)
+        from cmoe.executor.kernels_triton.attention import _SCRATCH
+        assert all(int(cnt.abs().sum()) == 0 for _, _, cnt in _SCRATCH.values())
         assert torch.equal(v1.nan_to_num(), v2.nan_to_num())
         if dev == "cuda" or dtype == torch.float32:       # the interpreter rounds bf16 its own way
             assert torch.equal(k1.nan_to_num(), k2.nan_to_num())

@@ -14,7 +14,10 @@ softmax row is empty.
 Why the split (`splits`: runs of a multiple of 64 keys, at most 16 a head; CMOE_ATTN_SPLIT=0 keeps
 one program a head): at batch 1 a head's program walked every key alone, one dependent block
 after another, on 8 of the H200's 132 multiprocessors; the merge costs one more pass over S small
-states. The rotation rounds each product and the sum to the
+states. Measured on the H200 (BENCHMARKS.md, fifteenth session): 11.6 against 54.0 us a launch at
+2049 keys and batch 1, but 9.6 against 5.5 at 65 keys of a 2112-slot cache, where the runs, sized
+by the cache, are mostly empty and the merge still waits for them; CMOE_ATTN_SPLIT=keys sizes them
+by the keys so far instead (not yet measured). The rotation rounds each product and the sum to the
 activations' dtype, as transformers' element-wise `q * cos + rotate_half(q) * sin` does, and the
 kernel is compiled without fused multiply-adds (which would skip the products' rounding in fp32),
 so the rotated q and k equal transformers'.
@@ -98,75 +101,102 @@ def _dot(a, b, IEEE: tl.constexpr):
 def _rope_attend(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, cos_ptr, sin_ptr, kc_ptr, vc_ptr, valid_ptr,
                  slot_ptr, o_ptr, pm_ptr, pacc_ptr, cnt_ptr, HQ, HKV, L, CH, S, scale, G: tl.constexpr,
                  GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BL: tl.constexpr, IEEE: tl.constexpr,
-                 ROPE: tl.constexpr, SPLIT: tl.constexpr):
+                 ROPE: tl.constexpr, SPLIT: tl.constexpr, BY_KEYS: tl.constexpr):
     b = tl.program_id(0)
     j = tl.program_id(1)
     sp = tl.program_id(2)
-    g = tl.arange(0, GP)
-    d = tl.arange(0, DP)
-    dm = d < D
     slot = tl.load(slot_ptr)
     # keys up to the slot written this step, never the cache's whole length: nothing past it is
     # valid yet, and walking it cost the H200 ~1.6 us per 64 empty keys per layer
     n_keys = tl.minimum(slot.to(tl.int32) + 1, L)
-    lo = sp * CH                                       # this program's keys: [lo, hi)
-    hi = tl.minimum(lo + CH, n_keys)
-    qm = (g < G)[:, None] & dm[None, :]
-    qb = q_ptr + b * sqb + (j * G + g)[:, None] * sqh
+    if BY_KEYS:                 # runs sized by the keys so far: at least 2 blocks, at most S of them
+        ch = tl.maximum(2 * BL, BL * tl.cdiv(tl.cdiv(n_keys, S), BL))
+        runs = tl.cdiv(n_keys, ch)
+    else:                       # runs sized by the cache: S of CH keys, the empty ones included
+        ch = CH
+        runs = S
+    if sp < runs:
+        g = tl.arange(0, GP)
+        d = tl.arange(0, DP)
+        dm = d < D
+        lo = sp * ch                                   # this program's keys: [lo, hi)
+        hi = tl.minimum(lo + ch, n_keys)
+        qm = (g < G)[:, None] & dm[None, :]
+        q = _query(q_ptr + b * sqb + (j * G + g)[:, None] * sqh, qm, k_ptr, skb, skh, v_ptr, svb, svh, cos_ptr,
+                   sin_ptr, kc_ptr, vc_ptr, b, j, slot, (slot >= lo) & (slot < lo + ch), HKV, L, d, dm, D, ROPE)
+        m_i, l_i, acc = _walk(q, kc_ptr + (b * HKV + j).to(tl.int64) * L * D, vc_ptr + (b * HKV + j).to(tl.int64) * L * D,
+                              valid_ptr + b * L, lo, hi, scale, d, dm, GP, D, DP, BL, IEEE)
+        rows = (b * HQ + j * G + g).to(tl.int64)
+        if SPLIT:
+            if runs == 1:
+                tl.store(o_ptr + rows[:, None] * D + d[None, :], (acc / l_i[:, None]).to(o_ptr.dtype.element_ty),
+                         mask=qm)
+            else:
+                _combine(m_i, l_i, acc, pm_ptr, pacc_ptr, cnt_ptr, o_ptr, rows, b * HKV + j, sp, runs, S, g, d, qm,
+                         GP, D, DP)
+        else:
+            tl.store(o_ptr + rows[:, None] * D + d[None, :], (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=qm)
+
+
+@triton.jit
+def _query(qb, qm, k_ptr, skb, skh, v_ptr, svb, svh, cos_ptr, sin_ptr, kc_ptr, vc_ptr, b, j, slot, writes, HKV, L,
+           d, dm, D: tl.constexpr, ROPE: tl.constexpr):
+    """The G query heads at qb, rotated (ROPE; else as `_rope_write` left them); the program that
+    `writes` also puts the head's new key (rotated) and value into the cache at the slot first."""
     if ROPE:
         pd, sign, c, s = _tables(cos_ptr, sin_ptr, b, d, dm, D)
-        if (slot >= lo) & (slot < lo + CH):            # the program whose keys hold the slot
-            # this kv head's new key, rotated, and its value into the cache at the decode slot
+        if writes:
             _write_kv(k_ptr, skb, skh, v_ptr, svb, svh, kc_ptr, vc_ptr, b, j, slot, HKV, L, D, d, pd, dm, c, s, sign)
-        # its G query heads, rotated in registers
         q = _rot(tl.load(qb + d[None, :], mask=qm, other=0.0), tl.load(qb + pd[None, :], mask=qm, other=0.0),
                  c[None, :], s[None, :], sign[None, :])
-        tl.debug_barrier()              # the slot's key and value, stored above, are read below
-    else:                               # `_rope_write` ran before: q rotated already
+        tl.debug_barrier()              # the slot's key and value, stored above, are read after
+    else:
         q = tl.load(qb + d[None, :], mask=qm, other=0.0)
+    return q
+
+
+@triton.jit
+def _walk(q, kb, vb, ok_ptr, lo, hi, scale, d, dm, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+          BL: tl.constexpr, IEEE: tl.constexpr):
+    """Keys [lo, hi) of one head's cache (kb, vb) in blocks of BL with an online softmax in fp32:
+    (running max, sum, unnormalised output) over the slots whose `valid` entry (ok_ptr) is set."""
     m_i = tl.full([GP], _NEG, tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
-    base = (b * HKV + j).to(tl.int64) * L * D
     for start in range(lo, hi, BL):
         n = start + tl.arange(0, BL)
         nm = n < hi
-        ok = tl.load(valid_ptr + b * L + n, mask=nm, other=0) != 0
-        kt = tl.load(kc_ptr + base + n[None, :] * D + d[:, None], mask=nm[None, :] & dm[:, None], other=0.0)
+        ok = tl.load(ok_ptr + n, mask=nm, other=0) != 0
+        kt = tl.load(kb + n[None, :] * D + d[:, None], mask=nm[None, :] & dm[:, None], other=0.0)
         sc = _dot(q, kt, IEEE) * scale
         sc = tl.where(ok[None, :], sc, _NEG)
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        vt = tl.load(vc_ptr + base + n[:, None] * D + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+        vt = tl.load(vb + n[:, None] * D + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, IEEE)
         m_i = m_new
-    rows = (b * HQ + j * G + g).to(tl.int64)
-    if SPLIT:
-        _combine(m_i, l_i, acc, pm_ptr, pacc_ptr, cnt_ptr, o_ptr, rows, b * HKV + j, sp, S, g, d, qm, GP, D, DP)
-    else:
-        o = acc / l_i[:, None]
-        tl.store(o_ptr + rows[:, None] * D + d[None, :], o.to(o_ptr.dtype.element_ty), mask=qm)
+    return m_i, l_i, acc
 
 
 @triton.jit
-def _combine(m_i, l_i, acc, pm_ptr, pacc_ptr, cnt_ptr, o_ptr, rows, bj, sp, S, g, d, qm, GP: tl.constexpr,
+def _combine(m_i, l_i, acc, pm_ptr, pacc_ptr, cnt_ptr, o_ptr, rows, bj, sp, runs, S, g, d, qm, GP: tl.constexpr,
              D: tl.constexpr, DP: tl.constexpr):
-    """Split sp of head bj stores its softmax state (running max, sum, unnormalised output); the
-    last of the head's S programs to finish (a counter, reset by it for the next launch) merges the
-    S states in order s = 0..S-1 and stores the output. A split with no keys left holds the max
-    _NEG and a zero sum, so its weight in the merge is exp(_NEG - max) = 0."""
+    """Run sp of head bj stores its softmax state (running max, sum, unnormalised output); the
+    last of the head's `runs` programs to finish (a counter, reset by it for the next launch)
+    merges the states in order s = 0..runs-1 and stores the output. A run with no keys left holds
+    the max _NEG and a zero sum, so its weight in the merge is exp(_NEG - max) = 0."""
     at = (bj * S + sp).to(tl.int64)
     tl.store(pm_ptr + (at * 2) * GP + g, m_i)
     tl.store(pm_ptr + (at * 2 + 1) * GP + g, l_i)
     tl.store(pacc_ptr + (at * GP + g[:, None]) * DP + d[None, :], acc)
     tl.debug_barrier()                                # every thread's state is stored before the count
-    if tl.atomic_add(cnt_ptr + bj, 1, sem="acq_rel", scope="gpu") == S - 1:
+    if tl.atomic_add(cnt_ptr + bj, 1, sem="acq_rel", scope="gpu") == runs - 1:
         m = tl.full([GP], _NEG, tl.float32)
         lsum = tl.zeros([GP], tl.float32)
         o = tl.zeros([GP, DP], tl.float32)
-        for s in range(S):
+        for s in range(runs):
             at = (bj * S + s).to(tl.int64)
             ms = tl.load(pm_ptr + (at * 2) * GP + g, cache_modifier=".cg")
             ls = tl.load(pm_ptr + (at * 2 + 1) * GP + g, cache_modifier=".cg")
@@ -205,13 +235,14 @@ def decode_attention(q, k, v, cos, sin, keys, values, slot, valid, scaling):
     GP, DPP = max(16, triton.next_power_of_2(G)), max(16, DP)
     o = torch.empty((B, Hq * D), dtype=q.dtype, device=q.device)
     S, CH = splits(L)
+    by_keys = S > 1 and os.environ.get("CMOE_ATTN_SPLIT", "1") == "keys"
     pm = pacc = cnt = o                  # unused without splits
     if S > 1:
         pm, pacc, cnt = _scratch(q.device, B * Hkv, S, GP, DPP)
     _rope_attend[(B, Hkv, S)](q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
                               cos, sin, keys, values, valid.view(torch.uint8), slot, o, pm, pacc, cnt, Hq, Hkv, L,
                               CH, S, float(scaling), G=G, GP=GP, D=D, DP=DPP, BL=BL, IEEE=q.dtype == torch.float32,
-                              ROPE=one, SPLIT=S > 1, num_warps=4, enable_fp_fusion=not one)
+                              ROPE=one, SPLIT=S > 1, BY_KEYS=by_keys, num_warps=4, enable_fp_fusion=not one)
     return o
 
 
@@ -221,7 +252,11 @@ MAX_SPLITS = 16
 
 def splits(L: int, env=None) -> tuple[int, int]:
     """(S, CH): the cache's L keys cut into S runs of CH keys (a multiple of BL), one program each
-    per kv head, at most MAX_SPLITS; (1, L) under CMOE_ATTN_SPLIT=0 or when one run of BL covers L."""
+    per kv head, at most MAX_SPLITS; (1, L) under CMOE_ATTN_SPLIT=0 or when one run of BL covers L.
+    CMOE_ATTN_SPLIT=keys (not yet measured on a GPU, so not the default) keeps the S programs but
+    sizes the runs on the device by the keys so far: at least 2 blocks of BL each, so that a head
+    with up to 2 * BL keys runs one program and merges nothing, and the programs past the last run
+    return at once."""
     env = os.environ if env is None else env
     if env.get("CMOE_ATTN_SPLIT", "1") == "0" or L <= BL:
         return 1, L
