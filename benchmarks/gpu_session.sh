@@ -30,9 +30,9 @@
 #   bash benchmarks/gpu_session.sh gemv       # the decode projections: kernels_triton.gemv against F.linear (cuBLAS),
 #                                             # M 1/4/8, its CUDA test, the lean GPU tests with cuBLAS (CMOE_GEMV=0),
 #                                             # then upper at batches 1/4/8 with and without it (~5 min)
-#   bash benchmarks/gpu_session.sh attn       # the decode attention's split keys: its tests, the lean GPU tests,
-#                                             # attention_h200.py, upper at batches 1/4/8 beside CMOE_ATTN_SPLIT=0 and
-#                                             # =keys (ABL)
+#   bash benchmarks/gpu_session.sh attn       # the attention and step-kernel tests, the lean GPU tests,
+#                                             # attention_h200.py, then upper at batches 1/4/8 beside each switch of ABL
+#                                             # (default CMOE_ATTN_SPLIT=0, CMOE_ATTN_SPLIT=keys, CMOE_QKV_NORM=1; ~6 min)
 #   bash benchmarks/gpu_session.sh ncu-variants [NAMES]  # the same variants' M = 1 launches under ncu
 #   bash benchmarks/gpu_session.sh wait       # issue 15: the host polling each read-back (CMOE_WAIT=spin) against its
 #                                             # event sync, batch 2, pools 16/26, ondemand and oracle, right before each
@@ -88,10 +88,10 @@ case "${1:-}" in
            upper 200 140 --env-ablation "${ABL:-CMOE_ROUTE_MM=0,CMOE_LEAN_LAYER=0}"
            timeout 100 python3 benchmarks/lean_h200.py --out "$OUT/kp" --tokens 64 --batches 1 --pools 20 \
              --engines lean --policies "" --repeats 0 --kernel-profile --budget-s 80 2>&1 | grep -E "^ |^---" || true ;;
-  attn) timeout 90 python3 -m pytest -q tests/test_attention.py -p no:cacheprovider 2>&1 | tail -2
-        timeout 100 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider 2>&1 | tail -3
+  attn) timeout 120 python3 -m pytest -q tests/test_attention.py tests/test_step_kernels.py -p no:cacheprovider 2>&1 | tail -2
+        timeout 140 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider 2>&1 | tail -3
         timeout 60 python3 benchmarks/attention_h200.py --out "$OUT/attention.json" 2>&1 | grep -v Warning || true
-        upper 150 100 --env-ablation "${ABL:-CMOE_ATTN_SPLIT=0,CMOE_ATTN_SPLIT=keys}" ;;
+        upper 200 150 --env-ablation "${ABL:-CMOE_ATTN_SPLIT=0,CMOE_ATTN_SPLIT=keys,CMOE_QKV_NORM=1}" ;;
   gemv) timeout 60 python3 benchmarks/gemv_h200.py --out "$OUT/gemv.json" 2>&1 | grep -v Warning || true
         timeout 30 python3 -m pytest -q tests/test_step_kernels.py -k gemv -p no:cacheprovider 2>&1 | tail -2
         CMOE_GEMV=0 timeout 120 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider 2>&1 | tail -3

@@ -154,3 +154,28 @@ def test_lean_layer_step_only_where_the_decoder_is_the_plain_one(fused_checkpoin
             assert calls and len(calls) % w.spec.num_moe_layers == 0, len(calls)
     for x, y in zip(out["1"].logits, out["0"].logits):
         assert _rel(x, y) < 1e-2
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_lean_qkv_gemv_with_the_input_norm(fused_checkpoints, family, monkeypatch):
+    """CMOE_QKV_NORM=1 at batch 1: each MoE layer's input norm is folded into the q/k/v GEMV in the
+    decode passes (one call a layer a pass that runs in Python: warm-up, capture) and nowhere else;
+    the plans are those without it and the logits agree to the norm's sum order."""
+    from cmoe.executor.kernels_triton import gemv as G
+    calls = []
+    real = G.gemv
+    monkeypatch.setattr(G, "gemv", lambda *a, **k: (calls.append(k.get("norm") is not None), real(*a, **k))[1])
+    out = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("CMOE_QKV_NORM", flag)
+        calls.clear()
+        w, out[flag] = _run(fused_checkpoints[family], ["upper", "commit"], tokens=4, batch=1)
+        folded = sum(calls)
+        if flag == "0":
+            assert folded == 0
+        else:
+            assert folded and folded % w.spec.num_moe_layers == 0, (folded, w.spec.num_moe_layers)
+    for a, b in zip(out["1"], out["0"]):
+        assert [p.loads for p in a.log.plans] == [p.loads for p in b.log.plans], a.policy
+        for x, y in zip(a.logits, b.logits):
+            assert _rel(x, y) < 1e-2, a.policy

@@ -187,3 +187,34 @@ def test_gemv_is_the_projection(M, N, K, bias, monkeypatch):
     monkeypatch.delenv("CMOE_GEMV", raising=False)
     assert G.fits(x, w) == (DEV == "cuda")
     assert torch.equal(G.linear(x, w, b), G.gemv(x, w, b) if DEV == "cuda" else F.linear(x, w, b))
+
+
+@pytest.mark.parametrize("N,K,bias", [(64, 512, False), (40, 300, True), (96, 4096, False)])
+def test_gemv_with_the_norm_folded_in_is_the_norm_then_the_projection(N, K, bias):
+    """`gemv(..., norm=)` at one row against `norm.rms_norm` then `gemv`: fp32 under the interpreter
+    within rounding, bf16 on CUDA within a rounding of the normed row (the sum of squares may add in
+    another order); both against the float64 norm and product. More than one row is refused, and
+    `fits_norm` takes only one row with the norm's weight in x's dtype."""
+    from cmoe.executor.kernels_triton import gemv as G
+    from cmoe.executor.kernels_triton.norm import rms_norm
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(N + K)
+    x = (torch.randn(1, K, generator=g) * 3).to(DEV, dt)
+    w = (torch.randn(N, K, generator=g) * 0.1).to(DEV, dt)
+    b = torch.randn(N, generator=g).to(DEV, dt) if bias else None
+    nw = (1 + 0.2 * torch.randn(K, generator=g)).to(DEV, dt)
+    eps = 1e-5
+    y = G.gemv(x, w, b, bk=64, stages=2, norm=(nw, eps))
+    two = G.gemv(rms_norm(x, nw, eps), w, b, bk=64, stages=2)
+    xd = x.double()
+    ref = (nw.double() * xd * torch.rsqrt((xd * xd).mean(-1, keepdim=True) + eps)) @ w.double().T
+    ref = ref + (b.double() if bias else 0)
+    tol = 1e-5 if dt == torch.float32 else 2e-2
+    assert y.shape == (1, N) and y.dtype == dt
+    assert torch.allclose(y.double(), two.double(), rtol=tol, atol=tol * ref.abs().max().item())
+    assert ((y.double() - ref).abs() <= tol * (1 + ref.abs())).all()
+    with pytest.raises(ValueError, match="one row"):
+        G.gemv(x.repeat(2, 1), w, b, norm=(nw, eps))
+    if DEV == "cuda":
+        assert G.fits_norm(x, w, b, nw) and not G.fits_norm(x.repeat(2, 1), w, b, nw)
+        assert not G.fits_norm(x, w, b, nw.float()) and not G.fits_norm(x, w, b, nw[:-1])

@@ -91,6 +91,7 @@ class FastDecode:
         self.clip = float(clip) if clip is not None else None
         self.kernels = None
         self.linear = F.linear                      # on CUDA `gemv.linear` (decode rows; CMOE_GEMV=0: cuBLAS)
+        self.gemv = None                            # on CUDA the module `kernels_triton.gemv` (`normed`)
 
     def applies(self, h, position_embeddings, attention_mask, past_key_values) -> bool:
         from cmoe.executor.kv import StaticKV
@@ -102,10 +103,26 @@ class FastDecode:
     def __call__(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kw):
         if not self.applies(hidden_states, position_embeddings, attention_mask, past_key_values):
             return self.orig(hidden_states, position_embeddings, attention_mask, past_key_values=past_key_values, **kw)
-        a, kv, D = self.a, past_key_values, self.D
         B = hidden_states.shape[0]
-        lin = self.linear
-        qkv = lin(hidden_states.reshape(B, -1), self.w, self.b)
+        qkv = self.linear(hidden_states.reshape(B, -1), self.w, self.b)
+        return self._attend(qkv, B, position_embeddings, past_key_values)
+
+    def normed(self, norm, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kw):
+        """The module's forward on norm(hidden_states), for a caller that holds the layer's input
+        norm (`Segments._moe_decoder`): with CMOE_QKV_NORM=1, on CUDA, for one decode row, the norm
+        is folded into the q/k/v GEMV (`gemv.gemv(..., norm=)`), one launch fewer; else the norm
+        runs first, as transformers' layer runs it."""
+        if (self.kernels is not None and self.gemv is not None and self.gemv.norm_enabled()
+                and self.applies(hidden_states, position_embeddings, attention_mask, past_key_values)):
+            x = hidden_states.reshape(hidden_states.shape[0], -1)
+            if self.gemv.fits_norm(x, self.w, self.b, norm.weight):
+                qkv = self.gemv.gemv(x, self.w, self.b, *self.gemv.config(self.w.shape[0]),
+                                     norm=(norm.weight, norm.variance_epsilon))
+                return self._attend(qkv, 1, position_embeddings, past_key_values)
+        return self(norm(hidden_states), position_embeddings, attention_mask, past_key_values, **kw)
+
+    def _attend(self, qkv, B, position_embeddings, kv):
+        a, D, lin = self.a, self.D, self.linear
         q, k, v = qkv.split([self.nq, self.nk, self.nk], -1)
         if self.norm == "full":
             q, k = a.q_norm(q), a.k_norm(k)
@@ -132,16 +149,17 @@ def install(model, family: str, cuda: bool) -> list:
         return []
     if getattr(model.config, "partial_rotary_factor", 1.0) not in (None, 1.0):
         return []                                   # the kernel rotates the whole head
-    kernels, linear = None, F.linear
+    kernels, linear, gemv = None, F.linear, None
     if cuda:
         from cmoe.executor.kernels_triton import attention as kernels
-        from cmoe.executor.kernels_triton.gemv import linear
+        from cmoe.executor.kernels_triton import gemv
+        linear = gemv.linear
     done = []
     for layer in model.model.layers:
         fd = getattr(layer.self_attn, "_cmoe_fast", None)     # an earlier engine's, on the same model
         if fd is None:
             fd = layer.self_attn._cmoe_fast = FastDecode(layer.self_attn, FAMILIES[family])
-        fd.kernels, fd.linear = kernels, linear
+        fd.kernels, fd.linear, fd.gemv = kernels, linear, gemv
         layer.self_attn.forward = fd
         done.append(fd)
     return done

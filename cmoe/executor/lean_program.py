@@ -99,8 +99,12 @@ class Segments:
             return
         from cmoe.executor.kernels_triton.norm import add_rms_norm
         layer, io = self.layers[d], self.io
-        a, _ = layer.self_attn(hidden_states=layer.input_layernorm(h), attention_mask=io["mask"],
-                               position_ids=io["pos"], past_key_values=self.kv, position_embeddings=self.t["pe"])
+        fd = layer.self_attn.__dict__.get("forward")       # `attention.FastDecode` where installed
+        if self._attn and hasattr(fd, "normed"):           # the input norm passed in: it may fold it in
+            a, _ = fd.normed(layer.input_layernorm, h, self.t["pe"], io["mask"], self.kv, position_ids=io["pos"])
+        else:
+            a, _ = layer.self_attn(hidden_states=layer.input_layernorm(h), attention_mask=io["mask"],
+                                   position_ids=io["pos"], past_key_values=self.kv, position_embeddings=self.t["pe"])
         self.t["mid"][m], x = add_rms_norm(h, a, layer.post_attention_layernorm)
         layer.mlp(x)                                        # hooks keep x, routing, shared
 

@@ -8,11 +8,17 @@ the output dtype; the bias added in fp32 before it).
 Why: at one row cuBLAS ran the o projection (4096 x 4096) as a split-K GEMM plus a reduction, two
 launches, 10.7 + 1.8 us, and the q/k/v one (6144 x 4096) at 15.7 us, where their bytes take 7.9
 and 11.8 us at the H200's 4.26 TB/s (BENCHMARKS.md, fourteenth session). Measured on the H200
-(fifteenth session), with the configuration of `_config`: 15.6 against cuBLAS's 16.4 us for q/k/v
+(fifteenth session), with the configuration of `config`: 15.6 against cuBLAS's 16.4 us for q/k/v
 and 12.6 against 12.7 for o at one row (`benchmarks/gemv_h200.py`), and `upper` 3.87-3.88 ms a
 token at batch 1 against 3.93 with cuBLAS, 7.01-7.03 against 7.07-7.09 at batch 4, 8.33-8.39
 against 8.39 at batch 8, in one process. So it is the default on CUDA; CMOE_GEMV=0 keeps cuBLAS.
 The outputs may differ from cuBLAS's in the last bit, as any change of GEMM shape can.
+
+`gemv(..., norm=(weight, eps))` folds an RMSNorm of its one row into the x tiles: the row's sum
+of squares first (one register pass over the row), then each tile normed as `norm._rms_row` norms
+it (the same roundings; only the sum's order may differ), so the q/k/v GEMV can take the layer's
+input norm and spare its launch (~1.8 us a layer at batch 1 on the H200). Opt-in (CMOE_QKV_NORM=1,
+`attention.FastDecode.normed`) until it is measured on a GPU.
 """
 
 from __future__ import annotations
@@ -32,18 +38,27 @@ def enabled() -> bool:
 
 
 @triton.jit
-def _gemv(x_ptr, sx, w_ptr, b_ptr, y_ptr, sy, M, N, K, HAS_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-          STAGES: tl.constexpr):
+def _gemv(x_ptr, sx, w_ptr, b_ptr, y_ptr, sy, nw_ptr, eps, M, N, K, HAS_B: tl.constexpr, BN: tl.constexpr,
+          BK: tl.constexpr, STAGES: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr):
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nm = n < N
     r = tl.arange(0, 16)
     rm = r < M
+    if NORM:        # one row's RMSNorm (weight at nw_ptr), as `norm._rms_row` computes it, on each x tile
+        kk = tl.arange(0, KP)
+        x0 = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x0 * x0, axis=0) / K + eps)
     acc = tl.zeros([BN, 16], tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
         k = k0 + tl.arange(0, BK)
         km = k < K
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
         xt = tl.load(x_ptr + r[None, :] * sx + k[:, None], mask=rm[None, :] & km[:, None], other=0.0)
+        if NORM:
+            dt = x_ptr.dtype.element_ty
+            h = (xt.to(tl.float32) * rstd).to(dt)
+            nw = tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32)
+            xt = (nw[:, None] * h.to(tl.float32)).to(dt)
         acc = tl.dot(w, xt, acc)
     if HAS_B:
         acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[:, None]
@@ -60,17 +75,36 @@ def fits(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> boo
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, bn: int = 16, bk: int = 256,
-         stages: int = 4) -> torch.Tensor:
-    """x [M, K] @ w [N, K]^T (+ b) -> [M, N] in x's dtype, by `_gemv` (see `fits`)."""
+         stages: int = 4, norm: tuple | None = None) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T (+ b) -> [M, N] in x's dtype, by `_gemv` (see `fits`). With `norm`
+    (an RMSNorm's weight [K] and epsilon; `fits_norm`), the product of x's norm: one row only."""
     M, K = x.shape
     N = w.shape[0]
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    _gemv[(triton.cdiv(N, bn),)](x, x.stride(0), w, b if b is not None else w, y, y.stride(0), M, N, K,
-                                 HAS_B=b is not None, BN=bn, BK=bk, STAGES=stages, num_warps=4)
+    nw, eps = norm if norm is not None else (w, 0.0)
+    if norm is not None and M != 1:
+        raise ValueError("gemv: the norm is folded in for one row only")
+    _gemv[(triton.cdiv(N, bn),)](x, x.stride(0), w, b if b is not None else w, y, y.stride(0), nw, float(eps), M, N,
+                                 K, HAS_B=b is not None, BN=bn, BK=bk, STAGES=stages, NORM=norm is not None,
+                                 KP=triton.next_power_of_2(K), num_warps=4)
     return y
 
 
-def _config(n: int) -> tuple[int, int, int]:
+def fits_norm(x: torch.Tensor, w: torch.Tensor, b, weight: torch.Tensor) -> bool:
+    """What `gemv` takes with a norm folded in: `fits`, one row, at most 8192 wide (the row's sum of
+    squares is one register pass), and the norm's weight contiguous, [K], of x's dtype (so the
+    normed row keeps x's dtype, as `norm.rms_norm` gives it)."""
+    return (fits(x, w, b) and x.shape[0] == 1 and x.shape[1] <= 8192 and weight.is_contiguous()
+            and weight.shape == (x.shape[1],) and weight.dtype == x.dtype and weight.device == x.device)
+
+
+def norm_enabled() -> bool:
+    """CMOE_QKV_NORM=1: the lean layer folds the input norm into the q/k/v GEMV at one row (not
+    yet measured on a GPU, so off by default)."""
+    return os.environ.get("CMOE_QKV_NORM", "0") == "1"
+
+
+def config(n: int) -> tuple[int, int, int]:
     """(BN, BK, stages) by the output width: the fastest of five on the H200 for Mixtral's q/k/v
     (6144 rows: 64, 128, 4; 15.6 us at M = 1 against cuBLAS's 16.4) and o (4096: 32, 256, 3; 12.6
     against 12.7), fifteenth session's `benchmarks/gemv_h200.py`."""
@@ -80,5 +114,5 @@ def _config(n: int) -> tuple[int, int, int]:
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, by `gemv` where it is enabled (unless CMOE_GEMV=0) and takes the shapes."""
     if enabled() and fits(x, w, b):
-        return gemv(x, w, b, *_config(w.shape[0]))
+        return gemv(x, w, b, *config(w.shape[0]))
     return F.linear(x, w, b)
