@@ -32,7 +32,8 @@
 #                                             # then upper at batches 1/4/8 with and without it (~5 min)
 #   bash benchmarks/gpu_session.sh attn       # the attention and step-kernel tests, the lean GPU tests,
 #                                             # attention_h200.py, then upper at batches 1/4/8 beside each switch of ABL
-#                                             # (default CMOE_ATTN_SPLIT=0, CMOE_ATTN_SPLIT=keys, CMOE_QKV_NORM=1; ~6 min)
+#                                             # (default CMOE_ATTN_SPLIT=0, CMOE_ATTN_SPLIT=keys, CMOE_QKV_NORM=1,
+#                                             # CMOE_PDL=1; ~8 min)
 #   bash benchmarks/gpu_session.sh ncu-variants [NAMES]  # the same variants' M = 1 launches under ncu
 #   bash benchmarks/gpu_session.sh wait       # issue 15: the host polling each read-back (CMOE_WAIT=spin) against its
 #                                             # event sync, batch 2, pools 16/26, ondemand and oracle, right before each
@@ -91,7 +92,7 @@ case "${1:-}" in
   attn) timeout 120 python3 -m pytest -q tests/test_attention.py tests/test_step_kernels.py -p no:cacheprovider 2>&1 | tail -2
         timeout 140 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider 2>&1 | tail -3
         timeout 60 python3 benchmarks/attention_h200.py --out "$OUT/attention.json" 2>&1 | grep -v Warning || true
-        upper 200 150 --env-ablation "${ABL:-CMOE_ATTN_SPLIT=0,CMOE_ATTN_SPLIT=keys,CMOE_QKV_NORM=1}" ;;
+        upper 250 200 --env-ablation "${ABL:-CMOE_ATTN_SPLIT=0,CMOE_ATTN_SPLIT=keys,CMOE_QKV_NORM=1,CMOE_PDL=1}" ;;
   gemv) timeout 60 python3 benchmarks/gemv_h200.py --out "$OUT/gemv.json" 2>&1 | grep -v Warning || true
         timeout 30 python3 -m pytest -q tests/test_step_kernels.py -k gemv -p no:cacheprovider 2>&1 | tail -2
         CMOE_GEMV=0 timeout 120 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider 2>&1 | tail -3

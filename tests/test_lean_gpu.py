@@ -179,3 +179,21 @@ def test_lean_qkv_gemv_with_the_input_norm(fused_checkpoints, family, monkeypatc
         assert [p.loads for p in a.log.plans] == [p.loads for p in b.log.plans], a.policy
         for x, y in zip(a.logits, b.logits):
             assert _rel(x, y) < 1e-2, a.policy
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_lean_early_launched_gemv_changes_no_decision(fused_checkpoints, family, monkeypatch):
+    """CMOE_PDL=1: the projections start while the kernel ahead ends (in the graphs too); the plans
+    are those without it and the logits agree up to the expert kernel's fp32 atomics."""
+    from cmoe.executor.kernels_triton import gemv as G
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs sm_90")
+    out = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("CMOE_PDL", flag)
+        assert G.pdl_enabled(torch.device("cuda")) == (flag == "1")
+        _, out[flag] = _run(fused_checkpoints[family], ["upper", "commit"], tokens=5)
+    for a, b in zip(out["1"], out["0"]):
+        assert [p.loads for p in a.log.plans] == [p.loads for p in b.log.plans], a.policy
+        for x, y in zip(a.logits, b.logits):
+            assert _rel(x, y) < 1e-2, a.policy

@@ -6,7 +6,7 @@ accumulator), gate/up with SiLU, down with the routing weights (split-K, fp32 at
 cast to the output dtype. `attention` holds the lean engine's decode attention (rotation, cache
 write and GQA over the cache in one launch), `steps` its one-launch router (matmul and top-k, or
 top-k alone) and residual sum, `norm` the one-launch RMSNorm and residual add with RMSNorm, `gemv`
-the opt-in decode projections.
+the decode projections.
 """
 
 from cmoe.executor.kernels_triton.moe import CONFIGS, KernelConfig, Workspace, moe_triton, pick_config

@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cmoe.executor.kernels_triton.gemv import pdl_enabled
+
 _INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 _NEG = tl.constexpr(-1.0e30)   # finite: a block with every slot masked must not make exp(-inf + inf)
 
@@ -101,7 +103,9 @@ def _dot(a, b, IEEE: tl.constexpr):
 def _rope_attend(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, cos_ptr, sin_ptr, kc_ptr, vc_ptr, valid_ptr,
                  slot_ptr, o_ptr, pm_ptr, pacc_ptr, cnt_ptr, HQ, HKV, L, CH, S, scale, G: tl.constexpr,
                  GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BL: tl.constexpr, IEEE: tl.constexpr,
-                 ROPE: tl.constexpr, SPLIT: tl.constexpr, BY_KEYS: tl.constexpr):
+                 ROPE: tl.constexpr, SPLIT: tl.constexpr, BY_KEYS: tl.constexpr, TRIGGER: tl.constexpr):
+    if TRIGGER:                 # the o projection's GEMV may start now and wait (`gemv.pdl_enabled`)
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     j = tl.program_id(1)
     sp = tl.program_id(2)
@@ -242,7 +246,8 @@ def decode_attention(q, k, v, cos, sin, keys, values, slot, valid, scaling):
     _rope_attend[(B, Hkv, S)](q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
                               cos, sin, keys, values, valid.view(torch.uint8), slot, o, pm, pacc, cnt, Hq, Hkv, L,
                               CH, S, float(scaling), G=G, GP=GP, D=D, DP=DPP, BL=BL, IEEE=q.dtype == torch.float32,
-                              ROPE=one, SPLIT=S > 1, BY_KEYS=by_keys, num_warps=4, enable_fp_fusion=not one)
+                              ROPE=one, SPLIT=S > 1, BY_KEYS=by_keys, TRIGGER=pdl_enabled(q.device), num_warps=4,
+                              enable_fp_fusion=not one)
     return o
 
 

@@ -19,6 +19,13 @@ of squares first (one register pass over the row), then each tile normed as `nor
 it (the same roundings; only the sum's order may differ), so the q/k/v GEMV can take the layer's
 input norm and spare its launch (~1.8 us a layer at batch 1 on the H200). Opt-in (CMOE_QKV_NORM=1,
 `attention.FastDecode.normed`) until it is measured on a GPU.
+
+CMOE_PDL=1 (`pdl_enabled`, opt-in likewise): the GEMV is launched with Hopper's programmatic
+dependent launch, so it may start while the kernel ahead of it runs; it loads its first weight
+tile (which no kernel writes), waits in `griddepcontrol.wait` until that kernel has finished and
+its writes are visible, and only then reads x and writes y. The norm and attention kernels
+signal their dependents at their start. The w2 expert kernel gained ~1.9 us from the same trick
+(BENCHMARKS.md, thirteenth session).
 """
 
 from __future__ import annotations
@@ -39,30 +46,46 @@ def enabled() -> bool:
 
 @triton.jit
 def _gemv(x_ptr, sx, w_ptr, b_ptr, y_ptr, sy, nw_ptr, eps, M, N, K, HAS_B: tl.constexpr, BN: tl.constexpr,
-          BK: tl.constexpr, STAGES: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr):
+          BK: tl.constexpr, STAGES: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr):
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nm = n < N
     r = tl.arange(0, 16)
     rm = r < M
+    if PDL:         # launched before the kernel ahead ends: its first weights, then wait for x
+        k = tl.arange(0, BK)
+        w0 = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=nm[:, None] & (k < K)[None, :], other=0.0)
+        tl.extra.cuda.gdc_wait()
+    rstd = 0.0
     if NORM:        # one row's RMSNorm (weight at nw_ptr), as `norm._rms_row` computes it, on each x tile
         kk = tl.arange(0, KP)
         x0 = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x0 * x0, axis=0) / K + eps)
     acc = tl.zeros([BN, 16], tl.float32)
-    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+    k_first = 0
+    if PDL:
+        acc = tl.dot(w0, _x_tile(x_ptr, sx, nw_ptr, rstd, r, rm, tl.arange(0, BK), K, NORM), acc)
+        k_first = BK
+    for k0 in tl.range(k_first, K, BK, num_stages=STAGES):
         k = k0 + tl.arange(0, BK)
-        km = k < K
-        w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-        xt = tl.load(x_ptr + r[None, :] * sx + k[:, None], mask=rm[None, :] & km[:, None], other=0.0)
-        if NORM:
-            dt = x_ptr.dtype.element_ty
-            h = (xt.to(tl.float32) * rstd).to(dt)
-            nw = tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32)
-            xt = (nw[:, None] * h.to(tl.float32)).to(dt)
-        acc = tl.dot(w, xt, acc)
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=nm[:, None] & (k < K)[None, :], other=0.0)
+        acc = tl.dot(w, _x_tile(x_ptr, sx, nw_ptr, rstd, r, rm, k, K, NORM), acc)
     if HAS_B:
         acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[:, None]
     tl.store(y_ptr + r[None, :] * sy + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=nm[:, None] & rm[None, :])
+
+
+@triton.jit
+def _x_tile(x_ptr, sx, nw_ptr, rstd, r, rm, k, K, NORM: tl.constexpr):
+    """x's columns k as [BK, 16] (rows past M zero); with NORM, normed as `norm._rms_row` norms:
+    (x * rstd) rounded to x's dtype, times the norm's weight, rounded again."""
+    km = k < K
+    xt = tl.load(x_ptr + r[None, :] * sx + k[:, None], mask=rm[None, :] & km[:, None], other=0.0)
+    if NORM:
+        dt = x_ptr.dtype.element_ty
+        h = (xt.to(tl.float32) * rstd).to(dt)
+        nw = tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32)
+        xt = (nw[:, None] * h.to(tl.float32)).to(dt)
+    return xt
 
 
 def fits(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> bool:
@@ -84,10 +107,21 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, bn: in
     nw, eps = norm if norm is not None else (w, 0.0)
     if norm is not None and M != 1:
         raise ValueError("gemv: the norm is folded in for one row only")
+    pdl = pdl_enabled(x.device)
     _gemv[(triton.cdiv(N, bn),)](x, x.stride(0), w, b if b is not None else w, y, y.stride(0), nw, float(eps), M, N,
                                  K, HAS_B=b is not None, BN=bn, BK=bk, STAGES=stages, NORM=norm is not None,
-                                 KP=triton.next_power_of_2(K), num_warps=4)
+                                 KP=triton.next_power_of_2(K), PDL=pdl, launch_pdl=pdl, num_warps=4)
     return y
+
+
+def pdl_enabled(device) -> bool:
+    """CMOE_PDL=1 on a CUDA device of compute capability 9.0 or later (Hopper's programmatic
+    dependent launch): the GEMV is launched to start while the kernel ahead of it ends, loads its
+    first weights and waits (`griddepcontrol.wait`) before it reads x; the kernels that precede it
+    in a layer (`norm._rms_kernel`, the attention) signal it early (`triggers`). Not yet measured
+    on a GPU, so off by default; never under Triton's interpreter."""
+    return (os.environ.get("CMOE_PDL", "0") == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+            and torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def fits_norm(x: torch.Tensor, w: torch.Tensor, b, weight: torch.Tensor) -> bool:

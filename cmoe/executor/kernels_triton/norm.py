@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cmoe.executor.kernels_triton.gemv import pdl_enabled
+
 NORM_CLASSES = ("MixtralRMSNorm", "OlmoeRMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm", "DeepseekV2RMSNorm",
                 "DeepseekV3RMSNorm")
 
@@ -28,7 +30,9 @@ def _rms_row(x, dt, w_ptr, y_ptr, row, offs, keep, n, eps):
 
 
 @triton.jit
-def _rms_kernel(x_ptr, stride_x, w_ptr, y_ptr, n, eps, BLOCK: tl.constexpr):
+def _rms_kernel(x_ptr, stride_x, w_ptr, y_ptr, n, eps, BLOCK: tl.constexpr, TRIGGER: tl.constexpr):
+    if TRIGGER:                 # the GEMV after it may start now and wait (`gemv.pdl_enabled`)
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     keep = offs < n
@@ -44,7 +48,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     y = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
     _rms_kernel[(rows.shape[0],)](rows, rows.stride(0), weight, y, n, eps, BLOCK=triton.next_power_of_2(n),
-                                  num_warps=4 if n <= 4096 else 8)
+                                  TRIGGER=pdl_enabled(x.device), num_warps=4 if n <= 4096 else 8)
     return y.view(*x.shape[:-1], n)
 
 
