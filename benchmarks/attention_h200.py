@@ -47,12 +47,12 @@ def main() -> None:
                 row = {"B": B, "L": L, "keys": at + 1}
                 for name, flag in (("split", "1"), ("keys", "keys"), ("one", "0")):
                     os.environ["CMOE_ATTN_SPLIT"] = flag
-                    row[name + "_runs"] = splits(L)[0]
+                    row[name + "_programs"] = splits(L)[0]          # a head's programs (the grid's third axis)
                     row[name + "_us"] = graph_us([lambda c=c: decode_attention(q, k, v, cos, sin, c[0], c[1], slot, valid,
                                                                                D ** -0.5) for c in caches])
                 os.environ.pop("CMOE_ATTN_SPLIT")
                 res["rows"].append(row)
-                print(f"B={B} cache {L:5} keys {at + 1:5}: split ({row['split_runs']:2} runs) {row['split_us']:6.1f} us,"
+                print(f"B={B} cache {L:5} keys {at + 1:5}: split ({row['split_programs']:2} programs) {row['split_us']:6.1f} us,"
                       f" by keys {row['keys_us']:6.1f} us, one program a head {row['one_us']:6.1f} us", flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(a.out, json.dumps(res, indent=1))

@@ -159,3 +159,79 @@ def test_triton_decode_attention_equals_the_reference(dtype, one, split, monkeyp
         assert out.isfinite().all()
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         assert err < (1e-5 if dtype == torch.float32 else 3e-2), (B, Hq, Hkv, D, L, err)   # bf16: p rounds too
+
+
+def test_normed_runs_the_norm_first_where_it_cannot_fold(monkeypatch):
+    """`FastDecode.normed` off CUDA (and so in CI) is the module's forward on norm(x), whatever
+    CMOE_QKV_NORM says: the same output and the same cache as the two calls it stands for."""
+    monkeypatch.setenv("CMOE_QKV_NORM", "1")
+    model = _model("mixtral")
+    (fd,) = attention.install(model, "mixtral", cuda=False)
+    layer = model.model.layers[0]
+    assert not fd.folds(layer.input_layernorm)
+    B, n, H = 2, 4, model.config.hidden_size
+    gen = torch.Generator().manual_seed(2)
+    outs = []
+    for fold in (True, False):
+        kv = StaticKV(B, n + 1, torch.device("cpu"))
+        mask_in = torch.ones(B, n, dtype=torch.long)
+        pos = mask_in.cumsum(1) - 1
+        x = torch.randn(B, n, H, generator=gen)
+        gen.manual_seed(2)
+        with torch.no_grad():
+            pe = model.model.rotary_emb(x, pos)
+            layer.self_attn(hidden_states=x, position_embeddings=pe, attention_mask=kv.prefill(n, mask_in),
+                            past_key_values=kv)
+            kv.step()
+            xs = torch.randn(B, 1, H, generator=torch.Generator().manual_seed(3))
+            pe = model.model.rotary_emb(xs, pos[:, -1:] + 1)
+            if fold:
+                o = fd.normed(layer.input_layernorm, xs, pe, kv.decode_mask, kv)[0]
+            else:
+                o = layer.self_attn(hidden_states=layer.input_layernorm(xs), position_embeddings=pe,
+                                    attention_mask=kv.decode_mask, past_key_values=kv)[0]
+        outs.append((o, kv.keys[0].clone()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    attention.uninstall([fd])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("split", ["1", "keys"])
+def test_split_attention_replayed_in_a_graph(split, monkeypatch):
+    """The split attention captured once and replayed as the slot moves over a cache of 1000 keys
+    (16 programs a head of 64 keys; by keys, 1 to 8 runs of at least 128), the slot and mask
+    updated in place between replays as the lean engine updates them: each replay's output
+    agrees with one program a head (CMOE_ATTN_SPLIT=0) to bf16 rounding, and the counters are
+    back at zero after every replay."""
+    from cmoe.executor.kernels_triton.attention import _SCRATCH, decode_attention
+    monkeypatch.setenv("CMOE_ATTN_SPLIT", split)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    B, Hq, Hkv, D, L = 2, 8, 2, 128, 1000
+    qkv = torch.randn(B, (Hq + 2 * Hkv) * D, generator=gen, device="cuda").to(torch.bfloat16)
+    q, k, v = (t.reshape(B, -1, D) for t in qkv.split([Hq * D, Hkv * D, Hkv * D], -1))
+    cos, sin = (torch.randn(B, D, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+    keys = torch.randn(B, Hkv, L, D, generator=gen, device="cuda").to(torch.bfloat16)
+    values = torch.randn(B, Hkv, L, D, generator=gen, device="cuda").to(torch.bfloat16)
+    slot = torch.tensor([0], device="cuda")
+    valid = torch.zeros(B, L, dtype=torch.bool, device="cuda")
+
+    def at(s):
+        slot.fill_(s)
+        valid.zero_()
+        valid[:, :s + 1] = True
+    at(5)
+    decode_attention(q, k, v, cos, sin, keys, values, slot, valid, D ** -0.5)      # warm-up: the scratch
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = decode_attention(q, k, v, cos, sin, keys, values, slot, valid, D ** -0.5)
+    for s in (5, 127, 128, 300, 640, 999):
+        at(s)
+        g.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setenv("CMOE_ATTN_SPLIT", "0")
+        ref = decode_attention(q, k, v, cos, sin, keys.clone(), values.clone(), slot, valid, D ** -0.5)
+        monkeypatch.setenv("CMOE_ATTN_SPLIT", split)
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert err < 1e-2, (s, err)
+        assert all(int(c.abs().sum()) == 0 for _, _, c in _SCRATCH.values()), s

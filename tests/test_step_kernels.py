@@ -186,7 +186,7 @@ def test_gemv_is_the_projection(M, N, K, bias, monkeypatch):
     assert torch.equal(G.linear(x, w, b), F.linear(x, w, b))
     monkeypatch.delenv("CMOE_GEMV", raising=False)
     assert G.fits(x, w) == (DEV == "cuda")
-    assert torch.equal(G.linear(x, w, b), G.gemv(x, w, b) if DEV == "cuda" else F.linear(x, w, b))
+    assert torch.equal(G.linear(x, w, b), G.gemv(x, w, b, *G.config(N)) if DEV == "cuda" else F.linear(x, w, b))
 
 
 @pytest.mark.parametrize("N,K,bias", [(64, 512, False), (40, 300, True), (96, 4096, False)])

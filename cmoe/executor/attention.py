@@ -112,14 +112,22 @@ class FastDecode:
         norm (`Segments._moe_decoder`): with CMOE_QKV_NORM=1, on CUDA, for one decode row, the norm
         is folded into the q/k/v GEMV (`gemv.gemv(..., norm=)`), one launch fewer; else the norm
         runs first, as transformers' layer runs it."""
-        if (self.kernels is not None and self.gemv is not None and self.gemv.norm_enabled()
-                and self.applies(hidden_states, position_embeddings, attention_mask, past_key_values)):
+        if (self.folds(norm) and self.applies(hidden_states, position_embeddings, attention_mask, past_key_values)):
             x = hidden_states.reshape(hidden_states.shape[0], -1)
             if self.gemv.fits_norm(x, self.w, self.b, norm.weight):
                 qkv = self.gemv.gemv(x, self.w, self.b, *self.gemv.config(self.w.shape[0]),
                                      norm=(norm.weight, norm.variance_epsilon))
-                return self._attend(qkv, 1, position_embeddings, past_key_values)
+                return self._attend(qkv, x.shape[0], position_embeddings, past_key_values)
         return self(norm(hidden_states), position_embeddings, attention_mask, past_key_values, **kw)
+
+    def folds(self, norm) -> bool:
+        """Whether `normed` may fold `norm` into the q/k/v GEMV: on CUDA with the GEMV on (not
+        CMOE_GEMV=0) and CMOE_QKV_NORM=1, for the RMSNorm modules `norm.rms_norm` stands in for."""
+        if self.kernels is None or self.gemv is None:      # off CUDA: no Triton to import
+            return False
+        from cmoe.executor.kernels_triton.norm import NORM_CLASSES
+        return (self.gemv.enabled() and self.gemv.norm_enabled() and type(norm).__name__ in NORM_CLASSES
+                and hasattr(norm, "variance_epsilon"))
 
     def _attend(self, qkv, B, position_embeddings, kv):
         a, D, lin = self.a, self.D, self.linear

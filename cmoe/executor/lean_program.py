@@ -100,7 +100,9 @@ class Segments:
         from cmoe.executor.kernels_triton.norm import add_rms_norm
         layer, io = self.layers[d], self.io
         fd = layer.self_attn.__dict__.get("forward")       # `attention.FastDecode` where installed
-        if self._attn and hasattr(fd, "normed"):           # the input norm passed in: it may fold it in
+        if self._attn and hasattr(fd, "folds") and h.shape[0] == 1 and fd.folds(layer.input_layernorm):
+            # CMOE_QKV_NORM=1: the input norm folded into the q/k/v GEMV. Its module does not run, so
+            # its hooks do not fire: layer 0's (`_on_src0`) is read only by seg_pre, which runs it
             a, _ = fd.normed(layer.input_layernorm, h, self.t["pe"], io["mask"], self.kv, position_ids=io["pos"])
         else:
             a, _ = layer.self_attn(hidden_states=layer.input_layernorm(h), attention_mask=io["mask"],

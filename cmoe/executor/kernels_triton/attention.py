@@ -190,7 +190,9 @@ def _combine(m_i, l_i, acc, pm_ptr, pacc_ptr, cnt_ptr, o_ptr, rows, bj, sp, runs
     """Run sp of head bj stores its softmax state (running max, sum, unnormalised output); the
     last of the head's `runs` programs to finish (a counter, reset by it for the next launch)
     merges the states in order s = 0..runs-1 and stores the output. A run with no keys left holds
-    the max _NEG and a zero sum, so its weight in the merge is exp(_NEG - max) = 0."""
+    the max _NEG and a zero sum, and one whose keys are all invalid the max _NEG and a sum of
+    their exp(0) terms; either way its weight in the merge is exp(_NEG - max) = 0, since the run
+    that holds the slot (always valid) has a real max."""
     at = (bj * S + sp).to(tl.int64)
     tl.store(pm_ptr + (at * 2) * GP + g, m_i)
     tl.store(pm_ptr + (at * 2 + 1) * GP + g, l_i)
@@ -275,8 +277,9 @@ _SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 def _scratch(device, BH: int, S: int, GP: int, DP: int):
     """The split attention's softmax states (max and sum [BH, S, 2, GP], outputs [BH, S, GP, DP],
     fp32) and its zeroed counters [BH], one set per shape and device, shared by every layer: their
-    launches are ordered on one stream and each leaves the counters at zero. Made at the first
-    (warm-up) call, outside any graph capture."""
+    launches are ordered on one stream and each leaves the counters at zero. Two launches of one
+    shape running at once (two streams, two engines overlapping) are not supported: they would
+    share the counters. Made at the first (warm-up) call, outside any graph capture."""
     key = (torch.device(device), BH, S, GP, DP)
     if key not in _SCRATCH:
         if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
