@@ -5,6 +5,7 @@ calibrated in that same GPU run, and `cmoe validate` holds it against each measu
 Prints a Markdown table and writes `summary.json` beside the input:
 
     python benchmarks/validate_table.py OUT/v [--out benchmarks/results/validate-h200.json] [--profile P.json]
+        [--host-adjust] [--link-adjust] [--against OTHER_SESSION/profile.json]
 
 Errors are relative to the measurement; with two measured runs (`--repeat`), the error is taken
 against their mean and the runs' own spread is shown beside it: where the spread is as large as
@@ -27,7 +28,7 @@ from cmoe.pipeline import host_ratio, host_speed, predict  # noqa: E402
 from cmoe.core.spec import preset  # noqa: E402
 from cmoe.trace.load import load_trace  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
-from cmoe.analysis.validate import against_repeats, link_ratio, read_run, validate  # noqa: E402
+from cmoe.analysis.validate import against_repeats, calibrations_agree, link_ratio, read_run, validate  # noqa: E402
 
 
 def main() -> None:
@@ -45,9 +46,13 @@ def main() -> None:
     ap.add_argument("--link-adjust", action="store_true",
                     help="also predict each policy's run with the profile's link scaled to the rate its loads moved at "
                     "(`cmoe.analysis.validate.link_ratio`, the mean over its runs): how much of an error the link's drift explains")
+    ap.add_argument("--against", type=Path, default=None,
+                    help="also predict each configuration with this profile (another session's calibration) and "
+                    "count the rows the two predict within 2%% of each other (issue 15's second condition)")
     a = ap.parse_args()
     res = json.loads((a.folder / "results.json").read_text())
     prof = load_profile(str(a.profile or a.folder / "profile.json"))
+    other = load_profile(str(a.against)) if a.against else None
     spec = preset(res["spec"])
     rows = []
     for c in res["configs"]:
@@ -81,6 +86,14 @@ def main() -> None:
             predict(w, SimpleNamespace(policies=[p], pool_gb=pool, batch=b, slots=None, tokens=res["tokens"],
                                         include_prefill=True), prof.link_scaled(sum(ks) / len(ks)), pred3)
             linked[p] = against_repeats([[validate(read_run(pred3, p), ms[i])] for ms in measured])[0]
+        others = {}
+        if other is not None:
+            pred5 = a.work / here.name / "predicted-other"
+            shutil.rmtree(pred5, ignore_errors=True)
+            predict(w, SimpleNamespace(policies=pols, pool_gb=pool, batch=b, slots=None, tokens=res["tokens"],
+                                        include_prefill=True), other, pred5)
+            others = {r["policy"]: r for r in against_repeats([[validate(read_run(pred5, p), m)
+                                                                 for p, m in zip(pols, ms)] for ms in measured])}
         for i, agg in enumerate(against_repeats(runs)):
             vs = [r[i] for r in runs]
             tpot_m = [v["per_token"]["meas_mean_us"] / 1e3 for v in vs]
@@ -97,12 +110,17 @@ def main() -> None:
                         | ({"host_adjusted_tok_s": adjusted[agg["policy"]]["predicted"],
                             "host_adjusted_error": adjusted[agg["policy"]]["error"]} if adjusted else {})
                         | ({"link_adjusted_tok_s": linked[agg["policy"]]["predicted"],
-                            "link_adjusted_error": linked[agg["policy"]]["error"]} if agg["policy"] in linked else {}))
+                            "link_adjusted_error": linked[agg["policy"]]["error"]} if agg["policy"] in linked else {})
+                        | ({"other_profile_tok_s": others[agg["policy"]]["predicted"]} if others else {}))
     summary = {k: res[k] for k in ("date", "card", "torch", "commit", "spec", "tokens")} | {
-        "profile": prof.name, "rows": rows}
+        "profile": prof.name, "rows": rows} | ({"other_profile": str(a.against)} if other else {})
     write_text_atomic(a.out or a.folder / "summary.json", json.dumps(summary, indent=1))
     print(table(rows))
     print(counts(rows))
+    if other is not None:
+        n, beyond = calibrations_agree(rows)
+        print(f"the two calibrations predict {n} of {len(rows)} within 2% of each other; beyond: "
+              + ("; ".join(f"pool {p:g} batch {b} {pol} {d * 100:+.1f}%" for p, b, pol, d in beyond) or "none"))
 
 
 def counts(rows: list[dict]) -> str:

@@ -223,3 +223,17 @@ def test_host_speed_reads_the_policies_whose_host_step_calibrate_times():
     assert host_speed(runs, prof, 1) == [1.5, 0.5, 1.2]
     assert host_speed(runs, prof, 8) == [0.75, 0.25, 0.6]
     assert host_speed(runs, replace(H200, host_layer_points=(), host_layer_us=0.0), 1) == []
+
+
+def test_calibrations_agree_counts_rows_within_two_percent_and_lists_the_rest():
+    from cmoe.analysis.validate import calibrations_agree
+    rows = [{"pool_gb": 16.0, "batch": 1, "policy": "upper", "predicted_tok_s": 100.0, "other_profile_tok_s": 101.9},
+            {"pool_gb": 26.0, "batch": 1, "policy": "oracle", "predicted_tok_s": 200.0, "other_profile_tok_s": 184.0},
+            {"pool_gb": 26.0, "batch": 2, "policy": "ondemand", "predicted_tok_s": 50.0, "other_profile_tok_s": 51.5},
+            {"pool_gb": 20.0, "batch": 4, "policy": "commit", "predicted_tok_s": 40.0, "other_profile_tok_s": 39.2},
+            {"pool_gb": 20.0, "batch": 8, "policy": "commit", "predicted_tok_s": 40.0}]       # no second prediction
+    n, beyond = calibrations_agree(rows)
+    assert n == 2
+    assert [(p, b, pol) for p, b, pol, _ in beyond] == [(26.0, 1, "oracle"), (26.0, 2, "ondemand")]
+    assert [round(d, 6) for *_, d in beyond] == [-0.08, 0.03]
+    assert calibrations_agree(rows, tol=0.1) == (4, [])

@@ -265,3 +265,14 @@ def format_repeats(rows: list[dict]) -> str:
         lines.append(f"{r['policy']:<14} {r['predicted']:10.1f} {meas:>22} {r['error'] * 100:+7.1f}% "
                      f"{r['spread'] * 100:6.1f}%")
     return "\n".join(lines)
+
+
+def calibrations_agree(rows: list[dict], key: str = "other_profile_tok_s", tol: float = 0.02) -> tuple[int, list]:
+    """Issue 15's second condition, over a validation table's rows that carry a second
+    calibration's prediction under `key` beside their own (`predicted_tok_s`): how many the two
+    predict within `tol` of each other (relative to the first), and every row beyond it as
+    (pool, batch, policy, relative difference), largest first."""
+    diffs = [(r["pool_gb"], r["batch"], r["policy"], r[key] / r["predicted_tok_s"] - 1)
+             for r in rows if key in r and r["predicted_tok_s"] > 0]
+    beyond = sorted((d for d in diffs if abs(d[3]) > tol), key=lambda d: -abs(d[3]))
+    return len(diffs) - len(beyond), beyond
