@@ -128,8 +128,9 @@ def _rope_attend(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, cos_ptr, sin
         qm = (g < G)[:, None] & dm[None, :]
         q = _query(q_ptr + b * sqb + (j * G + g)[:, None] * sqh, qm, k_ptr, skb, skh, v_ptr, svb, svh, cos_ptr,
                    sin_ptr, kc_ptr, vc_ptr, b, j, slot, (slot >= lo) & (slot < lo + ch), HKV, L, d, dm, D, ROPE)
-        m_i, l_i, acc = _walk(q, kc_ptr + (b * HKV + j).to(tl.int64) * L * D, vc_ptr + (b * HKV + j).to(tl.int64) * L * D,
-                              valid_ptr + b * L, lo, hi, scale, d, dm, GP, D, DP, BL, IEEE)
+        head = (b * HKV + j).to(tl.int64) * L * D     # this head's cache
+        m_i, l_i, acc = _walk(q, kc_ptr + head, vc_ptr + head, valid_ptr + b * L, lo, hi, scale, d, dm, GP, D, DP,
+                              BL, IEEE)
         rows = (b * HQ + j * G + g).to(tl.int64)
         if SPLIT:
             if runs == 1:

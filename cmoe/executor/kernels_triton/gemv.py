@@ -118,8 +118,8 @@ def pdl_enabled(device) -> bool:
     """CMOE_PDL=1 on a CUDA device of compute capability 9.0 or later (Hopper's programmatic
     dependent launch): the GEMV is launched to start while the kernel ahead of it ends, loads its
     first weights and waits (`griddepcontrol.wait`) before it reads x; the kernels that precede it
-    in a layer (`norm._rms_kernel`, `attention._rope_attend`) signal it early (their TRIGGER). Not yet measured
-    on a GPU, so off by default; never under Triton's interpreter."""
+    in a layer (`norm._rms_kernel`, `attention._rope_attend`) signal it early (their TRIGGER). Not
+    yet measured on a GPU, so off by default; never under Triton's interpreter."""
     return (os.environ.get("CMOE_PDL", "0") == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1"
             and torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
 
