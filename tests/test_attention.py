@@ -149,8 +149,8 @@ def test_triton_decode_attention_equals_the_reference(dtype, one, split, monkeyp
         ref = attention.attend(attention.rope_write(q, k, v, cos, sin, k1, v1, slot), k1, v1, valid, D ** -0.5)
         out = decode_attention(q, k, v, cos, sin, k2, v2, slot, valid, D ** -0.5)
         assert torch.equal(decode_attention(q, k, v, cos, sin, k2, v2, slot, valid, D ** -0.5), out)
-        from cmoe.executor.kernels_triton.attention import _SCRATCH
-        assert all(int(cnt.abs().sum()) == 0 for _, _, cnt in _SCRATCH.values())
+        from cmoe.executor.kernels_triton import scratch
+        assert all(int(cnt.abs().sum()) == 0 for cnt in scratch.counters("decode_attention"))
         assert torch.equal(v1.nan_to_num(), v2.nan_to_num())
         if dev == "cuda" or dtype == torch.float32:       # the interpreter rounds bf16 its own way
             assert torch.equal(k1.nan_to_num(), k2.nan_to_num())
@@ -204,7 +204,8 @@ def test_split_attention_replayed_in_a_graph(split, monkeypatch):
     updated in place between replays as the lean engine updates them: each replay's output
     agrees with one program a head (CMOE_ATTN_SPLIT=0) to bf16 rounding, and the counters are
     back at zero after every replay."""
-    from cmoe.executor.kernels_triton.attention import _SCRATCH, decode_attention
+    from cmoe.executor.kernels_triton import scratch
+    from cmoe.executor.kernels_triton.attention import decode_attention
     monkeypatch.setenv("CMOE_ATTN_SPLIT", split)
     gen = torch.Generator(device="cuda").manual_seed(4)
     B, Hq, Hkv, D, L = 2, 8, 2, 128, 1000
@@ -234,4 +235,4 @@ def test_split_attention_replayed_in_a_graph(split, monkeypatch):
         monkeypatch.setenv("CMOE_ATTN_SPLIT", split)
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         assert err < 1e-2, (s, err)
-        assert all(int(c.abs().sum()) == 0 for _, _, c in _SCRATCH.values()), s
+        assert all(int(c.abs().sum()) == 0 for c in scratch.counters("decode_attention")), s

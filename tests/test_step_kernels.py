@@ -66,10 +66,10 @@ def test_route_mm_topk_is_the_router_matmul_then_route_topk(E, k, norm, H):
     g = torch.Generator().manual_seed(E + H)
     x = torch.randn(5, H, generator=g).to(DEV, dt)
     W = (torch.randn(E, H, generator=g) * 0.05).to(DEV, dt)
-    from cmoe.executor.kernels_triton.steps import _SCRATCH
+    from cmoe.executor.kernels_triton import scratch
     lg, w, idx = route_mm_topk(x, W, k, norm, torch.float32)
     assert lg.dtype == dt and w.dtype == torch.float32 and idx.dtype == torch.int64
-    assert all(not cnt.any() for _, cnt in _SCRATCH.values())          # the last programs reset them
+    assert all(not cnt.any() for cnt in scratch.counters("route_mm_topk"))   # the last programs reset them
     ref = x.double() @ W.double().T
     err = 1e-6 * (x.double().abs() @ W.double().abs().T)                 # the fp32 sum's own error
     if dt == torch.bfloat16:                                             # and one rounding to bf16

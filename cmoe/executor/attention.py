@@ -90,8 +90,12 @@ class FastDecode:
         clip = getattr(attn.config, "clip_qkv", None)
         self.clip = float(clip) if clip is not None else None
         self.kernels = None
-        self.linear = F.linear                      # on CUDA `gemv.linear` (decode rows; CMOE_GEMV=0: cuBLAS)
-        self.gemv = None                            # on CUDA the module `kernels_triton.gemv` (`normed`)
+        self.gemv = None                            # on CUDA the module `kernels_triton.gemv`
+
+    @property
+    def linear(self):
+        """The projections: on CUDA `gemv.linear` (decode rows; CMOE_GEMV=0: cuBLAS), else F.linear."""
+        return self.gemv.linear if self.gemv is not None else F.linear
 
     def applies(self, h, position_embeddings, attention_mask, past_key_values) -> bool:
         from cmoe.executor.kv import StaticKV
@@ -157,17 +161,16 @@ def install(model, family: str, cuda: bool) -> list:
         return []
     if getattr(model.config, "partial_rotary_factor", 1.0) not in (None, 1.0):
         return []                                   # the kernel rotates the whole head
-    kernels, linear, gemv = None, F.linear, None
+    kernels, gemv = None, None
     if cuda:
         from cmoe.executor.kernels_triton import attention as kernels
         from cmoe.executor.kernels_triton import gemv
-        linear = gemv.linear
     done = []
     for layer in model.model.layers:
         fd = getattr(layer.self_attn, "_cmoe_fast", None)     # an earlier engine's, on the same model
         if fd is None:
             fd = layer.self_attn._cmoe_fast = FastDecode(layer.self_attn, FAMILIES[family])
-        fd.kernels, fd.linear, fd.gemv = kernels, linear, gemv
+        fd.kernels, fd.gemv = kernels, gemv
         layer.self_attn.forward = fd
         done.append(fd)
     return done

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cmoe.executor.kernels_triton import scratch
 from cmoe.executor.kernels_triton.gemv import pdl_enabled
 
 _INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
@@ -245,7 +246,9 @@ def decode_attention(q, k, v, cos, sin, keys, values, slot, valid, scaling):
     by_keys = S > 1 and os.environ.get("CMOE_ATTN_SPLIT", "1") == "keys"
     pm = pacc = cnt = o                  # unused without splits
     if S > 1:
-        pm, pacc, cnt = _scratch(q.device, B * Hkv, S, GP, DPP)
+        # the runs' softmax states: max and sum [B * Hkv, S, 2, GP], outputs [B * Hkv, S, GP, DPP]
+        pm, pacc, cnt = scratch.counted("decode_attention", q.device, (B * Hkv * S * 2 * GP, B * Hkv * S * GP * DPP),
+                                        B * Hkv)
     _rope_attend[(B, Hkv, S)](q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
                               cos, sin, keys, values, valid.view(torch.uint8), slot, o, pm, pacc, cnt, Hq, Hkv, L,
                               CH, S, float(scaling), G=G, GP=GP, D=D, DP=DPP, BL=BL, IEEE=q.dtype == torch.float32,
@@ -270,23 +273,3 @@ def splits(L: int, env=None) -> tuple[int, int]:
         return 1, L
     ch = BL * triton.cdiv(triton.cdiv(L, MAX_SPLITS), BL)
     return triton.cdiv(L, ch), ch
-
-
-_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-
-def _scratch(device, BH: int, S: int, GP: int, DP: int):
-    """The split attention's softmax states (max and sum [BH, S, 2, GP], outputs [BH, S, GP, DP],
-    fp32) and its zeroed counters [BH], one set per shape and device, shared by every layer: their
-    launches are ordered on one stream and each leaves the counters at zero. Two launches of one
-    shape running at once (two streams, two engines overlapping) are not supported: they would
-    share the counters. Made at the first (warm-up) call, outside any graph capture."""
-    key = (torch.device(device), BH, S, GP, DP)
-    if key not in _SCRATCH:
-        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # zeros made in a capture would exist only in its replays
-            raise RuntimeError("decode_attention: call it once outside the CUDA graph capture first (a warm-up)")
-        _SCRATCH[key] = (torch.empty(BH * S * 2 * GP, dtype=torch.float32, device=device),
-                         torch.empty(BH * S * GP * DP, dtype=torch.float32, device=device),
-                         torch.zeros(BH, dtype=torch.int32, device=device))
-    return _SCRATCH[key]

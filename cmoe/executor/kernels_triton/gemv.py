@@ -115,13 +115,17 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, bn: in
 
 
 def pdl_enabled(device) -> bool:
-    """CMOE_PDL=1 on a CUDA device of compute capability 9.0 or later (Hopper's programmatic
-    dependent launch): the GEMV is launched to start while the kernel ahead of it ends, loads its
-    first weights and waits (`griddepcontrol.wait`) before it reads x; the kernels that precede it
-    in a layer (`norm._rms_kernel`, `attention._rope_attend`) signal it early (their TRIGGER). Not
-    yet measured on a GPU, so off by default; never under Triton's interpreter."""
-    return (os.environ.get("CMOE_PDL", "0") == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1"
-            and torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
+    """CMOE_PDL=1 where the CUDA expert kernels' dependent launch works (`kernels_cuda.moe.pdl_ok`:
+    sm_90+ and cuLaunchKernelEx, checked once a device). The GEMV is then launched to start while
+    the kernel ahead of it ends, loads its first weights and waits (`griddepcontrol.wait`) before
+    it reads x; the kernels that precede it in a layer (`norm._rms_kernel`,
+    `attention._rope_attend`) signal it early (their TRIGGER). Not yet measured on a GPU, so off
+    by default; never under Triton's interpreter."""
+    if os.environ.get("CMOE_PDL", "0") != "1" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    device = torch.device(device)
+    from cmoe.executor.kernels_cuda.moe import pdl_ok          # the check the CUDA expert kernels use
+    return device.type == "cuda" and pdl_ok(device.index or 0)
 
 
 def fits_norm(x: torch.Tensor, w: torch.Tensor, b, weight: torch.Tensor) -> bool:

@@ -32,6 +32,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from cmoe.executor.kernels_triton import scratch
+
 _INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
@@ -127,22 +129,6 @@ def route_topk(logits: torch.Tensor, k: int, renorm: bool, out_dtype) -> tuple[t
 # rows up to which the routers' matmul is `_route_mm_topk`: decode batches; longer passes (prefill)
 # keep torch's GEMM
 ROUTE_MM_MAX_ROWS = 16
-_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _scratch(device, N: int, S: int, EP: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The parts [N, S, EP] fp32 and the zeroed counters [N] of `_route_mm_topk`, one pair per
-    shape and device, shared by every router: their launches are ordered on one stream (two streams
-    at once would share the counters) and each leaves the counters at zero. Made at the first
-    (warm-up) call, outside any graph capture."""
-    key = (torch.device(device), N, S, EP)
-    if key not in _SCRATCH:
-        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # zeros made in a capture would exist only in its replays
-            raise RuntimeError("route_mm_topk: call it once outside the CUDA graph capture first (a warm-up)")
-        _SCRATCH[key] = (torch.empty((N, S, EP), dtype=torch.float32, device=device),
-                         torch.zeros(N, dtype=torch.int32, device=device))
-    return _SCRATCH[key]
 
 
 def route_mm_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renorm: bool, out_dtype):
@@ -158,7 +144,7 @@ def route_mm_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renorm: bool, o
     EP = triton.next_power_of_2(E)
     HB = min(triton.next_power_of_2(Hd), max(16, 2048 // EP))
     S = triton.cdiv(Hd, HB)
-    part, cnt = _scratch(x.device, N, S, EP)
+    part, cnt = scratch.counted("route_mm_topk", x.device, (N * S * EP,), N)
     lg = torch.empty((N, E), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     w = torch.empty((N, k), dtype=out_dtype, device=x.device)
     idx = torch.empty((N, k), dtype=torch.int64, device=x.device)
