@@ -34,12 +34,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from executor_h200 import h2d_gbps, hbm_gbps  # noqa: E402
+from executor_h200 import h2d_gbps, hbm_gbps, upper_floor_ms  # noqa: E402
 
-from cmoe.executor.run import ExecConfig, budget_recipe, build, prepare, run_policy  # noqa: E402
+from cmoe.executor.run import ExecConfig, build, prepare, run_policy  # noqa: E402
 from cmoe.policy.policies import POLICIES  # noqa: E402
-from cmoe.core.quant import non_expert_bytes  # noqa: E402
-from cmoe.core.timeline import STEP, STREAM, OP, START, END, BYTES, write_parquet  # noqa: E402
+from cmoe.core.timeline import STEP, STREAM, OP, START, END, write_parquet  # noqa: E402
 
 HOST_WORK = ("host_attention", "host_route", "host_expert", "host_predict")
 
@@ -144,17 +143,13 @@ def decode_stats(r, spec, hbm: float, load_s: float) -> dict:
     dec = {p for p, d, _, _ in log.pass_us if d}
     n = max(len(dec), 1)
     M = spec.num_moe_layers
-    ne = non_expert_bytes(spec, budget_recipe("w4g128"))
-    # the embedding table is read one row a token (~0); the LM head whole, and with tied embeddings
-    # they are one matrix (before 2026-12-03 the head was left out: the floors were ~0.06 ms low)
-    resident = sum(ne.values()) - (0 if spec.tie_embeddings else ne["embeddings"] // 2)
-    expert_bytes = sum(s[BYTES] for s in log.spans if s[OP] == "expert" and s[STEP] in dec) / n
     host = [s for s in log.spans if s[STREAM] == "host" and s[STEP] in dec]
     work = sum(s[END] - s[START] for s in host if s[OP] in HOST_WORK) / n / M
     sync = sum(s[END] - s[START] for s in host if s[OP] == "host_sync") / n / M
     loads = sum(1 for s in log.spans if s[OP] == "load" and s[STEP] in dec) / n
     pass_ms = [us / 1e3 for p, d, _, us in log.pass_us if d]
-    floor = (resident + expert_bytes) / (hbm * 1e9) * 1e3
+    # the LM head counts (before 2026-12-03 it was left out here: the floors were ~0.06 ms low)
+    floor = upper_floor_ms(r, spec, hbm)
     return {"pass_ms_mean": float(np.mean(pass_ms)), "pass_ms_median": float(np.median(pass_ms)),
             "hbm_floor_ms": floor, "link_limit_ms": loads * load_s * 1e3, "loads_per_pass": loads,
             "host_work_us_per_layer": work, "host_sync_us_per_layer": sync,
@@ -287,17 +282,11 @@ def main() -> None:
                 res.setdefault("kernel_profile", {})[str(batch)] = kernel_profile(w, cfg)
                 (a.out / "results.json").write_text(json.dumps(res, indent=1))
             if engine == "lean" and a.norm_ablation:
-                os.environ["CMOE_FUSED_NORM"] = "0"
-                one(engine, w, cfg, "upper", tag="transformers RMSNorm")
-                os.environ["CMOE_FUSED_NORM"] = "1"
+                under_env("CMOE_FUSED_NORM", "0", lambda: one(engine, w, cfg, "upper", tag="transformers RMSNorm"))
             if engine == "lean" and a.attn_ablation:
-                os.environ["CMOE_FAST_ATTN"] = "0"
-                one(engine, w, cfg, "upper", tag="transformers attention")
-                os.environ["CMOE_FAST_ATTN"] = "1"
+                under_env("CMOE_FAST_ATTN", "0", lambda: one(engine, w, cfg, "upper", tag="transformers attention"))
             if engine == "lean" and a.steps_ablation:
-                os.environ["CMOE_FUSED_STEPS"] = "0"
-                one(engine, w, cfg, "upper", tag="torch router and residual")
-                os.environ["CMOE_FUSED_STEPS"] = "1"
+                under_env("CMOE_FUSED_STEPS", "0", lambda: one(engine, w, cfg, "upper", tag="torch router and residual"))
             reps = a.repeats if engine == "lean" else 1
             tok = a.tokens if engine == "lean" else min(a.tokens, a.hf_tokens)
             for i in range(reps):
@@ -317,9 +306,8 @@ def main() -> None:
                     w2, cfg2 = workload(engine, batch, pool, [p])
                     ptok = min(tok, a.policy_tokens) if a.policy_tokens else tok
                     if a.wave_ablation and engine == "lean":
-                        os.environ["CMOE_WAVE_GRAPHS"] = "0"
-                        one(engine, w2, replace(cfg2, tokens=ptok), p, tag="eager waves")
-                        os.environ["CMOE_WAVE_GRAPHS"] = "1"
+                        under_env("CMOE_WAVE_GRAPHS", "0",
+                                  lambda: one(engine, w2, replace(cfg2, tokens=ptok), p, tag="eager waves"))
                     if engine == "lean":
                         ablations(a, lambda t: one(engine, w2, replace(cfg2, tokens=ptok), p, tag=t))
                     r = one(engine, w2, replace(cfg2, tokens=ptok), p)

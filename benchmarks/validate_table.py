@@ -60,11 +60,14 @@ def main() -> None:
         here = a.folder / f"pool{pool:g}-b{b}"
         pols = list(c["policies"])
         w = SimpleNamespace(trace=load_trace(f"synthetic:{res['spec']}", None, b), spec=spec, fmt="w4g128")
+
+        def run_sim(policies, profile, folder, pool=pool, b=b, w=w):     # the simulator, this configuration
+            predict(w, SimpleNamespace(policies=policies, pool_gb=pool, batch=b, slots=None, tokens=res["tokens"],
+                                       include_prefill=True), profile, folder)
         pred = a.work / here.name / "predicted"
-        for old in (pred, pred.with_name("predicted-host"), pred.with_name("predicted-link")):  # scratch from before
-            shutil.rmtree(old, ignore_errors=True)
-        predict(w, SimpleNamespace(policies=pols, pool_gb=pool, batch=b, slots=None, tokens=res["tokens"],
-                                    include_prefill=True), prof, pred)
+        for old in ("predicted", "predicted-host", "predicted-link", "predicted-other"):  # scratch from before
+            shutil.rmtree(pred.with_name(old), ignore_errors=True)
+        run_sim(pols, prof, pred)
         # each measured run read once, held against the prediction (and under --host-adjust the second)
         measured = [[read_run(here / x, p) for p in pols] for x in ("measured", "measured-2") if (here / x).is_dir()]
         runs = [[validate(read_run(pred, p), m) for p, m in zip(pols, ms)] for ms in measured]
@@ -73,8 +76,7 @@ def main() -> None:
         adjusted = {}
         if a.host_adjust and speed:
             pred2 = a.work / here.name / "predicted-host"
-            predict(w, SimpleNamespace(policies=pols, pool_gb=pool, batch=b, slots=None, tokens=res["tokens"],
-                                        include_prefill=True), prof.host_scaled(speed), pred2)
+            run_sim(pols, prof.host_scaled(speed), pred2)
             adj = [[validate(read_run(pred2, p), m) for p, m in zip(pols, ms)] for ms in measured]
             adjusted = {r["policy"]: r for r in against_repeats(adj)}
         linked = {}
@@ -83,15 +85,12 @@ def main() -> None:
             if not ks:
                 continue
             pred3 = a.work / here.name / "predicted-link" / p
-            predict(w, SimpleNamespace(policies=[p], pool_gb=pool, batch=b, slots=None, tokens=res["tokens"],
-                                        include_prefill=True), prof.link_scaled(sum(ks) / len(ks)), pred3)
+            run_sim([p], prof.link_scaled(sum(ks) / len(ks)), pred3)
             linked[p] = against_repeats([[validate(read_run(pred3, p), ms[i])] for ms in measured])[0]
         others = {}
         if other is not None:
             pred5 = a.work / here.name / "predicted-other"
-            shutil.rmtree(pred5, ignore_errors=True)
-            predict(w, SimpleNamespace(policies=pols, pool_gb=pool, batch=b, slots=None, tokens=res["tokens"],
-                                        include_prefill=True), other, pred5)
+            run_sim(pols, other, pred5)
             others = {r["policy"]: r for r in against_repeats([[validate(read_run(pred5, p), m)
                                                                  for p, m in zip(pols, ms)] for ms in measured])}
         for i, agg in enumerate(against_repeats(runs)):
