@@ -59,6 +59,10 @@ class Segments:
         self._attn = attention.install(model, family, self.cuda)
         self._lean_layer = self.cuda and family in attention.FAMILIES \
             and os.environ.get("CMOE_LEAN_LAYER", "1") != "0"
+        self._fold_norm = False                            # CMOE_QKV_NORM=1: `_moe_decoder` folds the input norm
+        if self._lean_layer and self._attn:
+            from cmoe.executor.kernels_triton import gemv
+            self._fold_norm = gemv.enabled() and gemv.norm_enabled()
         self._steps = self.cuda and os.environ.get("CMOE_FUSED_STEPS", "1") != "0"
         if self._steps:
             from cmoe.executor.kernels_triton.steps import fuse_routers
@@ -100,9 +104,10 @@ class Segments:
         from cmoe.executor.kernels_triton.norm import add_rms_norm
         layer, io = self.layers[d], self.io
         fd = layer.self_attn.__dict__.get("forward")       # `attention.FastDecode` where installed
-        if self._attn and hasattr(fd, "folds") and h.shape[0] == 1 and fd.folds(layer.input_layernorm):
-            # CMOE_QKV_NORM=1: the input norm folded into the q/k/v GEMV. Its module does not run, so
-            # its hooks do not fire: layer 0's (`_on_src0`) is read only by seg_pre, which runs it
+        if self._fold_norm and h.shape[0] == 1 and hasattr(fd, "normed"):
+            # CMOE_QKV_NORM=1: the input norm folded into the q/k/v GEMV where `normed` can. Its module
+            # then does not run, so its hooks do not fire: layer 0's (`_on_src0`) is read only by
+            # seg_pre, which runs it
             a, _ = fd.normed(layer.input_layernorm, h, self.t["pe"], io["mask"], self.kv, position_ids=io["pos"])
         else:
             a, _ = layer.self_attn(hidden_states=layer.input_layernorm(h), attention_mask=io["mask"],
