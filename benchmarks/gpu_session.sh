@@ -89,13 +89,13 @@ case "${1:-}" in
            upper 200 140 --env-ablation "${ABL:-CMOE_ROUTE_MM=0,CMOE_LEAN_LAYER=0}"
            timeout 100 python3 benchmarks/lean_h200.py --out "$OUT/kp" --tokens 64 --batches 1 --pools 20 \
              --engines lean --policies "" --repeats 0 --kernel-profile --budget-s 80 2>&1 | grep -E "^ |^---" || true ;;
-  attn) timeout 120 python3 -m pytest -q tests/test_attention.py tests/test_step_kernels.py -p no:cacheprovider 2>&1 | tail -2
-        timeout 140 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider 2>&1 | tail -3
+  attn) timeout 120 python3 -m pytest -q tests/test_attention.py tests/test_step_kernels.py -p no:cacheprovider 2>&1 | tail -2 || true
+        timeout 140 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider 2>&1 | tail -3 || true
         timeout 60 python3 benchmarks/attention_h200.py --out "$OUT/attention.json" 2>&1 | grep -v Warning || true
         upper 250 200 --env-ablation "${ABL:-CMOE_ATTN_SPLIT=0,CMOE_ATTN_SPLIT=keys,CMOE_QKV_NORM=1,CMOE_PDL=1}" ;;
   gemv) timeout 60 python3 benchmarks/gemv_h200.py --out "$OUT/gemv.json" 2>&1 | grep -v Warning || true
-        timeout 30 python3 -m pytest -q tests/test_step_kernels.py -k gemv -p no:cacheprovider 2>&1 | tail -2
-        CMOE_GEMV=0 timeout 120 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider 2>&1 | tail -3
+        timeout 30 python3 -m pytest -q tests/test_step_kernels.py -k gemv -p no:cacheprovider 2>&1 | tail -2 || true
+        CMOE_GEMV=0 timeout 120 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider 2>&1 | tail -3 || true
         upper 150 100 --env-ablation CMOE_GEMV=0 ;;
   ncu-variants) N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1); mkdir -p /tmp/ncuv
        timeout 300 "$N" --clock-control none --set full -k 'regex:_expert_mm|_gate_up|moe_mma' -f -o /tmp/ncuv/v \
@@ -125,5 +125,5 @@ case "${1:-}" in
                 | grep -E "^lean|host phases|Error|error" > "$OUT/host-ab/$t$i.log") || true
            done; done
            grep -h "^lean" "$OUT"/host-ab/*.log | cut -c1-150 || true ;;
-  *) echo "usage: $0 check|fuse-ab|gemv|tests|host-tests|wait|ncu|variants|kernel-ab|ncu-variants|gptq|b1|b48|cpu48|validate|validate-r BATCHES|host-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 check|fuse-ab|gemv|attn|tests|host-tests|wait|ncu|variants|kernel-ab|ncu-variants|gptq|b1|b48|cpu48|validate|validate-r BATCHES|host-ab" >&2; exit 2 ;;
 esac
