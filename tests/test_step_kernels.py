@@ -209,10 +209,18 @@ def test_gemv_with_the_norm_folded_in_is_the_norm_then_the_projection(N, K, bias
     xd = x.double()
     ref = (nw.double() * xd * torch.rsqrt((xd * xd).mean(-1, keepdim=True) + eps)) @ w.double().T
     ref = ref + (b.double() if bias else 0)
+    # bf16: the normed row is rounded twice (as transformers rounds it), an error that grows with
+    # sqrt(K) against the unrounded float64 product: 2 of 96 outputs past 2e-2 * (1 + |ref|) at
+    # K = 4096 for the two launches as well (the H200, 2026-12-03). So the fold is held to the
+    # float64 product of the rounded normed row at the plain GEMV's 8e-3, and to the unrounded one
+    # at a tolerance scaled by the row's length.
+    rounded = rms_norm(x, nw, eps).double() @ w.double().T + (b.double() if bias else 0)
     tol = 1e-5 if dt == torch.float32 else 2e-2
+    near = 1e-5 if dt == torch.float32 else 8e-3
     assert y.shape == (1, N) and y.dtype == dt
     assert torch.allclose(y.double(), two.double(), rtol=tol, atol=tol * ref.abs().max().item())
-    assert ((y.double() - ref).abs() <= tol * (1 + ref.abs())).all()
+    assert ((y.double() - rounded).abs() <= near * (1 + rounded.abs())).all()
+    assert ((y.double() - ref).abs() <= tol * (K / 512) ** 0.5 * (1 + ref.abs())).all()
     with pytest.raises(ValueError, match="one row"):
         G.gemv(x.repeat(2, 1), w, b, norm=(nw, eps))
     if DEV == "cuda":
