@@ -4,7 +4,9 @@ Mixtral-8x7B's q/k/v (6144 x 4096, stacked as the lean attention stacks them) an
 projections in bf16 at M = 1, 4 and 8 rows, each call timed as the median of CUDA-graph replays
 rotating over 4 copies of the weight (200 and 134 MB: nothing served from L2), with the HBM floor
 (the weight's bytes over the measured copy bandwidth) beside it, and each kernel configuration's
-error against the fp32 product checked first (a wrong one is reported, not timed).
+error against the fp32 product checked first (a wrong one is reported, not timed). For q/k/v at
+one row, also the input RMSNorm folded into the GEMV (`gemv(..., norm=)`, CMOE_QKV_NORM=1) against
+the norm's own launch before it and against the GEMV alone, at the committed configuration.
 
     python3 benchmarks/gemv_h200.py --out $OUT/gemv.json        # ~20 s on the H200
 """
@@ -23,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.expert_kernel_h200 import graph_us, hbm_tbps  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
-from cmoe.executor.kernels_triton.gemv import gemv  # noqa: E402
+from cmoe.executor.kernels_triton.gemv import config, gemv  # noqa: E402
+from cmoe.executor.kernels_triton.norm import rms_norm  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096)}
 CONFIGS = [(16, 256, 4), (16, 512, 3), (32, 256, 3), (32, 128, 4), (64, 128, 4)]   # (BN, BK, stages)
@@ -50,6 +53,14 @@ def main() -> None:
                 row[key + "_err"] = err
                 if err < 1e-2:
                     row[key + "_us"] = graph_us([lambda w=w: gemv(x, w, bn=bn, bk=bk, stages=st) for w in ws])
+            if name == "qkv" and M == 1:
+                nw = (1 + 0.1 * torch.randn(K, generator=gen, device="cuda")).to(torch.bfloat16)
+                c = config(N)
+                row["norm_then_gemv_us"] = graph_us([lambda w=w: gemv(rms_norm(x, nw, 1e-5), w, None, *c) for w in ws])
+                row["norm_folded_us"] = graph_us([lambda w=w: gemv(x, w, None, *c, norm=(nw, 1e-5)) for w in ws])
+                row["gemv_alone_us"] = graph_us([lambda w=w: gemv(x, w, None, *c) for w in ws])
+                print(f"qkv M=1: norm then GEMV {row['norm_then_gemv_us']:.1f} us, folded {row['norm_folded_us']:.1f}, "
+                      f"GEMV alone {row['gemv_alone_us']:.1f}", flush=True)
             res["rows"].append(row)
             best = min((k for k in row if k.startswith("gemv") and k.endswith("_us")), key=row.get, default=None)
             print(f"{name:4} M={M}: torch {row['torch_us']:6.1f} us, best gemv {best} "

@@ -35,6 +35,8 @@
 #                                             # (default CMOE_ATTN_SPLIT=0, CMOE_ATTN_SPLIT=keys, CMOE_QKV_NORM=1,
 #                                             # CMOE_PDL=1; ~8 min)
 #   bash benchmarks/gpu_session.sh ncu-variants [NAMES]  # the same variants' M = 1 launches under ncu
+#   bash benchmarks/gpu_session.sh host-wake  # issue 15: the folded norm's test and gemv_h200.py, then host_wake_h200.py:
+#                                             # a fixed host step after waits of each kind and length (~2 min)
 #   bash benchmarks/gpu_session.sh wait       # issue 15: the host polling each read-back (CMOE_WAIT=spin) against its
 #                                             # event sync, batch 2, pools 16/26, ondemand and oracle, right before each
 #   bash benchmarks/gpu_session.sh host-tests # the host-call, lean and reference-engine GPU tests (~1 min)
@@ -60,6 +62,9 @@ case "${1:-}" in
          --policies ondemand,lru-prefetch,commit,oracle ;;
   cpu48) timeout 570 $B --out "$OUT/cpu48" --batches 4,8 --pools 20,16,26 --engines lean --repeats 0 \
            --policies lfu-fallback,static ;;
+  host-wake) timeout 60 python3 -m pytest -q tests/test_step_kernels.py -k norm_folded -p no:cacheprovider 2>&1 | tail -2 || true
+        timeout 90 python3 benchmarks/gemv_h200.py --out "$OUT/gemv.json" 2>&1 | grep -v Warning || true
+        timeout 120 python3 benchmarks/host_wake_h200.py --out "$OUT/host-wake.json" 2>&1 | grep -v Warning || true ;;
   wait) timeout 260 python3 benchmarks/lean_h200.py --out "$OUT/wait" --tokens 32 --policy-tokens 32 --repeats 0 \
           --batches 2 --pools ${POOLS:-16,26} --engines lean --policies ${POLS:-ondemand,oracle} --wait-ablation \
           --timelines --budget-s ${BUDGET:-120} 2>&1 | grep -E "^lean|^HBM|^built|rror" ;;
