@@ -42,6 +42,8 @@ LEAN = replace(EAGER, silent_upper=True, commit_ahead=True, wave_gbps=3000.0, wa
 FLAT_WAVE = replace(FLAT_FIFO, wave_gbps=0.5, wave_us=1.0, wave_row_us=1.0, commit_ahead=True)
 # the lean executor's graphed decode passes queued back to back, its host a little slower than the GPU
 QUEUED = replace(LEAN, pass_overlap=True, host_layer_us=300.0, host_pass_start_us=250.0, pass_gap_us=120.0)
+# ... whose route step runs slower after a long read-back wait (`host_wake`)
+WAKE = replace(QUEUED, host_wake_points=((50.0, 1.0), (400.0, 1.6), (2000.0, 2.4)))
 
 
 def same_run(a, b) -> None:
@@ -75,7 +77,7 @@ CASES = [  # model, pool GB, batch, profile
     ("mixtral-8x7b", 20, 1, H200), ("mixtral-8x7b", 16, 4, EAGER), ("mixtral-8x7b", 14, 2, TWO_ENGINES),
     ("deepseek-v2-lite", 6, 1, H200), ("deepseek-v2-lite", 6, 3, ON_HOST), ("qwen1.5-moe-a2.7b", 6, 2, EAGER),
     ("olmoe-1b-7b", 3, 4, TWO_ENGINES), ("mixtral-8x7b", 16, 4, LEAN), ("deepseek-v2-lite", 6, 3, LEAN),
-    ("mixtral-8x7b", 16, 1, QUEUED), ("deepseek-v2-lite", 6, 3, QUEUED),
+    ("mixtral-8x7b", 16, 1, QUEUED), ("deepseek-v2-lite", 6, 3, QUEUED), ("mixtral-8x7b", 16, 2, WAKE),
 ]
 
 
@@ -109,8 +111,9 @@ def tiny_costs(t):
                  attn_bytes=0, dense_bytes=0, shared_bytes=0, dense_bits=16, moe_layers=t.spec.moe_layers)
 
 
-@pytest.mark.parametrize("profile", [FLAT, FLAT2, FLAT_FIFO, FLAT_WAVE], ids=["flat", "flat-2-engines", "flat-fifo",
-                                                                           "flat-waves"])
+@pytest.mark.parametrize("profile", [FLAT, FLAT2, FLAT_FIFO, FLAT_WAVE,
+                                     replace(FLAT_WAVE, host_wake_points=((0.0, 1.0), (3.0, 2.5)))],
+                         ids=["flat", "flat-2-engines", "flat-fifo", "flat-waves", "flat-waves-wake"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("seed", range(3))
 def test_replay_breaks_ties_as_simpy_does(profile, policy, seed):

@@ -24,6 +24,7 @@ import time
 import numpy as np
 import torch
 
+from cmoe.calibrate import wake
 from cmoe.core.spec import ModelSpec
 from cmoe.calibrate.spans import _gaps, _host_between, _mean, _pass_overhead, _per_layer, _sync_s
 from cmoe.core.timeline import STEP, LAYER, OP, EXPERT, START, END
@@ -110,6 +111,7 @@ class _ModelRuns:
         self.cpu_pts: list = []
         self.trips: list = []
         self.one: dict[str, float] = {}
+        self.wake: dict = {}                          # `cmoe.calibrate.wake.measure`'s (CUDA only)
         self.seconds: dict[str, float] = {}     # wall time of each step: what calibrating costs, reported
         self.w = built
 
@@ -168,6 +170,10 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
             _host_round(r, batch)
     _host_points(r, batches)
     r.seconds["host rounds"] = time.perf_counter() - t0
+    if r.cuda:                        # the route step after long waits (GPU sleep makes them)
+        t0 = time.perf_counter()
+        r.wake = wake.measure(r)
+        r.seconds["host after waits"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     ctx = _context_points(r)
     r.seconds["long context"] = time.perf_counter() - t0
@@ -351,7 +357,7 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
                               "expert_points": host["expert"], "expert_tail_s": float(np.mean([x for _, x in tail])),
                               "load_s": one["host_load"],
                               "sync_s": _sync_s(host, tail),
-                              "pass_start_s": one["host_start"], "head_s": one["host_head"]}
+                              "pass_start_s": one["host_start"], "head_s": one["host_head"], **r.wake}
                      | ({"pass_gap_s": gap} if gap is not None else {})},
            "waves": gpu["waves"], "commit_waves": r.one.get("commit_waves", []), "seconds": r.seconds,
            "repeats": {"host, layer": {"unit": "tokens", "grows": False, "points": host["layer_runs"]},

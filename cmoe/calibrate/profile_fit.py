@@ -272,6 +272,8 @@ def _host_fields(h: dict | None) -> dict:
     out["host_sync_us"] = h["sync_s"] * 1e6
     out["host_pass_start_us"] = h["pass_start_s"] * 1e6
     out["host_head_us"] = h["head_s"] * 1e6
+    if h.get("wake_points"):          # the route step after a wait: [wait s, factor] -> (us, factor)
+        out["host_wake_points"] = tuple((w * 1e6, f) for w, f in h["wake_points"])
     return out
 
 

@@ -17,6 +17,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from cmoe.core.errors import CmoeError
+from cmoe.core.hw_checks import NON_NEGATIVE, bad, check_pairs, rule, whole
 
 GB = 1e9
 
@@ -27,6 +28,8 @@ HOST_FIELDS = ("host_layer_us", "host_attn_us_per_token", "host_sync_us", "host_
                "host_pass_start_us", "host_head_us", "pass_gap_us", "predict_layer_us", "commit_route_us",
                "commit_start_us")
 HOST_POINTS = ("host_layer_points", "host_route_points", "host_expert_points")
+_PAIRS = ("h2d_pinned", "d2h_pinned", "expert_gbps", "expert_rows_us", *HOST_POINTS, "wave_count_us",
+          "host_wake_points")                   # the fields that are lists of pairs (JSON lists <-> tuples)
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,8 @@ class HardwareProfile:
     host_layer_points: tuple = ()                   # host_layer(tokens)
     host_route_points: tuple = ()                   # host_route(tokens)
     host_expert_points: tuple = ()                  # host_expert(rows)
+    host_wake_points: tuple = ()                    # (read-back wait us, factor): the host's work after a wait that
+                                                    # long takes factor x its cost (`host_wake`; `cmoe.calibrate.wake`)
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -129,28 +134,31 @@ class HardwareProfile:
         simulator divides by rates and adds up times, so a zero rate, a negative time, NaN or a
         string would give a crash or a wrong answer far from its cause."""
         if not isinstance(self.name, str) or not self.name:
-            raise _bad("?", "name", self.name, "a non-empty string")
+            raise bad("?", "name", self.name, "a non-empty string")
         for f in fields(self):
-            rule = _rule(f.name, f.type)
-            if rule and not rule[0](getattr(self, f.name)):
-                raise _bad(self.name, f.name, getattr(self, f.name), rule[1])
+            ok = rule(f.name, f.type)
+            if ok and not ok[0](getattr(self, f.name)):
+                raise bad(self.name, f.name, getattr(self, f.name), ok[1])
         for curve in ("h2d_pinned", "d2h_pinned"):
-            _check_pairs(self.name, curve, getattr(self, curve), _whole(1)[0], "[bytes, GB/s]: a whole number "
-                         "of bytes > 0, GB/s positive, sizes ascending", ascending=True)
-        _check_pairs(self.name, "expert_gbps", self.expert_gbps, lambda k: k in ("int4", "int8", "bf16"),
-                     "[class, GB/s]: class int4, int8 or bf16 (each once), GB/s positive", ascending=False)
+            check_pairs(self.name, curve, getattr(self, curve), whole(1)[0], "[bytes, GB/s]: a whole number "
+                        "of bytes > 0, GB/s positive, sizes ascending", ascending=True)
+        check_pairs(self.name, "expert_gbps", self.expert_gbps, lambda k: k in ("int4", "int8", "bf16"),
+                    "[class, GB/s]: class int4, int8 or bf16 (each once), GB/s positive", ascending=False)
         for table in ("expert_rows_us", "host_layer_points", "host_route_points", "host_expert_points", "wave_count_us"):
             if getattr(self, table):
-                _check_pairs(self.name, table, getattr(self, table), _whole(1)[0], "[rows, us]: a whole number "
-                             "of rows >= 1, us >= 0, rows ascending", ascending=True, rate=_NON_NEGATIVE[0])
+                check_pairs(self.name, table, getattr(self, table), whole(1)[0], "[rows, us]: a whole number "
+                            "of rows >= 1, us >= 0, rows ascending", ascending=True, rate=NON_NEGATIVE[0])
+        if self.host_wake_points:
+            check_pairs(self.name, "host_wake_points", self.host_wake_points, NON_NEGATIVE[0],
+                        "[wait us, factor]: a wait >= 0, a factor > 0, waits ascending", ascending=True)
         if self.expert_rows_us and not (self.expert_rows_bytes > 0 and self.expert_rows_class in ("int4", "int8", "bf16")):
-            raise _bad(self.name, "expert_rows_bytes", self.expert_rows_bytes,
-                       "above 0, with expert_rows_class int4, int8 or bf16, when expert_rows_us is given")
+            raise bad(self.name, "expert_rows_bytes", self.expert_rows_bytes,
+                      "above 0, with expert_rows_class int4, int8 or bf16, when expert_rows_us is given")
         if self.wave_gbps and not self.copy_fifo:
-            raise _bad(self.name, "wave_gbps", self.wave_gbps, "0 unless copy_fifo is true (the fused launches "
-                       "are the executor's, whose loads run on one copy stream in issue order)")
+            raise bad(self.name, "wave_gbps", self.wave_gbps, "0 unless copy_fifo is true (the fused launches "
+                      "are the executor's, whose loads run on one copy stream in issue order)")
         if not isinstance(self.sources, dict):
-            raise _bad(self.name, "sources", self.sources, "an object of field -> where its figure comes from")
+            raise bad(self.name, "sources", self.sources, "an object of field -> where its figure comes from")
 
     # transfers ------------------------------------------------------------------------------
     @staticmethod
@@ -229,6 +237,12 @@ class HardwareProfile:
             return table_us(self.host_route_points, tokens)
         return self.host_route_us + self.host_route_us_per_token * max(tokens - 1, 0)
 
+    def host_wake(self, wait_us: float) -> float:
+        """How much slower the host's work runs after a read-back wait of `wait_us`: the measured
+        factors read piecewise-linearly, held flat outside them (1 with none measured)."""
+        pts = self.host_wake_points
+        return table_us(pts, min(wait_us, pts[-1][0])) if pts else 1.0
+
     def host_expert(self, tokens: int) -> float:
         if self.host_expert_points:
             return table_us(self.host_expert_points, tokens)
@@ -243,8 +257,7 @@ class HardwareProfile:
     # files ----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         d = asdict(self)
-        for k in ("h2d_pinned", "d2h_pinned", "expert_gbps", "expert_rows_us", "host_layer_points",
-                  "host_route_points", "host_expert_points", "wave_count_us"):
+        for k in _PAIRS:
             d[k] = [list(p) for p in d[k]]
         return d
 
@@ -261,8 +274,7 @@ class HardwareProfile:
                    and f.default_factory is MISSING]
         if missing:
             raise CmoeError(f"hardware profile is missing the fields {missing}: write one with cmoe calibrate")
-        for k in ("h2d_pinned", "d2h_pinned", "expert_gbps", "expert_rows_us", "host_layer_points",
-                  "host_route_points", "host_expert_points", "wave_count_us"):  # JSON lists -> tuples, checked later
+        for k in _PAIRS:                                          # JSON lists -> tuples, checked later
             if isinstance(d.get(k), list):
                 d[k] = tuple(tuple(p) if isinstance(p, list) else p for p in d[k])
         for f in fields(cls):                                       # 1.41e11 bytes in JSON: a whole number
@@ -286,53 +298,6 @@ def table_us(points: tuple, x: float) -> float:
 
 def _width(bits: float) -> str:
     return "int4" if bits <= 4 else "int8" if bits <= 8 else "bf16"
-
-
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _whole(least: int):
-    return (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= least, f"a whole number >= {least}")
-
-
-_POSITIVE = (lambda v: _finite(v) and v > 0, "positive (a finite number > 0)")
-_NON_NEGATIVE = (lambda v: _finite(v) and v >= 0, "a finite number >= 0 (a time or a fraction)")
-_FLAG = (lambda v: isinstance(v, bool), "true or false")
-_RATES = ("h2d_pageable_gbps", "hbm_gbps", "matmul_tflops", "cpu_expert_gbps")   # divided by: > 0
-_LEAST = {"gpu_mem_bytes": 1, "copy_engines": 1, "dense_rows": 0}
-
-
-def _rule(name: str, type_: str):
-    """(test, what is allowed) for a scalar field, from its annotation; None for the others."""
-    if type_ == "float":
-        return _POSITIVE if name in _RATES else _NON_NEGATIVE
-    if type_ == "int":
-        return _whole(_LEAST.get(name, 0))
-    return _FLAG if type_ == "bool" else None
-
-
-def _check_pairs(profile: str, field_name: str, pts, key_ok, allowed: str, ascending: bool, rate=None) -> None:
-    """A curve or table of (key, rate) pairs: a non-empty tuple of pairs whose key passes `key_ok`
-    and whose rate is positive (or passes `rate`; keys distinct; ascending where asked)."""
-    rate = rate or _POSITIVE[0]
-    if not isinstance(pts, tuple) or not pts:
-        raise _bad(profile, field_name, pts, f"a non-empty list of {allowed}")
-    for p in pts:
-        if not (isinstance(p, tuple) and len(p) == 2 and key_ok(p[0]) and rate(p[1])):
-            raise _bad(profile, f"{field_name} point", p, allowed)
-    keys = [k for k, _ in pts]
-    if (ascending and keys != sorted(keys)) or len(set(keys)) < len(keys):
-        raise _bad(profile, field_name, pts, allowed)
-
-
-def _bad(profile: str, field_name: str, value, allowed: str) -> CmoeError:
-    try:
-        shown = json.dumps(value)                   # as the profile JSON spells it: "fast", NaN, [1, 2.0]
-    except (TypeError, ValueError):
-        shown = repr(value)
-    return CmoeError(f"hardware profile '{profile}': {field_name} is {shown}, but it must be {allowed}; "
-                     "fix the profile JSON or run cmoe calibrate again")
 
 
 KiB, MiB = 1024, 1024 * 1024

@@ -28,6 +28,21 @@ def _votes(x, p, m, e, M):
 
 
 @njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False)
+def _wake(x, w):
+    """`HardwareProfile.host_wake(w)`: `table_us` over x.wake with the wait held at its last point
+    (one point (0, 1) where the profile has none)."""
+    k = x.wake.shape[0]
+    w = min(w, x.wake[k - 1, 0])
+    if w <= x.wake[0, 0] or k == 1:
+        return x.wake[0, 1]
+    for i in range(k - 1):
+        x0, y0, x1, y1 = x.wake[i, 0], x.wake[i, 1], x.wake[i + 1, 0], x.wake[i + 1, 1]
+        if w <= x1:
+            return y0 + (y1 - y0) * (w - x0) / (x1 - x0)
+    return x.wake[k - 1, 1]
+
+
+@njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False)
 def _own(d, l0, l1, m, e):
     """Is e in {ld.expert for ld in plan.loads if ld.layer == m}?"""
     for i in range(l0, l1):
@@ -143,7 +158,7 @@ def _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M):
         for g in range(g0, g1):
             rows = n if x.all_rows[p] else _votes(x, p, m, d.g_e[g], M)
             tot += x.htab[rows]
-    Hr = pmax(H + tot, t_in) + x.route_host[p]
+    Hr = pmax(H + tot, t_in) + x.route_host[p] * _wake(x, pmax(t_in - (H + tot), 0.0))
     for i in range(l0, l1):
         if Hr > c.F[NOW]:
             _sync(c, x, o, Hr)
@@ -254,8 +269,10 @@ def _layer(c, x, o, d, p, m, dl, j, H, G, t_in, n, slow, M, fifo, cpu):
     o.skipped[p] += d.skipped[j]
     if x.hwi[AHEAD] and x.commit_decode[p]:         # Simulation._ahead_layer
         return _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M)
-    if not x.hwi[SILENT]:
-        H = pmax(H, G) + x.route_host[p]
+    wake = 1.0
+    if not x.hwi[SILENT]:                           # the route step and its loads, slower after a long wait
+        wake = _wake(x, pmax(G - H, 0.0))
+        H = pmax(H, G) + x.route_host[p] * wake
     if not fifo:                                    # reads of resident experts; a loaded one is read after its write
         for g in range(g0, g1):
             if not _own(d, l0, l1, m, d.g_e[g]):
@@ -263,7 +280,7 @@ def _layer(c, x, o, d, p, m, dl, j, H, G, t_in, n, slow, M, fifo, cpu):
     for i in range(l0, l1):
         if _deferred(d, g0, g1, i, m, fifo):
             continue
-        H += x.hwf[HOST_LOAD]                       # the load's host cost comes before its copy
+        H += x.hwf[HOST_LOAD] * wake                # the load's host cost comes before its copy
         if H > c.F[NOW]:
             _sync(c, x, o, H)
         H += _issue(c, x, o, d.l_layer[i], d.l_e[i], d.l_slot[i], d.l_kind[i], p, M, True)

@@ -87,7 +87,8 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
                     c_(route_host), c_(dense_gpu), c_(dense_host), c_(attn_gpu), c_(attn_host), c_(pa.ntok),
                     c_(commit_decode), c_(pa.decode & bool(hw.pass_overlap)), c_(pa.ntok <= hw.dense_rows),
                     c_(pa.need_ptr), c_(pa.need), c_(pa.votes),
-                    c_(xtab), c_(xcls), c_(htab), c_(wfix), c_(wcnt))
+                    c_(xtab), c_(xcls), c_(htab), c_(wfix), c_(wcnt),
+                    np.array(hw.host_wake_points or ((0.0, 1.0),), np.float64).reshape(-1, 2))
 
 
 class Replay:

@@ -1,0 +1,74 @@
+"""The host's route step after a long wait (issue 15): `host_wake_points`.
+
+The validations on the H200 found the loading runs' host 1.3-4x slower per layer than calibration
+measured it, and the route step right after a read-back wait slower the longer the wait was
+(tenth session: 14.2 us after 50-200 us of waiting, 25.4 after more than 2 ms, at batch 1). A
+benchmark (`benchmarks/host_wake_h200.py`, sixteenth session) found the same for any wait, a GPU
+spin synced or polled, a copy, a sleep or a host busy loop alike: a fixed host step took 1.04x
+after 50 us and 1.39-1.60x after 2-4 ms. So calibration measures it where it matters: the
+executor's own route step at batch 1 (ondemand, every expert resident, so the step loads nothing),
+after waits made by GPU sleep queued before each layer's experts (`lead_us`), in rounds that
+alternate the leads so that a drift of the host's speed falls on all of them alike. A point is
+(the runs' median read-back wait, their mean route step over the unled runs'), the unled runs'
+own wait at factor 1; the simulator scales a layer's route step and its loads' host cost by the
+factor at the wait it predicts before them (`HardwareProfile.host_wake`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cmoe.core.timeline import END, OP, START, STEP
+
+WAKE_LEADS_US = (300.0, 1000.0, 3000.0)     # GPU sleep before each layer's experts: waits up to ~3 ms,
+                                            # the span of one to two 93.6 MB expert copies at 55 GB/s
+WAKE_ROUNDS = 2
+
+
+def route_and_wait(log) -> tuple[float, float]:
+    """(the mean host route step per MoE layer, the median read-back wait), in seconds, over a
+    run's decode passes; (0, 0) for a run without them."""
+    dec = {p for p, d, _, _ in log.pass_us if d}
+    route = [s[END] - s[START] for s in log.spans if s[STEP] in dec and s[OP] == "host_route"]
+    wait = [s[END] - s[START] for s in log.spans if s[STEP] in dec and s[OP] == "host_sync"]
+    if not route or not wait:
+        return 0.0, 0.0
+    return float(np.mean(route)) / 1e6, float(np.median(wait)) / 1e6
+
+
+def fit_wake(samples: list[tuple[float, float, float]]) -> list[list[float]]:
+    """[[wait s, factor]] from (lead us, route s, wait s) samples: per lead, the mean wait and the
+    mean route over the unled (lead 0) runs' mean route; the unled point at factor 1. Points are
+    kept in order of their waits, each past the one before (a lead too short to lengthen the wait
+    adds nothing). [] without unled runs or a route to divide by."""
+    by: dict[float, list[tuple[float, float]]] = {}
+    for lead, route, wait in samples:
+        if route > 0:
+            by.setdefault(float(lead), []).append((route, wait))
+    if 0.0 not in by:
+        return []
+    base = float(np.mean([r for r, _ in by[0.0]]))
+    pts = sorted((float(np.mean([w for _, w in v])), float(np.mean([r for r, _ in v])) / base) for v in by.values())
+    out = [[float(np.mean([w for _, w in by[0.0]])), 1.0]]
+    for w, f in pts:
+        if w > out[-1][0]:
+            out.append([w, f])
+    return out
+
+
+def measure(r) -> dict:
+    """{"wake_points": `fit_wake`'s, "wake_samples": [[lead us, route s, wait s]]} of
+    `cmoe.calibrate.measure_model._ModelRuns` r (CUDA only: GPU sleep is how the waits are made):
+    WAKE_ROUNDS rounds of ondemand at batch 1, every expert resident, one run per lead (0 and
+    WAKE_LEADS_US) in a round, after one untimed run."""
+    from dataclasses import replace
+
+    from cmoe.executor.run import run_policy
+    w, hc = r.host_work[1]
+    run_policy(w, hc, "ondemand")
+    samples = []
+    for _ in range(WAKE_ROUNDS):
+        for lead in (0.0, *WAKE_LEADS_US):
+            route, wait = route_and_wait(run_policy(w, replace(hc, lead_us=lead), "ondemand").log)
+            samples.append((lead, route, wait))
+    return {"wake_points": fit_wake(samples), "wake_samples": [list(x) for x in samples]}

@@ -1,0 +1,91 @@
+"""The host's route step after a long wait (`cmoe.calibrate.wake`, `HardwareProfile.host_wake`):
+the factor's table read exactly, checked where a profile is made, fitted from calibration's
+samples, and applied alike by both simulator engines to the route step and its loads."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from cmoe.calibrate.profile_fit import _host_fields
+from cmoe.calibrate.wake import fit_wake, route_and_wait
+from cmoe.core.errors import CmoeError
+from cmoe.core.hw import H200, HardwareProfile
+from tests.test_replay import FLAT_FIFO, LEAN, both, same_run, tiny, tiny_costs, trace_of
+
+POINTS = ((100.0, 1.0), (1100.0, 2.0), (3100.0, 2.5))
+
+
+def test_the_factor_is_the_table_held_flat_outside_it():
+    p = replace(H200, host_wake_points=POINTS)
+    assert [p.host_wake(w) for w in (0.0, 100.0, 600.0, 1100.0, 2100.0, 3100.0, 9000.0)] == \
+        [1.0, 1.0, 1.5, 2.0, 2.25, 2.5, 2.5]
+    assert H200.host_wake(5000.0) == 1.0                       # none measured: the host as calibrated
+    back = HardwareProfile.from_dict(json.loads(json.dumps(p.to_dict())))
+    assert back.host_wake_points == POINTS and back == p
+
+
+@pytest.mark.parametrize("pts,says", [
+    ([[1100.0, 2.0], [100.0, 1.0]], "waits ascending"),
+    ([[100.0, 0.0]], "a factor > 0"),
+    ([[-5.0, 1.0]], "a wait >= 0"),
+    ([[100.0, "fast"]], "host_wake_points point"),
+])
+def test_a_bad_table_is_one_line_naming_it(pts, says):
+    with pytest.raises(CmoeError, match="host_wake_points") as e:
+        HardwareProfile.from_dict(H200.to_dict() | {"host_wake_points": pts})
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fitting_divides_by_the_unled_runs_and_drops_a_wait_that_did_not_grow():
+    samples = [(0.0, 10e-6, 100e-6), (300.0, 13.2e-6, 400e-6), (1000.0, 16.5e-6, 1.1e-3), (3000.0, 30e-6, 100e-6),
+               (0.0, 12e-6, 120e-6), (300.0, 13.2e-6, 400e-6), (1000.0, 16.5e-6, 1.1e-3), (3000.0, 30e-6, 120e-6)]
+    got = fit_wake(samples)
+    assert [w for w, _ in got] == pytest.approx([110e-6, 400e-6, 1.1e-3])
+    assert [f for _, f in got] == pytest.approx([1.0, 1.2, 1.5])
+    # the 3 ms lead's runs waited no longer than the unled ones (110 us): dropped, each point kept
+    # only past the one before; a run with no route step, or no unled run, gives nothing to divide by
+    assert fit_wake([(300.0, 13e-6, 400e-6)]) == [] and fit_wake([(0.0, 0.0, 1e-4)]) == []
+    # into the profile's units: us and the factor
+    h = {"layer_points": [(1, 1e-5)], "route_points": [(1, 1e-5)], "expert_points": [(1, 1e-5)], "sync_s": 0.0,
+         "pass_start_s": 0.0, "head_s": 0.0, "wake_points": [[110e-6, 1.0], [400e-6, 1.2]]}
+    got = _host_fields(h)["host_wake_points"]
+    assert [w for w, _ in got] == pytest.approx([110.0, 400.0]) and [f for _, f in got] == [1.0, 1.2]
+
+
+def test_the_route_step_and_wait_come_from_the_decode_passes_spans():
+    # (source, step, layer, stream, op, expert, start, end, bytes); pass 0 is a prefill
+    spans = [("x", 0, 0, "host", "host_route", -1, 0.0, 500.0, 0),
+             ("x", 1, 0, "host", "host_route", -1, 0.0, 10.0, 0), ("x", 1, 1, "host", "host_route", -1, 0.0, 20.0, 0),
+             ("x", 1, 0, "host", "host_sync", -1, 0.0, 100.0, 0), ("x", 1, 1, "host", "host_sync", -1, 0.0, 300.0, 0),
+             ("x", 2, 0, "host", "host_sync", -1, 0.0, 200.0, 0)]
+    log = SimpleNamespace(pass_us=[(0, False, 4, 1.0), (1, True, 1, 1.0), (2, True, 1, 1.0)], spans=spans)
+    assert route_and_wait(log) == pytest.approx((15e-6, 200e-6))
+    assert route_and_wait(SimpleNamespace(pass_us=[(0, False, 4, 1.0)], spans=spans)) == (0.0, 0.0)
+
+
+def test_both_engines_scale_the_route_step_and_its_loads():
+    """FLAT_FIFO's host is slower than its GPU, so every layer's read-back finds the GPU done (a
+    wait of 0) and its route span is the host's route step alone: 1 us, and 3 us with a factor of 3
+    at every wait, in SimPy and the replay alike; upper, silent in LEAN, has no step to scale."""
+    t = tiny(M=3, E=4, T=24, seed=1, requests=2, K=2)
+    spans = {}
+    for k in (1.0, 3.0):
+        prof = replace(FLAT_FIFO, host_wake_points=((0.0, k),)) if k != 1.0 else FLAT_FIFO
+        a, b, _, _ = both(t, "ondemand", prof, 1, slots=4, costs=tiny_costs(t))
+        same_run(a, b)
+        spans[k] = [s[7] - s[6] for s in a.spans if s[4] == "route"]
+    assert spans[1.0] and set(spans[1.0]) == {1.0} and spans[3.0] == [3.0] * len(spans[1.0])
+    loads = replace(FLAT_FIFO, host_load_us=0.5)
+    a, b, _, _ = both(t, "ondemand", replace(loads, host_wake_points=((0.0, 2.0),)), 1, slots=2, costs=tiny_costs(t))
+    same_run(a, b)
+    base, _, _, _ = both(t, "ondemand", loads, 1, slots=2, costs=tiny_costs(t))
+    doubled = [s[7] - s[6] for s in a.spans if s[4] == "route"]
+    assert doubled == [2 * (s[7] - s[6]) for s in base.spans if s[4] == "route"] and max(doubled) > 2.0
+    tr = trace_of("mixtral-8x7b", requests=1, decode=8)
+    up, _, _, _ = both(tr, "upper", replace(LEAN, host_wake_points=((0.0, 5.0),)), 1)
+    plain, _, _, _ = both(tr, "upper", LEAN, 1)
+    assert up.pass_us == plain.pass_us
