@@ -1,6 +1,6 @@
 """The host's route step after a long wait (`cmoe.calibrate.wake`, `HardwareProfile.host_wake`):
 the factor's table read exactly, checked where a profile is made, fitted from calibration's
-samples, and applied alike by both simulator engines to the route step and its loads."""
+samples, and applied alike by both simulator engines to the route step."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_the_route_step_and_wait_come_from_the_decode_passes_spans():
     assert route_and_wait(SimpleNamespace(pass_us=[(0, False, 4, 1.0)], spans=spans)) == (0.0, 0.0)
 
 
-def test_both_engines_scale_the_route_step_and_its_loads():
+def test_both_engines_scale_the_route_step_not_its_loads():
     """FLAT_FIFO's host is slower than its GPU, so every layer's read-back finds the GPU done (a
     wait of 0) and its route span is the host's route step alone: 1 us, and 3 us with a factor of 3
     at every wait, in SimPy and the replay alike; upper, silent in LEAN, has no step to scale."""
@@ -83,8 +83,11 @@ def test_both_engines_scale_the_route_step_and_its_loads():
     a, b, _, _ = both(t, "ondemand", replace(loads, host_wake_points=((0.0, 2.0),)), 1, slots=2, costs=tiny_costs(t))
     same_run(a, b)
     base, _, _, _ = both(t, "ondemand", loads, 1, slots=2, costs=tiny_costs(t))
-    doubled = [s[7] - s[6] for s in a.spans if s[4] == "route"]
-    assert doubled == [2 * (s[7] - s[6]) for s in base.spans if s[4] == "route"] and max(doubled) > 2.0
+    # a load's own host cost is calibrated in a run that loads (long waits already): not scaled, so
+    # a route span with loads grows by the route step's 1 us only
+    woken = [s[7] - s[6] for s in a.spans if s[4] == "route"]
+    plain = [s[7] - s[6] for s in base.spans if s[4] == "route"]
+    assert woken == [u + 1.0 for u in plain] and max(plain) > 1.0
     tr = trace_of("mixtral-8x7b", requests=1, decode=8)
     up, _, _, _ = both(tr, "upper", replace(LEAN, host_wake_points=((0.0, 5.0),)), 1)
     plain, _, _, _ = both(tr, "upper", LEAN, 1)

@@ -10,8 +10,10 @@ executor's own route step at batch 1 (ondemand, every expert resident, so the st
 after waits made by GPU sleep queued before each layer's experts (`lead_us`), in rounds that
 alternate the leads so that a drift of the host's speed falls on all of them alike. A point is
 (the runs' median read-back wait, their mean route step over the unled runs'), the unled runs'
-own wait at factor 1; the simulator scales a layer's route step and its loads' host cost by the
-factor at the wait it predicts before them (`HardwareProfile.host_wake`).
+own wait at factor 1; the simulator scales a layer's route step by the factor at the wait it
+predicts before it (`HardwareProfile.host_wake`). A load's own host cost (`host_load_us`) is not
+scaled: calibration prices it in a run that loads, whose waits are long already; scaling it too
+double-counted the slowdown (sixteenth session: batch-1 loading rows predicted 1-2% slow).
 """
 
 from __future__ import annotations

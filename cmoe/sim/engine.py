@@ -12,8 +12,9 @@ Two clocks, as in an eager PyTorch program (the executor is one):
   so a host slower than the GPU (eager transformers code) sets the pace, and a GPU waiting for a
   load lets the host run ahead and queue the next layer's attention, which then runs at GPU speed.
 A mark (a span's edge) lands where the executor's CUDA event would: max(G, H) when recorded.
-The host's route step (and its loads' issue) after a read-back wait of w takes `host_wake(w)`
-times its cost: a host runs slower after a long wait (`cmoe.calibrate.wake`).
+The host's route step after a read-back wait of w takes `host_wake(w)` times its cost: a host
+runs slower after a long wait (`cmoe.calibrate.wake`). A load's own host cost is not scaled: it
+is calibrated in a run that loads, whose waits are long already.
 With every `host_*` time 0 (the built-in profiles: a lean decoder whose host keeps ahead) this
 is one compute clock, as before.
 
@@ -289,10 +290,8 @@ class Simulation(ExpertSteps):
         x.tally.skipped += len(plan.skipped)
         if x.ahead:
             return (yield from self._ahead_layer(x, m, d, plan, votes, H, G))
-        wake = 1.0
-        if not self._silent:          # the route step and its loads, slower after a long wait
-            wake = hw.host_wake(max(G - H, 0.0))
-            H = max(H, G) + x.route_host * wake
+        if not self._silent:          # the route step, slower after a long wait
+            H = max(H, G) + x.route_host * hw.host_wake(max(G - H, 0.0))
         later: dict[int, list[Load]] = {}
         now_loads = plan.loads
         loaded = {ld.expert for ld in plan.loads if ld.layer == m}
@@ -308,7 +307,7 @@ class Simulation(ExpertSteps):
                 if e not in loaded:
                     self.slots[m][plan.slots[e]].pending += 1
         for ld in now_loads:          # each load's host cost (its slot, its victim) comes before its copy
-            H += hw.host_load_us * wake
+            H += hw.host_load_us
             if H > env.now:
                 yield env.timeout(H - env.now)
             H += self._issue(ld, x.p, planned=True)

@@ -269,10 +269,8 @@ def _layer(c, x, o, d, p, m, dl, j, H, G, t_in, n, slow, M, fifo, cpu):
     o.skipped[p] += d.skipped[j]
     if x.hwi[AHEAD] and x.commit_decode[p]:         # Simulation._ahead_layer
         return _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M)
-    wake = 1.0
-    if not x.hwi[SILENT]:                           # the route step and its loads, slower after a long wait
-        wake = _wake(x, pmax(G - H, 0.0))
-        H = pmax(H, G) + x.route_host[p] * wake
+    if not x.hwi[SILENT]:                           # the route step, slower after a long wait
+        H = pmax(H, G) + x.route_host[p] * _wake(x, pmax(G - H, 0.0))
     if not fifo:                                    # reads of resident experts; a loaded one is read after its write
         for g in range(g0, g1):
             if not _own(d, l0, l1, m, d.g_e[g]):
@@ -280,7 +278,7 @@ def _layer(c, x, o, d, p, m, dl, j, H, G, t_in, n, slow, M, fifo, cpu):
     for i in range(l0, l1):
         if _deferred(d, g0, g1, i, m, fifo):
             continue
-        H += x.hwf[HOST_LOAD] * wake                # the load's host cost comes before its copy
+        H += x.hwf[HOST_LOAD]                       # the load's host cost comes before its copy
         if H > c.F[NOW]:
             _sync(c, x, o, H)
         H += _issue(c, x, o, d.l_layer[i], d.l_e[i], d.l_slot[i], d.l_kind[i], p, M, True)
