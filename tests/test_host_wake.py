@@ -92,3 +92,24 @@ def test_both_engines_scale_the_route_step_not_its_loads():
     up, _, _, _ = both(tr, "upper", replace(LEAN, host_wake_points=((0.0, 5.0),)), 1)
     plain, _, _, _ = both(tr, "upper", LEAN, 1)
     assert up.pass_us == plain.pass_us
+
+
+def test_calibrate_fits_the_samples_into_the_profile_and_shows_them_beside_it():
+    """Measurements with wake samples (as `cmoe.calibrate.wake.measure` writes them) fit into the
+    profile's `host_wake_points` in us, and `beside` puts each lead's mean route step next to the
+    profile's route step at one token times its factor; measurements without them (a CPU's) leave
+    the factor at 1."""
+    from cmoe.calibrate.profile_fit import beside, fit_profile
+    from tests.test_calibrate import _synthetic
+    known = replace(H200, host_route_us=20.0)
+    samples = [[0.0, 20e-6, 100e-6], [1000.0, 30e-6, 1100e-6], [0.0, 20e-6, 100e-6], [1000.0, 30e-6, 1100e-6]]
+    m = _synthetic(known)
+    plain = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-03")
+    assert plain.host_wake_points == () and plain.host_wake(5000.0) == 1.0
+    m["layer"]["host"] |= {"wake_points": fit_wake([tuple(x) for x in samples]), "wake_samples": samples}
+    got = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-03")
+    assert [w for w, _ in got.host_wake_points] == pytest.approx([100.0, 1100.0])
+    assert [f for _, f in got.host_wake_points] == pytest.approx([1.0, 1.5])
+    rows = {line[:28].strip(): line[28:].split() for line in beside(got, m).splitlines()}
+    assert rows["host, route after 100us"][:2] == ["20.0us", f"{got.host_route(1):.1f}us"]
+    assert rows["host, route after 1100us"][:2] == ["30.0us", f"{got.host_route(1) * 1.5:.1f}us"]

@@ -334,6 +334,8 @@ def beside(p: HardwareProfile, m: dict) -> str:
                           ("host, one expert", "expert_points", p.host_expert)) if h else ():
         for t, s in h[key]:
             row(f"{what}, {t} tokens", s, fn(t))
+    for wait, route in _wake_means((h or {}).get("wake_samples") or []):
+        row(f"host, route after {wait * 1e6:.0f}us", route, p.host_route(1) * p.host_wake(wait * 1e6))
     cpu = m["cpu_expert"]
     for t, s in cpu["points"]:
         row(f"CPU expert, {t} tokens", s, p.cpu_expert_us(cpu["bytes"], t))
@@ -343,6 +345,14 @@ def beside(p: HardwareProfile, m: dict) -> str:
     if m.get("roundtrip_in_model"):
         row("round trip in model", m["roundtrip_in_model"], p.roundtrip_us)
     return "\n".join(rows)
+
+
+def _wake_means(samples: list) -> list[tuple[float, float]]:
+    """(mean wait s, mean route step s) per lead of `cmoe.calibrate.wake`'s samples, by lead."""
+    by: dict[float, list] = {}
+    for lead, route, wait in samples:
+        by.setdefault(lead, []).append((wait, route))
+    return [(float(np.mean([w for w, _ in v])), float(np.mean([r for _, r in v]))) for _, v in sorted(by.items())]
 
 
 def refit_profile(path, name: str | None = None) -> tuple[HardwareProfile, dict]:
