@@ -376,7 +376,8 @@ def test_the_lean_engines_gpu_side_steps_run_on_the_cpu(checkpoints, monkeypatch
 
 def test_host_points_are_means_over_every_rounds_runs():
     """The host's table takes each batch's mean over all its rounds' runs, keeps each run's figure
-    under `repeats`, and pools the read-back waits and gaps of all of them."""
+    under `repeats`, pools the read-back waits and gaps of all of them, and keeps each batch's mean
+    wait (what its route step followed: `host_wake_base`)."""
     from types import SimpleNamespace
 
     from cmoe.calibrate.measure_model import _host_points
@@ -384,7 +385,7 @@ def test_host_points_are_means_over_every_rounds_runs():
     def run(layer, route, expert, span, sync, gaps):
         return {"layer": layer, "start": 0.0, "route": route, "expert": expert, "expert_span": span,
                 "sync": sync, "gaps": gaps}
-    host = {k: [] for k in ("layer", "route", "expert", "expert_span", "sync", "layer_runs", "route_runs",
+    host = {k: [] for k in ("layer", "route", "expert", "expert_span", "sync", "waits", "layer_runs", "route_runs",
                             "expert_runs", "gaps")}
     r = SimpleNamespace(host=host, host_runs={
         1: [run(1.0, 10.0, 100.0, 5.0, 0.5, [1.0]), run(3.0, 30.0, 300.0, 7.0, 1.5, []),     # round 1
@@ -398,4 +399,5 @@ def test_host_points_are_means_over_every_rounds_runs():
     assert host["layer_runs"] == [[1, [1.0, 3.0, 2.0, 6.0]], [8, [4.0, 4.0, 8.0, 8.0]]]
     assert host["route_runs"][1] == [8, [8.0, 8.0, 16.0, 16.0]]
     assert host["sync"] == [0.5, 1.5, 1.0, 2.0, 0.25, 0.25, 0.75, 0.75]
+    assert host["waits"] == [(1, 1.25), (8, 0.5)]            # the wait each batch's route point followed
     assert host["gaps"] == [1.0, 2.0, 3.0, 4.0, 4.0]

@@ -20,12 +20,19 @@ POINTS = ((100.0, 1.0), (1100.0, 2.0), (3100.0, 2.5))
 
 
 def test_the_factor_is_the_table_held_flat_outside_it():
-    p = replace(H200, host_wake_points=POINTS)
+    p = replace(H200, host_wake_points=POINTS, host_route_waits=((1, 100.0), (8, 600.0)))
     assert [p.host_wake(w) for w in (0.0, 100.0, 600.0, 1100.0, 2100.0, 3100.0, 9000.0)] == \
         [1.0, 1.0, 1.5, 2.0, 2.25, 2.5, 2.5]
-    assert H200.host_wake(5000.0) == 1.0                       # none measured: the host as calibrated
+    # the factor each batch's route point holds already: its calibration runs' own wait
+    assert [p.host_wake_base(t) for t in (1, 8, 16)] == [1.0, 1.5, 1.5]
+    assert H200.host_wake(5000.0) == 1.0 and H200.host_wake_base(8) == 1.0     # none measured
+    assert replace(H200, host_wake_points=POINTS).host_wake_base(8) == 1.0
     back = HardwareProfile.from_dict(json.loads(json.dumps(p.to_dict())))
     assert back.host_wake_points == POINTS and back == p
+    # a JSON null is "none measured" for a table, and still refused for a curve the model needs
+    assert HardwareProfile.from_dict(H200.to_dict() | {"host_wake_points": None}).host_wake_points == ()
+    with pytest.raises(CmoeError, match="h2d_pinned is"):
+        HardwareProfile.from_dict(H200.to_dict() | {"h2d_pinned": None})
 
 
 @pytest.mark.parametrize("pts,says", [
@@ -67,6 +74,31 @@ def test_the_route_step_and_wait_come_from_the_decode_passes_spans():
     assert route_and_wait(SimpleNamespace(pass_us=[(0, False, 4, 1.0)], spans=spans)) == (0.0, 0.0)
 
 
+def test_the_wait_is_the_gpu_ahead_of_the_host_at_the_read_back():
+    """A host that costs nothing but its 1 us route step: it waits at every read-back from the end
+    of its last route step (a route span's end) to the end of the layer's attention on the GPU
+    (the attention span's end), and the route span is then 1 us times f(that wait) = 1 + wait / 10
+    up to 20 us, in both engines; at batch 2 over the factor its route point held (a wait of 5 us:
+    f = 1.5)."""
+    t = tiny(M=3, E=4, T=24, seed=2, requests=2, K=2)
+    prof = replace(FLAT_FIFO, host_layer_us=0.0, host_expert_us=0.0, host_wake_points=((0.0, 1.0), (20.0, 3.0)))
+    for batch, held in ((1, ()), (2, ((1, 0.0), (2, 5.0)))):
+        a, b, _, _ = both(t, "ondemand", replace(prof, host_route_waits=held), batch, slots=4, costs=tiny_costs(t))
+        same_run(a, b)
+        route = {(s[1], s[2]): s for s in a.spans if s[4] == "route"}
+        att = {(s[1], s[2]): s[7] for s in a.spans if s[4] == "attention"}
+        base = 1.5 if held else 1.0
+        checked = 0
+        for (p, d), s in route.items():
+            if d == 0:
+                continue
+            wait = att[(p, d)] - route[(p, d - 1)][7]
+            assert wait > 0
+            assert s[7] - s[6] == pytest.approx(1.0 + 1.0 * (min(1 + wait / 10, 3.0) / base - 1.0), abs=1e-9)
+            checked += 1
+        assert checked >= 20
+
+
 def test_both_engines_scale_the_route_step_not_its_loads():
     """FLAT_FIFO's host is slower than its GPU, so every layer's read-back finds the GPU done (a
     wait of 0) and its route span is the host's route step alone: 1 us, and 3 us with a factor of 3
@@ -106,10 +138,12 @@ def test_calibrate_fits_the_samples_into_the_profile_and_shows_them_beside_it():
     m = _synthetic(known)
     plain = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-03")
     assert plain.host_wake_points == () and plain.host_wake(5000.0) == 1.0
-    m["layer"]["host"] |= {"wake_points": fit_wake([tuple(x) for x in samples]), "wake_samples": samples}
+    m["layer"]["host"] |= {"wake_points": fit_wake([tuple(x) for x in samples]), "wake_samples": samples,
+                           "route_waits": [(1, 100e-6), (8, 350e-6)]}
     got = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-03")
     assert [w for w, _ in got.host_wake_points] == pytest.approx([100.0, 1100.0])
     assert [f for _, f in got.host_wake_points] == pytest.approx([1.0, 1.5])
+    assert [t for t, _ in got.host_route_waits] == [1, 8] and got.host_wake_base(8) == pytest.approx(1.125)
     rows = {line[:28].strip(): line[28:].split() for line in beside(got, m).splitlines()}
     assert rows["host, route after 100us"][:2] == ["20.0us", f"{got.host_route(1):.1f}us"]
     assert rows["host, route after 1100us"][:2] == ["30.0us", f"{got.host_route(1) * 1.5:.1f}us"]

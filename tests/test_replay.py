@@ -43,7 +43,8 @@ FLAT_WAVE = replace(FLAT_FIFO, wave_gbps=0.5, wave_us=1.0, wave_row_us=1.0, comm
 # the lean executor's graphed decode passes queued back to back, its host a little slower than the GPU
 QUEUED = replace(LEAN, pass_overlap=True, host_layer_us=300.0, host_pass_start_us=250.0, pass_gap_us=120.0)
 # ... whose route step runs slower after a long read-back wait (`host_wake`)
-WAKE = replace(QUEUED, host_wake_points=((50.0, 1.0), (400.0, 1.6), (2000.0, 2.4)))
+WAKE = replace(QUEUED, host_wake_points=((50.0, 1.0), (400.0, 1.6), (2000.0, 2.4)),
+               host_route_waits=((1, 50.0), (2, 120.0), (4, 300.0)))
 
 
 def same_run(a, b) -> None:

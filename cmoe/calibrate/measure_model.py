@@ -104,7 +104,7 @@ class _ModelRuns:
         self.first = spec.moe_layers[0]
         self.L, self.M = spec.num_layers, spec.num_moe_layers
         self.gpu: dict[str, list] = {"points": [], "expert": [], "waves": [], "plain_points": [], "readback": []}
-        self.host: dict[str, list] = {"layer": [], "route": [], "expert": [], "expert_span": [], "sync": [],
+        self.host: dict[str, list] = {"layer": [], "route": [], "expert": [], "expert_span": [], "sync": [], "waits": [],
                                       "layer_runs": [], "route_runs": [], "expert_runs": [], "gaps": []}
         self.host_runs: dict[int, list[dict]] = {}    # batch -> each eager run's host figures (`_host_run`)
         self.host_work: dict[int, tuple] = {}         # batch -> (workload, config) of its eager runs
@@ -146,7 +146,8 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
     Also the pass's start-up (layer 0's excess) and LM head on both sides, an expert's kernels
     inside the model on both sides, what predicting adds on the host per MoE layer (a `commit` run,
     all experts resident), and CPU experts and the round trip inside the model (a `static` run
-    with top_k slots per layer, when the store has CPU copies of the experts).
+    with top_k slots per layer, when the store has CPU copies of the experts); on CUDA, the route
+    step after longer read-back waits (`cmoe.calibrate.wake`).
 
     `built`: a Workload already built (its model, store and spec are used as they are: the model
     the runs will use, in the state they will find it); otherwise the model is built here, cut to
@@ -255,6 +256,7 @@ def _host_points(r: _ModelRuns, batches) -> None:
         for k in ("layer", "route", "expert", "expert_span"):
             host[k].append((batch, float(np.mean([x[k] for x in runs]))))
         host["sync"] += [x["sync"] for x in runs]
+        host["waits"].append((batch, float(np.mean([x["sync"] for x in runs]))))   # what its route followed
         host["gaps"] += [g for x in runs for g in x["gaps"]]
 
 
@@ -357,7 +359,8 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
                               "expert_points": host["expert"], "expert_tail_s": float(np.mean([x for _, x in tail])),
                               "load_s": one["host_load"],
                               "sync_s": _sync_s(host, tail),
-                              "pass_start_s": one["host_start"], "head_s": one["host_head"], **r.wake}
+                              "pass_start_s": one["host_start"], "head_s": one["host_head"], "route_waits": host["waits"],
+                              **r.wake}
                      | ({"pass_gap_s": gap} if gap is not None else {})},
            "waves": gpu["waves"], "commit_waves": r.one.get("commit_waves", []), "seconds": r.seconds,
            "repeats": {"host, layer": {"unit": "tokens", "grows": False, "points": host["layer_runs"]},

@@ -38,7 +38,9 @@ Measurements (all times in seconds):
   lean engine's kernel, per key of the longest row, `attn_us_per_cache_key`: its rows run side by
   side, so batch 8 costs what its longest row does);
   `host`: {"layer_points", "route_points", "expert_points": [(tokens, seconds)], "sync_s",
-  "pass_start_s", "head_s"}: the host thread's side of the same, from the `host_*` spans;
+  "pass_start_s", "head_s"}: the host thread's side of the same, from the `host_*` spans; on CUDA
+  also "wake_points" [[wait s, factor]], "wake_samples" [[lead us, route s, wait s]]
+  (`cmoe.calibrate.wake`) and "route_waits" [(tokens, seconds)], the wait each route point followed;
 - `cpu_expert`: {"bytes", "points": [(tokens, seconds)]}: one expert on the host's CPU;
 - `roundtrip`: seconds to take a pass's hidden states to the host and back, synchronised;
 - `copy_slowdown`: fractional slowdown of a matmul while a side-stream copy runs;
@@ -272,8 +274,10 @@ def _host_fields(h: dict | None) -> dict:
     out["host_sync_us"] = h["sync_s"] * 1e6
     out["host_pass_start_us"] = h["pass_start_s"] * 1e6
     out["host_head_us"] = h["head_s"] * 1e6
-    if h.get("wake_points"):          # the route step after a wait: [wait s, factor] -> (us, factor)
+    if h.get("wake_points"):          # the route step after a wait: [wait s, factor] -> (us, factor),
         out["host_wake_points"] = tuple((w * 1e6, f) for w, f in h["wake_points"])
+        if h.get("route_waits"):      # and the wait each batch's route point followed, (tokens, us)
+            out["host_route_waits"] = tuple((int(t), w * 1e6) for t, w in h["route_waits"])
     return out
 
 
@@ -351,7 +355,8 @@ def _wake_means(samples: list) -> list[tuple[float, float]]:
     """(mean wait s, mean route step s) per lead of `cmoe.calibrate.wake`'s samples, by lead."""
     by: dict[float, list] = {}
     for lead, route, wait in samples:
-        by.setdefault(lead, []).append((wait, route))
+        if route > 0:                 # as `fit_wake`: a run without a route step says nothing
+            by.setdefault(lead, []).append((wait, route))
     return [(float(np.mean([w for w, _ in v])), float(np.mean([r for _, r in v]))) for _, v in sorted(by.items())]
 
 

@@ -9,9 +9,11 @@ after 50 us and 1.39-1.60x after 2-4 ms. So calibration measures it where it mat
 executor's own route step at batch 1 (ondemand, every expert resident, so the step loads nothing),
 after waits made by GPU sleep queued before each layer's experts (`lead_us`), in rounds that
 alternate the leads so that a drift of the host's speed falls on all of them alike. A point is
-(the runs' median read-back wait, their mean route step over the unled runs'), the unled runs'
-own wait at factor 1; the simulator scales a layer's route step by the factor at the wait it
-predicts before it (`HardwareProfile.host_wake`). A load's own host cost (`host_load_us`) is not
+(the mean of the runs' median read-back waits, their mean route step over the unled runs'), the
+unled runs' own wait at factor 1. The simulator scales a layer's route step (`host_route`: not the
+read-back, the prediction or commit's extra) by the factor at the wait it predicts before it,
+over the factor at the wait each batch's route point was measured after (`host_route_waits`, so
+a batch whose calibration runs waited longer is not slowed twice; `HardwareProfile.host_wake`). A load's own host cost (`host_load_us`) is not
 scaled: calibration prices it in a run that loads, whose waits are long already; scaling it too
 double-counted the slowdown (sixteenth session: batch-1 loading rows predicted 1-2% slow).
 """
@@ -39,8 +41,8 @@ def route_and_wait(log) -> tuple[float, float]:
 
 
 def fit_wake(samples: list[tuple[float, float, float]]) -> list[list[float]]:
-    """[[wait s, factor]] from (lead us, route s, wait s) samples: per lead, the mean wait and the
-    mean route over the unled (lead 0) runs' mean route; the unled point at factor 1. Points are
+    """[[wait s, factor]] from (lead us, route s, median wait s) samples: per lead, the mean wait
+    and the mean route over the unled (lead 0) runs' mean route; the unled point at factor 1. Points are
     kept in order of their waits, each past the one before (a lead too short to lengthen the wait
     adds nothing). [] without unled runs or a route to divide by."""
     by: dict[float, list[tuple[float, float]]] = {}

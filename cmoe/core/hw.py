@@ -29,7 +29,7 @@ HOST_FIELDS = ("host_layer_us", "host_attn_us_per_token", "host_sync_us", "host_
                "commit_start_us")
 HOST_POINTS = ("host_layer_points", "host_route_points", "host_expert_points")
 _PAIRS = ("h2d_pinned", "d2h_pinned", "expert_gbps", "expert_rows_us", *HOST_POINTS, "wave_count_us",
-          "host_wake_points")                   # the fields that are lists of pairs (JSON lists <-> tuples)
+          "host_wake_points", "host_route_waits")      # the fields that are lists of pairs (JSON <-> tuples)
 
 
 @dataclass(frozen=True)
@@ -125,8 +125,10 @@ class HardwareProfile:
     host_layer_points: tuple = ()                   # host_layer(tokens)
     host_route_points: tuple = ()                   # host_route(tokens)
     host_expert_points: tuple = ()                  # host_expert(rows)
-    host_wake_points: tuple = ()                    # (read-back wait us, factor): the host's work after a wait that
+    host_wake_points: tuple = ()                    # (read-back wait us, factor): the route step after a wait that
                                                     # long takes factor x its cost (`host_wake`; `cmoe.calibrate.wake`)
+    host_route_waits: tuple = ()                    # (tokens, us): the read-back wait of the runs host_route was
+                                                    # measured in, whose factor its points hold already
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -144,7 +146,7 @@ class HardwareProfile:
                         "of bytes > 0, GB/s positive, sizes ascending", ascending=True)
         check_pairs(self.name, "expert_gbps", self.expert_gbps, lambda k: k in ("int4", "int8", "bf16"),
                     "[class, GB/s]: class int4, int8 or bf16 (each once), GB/s positive", ascending=False)
-        for table in ("expert_rows_us", "host_layer_points", "host_route_points", "host_expert_points", "wave_count_us"):
+        for table in ("expert_rows_us", *HOST_POINTS, "wave_count_us", "host_route_waits"):
             if getattr(self, table):
                 check_pairs(self.name, table, getattr(self, table), whole(1)[0], "[rows, us]: a whole number "
                             "of rows >= 1, us >= 0, rows ascending", ascending=True, rate=NON_NEGATIVE[0])
@@ -238,10 +240,17 @@ class HardwareProfile:
         return self.host_route_us + self.host_route_us_per_token * max(tokens - 1, 0)
 
     def host_wake(self, wait_us: float) -> float:
-        """How much slower the host's work runs after a read-back wait of `wait_us`: the measured
+        """How much slower the route step runs after a read-back wait of `wait_us`: the measured
         factors read piecewise-linearly, held flat outside them (1 with none measured)."""
         pts = self.host_wake_points
         return table_us(pts, min(wait_us, pts[-1][0])) if pts else 1.0
+
+    def host_wake_base(self, tokens: int) -> float:
+        """`host_wake` at the wait `host_route(tokens)` was measured after: the simulator scales the
+        route step by host_wake(wait) / this, so a point measured after a longer wait is not
+        slowed twice (1 without `host_route_waits`; past its last batch, that batch's wait)."""
+        w = self.host_route_waits
+        return self.host_wake(table_us(w, min(tokens, w[-1][0]))) if w else 1.0
 
     def host_expert(self, tokens: int) -> float:
         if self.host_expert_points:
@@ -275,6 +284,8 @@ class HardwareProfile:
         if missing:
             raise CmoeError(f"hardware profile is missing the fields {missing}: write one with cmoe calibrate")
         for k in _PAIRS:                                          # JSON lists -> tuples, checked later
+            if k in d and d[k] is None:                           # null: none measured (a curve: refused below)
+                d[k] = ()
             if isinstance(d.get(k), list):
                 d[k] = tuple(tuple(p) if isinstance(p, list) else p for p in d[k])
         for f in fields(cls):                                       # 1.41e11 bytes in JSON: a whole number

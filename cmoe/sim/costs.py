@@ -64,8 +64,8 @@ def moe_attention_extra_us(hw: HardwareProfile, policy, num_layers: int) -> floa
 class PassCosts:
     """What every layer of one pass costs or needs (op times, the host's costs, which path commit
     takes), worked out once per pass; `tally` is the pass's counts in the run record."""
-    __slots__ = ("ps", "p", "n", "tally", "slow", "layer_gpu", "layer_host", "route_host", "commit_decode",
-                 "all_rows", "fifo", "ahead")
+    __slots__ = ("ps", "p", "n", "tally", "slow", "layer_gpu", "layer_host", "route_host", "route_wake", "wake_base",
+                 "commit_decode", "all_rows", "fifo", "ahead")
 
     def __init__(self, ps: Pass, tally, hw: HardwareProfile, c: Costs, commits: bool, predict_us: float):
         n = ps.num_tokens
@@ -75,9 +75,18 @@ class PassCosts:
             + hw.attn_us_per_cache_key * (ps.keys if ps.decode else ps.context)
         self.layer_host = hw.host_layer(n)
         self.route_host = hw.host_sync_us + hw.host_route(n) + predict_us
+        # the part a long wait slows (`wake_extra`): the route step as calibrate measured it
+        self.route_wake, self.wake_base = hw.host_route(n), hw.host_wake_base(n)
         self.commit_decode = ps.decode and commits
         if self.commit_decode:
             self.route_host += hw.commit_route_us
         self.all_rows = n <= hw.dense_rows                         # every expert runs on all the pass's rows
         self.fifo = hw.copy_fifo
         self.ahead = hw.commit_ahead and self.commit_decode and self.fifo
+
+
+def wake_extra(hw: HardwareProfile, x: PassCosts, wait_us: float) -> float:
+    """What a read-back wait of `wait_us` adds to pass x's route step: the step as measured times
+    host_wake(wait) over the factor its measurement held already, less one (0.0 exactly without
+    wake points, so such profiles give what they gave before)."""
+    return x.route_wake * (hw.host_wake(wait_us) / x.wake_base - 1.0)

@@ -12,7 +12,8 @@ Two clocks, as in an eager PyTorch program (the executor is one):
   so a host slower than the GPU (eager transformers code) sets the pace, and a GPU waiting for a
   load lets the host run ahead and queue the next layer's attention, which then runs at GPU speed.
 A mark (a span's edge) lands where the executor's CUDA event would: max(G, H) when recorded.
-The host's route step after a read-back wait of w takes `host_wake(w)` times its cost: a host
+The host's route step (`host_route`, not the read-back, the prediction or commit's extra) after a
+read-back wait of w takes host_wake(w) / host_wake_base(tokens) times its calibrated cost: a host
 runs slower after a long wait (`cmoe.calibrate.wake`). A load's own host cost is not scaled: it
 is calibrated in a run that loads, whose waits are long already.
 With every `host_*` time 0 (the built-in profiles: a lean decoder whose host keeps ahead) this
@@ -49,7 +50,7 @@ import simpy
 from cmoe.core.hw import HardwareProfile
 from cmoe.core.metrics import RunRecord
 from cmoe.policy.policies import Load, Policy
-from cmoe.sim.costs import Costs, PassCosts, costs_for, moe_attention_extra_us, routers, silent
+from cmoe.sim.costs import Costs, PassCosts, costs_for, moe_attention_extra_us, routers, silent, wake_extra
 from cmoe.sim.experts import ExpertSteps
 from cmoe.trace.passes import Pass
 from cmoe.core.timeline import STREAM, START, END
@@ -291,7 +292,7 @@ class Simulation(ExpertSteps):
         if x.ahead:
             return (yield from self._ahead_layer(x, m, d, plan, votes, H, G))
         if not self._silent:          # the route step, slower after a long wait
-            H = max(H, G) + x.route_host * hw.host_wake(max(G - H, 0.0))
+            H = max(H, G) + x.route_host + wake_extra(hw, x, max(G - H, 0.0))
         later: dict[int, list[Load]] = {}
         now_loads = plan.loads
         loaded = {ld.expert for ld in plan.loads if ld.layer == m}
@@ -336,7 +337,7 @@ class Simulation(ExpertSteps):
             issued = hw.host_expert(x.n) if plan.gpu else 0.0      # by the pass's tokens
         else:
             issued = sum(hw.host_expert(rows_of[e]) for e in plan.gpu)
-        Hr = max(H + issued, t_in) + x.route_host * hw.host_wake(max(t_in - (H + issued), 0.0))
+        Hr = max(H + issued, t_in) + x.route_host + wake_extra(hw, x, max(t_in - (H + issued), 0.0))
         for ld in plan.loads:                    # layer m+1's: they touch no slot this layer reads
             if Hr > env.now:
                 yield env.timeout(Hr - env.now)

@@ -62,6 +62,7 @@ Costs = namedtuple("Costs", [
     "wfix",                                                # [M, E] an expert's share of a fused launch at 0 rows
     "wcnt",                                                # a fused launch's own cost by its expert count [0..E]
     "wake",                                                # [K, 2] (wait us, factor): `HardwareProfile.host_wake`
+    "route_wake", "wake_base",                             # per pass: the route step a wait slows, its factor as measured
 ])
 # Costs.hwf
 (SLOW, HOST_LOAD, HX0, HX1, TAIL, HALF_RT, CPU_TOK, TFLOPS, HOST_SYNC, PASS_START, HOST_PASS_START, HEAD, HOST_HEAD,

@@ -43,6 +43,12 @@ def _wake(x, w):
 
 
 @njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False)
+def _wake_extra(x, p, w):
+    """`costs.wake_extra`: what a wait of w adds to pass p's route step."""
+    return x.route_wake[p] * (_wake(x, w) / x.wake_base[p] - 1.0)
+
+
+@njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False)
 def _own(d, l0, l1, m, e):
     """Is e in {ld.expert for ld in plan.loads if ld.layer == m}?"""
     for i in range(l0, l1):
@@ -158,7 +164,7 @@ def _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M):
         for g in range(g0, g1):
             rows = n if x.all_rows[p] else _votes(x, p, m, d.g_e[g], M)
             tot += x.htab[rows]
-    Hr = pmax(H + tot, t_in) + x.route_host[p] * _wake(x, pmax(t_in - (H + tot), 0.0))
+    Hr = pmax(H + tot, t_in) + x.route_host[p] + _wake_extra(x, p, pmax(t_in - (H + tot), 0.0))
     for i in range(l0, l1):
         if Hr > c.F[NOW]:
             _sync(c, x, o, Hr)
@@ -270,7 +276,7 @@ def _layer(c, x, o, d, p, m, dl, j, H, G, t_in, n, slow, M, fifo, cpu):
     if x.hwi[AHEAD] and x.commit_decode[p]:         # Simulation._ahead_layer
         return _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M)
     if not x.hwi[SILENT]:                           # the route step, slower after a long wait
-        H = pmax(H, G) + x.route_host[p] * _wake(x, pmax(G - H, 0.0))
+        H = pmax(H, G) + x.route_host[p] + _wake_extra(x, p, pmax(G - H, 0.0))
     if not fifo:                                    # reads of resident experts; a loaded one is read after its write
         for g in range(g0, g1):
             if not _own(d, l0, l1, m, d.g_e[g]):

@@ -46,10 +46,8 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
     # tables alike), for every row count a pass can give an expert
     R = int(pa.ntok.max()) if pa.ntok.size else 1
     keys = sorted(memo)
-    xcls = np.zeros((M, E), np.int64)
-    for m in range(M):
-        for e in range(E):
-            xcls[m, e] = keys.index((c.expert_bytes[m][e], c.expert_bits[m][e]))
+    xcls = np.array([[keys.index((c.expert_bytes[m][e], c.expert_bits[m][e])) for e in range(E)] for m in range(M)],
+                    np.int64).reshape(M, E)
     xtab = np.array([[hw.expert_us(b, bits, max(r, 1), c.expert_params) for r in range(R + 1)] for b, bits in keys])
     # the host's issue: one expert's kernel by its rows, or a fused launch (once for all its
     # experts) by the pass's tokens, as calibrate measures it; both index 1..R
@@ -61,8 +59,9 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
     per_n = np.array([[hw.layer_us(n, c.attn_bytes), hw.host_layer(n), hw.host_sync_us + hw.host_route(n) + predict,
                        hw.host_expert(n),
                        hw.expert_us(c.dense_bytes, c.dense_bits, n, c.dense_bytes) if c.dense_bytes else 0.0,
-                       hw.expert_us(c.shared_bytes, c.dense_bits, n, c.shared_bytes) if c.shared_bytes else 0.0]
-                      for n in ns.tolist()]).reshape(-1, 6)[inv]
+                       hw.expert_us(c.shared_bytes, c.dense_bits, n, c.shared_bytes) if c.shared_bytes else 0.0,
+                       hw.host_route(n), hw.host_wake_base(n)]
+                      for n in ns.tolist()]).reshape(-1, 8)[inv]
     layer_gpu = per_n[:, 0] + hw.attn_us_per_ctx_token * pa.context + hw.attn_us_per_cache_key * np.where(pa.decode, pa.keys, pa.context)
     layer_host = per_n[:, 1]
     commit_decode = pa.decode & policy.commits
@@ -88,7 +87,8 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
                     c_(commit_decode), c_(pa.decode & bool(hw.pass_overlap)), c_(pa.ntok <= hw.dense_rows),
                     c_(pa.need_ptr), c_(pa.need), c_(pa.votes),
                     c_(xtab), c_(xcls), c_(htab), c_(wfix), c_(wcnt),
-                    np.array(hw.host_wake_points or ((0.0, 1.0),), np.float64).reshape(-1, 2))
+                    np.array(hw.host_wake_points or ((0.0, 1.0),), np.float64).reshape(-1, 2),
+                    c_(per_n[:, 6]), c_(per_n[:, 7]))
 
 
 class Replay:
