@@ -14,20 +14,22 @@ token at batch 1 against 3.93 with cuBLAS, 7.01-7.03 against 7.07-7.09 at batch 
 against 8.39 at batch 8, in one process. So it is the default on CUDA; CMOE_GEMV=0 keeps cuBLAS.
 The outputs may differ from cuBLAS's in the last bit, as any change of GEMM shape can.
 
-`gemv(..., norm=(weight, eps))` folds an RMSNorm of its one row into the product, so the q/k/v
-GEMV can take the layer's input norm and spare its launch: the k loop feeds the dot x times the
-norm's weight (rounded to x's dtype), adds the squares of the x tiles it loads anyway to an fp32
-sum, and the epilogue scales the products by rsqrt(sum / K + eps) once, before the bias. Measured
-on the H200 (2026-12-03, Mixtral's q/k/v, 6144 x 4096): the first fold took 34.5 us against 15.5
-for the GEMV alone; its register pass over the row before the loop cost at most 1.2 us of that,
-the norm's weight loaded as a [BK] vector (2 bytes a thread, too narrow for cp.async, so each k
-step waited on a plain load) the rest. Loaded as a [BK, 16] tile like x's it streams with x:
-16.7-17.3 us against 17.0-17.9 for the norm's launch then the GEMV. Below 64 output rows a program the
-in-loop sum doubled the time (Triton's mma.sync path), so the fold runs at BN >= 64. Its roundings
-are not transformers' (which rounds x * rstd, then the product with the weight): it differs from
-`norm.rms_norm` then `gemv` by the bf16 rounding of the row, growing as sqrt(K) (the tests bound
-it). Opt-in (CMOE_QKV_NORM=1, `attention.FastDecode.normed`): 0.3-0.8 us a layer saved, none
-with CMOE_PDL=1.
+`gemv(..., norm=(weight, eps))` folds an RMSNorm of its one row into the x tiles: the row's sum
+of squares first (one register pass over the row), then each tile normed as `norm._rms_row` norms
+it (the same roundings as transformers; only the sum's order may differ), so the q/k/v GEMV can
+take the layer's input norm and spare its launch. Measured on the H200 (2026-12-03, Mixtral's
+q/k/v, 6144 x 4096, one row): the first version took 34.5 us against 15.5 for the GEMV alone and
+18.0 for the norm's launch then the GEMV, and made `upper` 14% slower. The register pass cost at
+most 1.2 us of that; the norm's weight, loaded as a [BK] vector, the rest (2 bytes a thread, too
+narrow for cp.async, so each k step waited on a plain load). A helper session's variants (the
+same day) loaded it as a tile like x's: 16.7-17.5 us at 64 output rows a program. The one kept here
+also keeps transformers' roundings and the pass before the loop; it matched the two launches bit
+for bit and took 20.2 us at 32 rows a program. Its time at Mixtral's q/k/v configuration was not
+taken on its own. The fastest variant summed the squares inside the k loop and applied 1 / rms in
+the epilogue. It was twice as slow below 64 rows a program, and its roundings were not
+transformers': with it the lean executor's qwen2_moe logits left the 1e-2 the GPU test allows (one
+H200 run), so it was not kept. Opt-in (CMOE_QKV_NORM=1, `attention.FastDecode.normed`): at best
+~0.5 us a layer saved.
 
 CMOE_PDL=1 (`pdl_enabled`, opt-in likewise): the GEMV is launched with Hopper's programmatic
 dependent launch, so it may start while the kernel ahead of it runs; it loads its first weight
@@ -55,7 +57,7 @@ def enabled() -> bool:
 
 @triton.jit
 def _gemv(x_ptr, sx, w_ptr, b_ptr, y_ptr, sy, nw_ptr, eps, M, N, K, HAS_B: tl.constexpr, BN: tl.constexpr,
-          BK: tl.constexpr, STAGES: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+          BK: tl.constexpr, STAGES: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr):
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nm = n < N
     r = tl.arange(0, 16)
@@ -64,41 +66,39 @@ def _gemv(x_ptr, sx, w_ptr, b_ptr, y_ptr, sy, nw_ptr, eps, M, N, K, HAS_B: tl.co
         k = tl.arange(0, BK)
         w0 = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=nm[:, None] & (k < K)[None, :], other=0.0)
         tl.extra.cuda.gdc_wait()
+    rstd = 0.0
+    if NORM:        # one row's RMSNorm (weight at nw_ptr), as `norm._rms_row` computes it, on each x tile
+        kk = tl.arange(0, KP)
+        x0 = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x0 * x0, axis=0) / K + eps)
     acc = tl.zeros([BN, 16], tl.float32)
-    ss = 0.0        # NORM: the row's squares, summed per tile slot across the k loop (`_x_tile`)
-    if NORM:
-        ss = tl.zeros([BK, 16], tl.float32)
     k_first = 0
     if PDL:
-        xt, ss = _x_tile(x_ptr, sx, nw_ptr, ss, r, rm, tl.arange(0, BK), K, NORM)
-        acc = tl.dot(w0, xt, acc)
+        acc = tl.dot(w0, _x_tile(x_ptr, sx, nw_ptr, rstd, r, rm, tl.arange(0, BK), K, NORM), acc)
         k_first = BK
     for k0 in tl.range(k_first, K, BK, num_stages=STAGES):
         k = k0 + tl.arange(0, BK)
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=nm[:, None] & (k < K)[None, :], other=0.0)
-        xt, ss = _x_tile(x_ptr, sx, nw_ptr, ss, r, rm, k, K, NORM)
-        acc = tl.dot(w, xt, acc)
-    if NORM:        # the RMSNorm's 1 / rms, once on the fp32 products (the weights already in)
-        acc *= tl.rsqrt(tl.sum(ss) / K + eps)
+        acc = tl.dot(w, _x_tile(x_ptr, sx, nw_ptr, rstd, r, rm, k, K, NORM), acc)
     if HAS_B:
         acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[:, None]
     tl.store(y_ptr + r[None, :] * sy + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=nm[:, None] & rm[None, :])
 
 
 @triton.jit
-def _x_tile(x_ptr, sx, nw_ptr, ss, r, rm, k, K, NORM: tl.constexpr):
-    """x's columns k as [BK, 16] (rows past M zero), and ss. With NORM, the tile's squares are added
-    to ss (fp32) and the tile is multiplied by the norm's weight, rounded to x's dtype (a dot's
-    operand must be): the 1 / rms waits for the epilogue, so no pass over the row holds up the
-    weights. The weight comes as a tile like x's, so that it is streamed like x (module docstring)."""
-    km = rm[None, :] & (k < K)[:, None]
-    xt = tl.load(x_ptr + r[None, :] * sx + k[:, None], mask=km, other=0.0)
+def _x_tile(x_ptr, sx, nw_ptr, rstd, r, rm, k, K, NORM: tl.constexpr):
+    """x's columns k as [BK, 16] (rows past M zero); with NORM, normed as `norm._rms_row` norms:
+    (x * rstd) rounded to x's dtype, times the norm's weight, rounded again."""
+    km = k < K
+    xt = tl.load(x_ptr + r[None, :] * sx + k[:, None], mask=rm[None, :] & km[:, None], other=0.0)
     if NORM:
-        xf = xt.to(tl.float32)
-        ss += xf * xf
-        nw = tl.load(nw_ptr + 0 * r[None, :] + k[:, None], mask=km, other=0.0)
-        xt = (xf * nw.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    return xt, ss
+        dt = x_ptr.dtype.element_ty
+        h = (xt.to(tl.float32) * rstd).to(dt)
+        # the weight as a tile like x's, not a [BK] vector: 2 bytes a thread is too narrow for
+        # cp.async, and each k step waited on it (module docstring)
+        nw = tl.load(nw_ptr + 0 * r[None, :] + k[:, None], mask=rm[None, :] & km[:, None], other=0.0)
+        xt = (nw.to(tl.float32) * h.to(tl.float32)).to(dt)
+    return xt
 
 
 def fits(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> bool:
@@ -113,20 +113,17 @@ def fits(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> boo
 def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, bn: int = 16, bk: int = 256,
          stages: int = 4, norm: tuple | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T (+ b) -> [M, N] in x's dtype, by `_gemv` (see `fits`). With `norm`
-    (an RMSNorm's weight [K] and epsilon; `fits_norm`), the product of x's norm: one row only, at
-    BN >= 64 (below, the in-loop sum of squares doubled the time; module docstring)."""
+    (an RMSNorm's weight [K] and epsilon; `fits_norm`), the product of x's norm: one row only."""
     M, K = x.shape
     N = w.shape[0]
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     nw, eps = norm if norm is not None else (w, 0.0)
     if norm is not None and M != 1:
         raise ValueError("gemv: the norm is folded in for one row only")
-    if norm is not None:
-        bn = max(bn, 64)
     pdl = pdl_enabled(x.device)
     _gemv[(triton.cdiv(N, bn),)](x, x.stride(0), w, b if b is not None else w, y, y.stride(0), nw, float(eps), M, N,
                                  K, HAS_B=b is not None, BN=bn, BK=bk, STAGES=stages, NORM=norm is not None,
-                                 PDL=pdl, launch_pdl=pdl, num_warps=4)
+                                 KP=triton.next_power_of_2(K), PDL=pdl, launch_pdl=pdl, num_warps=4)
     return y
 
 
@@ -145,10 +142,10 @@ def pdl_enabled(device) -> bool:
 
 
 def fits_norm(x: torch.Tensor, w: torch.Tensor, b, weight: torch.Tensor) -> bool:
-    """What `gemv` takes with a norm folded in: `fits`, one row (the sum of squares is the row's), of
-    any width (the sum runs along the k loop), and the norm's weight contiguous, [K], of x's dtype
-    (x * weight is rounded to x's dtype, as `norm.rms_norm`'s output keeps it)."""
-    return (fits(x, w, b) and x.shape[0] == 1 and weight.is_contiguous()
+    """What `gemv` takes with a norm folded in: `fits`, one row, at most 8192 wide (the row's sum of
+    squares is one register pass), and the norm's weight contiguous, [K], of x's dtype (so the
+    normed row keeps x's dtype, as `norm.rms_norm` gives it)."""
+    return (fits(x, w, b) and x.shape[0] == 1 and x.shape[1] <= 8192 and weight.is_contiguous()
             and weight.shape == (x.shape[1],) and weight.dtype == x.dtype and weight.device == x.device)
 
 
