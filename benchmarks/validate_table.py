@@ -64,6 +64,12 @@ def main() -> None:
         def run_sim(policies, profile, folder, pool=pool, b=b, w=w):     # the simulator, this configuration
             predict(w, SimpleNamespace(policies=policies, pool_gb=pool, batch=b, slots=None, tokens=res["tokens"],
                                        include_prefill=True), profile, folder)
+
+        def held(profile, folder, policies):
+            """policy -> its prediction under `profile` held against every measured run of it."""
+            run_sim(policies, profile, folder)
+            got = [[validate(read_run(folder, p), ms[pols.index(p)]) for p in policies] for ms in measured]
+            return {r["policy"]: r for r in against_repeats(got)}
         pred = a.work / here.name / "predicted"
         for old in ("predicted", "predicted-host", "predicted-link", "predicted-other"):  # scratch from before
             shutil.rmtree(pred.with_name(old), ignore_errors=True)
@@ -75,24 +81,13 @@ def main() -> None:
         speed = sum(ratios) / len(ratios) if ratios else None
         adjusted = {}
         if a.host_adjust and speed:
-            pred2 = a.work / here.name / "predicted-host"
-            run_sim(pols, prof.host_scaled(speed), pred2)
-            adj = [[validate(read_run(pred2, p), m) for p, m in zip(pols, ms)] for ms in measured]
-            adjusted = {r["policy"]: r for r in against_repeats(adj)}
+            adjusted = held(prof.host_scaled(speed), a.work / here.name / "predicted-host", pols)
         linked = {}
         for i, p in enumerate(pols if a.link_adjust else []):
             ks = [k for r in runs if (k := link_ratio(r[i])) is not None]
-            if not ks:
-                continue
-            pred3 = a.work / here.name / "predicted-link" / p
-            run_sim([p], prof.link_scaled(sum(ks) / len(ks)), pred3)
-            linked[p] = against_repeats([[validate(read_run(pred3, p), ms[i])] for ms in measured])[0]
-        others = {}
-        if other is not None:
-            pred5 = a.work / here.name / "predicted-other"
-            run_sim(pols, other, pred5)
-            others = {r["policy"]: r for r in against_repeats([[validate(read_run(pred5, p), m)
-                                                                 for p, m in zip(pols, ms)] for ms in measured])}
+            if ks:
+                linked |= held(prof.link_scaled(sum(ks) / len(ks)), a.work / here.name / "predicted-link" / p, [p])
+        others = held(other, a.work / here.name / "predicted-other", pols) if other is not None else {}
         for i, agg in enumerate(against_repeats(runs)):
             vs = [r[i] for r in runs]
             tpot_m = [v["per_token"]["meas_mean_us"] / 1e3 for v in vs]

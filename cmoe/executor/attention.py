@@ -113,9 +113,10 @@ class FastDecode:
 
     def normed(self, norm, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kw):
         """The module's forward on norm(hidden_states), for a caller that holds the layer's input
-        norm (`Segments._moe_decoder`): with CMOE_QKV_NORM=1, on CUDA, for one decode row, the norm
-        is folded into the q/k/v GEMV (`gemv.gemv(..., norm=)`), one launch fewer; else the norm
-        runs first, as transformers' layer runs it."""
+        norm and has decided to fold it (`Segments._moe_decoder`, under CMOE_QKV_NORM=1, decided
+        once per engine): on CUDA, for one decode row, the norm is folded into the q/k/v GEMV
+        (`gemv.gemv(..., norm=)`), one launch fewer; else the norm runs first, as transformers'
+        layer runs it."""
         if (self.folds(norm) and self.applies(hidden_states, position_embeddings, attention_mask, past_key_values)):
             x = hidden_states.reshape(hidden_states.shape[0], -1)
             if self.gemv.fits_norm(x, self.w, self.b, norm.weight):
@@ -125,13 +126,12 @@ class FastDecode:
         return self(norm(hidden_states), position_embeddings, attention_mask, past_key_values, **kw)
 
     def folds(self, norm) -> bool:
-        """Whether `normed` may fold `norm` into the q/k/v GEMV: on CUDA with the GEMV on (not
-        CMOE_GEMV=0) and CMOE_QKV_NORM=1, for the RMSNorm modules `norm.rms_norm` stands in for."""
+        """Whether `normed` can fold `norm` into the q/k/v GEMV: on CUDA (the switches are the
+        caller's), for the RMSNorm modules `norm.rms_norm` stands in for."""
         if self.kernels is None or self.gemv is None:      # off CUDA: no Triton to import
             return False
         from cmoe.executor.kernels_triton.norm import NORM_CLASSES
-        return (self.gemv.enabled() and self.gemv.norm_enabled() and type(norm).__name__ in NORM_CLASSES
-                and hasattr(norm, "variance_epsilon"))
+        return type(norm).__name__ in NORM_CLASSES and hasattr(norm, "variance_epsilon")
 
     def _attend(self, qkv, B, position_embeddings, kv):
         a, D, lin = self.a, self.D, self.linear

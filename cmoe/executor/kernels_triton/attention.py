@@ -16,8 +16,9 @@ one program a head): at batch 1 a head's program walked every key alone, one dep
 after another, on 8 of the H200's 132 multiprocessors; the merge costs one more pass over S small
 states. Measured on the H200 (BENCHMARKS.md, fifteenth session): 11.6 against 54.0 us a launch at
 2049 keys and batch 1, but 9.6 against 5.5 at 65 keys of a 2112-slot cache, where the runs, sized
-by the cache, are mostly empty and the merge still waits for them; CMOE_ATTN_SPLIT=keys sizes them
-by the keys so far instead (not yet measured). The rotation rounds each product and the sum to the
+by the cache, are mostly empty and the merge still waits for them. CMOE_ATTN_SPLIT=keys sizes them
+by the keys so far instead: 6.2 us there, but 7.8 against 6.7 at 320 keys of 320 and `upper` the
+same (sixteenth session), so it stays opt-in. The rotation rounds each product and the sum to the
 activations' dtype, as transformers' element-wise `q * cos + rotate_half(q) * sin` does, and the
 kernel is compiled without fused multiply-adds (which would skip the products' rounding in fp32),
 so the rotated q and k equal transformers'.
@@ -135,13 +136,18 @@ def _rope_attend(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, cos_ptr, sin
         rows = (b * HQ + j * G + g).to(tl.int64)
         if SPLIT:
             if runs == 1:
-                tl.store(o_ptr + rows[:, None] * D + d[None, :], (acc / l_i[:, None]).to(o_ptr.dtype.element_ty),
-                         mask=qm)
+                _store_out(o_ptr, rows, d, acc, l_i, qm, D)
             else:
                 _combine(m_i, l_i, acc, pm_ptr, pacc_ptr, cnt_ptr, o_ptr, rows, b * HKV + j, sp, runs, S, g, d, qm,
                          GP, D, DP)
         else:
-            tl.store(o_ptr + rows[:, None] * D + d[None, :], (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=qm)
+            _store_out(o_ptr, rows, d, acc, l_i, qm, D)
+
+
+@triton.jit
+def _store_out(o_ptr, rows, d, acc, l_i, qm, D: tl.constexpr):
+    """A head's output, acc / l, into o at its query rows."""
+    tl.store(o_ptr + rows[:, None] * D + d[None, :], (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=qm)
 
 
 @triton.jit
@@ -215,8 +221,7 @@ def _combine(m_i, l_i, acc, pm_ptr, pacc_ptr, cnt_ptr, o_ptr, rows, bj, sp, runs
             o = o * a[:, None] + accs * c[:, None]
             m = mn
         tl.store(cnt_ptr + bj, 0)
-        o = o / lsum[:, None]
-        tl.store(o_ptr + rows[:, None] * D + d[None, :], o.to(o_ptr.dtype.element_ty), mask=qm)
+        _store_out(o_ptr, rows, d, o, lsum, qm, D)
 
 
 def decode_attention(q, k, v, cos, sin, keys, values, slot, valid, scaling):
@@ -242,8 +247,9 @@ def decode_attention(q, k, v, cos, sin, keys, values, slot, valid, scaling):
     G = Hq // Hkv
     GP, DPP = max(16, triton.next_power_of_2(G)), max(16, DP)
     o = torch.empty((B, Hq * D), dtype=q.dtype, device=q.device)
-    S, CH = splits(L)
-    by_keys = S > 1 and os.environ.get("CMOE_ATTN_SPLIT", "1") == "keys"
+    mode = split_mode()
+    S, CH = splits(L, mode)
+    by_keys = S > 1 and mode == "keys"
     pm = pacc = cnt = o                  # unused without splits
     if S > 1:
         # the runs' softmax states: max and sum [B * Hkv, S, 2, GP], outputs [B * Hkv, S, GP, DPP]
@@ -261,15 +267,21 @@ BL = 64                                  # keys a program takes per step
 MAX_SPLITS = 16
 
 
-def splits(L: int, env=None) -> tuple[int, int]:
+def split_mode() -> str:
+    """CMOE_ATTN_SPLIT: "1" (the default, runs sized by the cache), "0" (one program a head) or
+    "keys" (runs sized by the keys so far)."""
+    return os.environ.get("CMOE_ATTN_SPLIT", "1")
+
+
+def splits(L: int, mode: str | None = None) -> tuple[int, int]:
     """(S, CH): the cache's L keys cut into S runs of CH keys (a multiple of BL), one program each
-    per kv head, at most MAX_SPLITS; (1, L) under CMOE_ATTN_SPLIT=0 or when one run of BL covers L.
-    CMOE_ATTN_SPLIT=keys (not yet measured on a GPU, so not the default) keeps the S programs but
-    sizes the runs on the device by the keys so far: at least 2 blocks of BL each, so that a head
-    with up to 2 * BL keys runs one program and merges nothing, and the programs past the last run
-    return at once."""
-    env = os.environ if env is None else env
-    if env.get("CMOE_ATTN_SPLIT", "1") == "0" or L <= BL:
+    per kv head, at most MAX_SPLITS; (1, L) in mode "0" (`split_mode`, read here when not given) or
+    when one run of BL covers L. Mode "keys" (opt-in: measured on the H200, sixteenth session, no
+    faster in `upper`) keeps the S programs but sizes the runs on the device by the keys so far: at
+    least 2 blocks of BL each, so that a head with up to 2 * BL keys runs one program and merges
+    nothing, and the programs past the last run return at once."""
+    mode = split_mode() if mode is None else mode
+    if mode == "0" or L <= BL:
         return 1, L
     ch = BL * triton.cdiv(triton.cdiv(L, MAX_SPLITS), BL)
     return triton.cdiv(L, ch), ch
