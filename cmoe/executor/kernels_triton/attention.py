@@ -136,18 +136,13 @@ def _rope_attend(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, cos_ptr, sin
         rows = (b * HQ + j * G + g).to(tl.int64)
         if SPLIT:
             if runs == 1:
-                _store_out(o_ptr, rows, d, acc, l_i, qm, D)
+                tl.store(o_ptr + rows[:, None] * D + d[None, :], (acc / l_i[:, None]).to(o_ptr.dtype.element_ty),
+                         mask=qm)
             else:
                 _combine(m_i, l_i, acc, pm_ptr, pacc_ptr, cnt_ptr, o_ptr, rows, b * HKV + j, sp, runs, S, g, d, qm,
                          GP, D, DP)
         else:
-            _store_out(o_ptr, rows, d, acc, l_i, qm, D)
-
-
-@triton.jit
-def _store_out(o_ptr, rows, d, acc, l_i, qm, D: tl.constexpr):
-    """A head's output, acc / l, into o at its query rows."""
-    tl.store(o_ptr + rows[:, None] * D + d[None, :], (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=qm)
+            tl.store(o_ptr + rows[:, None] * D + d[None, :], (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=qm)
 
 
 @triton.jit
@@ -221,7 +216,8 @@ def _combine(m_i, l_i, acc, pm_ptr, pacc_ptr, cnt_ptr, o_ptr, rows, bj, sp, runs
             o = o * a[:, None] + accs * c[:, None]
             m = mn
         tl.store(cnt_ptr + bj, 0)
-        _store_out(o_ptr, rows, d, o, lsum, qm, D)
+        o = o / lsum[:, None]
+        tl.store(o_ptr + rows[:, None] * D + d[None, :], o.to(o_ptr.dtype.element_ty), mask=qm)
 
 
 def decode_attention(q, k, v, cos, sin, keys, values, slot, valid, scaling):
