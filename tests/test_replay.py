@@ -544,3 +544,30 @@ def test_a_loads_host_cost_comes_before_its_copy():
         first[cost] = (loads[0], [s for s in a.spans if s[END] < 13.0])      # what ended before any load
     assert first[0.0][0] == 13.0 and first[50.0][0] == 63.0
     assert first[50.0][1] == first[0.0][1] and first[0.0][1]
+
+
+def test_a_queued_pass_starts_from_the_hosts_clock_not_a_copys_landing():
+    """A queued decode pass begins where the host is, even when the pass before ended waiting on
+    a copy: the engine's process waited for that copy to land (to know when the kernel behind it
+    starts), but the host had issued the kernel and the LM head long before and gone on. So with
+    the host far ahead, the next pass's layer 0 starts on the GPU right after the head, and its
+    attention takes the GPU's pass start and layer time alone, not the host's pass start (call 9
+    of the sixteenth H200 session: at pool 20, batch 1, `ondemand`'s layer 0 was predicted 78 us
+    long, 954 against 876, while its host had finished the pass 1.8 ms before the GPU did)."""
+    t = trace_of("mixtral-8x7b", 1, 8)
+    prof = replace(LEAN, pass_overlap=True, host_layer_us=5.0, host_head_us=10.0, host_pass_start_us=500.0,
+                   pass_start_us=20.0, pass_gap_us=0.0, host_load_us=1.0)
+    a, b, _, _ = both(t, "ondemand", prof, 1, pool_gb=14)
+    same_run(a, b)
+    last = max(x[2] for x in a.spans if x[4] == "attention")
+    dec = [p for p, d, _, _ in a.pass_us if d]
+    head = {p: max(x[7] for x in a.spans if x[1] == p and x[4] == "head") for p in dec}
+    loads = {x[1] for x in a.spans if x[4] == "load" and x[2] == last}
+    att = {p: min((x for x in a.spans if x[1] == p and x[4] == "attention" and x[2] == 0), key=lambda x: x[6])
+           for p in dec}
+    chained = [p for p in dec[1:] if p - 1 in loads]
+    assert chained                                     # the case at hand: the pass before ended on a copy
+    for p in chained:
+        s = att[p]
+        assert s[6] == head[p - 1]                     # no gap: the first mark where the GPU got to it
+        assert s[7] - s[6] < prof.host_pass_start_us   # and the host's pass start hidden behind the copy

@@ -243,14 +243,16 @@ class Simulation(ExpertSteps):
         passes), work out the pass's per-layer costs, run its start-up (embedding, masks, its first
         sync: counted with layer 0's attention, whose span starts after the host's `pass_gap_us`, where
         the executor's first mark lands) and issue the policy's loads for the pass. A `chained`
-        pass (`pass_overlap`) waits for nothing: the host goes on from where it is, copies stay in
-        flight, and its first mark lands when the GPU gets to it. Returns (the pass's costs, H, G,
+        pass (`pass_overlap`) waits for nothing: the host goes on from its own clock (not from
+        `env.now`, where this process last waited to learn when a copy lands: the executor's host
+        had issued that kernel and the head long before), copies stay in flight, and its first mark
+        lands when the GPU gets to it. Returns (the pass's costs, H, G,
         where layer 0's attention span starts)."""
         env, hw, pol = self.env, self.hw, self.policy
         if self.in_flight and not chained:   # the device is synchronised between passes, copies included
             self.drained = env.event()
             yield self.drained
-        H = max(H, env.now) if chained else max(H, G, env.now)
+        H = H if chained else max(H, G, env.now)
         yield from self._sync(H)
         self.pass_index = ps.index
         x = PassCosts(ps, self.run.at(ps.index), hw, self.c, pol.commits, self._predict_us)

@@ -190,9 +190,7 @@ def _begin(c, x, o, d, p, j0, H, G, M, chained):
     if c.I[IN_FLIGHT] and not chained:              # the device is synchronised between passes
         c.I[DRAINED] = 1
         _advance(c, x, o, W_DRAINED, 0)
-    if chained:
-        H = pmax(H, c.F[NOW])
-    else:
+    if not chained:
         H = pmax(pmax(H, G), c.F[NOW])
     _sync(c, x, o, H)
     c.I[PASS_INDEX] = p
