@@ -34,10 +34,6 @@
 #                                             # attention_h200.py, then upper at batches 1/4/8 beside each switch of ABL
 #                                             # (default CMOE_ATTN_SPLIT=0, CMOE_ATTN_SPLIT=keys, CMOE_QKV_NORM=1,
 #                                             # CMOE_PDL=1; ~8 min)
-#   bash benchmarks/gpu_session.sh segids     # issue 14: the CUDA expert kernel finding its segments from the ids
-#                                             # (no route launch): its GPU tests and the lean ones, then
-#                                             # expert_kernel_h200.py at M 1-16 with CMOE_SEGIDS=0 and as committed
-#                                             # (two processes), then upper at batches 1/4/8 beside CMOE_SEGIDS=0
 #   bash benchmarks/gpu_session.sh ncu-variants [NAMES]  # the same variants' M = 1 launches under ncu
 #   bash benchmarks/gpu_session.sh host-wake  # issue 15: the folded norm's test and gemv_h200.py, then host_wake_h200.py:
 #                                             # a fixed host step after waits of each kind and length (~2 min)
@@ -102,11 +98,6 @@ case "${1:-}" in
         timeout 140 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider 2>&1 | tail -3 || true
         timeout 60 python3 benchmarks/attention_h200.py --out "$OUT/attention.json" 2>&1 | grep -v Warning || true
         upper 250 200 --env-ablation "${ABL:-CMOE_ATTN_SPLIT=0,CMOE_ATTN_SPLIT=keys,CMOE_QKV_NORM=1,CMOE_PDL=1}" ;;
-  segids) timeout 220 python3 -m pytest -q -m gpu tests/test_moe_cuda_gpu.py tests/test_lean_gpu.py \
-            -p no:cacheprovider 2>&1 | tail -8 || true
-          for v in 0 1; do CMOE_SEGIDS=$v timeout 90 python3 benchmarks/expert_kernel_h200.py --out "$OUT/expert-segids$v" \
-            --no-sweep --ms 1,2,4,8,16 --budget-s 70 2>&1 | grep -v Warning | tail -9 || true; done
-          upper 190 140 --env-ablation CMOE_SEGIDS=0 ;;
   gemv) timeout 60 python3 benchmarks/gemv_h200.py --out "$OUT/gemv.json" 2>&1 | grep -v Warning || true
         timeout 30 python3 -m pytest -q tests/test_step_kernels.py -k gemv -p no:cacheprovider 2>&1 | tail -2 || true
         CMOE_GEMV=0 timeout 120 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider 2>&1 | tail -3 || true

@@ -17,7 +17,7 @@ import ctypes
 import glob
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 import torch
@@ -180,63 +180,6 @@ def test_w2_as_a_dependent_launch_matches_the_plain_one_bit_for_bit_eager_and_in
         assert torch.equal(out, want)
 
 
-@pytest.mark.parametrize("M,k,g,c", [(1, 1, 128, 7), (5, 1, 64, 1), (8, 1, 256, 8), (4, 2, 128, 0), (8, 8, 32, 6)])
-@pytest.mark.gpu
-@needs_cuda
-def test_segments_found_from_the_ids_give_the_route_kernels_result(M, k, g, c, monkeypatch):
-    """SEGIDS (the default where both matrices run on the CUDA kernel and P = M * k <= 64): no route
-    launch, each CTA sorts the ids for its own segment and w13 zeroes acc, against CMOE_SEGIDS=0 (the
-    route kernel) with h and acc starting as NaN: bit for bit at top-1 without a split over CTAs (one
-    atomic add an element), else within the atomics' order; a repeated expert, a padding id and an
-    expert without a slot among the ids; then a replayed graph on new ids. P = 64 (8 rows, top-8)
-    is the largest it takes; 9 rows at top-8 go back to the route kernel."""
-    from cmoe.executor.kernels_triton import moe as K
-    from cmoe.executor.kernels_triton import pick_config
-    routed = []
-    real = K.launch_route
-    monkeypatch.setattr(K, "launch_route", lambda *a: (routed.append(a[0].P), real(*a)))
-    gen = torch.Generator(device="cuda").manual_seed(M * 10 + k + g)
-    H, Fd, E = 512, 768, 8
-    lay, pool, table = _pool(E, E + 1, H, Fd, g, gen, False)
-    table[5] = -1                                            # an expert without a slot
-    x, ids, wts = _inputs(M, k, E, H, gen)
-    if M > 1:
-        ids[1, 0] = -1                                       # a padding id
-    cfg = replace(pick_config(M), **CUDA_CFGS[c])
-    if k == 1:
-        cfg = replace(cfg, cus2=1)
-
-    def run(ws, segids: bool):
-        monkeypatch.setenv("CMOE_SEGIDS", "1" if segids else "0")
-        return moe_forward(x, ids, wts, table, pool, lay, workspace=ws, config=cfg, out_dtype=torch.float32)
-    want = run(_nan_workspace(M, k, H, Fd, E), False).clone()
-    assert routed == [M * k]
-    ws = _nan_workspace(M, k, H, Fd, E)
-    got = run(ws, True)
-    assert routed == [M * k]                                 # no second route launch
-    _assert_cuda_ran(g, cfg.__dict__)
-    assert torch.equal(got, want) if k == 1 and cfg.cus2 == 1 else _rel(got, want) < 1e-6
-    assert _rel(got, moe_reference(x, ids, wts, table, pool, lay, out_dtype=torch.float32)) < 5e-3
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run(ws, True)
-    for _ in range(3):
-        ids.copy_(_inputs(M, k, E, H, gen)[1])
-        ids[0, 0] = ids[M - 1, k - 1] = 3                     # one expert twice (or more)
-        ws.h.fill_(float("nan"))
-        ws.acc.fill_(float("nan"))
-        graph.replay()
-        ref = moe_reference(x, ids, wts, table, pool, lay, out_dtype=torch.float32)
-        assert _rel(out, ref) < 5e-3
-    assert routed == [M * k]
-    if M == 8 and k == 8:                                    # 72 pairs: the route kernel again
-        x9, ids9, wts9 = _inputs(9, 8, E, H, gen)
-        y = moe_forward(x9, ids9, wts9, table, pool, lay, config=cfg, out_dtype=torch.float32)
-        assert routed == [64, 72]
-        assert _rel(y, moe_reference(x9, ids9, wts9, table, pool, lay, out_dtype=torch.float32)) < 5e-3
-
-
 # --- CPU -----------------------------------------------------------------------------------------------
 
 def test_without_nvrtc_the_triton_kernel_runs_and_a_warning_says_so(monkeypatch):
@@ -322,14 +265,12 @@ def _nvrtc():
         return None
 
 
-@pytest.mark.parametrize("w13,g,warps,tiles,zp,wbf,opt,pdl,seg", [
-    (True, 32, 4, 1, False, False, True, False, False), (True, 256, 8, 1, True, False, False, False, False),
-    (False, 64, 4, 2, False, True, False, False, False), (False, 128, 1, 4, True, False, True, False, False),
-    (False, 256, 2, 1, False, False, False, False, False), (True, 128, 4, 1, False, False, True, True, False),
-    (False, 128, 4, 4, False, False, True, True, False), (False, 256, 2, 2, True, True, False, True, False),
-    (True, 128, 4, 1, False, False, True, True, True), (False, 128, 4, 4, False, False, True, True, True),
-    (True, 64, 1, 1, True, False, False, False, True), (False, 32, 2, 2, False, True, False, False, True)])
-def test_the_cuda_source_compiles_for_sm90(w13, g, warps, tiles, zp, wbf, opt, pdl, seg):
+@pytest.mark.parametrize("w13,g,warps,tiles,zp,wbf,opt,pdl", [
+    (True, 32, 4, 1, False, False, True, False), (True, 256, 8, 1, True, False, False, False),
+    (False, 64, 4, 2, False, True, False, False), (False, 128, 1, 4, True, False, True, False),
+    (False, 256, 2, 1, False, False, False, False), (True, 128, 4, 1, False, False, True, True),
+    (False, 128, 4, 4, False, False, True, True), (False, 256, 2, 2, True, True, False, True)])
+def test_the_cuda_source_compiles_for_sm90(w13, g, warps, tiles, zp, wbf, opt, pdl):
     """NVRTC (the nvidia-cuda-nvrtc wheel, where installed) compiles the source for sm_90 with the
     macros the host sets: a syntax or asm-constraint error is caught without a GPU."""
     lib = _nvrtc()
@@ -337,7 +278,7 @@ def test_the_cuda_source_compiles_for_sm90(w13, g, warps, tiles, zp, wbf, opt, p
         pytest.skip("NVRTC is not installed (pip install nvidia-cuda-nvrtc)")
     from cmoe.executor.kernels_cuda.moe import defines, source
     prog = ctypes.c_void_p()
-    src = (defines(w13, g, warps, tiles, zp, wbf, opt, pdl, seg) + source()).encode()
+    src = (defines(w13, g, warps, tiles, zp, wbf, opt, pdl) + source()).encode()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"moe_mma.cu", 0, None, None) == 0
     opts = [b"--gpu-architecture=sm_90", b"-std=c++17"]
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
@@ -348,54 +289,3 @@ def test_the_cuda_source_compiles_for_sm90(w13, g, warps, tiles, zp, wbf, opt, p
     assert rc == 0, log.value.decode()
     lib.nvrtcGetCUBINSize(prog, ctypes.byref(n))
     assert n.value > 0
-
-
-def test_segments_come_from_the_ids_only_when_both_matrices_run_on_the_cuda_kernel(monkeypatch):
-    """`kernels_cuda.moe.segids`, the choice that drops the route launch: the CUDA kernel must take
-    both matrices (cu13 and cu2 named, `fits`) and compile in its SEGIDS form (asked once per
-    workspace and configuration, with ids), the ids be int32 and at most 64 (SEG_MAX) pairs, and
-    CMOE_SEGIDS=0 keeps the route kernel. The kernel's own arithmetic runs on the GPU (the test above)."""
-    from cmoe.executor.kernels_cuda import moe as C
-    asked, compiles = [], [True]
-    monkeypatch.setattr(C, "available", lambda dev=0: True)
-    monkeypatch.setattr(C, "launch_w13", lambda *a: (asked.append(("w13", a[8], a[10] is not None)),
-                                                     object() if compiles[0] else None)[1])
-    monkeypatch.setattr(C, "launch_w2", lambda *a: (asked.append(("w2", a[11], a[12] is not None)),
-                                                    object() if compiles[0] else None)[1])
-    monkeypatch.setattr(C, "_SEGIDS", {})
-    lay = tiled_layout("w4g128", 256, 384)
-    pool = torch.zeros(4, lay.nbytes + 16 - lay.nbytes % 16, dtype=torch.uint8)
-    cfg = Cfg(cu13=4, cu2=4, cut2=2, cux13=True, cux2=True, cupdl=True)
-
-    def ask(M, k, cfg=cfg, dtype=torch.int32):
-        ws = _CpuWorkspace(M, k, 256, 384)
-        x = torch.zeros(M, 256, dtype=torch.bfloat16)
-        return C.segids(ws, x, torch.zeros(M, k, dtype=dtype), torch.zeros(M, k), pool, lay, cfg)
-    assert ask(2, 2) and asked == [("w13", True, True), ("w2", True, True)]
-    assert ask(2, 2) and len(asked) == 2                             # cached
-    assert ask(8, 8) and not ask(9, 8) and not ask(3, 2, dtype=torch.int64)
-    assert not ask(2, 2, cfg=replace(cfg, cu2=0)) and not ask(2, 2, cfg=replace(cfg, cu13=0))
-    monkeypatch.setenv("CMOE_SEGIDS", "0")
-    assert not ask(4, 2)
-    monkeypatch.delenv("CMOE_SEGIDS")
-    compiles[0] = False
-    assert not ask(4, 2)                                             # the SEGIDS form did not compile
-    compiles[0] = True
-    monkeypatch.setattr(C, "available", lambda dev=0: False)
-    assert not ask(1, 2)                                             # no NVRTC or GPU (this machine)
-
-
-@dataclass(frozen=True)
-class Cfg:                    # the KernelConfig fields `segids` reads (kernels_triton needs Triton)
-    cu13: int
-    cu2: int
-    cut2: int
-    cux13: bool
-    cux2: bool
-    cupdl: bool
-
-
-class _CpuWorkspace:          # the Workspace fields `segids` reads
-    def __init__(self, M, k, H, Fd):
-        self.P, self.key = M * k, (M, k, H, Fd)
-        self.h = torch.zeros(M * k, Fd, dtype=torch.bfloat16)

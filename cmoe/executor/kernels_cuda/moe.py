@@ -3,8 +3,7 @@ NVRTC through `torch.cuda._compile_kernel`, launched in place of the Triton `_ex
 `kernels_triton.moe.launch_w13` / `launch_w2` when a `KernelConfig` names warps for them (cu13,
 cu2) and the tensors allow it (`fits`). Route, workspace, h and acc are the Triton path's, so the
 two mix per launch and the CUDA-graph rules are the same (the launch goes to the current stream;
-compile outside a capture, as a warm-up call does). Where both matrices run here on at most 64
-(row, expert) pairs, the route kernel is not launched at all (`segids`: SEGIDS in `moe_mma.cu`).
+compile outside a capture, as a warm-up call does).
 
 NVRTC comes with PyTorch's CUDA wheels; torch's wrapper also asks for the CUDA toolkit's include
 path (CUDA_HOME), though the source includes no header. Where either is missing or a compile
@@ -17,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import warnings
 from importlib import resources
 
@@ -53,9 +51,9 @@ def available(device: int = 0) -> bool:
 
 
 def defines(is_w13: bool, group: int, warps: int, tiles: int, zp: bool, wt_bf16: bool, xpf: bool = True,
-            pdl: bool = False, segids: bool = False) -> str:
+            pdl: bool = False) -> str:
     vals = dict(IS_W13=int(is_w13), G=group, NW=warps, MT=tiles, ZP=int(zp), WT_BF16=int(wt_bf16), XPF=int(xpf),
-                PDL=int(pdl), SEGIDS=int(segids))
+                PDL=int(pdl))
     return "".join(f"#define {k} {v}\n" for k, v in vals.items())
 
 
@@ -132,16 +130,13 @@ def _launch_dependent(k, grid, block, args) -> None:
 
 
 def launch_w13(ws, x, slot_table, pool, layout, topk: int, warps: int, xpf: bool = False, warmup: bool = False,
-               pdl: bool = False, ids: torch.Tensor | None = None):
+               pdl: bool = False):
     """gate/up with SiLU into ws.h (rows in sorted order), one launch, K not split across CTAs.
     xpf: x loaded with its unit's weights (XPF in `moe_mma.cu`), else per block when computed;
-    pdl: compiled to let the next grid (w2 launched with pdl) start early (sm_90+, else ignored);
-    ids: the top-k ids (int32, ws.P <= SEG_MAX of them): each CTA finds its segment from them and
-    the launch zeroes ws.acc (SEGIDS), in place of `launch_route`'s kernel.
+    pdl: compiled to let the next grid (w2 launched with pdl) start early (sm_90+, else ignored).
     Returns the kernel, or None (nothing launched) where it did not compile."""
     dev = x.device.index or 0
-    k = kernel(dev, True, layout.group, warps, 1, bool(layout.zero_point), False, xpf, pdl and pdl_ok(dev),
-               ids is not None)
+    k = kernel(dev, True, layout.group, warps, 1, bool(layout.zero_point), False, xpf, pdl and pdl_ok(dev))
     if k is None or warmup:
         return k
     M = x.shape[0]
@@ -150,43 +145,24 @@ def launch_w13(ws, x, slot_table, pool, layout, topk: int, warps: int, xpf: bool
     k(grid=(layout.ffn // 16, ws.A * nch, 1), block=(32 * warps, 1, 1),
       args=[x, x.stride(0), pool, pool.stride(0), slot_table, slot_table.numel(), ws.seg_e, ws.seg_s, ws.seg_end,
             ws.order, ws.order, ws.h, ws.h.stride(0), layout.part("w13").offset, layout.part("w13_sz").offset,
-            layout.ffn, layout.hidden, topk, nch, units, *_seg_args(ws, ids, True)])
+            layout.ffn, layout.hidden, topk, nch, units])
     return k
 
 
-def _seg_args(ws, ids, zero: bool) -> list:
-    """The kernel's last four arguments: (ids, P, acc, elements to zero) with SEGIDS (zero: the w13
-    role, which zeroes acc), else placeholders the kernel does not read."""
-    if ids is None:
-        return [ws.order, 0, ws.acc, 0]
-    return [ids, ws.P, ws.acc, ws.acc.numel() if zero else 0]
-
-
-SEG_MAX = 64                # pairs the SEGIDS kernels take (moe_mma.cu)
-
-
-def segids_ok(ws, ids: torch.Tensor) -> bool:
-    """Whether the kernels may find their segments from these ids (SEGIDS): int32, contiguous, on
-    the workspace's device, and at most SEG_MAX pairs."""
-    return (ids.dtype == torch.int32 and ids.is_contiguous() and ids.numel() == ws.P <= SEG_MAX
-            and ids.device == ws.h.device)
-
-
 def launch_w2(ws, topk_weights, slot_table, pool, layout, topk: int, M: int, warps: int, tiles: int,
-              ksplit: tuple[int, int], xpf: bool = True, warmup: bool = False, pdl: bool = False,
-              ids: torch.Tensor | None = None):
+              ksplit: tuple[int, int], xpf: bool = True, warmup: bool = False, pdl: bool = False):
     """down with the routing weights, atomically added into ws.acc; K split over grid z as
     ksplit = (splits, units a split) says (`kernels_triton.moe.k_split`, which cuts it for both).
     pdl: launched as a programmatic dependent of the launch before it (sm_90+, else a plain launch;
     right after any grid, since it waits for that grid before it reads h; early only after a w13
-    compiled with pdl). ids: as `launch_w13`'s (that launch zeroed acc). Returns the kernel, or None
-    (nothing launched) for routing weights neither fp32 nor bf16 or a kernel that did not compile."""
+    compiled with pdl). Returns the kernel, or None (nothing launched) for routing weights neither
+    fp32 nor bf16 or a kernel that did not compile."""
     if topk_weights.dtype not in (torch.float32, torch.bfloat16):
         return None
     wt_bf16 = topk_weights.dtype == torch.bfloat16
     dev = ws.h.device.index or 0
     pdl = pdl and pdl_ok(dev)
-    k = kernel(dev, False, layout.group, warps, tiles, bool(layout.zero_point), wt_bf16, xpf, pdl, ids is not None)
+    k = kernel(dev, False, layout.group, warps, tiles, bool(layout.zero_point), wt_bf16, xpf, pdl)
     if k is None or warmup:
         return k
     nch = -(-M // BM)
@@ -194,36 +170,9 @@ def launch_w2(ws, topk_weights, slot_table, pool, layout, topk: int, M: int, war
     grid, block = (layout.hidden // (16 * tiles), ws.A * nch, s), (32 * warps, 1, 1)
     args = [ws.h, ws.h.stride(0), pool, pool.stride(0), slot_table, slot_table.numel(), ws.seg_e, ws.seg_s,
             ws.seg_end, ws.order, topk_weights, ws.acc, ws.acc.stride(0), layout.part("w2").offset,
-            layout.part("w2_sz").offset, layout.hidden, layout.ffn, topk, nch, ups, *_seg_args(ws, ids, False)]
+            layout.part("w2_sz").offset, layout.hidden, layout.ffn, topk, nch, ups]
     if pdl:
         _launch_dependent(k, grid, block, args)
     else:
         k(grid=grid, block=block, args=args)
     return k
-
-
-_SEGIDS: dict[tuple, tuple] = {}
-
-
-def segids(ws, x, ids, weights, pool, layout, cfg) -> bool:
-    """Whether a layer's launches (`kernels_triton.moe.moe_triton`) skip the route kernel: both
-    matrices on this kernel (cfg names warps for both, cu13 and cu2, and `fits` takes x and h), in
-    its SEGIDS form (each CTA sorts the <= SEG_MAX top-k ids for its own segment, w13 zeroes acc),
-    which compiles (both roles asked once, with warmup, per workspace, configuration and dtypes:
-    the first call compiles, outside a capture as a warm-up call does). CMOE_SEGIDS=0 keeps the
-    route kernel (the A/B of benchmarks/gpu_session.sh)."""
-    if os.environ.get("CMOE_SEGIDS", "1") == "0" or not (cfg.cu13 and cfg.cu2):
-        return False
-    # by identity (hashing the two dataclasses took ~1 us a call); the entry keeps them alive, so
-    # their ids are not reused
-    key = (id(cfg), id(layout), ws.key, ids.dtype, ids.shape, weights.dtype, x.stride(0), pool.stride(0))
-    hit = _SEGIDS.get(key)
-    if hit is None:
-        k = ids.shape[-1]
-        ok = bool(available(x.device.index or 0) and fits(layout, x, pool, 1) and fits(layout, ws.h, pool, cfg.cut2)
-                  and segids_ok(ws, ids)
-                  and launch_w13(ws, x, None, pool, layout, k, cfg.cu13, cfg.cux13, True, cfg.cupdl, ids) is not None
-                  and launch_w2(ws, weights, None, pool, layout, k, x.shape[0], cfg.cu2, cfg.cut2, (1, 1), cfg.cux2,
-                                True, cfg.cupdl, ids) is not None)
-        hit = _SEGIDS[key] = (ok, cfg, layout)
-    return hit[0]

@@ -31,11 +31,8 @@
 // per block when computed), PDL (sm_90+, programmatic dependent launch: the w13 role lets the next
 // grid start at once; the w2 role, launched as that dependent, loads its first two units' weights,
 // then waits for w13's grid to finish before it reads h, so its first loads overlap w13's last
-// wave and the launch gap), SEGIDS (each CTA works out its own segment from the P <= SEG_MAX top-k
-// ids, as the route kernel would have sorted them, and the w13 role zeroes acc for w2's atomics:
-// the route kernel's launch and the gap after it are gone; `segment` below), BM = 8 (rows of a
-// segment a CTA: the mma's n). Requires K % 128 == 0, N % (16 * MT) == 0, x's row stride % 4 == 0
-// (the host checks).
+// wave and the launch gap), BM = 8 (rows of a segment a CTA: the
+// mma's n). Requires K % 128 == 0, N % (16 * MT) == 0, x's row stride % 4 == 0 (the host checks).
 
 #ifndef IS_W13
 #define IS_W13 1
@@ -61,10 +58,6 @@
 #ifndef PDL
 #define PDL 0
 #endif
-#ifndef SEGIDS
-#define SEGIDS 0                   // 1: each CTA finds its segment from the top-k ids (no route kernel)
-#endif
-#define SEG_MAX 64                 // pairs (rows x top-k) SEGIDS takes
 
 #define BM 8
 #if IS_W13
@@ -273,78 +266,20 @@ __device__ __forceinline__ void compute_unit(const Unit& un, float (&acc)[TILES]
     }
 }
 
-#if SEGIDS
-// The route kernel's sort, for this CTA's segment alone: the P pairs' ids sorted stably (by id, then
-// pair index), one segment per distinct id, in ascending order. Fills ord[0..P) (sorted position ->
-// pair) and sg = (id, start, end) of segment `seg`, id -1 where there are fewer segments. Every
-// thread of the CTA must call it (it has barriers).
-__device__ __forceinline__ void segment(const int* __restrict__ ids, int P, int seg, int* ord, int* sg) {
-    __shared__ int sid[SEG_MAX], first[SEG_MAX];
-    for (int t = threadIdx.x; t < P; t += blockDim.x) sid[t] = ids[t];
-    if (threadIdx.x == 0) sg[0] = -1;
-    __syncthreads();
-    for (int t = threadIdx.x; t < P; t += blockDim.x) {
-        const int id = sid[t];
-        int rank = 0, before = 0;
-        for (int j = 0; j < P; ++j) {
-            const int v = sid[j];
-            rank += (v < id) | ((v == id) & (j < t));
-            before += (v == id) & (j < t);
-        }
-        ord[rank] = t;
-        first[t] = before == 0;
-    }
-    __syncthreads();
-    for (int t = threadIdx.x; t < P; t += blockDim.x) {
-        if (!first[t]) continue;
-        const int id = sid[t];
-        int d = 0, less = 0, same = 0;
-        for (int j = 0; j < P; ++j) {
-            const int v = sid[j];
-            d += first[j] & (v < id);
-            less += v < id;
-            same += v == id;
-        }
-        if (d == seg) {
-            sg[0] = id;
-            sg[1] = less;
-            sg[2] = less + same;
-        }
-    }
-    __syncthreads();
-}
-#endif
-
 extern "C" __global__ void __launch_bounds__(NW * 32)
 moe_mma(const u16* __restrict__ x, int stride_x, const unsigned char* __restrict__ pool, int slot_bytes,
         const int* __restrict__ table, int E, const int* __restrict__ seg_e, const int* __restrict__ seg_s,
-        const int* __restrict__ seg_end, const int* __restrict__ order_g, const void* __restrict__ wt,
-        void* out, int stride_o, int w_off, int sz_off, int N, int K, int topk, int nch, int ups,
-        const int* __restrict__ ids, int P, float* __restrict__ zacc, int nz) {
+        const int* __restrict__ seg_end, const int* __restrict__ order, const void* __restrict__ wt,
+        void* out, int stride_o, int w_off, int sz_off, int N, int K, int topk, int nch, int ups) {
 #if PDL && IS_W13
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");   // no-op without a dependent
 #endif
     const int seg = blockIdx.y / nch, ch = blockIdx.y % nch;
-#if SEGIDS
-#if IS_W13
-    if (blockIdx.y == 0 && blockIdx.z == 0)          // acc's zeros for w2's atomic adds, which wait for this grid
-        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < nz; i += gridDim.x * blockDim.x) zacc[i] = 0.0f;
-#endif
-    __shared__ int order[SEG_MAX], sg[3];
-    segment(ids, P, seg, order, sg);
-    const int e = sg[0];
-    if (e < 0 || e >= E) return;
-    const int slot = table[e];
-    if (slot < 0) return;
-    const int start = sg[1] + ch * BM, end = sg[2];
-#else
-    const int* order = order_g;
     const int e = seg_e[seg];
     if (e < 0 || e >= E) return;
     const int slot = table[e];
     if (slot < 0) return;
     const int start = seg_s[seg] + ch * BM, end = seg_end[seg];
-#endif
     if (start >= end) return;
     const int cnt = min(end - start, BM);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

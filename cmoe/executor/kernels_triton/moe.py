@@ -5,9 +5,6 @@ Workspace per batch size):
 
 1. `_route_kernel` (one program does the routing, all programs zero the fp32 accumulator): the
    (row, j) pairs sorted by expert, stably, and one segment per distinct expert (id, start, end).
-   Not launched where both matrices run on the CUDA kernel and there are at most 64 pairs
-   (`kernels_cuda.moe.segids`): each of its CTAs then sorts the ids for its own segment and its w13
-   zeroes acc, which spares a launch and the gap after it at decode's few rows.
 2. `_expert_mm` with IS_W13: grid (F / BN, segments * row chunks, S = split13). A CTA reads BN
    gate rows and the BN matching up rows of its segment's expert from the slot (slot table -> pool
    row) over 1/S of K = H. S = 1: it writes silu(gate) * up in bf16 into h [pairs, F], rows in
@@ -228,16 +225,13 @@ def _cuda(layout, x, pool, tiles: int):
     return C if C.available(x.device.index or 0) and C.fits(layout, x, pool, tiles) else None
 
 
-def launch_w13(ws: Workspace, x, slot_table, pool, layout, topk: int, cfg: KernelConfig, warmup=False, ids=None):
+def launch_w13(ws: Workspace, x, slot_table, pool, layout, topk: int, cfg: KernelConfig, warmup=False):
     """gate/up with SiLU into ws.h; with split13 > 1 two launches (the split w13, its reduction).
-    ids: the CUDA kernel finds its segments from them and zeroes acc (`kernels_cuda.moe.segids`).
     Returns the w13 launch's kernel (with warmup: both are compiled)."""
     if cfg.cu13 and (C := _cuda(layout, x, pool, 1)):
-        k = C.launch_w13(ws, x, slot_table, pool, layout, topk, cfg.cu13, cfg.cux13, warmup, cfg.cupdl, ids)
+        k = C.launch_w13(ws, x, slot_table, pool, layout, topk, cfg.cu13, cfg.cux13, warmup, cfg.cupdl)
         if k is not None:                    # None: it did not compile (warned), Triton runs below
             return k
-    if ids is not None:
-        raise RuntimeError("launch_w13: ids given, but the CUDA kernel did not run (ask `kernels_cuda.moe.segids` first)")
     H, Fd = layout.hidden, layout.ffn
     E = slot_table.numel()
     M = x.shape[0]
@@ -267,14 +261,12 @@ def launch_w13(ws: Workspace, x, slot_table, pool, layout, topk: int, cfg: Kerne
 
 
 def launch_w2(ws: Workspace, topk_weights, slot_table, pool, layout, topk: int, M: int, cfg: KernelConfig,
-              warmup=False, ids=None):
+              warmup=False):
     if cfg.cu2 and (C := _cuda(layout, ws.h, pool, cfg.cut2)):
         k = C.launch_w2(ws, topk_weights, slot_table, pool, layout, topk, M, cfg.cu2, cfg.cut2,
-                        k_split(layout.ffn, layout.group, cfg.cus2), cfg.cux2, warmup, cfg.cupdl, ids)
+                        k_split(layout.ffn, layout.group, cfg.cus2), cfg.cux2, warmup, cfg.cupdl)
         if k is not None:
             return k
-    if ids is not None:
-        raise RuntimeError("launch_w2: ids given, but the CUDA kernel did not run (ask `kernels_cuda.moe.segids` first)")
     H, Fd = layout.hidden, layout.ffn
     E = slot_table.numel()
     nch = triton.cdiv(M, cfg.bm)
@@ -306,12 +298,9 @@ def moe_triton(x, topk_ids, topk_weights, slot_table, pool, layout, workspace=No
         if ws is None:
             ws = _WS[key] = Workspace(M, topk, H, layout.ffn, E, x.device, x.dtype)
     cfg = config or pick_config(M)
-    from cmoe.executor.kernels_cuda.moe import segids
-    ids = topk_ids if segids(ws, x, topk_ids, topk_weights, pool, layout, cfg) else None
-    if ids is None:
-        launch_route(ws, topk_ids)
-    launch_w13(ws, x, slot_table, pool, layout, topk, cfg, ids=ids)
-    launch_w2(ws, topk_weights, slot_table, pool, layout, topk, M, cfg, ids=ids)
+    launch_route(ws, topk_ids)
+    launch_w13(ws, x, slot_table, pool, layout, topk, cfg)
+    launch_w2(ws, topk_weights, slot_table, pool, layout, topk, M, cfg)
     if out_dtype == torch.float32:
         return ws.acc
     ws.out.copy_(ws.acc)
