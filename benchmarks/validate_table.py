@@ -97,10 +97,13 @@ def main() -> None:
                          "predicted_tpot_ms": vs[0]["per_token"]["pred_mean_us"] / 1e3,
                          "measured_tpot_ms": sum(tpot_m) / len(tpot_m),
                          "layer_mean_error_worst": agg["per_layer_mean_error_max"],
+                         "layer_worst": [v.get("per_layer_worst") for v in vs],
                          "layer_mape_mean": [v["per_layer_mape_mean"] for v in vs],
                          "error_from": [v["error_from"] for v in vs],
                          "host_speed": [host_ratio(v, prof, b) for v in vs],
                          "link_speed": [link_ratio(v) for v in vs]}
+                        | ({"layers_within_spread": agg["per_layer_repeats"]["within"],
+                            "layer_vs_mean": agg["per_layer_repeats"]} if len(vs) > 1 else {})
                         | ({"host_adjusted_tok_s": adjusted[agg["policy"]]["predicted"],
                             "host_adjusted_error": adjusted[agg["policy"]]["error"]} if adjusted else {})
                         | ({"link_adjusted_tok_s": linked[agg["policy"]]["predicted"],
@@ -125,6 +128,10 @@ def counts(rows: list[dict]) -> str:
     layers = sum(all(abs(x) <= 0.08 for x in r["layer_mean_error_worst"]) for r in rows)
     line = (f"{n} configurations: {within('error', .03)} within 3%, {within('error', .05)} within 5%, "
             f"{within('error', .10)} within 10%; every layer within 8% in {layers}")
+    twice = [r for r in rows if "layers_within_spread" in r]
+    if twice:
+        line += (f"; every layer within 8% of the runs' mean or within its runs' spread in "
+                 f"{sum(r['layers_within_spread'] for r in twice)} of the {len(twice)} run more than once")
     if any("host_adjusted_error" in r for r in rows):
         line += (f"; at the runs' host speed {within('host_adjusted_error', .03)} / {within('host_adjusted_error', .05)}"
                  f" / {within('host_adjusted_error', .10)}")
@@ -147,7 +154,8 @@ def table(rows: list[dict]) -> str:
            + (" ---: | ---: |" if adj else "") + (" ---: | ---: |" if ladj else "")]
     for r in rows:
         meas = " / ".join(f"{x:.1f}" for x in r["measured_tok_s"])
-        worst = " / ".join(f"{x * 100:+.0f}%" for x in r["layer_mean_error_worst"])
+        worst = " / ".join(f"{x * 100:+.0f}%" + (f" (L{w})" if w is not None else "")
+                           for x, w in zip(r["layer_mean_error_worst"], r.get("layer_worst", [None] * 9)))
         mape = " / ".join(f"{x * 100:.0f}%" for x in r["layer_mape_mean"])
         host = " / ".join(f"{x:.2f}x" if x else "-" for x in r["host_speed"])
         link = " / ".join(f"{x:.3f}x" if x else "-" for x in r.get("link_speed", []))

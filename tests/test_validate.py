@@ -56,6 +56,7 @@ def test_errors_by_hand(runs):
     assert v["per_layer"][1]["signed"] == pytest.approx(-20 / 230)
     assert v["per_layer"][0]["mean_error"] == pytest.approx(-20 / 170)
     assert v["per_layer_mean_error_max"] == pytest.approx(-20 / 170)          # the worst layer, sign kept
+    assert v["per_layer_worst"] == 0
     assert v["per_token"]["signed"] == pytest.approx(-60 / 440)
     assert v["tokens_per_s"]["predicted"] == pytest.approx(1e6 / 380)
     assert v["tokens_per_s"]["error"] == pytest.approx(440 / 380 - 1)
@@ -65,6 +66,7 @@ def test_errors_by_hand(runs):
     assert v["error_from"] == "non-expert compute"
     text = format_validation(v)
     assert "error +15.8%" in text and "the error comes mostly from non-expert compute (-0.08 ms per pass)" in text
+    assert "mean time, worst layer -11.8% (layer 0)" in text
 
 
 @pytest.mark.parametrize("over, message", [
@@ -128,6 +130,27 @@ def test_repeated_measurements_give_the_error_against_their_mean_and_their_sprea
     assert "against the mean of 2 measured runs" in r.output
     doc = json.loads((tmp_path / "v.json").read_text())
     assert len(doc["runs"]) == 2 and doc["against_mean"][0]["error"] == pytest.approx(rows[0]["error"])
+
+
+def test_each_layer_is_held_against_its_runs_mean_and_spread(runs, tmp_path):
+    """`layer_repeats`: a second run whose layer 0 took 90 us longer (its attention; everything
+    after it later by as much). Layer 0: 150 us predicted against 170 and 260 measured, -30.2%
+    against their mean, the runs 41.9% apart, so within its spread; layer 1: 210 against 230
+    twice, -8.7% with no spread: outside 8%, inside 9%."""
+    from cmoe.analysis.validate import against_repeats, format_repeats, layer_repeats
+    slow = [s[:6] + ((s[6], s[7] + 90) if s[4] == "attention" and s[2] == 0 and s[3] == "compute"
+                     else (s[6] + 90 * (s[6] >= 120), s[7] + 90 * (s[6] >= 120))) + s[8:] for s in MEAS]
+    again = _folder(tmp_path / "m2", slow, [{"pass": 1, "decode": True, "tokens": 1, "us": 530}])
+    vs = [validate_folders(runs[0], runs[1])[0], validate_folders(runs[0], again)[0]]
+    assert vs[1]["per_layer"][0]["meas_mean_us"] == 260 and vs[1]["per_layer"][1]["meas_mean_us"] == 230
+    lr = layer_repeats(vs)
+    assert lr["layers"][0]["error"] == pytest.approx(150 / 215 - 1) and lr["layers"][0]["spread"] == pytest.approx(90 / 215)
+    assert lr["layers"][1]["error"] == pytest.approx(210 / 230 - 1) and lr["layers"][1]["spread"] == 0
+    assert lr["worst"] == 0 and lr["within"] is False
+    assert layer_repeats(vs, tol=0.09)["within"] is True
+    rows = against_repeats([[vs[0]], [vs[1]]])
+    assert rows[0]["per_layer_repeats"] == lr
+    assert "layer 0 -30.2%, runs 41.9% apart" in format_repeats(rows)
 
 
 def test_repeats_of_different_configurations_are_refused(runs):
