@@ -133,6 +133,34 @@ def test_a_kernel_that_walks_the_cache_is_priced_per_key_of_the_longest_row():
     assert "attn_us_per_cache_key" in lean.sources and "attn_us_per_ctx_token" not in lean.sources
 
 
+def test_the_runs_a_long_cache_is_cut_into_are_priced_apart_from_the_keys():
+    """The lean attention cuts each head's keys into runs sized by the cache (at most 16 of 64-key
+    multiples): a short prompt in the long run's cache (2060 slots: 11 runs) beside the two context
+    points (52 slots: one run; 2052.5 keys in 2060) gives the per-key cost and what each run past the
+    first costs, exactly; without that point, or with a kernel that does not split, the per-key line
+    of the two context points alone, as before."""
+    from cmoe.core.hw import split_runs
+    known = replace(H200, attn_us_per_cache_key=0.004, launch_us=0.0, attn_us_per_split_run=0.3,
+                    attn_split_max=16, attn_split_block=64)
+    m = _synthetic(known)
+    at = lambda keys, cache: (known.layer_us(1, 100_000_000) + 0.004 * keys + known.attn_split_us(cache)) / 1e6  # noqa: E731
+    assert [split_runs(c, 16) for c in (52, 320, 2060)] == [1, 5, 11]
+    m["layer"] |= {"context_points": [(32, at(32, 52)), (2052.5, at(2052.5, 2060))], "context_caches": [52, 2060],
+                   "split_point": [20.5, at(20.5, 2060), 2060]}
+    m |= {"attention_walks_cache": True, "attn_split_max": 16, "attn_split_block": 64}
+    got = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-04")
+    assert got.attn_us_per_cache_key == pytest.approx(0.004) and got.attn_us_per_split_run == pytest.approx(0.3)
+    assert (got.attn_split_max, got.attn_split_block) == (16, 64)
+    assert got.attn_split_us(320) == pytest.approx(1.2) and got.attn_split_us(52) == 0.0
+    assert "attn_us_per_split_run" in got.sources
+    for drop in ({"split_point"}, {"attn_split_max"}):
+        old = fit_profile("fit", {k: v for k, v in m.items() if k not in drop}
+                          | {"layer": {k: v for k, v in m["layer"].items() if k not in drop}},
+                          known.gpu_mem_bytes, "test", "2026-12-04")
+        assert old.attn_us_per_split_run == 0.0 and old.attn_split_max == 0
+        assert old.attn_us_per_cache_key == pytest.approx((at(2052.5, 2060) - at(32, 52)) / 2020.5 * 1e6)
+
+
 def test_cpu_calibration_gives_a_profile_the_simulator_runs(checkpoints, tiny_trace, tmp_path):
     from typer.testing import CliRunner
 

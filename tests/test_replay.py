@@ -383,6 +383,28 @@ def test_attention_over_the_cache_costs_the_longest_rows_keys():
     assert not pa.decode.all() and pa.decode.any()
 
 
+def test_a_decode_layer_pays_for_the_runs_its_cache_is_cut_into():
+    """`attn_us_per_split_run`: the lean attention cuts each head's keys into runs sized by the
+    KV cache, which the executor allocates for the trace (its last step + 1 slots): every decode
+    layer pays that many runs past the first (a prefill, SDPA, none); both engines alike. Prompt 10
+    and 190 decode steps: a 200-slot cache, 4 runs of 64 keys."""
+    from cmoe.sim.costs import costs_for
+    t = generate(preset("mixtral-8x7b"), recipe("w4a16"), SyntheticParams(requests=1, prompt_len=10, decode_len=190))
+    assert costs_for(t, t.spec, t.recipe).cache_len == 200
+    base = replace(LEAN, host_layer_us=1.0)
+    split = replace(base, attn_us_per_split_run=1.5, attn_split_max=16, attn_split_block=64)
+    assert split.attn_split_us(200) == pytest.approx(4.5)
+    pa = build(t, 1)
+    runs = []
+    for prof in (base, split):
+        a, b, _, _ = both(t, "upper", prof, 1)
+        same_run(a, b)
+        runs.append({(s[1], s[2]): s[7] - s[6] for s in a.spans if s[4] == "attention" and s[2] > 0})
+    assert runs[0].keys() == runs[1].keys() and any(not pa.decode[p] for p, _ in runs[0])
+    for (p, d), us in runs[0].items():
+        assert runs[1][(p, d)] - us == pytest.approx(4.5 if pa.decode[p] else 0.0)
+
+
 def test_the_read_back_and_the_prediction_cost_the_gpu_in_attention():
     """`readback_gpu_us` (every policy but a silent upper) and `predict_gpu_us` (policies that
     predict) lengthen each MoE layer's attention on the GPU; both engines alike."""

@@ -1,6 +1,7 @@
 """The link's bandwidth curve from `cmoe calibrate`'s timed copies: the best of each size's
 repeats, the sizes from LINE_FROM up on one line through the smallest copy and the median of the
-largest copy's rounds. Pure arithmetic, no torch."""
+largest copy's rounds; and `fit_line`, the least-squares line the other fits use. Pure arithmetic,
+no torch."""
 
 from __future__ import annotations
 
@@ -51,3 +52,14 @@ def curve(points: Points, top_rounds: list[float] | None = None) -> tuple[tuple[
         lat = t0 - b0 * per_byte
         best = [(b, s) if b < LINE_FROM else (b, lat + per_byte * b) for b, s in best]
     return tuple((b, b / s / GB) for b, s in best)
+
+
+def fit_line(points: Points, weights: list[float] | None = None) -> tuple[float, float]:
+    """Least-squares intercept and slope of y = a + b x (each point counted `weights` times)."""
+    x = np.array([p[0] for p in points], dtype=float)
+    y = np.array([p[1] for p in points], dtype=float)
+    w = np.ones_like(x) if weights is None else np.array(weights, dtype=float)
+    if len(points) == 1 or np.ptp(x) == 0:
+        return float(np.average(y, weights=w)), 0.0
+    b, a = np.polyfit(x, y, 1, w=np.sqrt(w))
+    return float(a), float(b)

@@ -203,6 +203,9 @@ def measure(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4
     out: dict = {"dense_rows": 0 if fused else DENSE_ROWS, "silent_upper": fused, "commit_ahead": fused,
                  "pass_overlap": queues_passes(cuda),
                  "attention_walks_cache": walks, "repeats": {}}
+    if walks:                    # its keys cut into runs sized by the cache (the default mode): how many at most
+        from cmoe.executor.kernels_triton.attention import BL, MAX_SPLITS, split_mode
+        out |= {"attn_split_max": MAX_SPLITS if split_mode() == "1" else 0, "attn_split_block": BL}
     link_round = None
     for name, fn in tqdm(steps, desc="calibrate", disable=not progress):
         got = fn()

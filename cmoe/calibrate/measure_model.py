@@ -319,8 +319,11 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
 
 def _context_points(r: _ModelRuns) -> list:
     """Attention against context: the GPU-time run again, one request with a long prompt. Returns
-    [(mean keys per decode token, seconds per layer)] of the batch-1 runs and of this one."""
-    from cmoe.executor.run import ExecConfig, run_policy
+    [(mean keys per decode token, seconds per layer)] of the batch-1 runs and of this one. On CUDA
+    also the short prompt in a cache as long as the long run's (`r.one["split_point"]`: [keys,
+    seconds, cache slots], with the other two runs' caches in `r.one["context_caches"]`): the lean
+    attention cuts a head's keys into runs sized by the cache, so a long cache costs at few keys too."""
+    from cmoe.executor.run import ExecConfig, max_len, run_policy
     from cmoe.trace.synthetic import SyntheticParams
     prompt = LONG_PROMPT if r.cuda else LONG_PROMPT // 8
     lw = r.on(SyntheticParams(requests=1, prompt_len=prompt, decode_len=8 + 4, seed=3))
@@ -330,6 +333,13 @@ def _context_points(r: _ModelRuns) -> list:
     run_policy(lw, lc, "upper")
     r.seconds["long context, first run"] = time.perf_counter() - t0
     ne_long, _ = _per_layer(run_policy(lw, lc, "upper").log, ("attention",), r.first)
+    if r.cuda:
+        sw = r.on(SyntheticParams(requests=1, prompt_len=16, decode_len=prompt - 16 + 8 + 4, seed=3))
+        run_policy(sw, lc, "upper")
+        ne_split, _ = _per_layer(run_policy(sw, lc, "upper").log, ("attention",), r.first)
+        r.one["split_point"] = [16 + 4.5, ne_split / r.L / 1e6, max_len(sw, lc)]
+        w1, c1 = r.host_work[1]
+        r.one["context_caches"] = [max_len(w1, c1), max_len(lw, lc)]
     return [(16 + (r.tokens + 1) / 2, r.gpu["points"][0][1]), (prompt + 4.5, ne_long / r.L / 1e6)]  # mean keys per decode token
 
 
@@ -351,6 +361,7 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
                      "pass_start_s": one["gpu_start"], "expert_in_model_s": gpu["expert"][0][1],
                      "expert_points": gpu["expert"], "predict_layer_s": one["predict"],
                      "commit_route_s": one["commit_route"], "context_points": ctx,
+                     **{k: one[k] for k in ("split_point", "context_caches") if k in one},
                      "readback_gpu_s": max(float(np.median([x for _, x in gpu["readback"]])), 0.0) if gpu["readback"] else 0.0,
                      "predict_gpu_s": max(one.get("predict_gpu", 0.0), 0.0), "commit_gpu_s": one.get("commit_gpu", 0.0),
                      "commit_gpu_copy_s": one.get("commit_gpu_copy", 0.0),

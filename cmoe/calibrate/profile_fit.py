@@ -36,7 +36,9 @@ Measurements (all times in seconds):
   `context_points`: [(keys per decode token, seconds per layer)] of a short and a long-prompt run:
   attention's cost per key attended (`attn_us_per_ctx_token`; with `attention_walks_cache`, the
   lean engine's kernel, per key of the longest row, `attn_us_per_cache_key`: its rows run side by
-  side, so batch 8 costs what its longest row does);
+  side, so batch 8 costs what its longest row does); with "split_point", "context_caches" and the
+  top-level "attn_split_max", "attn_split_block", what the runs the cache is cut into cost
+  (`cmoe.calibrate.layer_fit`);
   `host`: {"layer_points", "route_points", "expert_points": [(tokens, seconds)], "sync_s",
   "pass_start_s", "head_s"}: the host thread's side of the same, from the `host_*` spans; on CUDA
   also "wake_points" [[wait s, factor]], "wake_samples" [[lead us, route s, wait s]]
@@ -65,24 +67,15 @@ import numpy as np
 from cmoe.calibrate.noise import (FALL_SLACK, JITTER_S, SPREAD_LIMIT, Noise, noise, point_label, run_verdict,
                                   size_label, spread, verdict)
 from cmoe.core.errors import CmoeError
-from cmoe.calibrate.link_fit import LINE_FROM, Points, best_per_size, curve
+from cmoe.calibrate.link_fit import LINE_FROM, Points, best_per_size, curve, fit_line
 from cmoe.core.hw import GB, HardwareProfile, table_us
+from cmoe.calibrate.layer_fit import layer_fit
 
-# the noise verdict lives in cmoe.calibrate.noise, the link's curve in cmoe.calibrate.link_fit
+# the noise verdict lives in cmoe.calibrate.noise, the link's curve and fit_line in cmoe.calibrate.link_fit,
+# the layer's non-expert time in cmoe.calibrate.layer_fit
 __all__ = ["FALL_SLACK", "JITTER_S", "LINE_FROM", "Noise", "Points", "SPREAD_LIMIT", "beside", "best_per_size",
            "curve", "fit_line", "fit_profile", "noise", "noise_of", "point_label", "refit_profile", "run_verdict",
            "spread", "verdict", "with_expert_classes"]
-
-
-def fit_line(points: Points, weights: list[float] | None = None) -> tuple[float, float]:
-    """Least-squares intercept and slope of y = a + b x (each point counted `weights` times)."""
-    x = np.array([p[0] for p in points], dtype=float)
-    y = np.array([p[1] for p in points], dtype=float)
-    w = np.ones_like(x) if weights is None else np.array(weights, dtype=float)
-    if len(points) == 1 or np.ptp(x) == 0:
-        return float(np.average(y, weights=w)), 0.0
-    b, a = np.polyfit(x, y, 1, w=np.sqrt(w))
-    return float(a), float(b)
 
 
 def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) -> HardwareProfile:
@@ -92,7 +85,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     launch_s = 0.0 if m["layer"].get("host") else m["launch"]
     key, classes, rate = _expert_fit(m, launch_s)
     hbm = m["hbm"][0] / m["hbm"][1] / GB
-    la, lb, per_key = _layer_fit(m, hbm)
+    la, lb, per_key, split = layer_fit(m, hbm)
     cpu = m["cpu_expert"]
     ca, cb = _cpu_expert_fit(m)
     roundtrip = m.get("roundtrip_in_model") or m["roundtrip"]
@@ -123,9 +116,11 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         copy_on_host=device.lower() == "cpu", dense_rows=int(m.get("dense_rows", 0)),
         silent_upper=bool(m.get("silent_upper", False)), commit_ahead=bool(m.get("commit_ahead", False)),
         pass_overlap=bool(m.get("pass_overlap", False)),
-        **{per_key_field: per_key * 1e6},
+        **{per_key_field: per_key * 1e6}, **split,
         **host, **table, **waves,
         sources={k: src for k in (*_MEASURED, per_key_field, *host, *table)}
+        | {k: src + " (a short prompt in a cache as long as the long run's, beside the two context points)"
+           for k in split}
         | {k: src + " (upper's fused launches in the model: time = wave_us + experts' bytes at wave_gbps + "
            "wave_row_us per row, least squares over every decode layer)" for k in waves if k != "owa_gpu_us"}
         | {k: src + " (commit's decode launches, every expert resident, over upper's fit: OWA on the device)"
@@ -210,19 +205,6 @@ def _expert_fit(m: dict, launch_s: float) -> tuple[str, list[tuple[str, float]],
         if _class(oc["bits"]) != key:
             classes.append((_class(oc["bits"]), oc["bytes"] / max(oa - 3 * launch_s, 1e-9) / GB))
     return key, classes, rate
-
-
-def _layer_fit(m: dict, hbm: float) -> tuple[float, float, float]:
-    """A decoder layer's non-expert time: (seconds at one token less its weight reads and the
-    short runs' keys, seconds per extra token, seconds per key attended)."""
-    la, lb = fit_line([(t - 1, s) for t, s in m["layer"]["points"]])
-    la -= m["layer"].get("resident_bytes", 0) / (hbm * GB)          # the profile adds weight reads itself
-    ctx = m["layer"].get("context_points")                          # [(mean keys per token, seconds per layer)]
-    per_key = 0.0
-    if ctx and ctx[1][0] > ctx[0][0]:
-        per_key = max((ctx[1][1] - ctx[0][1]) / (ctx[1][0] - ctx[0][0]), 0.0)
-        la -= per_key * ctx[0][0]                                   # the short runs' keys, now priced per key
-    return la, lb, per_key
 
 
 def _cpu_expert_fit(m: dict) -> tuple[float, float]:
@@ -331,8 +313,12 @@ def beside(p: HardwareProfile, m: dict) -> str:
     rb = m["layer"].get("resident_bytes", 0)
     for t, s in m["layer"]["points"]:
         row(f"layer (non-expert), {t} tok", s, p.layer_us(t, rb))
-    for keys, sec in m["layer"].get("context_points") or []:
-        row(f"layer, {round(keys)} keys", sec, p.layer_us(1, rb) + (p.attn_us_per_ctx_token + p.attn_us_per_cache_key) * keys)
+    per_key = p.attn_us_per_ctx_token + p.attn_us_per_cache_key
+    caches = m["layer"].get("context_caches") or [0, 0]
+    for (keys, sec), c in zip(m["layer"].get("context_points") or [], caches):
+        row(f"layer, {round(keys)} keys", sec, p.layer_us(1, rb) + per_key * keys + p.attn_split_us(c))
+    if sp := m["layer"].get("split_point"):
+        row(f"layer, {round(sp[0])} keys of {sp[2]}", sp[1], p.layer_us(1, rb) + per_key * sp[0] + p.attn_split_us(sp[2]))
     h = m["layer"].get("host")
     for what, key, fn in (("host, layer", "layer_points", p.host_layer), ("host, route", "route_points", p.host_route),
                           ("host, one expert", "expert_points", p.host_expert)) if h else ():

@@ -59,6 +59,12 @@ class HardwareProfile:
                                                     # kernel that runs the rows side by side, walking the cache
                                                     # up to the step's slot (the lean executor's decode); a
                                                     # prefill (SDPA over the prompt) pays it per key summed
+    attn_us_per_split_run: float = 0.0              # per decoder layer in decode, per run past the first that the
+                                                    # lean engine's attention cuts each head's keys into, the runs
+                                                    # sized by the cache (`attn_split_us`: most of them empty
+                                                    # at short contexts, still launched and merged)
+    attn_split_max: int = 0                         # ... at most this many runs (0: the kernel does not split)
+    attn_split_block: int = 64                      # ... each a multiple of this many keys
     pass_start_us: float = 0.0                      # per pass, before the first layer: embedding, masks, sync
     head_us: float = 0.0                            # per pass, after the last layer: final norm, LM head
     # The host thread that issues the work (all 0: a host that never holds the GPU back). The
@@ -211,6 +217,11 @@ class HardwareProfile:
         return self.layer_fixed_us + resident_bytes / (self.hbm_gbps * GB) * 1e6 \
             + self.attn_us_per_token * max(tokens - 1, 0)
 
+    def attn_split_us(self, cache_len: int) -> float:
+        """What a decode layer's attention costs beyond one run a head, over a cache of `cache_len`
+        slots (`split_runs`)."""
+        return self.attn_us_per_split_run * (split_runs(cache_len, self.attn_split_max, self.attn_split_block) - 1)
+
     @property
     def pass_gap(self) -> float:
         """`pass_gap_us` as both simulator engines read it: never more than the host's whole pass
@@ -292,6 +303,18 @@ class HardwareProfile:
             if f.type == "int" and isinstance(d.get(f.name), float) and d[f.name].is_integer():
                 d[f.name] = int(d[f.name])
         return cls(**d)
+
+
+def split_runs(cache_len: int, max_runs: int, block: int = 64) -> int:
+    """The runs the lean engine's decode attention cuts a head's keys into over a cache of
+    `cache_len` slots (`kernels_triton.attention.splits`, its default mode): runs of a multiple of
+    `block` keys, at most `max_runs`; 1 where one block covers the cache or the kernel does not split
+    (max_runs 0 or 1)."""
+    if max_runs <= 1 or cache_len <= block:
+        return 1
+    per = -(-cache_len // max_runs)                 # ceil: keys a run must take
+    ch = block * -(-per // block)                   # in whole blocks
+    return -(-cache_len // ch)
 
 
 def table_us(points: tuple, x: float) -> float:

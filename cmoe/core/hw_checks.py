@@ -21,7 +21,7 @@ POSITIVE = (lambda v: finite(v) and v > 0, "positive (a finite number > 0)")
 NON_NEGATIVE = (lambda v: finite(v) and v >= 0, "a finite number >= 0 (a time or a fraction)")
 FLAG = (lambda v: isinstance(v, bool), "true or false")
 RATES = ("h2d_pageable_gbps", "hbm_gbps", "matmul_tflops", "cpu_expert_gbps")   # divided by: > 0
-LEAST = {"gpu_mem_bytes": 1, "copy_engines": 1, "dense_rows": 0}
+LEAST = {"gpu_mem_bytes": 1, "copy_engines": 1, "dense_rows": 0, "attn_split_block": 1}
 
 
 def rule(name: str, type_: str):

@@ -23,6 +23,8 @@ class Costs:
     shared_bytes: int
     dense_bits: float
     moe_layers: tuple[int, ...]
+    cache_len: int = 0                        # KV-cache slots the executor allocates for the trace (its longest
+                                              # row's last step + 1): what the decode attention's runs are cut by
 
 
 def costs_for(trace, spec, rec) -> Costs:
@@ -36,7 +38,8 @@ def costs_for(trace, spec, rec) -> Costs:
                  expert_params=3 * spec.hidden * spec.expert_ffn,
                  attn_bytes=(ne["attention"] + ne["norms"]) // spec.num_layers,
                  dense_bytes=dense, shared_bytes=shared,
-                 dense_bits=format_bits(rec.dense), moe_layers=spec.moe_layers)
+                 dense_bits=format_bits(rec.dense), moe_layers=spec.moe_layers,
+                 cache_len=int(trace.step.max()) + 1 if len(trace.step) else 0)
 
 
 def silent(hw: HardwareProfile, policy) -> bool:
@@ -72,7 +75,8 @@ class PassCosts:
         self.ps, self.p, self.n, self.tally = ps, ps.index, n, tally
         self.slow = 1.0 + hw.copy_compute_slowdown
         self.layer_gpu = hw.layer_us(n, c.attn_bytes) + hw.attn_us_per_ctx_token * ps.context \
-            + hw.attn_us_per_cache_key * (ps.keys if ps.decode else ps.context)
+            + hw.attn_us_per_cache_key * (ps.keys if ps.decode else ps.context) \
+            + (hw.attn_split_us(c.cache_len) if ps.decode else 0.0)
         self.layer_host = hw.host_layer(n)
         self.route_host = hw.host_sync_us + hw.host_route(n) + predict_us
         # the part a long wait slows (`wake_extra`): the route step as calibrate measured it

@@ -62,7 +62,8 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
                        hw.expert_us(c.shared_bytes, c.dense_bits, n, c.shared_bytes) if c.shared_bytes else 0.0,
                        hw.host_route(n), hw.host_wake_base(n)]
                       for n in ns.tolist()]).reshape(-1, 8)[inv]
-    layer_gpu = per_n[:, 0] + hw.attn_us_per_ctx_token * pa.context + hw.attn_us_per_cache_key * np.where(pa.decode, pa.keys, pa.context)
+    layer_gpu = per_n[:, 0] + hw.attn_us_per_ctx_token * pa.context + hw.attn_us_per_cache_key * np.where(pa.decode, pa.keys, pa.context) \
+        + np.where(pa.decode, hw.attn_split_us(c.cache_len), 0.0)
     layer_host = per_n[:, 1]
     commit_decode = pa.decode & policy.commits
     route_host = per_n[:, 2].copy()
@@ -76,8 +77,7 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
                     hw.host_expert_tail_us, hw.roundtrip_us / 2, hw.cpu_expert_us_per_token, hw.matmul_tflops * 1e12,
                     hw.host_sync_us, hw.pass_start_us, hw.host_pass_start_us, hw.head_us, hw.host_head_us,
                     float(hw.wave_gbps > 0), hw.wave_row_us, hw.owa_gpu_us,
-                    hw.pass_gap, hw.commit_gpu_us,
-                    hw.commit_gpu_copy_us, hw.commit_start_us])
+                    hw.pass_gap, hw.commit_gpu_us, hw.commit_gpu_copy_us, hw.commit_start_us])
     hwi = np.array([hw.copy_engines, hw.copy_fifo, hw.copy_on_host, c.expert_params, keep_spans,
                     bool(hw.head_us or hw.host_head_us), silent(hw, policy),
                     hw.commit_ahead and policy.commits and hw.copy_fifo], np.int64)
