@@ -130,8 +130,8 @@ def counts(rows: list[dict]) -> str:
             f"{within('error', .10)} within 10%; every layer within 8% in {layers}")
     twice = [r for r in rows if "layers_within_spread" in r]
     if twice:
-        line += (f"; every layer within 8% of the runs' mean or within its runs' spread in "
-                 f"{sum(r['layers_within_spread'] for r in twice)} of the {len(twice)} run more than once")
+        line += (f"; every layer within 8% of the runs' mean or inside their range widened by 8% in "
+                 f"{sum(r['layers_within_spread'] is True for r in twice)} of the {len(twice)} run more than once")
     if any("host_adjusted_error" in r for r in rows):
         line += (f"; at the runs' host speed {within('host_adjusted_error', .03)} / {within('host_adjusted_error', .05)}"
                  f" / {within('host_adjusted_error', .10)}")

@@ -144,7 +144,11 @@ def test_the_runs_a_long_cache_is_cut_into_are_priced_apart_from_the_keys():
                     attn_split_max=16, attn_split_block=64)
     m = _synthetic(known)
     at = lambda keys, cache: (known.layer_us(1, 100_000_000) + 0.004 * keys + known.attn_split_us(cache)) / 1e6  # noqa: E731
-    assert [split_runs(c, 16) for c in (52, 320, 2060)] == [1, 5, 11]
+    # the kernel's `splits` (kernels_triton.attention; tests/test_attention.py compares the two where
+    # Triton runs): runs of 64-key multiples, at most 16; none without a split
+    assert [split_runs(c, 16) for c in (1, 21, 52, 64, 65, 200, 320, 2052, 2060, 4096, 9000)] == \
+        [1, 1, 1, 1, 2, 4, 5, 11, 11, 16, 16]
+    assert split_runs(2060, 0) == split_runs(2060, 1) == 1
     m["layer"] |= {"context_points": [(32, at(32, 52)), (2052.5, at(2052.5, 2060))], "context_caches": [52, 2060],
                    "split_point": [20.5, at(20.5, 2060), 2060]}
     m |= {"attention_walks_cache": True, "attn_split_max": 16, "attn_split_block": 64}

@@ -161,7 +161,7 @@ def _prompts(model_dir: Path, data: Path | None, spec: ModelSpec, batch: int) ->
 def max_len(w: Workload, cfg: ExecConfig) -> int:
     if w.prompts is not None:
         return max(len(p) for p in w.prompts) + cfg.tokens
-    return int(w.trace.step.max()) + 1
+    return w.trace.cache_slots
 
 
 def layout_for(w: Workload, cfg: ExecConfig, policy: str) -> tuple[PoolLayout, dict]:

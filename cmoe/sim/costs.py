@@ -23,8 +23,8 @@ class Costs:
     shared_bytes: int
     dense_bits: float
     moe_layers: tuple[int, ...]
-    cache_len: int = 0                        # KV-cache slots the executor allocates for the trace (its longest
-                                              # row's last step + 1): what the decode attention's runs are cut by
+    cache_len: int = 0                        # KV-cache slots the executor allocates for the trace
+                                              # (`Trace.cache_slots`): what the decode attention's runs are cut by
 
 
 def costs_for(trace, spec, rec) -> Costs:
@@ -39,7 +39,7 @@ def costs_for(trace, spec, rec) -> Costs:
                  attn_bytes=(ne["attention"] + ne["norms"]) // spec.num_layers,
                  dense_bytes=dense, shared_bytes=shared,
                  dense_bits=format_bits(rec.dense), moe_layers=spec.moe_layers,
-                 cache_len=int(trace.step.max()) + 1 if len(trace.step) else 0)
+                 cache_len=trace.cache_slots)
 
 
 def silent(hw: HardwareProfile, policy) -> bool:

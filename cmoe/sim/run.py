@@ -68,8 +68,7 @@ def check_compatible(trace: Trace, profile: HardwareProfile, pool_gb: float) -> 
 
 def layout_for(trace: Trace, cfg: SimConfig) -> tuple[PoolLayout, dict]:
     spec = trace.spec
-    max_len = int(trace.step.max()) + 1 if trace.num_tokens else 1
-    budget = expert_budget(spec, trace.recipe, int(cfg.pool_gb * 1e9), cfg.batch, max_len)
+    budget = expert_budget(spec, trace.recipe, int(cfg.pool_gb * 1e9), cfg.batch, trace.cache_slots)
     return layout_for_policy(cfg.policy, trace.slot_bytes, spec.num_experts, spec.top_k, budget["expert_bytes"],
                              cfg.slots), budget
 

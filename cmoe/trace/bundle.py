@@ -88,6 +88,13 @@ class Trace:
         return int(self.experts.shape[0])
 
     @property
+    def cache_slots(self) -> int:
+        """KV-cache slots a run of this trace needs, and the executor allocates: its last step + 1
+        (1 for an empty trace). The simulator sizes the pool's budget and the decode attention's runs
+        by it, as the executor does."""
+        return int(self.step.max()) + 1 if self.num_tokens else 1
+
+    @property
     def slot_bytes(self) -> list[int]:
         return slot_bytes(self.expert_bytes)
 
