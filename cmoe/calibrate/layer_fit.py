@@ -9,6 +9,9 @@ held 52 (one run), and the simulator put them at 45.7, which priced attention by
 kernel pays for the cache's empty runs too (9.6 against 5.5 us at 65 keys of 2,112 slots,
 sixteenth session). So calibration times a third run, the short prompt in a cache as long as the
 long-context run's, and the three points fix t = a + k keys + r (runs - 1).
+
+Limits: r is measured at batch 1 and charged alike at every batch, though the kernel launches
+batch x kv heads x runs programs; k is measured at the long cache's runs and charged at every count.
 """
 
 from __future__ import annotations
