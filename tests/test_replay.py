@@ -383,6 +383,16 @@ def test_attention_over_the_cache_costs_the_longest_rows_keys():
     assert not pa.decode.all() and pa.decode.any()
 
 
+def test_a_wave_sums_its_time_in_the_engines_order_to_the_last_bit():
+    """A fused launch's time is its own cost plus its experts' shares, added in that order in both
+    engines: the replay used to add the launch's cost last, and floating point does not
+    reassociate, so `upper` at batch 4 (prefill of 8 requests, 8 experts a wave) gave spans one
+    unit in the last place apart from SimPy's."""
+    t = generate(preset("mixtral-8x7b"), recipe("w4a16"), SyntheticParams(requests=8, prompt_len=64, decode_len=4))
+    a, b, _, _ = both(t, "upper", replace(LEAN, host_layer_us=1.0), 4)
+    same_run(a, b)
+
+
 def test_a_decode_layer_pays_for_the_runs_its_cache_is_cut_into():
     """`attn_us_per_split_run`: the lean attention cuts each head's keys into runs sized by the
     KV cache, which the executor allocates for the trace (its last step + 1 slots): every decode

@@ -113,7 +113,10 @@ def _waves(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, silent, own, 
         nw = max(nw, w + 1)
     for k in range(nw):
         due = pmax(G, H)
-        start, dur, cnt = due, extra, 0
+        cnt = 0
+        for g in range(g0, g1):
+            cnt += c.wv[g - g0] == k
+        start, dur = due, x.wcnt[cnt] + extra          # the launch's own cost first, as the engine sums it
         for g in range(g0, g1):
             if c.wv[g - g0] != k:
                 continue
@@ -124,8 +127,6 @@ def _waves(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, silent, own, 
             start = pmax(start, due + wait)
             r = n if x.all_rows[p] else _votes(x, p, m, e, M)
             dur += x.wfix[m, e] + x.hwf[WAVE_ROW] * r
-            cnt += 1
-        dur += x.wcnt[cnt]
         issue = 0.0 if silent else x.htab[n]              # a launch's host cost goes by the pass's tokens
         start = pmax(start, H + issue - x.hwf[TAIL])
         if c.I[IN_FLIGHT] and copying(c, x, start):
