@@ -102,8 +102,7 @@ def main() -> None:
                          "error_from": [v["error_from"] for v in vs],
                          "host_speed": [host_ratio(v, prof, b) for v in vs],
                          "link_speed": [link_ratio(v) for v in vs]}
-                        | ({"layers_within_spread": agg["per_layer_repeats"]["within"],
-                            "layer_vs_mean": agg["per_layer_repeats"]} if len(vs) > 1 else {})
+                        | ({"layer_repeats": agg["per_layer_repeats"]} if len(vs) > 1 else {})
                         | ({"host_adjusted_tok_s": adjusted[agg["policy"]]["predicted"],
                             "host_adjusted_error": adjusted[agg["policy"]]["error"]} if adjusted else {})
                         | ({"link_adjusted_tok_s": linked[agg["policy"]]["predicted"],
@@ -128,10 +127,10 @@ def counts(rows: list[dict]) -> str:
     layers = sum(all(abs(x) <= 0.08 for x in r["layer_mean_error_worst"]) for r in rows)
     line = (f"{n} configurations: {within('error', .03)} within 3%, {within('error', .05)} within 5%, "
             f"{within('error', .10)} within 10%; every layer within 8% in {layers}")
-    twice = [r for r in rows if "layers_within_spread" in r]
+    twice = [r["layer_repeats"]["within"] for r in rows if "layer_repeats" in r]
     if twice:
         line += (f"; every layer within 8% of the runs' mean or inside their range widened by 8% in "
-                 f"{sum(r['layers_within_spread'] is True for r in twice)} of the {len(twice)} run more than once")
+                 f"{sum(w is True for w in twice)} of the {len(twice)} run more than once")
     if any("host_adjusted_error" in r for r in rows):
         line += (f"; at the runs' host speed {within('host_adjusted_error', .03)} / {within('host_adjusted_error', .05)}"
                  f" / {within('host_adjusted_error', .10)}")
@@ -155,7 +154,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         meas = " / ".join(f"{x:.1f}" for x in r["measured_tok_s"])
         worst = " / ".join(f"{x * 100:+.0f}%" + (f" (L{w})" if w is not None else "")
-                           for x, w in zip(r["layer_mean_error_worst"], r.get("layer_worst", [None] * 9)))
+                           for x, w in zip(r["layer_mean_error_worst"], r["layer_worst"]))
         mape = " / ".join(f"{x * 100:.0f}%" for x in r["layer_mape_mean"])
         host = " / ".join(f"{x:.2f}x" if x else "-" for x in r["host_speed"])
         link = " / ".join(f"{x:.3f}x" if x else "-" for x in r.get("link_speed", []))

@@ -134,9 +134,8 @@ def test_triton_decode_attention_equals_the_reference(dtype, one, split, monkeyp
     assert [splits(L, split) for L in (21, 70, 200, 2052)] == (
         [(1, 21), (2, 64), (4, 64), (11, 192)] if split != "0" else [(1, 21), (1, 70), (1, 200), (1, 2052)])
     assert splits(200) == splits(200, split)                   # no mode given: CMOE_ATTN_SPLIT's
-    from cmoe.core.hw import split_runs                        # the simulator's count of the same runs
-    if split == "1":
-        assert all(split_runs(L, 16) == splits(L, "1")[0] for L in (1, 21, 64, 65, 200, 320, 2052, 2060, 4096, 9000))
+    if split != "0":                                           # longer caches: at most 16 runs
+        assert [splits(L, split) for L in (320, 2060, 9000)] == [(5, 64), (11, 192), (16, 576)]
     for B, Hq, Hkv, D, L, at in ((1, 32, 8, 128, 200, 197), (3, 4, 2, 8, 21, 18), (2, 6, 6, 48, 70, 67),
                                  (2, 8, 2, 64, 200, 100), (1, 8, 2, 32, 700, 650)):
         qkv = torch.randn(B, (Hq + 2 * Hkv) * D, generator=gen).to(dtype).to(dev)

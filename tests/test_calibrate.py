@@ -139,16 +139,18 @@ def test_the_runs_a_long_cache_is_cut_into_are_priced_apart_from_the_keys():
     points (52 slots: one run; 2052.5 keys in 2060) gives the per-key cost and what each run past the
     first costs, exactly; without that point, or with a kernel that does not split, the per-key line
     of the two context points alone, as before."""
-    from cmoe.core.hw import split_runs
+    from cmoe.core.hw import split_plan, split_runs
     known = replace(H200, attn_us_per_cache_key=0.004, launch_us=0.0, attn_us_per_split_run=0.3,
                     attn_split_max=16, attn_split_block=64)
     m = _synthetic(known)
     at = lambda keys, cache: (known.layer_us(1, 100_000_000) + 0.004 * keys + known.attn_split_us(cache)) / 1e6  # noqa: E731
-    # the kernel's `splits` (kernels_triton.attention; tests/test_attention.py compares the two where
-    # Triton runs): runs of 64-key multiples, at most 16; none without a split
+    # the kernel's own rule (`kernels_triton.attention.splits` calls `split_plan`): runs of 64-key
+    # multiples, at most 16; one without a split
     assert [split_runs(c, 16) for c in (1, 21, 52, 64, 65, 200, 320, 2052, 2060, 4096, 9000)] == \
         [1, 1, 1, 1, 2, 4, 5, 11, 11, 16, 16]
     assert split_runs(2060, 0) == split_runs(2060, 1) == 1
+    assert [split_plan(c, 16) for c in (52, 65, 2060, 9000)] == [(1, 52), (2, 64), (11, 192), (16, 576)]
+    assert split_plan(2060, 1) == (1, 2060)                     # mode "0": one program a head
     m["layer"] |= {"context_points": [(32, at(32, 52)), (2052.5, at(2052.5, 2060))], "context_caches": [52, 2060],
                    "split_point": [20.5, at(20.5, 2060), 2060]}
     m |= {"attention_walks_cache": True, "attn_split_max": 16, "attn_split_block": 64}

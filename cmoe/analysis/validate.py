@@ -193,15 +193,14 @@ def validate(pred: Run, meas: Run) -> dict:
     diffs = {k: cp[k] - cm[k] for k in cp if k != "pass"}
     worst = max(diffs, key=lambda k: abs(diffs[k]))
     layer_mape = [v["mape"] for v in layers.values() if v["n"]]
+    worst_layer = max((k for k, v in layers.items() if v["n"]), key=lambda k: abs(layers[k]["mean_error"]), default=None)
     return {"policy": pred.metrics["policy"], "model": pred.metrics["model"], "trace_id": pred.metrics["trace_id"],
             "decode_passes": len(order), "tokens_per_s": {"predicted": tp, "measured": tm, "error": (tp - tm) / tm},
             "per_token": tok, "op_kinds": kinds, "per_layer": layers,
             "per_layer_mape_mean": float(np.mean(layer_mape)) if layer_mape else float("nan"),
             "per_layer_mape_max": float(np.max(layer_mape)) if layer_mape else float("nan"),
-            "per_layer_mean_error_max": max((v["mean_error"] for v in layers.values() if v["n"]), key=abs,
-                                            default=float("nan")),
-            "per_layer_worst": max((k for k, v in layers.items() if v["n"]), key=lambda k: abs(layers[k]["mean_error"]),
-                                   default=None),
+            "per_layer_mean_error_max": layers[worst_layer]["mean_error"] if worst_layer is not None else float("nan"),
+            "per_layer_worst": worst_layer,
             "components_us": {"predicted": cp, "measured": cm, "difference": diffs}, "error_from": worst,
             "host_layer_us": host_layer_us(meas.spans, steps),
             "link_gbps": {"predicted": link_gbps(pred.spans, steps), "measured": link_gbps(meas.spans, steps)}}
@@ -287,8 +286,8 @@ def format_repeats(rows: list[dict]) -> str:
     lines = [f"{'policy':<14} {'predicted':>10} {'measured tok/s':>22} {'error':>8} {'spread':>7}  worst layer"]
     for r in rows:
         meas = " / ".join(f"{x:.1f}" for x in r["measured"])
-        lr = r.get("per_layer_repeats") or {}
-        w = lr.get("worst")
+        lr = r["per_layer_repeats"]
+        w = lr["worst"]
         worst = (f"  layer {w} {lr['layers'][w]['error'] * 100:+.1f}%, runs {lr['layers'][w]['spread'] * 100:.1f}% apart"
                  if w is not None else "")
         lines.append(f"{r['policy']:<14} {r['predicted']:10.1f} {meas:>22} {r['error'] * 100:+7.1f}% "

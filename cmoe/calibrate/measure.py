@@ -185,7 +185,8 @@ def measure(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4
     sizes = [2**k for k in range(16, 29, 2)] if cuda else [2**k for k in range(16, 25, 2)]
     steps = [("copies", lambda: copies(device, sizes)), ("compute", lambda: compute(device)),
              ("expert", lambda: expert(device, spec, fmt)),
-             ("layers", lambda: layers(device, spec, fmt, num_layers, model_dir, built=built))]
+             ("layers", lambda: layers(device, spec, fmt, num_layers, model_dir, built=built,
+                                       split_point=bool(out.get("attn_split_max"))))]
     from cmoe.executor.engine import DENSE_ROWS
     from cmoe.executor.run import ExecConfig, uses_fused
     # the lean engine's layer kernel runs only the routed (row, expert) pairs; the per-expert loop

@@ -114,6 +114,7 @@ class _ModelRuns:
         self.wake: dict = {}                          # `cmoe.calibrate.wake.measure`'s (CUDA only)
         self.seconds: dict[str, float] = {}     # wall time of each step: what calibrating costs, reported
         self.w = built
+        self.split_point = False                      # time the short prompt in a long cache (`_context_points`)
 
     @property
     def queued(self) -> bool:
@@ -138,7 +139,7 @@ class _ModelRuns:
 
 
 def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, model_dir=None, tokens: int = 32,
-           built=None) -> dict:
+           built=None, split_point: bool = False) -> dict:
     """What the executor's own timeline says a model costs outside the experts, on the GPU and on
     the host, at batch 1 and 8: a short `upper` run gives the host's side (its `host_*` spans); on
     CUDA a second run with GPU sleep queued ahead of each layer (`lead_us`) lets the host get
@@ -151,13 +152,15 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
 
     `built`: a Workload already built (its model, store and spec are used as they are: the model
     the runs will use, in the state they will find it); otherwise the model is built here, cut to
-    its first `num_layers` layers (same per-layer shapes)."""
+    its first `num_layers` layers (same per-layer shapes). `split_point`: also time the short prompt
+    in a long cache (CUDA, where the decode attention cuts its keys into runs: `_context_points`)."""
     if built is not None:
         spec, model_dir = built.spec, built.model_dir
     elif model_dir is None:
         keep = tuple(d for d in spec.moe_layers if d < num_layers)
         spec = replace(spec, num_layers=num_layers, moe_layers=keep)
     r = _ModelRuns(device, spec, fmt, model_dir, tokens, built)
+    r.split_point = split_point and r.cuda
     # every batch bucket the benchmarks use on a GPU, so the host's costs are tables, not lines
     # through two points; a CPU keeps two (its main job runs batch 1, and it is slow)
     batches = (1, 2, 4, 8, 16) if r.cuda else (1, 8)
@@ -319,10 +322,11 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
 
 def _context_points(r: _ModelRuns) -> list:
     """Attention against context: the GPU-time run again, one request with a long prompt. Returns
-    [(mean keys per decode token, seconds per layer)] of the batch-1 runs and of this one. On CUDA
-    also the short prompt in a cache as long as the long run's (`r.one["split_point"]`: [keys,
-    seconds, cache slots], with the other two runs' caches in `r.one["context_caches"]`): the lean
-    attention cuts a head's keys into runs sized by the cache, so a long cache costs at few keys too."""
+    [(mean keys per decode token, seconds per layer)] of the batch-1 runs and of this one. With
+    `r.split_point` (CUDA, an attention that splits) also the short prompt in a cache as long as
+    the long run's (`r.one["split_point"]`: [keys, seconds, cache slots], with the other two runs'
+    caches in `r.one["context_caches"]`): the lean attention cuts a head's keys into runs sized by
+    the cache, so a long cache costs at few keys too."""
     from cmoe.executor.run import ExecConfig, max_len, run_policy
     from cmoe.trace.synthetic import SyntheticParams
     prompt = LONG_PROMPT if r.cuda else LONG_PROMPT // 8
@@ -333,7 +337,7 @@ def _context_points(r: _ModelRuns) -> list:
     run_policy(lw, lc, "upper")
     r.seconds["long context, first run"] = time.perf_counter() - t0
     ne_long, _ = _per_layer(run_policy(lw, lc, "upper").log, ("attention",), r.first)
-    if r.cuda:
+    if r.split_point:
         sw = r.on(SyntheticParams(requests=1, prompt_len=16, decode_len=prompt - 16 + 8 + 4, seed=3))
         run_policy(sw, lc, "upper")
         ne_split, _ = _per_layer(run_policy(sw, lc, "upper").log, ("attention",), r.first)

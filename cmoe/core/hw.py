@@ -305,16 +305,21 @@ class HardwareProfile:
         return cls(**d)
 
 
-def split_runs(cache_len: int, max_runs: int, block: int = 64) -> int:
-    """The runs the lean engine's decode attention cuts a head's keys into over a cache of
-    `cache_len` slots (`kernels_triton.attention.splits`, its default mode): runs of a multiple of
-    `block` keys, at most `max_runs`; 1 where one block covers the cache or the kernel does not split
-    (max_runs 0 or 1)."""
+def split_plan(cache_len: int, max_runs: int, block: int = 64) -> tuple[int, int]:
+    """(runs, keys a run): how the lean engine's decode attention cuts a head's keys over a cache of
+    `cache_len` slots, the kernel's own rule (`kernels_triton.attention.splits` calls this): runs
+    of a multiple of `block` keys, at most `max_runs`; one run of the whole cache where one block
+    covers it or the kernel does not split (max_runs 0 or 1)."""
     if max_runs <= 1 or cache_len <= block:
-        return 1
+        return 1, cache_len
     per = -(-cache_len // max_runs)                 # ceil: keys a run must take
     ch = block * -(-per // block)                   # in whole blocks
-    return -(-cache_len // ch)
+    return -(-cache_len // ch), ch
+
+
+def split_runs(cache_len: int, max_runs: int, block: int = 64) -> int:
+    """The runs of `split_plan`: what the simulator prices (`HardwareProfile.attn_split_us`)."""
+    return split_plan(cache_len, max_runs, block)[0]
 
 
 def table_us(points: tuple, x: float) -> float:

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cmoe.core.hw import split_plan
 from cmoe.executor.kernels_triton import scratch
 from cmoe.executor.kernels_triton.gemv import pdl_enabled
 
@@ -277,7 +278,4 @@ def splits(L: int, mode: str | None = None) -> tuple[int, int]:
     least 2 blocks of BL each, so that a head with up to 2 * BL keys runs one program and merges
     nothing, and the programs past the last run return at once."""
     mode = split_mode() if mode is None else mode
-    if mode == "0" or L <= BL:
-        return 1, L
-    ch = BL * triton.cdiv(triton.cdiv(L, MAX_SPLITS), BL)
-    return triton.cdiv(L, ch), ch
+    return split_plan(L, 1 if mode == "0" else MAX_SPLITS, BL)      # the rule the simulator prices too
