@@ -10,7 +10,8 @@
 #   bash benchmarks/gpu_session.sh validate   # issue 15: calibrate (the 4-layer cut, ~50 s, then the built
 #                                             # model, which predicts; CAL=cut or CAL=built for one), then
 #                                             # measure the GPU-only policies at pools 16/20/26, batches
-#                                             # 1/2/4/8; the tarballs under $OUT go to benchmarks/validate_table.py here
+#                                             # 1/2/4/8; the tarballs under $OUT go to benchmarks/validate_table.py here;
+#                                             # SPEC=PRESET POOLS=GB,GB BATCHES=B,B for another model's shapes
 #   bash benchmarks/gpu_session.sh host-ab    # issue 13: the host's step by phase, batch 1, pool 20, in four
 #                                             # processes alternating .before/ (a tree to compare against,
 #                                             # carried) and this tree; logs and JSON under $OUT/host-ab/
@@ -110,13 +111,13 @@ case "${1:-}" in
        "$N" -i /tmp/ncuv/v.ncu-rep --page source --csv --print-source sass > /tmp/ncuv/source.csv 2>&1 || true
        (cd /tmp && tar czf "$OUT/ncuv.tgz" ncuv/raw.csv ncuv/source.csv ncuv/run.log); ls -la /tmp/ncuv ;;
   gptq) timeout 300 python3 benchmarks/gptq_h200.py run --src .gq --out "$OUT/gptq-h200.json" 2>&1 | tail -30 ;;
-  validate) timeout 560 python3 benchmarks/validate_h200.py --out /tmp/v --pools 16,20,26 --batches 1,2,4,8 \
-              --tokens 32 --policies upper,ondemand,lru-prefetch,commit,oracle --measure-only \
+  validate) timeout 560 python3 benchmarks/validate_h200.py --out /tmp/v --pools "${POOLS:-16,20,26}" --batches "${BATCHES:-1,2,4,8}" \
+              --tokens 32 --policies upper,ondemand,lru-prefetch,commit,oracle --measure-only --spec "${SPEC:-mixtral-8x7b}" \
               --calibrate-on "${CAL:-both}" --commit "${COMMIT:-unknown}" 2>&1 | tee "$OUT/validate.log" | grep -v "^  " || true
             (cd /tmp/v && tar czf "$OUT/head.tgz" results.json profile*.json \
               && for b in 1 2 4 8; do ls -d pool*-b$b >/dev/null 2>&1 && tar czf "$OUT/meas-b$b.tgz" pool*-b$b; done; true) ;;
-  validate-r) timeout 560 python3 benchmarks/validate_h200.py --out /tmp/v --pools 16,20,26 --batches "${2:?batches}" \
-                --tokens 32 --policies upper,ondemand,lru-prefetch,commit,oracle --measure-only --repeat \
+  validate-r) timeout 560 python3 benchmarks/validate_h200.py --out /tmp/v --pools "${POOLS:-16,20,26}" --batches "${2:?batches}" \
+                --tokens 32 --policies upper,ondemand,lru-prefetch,commit,oracle --measure-only --repeat --spec "${SPEC:-mixtral-8x7b}" \
                 --calibrate-on "${CAL:-both}" --commit "${COMMIT:-unknown}" 2>&1 | tee "$OUT/validate.log" | grep -v "^  " || true
               (cd /tmp/v && tar czf "$OUT/head.tgz" results.json profile*.json \
                 && for b in 1 2 4 8; do ls -d pool*-b$b >/dev/null 2>&1 && tar czf "$OUT/meas-b$b.tgz" pool*-b$b; done; true) ;;
