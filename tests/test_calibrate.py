@@ -69,6 +69,11 @@ def test_fitting_recovers_the_parameters_it_was_made_from():
     got = fit_profile("fit", _synthetic(known), known.gpu_mem_bytes, "test", "2026-11-29")
     for (b0, g0), (b1, g1) in zip(known.h2d_pinned, got.h2d_pinned):
         assert b0 == b1 and g1 == pytest.approx(g0)                    # the fast repeat wins
+    assert got.h2d_queued_us == 0.0 and "h2d_queued_us" not in got.sources    # no queued loads measured
+    m = _synthetic(known)
+    m["layer"]["load_queue"] = [4 << 20, 4 * 1.048576 / known.h2d_pinned[-1][1] / 1e3 + 5e-6, 30]
+    q = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-11-29")
+    assert q.h2d_queued_us == pytest.approx(5.0) and "h2d_queued_us" in q.sources
     assert [g for _, g in got.d2h_pinned] == pytest.approx([g for _, g in known.d2h_pinned])
     for f in ("hbm_gbps", "matmul_tflops", "launch_us", "layer_fixed_us", "attn_us_per_token", "cpu_expert_gbps",
               "roundtrip_us", "h2d_pageable_gbps", "copy_compute_slowdown", "pass_start_us", "head_us",
@@ -280,6 +285,33 @@ def test_per_layer_sums_a_step_and_is_zero_where_the_engine_has_none():
     assert _per_layer(log, ("host_route",), 0) == (pytest.approx((30.0 + 30.0) / 2), pytest.approx(10.0))
     assert _per_layer(log, ("host_route",), None) == (pytest.approx(40.0), 0.0)
     assert _per_layer(log, ("host_predict",), None) == (0.0, 0.0)
+
+
+def test_queued_loads_give_the_copy_cost_without_start_up():
+    """Calibrate's ondemand run: loads that start within 3 us of the last one's end were queued
+    behind it; each costs (its end - the last one's end), here 66.4 us for 3,342,336 bytes; a load
+    after an idle engine and a prefill's load are left out. The fit takes the bytes at the curve's
+    last rate (54.9 GB/s: 60.88 us) off it."""
+    from types import SimpleNamespace
+
+    from cmoe.calibrate.link_fit import queued_fit
+    from cmoe.calibrate.spans import queued_period
+    from cmoe.core.timeline import Span
+    b = 3_342_336
+    spans = [Span("gpu", 0, 0, "copy0", "load", 1, 0.0, 64.0, b),          # prefill: left out
+             Span("gpu", 1, 0, "copy0", "load", 1, 100.0, 165.0, b),
+             Span("gpu", 1, 0, "copy0", "load", 2, 166.4, 231.4, b),        # queued: 231.4 - 165.0
+             Span("gpu", 1, 1, "copy0", "load", 3, 232.9, 300.0, b),        # queued: 300.0 - 231.4
+             Span("gpu", 1, 2, "copy0", "load", 4, 400.0, 472.0, b),        # after 100 us idle
+             Span("gpu", 1, 2, "compute", "expert", 4, 472.0, 480.0, 0)]
+    log = SimpleNamespace(spans=spans, pass_us=[(0, False, 0.0, 0.0), (1, True, 0.0, 0.0)])
+    got = queued_period(log)
+    assert got[0] == b and got[2] == 2 and got[1] == pytest.approx((66.4 + 68.6) / 2 / 1e6)
+    assert queued_period(SimpleNamespace(spans=spans[:2] + spans[4:], pass_us=log.pass_us)) is None
+    h2d = ((1 << 20, 30.7), (1 << 28, 54.9))
+    assert queued_fit(got, h2d)["h2d_queued_us"] == pytest.approx(67.5 - b / 54.9e3)
+    assert queued_fit(None, h2d) == {}
+    assert queued_fit([b, 50e-6, 4], h2d) == {"h2d_queued_us": 0.0}     # faster than the curve: no start-up
 
 
 def test_fused_launch_fit_recovers_its_parameters():

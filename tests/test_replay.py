@@ -38,8 +38,11 @@ FLAT2 = replace(FLAT, copy_engines=2, host_layer_us=3.0, host_expert_us=1.0, hos
 FLAT_FIFO = replace(FLAT, copy_fifo=True, host_layer_us=12.0, host_expert_us=2.0, host_route_us=1.0)
 # the lean executor: fused launches (waves), a silent upper, commit ahead of its read-back
 LEAN = replace(EAGER, silent_upper=True, commit_ahead=True, wave_gbps=3000.0, wave_us=25.0, wave_row_us=0.5,
-               host_expert_us=40.0)
+               host_expert_us=40.0, h2d_queued_us=8.0)
 FLAT_WAVE = replace(FLAT_FIFO, wave_gbps=0.5, wave_us=1.0, wave_row_us=1.0, commit_ahead=True)
+# ... whose copies queued behind another skip the start-up: 1000 bytes in 0.75 us instead of 1, 2000 in 1.25
+# instead of 4 / 3 (`h2d_queued`)
+FLAT_QUEUE = replace(FLAT_WAVE, h2d_pinned=((1000, 1.0), (4000, 2.0)), h2d_queued_us=0.25)
 # the lean executor's graphed decode passes queued back to back, its host a little slower than the GPU
 QUEUED = replace(LEAN, pass_overlap=True, host_layer_us=300.0, host_pass_start_us=250.0, pass_gap_us=120.0)
 # ... whose route step runs slower after a long read-back wait (`host_wake`)
@@ -113,8 +116,8 @@ def tiny_costs(t):
 
 
 @pytest.mark.parametrize("profile", [FLAT, FLAT2, FLAT_FIFO, FLAT_WAVE,
-                                     replace(FLAT_WAVE, host_wake_points=((0.0, 1.0), (3.0, 2.5)))],
-                         ids=["flat", "flat-2-engines", "flat-fifo", "flat-waves", "flat-waves-wake"])
+                                     replace(FLAT_WAVE, host_wake_points=((0.0, 1.0), (3.0, 2.5))), FLAT_QUEUE],
+                         ids=["flat", "flat-2-engines", "flat-fifo", "flat-waves", "flat-waves-wake", "flat-queue"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("seed", range(3))
 def test_replay_breaks_ties_as_simpy_does(profile, policy, seed):
@@ -123,6 +126,26 @@ def test_replay_breaks_ties_as_simpy_does(profile, policy, seed):
     slots = 4 if policy == "upper" else 2 + (seed == 2)
     a, b, _, _ = both(t, policy, profile, batch, slots=slots, costs=tiny_costs(t))
     same_run(a, b)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_copy_queued_behind_another_pays_no_start_up(seed):
+    """Each engine's copy that starts the instant the one before it landed takes `h2d_queued`;
+    one that starts after the engine idled (or waited for its slot's reader), the whole curve."""
+    assert FLAT_QUEUE.h2d_queued(1000) == 0.75 and FLAT_QUEUE.h2d_queued(2000) == 1.25
+    assert replace(FLAT_QUEUE, h2d_queued_us=0.0).h2d_queued(2000) == FLAT_QUEUE.h2d_us(2000)
+    assert FLAT_QUEUE.h2d_queued(4000) == FLAT_QUEUE.h2d_us(4000) == 2.0      # never slower than alone
+    t = tiny(M=3, E=4, T=24, seed=seed, requests=2, K=2)
+    a, b, _, _ = both(t, "ondemand", FLAT_QUEUE, 2, slots=2, costs=tiny_costs(t))
+    same_run(a, b)
+    loads = sorted((s[6], s[7], s[8]) for s in a.spans if s[4] == "load")
+    queued = alone = 0
+    for (_, end0, _), (start, end, nbytes) in zip(loads, loads[1:]):
+        want = FLAT_QUEUE.h2d_queued(nbytes) if start == end0 else FLAT_QUEUE.h2d_us(nbytes)
+        assert end - start == pytest.approx(want, abs=1e-9)
+        queued += start == end0
+        alone += start != end0
+    assert queued > 0 and alone > 0
 
 
 class MyLru(OnDemand):

@@ -63,3 +63,13 @@ def fit_line(points: Points, weights: list[float] | None = None) -> tuple[float,
         return float(np.average(y, weights=w)), 0.0
     b, a = np.polyfit(x, y, 1, w=np.sqrt(w))
     return float(a), float(b)
+
+
+def queued_fit(load_queue, h2d: tuple) -> dict:
+    """`h2d_queued_us` from calibrate's queued loads ([bytes, mean seconds a load, count],
+    `spans.queued_period`) and the fitted H2D curve: what a queued load takes beyond its bytes at
+    the curve's last rate. {} where none was measured."""
+    if not load_queue:
+        return {}
+    nbytes, seconds, _ = load_queue
+    return {"h2d_queued_us": max(seconds * 1e6 - nbytes / (h2d[-1][1] * 1e9) * 1e6, 0.0)}

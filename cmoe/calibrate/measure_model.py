@@ -26,7 +26,7 @@ import torch
 
 from cmoe.calibrate import wake
 from cmoe.core.spec import ModelSpec
-from cmoe.calibrate.spans import _gaps, _host_between, _mean, _pass_overhead, _per_layer, _sync_s
+from cmoe.calibrate.spans import _gaps, _host_between, _mean, _pass_overhead, _per_layer, _sync_s, queued_period
 from cmoe.core.timeline import STEP, LAYER, OP, EXPERT, START, END
 
 
@@ -317,7 +317,7 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
     # what issuing a load costs the host: ondemand with top_k slots misses often
     od = run_policy(w, replace(cfg, policies=("ondemand",), slots=spec.top_k, tokens=min(r.tokens, 8)),
                     "ondemand")
-    one["host_load"] = _load_cost(od.log, h_route, r.cuda)
+    one["host_load"], one["load_queue"] = _load_cost(od.log, h_route, r.cuda), queued_period(od.log)
 
 
 def _context_points(r: _ModelRuns) -> list:
@@ -365,7 +365,7 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
                      "pass_start_s": one["gpu_start"], "expert_in_model_s": gpu["expert"][0][1],
                      "expert_points": gpu["expert"], "predict_layer_s": one["predict"],
                      "commit_route_s": one["commit_route"], "context_points": ctx,
-                     **{k: one[k] for k in ("split_point", "context_caches") if k in one},
+                     **{k: one[k] for k in ("split_point", "context_caches", "load_queue") if one.get(k)},
                      "readback_gpu_s": max(float(np.median([x for _, x in gpu["readback"]])), 0.0) if gpu["readback"] else 0.0,
                      "predict_gpu_s": max(one.get("predict_gpu", 0.0), 0.0), "commit_gpu_s": one.get("commit_gpu", 0.0),
                      "commit_gpu_copy_s": one.get("commit_gpu_copy", 0.0),

@@ -67,7 +67,7 @@ import numpy as np
 from cmoe.calibrate.noise import (FALL_SLACK, JITTER_S, SPREAD_LIMIT, Noise, noise, point_label, run_verdict,
                                   size_label, spread, verdict)
 from cmoe.core.errors import CmoeError
-from cmoe.calibrate.link_fit import LINE_FROM, Points, best_per_size, curve, fit_line
+from cmoe.calibrate.link_fit import LINE_FROM, Points, best_per_size, curve, fit_line, queued_fit
 from cmoe.core.hw import GB, HardwareProfile, table_us
 from cmoe.calibrate.layer_fit import layer_fit
 
@@ -100,8 +100,10 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     waves |= _owa_fit(m.get("commit_waves") or [], waves)
     # the lean kernel's rows run side by side: its per-key cost is per key of the longest row
     per_key_field = "attn_us_per_cache_key" if m.get("attention_walks_cache") else "attn_us_per_ctx_token"
+    h2d = curve(m["h2d"], m.get("h2d_rounds"))
+    queued = queued_fit(m["layer"].get("load_queue"), h2d)
     return HardwareProfile(
-        name=name, gpu_mem_bytes=gpu_mem_bytes, h2d_pinned=curve(m["h2d"], m.get("h2d_rounds")),
+        name=name, gpu_mem_bytes=gpu_mem_bytes, h2d_pinned=h2d,
         d2h_pinned=curve(m["d2h"]),
         h2d_pageable_gbps=m["h2d_pageable"][0] / m["h2d_pageable"][1] / GB, copy_engines=1,
         hbm_gbps=hbm, matmul_tflops=rate,
@@ -117,8 +119,9 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         silent_upper=bool(m.get("silent_upper", False)), commit_ahead=bool(m.get("commit_ahead", False)),
         pass_overlap=bool(m.get("pass_overlap", False)),
         **{per_key_field: per_key * 1e6}, **split,
-        **host, **table, **waves,
+        **host, **table, **waves, **queued,
         sources={k: src for k in (*_MEASURED, per_key_field, *host, *table)}
+        | {k: src + " (ondemand's loads queued back to back, over the curve's last rate)" for k in queued}
         | {k: src + " (a short prompt in a cache as long as the long run's, beside the two context points)"
            for k in split}
         | {k: src + " (upper's fused launches in the model: time = wave_us + experts' bytes at wave_gbps + "

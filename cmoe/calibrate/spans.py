@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cmoe.core.timeline import END, LAYER, OP, START, STEP, STREAM
+from cmoe.core.timeline import BYTES, END, LAYER, OP, START, STEP, STREAM
 
 
 def _per_layer(log, ops: tuple[str, ...], first: int | None) -> tuple[float, float]:
@@ -106,3 +106,19 @@ def _pass_overhead(log, first: int) -> tuple[float, float, float]:
     _, start = _per_layer(log, ("attention",), first)
     gap = float(np.mean(gaps)) if gaps else 0.0
     return (gap + start) / 1e6, start / 1e6, _mean(log, "head")
+
+
+QUEUE_GAP_US = 3.0     # a load that starts within this of the last one's end was queued behind it
+
+
+def queued_period(log) -> list | None:
+    """The executor's loads queued back to back on the copy stream, from an `ondemand` run's decode
+    passes: [bytes, mean seconds from one's end to the next's, count] over the loads that started
+    within QUEUE_GAP_US of the previous load's end (the marks between them); None without any.
+    What a queued copy costs: no DMA start-up, the gap between the marks included."""
+    dec = {p for p, d, _, _ in log.pass_us if d}
+    loads = sorted((s[START], s[END], s[BYTES]) for s in log.spans if s[STEP] in dec and s[OP] == "load")
+    per = [(b, e1 - e0) for (_, e0, _), (s1, e1, b) in zip(loads, loads[1:]) if s1 - e0 < QUEUE_GAP_US]
+    if not per or len({b for b, _ in per}) != 1:
+        return None
+    return [int(per[0][0]), float(np.mean([p for _, p in per])) / 1e6, len(per)]

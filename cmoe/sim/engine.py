@@ -133,6 +133,7 @@ class Simulation(ExpertSteps):
 
     def _copy_engine(self, name: str):
         env, hw, run = self.env, self.hw, self.run
+        last = -1.0                              # when this engine's latest copy landed
         while True:
             item = yield self.queue.get()
             ld: Load = item if hw.copy_fifo else item.item
@@ -141,8 +142,9 @@ class Simulation(ExpertSteps):
                 yield env.timeout(st.free_at - env.now)
             nbytes = self.c.expert_bytes[ld.layer][ld.expert]
             start = env.now
-            dur = hw.h2d_us(nbytes)
-            self.queued_us -= dur
+            est = hw.h2d_us(nbytes)
+            dur = hw.h2d_queued(nbytes) if start == last else est    # straight on from the last: queued
+            self.queued_us -= est
             self.link_busy_until = max(self.link_busy_until, start + dur)
             yield env.timeout(dur)
             run.spans.append(("sim", self.pass_index, self.c.moe_layers[ld.layer], name, "load", ld.expert,
@@ -151,7 +153,7 @@ class Simulation(ExpertSteps):
                 run.log.append((start, "load_start", ld.layer, ld.slot, ld.expert))
                 run.log.append((env.now, "load_end", ld.layer, ld.slot, ld.expert))
             self.ready[(ld.layer, ld.expert)].succeed()
-            self.landed_at[(ld.layer, ld.expert)] = env.now
+            self.landed_at[(ld.layer, ld.expert)] = last = env.now
             self.in_flight -= 1
             if self.in_flight == 0 and self.drained is not None:
                 self.drained.succeed()

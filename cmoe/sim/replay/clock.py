@@ -49,11 +49,12 @@ Clock = namedtuple("Clock", [
     "lm", "le", "lslot", "lk1", "lnext",                   # loads alive, by id & mask
     "rinst", "rtrig", "rland",                             # [M, E] the latest ready event of (layer, expert), triggered, when
     "spend", "swrit", "sfree", "swh", "swt",               # [M, S] per slot: pending reads, writes, free_at, waiting loads
-    "eitem", "estart",                                     # per copy engine
+    "eitem", "estart", "eend",                             # per copy engine (eend: its latest landing)
     "wv",                                                  # [E] scratch: the wave of each GPU expert of a layer
 ])
 Costs = namedtuple("Costs", [
-    "h2d", "xfix", "ebytes", "cpu1", "moe_layers",         # [M, E] copy us, expert us at one row, bytes, CPU us at one row; [M]
+    "h2d", "h2dq", "xfix", "ebytes", "cpu1", "moe_layers", # [M, E] copy us alone, queued, expert us at one row, bytes,
+    #                                                        CPU us at one row; [M]
     "hwf", "hwi",                                          # profile scalars (below)
     "layer_gpu", "layer_host", "route_host", "dense_gpu", "dense_host", "attn_gpu", "attn_host",
     "ntok", "commit_decode", "queued", "all_rows", "votes_ptr", "votes_e", "votes_n",   # per pass (queued:
@@ -82,7 +83,7 @@ def new_clock(M: int, E: int, S: int, engines: int, ring: int) -> Clock:
     return Clock(zf(6), zi(12), zf(hcap), zi(hcap), zi(hcap), zi(hcap), zi(hcap), zi(L), zi(L), zi(L), zi(engines + 1),
                  zi(L), zi(L), zi(L), zi(L), zi(L), np.full((M, E), -1, np.int64), np.zeros((M, E), np.bool_), zf(M, E),
                  zi(M, S), zi(M, S), zf(M, S), np.full((M, S), -1, np.int64), np.full((M, S), -1, np.int64),
-                 zi(engines), zf(engines), zi(E))
+                 zi(engines), zf(engines), np.full(engines, -1.0), zi(E))
 
 
 SPAN_DTYPES = (np.int32, np.int16, np.int8, np.int8, np.int16, np.float64, np.float64, np.int64, np.int16, np.int16)
@@ -265,8 +266,9 @@ def _start(c, x, eng):
     ld = c.eitem[eng] & (c.lm.size - 1)
     start = c.F[NOW]
     c.estart[eng] = start
-    dur = x.h2d[c.lm[ld], c.le[ld]]
-    c.F[QUEUED] -= dur
+    m, e = c.lm[ld], c.le[ld]
+    dur = x.h2dq[m, e] if start == c.eend[eng] else x.h2d[m, e]     # straight on from the last: queued
+    c.F[QUEUED] -= x.h2d[m, e]
     c.F[BUSY_UNTIL] = pmax(c.F[BUSY_UNTIL], start + dur)
     _schedule(c, dur, NORMAL, EV_COPY, eng)
 
@@ -289,6 +291,7 @@ def _landed(c, x, o, eng):
     if not x.hwi[FIFO]:
         c.swrit[m, s] -= 1
         _release(c, x, m, s)
+    c.eend[eng] = c.F[NOW]
     _get(c, x, eng)
 
 

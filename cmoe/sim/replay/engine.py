@@ -33,14 +33,16 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
     """Every cost the clock reads, computed with the profile's own methods (per distinct size and
     token count), so the arithmetic is the SimPy model's."""
     M, E = len(c.moe_layers), policy.E
-    h2d, xfix, cpu1, eb = np.zeros((M, E)), np.zeros((M, E)), np.zeros((M, E)), np.zeros((M, E), np.int64)
+    h2d, h2dq, xfix, cpu1 = np.zeros((M, E)), np.zeros((M, E)), np.zeros((M, E)), np.zeros((M, E))
+    eb = np.zeros((M, E), np.int64)
     memo: dict = {}
     for m in range(M):
         for e in range(E):
             b, bits = c.expert_bytes[m][e], c.expert_bits[m][e]
             if (b, bits) not in memo:
-                memo[b, bits] = (hw.h2d_us(b), hw.expert_us(b, bits, 1, c.expert_params), hw.cpu_expert_us(b, 1))
-            h2d[m, e], xfix[m, e], cpu1[m, e] = memo[b, bits]
+                memo[b, bits] = (hw.h2d_us(b), hw.h2d_queued(b), hw.expert_us(b, bits, 1, c.expert_params),
+                                 hw.cpu_expert_us(b, 1))
+            h2d[m, e], h2dq[m, e], xfix[m, e], cpu1[m, e] = memo[b, bits]
             eb[m, e] = b
     # an expert's kernel and its issue by rows, from the profile's own methods (lines or measured
     # tables alike), for every row count a pass can give an expert
@@ -82,7 +84,7 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
                     bool(hw.head_us or hw.host_head_us), silent(hw, policy),
                     hw.commit_ahead and policy.commits and hw.copy_fifo], np.int64)
     c_ = np.ascontiguousarray                    # one array type everywhere: numba compiles once
-    return ck.Costs(h2d, xfix, eb, cpu1, np.array(c.moe_layers, np.int64), hwf, hwi, c_(layer_gpu), c_(layer_host),
+    return ck.Costs(h2d, h2dq, xfix, eb, cpu1, np.array(c.moe_layers, np.int64), hwf, hwi, c_(layer_gpu), c_(layer_host),
                     c_(route_host), c_(dense_gpu), c_(dense_host), c_(attn_gpu), c_(attn_host), c_(pa.ntok),
                     c_(commit_decode), c_(pa.decode & bool(hw.pass_overlap)), c_(pa.ntok <= hw.dense_rows),
                     c_(pa.need_ptr), c_(pa.need), c_(pa.votes),

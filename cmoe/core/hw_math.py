@@ -1,0 +1,38 @@
+"""The profile's arithmetic that is not a field's: the attention's split rule (shared with the
+kernel, `kernels_triton.attention.splits`) and the measured tables' reading. Floor 1, no imports."""
+
+from __future__ import annotations
+
+
+def split_plan(cache_len: int, max_runs: int, block: int = 64) -> tuple[int, int]:
+    """(runs, keys a run): how the lean engine's decode attention cuts a head's keys over a cache of
+    `cache_len` slots, the kernel's own rule (`kernels_triton.attention.splits` calls this): runs
+    of a multiple of `block` keys, at most `max_runs`; one run of the whole cache where one block
+    covers it or the kernel does not split (max_runs 0 or 1)."""
+    if max_runs <= 1 or cache_len <= block:
+        return 1, cache_len
+    per = -(-cache_len // max_runs)                 # ceil: keys a run must take
+    ch = block * -(-per // block)                   # in whole blocks
+    return -(-cache_len // ch), ch
+
+
+def split_runs(cache_len: int, max_runs: int, block: int = 64) -> int:
+    """The runs of `split_plan`: what the simulator prices (`HardwareProfile.attn_split_us`)."""
+    return split_plan(cache_len, max_runs, block)[0]
+
+
+def table_us(points: tuple, x: float) -> float:
+    """A measured table read at x: piecewise-linear between points; the first value below them;
+    past the last, the last piece extended when it rises and the last value when it falls (a
+    falling cost flattens, it does not reach zero)."""
+    if x <= points[0][0] or len(points) == 1:
+        return float(points[0][1])
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    return y1 + max(y1 - y0, 0.0) * (x - x1) / (x1 - x0)
+
+
+def _width(bits: float) -> str:
+    return "int4" if bits <= 4 else "int8" if bits <= 8 else "bf16"
