@@ -33,15 +33,13 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
     """Every cost the clock reads, computed with the profile's own methods (per distinct size and
     token count), so the arithmetic is the SimPy model's."""
     M, E = len(c.moe_layers), policy.E
-    h2d, h2dq, xfix, cpu1 = np.zeros((M, E)), np.zeros((M, E)), np.zeros((M, E)), np.zeros((M, E))
-    eb = np.zeros((M, E), np.int64)
+    h2d, h2dq, xfix, cpu1, eb = *(np.zeros((M, E)) for _ in range(4)), np.zeros((M, E), np.int64)
     memo: dict = {}
     for m in range(M):
         for e in range(E):
             b, bits = c.expert_bytes[m][e], c.expert_bits[m][e]
             if (b, bits) not in memo:
-                memo[b, bits] = (hw.h2d_us(b), hw.h2d_queued(b), hw.expert_us(b, bits, 1, c.expert_params),
-                                 hw.cpu_expert_us(b, 1))
+                memo[b, bits] = (hw.h2d_us(b), hw.h2d_queued(b), hw.expert_us(b, bits, 1, c.expert_params), hw.cpu_expert_us(b, 1))
             h2d[m, e], h2dq[m, e], xfix[m, e], cpu1[m, e] = memo[b, bits]
             eb[m, e] = b
     # an expert's kernel and its issue by rows, from the profile's own methods (lines or measured
