@@ -72,4 +72,4 @@ def queued_fit(load_queue, h2d: tuple) -> dict:
     if not load_queue:
         return {}
     nbytes, seconds, _ = load_queue
-    return {"h2d_queued_us": max(seconds * 1e6 - nbytes / (h2d[-1][1] * 1e9) * 1e6, 0.0)}
+    return {"h2d_queued_us": max(seconds * 1e6 - nbytes / (h2d[-1][1] * GB) * 1e6, 0.0)}

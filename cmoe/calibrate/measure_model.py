@@ -317,7 +317,7 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
     # what issuing a load costs the host: ondemand with top_k slots misses often
     od = run_policy(w, replace(cfg, policies=("ondemand",), slots=spec.top_k, tokens=min(r.tokens, 8)),
                     "ondemand")
-    one["host_load"], one["load_queue"] = _load_cost(od.log, h_route, r.cuda), r.cuda and queued_period(od.log)
+    one["host_load"], one["load_queue"] = _load_cost(od.log, h_route, r.cuda), queued_period(od.log) if r.cuda else None
 
 
 def _context_points(r: _ModelRuns) -> list:
