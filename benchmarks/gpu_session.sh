@@ -41,6 +41,10 @@
 #   bash benchmarks/gpu_session.sh wait       # issue 15: the host polling each read-back (CMOE_WAIT=spin) against its
 #                                             # event sync, batch 2, pools 16/26, ondemand and oracle, right before each
 #   bash benchmarks/gpu_session.sh host-tests # the host-call, lean and reference-engine GPU tests (~1 min)
+#   bash benchmarks/gpu_session.sh program    # issue 13: the compiled host program (numba on the device), its
+#                                             # CPU and GPU tests, then each loading policy beside the Python step
+#                                             # (CMOE_HOST_PROGRAM=0, right before it): Mixtral at batch 1 and 4,
+#                                             # pool 20; OLMoE at batch 1 and 4, pool 3 (~6 min)
 #   bash benchmarks/gpu_session.sh validate-r 1,2,4   # the same with every configuration run twice (--repeat),
 #   bash benchmarks/gpu_session.sh validate-r 8       # in two calls: all four batches took over 450 s of runs
 #                                             # on the H200 (sixth session); each call calibrates again
@@ -55,6 +59,12 @@ B="python3 benchmarks/lean_h200.py --tokens 256 --policy-tokens 128 --repeats 3 
 upper() { timeout "$1" python3 benchmarks/lean_h200.py --out "$OUT/lean" --tokens 128 --batches 1,4,8 --pools 20 \
             --engines lean --policies "" --repeats 2 --budget-s "$2" "${@:3}" 2>&1 | grep -E "^lean|^HBM|^built|rror" || true; }
 case "${1:-}" in
+  program) python3 -c "import numba, llvmlite; print('numba', numba.__version__, 'llvmlite', llvmlite.__version__)"
+     timeout 90 python3 -m pytest -q tests/test_host_program.py -p no:cacheprovider 2>&1 | tail -3 || true
+     timeout 200 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -k host_program -p no:cacheprovider 2>&1 | tail -15 || true
+     P="python3 benchmarks/lean_h200.py --tokens 64 --repeats 1 --engines lean --policies ondemand,lru-prefetch,oracle,adaptive,commit --env-ablation CMOE_HOST_PROGRAM=0"
+     timeout 150 $P --out "$OUT/prog-mixtral" --batches 1,4 --pools 20 --budget-s 120 2>&1 | grep -E "^lean|^HBM|^built|rror" || true
+     timeout 150 $P --out "$OUT/prog-olmoe" --spec olmoe-1b-7b --batches 1,4 --pools 3 --budget-s 120 2>&1 | grep -E "^lean|^HBM|^built|rror" || true ;;
   tests) timeout 300 python3 -m pytest -q -m gpu tests/test_lean_gpu.py tests/test_executor_gpu.py \
            tests/test_moe_kernel_gpu.py -p no:cacheprovider | tail -15 ;;
   b1) timeout 570 $B --out "$OUT/b1" --batches 1 --pools 16,20,26 --engines lean,hf \

@@ -208,7 +208,6 @@ def main() -> None:
     res = {"date": time.strftime("%Y-%m-%d"), "card": torch.cuda.get_device_name(), "torch": torch.__version__,
            "commit": commit, "spec": a.spec, "tokens": a.tokens, "hbm_gbps": hbm_gbps(),
            "h2d_gbps_one_expert": h2d_gbps(93_585_408), "runs": []}
-    load_s = 93_585_408 / (res["h2d_gbps_one_expert"] * 1e9)
     print(f"HBM {res['hbm_gbps']:.0f} GB/s, H2D {res['h2d_gbps_one_expert']:.1f} GB/s", flush=True)
     engines = a.engines.split(",")
     batches = [int(b) for b in a.batches.split(",")]
@@ -239,7 +238,7 @@ def main() -> None:
         t0 = time.perf_counter()
         r = run_policy(w, cfg, p)
         m = dict(r.metrics, engine=engine, wall_s=time.perf_counter() - t0, tag=tag,
-                 **decode_stats(r, w.spec, res["hbm_gbps"], load_s))
+                 **decode_stats(r, w.spec, res["hbm_gbps"], w.store.layout.nbytes / (res["h2d_gbps_one_expert"] * 1e9)))
         ph = getattr(r.log, "host_phases", None)
         if ph:
             n = max(ph.pop("layers", 1), 1)
@@ -253,7 +252,7 @@ def main() -> None:
               f"{m['pass_ms_mean']:7.2f} ms/pass (floor {m['hbm_floor_ms']:.2f}, link {m['link_limit_ms']:.2f}) "
               f"loads/pass {m['loads_per_pass']:5.1f} host {m['host_work_us_per_layer']:5.1f} us/layer "
               f"sync {m['host_sync_us_per_layer']:6.1f} capture {m['capture_ms']:.0f} ms ({m['wall_s']:.0f} s) "
-              f"calls {m['host_calls']} late {m['late_events']}" + (f" [{tag}]" if tag else ""), flush=True)
+              f"calls {m['host_calls']} late {m['late_events']} program {m['host_program']}" + (f" [{tag}]" if tag else ""), flush=True)
         (a.out / "results.json").write_text(json.dumps(res, indent=1))
         return r
 

@@ -198,3 +198,48 @@ def test_lean_early_launched_gemv_changes_no_decision(fused_checkpoints, family,
         assert G.pdl_enabled(torch.device("cuda")) == (flag == "1")
         _, out[flag] = _run(fused_checkpoints[family], ["upper", "commit"], tokens=5)
     _same_decisions(out["1"], out["0"])
+
+
+@pytest.fixture(scope="module")
+def fused_trace(fused_checkpoints, tmp_path_factory):
+    """A synthetic trace with the tiny fused Mixtral's shapes, for replayed runs."""
+    from cmoe.core.quant import recipe
+    from cmoe.core.spec import from_checkpoint
+    from cmoe.trace import bundle
+    from cmoe.trace.synthetic import SyntheticParams, generate
+    t = generate(from_checkpoint(fused_checkpoints["mixtral"]), recipe("w4g32"),
+                 SyntheticParams(requests=2, prompt_len=6, decode_len=10, pred_acc=0.6, seed=1))
+    return bundle.write(t, tmp_path_factory.mktemp("ftr") / "tiny")
+
+
+@pytest.mark.parametrize("slots", [2, 3])
+def test_host_program_runs_as_the_python_step(fused_checkpoints, fused_trace, slots, monkeypatch):
+    """A replayed run's graphed decode passes through the compiled host program against the Python
+    step (CMOE_HOST_PROGRAM=0): the same plans (needs, loads, GPU experts, skips, the slots after
+    each step), the same loads and spans per pass, layer and kind, the same occupancy, no slot
+    read with wrong bytes, logits equal up to the kernel's fp32 atomics. Two slots a block at
+    batch 2 and top-2 make layers run in launch waves."""
+    from collections import Counter
+    pols = ("ondemand", "lru-prefetch", "oracle", "adaptive", "commit")
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("CMOE_HOST_PROGRAM", flag)
+        cfg = ExecConfig(policies=pols, slots=slots, batch=2, tokens=8, device="cuda", quant="w4g32",
+                         keep_logits=True, record_plans=True)
+        w, cfg = prepare(spec_name=None, model_dir=fused_checkpoints["mixtral"], trace_src=str(fused_trace), data=None,
+                         cfg=cfg)
+        runs[flag] = execute(w, cfg)
+    kinds = lambda r: Counter((s[1], s[2], s[3], s[4], s[5]) for s in r.log.spans)
+    for a, b in zip(runs["0"], runs["1"]):
+        assert not a.log.host_program and b.log.host_program, a.policy
+        assert a.log.plans == b.log.plans, a.policy
+        assert a.log.slot_mismatches == b.log.slot_mismatches == 0, a.policy
+        assert a.log.occupancy == b.log.occupancy, a.policy
+        assert {p: (c.loads, c.bytes_moved, c.skipped) for p, c in a.log.per_pass.items()} == \
+            {p: (c.loads, c.bytes_moved, c.skipped) for p, c in b.log.per_pass.items()}, a.policy
+        assert kinds(a) == kinds(b), a.policy
+        ma, mb = a.metrics, b.metrics                     # hit or late: a matter of timing
+        assert (ma["demand"], ma["hits"] + ma["late"]) == (mb["demand"], mb["hits"] + mb["late"]), a.policy
+        for x, y in zip(a.logits, b.logits):
+            assert _rel(x, y) < 1e-2, a.policy
+    assert any(p.layer >= 0 and len(p.loads) for r in runs["1"] for p in r.log.plans)

@@ -65,12 +65,13 @@ from cmoe.executor.records import PlanRecord, _expert_to_slot, _slot_table
 from cmoe.executor.lean_program import Segments, _Capture, _fresh, queues_passes
 from cmoe.executor.replay_rows import routes_on_device
 from cmoe.executor.lean_steps import HostSteps
+from cmoe.executor.lean_fast import HostProgramSteps
 from cmoe.core.metrics import classify
 from cmoe.core.timeline import Span
 from cmoe.trace.passes import ranked
 
 
-class LeanEngine(HostSteps, Segments, Engine):
+class LeanEngine(HostSteps, HostProgramSteps, Segments, Engine):
     def __init__(self, model, shims, spec, store, policy, device, record_plans=False, owa=True, lead_us=0.0,
                  graphs: bool | None = None):
         super().__init__(model, shims, spec, store, policy, device, record_plans, owa, lead_us, hooks=False)
@@ -189,6 +190,7 @@ class LeanEngine(HostSteps, Segments, Engine):
         if graphs and self.graphs is None:
             self._settle()
             self._capture(B)
+            self._hp_setup()                               # the compiled host program, where it may run
             self._prev_end = None                          # capture is not a pass's time
         cs = self._compute_stream()
         chained = graphs and self._chained                 # queued behind the last pass: no wait for it
@@ -214,7 +216,7 @@ class LeanEngine(HostSteps, Segments, Engine):
         if self.cuda and not self._chained:
             cs.synchronize()
         self._tick("pass: sync")
-        self.log.occupancy.append(self.policy.pool.occupancy())
+        self.log.occupancy.append(self._hp_occupancy() if graphs and self._hp else self.policy.pool.occupancy())
         out = logits.clone() if graphs else logits
         self._tick("pass: occupancy, clone")
         return out
@@ -225,6 +227,8 @@ class LeanEngine(HostSteps, Segments, Engine):
         self._tick(None)
         self._inputs(p, graphs)
         self._tick("pass: inputs")
+        if graphs and self._hp is not None:                # P, the layers and H by the compiled program
+            return self._hp_pass(p)
         if graphs:
             self.t = self.t_graph
             self._cap.sink = self.t
@@ -283,6 +287,7 @@ class LeanEngine(HostSteps, Segments, Engine):
             self._resolve(final=False)
 
     def finish(self):
+        self._hp_finish()
         self._settle()
         self.log.host_phases = self.host_phases
         self.log.plans.sort(key=lambda r: (r.pass_index, r.layer))   # upper's are settled a pass late
@@ -325,7 +330,9 @@ class LeanEngine(HostSteps, Segments, Engine):
         return self.fused and p.replay is not None and not (self.commit and p.decode)
 
     def prepare(self, passes) -> None:
-        """Before timing: the replayed routes of every pass that reads them, on the device."""
+        """Before timing: the replayed routes of every pass that reads them, on the device; the
+        passes' needs as the compiled host program's twin reads them."""
+        self._hp_prepare(passes)
         for p in passes:
             if self._reads_routes(p):
                 routes_on_device(p.replay, self.device)

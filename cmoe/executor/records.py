@@ -42,6 +42,7 @@ class RunLog(RunRecord):
     slot_mismatches: int | None = None     # slots whose bytes differ from their expert's (checked on request)
     host_calls: str = "host"               # runtime, torch or host: what timed and ordered the run (`Clock.calls`)
     late_events: int = 0                   # timing events made during the passes (`Clock.late`)
+    host_program: bool = False             # its graphed decode passes ran the compiled host program
 
 
 def _loads(loads) -> tuple:

@@ -358,6 +358,8 @@ def metrics(log: RunLog, w: Workload, cfg: ExecConfig, policy: str, layout: Pool
         # which calls timed and ordered the device work: the CUDA runtime's, torch's (the runtime
         # was not found), or none (the CPU); and the timing events the run made late (its reserve used up)
         "host_calls": log.host_calls, "late_events": log.late_events,
+        # whether its graphed decode passes ran the compiled host program (`cmoe.executor.lean_fast`)
+        "host_program": log.host_program,
         # first-request cost: warm-up and CUDA-graph capture on the first decode pass (lean, CUDA)
         "capture_ms": (getattr(log, "capture_us", None) or 0.0) / 1e3,
         "expert_ms_per_pass": by_op.get("expert", 0.0) / n_dec / 1e3,

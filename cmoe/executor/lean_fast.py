@@ -1,0 +1,282 @@
+"""The lean engine's graphed decode passes through the compiled host program
+(`cmoe.executor.host_program`): when a run may use it (`_hp_setup`), how a pass calls it
+(`_hp_pass`), and at the run's end its records as the engine's own spans and tallies, the
+policy object's state written back from its compiled twin (`_hp_finish`). A mixin of
+`cmoe.executor.lean.LeanEngine`.
+
+Where it runs: the decode passes of a replayed trace on CUDA with the runtime found, under graphs,
+with the fused layer kernel, for the policies whose plan is exact or skips (`ondemand`,
+`lru-prefetch`, `oracle`, `adaptive`). Elsewhere, and with CMOE_HOST_PROGRAM=0 (the A/B), the
+Python step runs as before: `commit` (its own no-wait order), `upper` (no host step to speed
+up), CPU experts, the look-ahead policies, live routes, the host-phase profiler and the GPU-sleep
+calibration runs. Recorded plans (`record_plans`) are rebuilt from the twin's decisions and the
+program's per-layer snapshots of the slots. The twin decides from the pass's routes as the replay
+engine does (the trace's ranked needs and predictions, which the Python step reads too), after
+the layer's read-back wait, so causality is the Python step's: nothing of layer m is decided
+before its routes exist.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from cmoe.executor import host_program as hp
+from cmoe.executor.cuda_rt import Mark
+
+FAST_KINDS = ("ondemand", "lru-prefetch", "oracle", "adaptive", "commit")
+_PROGRAMS: dict = {}                    # runtime library path -> its program (`host_program.program`), per process
+
+
+class HostProgramSteps:
+    _hp = None
+    _hp_tp = None
+
+    def _hp_wanted(self) -> bool:
+        """The run's configuration allows the program (the graphs and buffers are checked at setup)."""
+        return (os.environ.get("CMOE_HOST_PROGRAM", "1") != "0" and self.cuda and self.clock.rt is not None
+                and self.fused and not self.silent and not self.has_cpu and (self.owa or not self.commit)
+                and self.policy.name in FAST_KINDS and self.policy.depth == 1
+                and not self._lead_cycles and self.host_phases is None and hp.perf_counter_is_monotonic()
+                and getattr(self, "_hp_pa", None) is not None)
+
+    def _hp_prepare(self, passes) -> None:
+        """Before timing: every pass's ranked needs and predictions as the twin's pass arrays, when
+        each pass is a replay whose rows are all live (what the Python step's replay path reads)."""
+        from cmoe.trace.pass_arrays import PassArrays
+        self._hp_pa = None
+        if not passes or any(p.replay is None or "needed" not in p.replay or not p.active.all() for p in passes):
+            return
+        M = self.M
+        need = [x for p in passes for m in range(M) for x in p.replay["needed"][m]]
+        pred = [x for p in passes for m in range(M) for x in p.replay["predicted"][m]]
+        ptr = lambda key: np.concatenate([[0], np.cumsum([len(p.replay[key][m]) for p in passes for m in range(M)])]).astype(np.int64)
+        P = len(passes)
+        if [p.index for p in passes] != list(range(P)):
+            return
+        z = np.zeros(P, np.int64)
+        pptr = ptr("predicted")
+        # each row's predictions [P, M, N, Kp], what commit's candidates are chosen from
+        shapes = [np.shape(p.replay["pred"]) for p in passes]
+        tp = self._hp_tp = np.full((P, M, max(x[0] for x in shapes), max(x[2] for x in shapes)), -1, np.int16)
+        for p in passes:
+            r = np.asarray(p.replay["pred"])
+            tp[p.index, :, :r.shape[0], :r.shape[2]] = r.transpose(1, 0, 2)
+        self._hp_pa = PassArrays(decode=np.array([p.decode for p in passes], bool), ntok=z, context=z, keys=z,
+                                 tok_ptr=np.zeros(P + 1, np.int64), tok=np.zeros(0, np.int64), need_ptr=ptr("needed"),
+                                 need=np.array(need, np.int16), votes=np.zeros(len(need), np.int32), pred_ptr=pptr,
+                                 pred=np.array(pred, np.int16), num_layers=M, ahead_ptr=pptr,
+                                 ahead=np.array(pred, np.int16), depth=1)
+
+    def _hp_setup(self) -> None:
+        """Right after capture (the device synchronised, untimed): the program's arrays, the twin's
+        state exported from the policy object, the program compiled for them (its first build in a
+        process takes seconds: counted in `capture_us`, the first request's cost); or None where
+        anything it needs is missing."""
+        self._hp = None
+        if not self._hp_wanted():
+            return
+        import time
+        from cmoe.sim.replay.state import export, has_twin, pass_data
+        from cmoe.sim.replay.twin_pool import decisions
+        from cmoe.executor.streams import marks_per_layer
+        h0 = time.perf_counter()
+        prog = self._hp_prog() if has_twin(self.policy) else None
+        if prog is None:
+            return
+        M, E, S, pool = self.M, self.spec.num_experts, prog.slot_ptr.shape[1], self.pool
+        expert = np.full((M, S), -1, np.int64)
+        for m in range(M):
+            expert[m, :len(pool.expert[m])] = pool.expert[m]
+        state = hp.Pool(expert, np.zeros((M, S), np.bool_), np.zeros((M, S), np.bool_), np.zeros((M, S), np.int64),
+                        np.zeros((M, S), np.int64), np.full((M, S), -1, np.int64))
+        W = prog.stage.shape[1]
+        marks = 2 + M * marks_per_layer(self.kin["N"], self.spec.top_k, E, W) + 6 * E
+        pa, rt = self._hp_pa, self.clock.rt
+        if rt.path not in _PROGRAMS:
+            _PROGRAMS[rt.path] = hp.program(hp.runtime_funcs(rt._lib))
+        h = self._hp = {"run": _PROGRAMS[rt.path], "prog": prog, "pool": state, "s": export(self.policy, pa),
+                        "d": decisions(M + 1, 1, E), "pd": pass_data(pa), "P": pa.num_passes,
+                        "books": hp.books(M, E, S, W, marks), "marks": marks, "ts": np.zeros(2, np.int64),
+                        "waves": np.zeros(E, np.int64), "gbase": 0, "passes": [], "mk": {}, "ev": {}}
+        hp.compile_for(h["run"], prog, state, h["s"], h["d"], h["pd"], h["books"], 0, 0, 0, h["ts"], h["waves"])
+        self.log.host_program = True
+        self.log.capture_us += (time.perf_counter() - h0) * 1e6
+
+    def _hp_prog(self):
+        """The program's `Prog`: graph handles, the read-backs, the slot table's rows, the slots'
+        and the experts' addresses; None if a graph, a runtime read-back, a pinned staging row or
+        a pinned expert is missing."""
+        from cmoe.executor.lean_io import _kin_addresses
+        g, M, E, pool, k = self.graphs, self.M, self.spec.num_experts, self.pool, self.kin
+        # a layer may run in launch waves (commit's never do: its loads are the next layer's)
+        waves = not self.commit and min(self.policy.layout.slots) <= min(k["N"] * self.spec.top_k, E)
+        if any(("experts", m) not in g or (waves and ("wave", m) not in g) for m in range(M)):
+            return None
+        try:
+            ex = lambda key: int(g[key].raw_cuda_graph_exec()) if key in g else 0
+            gr = np.array([[ex(("attn", m)), ex(("experts", m)), ex(("wave", m)), ex(("finish", m))] for m in range(M)],
+                          np.int64)
+            pre, head = ex("pre"), ex("head")
+        except (AttributeError, RuntimeError, TypeError):          # a torch without the executable's handle
+            return None
+        rb = np.zeros((M, 4), np.int64)
+        for m in range(M):
+            got = self._rb_pin[m] = self._rb_entry(self.t_graph["rb"][m], self._rb_pin[m])
+            if got[3] is None:
+                return None
+            rb[m] = (*got[3], got[1])
+        ptr = k["ptr"] = k.get("ptr") or _kin_addresses(k)
+        if any(c is None for row in ptr["table"] for c in row):
+            return None
+        S, nb = max(self.policy.layout.slots), pool.expert_nbytes
+        slot_ptr, src_ptr = np.zeros((M, S), np.int64), np.zeros((M, E), np.int64)
+        for m in range(M):
+            slot_ptr[m, :len(pool._dst_ptr[m])] = pool._dst_ptr[m]
+            for e in range(E):
+                src = self._srcs.get((m, e))
+                if src is None:
+                    src = self._srcs[m, e] = self.store.expert(m, e)
+                if not (src.device.type == "cpu" and src.is_contiguous() and src.is_pinned() and src.nbytes >= nb):
+                    return None
+                src_ptr[m, e] = src.data_ptr()
+        scal = np.array([pre, head, pool.compute_h, pool._cp_handle, nb, E, int(round(self.clock.host0 * 1e9)),
+                         self.spec.top_k, self.commit], np.int64)
+        extra = self._hp_commit_inputs(ptr) if self.commit else hp.no_commit(M)
+        if extra is None:
+            return None
+        return hp.Prog(gr, scal, rb, np.array([self.table[m].data_ptr() for m in range(M)], np.int64), k["table_np"],
+                       np.array([[c[1] for c in row] for row in ptr["table"]], np.int64), slot_ptr, src_ptr, **extra)
+
+    def _hp_commit_inputs(self, ptr) -> dict | None:
+        """commit's Prog fields: the layer-0 prediction's read-back, the candidates' and committed
+        set's staging and copies, each pass's rows' predictions; None where one is missing."""
+        k = self.kin
+        if not k.get("owa") or self._hp_tp is None or any(c is None for a in ("ids", "comm") for c in ptr.get(a, [None])):
+            return None
+        got = self._rb_pin0 = self._rb_entry(self.t_graph["rb0"], self._rb_pin0)
+        if got[3] is None:
+            return None
+        return {"rb0": np.array([*got[3], got[1]], np.int64), "ids": k["ids_np"], "comm": k["comm_np"],
+                "ids_ptr": np.array(ptr["ids"], np.int64), "comm_ptr": np.array(ptr["comm"], np.int64),
+                "tp": self._hp_tp}
+
+    def _hp_mark(self, gid: int) -> Mark:
+        """The one Mark object of a program's mark (its time is read once, then its event reused)."""
+        h = self._hp
+        mk = h["mk"].get(gid)
+        if mk is None:
+            mk = h["mk"][gid] = Mark(int(h["ev"][gid]))
+        return mk
+
+    def _hp_pass(self, p) -> None:
+        """One graphed decode pass after its inputs: the program, then what `run_pass` reads after
+        the layers (the last layer's end mark and host time)."""
+        h = self._hp
+        b, K = h["books"], h["marks"]
+        free = self.clock._marks.free
+        if len(free) < K:                                  # the reserve ran out: made now, counted late
+            self.clock._marks.late += K - len(free)
+            self.clock._marks.reserve(K)
+        b.ev[:] = free[-K:]
+        del free[-K:]
+        h["prog"].scal[hp.S_CS] = self.pool.compute_h
+        gbase = h["gbase"]
+        rc = h["run"](h["prog"], h["pool"], h["s"], h["d"], h["pd"], b, gbase, p.index, h["P"], h["ts"], h["waves"])
+        c = b.cnt
+        n = int(c[hp.C_MARKS])
+        free.extend(b.ev[n:].tolist())
+        if rc:
+            what = hp.CALLS[c[hp.C_ERRCALL]]
+            raise RuntimeError(f"the host program's {what} failed (error {c[hp.C_ERR]}) in pass {p.index}"
+                               if c[hp.C_ERR] > 0 else f"the host program stopped in pass {p.index}: {what}"
+                               if c[hp.C_ERR] == -1 else f"the host program's plan and the pool disagree in pass {p.index}")
+        ev = h["ev"]
+        for i in range(n):
+            ev[gbase + i] = int(b.ev[i])
+        h["gbase"] = gbase + n
+        nw, nx, nl = int(c[hp.C_WAVES]), int(c[hp.C_WX]), int(c[hp.C_LOADS])
+        h["passes"].append((p.index, self.last, self.h_last, b.lay_i.copy(), b.lay_f.copy(), b.wav_i[:nw].copy(),
+                            b.wav_f[:nw].copy(), b.wx[:nx].copy(), b.ld[:nl].copy(), int(c[hp.C_SKIPPED]),
+                            b.pass_f.copy()))
+        if self.record_plans:
+            self._hp_plans(p.index, b)
+        M = self.M
+        self.last, self.h_last = self._hp_mark(int(b.lay_i[M - 1, hp.L_LAST])), float(b.lay_f[M - 1, hp.F_LAST])
+
+    def _hp_plans(self, p: int, b) -> None:
+        """The pass's `PlanRecord`s as the Python step makes them, from the twin's decisions (still in
+        its buffer) and the program's snapshots of each layer's slots."""
+        from cmoe.executor.records import PlanRecord
+        from cmoe.sim.replay.twin_pool import LOAD_KINDS
+        d, pa, M = self._hp["d"], self._hp_pa, self.M
+        for j in range(M + 1):
+            g = d.g_e[d.g_ptr[j]:d.g_ptr[j + 1]].tolist()
+            lds = tuple((int(d.l_layer[i]), int(d.l_e[i]), int(d.l_slot[i]), None if d.l_victim[i] < 0 else int(d.l_victim[i]),
+                         LOAD_KINDS[d.l_kind[i]]) for i in range(d.l_ptr[j], d.l_ptr[j + 1]))
+            if j == 0:                                    # commit's begin reads layer 0's prediction
+                pred0 = tuple(pa.pred[pa.pred_ptr[p * M]:pa.pred_ptr[p * M + 1]].tolist()) if self.commit else ()
+                self.log.plans.append(PlanRecord(p, -1, (), pred0, lds, (), (), (), (), ()))
+                continue
+            m = j - 1
+            needed = tuple(pa.needed(p, m).tolist())
+            i = p * M + m + 1
+            pred = tuple(pa.pred[pa.pred_ptr[i]:pa.pred_ptr[i + 1]].tolist()) \
+                if self.policy.uses_prediction and m + 1 < M else None
+            n = len(self.pool.expert[m])
+            self.log.plans.append(PlanRecord(p, m, needed, pred, lds, tuple(g), (), tuple(e for e in needed if e not in g),
+                                             tuple(b.phys[m, :n].tolist()), tuple(b.logi[m, :n].tolist())))
+
+    def _hp_occupancy(self) -> int:
+        return int(self._hp["s"].scal[hp.OCC])
+
+    def _hp_finish(self) -> None:
+        """The run's records as the Python step leaves them (spans, experts to classify, launches to
+        split, loads and skips tallied), the policy object's state from its twin, the pool's
+        slots as the device holds them."""
+        h = self._hp
+        if h is None:
+            return
+        from cmoe.sim.replay.state import restore
+        for rec in h["passes"]:
+            self._hp_spans(*rec)
+        restore(self.policy, h["s"])
+        pool = h["pool"]
+        for m in range(self.M):
+            n = len(self.pool.expert[m])
+            self.pool.expert[m] = pool.expert[m, :n].tolist()
+        self.pool._forget()                               # the device has finished: nothing in flight
+        h["passes"] = []
+
+    def _hp_spans(self, p, last, h_last, lay_i, lay_f, wav_i, wav_f, wx, ld, skipped, pass_f) -> None:
+        """One pass's records as `_enter_layer`, `_plan_layer` and `_launch_waves` (or commit's
+        `_pred0_host` and `_commit_layer`) leave them: spans, experts to classify, launches, loads."""
+        d, mk, nb = self.spec.moe_layers, self._hp_mark, self.pool.expert_nbytes
+        pend, commit = self._pending, self.commit
+        if commit:                                        # the layer-0 prediction's read-back
+            pend += [(p, d[0], "host", "host_attention", -1, h_last, pass_f[0], 0),
+                     (p, d[0], "host", "host_sync", -1, pass_f[0], pass_f[1], 0)]
+            h_last = pass_f[1]
+        for m in range(self.M):
+            t_in, t_plan = mk(int(lay_i[m, hp.L_TIN])), mk(int(lay_i[m, hp.L_TPLAN]))
+            h_in, h_synced, h_routed, h_end, h_rb = (float(x) for x in lay_f[m])
+            pend += [(p, d[m], "compute", "attention", -1, last, t_in, 0),
+                     (p, d[m], "host", "host_attention", -1, h_last, h_in, 0),
+                     (p, d[m], "host", "host_sync", -1, h_rb if commit else h_in, h_synced, 0),
+                     (p, d[m], "host", "host_route", -1, h_synced, h_routed, 0),
+                     (p, d[m], "compute", "route", -1, t_in, t_plan, 0)]
+            last, h_last = mk(int(lay_i[m, hp.L_LAST])), h_end
+        for w in range(len(wav_i)):
+            m, t0, t1, x0 = (int(x) for x in wav_i[w])
+            x1 = int(wav_i[w + 1, 3]) if w + 1 < len(wav_i) else len(wx)
+            h0, h1 = float(wav_f[w, 0]), float(wav_f[w, 1])
+            for e, own, landed, due in wx[x0:x1].tolist():
+                self._experts.append((p, bool(own), mk(landed) if landed >= 0 else None, mk(due), h0))
+            if x1 > x0:                                   # `_fused_span`: one launch, split per expert
+                self._fused.append((p, d[m], tuple(int(e) for e in wx[x0:x1, 0]), mk(t0), mk(t1), self.store.slot))
+            pend.append((p, d[m], "host", "host_expert", -1, h0, h1, 0))
+        for lm, e, _s, t0, t1 in ld.tolist():
+            pend.append((p, d[lm], "copy0", "load", e, mk(t0), mk(t1), nb))
+            self.log.loaded(p, nb)
+        self.log.at(p).skipped += skipped

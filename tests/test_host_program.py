@@ -1,0 +1,299 @@
+"""The compiled host program of a graphed decode pass (`cmoe.executor.host_program`) against the
+lean engine's Python step, call for call: the program runs over logging stand-ins for the CUDA
+runtime, and the expected log is worked out here from the Python policy classes (their own
+`begin_pass` and `plan`) in the order `lean_steps.HostSteps._host_layer` makes its calls; the
+table rows each launch reads are read out of the staging buffer at the moment of their copy."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from cmoe.executor import host_program as hp
+from cmoe.policy.policies import make_policy
+from cmoe.policy.pool import PoolLayout
+from cmoe.policy.waves import waves as launch_waves
+from cmoe.sim.replay.state import export, pass_data
+from cmoe.sim.replay.twin_pool import OCC, decisions
+from cmoe.trace.pass_arrays import Future, build
+from cmoe.trace.passes import popularity
+from tests.test_replay import tiny
+
+CS, CP, PRE, HEAD, NBYTES, EV0 = 7, 8, 1, 2, 1000, 100_000
+POLICIES = ["ondemand", "lru-prefetch", "oracle", "adaptive", "commit"]
+RB0 = (4000, 4001, 64, 4002)                              # layer 0's prediction read back: host, device, bytes, event
+
+
+class FakeRuntime:
+    """Logs every call the program makes; the clock is libc's own. One for the module: a program
+    is compiled for its functions once (`program`), and each test points it at its staging rows."""
+
+    def __init__(self):
+        self.log: list = []
+        self.run = None
+        u64, i32, u32 = ctypes.c_uint64, ctypes.c_int, ctypes.c_uint
+        cb = lambda fn, *a: ctypes.CFUNCTYPE(i32, *a)(fn)
+        self._keep = [cb(self._launch, u64, u64), cb(self._record, u64, u64), cb(self._wait, u64, u64, u32),
+                      cb(self._sync, u64), cb(self._copy, u64, u64, ctypes.c_size_t, i32, u64)]
+        libc = ctypes.CDLL(None)
+        self.funcs = hp.Funcs(*self._keep, ctypes.CFUNCTYPE(i32, i32, u64)(ctypes.cast(libc.clock_gettime, ctypes.c_void_p).value))
+
+    def use(self, prog):
+        """The program's staging rows: a copy from one of them is logged as what it holds."""
+        stage, self.log = prog.stage, []
+        base, W, E = stage.ctypes.data, stage.shape[1], stage.shape[2]
+        self.rows = {base + 4 * E * (m * W + k): ("table", m, k) for m in range(stage.shape[0]) for k in range(W)}
+        self.rows.update({int(prog.ids_ptr[m, 1]): ("ids", m) for m in range(stage.shape[0])})
+        self.rows.update({int(prog.comm_ptr[m, 1]): ("comm", m) for m in range(stage.shape[0])})
+        self.prog = prog
+        if self.run is None:
+            self.run = hp.program(self.funcs)
+        return self.run
+
+    def _launch(self, g, s):
+        self.log.append(("launch", g, s))
+        return 0
+
+    def _record(self, ev, s):
+        self.log.append(("record", ev, s))
+        return 0
+
+    def _wait(self, s, ev, flags):
+        self.log.append(("wait", s, ev))
+        return 0
+
+    def _sync(self, ev):
+        self.log.append(("sync", ev))
+        return 0
+
+    def _copy(self, dst, src, n, kind, s):
+        what = self.rows.get(src) if src else None
+        if what and what[0] == "table":
+            row = self.prog.stage[what[1], what[2]]
+            self.log.append((*what, {int(e): int(row[e]) for e in np.nonzero(row >= 0)[0]}, s))
+        elif what and what[0] == "ids":
+            self.log.append((*what, self.prog.ids[what[1]].tolist(), s))
+        elif what:
+            self.log.append((*what, np.nonzero(self.prog.comm[what[1]])[0].tolist(), s))
+        else:
+            self.log.append(("copy", dst, src, n, kind, s))
+        return 0
+
+
+_FAKE = FakeRuntime()
+
+
+def _setup(name, M=3, E=6, slots=(2, 3, 2), batch=2, seed=0):
+    t = tiny(M=M, E=E, T=48, seed=seed, requests=2, K=2)
+    pa = build(t, batch)
+    lay = PoolLayout(slot_bytes=(NBYTES,) * M, slots=tuple(slots), budget_bytes=NBYTES * sum(slots))
+    pop = popularity(t)
+    return t, pa, lay, (lambda: make_policy(name, lay, E, pop, Future(pa)))
+
+
+def _prog(M, E, S, W, t=None, pa=None, K=2, N=2):
+    """Handles and addresses that name themselves in the log; with a trace, commit's inputs."""
+    gr = np.zeros((M, 4), np.int64)
+    for m in range(M):
+        gr[m] = 10 + m, 20 + m, 30 + m, 40 + m
+    scal = np.array([PRE, HEAD, CS, CP, NBYTES, E, 0, K, t is not None], np.int64)
+    rb = np.array([[5000 + m, 6000 + m, 64, 7000 + m] for m in range(M)], np.int64)
+    stage = np.full((M, W, E), -1, np.int32)
+    stage_ptr = np.array([[stage.ctypes.data + 4 * E * (m * W + k) for k in range(W)] for m in range(M)], np.int64)
+    slot_ptr = np.array([[10_000 + 100 * m + s for s in range(S)] for m in range(M)], np.int64)
+    src_ptr = np.array([[20_000 + 100 * m + e for e in range(E)] for m in range(M)], np.int64)
+    extra = hp.no_commit(M)
+    if t is not None:                                     # each pass's rows' predictions, from the trace
+        Kp = t.pred_experts.shape[2]
+        tp = np.full((pa.num_passes, M, N, Kp), -1, np.int16)
+        for p in range(pa.num_passes):
+            tok = pa.tok[pa.tok_ptr[p]:pa.tok_ptr[p + 1]]
+            if pa.decode[p]:
+                tp[p, :, :tok.size] = t.pred_experts[tok].transpose(1, 0, 2)
+        ids, comm = np.full((M, N, K), -1, np.int32), np.zeros((M, E), np.bool_)
+        extra = {"rb0": np.array(RB0, np.int64), "ids": ids, "comm": comm, "tp": tp,
+                 "ids_ptr": np.array([[9000 + m, ids.ctypes.data + ids[0].nbytes * m, ids[0].nbytes] for m in range(M)], np.int64),
+                 "comm_ptr": np.array([[9500 + m, comm.ctypes.data + E * m, E] for m in range(M)], np.int64)}
+    return hp.Prog(gr, scal, rb, np.array([8000 + m for m in range(M)], np.int64), stage, stage_ptr, slot_ptr, src_ptr,
+                   **extra)
+
+
+class Reference:
+    """The engine's calls for a pass, from the Python policy: `_begin_pass`, then per layer
+    `_host_layer` (`_enter_layer`, `_plan_layer`, `_launch_waves`), then H."""
+
+    def __init__(self, pol, prog, M, S):
+        self.pol, self.prog, self.M = pol, prog, M
+        self.expert = [[-1] * S for _ in range(M)]
+        for m, where in enumerate(pol.pool.where):
+            for e, s in where.items():
+                self.expert[m][s] = e
+        self.pending = [[False] * S for _ in range(M)]
+        self.was_read = [[False] * S for _ in range(M)]
+        self.ready, self.read = {}, {}
+        self.k = 0
+        self.snap: dict = {}                              # layer -> (physical, logical) after its step
+        self.loads: list = []
+
+    def mark(self, out, stream):
+        ev = EV0 + self.k
+        self.k += 1
+        out.append(("record", ev, stream))
+        return ev
+
+    def load(self, out, ld):
+        m, s = ld.layer, ld.slot
+        if self.was_read[m][s]:
+            out.append(("wait", CP, self.read[m, s]))
+        self.mark(out, CP)
+        out.append(("copy", int(self.prog.slot_ptr[m, s]), int(self.prog.src_ptr[m, ld.expert]), NBYTES, 1, CP))
+        self.ready[m, s] = self.mark(out, CP)
+        self.expert[m][s], self.pending[m][s] = ld.expert, True
+        self.loads.append((m, ld.expert, s))
+
+    def run(self, pa, p, tp=None):
+        out, pol, M = [], self.pol, self.M
+        self.k = 0
+        self.loads = []
+        out.append(("launch", PRE, CS))
+        pred0 = []
+        if tp is not None:                                # `_pred0_host`
+            out += [("copy", RB0[0], RB0[1], RB0[2], 2, CS), ("record", RB0[3], CS), ("sync", RB0[3])]
+            pred0 = pa.pred[pa.pred_ptr[p * M]:pa.pred_ptr[p * M + 1]].tolist()
+        for ld in pol.begin_pass(bool(pa.decode[p]), pred0):
+            self.load(out, ld)
+        for m in range(M):
+            if tp is not None:
+                self.commit_layer(out, pa, p, m, tp[p, m])
+                continue
+            out.append(("launch", 10 + m, CS))
+            self.mark(out, CS)
+            out += [("copy", 5000 + m, 6000 + m, 64, 2, CS), ("record", 7000 + m, CS), ("sync", 7000 + m)]
+            i = p * M + m
+            nxt = pa.pred[pa.pred_ptr[i + 1]:pa.pred_ptr[i + 2]].tolist() if pol.uses_prediction and m + 1 < M else None
+            plan = pol.plan(m, pa.needed(p, m).tolist(), nxt)
+            gpu = set(plan.gpu)
+            later = [ld for ld in plan.loads if ld.layer == m and ld.victim in gpu]
+            for ld in plan.loads:
+                if ld not in later:
+                    self.load(out, ld)
+            self.mark(out, CS)
+            waves = launch_waves(list(plan.gpu), {ld.expert: ld.victim for ld in later}) or [[]]
+            for k, wave in enumerate(waves):
+                out.append(("table", m, k, {e: plan.slots[e] for e in wave}, CS))
+                for e in wave:
+                    s = plan.slots[e]
+                    assert self.expert[m][s] == e
+                    if self.pending[m][s]:
+                        out.append(("wait", CS, self.ready[m, s]))
+                        self.pending[m][s] = False
+                self.mark(out, CS)
+                out.append(("launch", (20 if len(waves) == 1 else 30) + m, CS))
+                t1 = self.mark(out, CS)
+                for e in wave:
+                    self.read[m, plan.slots[e]], self.was_read[m][plan.slots[e]] = t1, True
+                for ld in [x for x in later if x.victim in wave]:
+                    self.load(out, ld)
+            if len(waves) > 1:
+                out.append(("launch", 40 + m, CS))
+                self.mark(out, CS)
+            logical = [-1] * len(self.expert[m])
+            for e, s in pol.pool.where[m].items():
+                logical[s] = e
+            self.snap[m] = (list(self.expert[m]), logical)
+        out.append(("launch", HEAD, CS))
+        return out
+
+
+    def commit_layer(self, out, pa, p, m, tp):
+        """`_commit_layer`: read-back queued, candidates, set and table, waits, launch, then the wait."""
+        pol, M = self.pol, self.M
+        out.append(("launch", 10 + m, CS))
+        self.mark(out, CS)
+        chosen = list(pol.committed[m])
+        out += [("copy", 5000 + m, 6000 + m, 64, 2, CS), ("record", 7000 + m, CS)]
+        rows = []
+        for row in tp.tolist():
+            mine = [e for e in dict.fromkeys(e for e in row if e >= 0) if e in chosen][:2]
+            rows.append(mine + [-1] * (2 - len(mine)))
+        slots = {e: pol.pool.slot_of(m, e) for e in chosen}
+        out += [("ids", m, rows, CS), ("comm", m, sorted(chosen), CS), ("table", m, 0, slots, CS)]
+        t_plan = self.mark(out, CS)
+        waited = False
+        for e in chosen:
+            assert self.expert[m][slots[e]] == e
+            if self.pending[m][slots[e]]:
+                out.append(("wait", CS, self.ready[m, slots[e]]))
+                self.pending[m][slots[e]], waited = False, True
+        if waited:
+            self.mark(out, CS)
+        out.append(("launch", 20 + m, CS))
+        t1 = self.mark(out, CS)
+        for e in chosen:
+            self.read[m, slots[e]], self.was_read[m][slots[e]] = t1, True
+        out.append(("sync", 7000 + m))
+        i = p * M + m
+        nxt = pa.pred[pa.pred_ptr[i + 1]:pa.pred_ptr[i + 2]].tolist() if m + 1 < M else None
+        plan = pol.plan(m, pa.needed(p, m).tolist(), nxt)
+        assert list(plan.gpu) == chosen and t_plan
+        for ld in plan.loads:
+            self.load(out, ld)
+        logical = [-1] * len(self.expert[m])
+        for e, s in pol.pool.where[m].items():
+            logical[s] = e
+        self.snap[m] = (list(self.expert[m]), logical)
+
+
+def _run_both(name, **kw):
+    t, pa, lay, make = _setup(name, **kw)
+    M, E, S = len(lay.slots), t.spec.num_experts, max(lay.slots)
+    py, tw = make(), make()
+    for pol in (py, tw):                                  # the prefill, in Python, as the engine runs it
+        pol.begin_pass(False, [])
+        for m in range(M):
+            pol.plan(m, pa.needed(0, m).tolist(), None)
+    commit = name == "commit"
+    prog = _prog(M, E, S, W=min(2 * 2, E) + 1, t=t if commit else None, pa=pa)
+    ref = Reference(py, prog, M, S)
+    fake = _FAKE
+    run = fake.use(prog)
+    s, pd, d = export(tw, pa), pass_data(pa), decisions(M + 1, 1, E)
+    pool = hp.Pool(np.array(ref.expert, np.int64), np.zeros((M, S), np.bool_), np.zeros((M, S), np.bool_),
+                   np.zeros((M, S), np.int64), np.zeros((M, S), np.int64), np.full((M, S), -1, np.int64))
+    b = hp.books(M, E, S, prog.stage.shape[1], marks=4096)
+    b.ev[:] = EV0 + np.arange(b.ev.size)
+    ts, waves = np.zeros(2, np.int64), np.zeros(E, np.int64)
+    logs = []
+    for p in range(1, pa.num_passes):
+        assert pa.decode[p]
+        fake.log.clear()
+        want = ref.run(pa, p, prog.tp if commit else None)
+        rc = run(prog, pool, s, d, pd, b, 0, p, pa.num_passes, ts, waves)
+        assert rc == 0 and b.cnt[hp.C_ERR] == 0
+        assert fake.log == want, (name, p)
+        assert pool.expert.tolist() == ref.expert
+        assert b.cnt[hp.C_MARKS] == ref.k
+        assert b.ld[:b.cnt[hp.C_LOADS], :3].tolist() == [list(x) for x in ref.loads]
+        for m in range(M):
+            n = lay.slots[m]
+            assert (b.phys[m, :n].tolist(), b.logi[m, :n].tolist()) == (ref.snap[m][0][:n], ref.snap[m][1][:n])
+        assert int(s.scal[OCC]) == py.pool.occupancy()
+        logs.append(list(fake.log))
+    return logs, b, pool, s
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("seed", range(3))
+def test_the_program_makes_the_engines_calls_in_its_order(name, seed):
+    logs, *_ = _run_both(name, seed=seed)
+    assert any(c[0] == "copy" and c[4] == 1 for log in logs for c in log), "no load was exercised"
+
+
+def test_a_layer_short_of_slots_runs_in_waves():
+    """Two slots a block at batch 2, top-2: a miss must evict the other expert of its own layer, so
+    its copy waits for that expert's launch, and the layer runs as two waves and a finish."""
+    logs, *_ = _run_both("ondemand", slots=(2, 2, 2), seed=1)
+    launched = [c[1] for log in logs for c in log if c[0] == "launch"]
+    assert any(30 <= g < 40 for g in launched) and any(40 <= g < 50 for g in launched)
