@@ -300,13 +300,13 @@ def test_a_layer_short_of_slots_runs_in_waves():
 
 
 def test_the_engines_pass_arrays_are_the_simulators():
-    """`lean_fast._hp_prepare` reads the replayed passes the engine gets (each layer's ranked needs
+    """`lean_fast.replay_arrays` reads the replayed passes the engine gets (each layer's ranked needs
     and predictions, each row's predictions) into the same arrays `pass_arrays.build` makes from
     the trace, which the twin then reads as the replay simulator does; a pass with a padded row
     gets none (the Python step re-ranks its live rows)."""
     from types import SimpleNamespace
 
-    from cmoe.executor.lean_fast import HostProgramSteps
+    from cmoe.executor.lean_fast import replay_arrays
     from cmoe.trace.passes import make_passes
     t, pa, *_ = _setup("ondemand")
     M = t.spec.num_moe_layers
@@ -316,16 +316,14 @@ def test_the_engines_pass_arrays_are_the_simulators():
         pins.append(SimpleNamespace(index=i, decode=ps.decode, active=np.ones(tok.size, bool),
                                     replay={"needed": [list(x) for x in ps.needed], "pred": t.pred_experts[tok],
                                             "predicted": [list(x) for x in ps.predicted]}))
-    eng = type("Eng", (HostProgramSteps,), {"M": M})()
-    eng._hp_prepare(pins)
-    got = eng._hp_pa
+    got, tp = replay_arrays(pins, M, rows=True)
     for key in ("decode", "need_ptr", "need", "pred_ptr", "pred"):
         assert np.array_equal(getattr(got, key), getattr(pa, key)), key
     assert got.num_passes == pa.num_passes and got.depth == 1
     for i, pin in enumerate(pins):
         n = pin.active.size
-        assert np.array_equal(eng._hp_tp[i, :, :n], pin.replay["pred"].transpose(1, 0, 2))
-        assert (eng._hp_tp[i, :, n:] == -1).all()
+        assert np.array_equal(tp[i, :, :n], pin.replay["pred"].transpose(1, 0, 2))
+        assert (tp[i, :, n:] == -1).all()
+    assert replay_arrays(pins, M, rows=False)[1] is None
     pins[1].active[0] = False
-    eng._hp_prepare(pins)
-    assert eng._hp_pa is None
+    assert replay_arrays(pins, M, rows=True) == (None, None)

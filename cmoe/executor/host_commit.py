@@ -12,6 +12,7 @@ from numba import njit
 
 from cmoe.executor.host_waves import _snapshot
 from cmoe.sim.replay.decide import _plan
+from cmoe.sim.replay.twin_pool import _among
 
 H2D, D2H = 1, 2
 
@@ -177,11 +178,3 @@ def _inputs(prog, s, p, m, K):
     for e in s.committed[m, :n]:
         prog.comm[m, e] = True
         row[e] = s.slot[m, e]
-
-
-@njit(cache=True, _nrt=False)
-def _among(e, xs):
-    for x in xs:
-        if x == e:
-            return True
-    return False

@@ -29,45 +29,57 @@ FAST_KINDS = ("ondemand", "lru-prefetch", "oracle", "adaptive", "commit")
 _PROGRAMS: dict = {}                    # runtime library path -> its program (`host_program.program`), per process
 
 
-class HostProgramSteps:
-    _hp = None
-    _hp_tp = None
+def replay_arrays(passes, M: int, rows: bool) -> tuple:
+    """The engine's replayed passes as the twin reads them: each pass's ranked needs and
+    predictions (a `PassArrays`, whose other fields the twin does not read), and with `rows` each
+    row's predictions [P, M, N, Kp] (commit's candidates are chosen from them). (None, None) unless
+    every pass is a replay whose rows are all live, indexed from 0 (what the Python step's replay
+    path reads)."""
+    from cmoe.trace.pass_arrays import PassArrays
+    P = len(passes)
+    if not passes or [p.index for p in passes] != list(range(P)) or \
+            any(p.replay is None or "needed" not in p.replay or not p.active.all() for p in passes):
+        return None, None
 
-    def _hp_wanted(self) -> bool:
-        """The run's configuration allows the program (the graphs and buffers are checked at setup)."""
+    def flat(key):
+        lists = [p.replay[key][m] for p in passes for m in range(M)]
+        ptr = np.zeros(len(lists) + 1, np.int64)
+        np.cumsum([len(x) for x in lists], out=ptr[1:])
+        return ptr, np.array([x for xs in lists for x in xs], np.int16)
+    (nptr, need), (pptr, pred) = flat("needed"), flat("predicted")
+    z = np.zeros(P, np.int64)
+    pa = PassArrays(decode=np.array([p.decode for p in passes], bool), ntok=z, context=z, keys=z,
+                    tok_ptr=np.zeros(P + 1, np.int64), tok=np.zeros(0, np.int64), need_ptr=nptr, need=need,
+                    votes=np.zeros(need.size, np.int32), pred_ptr=pptr, pred=pred, num_layers=M, ahead_ptr=pptr,
+                    ahead=pred, depth=1)
+    if not rows:
+        return pa, None
+    shapes = [np.shape(p.replay["pred"]) for p in passes]
+    tp = np.full((P, M, max(x[0] for x in shapes), max(x[2] for x in shapes)), -1, np.int16)
+    for p in passes:
+        r = np.asarray(p.replay["pred"])
+        tp[p.index, :, :r.shape[0], :r.shape[2]] = r.transpose(1, 0, 2)
+    return pa, tp
+
+
+class HostProgramSteps:
+    _hp = _hp_pa = _hp_tp = None
+
+    def _hp_allowed(self) -> bool:
+        """The run's configuration allows the program (its passes and buffers are checked later)."""
         return (os.environ.get("CMOE_HOST_PROGRAM", "1") != "0" and self.cuda and self.clock.rt is not None
                 and self.fused and not self.silent and not self.has_cpu and (self.owa or not self.commit)
                 and self.policy.name in FAST_KINDS and self.policy.depth == 1
-                and not self._lead_cycles and self.host_phases is None and hp.perf_counter_is_monotonic()
-                and getattr(self, "_hp_pa", None) is not None)
+                and not self._lead_cycles and self.host_phases is None and hp.perf_counter_is_monotonic())
+
+    def _hp_wanted(self) -> bool:
+        return self._hp_pa is not None and self._hp_allowed()
 
     def _hp_prepare(self, passes) -> None:
-        """Before timing: every pass's ranked needs and predictions as the twin's pass arrays, when
-        each pass is a replay whose rows are all live (what the Python step's replay path reads)."""
-        from cmoe.trace.pass_arrays import PassArrays
-        self._hp_pa = None
-        if not passes or any(p.replay is None or "needed" not in p.replay or not p.active.all() for p in passes):
-            return
-        M = self.M
-        need = [x for p in passes for m in range(M) for x in p.replay["needed"][m]]
-        pred = [x for p in passes for m in range(M) for x in p.replay["predicted"][m]]
-        ptr = lambda key: np.concatenate([[0], np.cumsum([len(p.replay[key][m]) for p in passes for m in range(M)])]).astype(np.int64)
-        P = len(passes)
-        if [p.index for p in passes] != list(range(P)):
-            return
-        z = np.zeros(P, np.int64)
-        pptr = ptr("predicted")
-        # each row's predictions [P, M, N, Kp], what commit's candidates are chosen from
-        shapes = [np.shape(p.replay["pred"]) for p in passes]
-        tp = self._hp_tp = np.full((P, M, max(x[0] for x in shapes), max(x[2] for x in shapes)), -1, np.int16)
-        for p in passes:
-            r = np.asarray(p.replay["pred"])
-            tp[p.index, :, :r.shape[0], :r.shape[2]] = r.transpose(1, 0, 2)
-        self._hp_pa = PassArrays(decode=np.array([p.decode for p in passes], bool), ntok=z, context=z, keys=z,
-                                 tok_ptr=np.zeros(P + 1, np.int64), tok=np.zeros(0, np.int64), need_ptr=ptr("needed"),
-                                 need=np.array(need, np.int16), votes=np.zeros(len(need), np.int32), pred_ptr=pptr,
-                                 pred=np.array(pred, np.int16), num_layers=M, ahead_ptr=pptr,
-                                 ahead=np.array(pred, np.int16), depth=1)
+        """Before timing, where the program may run: the passes as its twin reads them."""
+        self._hp_pa = self._hp_tp = None
+        if self._hp_allowed():
+            self._hp_pa, self._hp_tp = replay_arrays(passes, self.M, rows=self.commit)
 
     def _hp_setup(self) -> None:
         """Right after capture (the device synchronised, untimed): the program's arrays, the twin's
@@ -99,7 +111,7 @@ class HostProgramSteps:
         h = self._hp = {"run": _PROGRAMS[rt.path], "prog": prog, "pool": state, "s": export(self.policy, pa),
                         "d": decisions(M + 1, 1, E), "pd": pass_data(pa), "P": pa.num_passes,
                         "books": hp.books(M, E, S, W, marks), "marks": marks, "ts": np.zeros(2, np.int64),
-                        "waves": np.zeros(E, np.int64), "gbase": 0, "passes": [], "mk": {}, "ev": {}}
+                        "waves": np.zeros(E, np.int64), "gbase": 0, "passes": [], "mk": {}, "ev": []}
         hp.compile_for(h["run"], prog, state, h["s"], h["d"], h["pd"], h["books"], 0, 0, 0, h["ts"], h["waves"])
         self.log.host_program = True
         self.log.capture_us += (time.perf_counter() - h0) * 1e6
@@ -162,12 +174,17 @@ class HostProgramSteps:
                 "ids_ptr": np.array(ptr["ids"], np.int64), "comm_ptr": np.array(ptr["comm"], np.int64),
                 "tp": self._hp_tp}
 
-    def _hp_mark(self, gid: int) -> Mark:
-        """The one Mark object of a program's mark (its time is read once, then its event reused)."""
+    def _hp_mark(self, gid: int, ev: int | None = None) -> Mark:
+        """The one Mark object of a program's mark (its time is read once, then its event reused):
+        `ev` its event where the caller has it, else looked up in the run's (at its end)."""
         h = self._hp
         mk = h["mk"].get(gid)
         if mk is None:
-            mk = h["mk"][gid] = Mark(int(h["ev"][gid]))
+            if ev is None:
+                if not isinstance(h["ev"], np.ndarray):
+                    h["ev"] = np.concatenate(h["ev"]) if h["ev"] else np.zeros(0, np.int64)
+                ev = h["ev"][gid]
+            mk = h["mk"][gid] = Mark(int(ev))
         return mk
 
     def _hp_pass(self, p) -> None:
@@ -188,13 +205,10 @@ class HostProgramSteps:
         n = int(c[hp.C_MARKS])
         free.extend(b.ev[n:].tolist())
         if rc:
-            what = hp.CALLS[c[hp.C_ERRCALL]]
-            raise RuntimeError(f"the host program's {what} failed (error {c[hp.C_ERR]}) in pass {p.index}"
-                               if c[hp.C_ERR] > 0 else f"the host program stopped in pass {p.index}: {what}"
-                               if c[hp.C_ERR] == -1 else f"the host program's plan and the pool disagree in pass {p.index}")
-        ev = h["ev"]
-        for i in range(n):
-            ev[gbase + i] = int(b.ev[i])
+            err, what = int(c[hp.C_ERR]), hp.CALLS[c[hp.C_ERRCALL]]
+            why = f"{what} failed (error {err})" if err > 0 else what if err == -1 else "plan and pool disagree"
+            raise RuntimeError(f"the host program stopped in pass {p.index}: {why}")
+        h["ev"].append(b.ev[:n].copy())                  # mark gid's event: the run's, in order
         h["gbase"] = gbase + n
         nw, nx, nl = int(c[hp.C_WAVES]), int(c[hp.C_WX]), int(c[hp.C_LOADS])
         h["passes"].append((p.index, self.last, self.h_last, b.lay_i.copy(), b.lay_f.copy(), b.wav_i[:nw].copy(),
@@ -203,7 +217,8 @@ class HostProgramSteps:
         if self.record_plans:
             self._hp_plans(p.index, b)
         M = self.M
-        self.last, self.h_last = self._hp_mark(int(b.lay_i[M - 1, hp.L_LAST])), float(b.lay_f[M - 1, hp.F_LAST])
+        last = int(b.lay_i[M - 1, hp.L_LAST])
+        self.last, self.h_last = self._hp_mark(last, b.ev[last - gbase]), float(b.lay_f[M - 1, hp.F_LAST])
 
     def _hp_plans(self, p: int, b) -> None:
         """The pass's `PlanRecord`s as the Python step makes them, from the twin's decisions (still in
