@@ -190,6 +190,10 @@ def main() -> None:
                          "attention launches, CMOE_LEAN_LAYER=0 transformers' decoder layer, CMOE_GEMV=0 cuBLAS's "
                          "projections)")
     ap.add_argument("--timelines", action="store_true", help="write every run's timeline under --out")
+    ap.add_argument("--live", action="store_true",
+                    help="route live (no trace): the policies plan from the router's read-backs, each row a seeded "
+                    "random prompt of --prompt tokens, the decode tokens the model's own argmax")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens a row with --live")
     ap.add_argument("--kernel-configs", type=Path, default=None,
                     help="a kernel_variants.json: each run also with its best per-M expert kernel configurations")
     ap.add_argument("--kernel-profile", action="store_true",
@@ -206,7 +210,7 @@ def main() -> None:
     commit = os.environ.get("COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                         text=True).stdout.strip()
     res = {"date": time.strftime("%Y-%m-%d"), "card": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "commit": commit, "spec": a.spec, "tokens": a.tokens, "hbm_gbps": hbm_gbps(),
+           "commit": commit, "spec": a.spec, "tokens": a.tokens, "live": a.live, "hbm_gbps": hbm_gbps(),
            "h2d_gbps_one_expert": h2d_gbps(93_585_408), "runs": []}
     print(f"HBM {res['hbm_gbps']:.0f} GB/s, H2D {res['h2d_gbps_one_expert']:.1f} GB/s", flush=True)
     engines = a.engines.split(",")
@@ -232,6 +236,9 @@ def main() -> None:
             print(f"built the {engine} store ({w.store.packing}, {w.store.nbytes / 1e9:.1f} GB) in "
                   f"{res[f'build_s_{engine}']:.0f} s", flush=True)
         w.store, w.model, w.shims = built[engine], model, shims
+        if a.live:                                       # the same prompts for every policy of a batch
+            rng = np.random.default_rng(batch)
+            w = replace(w, trace=None, prompts=rng.integers(0, model.config.vocab_size, (batch, a.prompt)).tolist())
         return w, cfg
 
     def one(engine, w, cfg, p, tag=""):

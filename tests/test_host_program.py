@@ -98,7 +98,7 @@ def _prog(M, E, S, W, t=None, pa=None, K=2, N=2):
     gr = np.zeros((M, 4), np.int64)
     for m in range(M):
         gr[m] = 10 + m, 20 + m, 30 + m, 40 + m
-    scal = np.array([PRE, HEAD, CS, CP, NBYTES, E, 0, K, t is not None], np.int64)
+    scal = np.array([PRE, HEAD, CS, CP, NBYTES, E, 0, K, t is not None, 0, N], np.int64)
     rb = np.array([[5000 + m, 6000 + m, 64, 7000 + m] for m in range(M)], np.int64)
     stage = np.full((M, W, E), -1, np.int32)
     stage_ptr = np.array([[stage.ctypes.data + 4 * E * (m * W + k) for k in range(W)] for m in range(M)], np.int64)
@@ -117,7 +117,7 @@ def _prog(M, E, S, W, t=None, pa=None, K=2, N=2):
                  "ids_ptr": np.array([[9000 + m, ids.ctypes.data + ids[0].nbytes * m, ids[0].nbytes] for m in range(M)], np.int64),
                  "comm_ptr": np.array([[9500 + m, comm.ctypes.data + E * m, E] for m in range(M)], np.int64)}
     return hp.Prog(gr, scal, rb, np.array([8000 + m for m in range(M)], np.int64), stage, stage_ptr, slot_ptr, src_ptr,
-                   **extra)
+                   **extra, **hp.no_live(M))
 
 
 class Reference:
@@ -170,7 +170,8 @@ class Reference:
                 continue
             out.append(("launch", 10 + m, CS))
             self.mark(out, CS)
-            out += [("copy", 5000 + m, 6000 + m, 64, 2, CS), ("record", 7000 + m, CS), ("sync", 7000 + m)]
+            host, dev, nb, ev = (int(x) for x in self.prog.rb[m])
+            out += [("copy", host, dev, nb, 2, CS), ("record", ev, CS), ("sync", ev)]
             i = p * M + m
             nxt = pa.pred[pa.pred_ptr[i + 1]:pa.pred_ptr[i + 2]].tolist() if pol.uses_prediction and m + 1 < M else None
             plan = pol.plan(m, pa.needed(p, m).tolist(), nxt)

@@ -243,3 +243,28 @@ def test_host_program_runs_as_the_python_step(fused_checkpoints, fused_trace, sl
         for x, y in zip(a.logits, b.logits):
             assert _rel(x, y) < 1e-2, a.policy
     assert any(p.layer >= 0 and len(p.loads) for r in runs["1"] for p in r.log.plans)
+
+
+@pytest.mark.parametrize("slots", [2, 3])
+def test_host_program_plans_a_live_run_as_the_python_step(fused_checkpoints, slots, monkeypatch):
+    """No trace: every decode pass planned from its read-backs (`host_live`) by the program and by
+    the Python step, teacher-forced so both feed the same tokens. The same plans (the needs and
+    predictions the two ranked), loads, skips and occupancy, logits equal up to fp32 atomics."""
+    pols = ("ondemand", "lru-prefetch", "adaptive")
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("CMOE_HOST_PROGRAM", flag)
+        cfg = ExecConfig(policies=pols, slots=slots, batch=2, tokens=8, device="cuda", quant="w4g32",
+                         keep_logits=True, record_plans=True, teacher=(5, 9, 2, 7, 11, 3, 8, 1))
+        w, cfg = prepare(spec_name=None, model_dir=fused_checkpoints["mixtral"], trace_src=None, data=None, cfg=cfg)
+        runs[flag] = execute(w, cfg)
+    for a, b in zip(runs["0"], runs["1"]):
+        assert not a.log.host_program and b.log.host_program, a.policy
+        assert a.log.plans == b.log.plans, a.policy
+        assert a.log.slot_mismatches == b.log.slot_mismatches == 0, a.policy
+        assert a.log.occupancy == b.log.occupancy, a.policy
+        assert {p: (c.loads, c.skipped) for p, c in a.log.per_pass.items()} == \
+            {p: (c.loads, c.skipped) for p, c in b.log.per_pass.items()}, a.policy
+        for x, y in zip(a.logits, b.logits):
+            assert _rel(x, y) < 1e-2, a.policy
+    assert any(p.layer >= 0 and p.pass_index > 0 and len(p.loads) for r in runs["1"] for p in r.log.plans)

@@ -30,6 +30,7 @@ from collections import namedtuple
 import numpy as np
 from numba import njit
 
+from cmoe.executor.host_live import live_routes
 from cmoe.executor.host_waves import _deferred, _index, _loads_now, _snapshot, _wave_of
 from cmoe.sim.replay.decide import _begin, _plan
 from cmoe.sim.replay.twin_pool import OCC
@@ -38,7 +39,7 @@ H2D, D2H = 1, 2
 # Prog.gr columns: a MoE layer's graphs (0: none)
 G_ATTN, G_EXPERTS, G_WAVE, G_FINISH = range(4)
 # Prog.scal
-S_PRE, S_HEAD, S_CS, S_CP, S_NBYTES, S_E, S_HOST0, S_K, S_COMMIT = range(9)
+S_PRE, S_HEAD, S_CS, S_CP, S_NBYTES, S_E, S_HOST0, S_K, S_COMMIT, S_LIVE, S_N = range(11)
 # Books.lay_i columns (global mark ids) and Books.lay_f (host us)
 L_TIN, L_TPLAN, L_LAST = range(3)
 F_IN, F_SYNCED, F_ROUTED, F_LAST, F_RB = range(5)
@@ -56,8 +57,11 @@ CALLS = ("cudaGraphLaunch", "cudaEventRecord", "cudaStreamWaitEvent", "cudaEvent
 # commit's besides (1-element dummies for the others): layer 0's prediction read back at the pass's
 # start (as rb), each row's candidates [M, N, K] int32 and the committed set [M, E] bool in pinned
 # staging with their copies' (device, pinned, bytes) [M, 3], each row's predictions [P, M, N, Kp].
+# A live pass's besides (`host_live`; dummies for a replay): the pinned floats each layer's read-back
+# lands in [M, N * most columns] (rb's host addresses point into it), each layer's columns and
+# prediction columns [M, 2], and scratch for the ranking [2E + K].
 Prog = namedtuple("Prog", ["gr", "scal", "rb", "table_dst", "stage", "stage_ptr", "slot_ptr", "src_ptr",
-                           "rb0", "ids", "ids_ptr", "comm", "comm_ptr", "tp"])
+                           "rb0", "ids", "ids_ptr", "comm", "comm_ptr", "tp", "rbh", "lv", "scr"])
 # The pool as the device holds it, kept across passes: what each slot holds, a copy no kernel has
 # waited for yet, a slot some kernel read, and the events those wait on (the load's end mark, the
 # last reading launch's end mark), and the global id of the pending copy's end mark.
@@ -85,6 +89,11 @@ def no_commit(M: int) -> dict:
     return {"rb0": np.zeros(4, np.int64), "ids": np.zeros((M, 1, 1), np.int32), "ids_ptr": np.zeros((M, 3), np.int64),
             "comm": np.zeros((M, 1), np.bool_), "comm_ptr": np.zeros((M, 3), np.int64),
             "tp": np.zeros((1, M, 1, 1), np.int16)}
+
+
+def no_live(M: int) -> dict:
+    """Prog's live fields for a replayed run (the trace's routes, not the read-back's, are planned)."""
+    return {"rbh": np.zeros((M, 1), np.float32), "lv": np.zeros((M, 2), np.int64), "scr": np.zeros(1, np.int64)}
 
 
 def program(f: Funcs):
@@ -277,6 +286,8 @@ def _layer_head(f: Funcs, pr: Prims, load):
         g0, l0 = d.n[0], d.n[2]
         d.g_ptr[j], d.c_ptr[j], d.l_ptr[j] = d.n[0], d.n[1], d.n[2]
         d.skipped[j] = 0
+        if prog.scal[S_LIVE]:                             # the read-back's routes (pass 0 of the live arrays)
+            live_routes(prog.rbh, prog.lv, prog.scal[S_N], prog.scal[S_E], prog.scal[S_K], prog.scr, pd, m)
         _plan(s, d, p, m, P, pd, s.protect, s.hits, s.placed)
         d.n[3] = j + 1
         g1, l1 = d.n[0], d.n[2]

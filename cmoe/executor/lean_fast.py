@@ -1,19 +1,21 @@
 """The lean engine's graphed decode passes through the compiled host program
 (`cmoe.executor.host_program`): when a run may use it (`_hp_setup`), how a pass calls it
-(`_hp_pass`), and at the run's end its records as the engine's own spans and tallies, the
+(`_hp_pass`), and at the run's end its records as the engine's spans and tallies, the
 policy object's state written back from its compiled twin (`_hp_finish`). A mixin of
 `cmoe.executor.lean.LeanEngine`.
 
-Where it runs: the decode passes of a replayed trace on CUDA with the runtime found, under graphs,
-with the fused layer kernel, for the policies whose plan is exact or skips (`ondemand`,
-`lru-prefetch`, `oracle`, `adaptive`). Elsewhere, and with CMOE_HOST_PROGRAM=0 (the A/B), the
-Python step runs as before: `commit` (its own no-wait order), `upper` (no host step to speed
-up), CPU experts, the look-ahead policies, live routes, the host-phase profiler and the GPU-sleep
-calibration runs. Recorded plans (`record_plans`) are rebuilt from the twin's decisions and the
-program's per-layer snapshots of the slots. The twin decides from the pass's routes as the replay
-engine does (the trace's ranked needs and predictions, which the Python step reads too), after
-the layer's read-back wait, so causality is the Python step's: nothing of layer m is decided
-before its routes exist.
+Where it runs: graphed decode passes on CUDA with the runtime found, with the fused layer kernel;
+of a replayed trace for the policies whose plan is exact or skips (`ondemand`, `lru-prefetch`,
+`oracle`, `adaptive`, and `commit`'s own order), and of a live run (no trace) for those that plan
+from the read-back alone (`ondemand`, `lru-prefetch`, `adaptive`: `host_live` ranks each layer's
+read-back as `routes._parse_routes` does). Elsewhere, and with CMOE_HOST_PROGRAM=0 (the A/B), the
+Python step runs as before: `upper` (no host step to speed up), `commit` live, CPU experts, the
+look-ahead policies, the host-phase profiler and the GPU-sleep calibration runs. Recorded plans
+(`record_plans`) are rebuilt from the twin's decisions and the program's per-layer snapshots of
+the slots. The twin decides from the pass's routes as the replay engine does (a replay's ranked
+needs and predictions from the trace, which the Python step reads too; a live pass's from the
+read-back), after the layer's read-back wait, so causality is the Python step's: nothing of
+layer m is decided before its routes exist.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ import numpy as np
 
 from cmoe.executor import host_program as hp
 from cmoe.executor.cuda_rt import Mark
+from cmoe.executor.host_live import live_pass
 
 FAST_KINDS = ("ondemand", "lru-prefetch", "oracle", "adaptive", "commit")
+LIVE_KINDS = ("ondemand", "lru-prefetch", "adaptive")   # those that plan from the read-back alone
 _PROGRAMS: dict = {}                    # runtime library path -> its program (`host_program.program`), per process
 
 
@@ -63,7 +67,8 @@ def replay_arrays(passes, M: int, rows: bool) -> tuple:
 
 
 class HostProgramSteps:
-    _hp = _hp_pa = _hp_tp = None
+    _hp = _hp_pa = _hp_tp = _hp_rbh = None
+    _hp_live = False
 
     def _hp_allowed(self) -> bool:
         """The run's configuration allows the program (its passes and buffers are checked later)."""
@@ -73,11 +78,17 @@ class HostProgramSteps:
                 and not self._lead_cycles and self.host_phases is None and hp.perf_counter_is_monotonic())
 
     def _hp_wanted(self) -> bool:
+        """After `_hp_prepare`, on the first graphed decode pass: a replay's arrays are ready, or
+        the run is live (no trace: every pass planned from its read-back, `host_live`)."""
+        if self._hp_pa is None and self.cur.replay is None and self.cur.active.all() \
+                and self.policy.name in LIVE_KINDS and not self.commit:
+            self._hp_pa, self._hp_live = live_pass(self.M, self.spec.num_experts), True
         return self._hp_pa is not None and self._hp_allowed()
 
     def _hp_prepare(self, passes) -> None:
         """Before timing, where the program may run: the passes as its twin reads them."""
         self._hp_pa = self._hp_tp = None
+        self._hp_live = False
         if self._hp_allowed():
             self._hp_pa, self._hp_tp = replay_arrays(passes, self.M, rows=self.commit)
 
@@ -154,10 +165,11 @@ class HostProgramSteps:
                     return None
                 src_ptr[m, e] = src.data_ptr()
         scal = np.array([pre, head, pool.compute_h, pool._cp_handle, nb, E, int(round(self.clock.host0 * 1e9)),
-                         self.spec.top_k, self.commit], np.int64)
+                         self.spec.top_k, self.commit, 0, 0], np.int64)
         extra = self._hp_commit_inputs(ptr) if self.commit else hp.no_commit(M)
         if extra is None:
             return None
+        extra.update(self._hp_live_inputs(rb, scal) if self._hp_live else hp.no_live(M))
         return hp.Prog(gr, scal, rb, np.array([self.table[m].data_ptr() for m in range(M)], np.int64), k["table_np"],
                        np.array([[c[1] for c in row] for row in ptr["table"]], np.int64), slot_ptr, src_ptr, **extra)
 
@@ -173,6 +185,26 @@ class HostProgramSteps:
         return {"rb0": np.array([*got[3], got[1]], np.int64), "ids": k["ids_np"], "comm": k["comm_np"],
                 "ids_ptr": np.array(ptr["ids"], np.int64), "comm_ptr": np.array(ptr["comm"], np.int64),
                 "tp": self._hp_tp}
+
+    def _hp_live_inputs(self, rb: np.ndarray, scal: np.ndarray) -> dict:
+        """A live run's Prog fields: one pinned buffer the layers' read-backs land in (rb's host
+        addresses moved into it, in place), each layer's columns; scal's live flag and rows."""
+        import torch
+        reads = [self.t_graph["rb"][m] for m in range(self.M)]
+        N, C = reads[0].shape[0], max(r.shape[1] for r in reads)
+        assert all(r.dtype == torch.float32 and r.shape[0] == N for r in reads)
+        if self._hp_rbh is None or tuple(self._hp_rbh.shape) != (self.M, N * C):
+            self._hp_rbh = torch.zeros((self.M, N * C), dtype=torch.float32, pin_memory=True)
+        base = self._hp_rbh.data_ptr()
+        lv = np.zeros((self.M, 2), np.int64)
+        for m, r in enumerate(reads):
+            rb[m, 0] = base + m * N * C * 4
+            K2 = self.t_graph["pred"][m + 1][0].shape[1] if self.policy.uses_prediction and m + 1 < self.M else 0
+            lv[m] = r.shape[1], K2
+            assert r.shape[1] == 2 * self.spec.top_k + 2 * K2, "a read-back with columns the program does not parse"
+        scal[hp.S_LIVE], scal[hp.S_N] = 1, N
+        return {"rbh": self._hp_rbh.numpy(), "lv": lv, "scr": np.zeros(2 * self.spec.num_experts + max(
+            self.spec.top_k, int(lv[:, 1].max())), np.int64)}
 
     def _hp_mark(self, gid: int, ev: int | None = None) -> Mark:
         """The one Mark object of a program's mark (its time is read once, then its event reused):
@@ -200,7 +232,10 @@ class HostProgramSteps:
         del free[-K:]
         h["prog"].scal[hp.S_CS] = self.pool.compute_h
         gbase = h["gbase"]
-        rc = h["run"](h["prog"], h["pool"], h["s"], h["d"], h["pd"], b, gbase, p.index, h["P"], h["ts"], h["waves"])
+        if self._hp_live:                                  # a live pass: planned as pass 0 of its own arrays
+            assert p.replay is None and p.active.all(), "a live run's pass that the program cannot plan"
+        rc = h["run"](h["prog"], h["pool"], h["s"], h["d"], h["pd"], b, gbase, 0 if self._hp_live else p.index, h["P"],
+                      h["ts"], h["waves"])
         c = b.cnt
         n = int(c[hp.C_MARKS])
         free.extend(b.ev[n:].tolist())
@@ -215,14 +250,15 @@ class HostProgramSteps:
                             b.wav_f[:nw].copy(), b.wx[:nx].copy(), b.ld[:nl].copy(), int(c[hp.C_SKIPPED]),
                             b.pass_f.copy()))
         if self.record_plans:
-            self._hp_plans(p.index, b)
+            self._hp_plans(p.index, b, 0 if self._hp_live else p.index)
         M = self.M
         last = int(b.lay_i[M - 1, hp.L_LAST])
         self.last, self.h_last = self._hp_mark(last, b.ev[last - gbase]), float(b.lay_f[M - 1, hp.F_LAST])
 
-    def _hp_plans(self, p: int, b) -> None:
+    def _hp_plans(self, p: int, b, pi: int) -> None:
         """The pass's `PlanRecord`s as the Python step makes them, from the twin's decisions (still in
-        its buffer) and the program's snapshots of each layer's slots."""
+        its buffer) and the program's snapshots of each layer's slots; pi: the pass in the twin's
+        arrays (a live run's is always 0, its arrays rewritten each pass)."""
         from cmoe.executor.records import PlanRecord
         from cmoe.sim.replay.twin_pool import LOAD_KINDS
         d, pa, M = self._hp["d"], self._hp_pa, self.M
@@ -231,12 +267,12 @@ class HostProgramSteps:
             lds = tuple((int(d.l_layer[i]), int(d.l_e[i]), int(d.l_slot[i]), None if d.l_victim[i] < 0 else int(d.l_victim[i]),
                          LOAD_KINDS[d.l_kind[i]]) for i in range(d.l_ptr[j], d.l_ptr[j + 1]))
             if j == 0:                                    # commit's begin reads layer 0's prediction
-                pred0 = tuple(pa.pred[pa.pred_ptr[p * M]:pa.pred_ptr[p * M + 1]].tolist()) if self.commit else ()
+                pred0 = tuple(pa.pred[pa.pred_ptr[pi * M]:pa.pred_ptr[pi * M + 1]].tolist()) if self.commit else ()
                 self.log.plans.append(PlanRecord(p, -1, (), pred0, lds, (), (), (), (), ()))
                 continue
             m = j - 1
-            needed = tuple(pa.needed(p, m).tolist())
-            i = p * M + m + 1
+            needed = tuple(pa.needed(pi, m).tolist())
+            i = pi * M + m + 1
             pred = tuple(pa.pred[pa.pred_ptr[i]:pa.pred_ptr[i + 1]].tolist()) \
                 if self.policy.uses_prediction and m + 1 < M else None
             n = len(self.pool.expert[m])

@@ -1,0 +1,90 @@
+"""A live decode pass's routes in the compiled host program (`cmoe.executor.host_program`): what
+the Python step's `routes.Routes._parse_routes` makes of a layer's read-back when no trace is
+replayed, made from the same pinned floats in machine code, into the arrays the policy's twin
+reads (`cmoe.sim.replay.decide._plan`).
+
+The read-back of layer m is N rows of C_m floats: the router's top-k ids, their weights, and for
+a policy that reads predictions the next layer's predicted ids and weights (K2 each). Each row's
+experts are ordered by weight, highest first, ties in column order (`routes._by_weight`, a stable
+argsort); the layer's needs are the experts by how many rows chose them, ties by first sight
+(`trace.passes.ranked`). The same for the prediction of layer m + 1.
+
+A live run's passes are not known before they run, so the twin reads one pass's arrays (`live_pass`,
+pass 0 of 1), filled layer by layer as the read-backs arrive: layer m's needs start where layer
+m - 1's ended (`need_ptr[m]`), and layer m + 1's prediction where layer m's did (`pred_ptr[m + 1]`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from cmoe.trace.pass_arrays import PassArrays
+
+# Prog.lv columns: a layer's read-back floats per row, and its prediction's columns (K2; 0: none)
+V_COLS, V_K2 = range(2)
+
+
+def live_pass(M: int, E: int) -> PassArrays:
+    """One decode pass's arrays with room for every expert of every layer, needs and predictions
+    (the program writes them as its read-backs arrive; the other fields the twin does not read)."""
+    z = np.zeros(1, np.int64)
+    ptr = lambda: np.zeros(M + 1, np.int64)
+    need_ptr, pred_ptr = ptr(), ptr()
+    pred = np.zeros(M * E, np.int16)
+    return PassArrays(decode=np.ones(1, bool), ntok=z, context=z, keys=z, tok_ptr=np.zeros(2, np.int64),
+                      tok=np.zeros(0, np.int64), need_ptr=need_ptr, need=np.zeros(M * E, np.int16),
+                      votes=np.zeros(M * E, np.int32), pred_ptr=pred_ptr, pred=pred, num_layers=M,
+                      ahead_ptr=pred_ptr, ahead=pred, depth=1)
+
+
+@njit(cache=True, _nrt=False)
+def _ranked(v, N, C, K, c_id, c_w, E, scr, out) -> int:
+    """`ranked(_by_weight(ids, w))` over the N rows of v (row i's floats at v[i * C:]; ids at
+    columns c_id.., weights at c_w..): writes the experts into out, returns how many.
+    scr: int64 scratch of 2E + K (counts, first-seen order, one row's column order)."""
+    cnt, first, order = scr[:E], scr[E:2 * E], scr[2 * E:2 * E + K]
+    cnt[:] = 0
+    nf = 0
+    for i in range(N):
+        row = i * C
+        for c in range(K):                                 # stable insertion by weight, descending
+            w = v[row + c_w + c]
+            j = c
+            while j > 0 and v[row + c_w + order[j - 1]] < w:
+                order[j] = order[j - 1]
+                j -= 1
+            order[j] = c
+        for r in range(K):
+            e = int(v[row + c_id + order[r]])
+            if e < 0:
+                continue
+            if cnt[e] == 0:
+                first[nf] = e
+                nf += 1
+            cnt[e] += 1
+    for a in range(nf):                                    # stable insertion by count, descending
+        e = first[a]
+        j = a
+        while j > 0 and cnt[out[j - 1]] < cnt[e]:
+            out[j] = out[j - 1]
+            j -= 1
+        out[j] = e
+    return nf
+
+
+@njit(cache=True, _nrt=False)
+def live_routes(rbh, lv, N, E, K, scr, pd, m) -> None:
+    """Layer m's needs, and with a prediction layer m + 1's, from its read-back rbh[m] into the
+    live pass's arrays (`live_pass`); layer 0 starts the pass (no prediction of it was read)."""
+    v, C, K2 = rbh[m], lv[m, V_COLS], lv[m, V_K2]
+    if m == 0:
+        pd.need_ptr[0] = 0
+        pd.pred_ptr[0] = 0
+        pd.pred_ptr[1] = 0
+    a = pd.need_ptr[m]
+    pd.need_ptr[m + 1] = a + _ranked(v, N, C, K, 0, K, E, scr, pd.need[a:a + E])
+    if m + 2 < pd.pred_ptr.size:
+        a = pd.pred_ptr[m + 1]
+        n = _ranked(v, N, C, K2, 2 * K, 2 * K + K2, E, scr, pd.pred[a:a + E]) if K2 else 0
+        pd.pred_ptr[m + 2] = a + n
