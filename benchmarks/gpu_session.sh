@@ -72,7 +72,7 @@ case "${1:-}" in
   live) python3 -c "import numba, llvmlite; print('numba', numba.__version__, 'llvmlite', llvmlite.__version__)"
      timeout 120 python3 -m pytest -q tests/test_host_program.py tests/test_host_live.py -p no:cacheprovider 2>&1 | tail -3 || true
      timeout 200 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -k host_program -p no:cacheprovider 2>&1 | tail -15 || true
-     P="python3 benchmarks/lean_h200.py --live --tokens 64 --repeats 1 --engines lean --policies ondemand,lru-prefetch,adaptive --env-ablation CMOE_HOST_PROGRAM=0"
+     P="python3 benchmarks/lean_h200.py --live --tokens 64 --repeats 1 --engines lean --policies ondemand,lru-prefetch,adaptive,commit --env-ablation CMOE_HOST_PROGRAM=0"
      timeout 150 $P --out "$OUT/live-mixtral" --batches 1,4 --pools 20 --budget-s 120 2>&1 | grep -E "^lean|^HBM|^built|rror" || true
      timeout 110 $P --out "$OUT/live-olmoe" --spec olmoe-1b-7b --batches 1,4 --pools 3 --budget-s 80 2>&1 | grep -E "^lean|^HBM|^built|rror" || true ;;
   tests) timeout 300 python3 -m pytest -q -m gpu tests/test_lean_gpu.py tests/test_executor_gpu.py \

@@ -55,32 +55,68 @@ def test_ties_keep_the_first_seen_order():
     assert out[:n].tolist() == [1, 3, 2] == _python(ids, w)
 
 
-def _live_prog(M, E, S, K, N, K2):
-    """Prog for a live run: rb's host addresses inside one float buffer, each layer's columns."""
+def _live_prog(M, E, S, K, N, K2, commit):
+    """Prog for a live run: rb's (and commit's rb0's) host addresses inside one float buffer, each
+    read-back's columns (commit's carry the router's E logits before the prediction)."""
     prog = _prog(M, E, S, W=min(K * N, E) + 1, K=K, N=N)
-    C = 2 * K + 2 * K2
-    rbh = np.zeros((M, N * C), np.float32)
-    lv = np.array([[2 * K + (2 * K2 if m + 1 < M else 0), K2 if m + 1 < M else 0] for m in range(M)], np.int64)
+    pcol = 2 * K + (E if commit else 0)
+    C = pcol + 2 * K2
+    rbh = np.zeros((M + 1, N * C), np.float32)
+    lv = np.array([[pcol + (2 * K2 if m + 1 < M else 0), K2 if m + 1 < M else 0, pcol] for m in range(M)]
+                  + [[2 * K2, K2, 0]], np.int64)
     prog.rb[:, 0] = rbh.ctypes.data + np.arange(M) * rbh[0].nbytes
-    prog.scal[hp.S_LIVE], prog.scal[hp.S_N] = 1, N
-    return prog._replace(rbh=rbh, lv=lv, scr=np.zeros(2 * E + max(K, K2), np.int64))
+    prog.scal[hp.S_LIVE], prog.scal[hp.S_N], prog.scal[hp.S_COMMIT] = 1, N, commit
+    extra = {}
+    if commit:                                            # the candidates' staging, as `_prog` makes it for a trace
+        ids, comm = np.full((M, N, K), -1, np.int32), np.zeros((M, E), np.bool_)
+        extra = {"rb0": np.array([rbh.ctypes.data + M * rbh[0].nbytes, 4001, N * 2 * K2 * 4, 4002], np.int64),
+                 "ids": ids, "comm": comm, "tp": np.full((1, M, N, K2), -1, np.int16),
+                 "ids_ptr": np.array([[9000 + m, ids.ctypes.data + ids[0].nbytes * m, ids[0].nbytes] for m in range(M)], np.int64),
+                 "comm_ptr": np.array([[9500 + m, comm.ctypes.data + E * m, E] for m in range(M)], np.int64)}
+    return prog._replace(rbh=rbh, lv=lv, scr=np.zeros(2 * E + max(K, K2), np.int64), **extra)
 
 
-@pytest.mark.parametrize("name", ["ondemand", "lru-prefetch", "adaptive"])
+def _write_pass(prog, rng, p, M, N, K, K2, E):
+    """One pass's read-backs, written where the device's copies would land them; what the Python
+    step makes of them: each layer's needs, each layer's prediction (ranked), each row's."""
+    needed, predicted, rows = [], [[]], np.full((1, M, N, K2), -1, np.int16)
+    if prog.scal[hp.S_COMMIT]:                            # layer 0's prediction, at the pass's start
+        pids, pw = _rows(rng, N, K2, E, ties=True)
+        prog.rbh[M, :N * 2 * K2] = np.concatenate([pids, pw], 1).reshape(-1)
+        predicted[0] = _python(pids, pw)
+        rows[0, 0] = _by_weight(pids, pw)[0]
+    for m in range(M):
+        ids, w = _rows(rng, N, K, E, ties=p % 2 == 0)
+        cols = [ids, w] + ([rng.random((N, E)).astype(np.float32)] if prog.scal[hp.S_COMMIT] else [])
+        if prog.lv[m, 1]:
+            pids, pw = _rows(rng, N, K2, E, ties=p % 2 == 1)
+            cols += [pids, pw]
+            predicted.append(_python(pids, pw))
+            rows[0, m + 1] = _by_weight(pids, pw)[0]
+        prog.rbh[m, :N * prog.lv[m, 0]] = np.concatenate(cols, 1).reshape(-1)
+        needed.append(_python(ids, w))
+    while len(predicted) < M:
+        predicted.append([])
+    return needed, predicted, rows
+
+
+@pytest.mark.parametrize("name", ["ondemand", "lru-prefetch", "adaptive", "commit"])
 @pytest.mark.parametrize("seed", range(3))
 def test_a_live_pass_makes_the_python_steps_calls(name, seed):
     """Every decode pass planned from read-backs written just before it (as the device's copies
     would land them), the program's arrays rewritten each pass; the log, the pool, the loads and
-    the twin's arrays match the Python policy planning from `_by_weight` and `ranked`."""
+    the twin's arrays match the Python policy planning from `_by_weight` and `ranked` (commit's
+    candidates: each row's prediction by weight)."""
     t, pa, lay, make = _setup(name, seed=seed)
     M, E, S, K, N = len(lay.slots), t.spec.num_experts, max(lay.slots), 2, 2
     py, tw = make(), make()
+    commit = name == "commit"
     K2 = K if py.uses_prediction else 0
     for pol in (py, tw):                                  # the prefill, in Python
         pol.begin_pass(False, [])
         for m in range(M):
             pol.plan(m, pa.needed(0, m).tolist(), None)
-    prog = _live_prog(M, E, S, K, N, K2)
+    prog = _live_prog(M, E, S, K, N, K2, commit)
     ref, run = Reference(py, prog, M, S), _FAKE.use(prog)
     lp = live_pass(M, E)
     s, pd, d = export(tw, lp), pass_data(lp), decisions(M + 1, 1, E)
@@ -91,22 +127,11 @@ def test_a_live_pass_makes_the_python_steps_calls(name, seed):
     rng = np.random.default_rng(seed)
     loads = 0
     for p in range(6):
-        needed, predicted = [], [[]]
-        for m in range(M):
-            ids, w = _rows(rng, N, K, E, ties=p % 2 == 0)
-            cols = [ids, w]
-            if prog.lv[m, 1]:
-                pids, pw = _rows(rng, N, K2, E, ties=p % 2 == 1)
-                cols += [pids, pw]
-                predicted.append(_python(pids, pw))
-            prog.rbh[m, :N * prog.lv[m, 0]] = np.concatenate(cols, 1).reshape(-1)
-            needed.append(_python(ids, w))
-        while len(predicted) < M:
-            predicted.append([])
+        needed, predicted, rows = _write_pass(prog, rng, p, M, N, K, K2, E)
         want_pa, _ = replay_arrays([SimpleNamespace(index=0, decode=True, active=np.ones(N, bool),
                                                     replay={"needed": needed, "predicted": predicted})], M, rows=False)
         _FAKE.log.clear()
-        want = ref.run(want_pa, 0)
+        want = ref.run(want_pa, 0, rows if commit else None)
         rc = run(prog, pool, s, d, pd, b, 0, 0, 1, np.zeros(2, np.int64), np.zeros(E, np.int64))
         assert rc == 0 and b.cnt[hp.C_ERR] == 0
         assert _FAKE.log == want, (name, p)
@@ -114,8 +139,22 @@ def test_a_live_pass_makes_the_python_steps_calls(name, seed):
         assert b.ld[:b.cnt[hp.C_LOADS], :3].tolist() == [list(x) for x in ref.loads]
         for m in range(M):
             assert lp.needed(0, m).tolist() == needed[m]
-            if K2 and m + 1 < M:
-                assert lp.pred[lp.pred_ptr[m + 1]:lp.pred_ptr[m + 2]].tolist() == predicted[m + 1]
+            if K2 and (m or commit):
+                assert lp.pred[lp.pred_ptr[m]:lp.pred_ptr[m + 1]].tolist() == predicted[m]
+        if commit:
+            assert np.array_equal(prog.tp, rows)
         assert int(s.scal[OCC]) == py.pool.occupancy()
         loads += int(b.cnt[hp.C_LOADS])
     assert loads, "no load was exercised"
+
+
+def test_commits_rows_are_the_python_steps():
+    """Each row's prediction by weight (commit's candidates), ties in column order."""
+    from cmoe.executor.host_live import _by_weight as rows_by_weight
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        N, K = int(rng.integers(1, 6)), int(rng.integers(1, 5))
+        ids, w = _rows(rng, N, K, 12, ties=seed % 2 == 0)
+        out = np.full((N, K + 1), -7, np.int16)
+        rows_by_weight(np.concatenate([ids, w], 1).reshape(-1), N, 2 * K, K, 0, K, out)
+        assert out[:, :K].tolist() == _by_weight(ids, w)[0] and (out[:, K] == -7).all()

@@ -160,7 +160,8 @@ class Reference:
         out.append(("launch", PRE, CS))
         pred0 = []
         if tp is not None:                                # `_pred0_host`
-            out += [("copy", RB0[0], RB0[1], RB0[2], 2, CS), ("record", RB0[3], CS), ("sync", RB0[3])]
+            h0, d0, n0, e0 = (int(x) for x in self.prog.rb0)
+            out += [("copy", h0, d0, n0, 2, CS), ("record", e0, CS), ("sync", e0)]
             pred0 = pa.pred[pa.pred_ptr[p * M]:pa.pred_ptr[p * M + 1]].tolist()
         for ld in pol.begin_pass(bool(pa.decode[p]), pred0):
             self.load(out, ld)
@@ -214,7 +215,8 @@ class Reference:
         out.append(("launch", 10 + m, CS))
         self.mark(out, CS)
         chosen = list(pol.committed[m])
-        out += [("copy", 5000 + m, 6000 + m, 64, 2, CS), ("record", 7000 + m, CS)]
+        host, dev, nb, ev = (int(x) for x in self.prog.rb[m])
+        out += [("copy", host, dev, nb, 2, CS), ("record", ev, CS)]
         rows = []
         for row in tp.tolist():
             mine = [e for e in dict.fromkeys(e for e in row if e >= 0) if e in chosen][:2]
@@ -234,7 +236,7 @@ class Reference:
         t1 = self.mark(out, CS)
         for e in chosen:
             self.read[m, slots[e]], self.was_read[m][slots[e]] = t1, True
-        out.append(("sync", 7000 + m))
+        out.append(("sync", ev))
         i = p * M + m
         nxt = pa.pred[pa.pred_ptr[i + 1]:pa.pred_ptr[i + 2]].tolist() if m + 1 < M else None
         plan = pol.plan(m, pa.needed(p, m).tolist(), nxt)

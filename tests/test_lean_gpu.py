@@ -249,8 +249,9 @@ def test_host_program_runs_as_the_python_step(fused_checkpoints, fused_trace, sl
 def test_host_program_plans_a_live_run_as_the_python_step(fused_checkpoints, slots, monkeypatch):
     """No trace: every decode pass planned from its read-backs (`host_live`) by the program and by
     the Python step, teacher-forced so both feed the same tokens. The same plans (the needs and
-    predictions the two ranked), loads, skips and occupancy, logits equal up to fp32 atomics."""
-    pols = ("ondemand", "lru-prefetch", "adaptive")
+    predictions the two ranked; commit's committed sets, drawn from each row's prediction), loads,
+    skips and occupancy, logits equal up to fp32 atomics."""
+    pols = ("ondemand", "lru-prefetch", "adaptive", "commit")
     runs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("CMOE_HOST_PROGRAM", flag)

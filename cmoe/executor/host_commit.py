@@ -3,13 +3,15 @@ of the Python step it stands for: the pass's start (`lean_io.HostIO._pred0_host`
 prediction read back before the begin loads) and each layer (`lean_steps.HostSteps._commit_layer`:
 the read-back queued, each row's committed candidates, the committed set and the slot table
 written, the waits, the launch, and only then the wait for the read-back, the plan, whose loads
-are the next layer's). The candidates are the trace's per-row predictions (`Prog.tp`), as the
-Python step reads them in a replay."""
+are the next layer's). The candidates are each row's predictions (`Prog.tp`): the trace's in a
+replay, as the Python step reads them; in a live run the read-backs', ranked as they land
+(`host_live`: layer 0's at the pass's start, layer m + 1's after layer m's read-back)."""
 
 from __future__ import annotations
 
 from numba import njit
 
+from cmoe.executor.host_live import live_routes
 from cmoe.executor.host_waves import _snapshot
 from cmoe.sim.replay.decide import _plan
 from cmoe.sim.replay.twin_pool import _among
@@ -127,6 +129,7 @@ def _tail(f, pr, load, k):
     committed one), its loads (the next layer's). 0, or the error."""
     sync, now, fail = f.sync, pr.now, pr.fail
     S_HOST0, F_RB, F_SYNCED, F_ROUTED, C_SKIPPED = k.S_HOST0, k.F_RB, k.F_SYNCED, k.F_ROUTED, k.C_SKIPPED
+    S_LIVE, S_N, S_E, S_K = k.S_LIVE, k.S_N, k.S_E, k.S_K
 
     @njit(_nrt=False)
     def tail(prog, pool, s, d, pd, b, gbase, p, P, m, ts):
@@ -140,6 +143,8 @@ def _tail(f, pr, load, k):
         g0 = d.g_ptr[j] = d.n[0]
         l0 = d.l_ptr[j] = d.n[2]
         d.c_ptr[j], d.skipped[j] = d.n[1], 0
+        if prog.scal[S_LIVE]:                             # a live pass: the read-back's routes
+            live_routes(prog.rbh, prog.lv, prog.scal[S_N], prog.scal[S_E], prog.scal[S_K], prog.scr, pd, prog.tp, m)
         _plan(s, d, p, m, P, pd, s.protect, s.hits, s.placed)
         d.n[3] = j + 1
         b.cnt[C_SKIPPED] += d.skipped[j]

@@ -3,11 +3,13 @@ the Python step's `routes.Routes._parse_routes` makes of a layer's read-back whe
 replayed, made from the same pinned floats in machine code, into the arrays the policy's twin
 reads (`cmoe.sim.replay.decide._plan`).
 
-The read-back of layer m is N rows of C_m floats: the router's top-k ids, their weights, and for
-a policy that reads predictions the next layer's predicted ids and weights (K2 each). Each row's
+The read-back of layer m is N rows of C_m floats: the router's top-k ids, their weights, for
+`commit` the router's logits, and for a policy that reads predictions the next layer's predicted
+ids and weights (K2 each); `commit`'s layer-0 prediction comes back at the pass's start. Each row's
 experts are ordered by weight, highest first, ties in column order (`routes._by_weight`, a stable
 argsort); the layer's needs are the experts by how many rows chose them, ties by first sight
-(`trace.passes.ranked`). The same for the prediction of layer m + 1.
+(`trace.passes.ranked`). The same for the prediction of layer m + 1, whose rows, ordered by
+weight, are also commit's candidates for that layer (`host_commit._inputs` reads them).
 
 A live run's passes are not known before they run, so the twin reads one pass's arrays (`live_pass`,
 pass 0 of 1), filled layer by layer as the read-backs arrive: layer m's needs start where layer
@@ -21,8 +23,9 @@ from numba import njit
 
 from cmoe.trace.pass_arrays import PassArrays
 
-# Prog.lv columns: a layer's read-back floats per row, and its prediction's columns (K2; 0: none)
-V_COLS, V_K2 = range(2)
+# Prog.lv columns: a layer's read-back floats per row, its prediction's columns (K2; 0: none) and
+# where they start (after the ids, the weights and, for commit, the router's logits)
+V_COLS, V_K2, V_PCOL = range(3)
 
 
 def live_pass(M: int, E: int) -> PassArrays:
@@ -74,17 +77,49 @@ def _ranked(v, N, C, K, c_id, c_w, E, scr, out) -> int:
 
 
 @njit(cache=True, _nrt=False)
-def live_routes(rbh, lv, N, E, K, scr, pd, m) -> None:
-    """Layer m's needs, and with a prediction layer m + 1's, from its read-back rbh[m] into the
-    live pass's arrays (`live_pass`); layer 0 starts the pass (no prediction of it was read)."""
-    v, C, K2 = rbh[m], lv[m, V_COLS], lv[m, V_K2]
-    if m == 0:
-        pd.need_ptr[0] = 0
-        pd.pred_ptr[0] = 0
-        pd.pred_ptr[1] = 0
+def _by_weight(v, N, C, K, c_id, c_w, rows) -> None:
+    """Each row's ids by weight, highest first, ties in column order, into rows [N, >= K]
+    (`routes._by_weight`, whose lists commit's candidates are drawn from)."""
+    for i in range(N):
+        row = i * C
+        for r in range(K):
+            best = -1
+            for c in range(K):                             # the r-th: the heaviest not yet taken
+                taken = False
+                for q in range(r):
+                    if rows[i, q] == c:
+                        taken = True
+                if not taken and (best < 0 or v[row + c_w + c] > v[row + c_w + best]):
+                    best = c
+            rows[i, r] = best
+        for r in range(K):
+            rows[i, r] = int(v[row + c_id + rows[i, r]])
+
+
+@njit(cache=True, _nrt=False)
+def live_begin(rbh, lv, N, E, scr, pd, tp, commit) -> None:
+    """The live pass's start: with `commit`, layer 0's prediction (read back at the pass's start
+    into rbh[M]: ids, then weights) ranked into the arrays and each row's into tp[0, 0]; else none."""
+    M = pd.M
+    pd.need_ptr[0] = 0
+    pd.pred_ptr[0] = 0
+    pd.pred_ptr[1] = 0
+    if commit:
+        K2 = lv[M, V_K2]
+        pd.pred_ptr[1] = _ranked(rbh[M], N, lv[M, V_COLS], K2, 0, K2, E, scr, pd.pred[:E])
+        _by_weight(rbh[M], N, lv[M, V_COLS], K2, 0, K2, tp[0, 0])
+
+
+@njit(cache=True, _nrt=False)
+def live_routes(rbh, lv, N, E, K, scr, pd, tp, m) -> None:
+    """Layer m's needs, and with a prediction layer m + 1's (ranked, and commit's per row into
+    tp[0, m + 1]), from its read-back rbh[m] into the live pass's arrays (`live_pass`)."""
+    v, C, K2, pc = rbh[m], lv[m, V_COLS], lv[m, V_K2], lv[m, V_PCOL]
     a = pd.need_ptr[m]
     pd.need_ptr[m + 1] = a + _ranked(v, N, C, K, 0, K, E, scr, pd.need[a:a + E])
     if m + 2 < pd.pred_ptr.size:
         a = pd.pred_ptr[m + 1]
-        n = _ranked(v, N, C, K2, 2 * K, 2 * K + K2, E, scr, pd.pred[a:a + E]) if K2 else 0
+        n = _ranked(v, N, C, K2, pc, pc + K2, E, scr, pd.pred[a:a + E]) if K2 else 0
         pd.pred_ptr[m + 2] = a + n
+        if K2 and tp.shape[2] >= N and tp.shape[3] >= K2:        # commit's rows (a 1-row dummy elsewhere)
+            _by_weight(v, N, C, K2, pc, pc + K2, tp[0, m + 1])

@@ -30,7 +30,7 @@ from collections import namedtuple
 import numpy as np
 from numba import njit
 
-from cmoe.executor.host_live import live_routes
+from cmoe.executor.host_live import live_begin, live_routes
 from cmoe.executor.host_waves import _deferred, _index, _loads_now, _snapshot, _wave_of
 from cmoe.sim.replay.decide import _begin, _plan
 from cmoe.sim.replay.twin_pool import OCC
@@ -58,8 +58,9 @@ CALLS = ("cudaGraphLaunch", "cudaEventRecord", "cudaStreamWaitEvent", "cudaEvent
 # start (as rb), each row's candidates [M, N, K] int32 and the committed set [M, E] bool in pinned
 # staging with their copies' (device, pinned, bytes) [M, 3], each row's predictions [P, M, N, Kp].
 # A live pass's besides (`host_live`; dummies for a replay): the pinned floats each layer's read-back
-# lands in [M, N * most columns] (rb's host addresses point into it), each layer's columns and
-# prediction columns [M, 2], and scratch for the ranking [2E + K].
+# lands in [M + 1, N * most columns] (rb's host addresses point into it; row M: commit's rb0), each
+# layer's columns, prediction columns and where they start [M + 1, 3], and scratch for the ranking
+# [2E + K]; commit's tp is then [1, M, N, K2], filled from the read-backs as they land.
 Prog = namedtuple("Prog", ["gr", "scal", "rb", "table_dst", "stage", "stage_ptr", "slot_ptr", "src_ptr",
                            "rb0", "ids", "ids_ptr", "comm", "comm_ptr", "tp", "rbh", "lv", "scr"])
 # The pool as the device holds it, kept across passes: what each slot holds, a copy no kernel has
@@ -93,7 +94,7 @@ def no_commit(M: int) -> dict:
 
 def no_live(M: int) -> dict:
     """Prog's live fields for a replayed run (the trace's routes, not the read-back's, are planned)."""
-    return {"rbh": np.zeros((M, 1), np.float32), "lv": np.zeros((M, 2), np.int64), "scr": np.zeros(1, np.int64)}
+    return {"rbh": np.zeros((M + 1, 1), np.float32), "lv": np.zeros((M + 1, 3), np.int64), "scr": np.zeros(1, np.int64)}
 
 
 def program(f: Funcs):
@@ -121,6 +122,8 @@ def program(f: Funcs):
         commit = prog.scal[S_COMMIT] != 0
         if commit and start(prog, b, ts):
             return -1
+        if prog.scal[S_LIVE]:                             # a live pass: its arrays start empty
+            live_begin(prog.rbh, prog.lv, prog.scal[S_N], prog.scal[S_E], prog.scr, pd, prog.tp, commit)
         d.g_ptr[0], d.c_ptr[0], d.l_ptr[0] = 0, 0, 0      # step 0: begin_pass
         d.skipped[0] = 0
         _begin(s, d, p, P, pd, s.protect, s.placed)
@@ -287,7 +290,7 @@ def _layer_head(f: Funcs, pr: Prims, load):
         d.g_ptr[j], d.c_ptr[j], d.l_ptr[j] = d.n[0], d.n[1], d.n[2]
         d.skipped[j] = 0
         if prog.scal[S_LIVE]:                             # the read-back's routes (pass 0 of the live arrays)
-            live_routes(prog.rbh, prog.lv, prog.scal[S_N], prog.scal[S_E], prog.scal[S_K], prog.scr, pd, m)
+            live_routes(prog.rbh, prog.lv, prog.scal[S_N], prog.scal[S_E], prog.scal[S_K], prog.scr, pd, prog.tp, m)
         _plan(s, d, p, m, P, pd, s.protect, s.hits, s.placed)
         d.n[3] = j + 1
         g1, l1 = d.n[0], d.n[2]

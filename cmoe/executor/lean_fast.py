@@ -7,10 +7,11 @@ policy object's state written back from its compiled twin (`_hp_finish`). A mixi
 Where it runs: graphed decode passes on CUDA with the runtime found, with the fused layer kernel;
 of a replayed trace for the policies whose plan is exact or skips (`ondemand`, `lru-prefetch`,
 `oracle`, `adaptive`, and `commit`'s own order), and of a live run (no trace) for those that plan
-from the read-back alone (`ondemand`, `lru-prefetch`, `adaptive`: `host_live` ranks each layer's
-read-back as `routes._parse_routes` does). Elsewhere, and with CMOE_HOST_PROGRAM=0 (the A/B), the
-Python step runs as before: `upper` (no host step to speed up), `commit` live, CPU experts, the
-look-ahead policies, the host-phase profiler and the GPU-sleep calibration runs. Recorded plans
+from the read-backs alone (`ondemand`, `lru-prefetch`, `adaptive`, `commit`: `host_live` ranks
+each read-back as `routes._parse_routes` does, and commit's candidates are each row's prediction
+by weight, as `_keep_prediction` keeps them). Elsewhere, and with CMOE_HOST_PROGRAM=0 (the A/B),
+the Python step runs as before: `upper` (no host step to speed up), CPU experts, the look-ahead
+policies, the host-phase profiler and the GPU-sleep calibration runs. Recorded plans
 (`record_plans`) are rebuilt from the twin's decisions and the program's per-layer snapshots of
 the slots. The twin decides from the pass's routes as the replay engine does (a replay's ranked
 needs and predictions from the trace, which the Python step reads too; a live pass's from the
@@ -29,7 +30,7 @@ from cmoe.executor.cuda_rt import Mark
 from cmoe.executor.host_live import live_pass
 
 FAST_KINDS = ("ondemand", "lru-prefetch", "oracle", "adaptive", "commit")
-LIVE_KINDS = ("ondemand", "lru-prefetch", "adaptive")   # those that plan from the read-back alone
+LIVE_KINDS = ("ondemand", "lru-prefetch", "adaptive", "commit")   # those that plan from the read-backs alone
 _PROGRAMS: dict = {}                    # runtime library path -> its program (`host_program.program`), per process
 
 
@@ -80,8 +81,7 @@ class HostProgramSteps:
     def _hp_wanted(self) -> bool:
         """After `_hp_prepare`, on the first graphed decode pass: a replay's arrays are ready, or
         the run is live (no trace: every pass planned from its read-back, `host_live`)."""
-        if self._hp_pa is None and self.cur.replay is None and self.cur.active.all() \
-                and self.policy.name in LIVE_KINDS and not self.commit:
+        if self._hp_pa is None and self.cur.replay is None and self.cur.active.all() and self.policy.name in LIVE_KINDS:
             self._hp_pa, self._hp_live = live_pass(self.M, self.spec.num_experts), True
         return self._hp_pa is not None and self._hp_allowed()
 
@@ -169,42 +169,50 @@ class HostProgramSteps:
         extra = self._hp_commit_inputs(ptr) if self.commit else hp.no_commit(M)
         if extra is None:
             return None
-        extra.update(self._hp_live_inputs(rb, scal) if self._hp_live else hp.no_live(M))
+        extra.update(self._hp_live_inputs(rb, scal, extra) if self._hp_live else hp.no_live(M))
         return hp.Prog(gr, scal, rb, np.array([self.table[m].data_ptr() for m in range(M)], np.int64), k["table_np"],
                        np.array([[c[1] for c in row] for row in ptr["table"]], np.int64), slot_ptr, src_ptr, **extra)
 
     def _hp_commit_inputs(self, ptr) -> dict | None:
         """commit's Prog fields: the layer-0 prediction's read-back, the candidates' and committed
-        set's staging and copies, each pass's rows' predictions; None where one is missing."""
-        k = self.kin
-        if not k.get("owa") or self._hp_tp is None or any(c is None for a in ("ids", "comm") for c in ptr.get(a, [None])):
+        set's staging and copies, each pass's rows' predictions (a live run's filled as its
+        read-backs land); None where one is missing."""
+        k, tp = self.kin, self._hp_tp
+        if tp is None and self._hp_live:
+            rb0 = self.t_graph["rb0"]
+            tp = np.full((1, self.M, rb0.shape[0], rb0.shape[1] // 2), -1, np.int16)
+        if not k.get("owa") or tp is None or any(c is None for a in ("ids", "comm") for c in ptr.get(a, [None])):
             return None
         got = self._rb_pin0 = self._rb_entry(self.t_graph["rb0"], self._rb_pin0)
         if got[3] is None:
             return None
         return {"rb0": np.array([*got[3], got[1]], np.int64), "ids": k["ids_np"], "comm": k["comm_np"],
-                "ids_ptr": np.array(ptr["ids"], np.int64), "comm_ptr": np.array(ptr["comm"], np.int64),
-                "tp": self._hp_tp}
+                "ids_ptr": np.array(ptr["ids"], np.int64), "comm_ptr": np.array(ptr["comm"], np.int64), "tp": tp}
 
-    def _hp_live_inputs(self, rb: np.ndarray, scal: np.ndarray) -> dict:
-        """A live run's Prog fields: one pinned buffer the layers' read-backs land in (rb's host
-        addresses moved into it, in place), each layer's columns; scal's live flag and rows."""
+    def _hp_live_inputs(self, rb: np.ndarray, scal: np.ndarray, extra: dict) -> dict:
+        """A live run's Prog fields: one pinned buffer the layers' read-backs (and commit's layer-0
+        prediction, its last row) land in, rb's and rb0's host addresses moved into it in place;
+        each one's columns; scal's live flag and rows."""
         import torch
-        reads = [self.t_graph["rb"][m] for m in range(self.M)]
+        M, K, E = self.M, self.spec.top_k, self.spec.num_experts
+        reads = [self.t_graph["rb"][m] for m in range(M)] + ([self.t_graph["rb0"]] if self.commit else [])
         N, C = reads[0].shape[0], max(r.shape[1] for r in reads)
         assert all(r.dtype == torch.float32 and r.shape[0] == N for r in reads)
-        if self._hp_rbh is None or tuple(self._hp_rbh.shape) != (self.M, N * C):
-            self._hp_rbh = torch.zeros((self.M, N * C), dtype=torch.float32, pin_memory=True)
-        base = self._hp_rbh.data_ptr()
-        lv = np.zeros((self.M, 2), np.int64)
-        for m, r in enumerate(reads):
-            rb[m, 0] = base + m * N * C * 4
-            K2 = self.t_graph["pred"][m + 1][0].shape[1] if self.policy.uses_prediction and m + 1 < self.M else 0
-            lv[m] = r.shape[1], K2
-            assert r.shape[1] == 2 * self.spec.top_k + 2 * K2, "a read-back with columns the program does not parse"
+        if self._hp_rbh is None or tuple(self._hp_rbh.shape) != (M + 1, N * C):
+            self._hp_rbh = torch.zeros((M + 1, N * C), dtype=torch.float32, pin_memory=True)
+        at = lambda m: self._hp_rbh.data_ptr() + m * N * C * 4
+        lv = np.zeros((M + 1, 3), np.int64)
+        pcol = 2 * K + (E if self.commit else 0)          # `_readback_parts`: ids, weights, [logits], prediction
+        for m in range(M):
+            rb[m, 0] = at(m)
+            K2 = self.t_graph["pred"][m + 1][0].shape[1] if self.policy.uses_prediction and m + 1 < M else 0
+            lv[m] = reads[m].shape[1], K2, pcol
+            assert reads[m].shape[1] == pcol + 2 * K2, "a read-back with columns the program does not parse"
+        if self.commit:                                    # the layer-0 prediction: ids, then weights
+            extra["rb0"][0] = at(M)
+            lv[M] = reads[M].shape[1], reads[M].shape[1] // 2, 0
         scal[hp.S_LIVE], scal[hp.S_N] = 1, N
-        return {"rbh": self._hp_rbh.numpy(), "lv": lv, "scr": np.zeros(2 * self.spec.num_experts + max(
-            self.spec.top_k, int(lv[:, 1].max())), np.int64)}
+        return {"rbh": self._hp_rbh.numpy(), "lv": lv, "scr": np.zeros(2 * E + max(K, int(lv[:, 1].max())), np.int64)}
 
     def _hp_mark(self, gid: int, ev: int | None = None) -> Mark:
         """The one Mark object of a program's mark (its time is read once, then its event reused):
