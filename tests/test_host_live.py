@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cmoe.executor import host_program as hp
-from cmoe.executor.host_live import _ranked, live_pass
+from cmoe.executor.host_live import _ranked, layout, live_pass
 from cmoe.executor.lean_fast import replay_arrays
 from cmoe.executor.routes import _by_weight
 from cmoe.sim.replay.state import export, pass_data
@@ -63,7 +63,7 @@ def _live_prog(M, E, S, K, N, K2, commit):
     C = pcol + 2 * K2
     rbh = np.zeros((M + 1, N * C), np.float32)
     lv = np.array([[pcol + (2 * K2 if m + 1 < M else 0), K2 if m + 1 < M else 0, pcol] for m in range(M)]
-                  + [[2 * K2, K2, 0]], np.int64)
+                  + [[2 * K2, K2, 0] if commit else [0, 0, 0]], np.int64)
     prog.rb[:, 0] = rbh.ctypes.data + np.arange(M) * rbh[0].nbytes
     prog.scal[hp.S_LIVE], prog.scal[hp.S_N], prog.scal[hp.S_COMMIT] = 1, N, commit
     extra = {}
@@ -73,6 +73,9 @@ def _live_prog(M, E, S, K, N, K2, commit):
                  "ids": ids, "comm": comm, "tp": np.full((1, M, N, K2), -1, np.int16),
                  "ids_ptr": np.array([[9000 + m, ids.ctypes.data + ids[0].nbytes * m, ids[0].nbytes] for m in range(M)], np.int64),
                  "comm_ptr": np.array([[9500 + m, comm.ctypes.data + E * m, E] for m in range(M)], np.int64)}
+    if K2 or not commit:                                  # the engine's layout, worked out by `layout`
+        tp_shape = extra["tp"].shape if commit else (1, M, 1, 1)
+        assert np.array_equal(layout(lv[:M, 0].tolist(), lv[:M, 1].tolist(), N, K, E, commit, 2 * K2, tp_shape), lv)
     return prog._replace(rbh=rbh, lv=lv, scr=np.zeros(2 * E + max(K, K2), np.int64), **extra)
 
 
@@ -101,17 +104,17 @@ def _write_pass(prog, rng, p, M, N, K, K2, E):
 
 
 @pytest.mark.parametrize("name", ["ondemand", "lru-prefetch", "adaptive", "commit"])
-@pytest.mark.parametrize("seed", range(3))
-def test_a_live_pass_makes_the_python_steps_calls(name, seed):
+@pytest.mark.parametrize("seed,N,K2", [(0, 2, 2), (1, 2, 2), (2, 2, 2), (3, 1, 2), (4, 3, 3), (5, 2, 1)])
+def test_a_live_pass_makes_the_python_steps_calls(name, seed, N, K2):
     """Every decode pass planned from read-backs written just before it (as the device's copies
     would land them), the program's arrays rewritten each pass; the log, the pool, the loads and
     the twin's arrays match the Python policy planning from `_by_weight` and `ranked` (commit's
     candidates: each row's prediction by weight)."""
-    t, pa, lay, make = _setup(name, seed=seed)
-    M, E, S, K, N = len(lay.slots), t.spec.num_experts, max(lay.slots), 2, 2
+    t, pa, lay, make = _setup(name, seed=seed % 3)
+    M, E, S, K = len(lay.slots), t.spec.num_experts, max(lay.slots), 2
     py, tw = make(), make()
     commit = name == "commit"
-    K2 = K if py.uses_prediction else 0
+    K2 = K2 if py.uses_prediction else 0
     for pol in (py, tw):                                  # the prefill, in Python
         pol.begin_pass(False, [])
         for m in range(M):
@@ -158,3 +161,60 @@ def test_commits_rows_are_the_python_steps():
         out = np.full((N, K + 1), -7, np.int16)
         rows_by_weight(np.concatenate([ids, w], 1).reshape(-1), N, 2 * K, K, 0, K, out)
         assert out[:, :K].tolist() == _by_weight(ids, w)[0] and (out[:, K] == -7).all()
+
+
+def test_the_layout_is_the_read_backs():
+    """Columns a row as `_readback_parts` lays them out: ids and weights (K each), commit's E
+    logits, the next layer's prediction (K2 ids and weights) where there is one; anything else,
+    or commit's candidate rows too narrow for its prediction, leaves the run to the Python step."""
+    K, E, N = 2, 8, 3
+    assert layout([8, 8, 4], [2, 2, 0], N, K, E, False, 0, (1, 3, 1, 1)).tolist() == \
+        [[8, 2, 4], [8, 2, 4], [4, 0, 4], [0, 0, 0]]
+    assert layout([4, 4], [0, 0], N, K, E, False, 0, (1, 2, 1, 1)).tolist() == [[4, 0, 4], [4, 0, 4], [0, 0, 0]]
+    got = layout([16, 16, 12], [2, 2, 0], N, K, E, True, 4, (1, 3, N, 2))
+    assert got.tolist() == [[16, 2, 12], [16, 2, 12], [12, 0, 12], [4, 2, 0]]
+    assert layout([16, 16, 12], [2, 2, 0], N, K, E, True, 4, (1, 3, N, 1)) is None          # rows too narrow
+    assert layout([16, 16, 12], [2, 2, 0], N, K, E, True, 4, (1, 3, N + 1, 2)) is None      # rows for another batch
+    assert layout([16, 18, 12], [2, 3, 0], N, K, E, True, 4, (1, 3, N, 2)) is None          # a wider prediction
+    assert layout([16, 12, 12], [2, 0, 0], N, K, E, True, 4, (1, 3, N, 2)) is None          # commit without one
+    assert layout([9, 8, 4], [2, 2, 0], N, K, E, False, 0, (1, 3, 1, 1)) is None            # a column too many
+
+
+def test_an_id_outside_the_experts_is_no_expert():
+    """A read-back id of E or more (corrupt floats) is skipped, never counted past the scratch."""
+    ids = np.array([[2, 9], [1, 2]], np.float32)        # E = 4: 9 is no expert
+    w = np.array([[0.6, 0.4], [0.7, 0.3]], np.float32)
+    out = np.full(4, -5, np.int16)
+    n = _ranked(np.concatenate([ids, w], 1).reshape(-1), 2, 4, 2, 0, 2, 4, np.zeros(10, np.int64), out)
+    assert out[:n].tolist() == [2, 1]
+
+
+@pytest.mark.parametrize("commit", [False, True])
+def test_the_engine_points_each_read_back_into_one_buffer(commit):
+    """`_hp_live_inputs` on the engine's read-back tensors (the CPU stands in for the pinned
+    memory): each layer's host address a row of one float buffer, commit's layer-0 prediction its
+    last row, the columns `layout` gives, the live flag and the rows set."""
+    import torch
+
+    from cmoe.executor.lean_fast import HostProgramSteps
+    M, K, E, N, K2 = 3, 2, 6, 2, 2
+    pcol = 2 * K + (E if commit else 0)
+    rbs = [torch.zeros(N, pcol + (2 * K2 if m + 1 < M else 0)) for m in range(M)]
+    eng = SimpleNamespace(M=M, spec=SimpleNamespace(top_k=K, num_experts=E), commit=commit, cuda=False, _hp_rbh=None,
+                          policy=SimpleNamespace(uses_prediction=True),
+                          t_graph={"rb": rbs, "rb0": torch.zeros(N, 2 * K2),
+                                   "pred": [(torch.zeros(N, K2, dtype=torch.long), torch.zeros(N, K2))] * M})
+    rb = np.tile(np.array([[11, 12, 13, 14]], np.int64), (M, 1))
+    scal = np.zeros(11, np.int64)
+    extra = {"rb0": np.array([21, 22, 23, 24], np.int64),
+             "tp": np.full((1, M, N, K2), -1, np.int16) if commit else np.zeros((1, M, 1, 1), np.int16)}
+    got = HostProgramSteps._hp_live_inputs(eng, rb, scal, extra)
+    C = max(r.shape[1] for r in rbs)
+    base = eng._hp_rbh.data_ptr()
+    assert eng._hp_rbh.shape == (M + 1, N * C) and got["rbh"].ctypes.data == base
+    assert rb[:, 0].tolist() == [base + m * N * C * 4 for m in range(M)] and (rb[:, 1:] == [12, 13, 14]).all()
+    assert extra["rb0"].tolist() == ([base + M * N * C * 4] if commit else [21]) + [22, 23, 24]
+    assert got["lv"].tolist() == [[pcol + 2 * K2, K2, pcol]] * 2 + [[pcol, 0, pcol], [2 * K2, K2, 0] if commit else [0, 0, 0]]
+    assert scal[hp.S_LIVE] == 1 and scal[hp.S_N] == N and got["scr"].size == 2 * E + K
+    rbs[1] = torch.zeros(N, pcol + 2 * K2 + 1)             # a column the program would misread: the Python step
+    assert HostProgramSteps._hp_live_inputs(eng, rb, scal, extra) is None

@@ -245,8 +245,8 @@ def test_host_program_runs_as_the_python_step(fused_checkpoints, fused_trace, sl
     assert any(p.layer >= 0 and len(p.loads) for r in runs["1"] for p in r.log.plans)
 
 
-@pytest.mark.parametrize("slots", [2, 3])
-def test_host_program_plans_a_live_run_as_the_python_step(fused_checkpoints, slots, monkeypatch):
+@pytest.mark.parametrize("slots,batch", [(2, 2), (3, 2), (3, 1)])
+def test_host_program_plans_a_live_run_as_the_python_step(fused_checkpoints, slots, batch, monkeypatch):
     """No trace: every decode pass planned from its read-backs (`host_live`) by the program and by
     the Python step, teacher-forced so both feed the same tokens. The same plans (the needs and
     predictions the two ranked; commit's committed sets, drawn from each row's prediction), loads,
@@ -255,7 +255,7 @@ def test_host_program_plans_a_live_run_as_the_python_step(fused_checkpoints, slo
     runs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("CMOE_HOST_PROGRAM", flag)
-        cfg = ExecConfig(policies=pols, slots=slots, batch=2, tokens=8, device="cuda", quant="w4g32",
+        cfg = ExecConfig(policies=pols, slots=slots, batch=batch, tokens=8, device="cuda", quant="w4g32",
                          keep_logits=True, record_plans=True, teacher=(5, 9, 2, 7, 11, 3, 8, 1))
         w, cfg = prepare(spec_name=None, model_dir=fused_checkpoints["mixtral"], trace_src=None, data=None, cfg=cfg)
         runs[flag] = execute(w, cfg)

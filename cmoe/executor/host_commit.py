@@ -144,7 +144,7 @@ def _tail(f, pr, load, k):
         l0 = d.l_ptr[j] = d.n[2]
         d.c_ptr[j], d.skipped[j] = d.n[1], 0
         if prog.scal[S_LIVE]:                             # a live pass: the read-back's routes
-            live_routes(prog.rbh, prog.lv, prog.scal[S_N], prog.scal[S_E], prog.scal[S_K], prog.scr, pd, prog.tp, m)
+            live_routes(prog.rbh, prog.lv, prog.scal[S_N], prog.scal[S_E], prog.scal[S_K], prog.scr, pd, prog.tp, m, True)
         _plan(s, d, p, m, P, pd, s.protect, s.hits, s.placed)
         d.n[3] = j + 1
         b.cnt[C_SKIPPED] += d.skipped[j]

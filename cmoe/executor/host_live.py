@@ -28,6 +28,28 @@ from cmoe.trace.pass_arrays import PassArrays
 V_COLS, V_K2, V_PCOL = range(3)
 
 
+def layout(cols: list[int], pred: list[int], N: int, K: int, E: int, commit: bool, rb0_cols: int,
+           tp_shape: tuple) -> np.ndarray | None:
+    """Prog.lv [M + 1, 3] for read-backs of `cols` floats a row per layer, whose next-layer
+    prediction is `pred[m]` wide (0: none), as `lean_program._readback_parts` lays them out (ids K,
+    weights K, commit's E logits, the prediction's ids and weights); row M: commit's layer-0
+    prediction (ids, then weights, `rb0_cols` floats). None where a read-back is not that layout,
+    or commit's candidate rows (tp [1, M, N, K2]) would not hold a prediction."""
+    M = len(cols)
+    pcol = 2 * K + (E if commit else 0)
+    lv = np.zeros((M + 1, 3), np.int64)
+    for m in range(M):
+        if cols[m] != pcol + 2 * pred[m] or (commit and m + 1 < M and not pred[m]):
+            return None
+        lv[m] = cols[m], pred[m], pcol
+    if commit:
+        K2 = rb0_cols // 2
+        if rb0_cols != 2 * K2 or tp_shape[2:] != (N, K2) or any(k not in (0, K2) for k in pred):
+            return None
+        lv[M] = rb0_cols, K2, 0
+    return lv
+
+
 def live_pass(M: int, E: int) -> PassArrays:
     """One decode pass's arrays with room for every expert of every layer, needs and predictions
     (the program writes them as its read-backs arrive; the other fields the twin does not read)."""
@@ -45,7 +67,8 @@ def live_pass(M: int, E: int) -> PassArrays:
 def _ranked(v, N, C, K, c_id, c_w, E, scr, out) -> int:
     """`ranked(_by_weight(ids, w))` over the N rows of v (row i's floats at v[i * C:]; ids at
     columns c_id.., weights at c_w..): writes the experts into out, returns how many.
-    scr: int64 scratch of 2E + K (counts, first-seen order, one row's column order)."""
+    scr: int64 scratch of 2E + K (counts, first-seen order, one row's column order). An id outside
+    0..E-1 is no expert; a NaN weight (a broken router) sorts where numpy's argsort would not."""
     cnt, first, order = scr[:E], scr[E:2 * E], scr[2 * E:2 * E + K]
     cnt[:] = 0
     nf = 0
@@ -60,8 +83,8 @@ def _ranked(v, N, C, K, c_id, c_w, E, scr, out) -> int:
             order[j] = c
         for r in range(K):
             e = int(v[row + c_id + order[r]])
-            if e < 0:
-                continue
+            if e < 0 or e >= E:                            # no expert (a bad id is not counted either:
+                continue                                   # numba checks no bounds)
             if cnt[e] == 0:
                 first[nf] = e
                 nf += 1
@@ -111,7 +134,7 @@ def live_begin(rbh, lv, N, E, scr, pd, tp, commit) -> None:
 
 
 @njit(cache=True, _nrt=False)
-def live_routes(rbh, lv, N, E, K, scr, pd, tp, m) -> None:
+def live_routes(rbh, lv, N, E, K, scr, pd, tp, m, commit) -> None:
     """Layer m's needs, and with a prediction layer m + 1's (ranked, and commit's per row into
     tp[0, m + 1]), from its read-back rbh[m] into the live pass's arrays (`live_pass`)."""
     v, C, K2, pc = rbh[m], lv[m, V_COLS], lv[m, V_K2], lv[m, V_PCOL]
@@ -121,5 +144,5 @@ def live_routes(rbh, lv, N, E, K, scr, pd, tp, m) -> None:
         a = pd.pred_ptr[m + 1]
         n = _ranked(v, N, C, K2, pc, pc + K2, E, scr, pd.pred[a:a + E]) if K2 else 0
         pd.pred_ptr[m + 2] = a + n
-        if K2 and tp.shape[2] >= N and tp.shape[3] >= K2:        # commit's rows (a 1-row dummy elsewhere)
+        if commit:                                         # its candidates (`layout` checks tp's shape)
             _by_weight(v, N, C, K2, pc, pc + K2, tp[0, m + 1])

@@ -59,8 +59,9 @@ CALLS = ("cudaGraphLaunch", "cudaEventRecord", "cudaStreamWaitEvent", "cudaEvent
 # staging with their copies' (device, pinned, bytes) [M, 3], each row's predictions [P, M, N, Kp].
 # A live pass's besides (`host_live`; dummies for a replay): the pinned floats each layer's read-back
 # lands in [M + 1, N * most columns] (rb's host addresses point into it; row M: commit's rb0), each
-# layer's columns, prediction columns and where they start [M + 1, 3], and scratch for the ranking
-# [2E + K]; commit's tp is then [1, M, N, K2], filled from the read-backs as they land.
+# layer's columns, prediction columns and where they start [M + 1, 3] (`host_live.layout`), and
+# scratch for the ranking [2E + max(K, K2)]; commit's tp is then [1, M, N, K2], filled from the
+# read-backs as they land.
 Prog = namedtuple("Prog", ["gr", "scal", "rb", "table_dst", "stage", "stage_ptr", "slot_ptr", "src_ptr",
                            "rb0", "ids", "ids_ptr", "comm", "comm_ptr", "tp", "rbh", "lv", "scr"])
 # The pool as the device holds it, kept across passes: what each slot holds, a copy no kernel has
@@ -290,7 +291,7 @@ def _layer_head(f: Funcs, pr: Prims, load):
         d.g_ptr[j], d.c_ptr[j], d.l_ptr[j] = d.n[0], d.n[1], d.n[2]
         d.skipped[j] = 0
         if prog.scal[S_LIVE]:                             # the read-back's routes (pass 0 of the live arrays)
-            live_routes(prog.rbh, prog.lv, prog.scal[S_N], prog.scal[S_E], prog.scal[S_K], prog.scr, pd, prog.tp, m)
+            live_routes(prog.rbh, prog.lv, prog.scal[S_N], prog.scal[S_E], prog.scal[S_K], prog.scr, pd, prog.tp, m, False)
         _plan(s, d, p, m, P, pd, s.protect, s.hits, s.placed)
         d.n[3] = j + 1
         g1, l1 = d.n[0], d.n[2]

@@ -27,7 +27,7 @@ import numpy as np
 
 from cmoe.executor import host_program as hp
 from cmoe.executor.cuda_rt import Mark
-from cmoe.executor.host_live import live_pass
+from cmoe.executor.host_live import layout, live_pass
 
 FAST_KINDS = ("ondemand", "lru-prefetch", "oracle", "adaptive", "commit")
 LIVE_KINDS = ("ondemand", "lru-prefetch", "adaptive", "commit")   # those that plan from the read-backs alone
@@ -81,9 +81,11 @@ class HostProgramSteps:
     def _hp_wanted(self) -> bool:
         """After `_hp_prepare`, on the first graphed decode pass: a replay's arrays are ready, or
         the run is live (no trace: every pass planned from its read-back, `host_live`)."""
+        if not self._hp_allowed():
+            return False
         if self._hp_pa is None and self.cur.replay is None and self.cur.active.all() and self.policy.name in LIVE_KINDS:
             self._hp_pa, self._hp_live = live_pass(self.M, self.spec.num_experts), True
-        return self._hp_pa is not None and self._hp_allowed()
+        return self._hp_pa is not None
 
     def _hp_prepare(self, passes) -> None:
         """Before timing, where the program may run: the passes as its twin reads them."""
@@ -169,7 +171,10 @@ class HostProgramSteps:
         extra = self._hp_commit_inputs(ptr) if self.commit else hp.no_commit(M)
         if extra is None:
             return None
-        extra.update(self._hp_live_inputs(rb, scal, extra) if self._hp_live else hp.no_live(M))
+        live = self._hp_live_inputs(rb, scal, extra) if self._hp_live else hp.no_live(M)
+        if live is None:
+            return None
+        extra.update(live)
         return hp.Prog(gr, scal, rb, np.array([self.table[m].data_ptr() for m in range(M)], np.int64), k["table_np"],
                        np.array([[c[1] for c in row] for row in ptr["table"]], np.int64), slot_ptr, src_ptr, **extra)
 
@@ -189,28 +194,28 @@ class HostProgramSteps:
         return {"rb0": np.array([*got[3], got[1]], np.int64), "ids": k["ids_np"], "comm": k["comm_np"],
                 "ids_ptr": np.array(ptr["ids"], np.int64), "comm_ptr": np.array(ptr["comm"], np.int64), "tp": tp}
 
-    def _hp_live_inputs(self, rb: np.ndarray, scal: np.ndarray, extra: dict) -> dict:
+    def _hp_live_inputs(self, rb: np.ndarray, scal: np.ndarray, extra: dict) -> dict | None:
         """A live run's Prog fields: one pinned buffer the layers' read-backs (and commit's layer-0
         prediction, its last row) land in, rb's and rb0's host addresses moved into it in place;
-        each one's columns; scal's live flag and rows."""
+        each one's columns (`host_live.layout`); scal's live flag and rows. None (the Python step
+        runs) where a read-back is laid out otherwise."""
         import torch
         M, K, E = self.M, self.spec.top_k, self.spec.num_experts
         reads = [self.t_graph["rb"][m] for m in range(M)] + ([self.t_graph["rb0"]] if self.commit else [])
         N, C = reads[0].shape[0], max(r.shape[1] for r in reads)
-        assert all(r.dtype == torch.float32 and r.shape[0] == N for r in reads)
+        pred = [self.t_graph["pred"][m + 1][0].shape[1] if self.policy.uses_prediction and m + 1 < M else 0
+                for m in range(M)]
+        lv = layout([r.shape[1] for r in reads[:M]], pred, N, K, E, self.commit, reads[-1].shape[1],
+                    extra["tp"].shape)
+        if lv is None or any(r.dtype != torch.float32 or r.shape[0] != N for r in reads):
+            return None
         if self._hp_rbh is None or tuple(self._hp_rbh.shape) != (M + 1, N * C):
-            self._hp_rbh = torch.zeros((M + 1, N * C), dtype=torch.float32, pin_memory=True)
+            self._hp_rbh = torch.zeros((M + 1, N * C), dtype=torch.float32, pin_memory=self.cuda)
         at = lambda m: self._hp_rbh.data_ptr() + m * N * C * 4
-        lv = np.zeros((M + 1, 3), np.int64)
-        pcol = 2 * K + (E if self.commit else 0)          # `_readback_parts`: ids, weights, [logits], prediction
         for m in range(M):
             rb[m, 0] = at(m)
-            K2 = self.t_graph["pred"][m + 1][0].shape[1] if self.policy.uses_prediction and m + 1 < M else 0
-            lv[m] = reads[m].shape[1], K2, pcol
-            assert reads[m].shape[1] == pcol + 2 * K2, "a read-back with columns the program does not parse"
         if self.commit:                                    # the layer-0 prediction: ids, then weights
             extra["rb0"][0] = at(M)
-            lv[M] = reads[M].shape[1], reads[M].shape[1] // 2, 0
         scal[hp.S_LIVE], scal[hp.S_N] = 1, N
         return {"rbh": self._hp_rbh.numpy(), "lv": lv, "scr": np.zeros(2 * E + max(K, int(lv[:, 1].max())), np.int64)}
 
