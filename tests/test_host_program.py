@@ -19,7 +19,7 @@ from cmoe.sim.replay.state import export, pass_data
 from cmoe.sim.replay.twin_pool import OCC, decisions
 from cmoe.trace.pass_arrays import Future, build
 from cmoe.trace.passes import popularity
-from tests.test_replay import tiny
+from tests.test_replay import tiny, tiny_deep
 
 CS, CP, PRE, HEAD, NBYTES, EV0 = 7, 8, 1, 2, 1000, 100_000
 POLICIES = ["ondemand", "lru-prefetch", "oracle", "adaptive", "commit"]
@@ -86,7 +86,8 @@ _FAKE = FakeRuntime()
 
 
 def _setup(name, M=3, E=6, slots=(2, 3, 2), batch=2, seed=0):
-    t = tiny(M=M, E=E, T=48, seed=seed, requests=2, K=2)
+    # a look-ahead policy reads predictions three layers deep (`tiny_deep`)
+    t = tiny_deep(seed, E=E, M=M, T=48) if name.endswith("-ahead") else tiny(M=M, E=E, T=48, seed=seed, requests=2, K=2)
     pa = build(t, batch)
     lay = PoolLayout(slot_bytes=(NBYTES,) * M, slots=tuple(slots), budget_bytes=NBYTES * sum(slots))
     pop = popularity(t)
@@ -163,7 +164,9 @@ class Reference:
             h0, d0, n0, e0 = (int(x) for x in self.prog.rb0)
             out += [("copy", h0, d0, n0, 2, CS), ("record", e0, CS), ("sync", e0)]
             pred0 = pa.pred[pa.pred_ptr[p * M]:pa.pred_ptr[p * M + 1]].tolist()
-        for ld in pol.begin_pass(bool(pa.decode[p]), pred0):
+        # `_ahead`: a look-ahead policy's view of layers q.. in decode (the replay's `seen`)
+        self.ahead = lambda q: {"ahead": pa.seen(p, q, pol.depth)} if pol.depth > 1 and pa.decode[p] else {}
+        for ld in pol.begin_pass(bool(pa.decode[p]), pred0, **self.ahead(0)):
             self.load(out, ld)
         for m in range(M):
             if tp is not None:
@@ -175,7 +178,7 @@ class Reference:
             out += [("copy", host, dev, nb, 2, CS), ("record", ev, CS), ("sync", ev)]
             i = p * M + m
             nxt = pa.pred[pa.pred_ptr[i + 1]:pa.pred_ptr[i + 2]].tolist() if pol.uses_prediction and m + 1 < M else None
-            plan = pol.plan(m, pa.needed(p, m).tolist(), nxt)
+            plan = pol.plan(m, pa.needed(p, m).tolist(), nxt, **self.ahead(m + 1))
             gpu = set(plan.gpu)
             later = [ld for ld in plan.loads if ld.layer == m and ld.victim in gpu]
             for ld in plan.loads:
@@ -239,7 +242,7 @@ class Reference:
         out.append(("sync", ev))
         i = p * M + m
         nxt = pa.pred[pa.pred_ptr[i + 1]:pa.pred_ptr[i + 2]].tolist() if m + 1 < M else None
-        plan = pol.plan(m, pa.needed(p, m).tolist(), nxt)
+        plan = pol.plan(m, pa.needed(p, m).tolist(), nxt, **self.ahead(m + 1))
         assert list(plan.gpu) == chosen and t_plan
         for ld in plan.loads:
             self.load(out, ld)
@@ -257,7 +260,7 @@ def _run_both(name, **kw):
         pol.begin_pass(False, [])
         for m in range(M):
             pol.plan(m, pa.needed(0, m).tolist(), None)
-    commit = name == "commit"
+    commit = name.startswith("commit")
     prog = _prog(M, E, S, W=min(2 * 2, E) + 1, t=t if commit else None, pa=pa)
     ref = Reference(py, prog, M, S)
     fake = _FAKE
@@ -292,6 +295,15 @@ def _run_both(name, **kw):
 def test_the_program_makes_the_engines_calls_in_its_order(name, seed):
     logs, *_ = _run_both(name, seed=seed)
     assert any(c[0] == "copy" and c[4] == 1 for log in logs for c in log), "no load was exercised"
+
+
+@pytest.mark.parametrize("name", ["adaptive-ahead", "commit-ahead"])
+@pytest.mark.parametrize("seed", range(3))
+def test_look_ahead_policies_make_the_engines_calls(name, seed):
+    """Predictions three layers deep, five layers of three or four slots: the prefetches of layers
+    further ahead are issued where the Python policy issues them (its `ahead` the replay's `seen`)."""
+    logs, *_ = _run_both(name, M=5, slots=(3, 4, 3, 4, 3), seed=seed)
+    assert sum(c[0] == "copy" and c[4] == 1 for log in logs for c in log) > 3, "too few loads to tell"
 
 
 def test_a_layer_short_of_slots_runs_in_waves():
@@ -330,3 +342,28 @@ def test_the_engines_pass_arrays_are_the_simulators():
     assert replay_arrays(pins, M, rows=False)[1] is None
     pins[1].active[0] = False
     assert replay_arrays(pins, M, rows=True) == (None, None)
+
+
+def test_the_engines_look_ahead_arrays_are_the_simulators():
+    """With predictions three deep, `replay_arrays` rebuilds from each pass's `seen` (what the
+    Python step hands a look-ahead plan) every entry the twin reads, (p, j, k) for j >= k, as
+    `pass_arrays.build` made it from the trace; a policy looking less far gets that depth."""
+    from types import SimpleNamespace
+
+    from cmoe.executor.lean_fast import replay_arrays
+    from cmoe.trace.passes import make_passes
+    t, pa, *_ = _setup("adaptive-ahead", M=5, slots=(3, 4, 3, 4, 3))
+    M, D = t.spec.num_moe_layers, t.depth
+    assert D == 3 == pa.depth
+    pins = [SimpleNamespace(index=i, decode=ps.decode, active=np.ones(2, bool),
+                            replay={"needed": [list(x) for x in ps.needed], "predicted": [list(x) for x in ps.predicted],
+                                    "seen": [ps.seen(q, D) for q in range(M + 1)]})
+            for i, ps in enumerate(make_passes(t, 2))]
+    for depth in (4, 3, 2):
+        got, _ = replay_arrays(pins, M, rows=False, depth=depth)
+        assert got.depth == min(depth, D)
+        for p in range(pa.num_passes):
+            for q in range(M):
+                assert got.seen(p, q, depth) == pa.seen(p, q, min(depth, D)), (depth, p, q)
+    del pins[0].replay["seen"]
+    assert replay_arrays(pins, M, rows=False, depth=2) == (None, None)

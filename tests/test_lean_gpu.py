@@ -220,7 +220,7 @@ def test_host_program_runs_as_the_python_step(fused_checkpoints, fused_trace, sl
     read with wrong bytes, logits equal up to the kernel's fp32 atomics. Two slots a block at
     batch 2 and top-2 make layers run in launch waves."""
     from collections import Counter
-    pols = ("ondemand", "lru-prefetch", "oracle", "adaptive", "commit")
+    pols = ("ondemand", "lru-prefetch", "oracle", "adaptive", "commit", "adaptive-ahead", "commit-ahead")
     runs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("CMOE_HOST_PROGRAM", flag)

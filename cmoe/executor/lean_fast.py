@@ -6,12 +6,13 @@ policy object's state written back from its compiled twin (`_hp_finish`). A mixi
 
 Where it runs: graphed decode passes on CUDA with the runtime found, with the fused layer kernel;
 of a replayed trace for the policies whose plan is exact or skips (`ondemand`, `lru-prefetch`,
-`oracle`, `adaptive`, and `commit`'s own order), and of a live run (no trace) for those that plan
-from the read-backs alone (`ondemand`, `lru-prefetch`, `adaptive`, `commit`: `host_live` ranks
-each read-back as `routes._parse_routes` does, and commit's candidates are each row's prediction
-by weight, as `_keep_prediction` keeps them). Elsewhere, and with CMOE_HOST_PROGRAM=0 (the A/B),
+`oracle`, `adaptive`, `commit` in its own order, and the look-ahead `adaptive-ahead` and
+`commit-ahead`, their deeper predictions from the replay's `seen`), and of a live run (no trace)
+for those that plan from the read-backs alone (`ondemand`, `lru-prefetch`, `adaptive`, `commit`:
+`host_live` ranks each read-back as `routes._parse_routes` does, and commit's candidates are each
+row's prediction by weight, as `_keep_prediction` keeps them). Elsewhere, and with CMOE_HOST_PROGRAM=0 (the A/B),
 the Python step runs as before: `upper` (no host step to speed up), CPU experts, the look-ahead
-policies, the host-phase profiler and the GPU-sleep calibration runs. Recorded plans
+policies live, the host-phase profiler and the GPU-sleep calibration runs. Recorded plans
 (`record_plans`) are rebuilt from the twin's decisions and the program's per-layer snapshots of
 the slots. The twin decides from the pass's routes as the replay engine does (a replay's ranked
 needs and predictions from the trace, which the Python step reads too; a live pass's from the
@@ -29,34 +30,43 @@ from cmoe.executor import host_program as hp
 from cmoe.executor.cuda_rt import Mark
 from cmoe.executor.host_live import layout, live_pass
 
-FAST_KINDS = ("ondemand", "lru-prefetch", "oracle", "adaptive", "commit")
+FAST_KINDS = ("ondemand", "lru-prefetch", "oracle", "adaptive", "commit", "adaptive-ahead", "commit-ahead")
 LIVE_KINDS = ("ondemand", "lru-prefetch", "adaptive", "commit")   # those that plan from the read-backs alone
 _PROGRAMS: dict = {}                    # runtime library path -> its program (`host_program.program`), per process
 
 
-def replay_arrays(passes, M: int, rows: bool) -> tuple:
+def _flat(lists) -> tuple:
+    ptr = np.zeros(len(lists) + 1, np.int64)
+    np.cumsum([len(x) for x in lists], out=ptr[1:])
+    return ptr, np.array([x for xs in lists for x in xs], np.int16)
+
+
+def replay_arrays(passes, M: int, rows: bool, depth: int = 1) -> tuple:
     """The engine's replayed passes as the twin reads them: each pass's ranked needs and
-    predictions (a `PassArrays`, whose other fields the twin does not read), and with `rows` each
-    row's predictions [P, M, N, Kp] (commit's candidates are chosen from them). (None, None) unless
-    every pass is a replay whose rows are all live, indexed from 0 (what the Python step's replay
-    path reads)."""
+    predictions (a `PassArrays`, whose other fields the twin does not read), with `depth` > 1 the
+    predictions by distance a look-ahead policy reads, and with `rows` each row's predictions
+    [P, M, N, Kp] (commit's candidates are chosen from them). (None, None) unless every pass is a
+    replay whose rows are all live, indexed from 0 (what the Python step's replay path reads).
+
+    Distances: the Python step hands layer q's plan `seen[q][:depth]` (what the state predicting
+    layer q says of layers q, q+1, ...); the twin reads layer j's prediction at distance k + 1 at
+    (p, j, k), which is `seen[j - k][k]`. Entries with j < k no plan reaches: left empty."""
     from cmoe.trace.pass_arrays import PassArrays
     P = len(passes)
     if not passes or [p.index for p in passes] != list(range(P)) or \
-            any(p.replay is None or "needed" not in p.replay or not p.active.all() for p in passes):
+            any(p.replay is None or "needed" not in p.replay or not p.active.all() for p in passes) or \
+            (depth > 1 and any("seen" not in p.replay for p in passes)):
         return None, None
-
-    def flat(key):
-        lists = [p.replay[key][m] for p in passes for m in range(M)]
-        ptr = np.zeros(len(lists) + 1, np.int64)
-        np.cumsum([len(x) for x in lists], out=ptr[1:])
-        return ptr, np.array([x for xs in lists for x in xs], np.int16)
-    (nptr, need), (pptr, pred) = flat("needed"), flat("predicted")
+    (nptr, need), (pptr, pred) = (_flat([p.replay[key][m] for p in passes for m in range(M)])
+                                  for key in ("needed", "predicted"))
+    D = 1 if depth == 1 else min(depth, max(len(x) for p in passes for x in p.replay["seen"]))
+    aptr, ahead = (pptr, pred) if D == 1 else _flat(
+        [p.replay["seen"][j - k][k] if j >= k else [] for p in passes for j in range(M) for k in range(D)])
     z = np.zeros(P, np.int64)
     pa = PassArrays(decode=np.array([p.decode for p in passes], bool), ntok=z, context=z, keys=z,
                     tok_ptr=np.zeros(P + 1, np.int64), tok=np.zeros(0, np.int64), need_ptr=nptr, need=need,
-                    votes=np.zeros(need.size, np.int32), pred_ptr=pptr, pred=pred, num_layers=M, ahead_ptr=pptr,
-                    ahead=pred, depth=1)
+                    votes=np.zeros(need.size, np.int32), pred_ptr=pptr, pred=pred, num_layers=M, ahead_ptr=aptr,
+                    ahead=ahead, depth=D)
     if not rows:
         return pa, None
     shapes = [np.shape(p.replay["pred"]) for p in passes]
@@ -75,7 +85,7 @@ class HostProgramSteps:
         """The run's configuration allows the program (its passes and buffers are checked later)."""
         return (os.environ.get("CMOE_HOST_PROGRAM", "1") != "0" and self.cuda and self.clock.rt is not None
                 and self.fused and not self.silent and not self.has_cpu and (self.owa or not self.commit)
-                and self.policy.name in FAST_KINDS and self.policy.depth == 1
+                and self.policy.name in FAST_KINDS
                 and not self._lead_cycles and self.host_phases is None and hp.perf_counter_is_monotonic())
 
     def _hp_wanted(self) -> bool:
@@ -83,7 +93,8 @@ class HostProgramSteps:
         the run is live (no trace: every pass planned from its read-back, `host_live`)."""
         if not self._hp_allowed():
             return False
-        if self._hp_pa is None and self.cur.replay is None and self.cur.active.all() and self.policy.name in LIVE_KINDS:
+        if self._hp_pa is None and self.cur.replay is None and self.cur.active.all() and self.policy.name in LIVE_KINDS \
+                and self.policy.depth == 1:                # a live look-ahead reads deeper columns: the Python step
             self._hp_pa, self._hp_live = live_pass(self.M, self.spec.num_experts), True
         return self._hp_pa is not None
 
@@ -92,7 +103,7 @@ class HostProgramSteps:
         self._hp_pa = self._hp_tp = None
         self._hp_live = False
         if self._hp_allowed():
-            self._hp_pa, self._hp_tp = replay_arrays(passes, self.M, rows=self.commit)
+            self._hp_pa, self._hp_tp = replay_arrays(passes, self.M, rows=self.commit, depth=self.policy.depth)
 
     def _hp_setup(self) -> None:
         """Right after capture (the device synchronised, untimed): the program's arrays, the twin's
@@ -117,7 +128,8 @@ class HostProgramSteps:
         state = hp.Pool(expert, np.zeros((M, S), np.bool_), np.zeros((M, S), np.bool_), np.zeros((M, S), np.int64),
                         np.zeros((M, S), np.int64), np.full((M, S), -1, np.int64))
         W = prog.stage.shape[1]
-        marks = 2 + M * marks_per_layer(self.kin["N"], self.spec.top_k, E, W) + 6 * E
+        ahead = 2 * self.policy.depth * getattr(self.policy, "top", 0) if self.policy.depth > 1 else 0
+        marks = 2 + M * (marks_per_layer(self.kin["N"], self.spec.top_k, E, W) + ahead) + 6 * E   # + prefetches
         pa, rt = self._hp_pa, self.clock.rt
         if rt.path not in _PROGRAMS:
             _PROGRAMS[rt.path] = hp.program(hp.runtime_funcs(rt._lib))
