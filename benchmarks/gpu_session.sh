@@ -49,6 +49,10 @@
 #                                             # CPU tests, the host-program GPU tests (replayed and live), then each
 #                                             # live-planned policy beside the Python step, Mixtral b1/b4 pool 20 and
 #                                             # OLMoE b1/b4 pool 3, prompts of 64 random tokens (~8 min)
+#   bash benchmarks/gpu_session.sh ahead      # issue 13: the look-ahead policies' replays in the program: the host-
+#                                             # program GPU tests (replayed with adaptive-ahead and commit-ahead, live
+#                                             # at batch 1 too), then both beside the Python step, Mixtral b1/b4
+#                                             # pool 20 and OLMoE b1 pool 3 (~7 min)
 #   bash benchmarks/gpu_session.sh validate-r 1,2,4   # the same with every configuration run twice (--repeat),
 #   bash benchmarks/gpu_session.sh validate-r 8       # in two calls: all four batches took over 450 s of runs
 #                                             # on the H200 (sixth session); each call calibrates again
@@ -75,6 +79,10 @@ case "${1:-}" in
      P="python3 benchmarks/lean_h200.py --live --tokens 64 --repeats 1 --engines lean --policies ondemand,lru-prefetch,adaptive,commit --env-ablation CMOE_HOST_PROGRAM=0"
      timeout 150 $P --out "$OUT/live-mixtral" --batches 1,4 --pools 20 --budget-s 120 2>&1 | grep -E "^lean|^HBM|^built|rror" || true
      timeout 110 $P --out "$OUT/live-olmoe" --spec olmoe-1b-7b --batches 1,4 --pools 3 --budget-s 80 2>&1 | grep -E "^lean|^HBM|^built|rror" || true ;;
+  ahead) timeout 260 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -k host_program -p no:cacheprovider 2>&1 | tail -15 || true
+     P="python3 benchmarks/lean_h200.py --tokens 64 --repeats 1 --engines lean --policies adaptive-ahead,commit-ahead --env-ablation CMOE_HOST_PROGRAM=0"
+     timeout 170 $P --out "$OUT/ahead-mixtral" --batches 1,4 --pools 20 --budget-s 140 2>&1 | grep -E "^lean|^HBM|^built|rror" || true
+     timeout 90 $P --out "$OUT/ahead-olmoe" --spec olmoe-1b-7b --batches 1 --pools 3 --budget-s 60 2>&1 | grep -E "^lean|^HBM|^built|rror" || true ;;
   tests) timeout 300 python3 -m pytest -q -m gpu tests/test_lean_gpu.py tests/test_executor_gpu.py \
            tests/test_moe_kernel_gpu.py -p no:cacheprovider | tail -15 ;;
   b1) timeout 570 $B --out "$OUT/b1" --batches 1 --pools 16,20,26 --engines lean,hf \
