@@ -286,6 +286,10 @@ def _run_both(name, **kw):
             n = lay.slots[m]
             assert (b.phys[m, :n].tolist(), b.logi[m, :n].tolist()) == (ref.snap[m][0][:n], ref.snap[m][1][:n])
         assert int(s.scal[OCC]) == py.pool.occupancy()
+        if py.depth > 1:                                  # the look-ahead's own state, as the class keeps it
+            assert [set(np.nonzero(r)[0].tolist()) for r in s.wanted] == [set(x) for x in py.wanted]
+            assert [set(np.nonzero(r)[0].tolist()) for r in s.fresh] == [set(x) for x in py.fresh]
+            assert [{int(e): int(r[e]) for e in np.nonzero(r)[0]} for r in s.named] == [dict(x) for x in py.named]
         logs.append(list(fake.log))
     return logs, b, pool, s
 
@@ -301,7 +305,10 @@ def test_the_program_makes_the_engines_calls_in_its_order(name, seed):
 @pytest.mark.parametrize("seed", range(3))
 def test_look_ahead_policies_make_the_engines_calls(name, seed):
     """Predictions three layers deep, five layers of three or four slots: the prefetches of layers
-    further ahead are issued where the Python policy issues them (its `ahead` the replay's `seen`)."""
+    further ahead are issued where the Python policy issues them (its `ahead` the replay's `seen`),
+    and the look-ahead's state (wanted, fetched, and how often each expert was named: the deepest
+    distance only names, as an expert is fetched on its second naming) is the class's after every
+    pass."""
     logs, *_ = _run_both(name, M=5, slots=(3, 4, 3, 4, 3), seed=seed)
     assert sum(c[0] == "copy" and c[4] == 1 for log in logs for c in log) > 3, "too few loads to tell"
 

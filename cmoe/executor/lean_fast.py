@@ -86,6 +86,7 @@ class HostProgramSteps:
         return (os.environ.get("CMOE_HOST_PROGRAM", "1") != "0" and self.cuda and self.clock.rt is not None
                 and self.fused and not self.silent and not self.has_cpu and (self.owa or not self.commit)
                 and self.policy.name in FAST_KINDS
+                and (self.policy.depth > 1 or not self.policy.name.endswith("-ahead"))   # depth 1: `_ahead` hands none
                 and not self._lead_cycles and self.host_phases is None and hp.perf_counter_is_monotonic())
 
     def _hp_wanted(self) -> bool:
