@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from cmoe.executor import host_program as hp
+from cmoe.executor.host_calls import address
 from cmoe.policy.policies import make_policy
 from cmoe.policy.pool import PoolLayout
 from cmoe.policy.waves import waves as launch_waves
@@ -27,18 +28,18 @@ RB0 = (4000, 4001, 64, 4002)                              # layer 0's prediction
 
 
 class FakeRuntime:
-    """Logs every call the program makes; the clock is libc's own. One for the module: a program
-    is compiled for its functions once (`program`), and each test points it at its staging rows."""
+    """Logs every call the program makes; the clock is libc's own. One for the module (its callbacks
+    must outlive the programs that call them); each test points it at its staging rows."""
 
     def __init__(self):
         self.log: list = []
-        self.run = None
         u64, i32, u32 = ctypes.c_uint64, ctypes.c_int, ctypes.c_uint
         cb = lambda fn, *a: ctypes.CFUNCTYPE(i32, *a)(fn)
         self._keep = [cb(self._launch, u64, u64), cb(self._record, u64, u64), cb(self._wait, u64, u64, u32),
                       cb(self._sync, u64), cb(self._copy, u64, u64, ctypes.c_size_t, i32, u64)]
         libc = ctypes.CDLL(None)
-        self.funcs = hp.Funcs(*self._keep, ctypes.CFUNCTYPE(i32, i32, u64)(ctypes.cast(libc.clock_gettime, ctypes.c_void_p).value))
+        # the program's functions by address (`Prog.fn`), as the runtime's are
+        self.fn = np.array([address(f) for f in self._keep] + [address(libc.clock_gettime)], np.int64)
 
     def use(self, prog):
         """The program's staging rows: a copy from one of them is logged as what it holds."""
@@ -48,9 +49,8 @@ class FakeRuntime:
         self.rows.update({int(prog.ids_ptr[m, 1]): ("ids", m) for m in range(stage.shape[0])})
         self.rows.update({int(prog.comm_ptr[m, 1]): ("comm", m) for m in range(stage.shape[0])})
         self.prog = prog
-        if self.run is None:
-            self.run = hp.program(self.funcs)
-        return self.run
+        assert (prog.fn == self.fn).all()
+        return hp.run
 
     def _launch(self, g, s):
         self.log.append(("launch", g, s))
@@ -118,7 +118,7 @@ def _prog(M, E, S, W, t=None, pa=None, K=2, N=2):
                  "ids_ptr": np.array([[9000 + m, ids.ctypes.data + ids[0].nbytes * m, ids[0].nbytes] for m in range(M)], np.int64),
                  "comm_ptr": np.array([[9500 + m, comm.ctypes.data + E * m, E] for m in range(M)], np.int64)}
     return hp.Prog(gr, scal, rb, np.array([8000 + m for m in range(M)], np.int64), stage, stage_ptr, slot_ptr, src_ptr,
-                   **extra, **hp.no_live(M))
+                   **extra, **hp.no_live(M), fn=_FAKE.fn)
 
 
 class Reference:
@@ -374,3 +374,19 @@ def test_the_engines_look_ahead_arrays_are_the_simulators():
                 assert got.seen(p, q, depth) == pa.seen(p, q, min(depth, D)), (depth, p, q)
     del pins[0].replay["seen"]
     assert replay_arrays(pins, M, rows=False, depth=2) == (None, None)
+
+
+def test_a_later_process_loads_the_program_from_the_cache():
+    """The program calls its C functions by address (`host_calls`), so its machine code is the same
+    in every process: a second process finds it in numba's cache instead of compiling it again
+    (18-32 s of a first request before)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    _run_both("ondemand", seed=0)                          # compiled here (or loaded), and so on disk
+    code = ("from tests.test_host_program import _run_both; from cmoe.executor import host_program as hp; "
+            "_run_both('ondemand', seed=0); s = hp.run.stats; print(sum(s.cache_hits.values()), sum(s.cache_misses.values()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1", "0"], out.stdout

@@ -11,155 +11,123 @@ from __future__ import annotations
 
 from numba import njit
 
+from cmoe.executor.host_calls import copy, launch, record, sync, wait
 from cmoe.executor.host_live import live_routes
-from cmoe.executor.host_waves import _snapshot
+from cmoe.executor.host_prims import (C_SKIPPED, C_WAVES, C_WX, D2H, F_RB, F_ROUTED, F_SYNCED, G_EXPERTS, H2D, S_CS,
+                                      S_E, S_K, S_LIVE, S_N, evof, fail, layer_done, layer_entry, load, mark, now)
 from cmoe.sim.replay.decide import _plan
 from cmoe.sim.replay.twin_pool import _among
 
-H2D, D2H = 1, 2
 
-
-def commit_parts(f, pr, load, k):
-    """(start, layer) over the functions `f`, the primitives `pr` and `load`; `k`: host_program's
-    column and slot indices (its module), passed in so the two modules share one definition."""
-    start, head = _head(f, pr, k)
-    launched = _launch(f, pr, k)
-    tail = _tail(f, pr, load, k)
-    L_TIN, L_TPLAN, L_LAST, F_LAST = k.L_TIN, k.L_TPLAN, k.L_LAST, k.F_LAST
-
-    @njit(_nrt=False)
-    def layer(prog, pool, s, d, pd, b, gbase, p, P, m, ts):
-        t_in = head(prog, s, b, gbase, p, m, ts)
-        if t_in < 0:
-            return -1
-        t_plan, t1 = launched(prog, pool, s, b, gbase, m, ts)
-        if t1 < 0 or tail(prog, pool, s, d, pd, b, gbase, p, P, m, ts):
-            return -1
-        b.lay_i[m, L_TIN], b.lay_i[m, L_TPLAN], b.lay_i[m, L_LAST] = t_in, t_plan, t1
-        _snapshot(pool, s, b, m, prog.scal[k.S_E])
-        b.lay_f[m, F_LAST] = pr.now(ts, prog.scal[k.S_HOST0])
-        return 0
-
-    return start, layer
-
-
-def _head(f, pr, k):
-    """The pass's start (`_pred0_host`), and a layer's up to its launch: A_m, its read-back
-    queued, the candidates, the committed set and the table row written and copied in."""
-    launch, record, sync, copy, now, mark, fail = f.launch, f.record, f.sync, f.copy, pr.now, pr.mark, pr.fail
-    S_CS, S_HOST0, S_E, S_K, G_ATTN, F_IN = k.S_CS, k.S_HOST0, k.S_E, k.S_K, k.G_ATTN, k.F_IN
-
-    @njit(_nrt=False)
-    def start(prog, b, ts):
-        cs, host0 = prog.scal[S_CS], prog.scal[S_HOST0]
-        b.pass_f[0] = now(ts, host0)
-        for rc, call in ((copy(prog.rb0[0], prog.rb0[1], prog.rb0[2], D2H, cs), 4), (record(prog.rb0[3], cs), 1),
-                         (sync(prog.rb0[3]), 3)):
-            if rc:
-                return fail(b, rc, call)
-        b.pass_f[1] = now(ts, host0)
-        return 0
-
-    @njit(_nrt=False)
-    def head(prog, s, b, gbase, p, m, ts):
-        cs = prog.scal[S_CS]
-        rc = launch(prog.gr[m, G_ATTN], cs)
+@njit(cache=True, _nrt=False)
+def commit_start(prog, b, ts):
+    """The pass's start (`_pred0_host`): layer 0's prediction read back, its wait."""
+    cs = prog.scal[S_CS]
+    b.pass_f[0] = now(prog, ts)
+    for rc, call in ((copy(prog, prog.rb0[0], prog.rb0[1], prog.rb0[2], D2H, cs), 4),
+                     (record(prog, prog.rb0[3], cs), 1), (sync(prog, prog.rb0[3]), 3)):
         if rc:
-            return fail(b, rc, 0)
-        b.lay_f[m, F_IN] = now(ts, prog.scal[S_HOST0])
-        t_in = mark(b, gbase, cs)
-        if t_in < 0:
-            return -1
-        _inputs(prog, s, p, m, prog.scal[S_K])
-        for rc, call in ((copy(prog.rb[m, 0], prog.rb[m, 1], prog.rb[m, 2], D2H, cs), 4), (record(prog.rb[m, 3], cs), 1),
-                         (copy(prog.ids_ptr[m, 0], prog.ids_ptr[m, 1], prog.ids_ptr[m, 2], H2D, cs), 4),
-                         (copy(prog.comm_ptr[m, 0], prog.comm_ptr[m, 1], prog.comm_ptr[m, 2], H2D, cs), 4),
-                         (copy(prog.table_dst[m], prog.stage_ptr[m, 0], prog.scal[S_E] * 4, H2D, cs), 4)):
-            if rc:
-                return fail(b, rc, call)
-        return t_in
-
-    return start, head
+            return fail(b, rc, call)
+    b.pass_f[1] = now(prog, ts)
+    return 0
 
 
-def _launch(f, pr, k):
+@njit(cache=True, _nrt=False)
+def committed_layer(prog, pool, s, d, pd, b, gbase, p, P, m, ts):
+    """commit's MoE layer m in decode: `_head`, `_launched`, `_tail`; 0, or -1 (the error in `Books.cnt`)."""
+    t_in = _head(prog, s, b, gbase, p, m, ts)
+    if t_in < 0:
+        return -1
+    t_plan, t1 = _launched(prog, pool, s, b, gbase, m, ts)
+    if t1 < 0 or _tail(prog, pool, s, d, pd, b, gbase, p, P, m, ts):
+        return -1
+    return layer_done(prog, pool, s, b, m, t_in, t_plan, t1, ts)
+
+
+@njit(cache=True, _nrt=False)
+def _head(prog, s, b, gbase, p, m, ts):
+    """A layer up to its launch: A_m, its read-back queued, the candidates, the committed set and
+    the table row written and copied in. The layer's entry mark, or -1."""
+    cs = prog.scal[S_CS]
+    t_in = layer_entry(prog, b, gbase, m, ts)
+    if t_in < 0:
+        return -1
+    _inputs(prog, s, p, m, prog.scal[S_K])
+    for rc, call in ((copy(prog, prog.rb[m, 0], prog.rb[m, 1], prog.rb[m, 2], D2H, cs), 4),
+                     (record(prog, prog.rb[m, 3], cs), 1),
+                     (copy(prog, prog.ids_ptr[m, 0], prog.ids_ptr[m, 1], prog.ids_ptr[m, 2], H2D, cs), 4),
+                     (copy(prog, prog.comm_ptr[m, 0], prog.comm_ptr[m, 1], prog.comm_ptr[m, 2], H2D, cs), 4),
+                     (copy(prog, prog.table_dst[m], prog.stage_ptr[m, 0], prog.scal[S_E] * 4, H2D, cs), 4)):
+        if rc:
+            return fail(b, rc, call)
+    return t_in
+
+
+@njit(cache=True, _nrt=False)
+def _launched(prog, pool, s, b, gbase, m, ts):
     """The plan's mark, the waits on the committed slots' copies, the launch and its reads:
     (plan mark, end mark), the end -1 if a call failed."""
-    launch, wait, now, mark, fail, evof = f.launch, f.wait, pr.now, pr.mark, pr.fail, pr.evof
-    S_CS, S_HOST0, G_EXPERTS, C_WAVES, C_WX = k.S_CS, k.S_HOST0, k.G_EXPERTS, k.C_WAVES, k.C_WX
-
-    @njit(_nrt=False)
-    def launched(prog, pool, s, b, gbase, m, ts):
-        cs, n = prog.scal[S_CS], s.ncommitted[m]
-        t_plan = mark(b, gbase, cs)
-        h0 = now(ts, prog.scal[S_HOST0])
-        w, x0 = b.cnt[C_WAVES], b.cnt[C_WX]
-        waited = False
-        for e in s.committed[m, :n]:
-            sl = s.slot[m, e]
-            if pool.expert[m, sl] != e:
-                return t_plan, fail(b, -2, 5)
-            x = b.cnt[C_WX]
-            b.wx[x, 0], b.wx[x, 1], b.wx[x, 2], b.wx[x, 3] = e, 0, pool.landed[m, sl] if pool.pending[m, sl] else -1, t_plan
-            b.cnt[C_WX] = x + 1
-            if pool.pending[m, sl]:
-                rc = wait(cs, pool.ready_ev[m, sl], 0)
-                if rc:
-                    return t_plan, fail(b, rc, 2)
-                pool.pending[m, sl], waited = False, True
-        t0 = mark(b, gbase, cs) if waited else t_plan
-        rc = launch(prog.gr[m, G_EXPERTS], cs)
-        if rc:
-            return t_plan, fail(b, rc, 0)
-        t1 = mark(b, gbase, cs)
-        if t_plan < 0 or t0 < 0 or t1 < 0:
-            return t_plan, -1
-        for e in s.committed[m, :n]:
-            pool.read_ev[m, s.slot[m, e]], pool.was_read[m, s.slot[m, e]] = evof(b, gbase, t1), True
-        b.wav_i[w, 0], b.wav_i[w, 1], b.wav_i[w, 2], b.wav_i[w, 3] = m, t0, t1, x0
-        b.wav_f[w, 0], b.wav_f[w, 1] = h0, now(ts, prog.scal[S_HOST0])
-        b.cnt[C_WAVES] = w + 1
-        return t_plan, t1
-
-    return launched
+    cs, n = prog.scal[S_CS], s.ncommitted[m]
+    t_plan = mark(prog, b, gbase, cs)
+    h0 = now(prog, ts)
+    w, x0 = b.cnt[C_WAVES], b.cnt[C_WX]
+    waited = False
+    for e in s.committed[m, :n]:
+        sl = s.slot[m, e]
+        if pool.expert[m, sl] != e:
+            return t_plan, fail(b, -2, 5)
+        x = b.cnt[C_WX]
+        b.wx[x, 0], b.wx[x, 1], b.wx[x, 2], b.wx[x, 3] = e, 0, pool.landed[m, sl] if pool.pending[m, sl] else -1, t_plan
+        b.cnt[C_WX] = x + 1
+        if pool.pending[m, sl]:
+            rc = wait(prog, cs, pool.ready_ev[m, sl], 0)
+            if rc:
+                return t_plan, fail(b, rc, 2)
+            pool.pending[m, sl], waited = False, True
+    t0 = mark(prog, b, gbase, cs) if waited else t_plan
+    rc = launch(prog, prog.gr[m, G_EXPERTS], cs)
+    if rc:
+        return t_plan, fail(b, rc, 0)
+    t1 = mark(prog, b, gbase, cs)
+    if t_plan < 0 or t0 < 0 or t1 < 0:
+        return t_plan, -1
+    for e in s.committed[m, :n]:
+        pool.read_ev[m, s.slot[m, e]], pool.was_read[m, s.slot[m, e]] = evof(b, gbase, t1), True
+    b.wav_i[w, 0], b.wav_i[w, 1], b.wav_i[w, 2], b.wav_i[w, 3] = m, t0, t1, x0
+    b.wav_f[w, 0], b.wav_f[w, 1] = h0, now(prog, ts)
+    b.cnt[C_WAVES] = w + 1
+    return t_plan, t1
 
 
-def _tail(f, pr, load, k):
+@njit(cache=True, _nrt=False)
+def _tail(prog, pool, s, d, pd, b, gbase, p, P, m, ts):
     """While the experts run: the wait for the read-back, the plan (its GPU set must be the
     committed one), its loads (the next layer's). 0, or the error."""
-    sync, now, fail = f.sync, pr.now, pr.fail
-    S_HOST0, F_RB, F_SYNCED, F_ROUTED, C_SKIPPED = k.S_HOST0, k.F_RB, k.F_SYNCED, k.F_ROUTED, k.C_SKIPPED
-    S_LIVE, S_N, S_E, S_K = k.S_LIVE, k.S_N, k.S_E, k.S_K
-
-    @njit(_nrt=False)
-    def tail(prog, pool, s, d, pd, b, gbase, p, P, m, ts):
-        host0, n = prog.scal[S_HOST0], s.ncommitted[m]
-        b.lay_f[m, F_RB] = now(ts, host0)
-        rc = sync(prog.rb[m, 3])
-        if rc:
-            return fail(b, rc, 3)
-        b.lay_f[m, F_SYNCED] = now(ts, host0)
-        j = 1 + m
-        g0 = d.g_ptr[j] = d.n[0]
-        l0 = d.l_ptr[j] = d.n[2]
-        d.c_ptr[j], d.skipped[j] = d.n[1], 0
-        if prog.scal[S_LIVE]:                             # a live pass: the read-back's routes
-            live_routes(prog.rbh, prog.lv, prog.scal[S_N], prog.scal[S_E], prog.scal[S_K], prog.scr, pd, prog.tp, m, True)
-        _plan(s, d, p, m, P, pd, s.protect, s.hits, s.placed)
-        d.n[3] = j + 1
-        b.cnt[C_SKIPPED] += d.skipped[j]
-        if d.n[0] - g0 != n:
+    n = s.ncommitted[m]
+    b.lay_f[m, F_RB] = now(prog, ts)
+    rc = sync(prog, prog.rb[m, 3])
+    if rc:
+        return fail(b, rc, 3)
+    b.lay_f[m, F_SYNCED] = now(prog, ts)
+    j = 1 + m
+    g0 = d.g_ptr[j] = d.n[0]
+    l0 = d.l_ptr[j] = d.n[2]
+    d.c_ptr[j], d.skipped[j] = d.n[1], 0
+    if prog.scal[S_LIVE]:                             # a live pass: the read-back's routes
+        live_routes(prog.rbh, prog.lv, prog.scal[S_N], prog.scal[S_E], prog.scal[S_K], prog.scr, pd, prog.tp, m, True)
+    _plan(s, d, p, m, P, pd, s.protect, s.hits, s.placed)
+    d.n[3] = j + 1
+    b.cnt[C_SKIPPED] += d.skipped[j]
+    if d.n[0] - g0 != n:
+        return fail(b, -2, 5)
+    for i in range(n):
+        if d.g_e[g0 + i] != s.committed[m, i]:
             return fail(b, -2, 5)
-        for i in range(n):
-            if d.g_e[g0 + i] != s.committed[m, i]:
-                return fail(b, -2, 5)
-        for i in range(l0, d.n[2]):
-            if load(prog, pool, b, gbase, d.l_layer[i], d.l_e[i], d.l_slot[i]):
-                return -1
-        b.lay_f[m, F_ROUTED] = now(ts, host0)
-        return 0
-
-    return tail
+    for i in range(l0, d.n[2]):
+        if load(prog, pool, b, gbase, d.l_layer[i], d.l_e[i], d.l_slot[i]):
+            return -1
+    b.lay_f[m, F_ROUTED] = now(prog, ts)
+    return 0
 
 
 @njit(cache=True, _nrt=False)

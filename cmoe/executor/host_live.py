@@ -18,6 +18,8 @@ m - 1's ended (`need_ptr[m]`), and layer m + 1's prediction where layer m's did 
 
 from __future__ import annotations
 
+import cmoe.sim.replay  # noqa: F401,E402  (first: it sets numba's cache folder, `cmoe.sim.replay`)
+
 import numpy as np
 from numba import njit
 

@@ -4,6 +4,8 @@ buffers), and the slots' snapshot the plan records keep."""
 
 from __future__ import annotations
 
+import cmoe.sim.replay  # noqa: F401,E402  (first: it sets numba's cache folder, `cmoe.sim.replay`)
+
 from numba import njit
 
 

@@ -32,7 +32,6 @@ from cmoe.executor.host_live import layout, live_pass
 
 FAST_KINDS = ("ondemand", "lru-prefetch", "oracle", "adaptive", "commit", "adaptive-ahead", "commit-ahead")
 LIVE_KINDS = ("ondemand", "lru-prefetch", "adaptive", "commit")   # those that plan from the read-backs alone
-_PROGRAMS: dict = {}                    # runtime library path -> its program (`host_program.program`), per process
 
 
 def _flat(lists) -> tuple:
@@ -108,8 +107,9 @@ class HostProgramSteps:
 
     def _hp_setup(self) -> None:
         """Right after capture (the device synchronised, untimed): the program's arrays, the twin's
-        state exported from the policy object, the program compiled for them (its first build in a
-        process takes seconds: counted in `capture_us`, the first request's cost); or None where
+        state exported from the policy object, the program compiled for them (its first build on a
+        machine takes seconds, later processes load it from numba's cache: counted in `capture_us`,
+        the first request's cost); or None where
         anything it needs is missing."""
         self._hp = None
         if not self._hp_wanted():
@@ -131,10 +131,8 @@ class HostProgramSteps:
         W = prog.stage.shape[1]
         ahead = 2 * self.policy.depth * getattr(self.policy, "top", 0) if self.policy.depth > 1 else 0
         marks = 2 + M * (marks_per_layer(self.kin["N"], self.spec.top_k, E, W) + ahead) + 6 * E   # + prefetches
-        pa, rt = self._hp_pa, self.clock.rt
-        if rt.path not in _PROGRAMS:
-            _PROGRAMS[rt.path] = hp.program(hp.runtime_funcs(rt._lib))
-        h = self._hp = {"run": _PROGRAMS[rt.path], "prog": prog, "pool": state, "s": export(self.policy, pa),
+        pa = self._hp_pa
+        h = self._hp = {"run": hp.run, "prog": prog, "pool": state, "s": export(self.policy, pa),
                         "d": decisions(M + 1, 1, E), "pd": pass_data(pa), "P": pa.num_passes,
                         "books": hp.books(M, E, S, W, marks), "marks": marks, "ts": np.zeros(2, np.int64),
                         "waves": np.zeros(E, np.int64), "gbase": 0, "passes": [], "mk": {}, "ev": []}
@@ -188,6 +186,7 @@ class HostProgramSteps:
         if live is None:
             return None
         extra.update(live)
+        extra["fn"] = hp.runtime_addresses(self.clock.rt._lib)
         return hp.Prog(gr, scal, rb, np.array([self.table[m].data_ptr() for m in range(M)], np.int64), k["table_np"],
                        np.array([[c[1] for c in row] for row in ptr["table"]], np.int64), slot_ptr, src_ptr, **extra)
 

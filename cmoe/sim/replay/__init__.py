@@ -1,8 +1,9 @@
 """The fast replay of the SimPy model (see engine.py): `Replay(policy, profile, costs, passes).simulate()`.
 
 The compiled code is cached on disk (numba), in a folder named after a hash of this package's
-compiled modules and numba's version: numba checks only the stamp of a function's own file, so a change in
-a module it calls would otherwise leave stale machine code. The folder is
+compiled modules, the executor's compiled host program's (`cmoe.executor.host_*`, which import this
+package first so their functions cache here too) and numba's version: numba checks only the stamp
+of a function's own file, so a change in a module it calls would otherwise leave stale machine code. The folder is
 `$NUMBA_CACHE_DIR/cmoe-replay-HASH` when that variable is set, else under `~/.cache/cmoe` (or the
 temporary folder when neither is writable). The first run on a machine compiles (about 30 s on
 a 2-core CI machine); `python -m cmoe.sim.replay.warm` does it ahead (scripts/setup runs it).
@@ -21,6 +22,9 @@ def _cache_dir() -> str:
     h = hashlib.sha256(numba.__version__.encode())
     for name in ("clock.py", "compute.py", "decide.py", "twin_pool.py"):        # the compiled modules
         h.update(name.encode() + (here / name).read_bytes())
+    ex = here.parents[1] / "executor"                 # the compiled host program's, which calls decide's
+    for name in ("host_calls.py", "host_prims.py", "host_program.py", "host_commit.py", "host_live.py", "host_waves.py"):
+        h.update(name.encode() + (ex / name).read_bytes())
     name = f"cmoe-replay-{h.hexdigest()[:12]}"
     bases = [os.environ.get("NUMBA_CACHE_DIR"), os.environ.get("XDG_CACHE_HOME") and Path(os.environ["XDG_CACHE_HOME"]) / "cmoe",
              Path.home() / ".cache" / "cmoe", Path(tempfile.gettempdir()) / "cmoe"]

@@ -1,0 +1,156 @@
+"""What the compiled host program's parts share (`cmoe.executor.host_program`, `host_commit`): the
+layout of its inputs and records (`Prog`, `Pool`, `Books` and their column names), and its
+primitives: the host clock, an error kept once, a timing mark, and a load on the copy stream."""
+
+from __future__ import annotations
+
+import cmoe.sim.replay  # noqa: F401,E402  (first: it sets numba's cache folder, `cmoe.sim.replay`)
+
+from collections import namedtuple
+
+import numpy as np
+from numba import njit
+
+from cmoe.executor.host_calls import clock, copy, launch, record, wait
+from cmoe.executor.host_waves import _snapshot
+
+H2D, D2H = 1, 2
+# Prog.gr columns: a MoE layer's graphs (0: none)
+G_ATTN, G_EXPERTS, G_WAVE, G_FINISH = range(4)
+# Prog.scal
+S_PRE, S_HEAD, S_CS, S_CP, S_NBYTES, S_E, S_HOST0, S_K, S_COMMIT, S_LIVE, S_N = range(11)
+# Books.lay_i columns (global mark ids) and Books.lay_f (host us)
+L_TIN, L_TPLAN, L_LAST = range(3)
+F_IN, F_SYNCED, F_ROUTED, F_LAST, F_RB = range(5)
+# Books.cnt
+C_MARKS, C_WAVES, C_WX, C_LOADS, C_SKIPPED, C_ERR, C_ERRCALL, C_BEGIN_LOADS = range(8)
+# calls, for an error's message
+CALLS = ("cudaGraphLaunch", "cudaEventRecord", "cudaStreamWaitEvent", "cudaEventSynchronize", "cudaMemcpyAsync",
+         "out of timing events")
+
+# What a program reads, made once a run (`lean_fast`): graphs' executable handles [M, 4] and scalars
+# (pre, head, the two streams, an expert's bytes, E, the clock's zero in ns); the read-back per
+# layer (pinned host address, device address, bytes, its event); the slot table's device row and
+# the pinned staging rows [M, W, E] with their addresses [M, W]; each slot's device address [M, S];
+# each expert's pinned host address [M, E].
+# commit's besides (1-element dummies for the others): layer 0's prediction read back at the pass's
+# start (as rb), each row's candidates [M, N, K] int32 and the committed set [M, E] bool in pinned
+# staging with their copies' (device, pinned, bytes) [M, 3], each row's predictions [P, M, N, Kp].
+# A live pass's besides (`host_live`; dummies for a replay): the pinned floats each layer's read-back
+# lands in [M + 1, N * most columns] (rb's host addresses point into it; row M: commit's rb0), each
+# layer's columns, prediction columns and where they start [M + 1, 3] (`host_live.layout`), and
+# scratch for the ranking [2E + max(K, K2)]; commit's tp is then [1, M, N, K2], filled from the
+# read-backs as they land. Last, the C functions' addresses (`host_calls`: F_LAUNCH ..).
+Prog = namedtuple("Prog", ["gr", "scal", "rb", "table_dst", "stage", "stage_ptr", "slot_ptr", "src_ptr",
+                           "rb0", "ids", "ids_ptr", "comm", "comm_ptr", "tp", "rbh", "lv", "scr", "fn"])
+# The pool as the device holds it, kept across passes: what each slot holds, a copy no kernel has
+# waited for yet, a slot some kernel read, and the events those wait on (the load's end mark, the
+# last reading launch's end mark), and the global id of the pending copy's end mark.
+Pool = namedtuple("Pool", ["expert", "pending", "was_read", "ready_ev", "read_ev", "landed"])
+# One pass's records: per layer marks and host times; per launch (wave) its layer, marks, host
+# times and its experts' range in wx; per expert that ran (expert, loaded by this layer's plan,
+# landed mark or -1, due mark); per load (layer, expert, slot, start mark, end mark); counts; the
+# event each mark of the pass was recorded on; per layer, after its step, what each slot of its
+# block holds on the device and in the policy's index (the plan records' `physical`, `logical`).
+Books = namedtuple("Books", ["lay_i", "lay_f", "wav_i", "wav_f", "wx", "ld", "cnt", "ev", "phys", "logi", "pass_f"])
+
+
+def books(M: int, E: int, S: int, waves: int, marks: int) -> Books:
+    """Record buffers for one pass: a layer launches at most `waves` times and runs at most E
+    experts, loads at most 3E (its plan's, a look-ahead's prefetches), the pass's begin loads at
+    most 3E more; S: the most slots of a block."""
+    z = lambda *s: np.zeros(s, np.int64)
+    return Books(z(M, 3), np.zeros((M, 5)), z(M * waves, 4), np.zeros((M * waves, 2)), z(M * E, 4),
+                 z((M + 1) * 3 * E, 5), z(8), z(marks), z(M, S), z(M, S), np.zeros(2))
+
+
+def no_commit(M: int) -> dict:
+    """Prog's commit fields for a policy that commits nothing."""
+    return {"rb0": np.zeros(4, np.int64), "ids": np.zeros((M, 1, 1), np.int32), "ids_ptr": np.zeros((M, 3), np.int64),
+            "comm": np.zeros((M, 1), np.bool_), "comm_ptr": np.zeros((M, 3), np.int64),
+            "tp": np.zeros((1, M, 1, 1), np.int16)}
+
+
+def no_live(M: int) -> dict:
+    """Prog's live fields for a replayed run (the trace's routes, not the read-back's, are planned)."""
+    return {"rbh": np.zeros((M + 1, 1), np.float32), "lv": np.zeros((M + 1, 3), np.int64), "scr": np.zeros(1, np.int64)}
+
+
+@njit(cache=True, _nrt=False)
+def now(prog, ts):
+    """The host clock in us since the engine's zero (CLOCK_MONOTONIC: what time.perf_counter reads)."""
+    clock(prog, ts)
+    return (ts[0] * 1_000_000_000 + ts[1] - prog.scal[S_HOST0]) / 1000.0
+
+
+@njit(cache=True, _nrt=False)
+def fail(b, rc, call):
+    if b.cnt[C_ERR] == 0:
+        b.cnt[C_ERR], b.cnt[C_ERRCALL] = rc, call
+    return rc
+
+
+@njit(cache=True, _nrt=False)
+def mark(prog, b, gbase, stream):
+    """The pass's next event recorded on a stream: its global id (-1: failed)."""
+    k = b.cnt[C_MARKS]
+    if k >= b.ev.size:
+        fail(b, -1, 5)
+        return -1
+    rc = record(prog, b.ev[k], stream)
+    if rc:
+        fail(b, rc, 1)
+        return -1
+    b.cnt[C_MARKS] = k + 1
+    return gbase + k
+
+
+@njit(cache=True, _nrt=False)
+def evof(b, gbase, g):
+    return b.ev[g - gbase]
+
+
+@njit(cache=True, _nrt=False)
+def load(prog, pool, b, gbase, m, e, slot):
+    """`DevicePool.load` on the copy stream: wait for the slot's last reader, the copy between
+    its two marks; the slot now holds e, its copy pending. 0, or the error."""
+    cp = prog.scal[S_CP]
+    if pool.was_read[m, slot]:
+        rc = wait(prog, cp, pool.read_ev[m, slot], 0)
+        if rc:
+            return fail(b, rc, 2)
+    t0 = mark(prog, b, gbase, cp)
+    if t0 < 0:
+        return -1
+    rc = copy(prog, prog.slot_ptr[m, slot], prog.src_ptr[m, e], prog.scal[S_NBYTES], H2D, cp)
+    if rc:
+        return fail(b, rc, 4)
+    t1 = mark(prog, b, gbase, cp)
+    if t1 < 0:
+        return -1
+    pool.ready_ev[m, slot], pool.landed[m, slot] = evof(b, gbase, t1), t1
+    pool.expert[m, slot], pool.pending[m, slot] = e, True
+    i = b.cnt[C_LOADS]
+    b.ld[i, 0], b.ld[i, 1], b.ld[i, 2], b.ld[i, 3], b.ld[i, 4] = m, e, slot, t0, t1
+    b.cnt[C_LOADS] = i + 1
+    return 0
+
+
+@njit(cache=True, _nrt=False)
+def layer_done(prog, pool, s, b, m, t_in, t_plan, t1, ts):
+    """A MoE layer's end: its marks (entry, plan, last), the slots' snapshot, the host's time."""
+    b.lay_i[m, L_TIN], b.lay_i[m, L_TPLAN], b.lay_i[m, L_LAST] = t_in, t_plan, t1
+    _snapshot(pool, s, b, m, prog.scal[S_E])
+    b.lay_f[m, F_LAST] = now(prog, ts)
+    return 0
+
+
+@njit(cache=True, _nrt=False)
+def layer_entry(prog, b, gbase, m, ts):
+    """A MoE layer's start: A_m's graph launched, the host's time, the entry mark (-1: failed)."""
+    cs = prog.scal[S_CS]
+    rc = launch(prog, prog.gr[m, G_ATTN], cs)
+    if rc:
+        return fail(b, rc, 0)
+    b.lay_f[m, F_IN] = now(prog, ts)
+    return mark(prog, b, gbase, cs)
