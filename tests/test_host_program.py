@@ -33,6 +33,7 @@ class FakeRuntime:
 
     def __init__(self):
         self.log: list = []
+        self.failing: tuple | None = None                 # (log entry's kind, its 1-based count, error): that call fails
         u64, i32, u32 = ctypes.c_uint64, ctypes.c_int, ctypes.c_uint
         cb = lambda fn, *a: ctypes.CFUNCTYPE(i32, *a)(fn)
         self._keep = [cb(self._launch, u64, u64), cb(self._record, u64, u64), cb(self._wait, u64, u64, u32),
@@ -52,21 +53,28 @@ class FakeRuntime:
         assert (prog.fn == self.fn).all()
         return hp.run
 
+    def _rc(self) -> int:
+        """0, or the error `failing` names for the call just logged."""
+        if self.failing is None:
+            return 0
+        kind, nth, err = self.failing
+        return err if self.log[-1][0] == kind and sum(c[0] == kind for c in self.log) == nth else 0
+
     def _launch(self, g, s):
         self.log.append(("launch", g, s))
-        return 0
+        return self._rc()
 
     def _record(self, ev, s):
         self.log.append(("record", ev, s))
-        return 0
+        return self._rc()
 
     def _wait(self, s, ev, flags):
         self.log.append(("wait", s, ev))
-        return 0
+        return self._rc()
 
     def _sync(self, ev):
         self.log.append(("sync", ev))
-        return 0
+        return self._rc()
 
     def _copy(self, dst, src, n, kind, s):
         what = self.rows.get(src) if src else None
@@ -79,7 +87,7 @@ class FakeRuntime:
             self.log.append((*what, np.nonzero(self.prog.comm[what[1]])[0].tolist(), s))
         else:
             self.log.append(("copy", dst, src, n, kind, s))
-        return 0
+        return self._rc()
 
 
 _FAKE = FakeRuntime()
@@ -390,3 +398,38 @@ def test_a_later_process_loads_the_program_from_the_cache():
                          cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["1", "0"], out.stdout
+
+
+
+@pytest.mark.parametrize("name", ["ondemand", "commit"])
+@pytest.mark.parametrize("kind,nth,err", [("launch", 2, 700), ("sync", 1, 4), ("record", 3, 719), ("copy", 1, 1)])
+def test_a_failing_call_stops_the_pass(name, kind, nth, err):
+    """A runtime call that returns an error (the first attention launch after P, the first read-back
+    wait, a mark, a copy): the program returns -1 at once, issues nothing after it, and keeps the
+    error and which call made it; an error code never passes for a mark id."""
+    t, pa, lay, make = _setup(name)
+    M, E, S = len(lay.slots), t.spec.num_experts, max(lay.slots)
+    tw = make()
+    tw.begin_pass(False, [])
+    for m in range(M):
+        tw.plan(m, pa.needed(0, m).tolist(), None)
+    prog = _prog(M, E, S, W=min(2 * 2, E) + 1, t=t if name == "commit" else None, pa=pa)
+    run = _FAKE.use(prog)
+    s, pd, d = export(tw, pa), pass_data(pa), decisions(M + 1, 1, E)
+    pool = hp.Pool(np.full((M, S), -1, np.int64), np.zeros((M, S), np.bool_), np.zeros((M, S), np.bool_),
+                   np.zeros((M, S), np.int64), np.zeros((M, S), np.int64), np.full((M, S), -1, np.int64))
+    for m, where in enumerate(tw.pool.where):
+        for e, sl in where.items():
+            pool.expert[m, sl] = e
+    b = hp.books(M, E, S, prog.stage.shape[1], marks=4096)
+    b.ev[:] = EV0 + np.arange(b.ev.size)
+    _FAKE.failing = (kind, nth, err)
+    try:
+        rc = run(prog, pool, s, d, pd, b, 0, 1, pa.num_passes, np.zeros(2, np.int64), np.zeros(E, np.int64))
+    finally:
+        _FAKE.failing = None
+    log = _FAKE.log
+    failed = [i for i, c in enumerate(log) if c[0] == kind][nth - 1]
+    calls = {"launch": 0, "record": 1, "wait": 2, "sync": 3, "copy": 4}
+    assert rc == -1 and failed == len(log) - 1, log[failed:]
+    assert (b.cnt[hp.C_ERR], b.cnt[hp.C_ERRCALL]) == (err, calls[kind])

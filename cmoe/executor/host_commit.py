@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from numba import njit
 
-from cmoe.executor.host_calls import copy, launch, record, sync, wait
+from cmoe.executor.host_calls import launch, sync, wait
 from cmoe.executor.host_live import live_routes
-from cmoe.executor.host_prims import (C_SKIPPED, C_WAVES, C_WX, D2H, F_RB, F_ROUTED, F_SYNCED, G_EXPERTS, H2D, S_CS,
-                                      S_E, S_K, S_LIVE, S_N, evof, fail, layer_done, layer_entry, load, mark, now)
+from cmoe.executor.host_prims import (C_SKIPPED, C_WAVES, C_WX, F_RB, F_ROUTED, F_SYNCED, G_EXPERTS, S_CS, S_E, S_K,
+                                      S_LIVE, S_N, copy_in, evof, fail, layer_done, layer_entry, load, mark, now,
+                                      read_back)
 from cmoe.sim.replay.decide import _plan
 from cmoe.sim.replay.twin_pool import _among
 
@@ -24,10 +25,11 @@ def commit_start(prog, b, ts):
     """The pass's start (`_pred0_host`): layer 0's prediction read back, its wait."""
     cs = prog.scal[S_CS]
     b.pass_f[0] = now(prog, ts)
-    for rc, call in ((copy(prog, prog.rb0[0], prog.rb0[1], prog.rb0[2], D2H, cs), 4),
-                     (record(prog, prog.rb0[3], cs), 1), (sync(prog, prog.rb0[3]), 3)):
-        if rc:
-            return fail(b, rc, call)
+    if read_back(prog, b, prog.rb0, cs):
+        return -1
+    rc = sync(prog, prog.rb0[3])
+    if rc:
+        return fail(b, rc, 3)
     b.pass_f[1] = now(prog, ts)
     return 0
 
@@ -53,13 +55,11 @@ def _head(prog, s, b, gbase, p, m, ts):
     if t_in < 0:
         return -1
     _inputs(prog, s, p, m, prog.scal[S_K])
-    for rc, call in ((copy(prog, prog.rb[m, 0], prog.rb[m, 1], prog.rb[m, 2], D2H, cs), 4),
-                     (record(prog, prog.rb[m, 3], cs), 1),
-                     (copy(prog, prog.ids_ptr[m, 0], prog.ids_ptr[m, 1], prog.ids_ptr[m, 2], H2D, cs), 4),
-                     (copy(prog, prog.comm_ptr[m, 0], prog.comm_ptr[m, 1], prog.comm_ptr[m, 2], H2D, cs), 4),
-                     (copy(prog, prog.table_dst[m], prog.stage_ptr[m, 0], prog.scal[S_E] * 4, H2D, cs), 4)):
-        if rc:
-            return fail(b, rc, call)
+    if read_back(prog, b, prog.rb[m], cs) or \
+            copy_in(prog, b, prog.ids_ptr[m, 0], prog.ids_ptr[m, 1], prog.ids_ptr[m, 2], cs) or \
+            copy_in(prog, b, prog.comm_ptr[m, 0], prog.comm_ptr[m, 1], prog.comm_ptr[m, 2], cs) or \
+            copy_in(prog, b, prog.table_dst[m], prog.stage_ptr[m, 0], prog.scal[S_E] * 4, cs):
+        return -1
     return t_in
 
 
@@ -102,7 +102,7 @@ def _launched(prog, pool, s, b, gbase, m, ts):
 @njit(cache=True, _nrt=False)
 def _tail(prog, pool, s, d, pd, b, gbase, p, P, m, ts):
     """While the experts run: the wait for the read-back, the plan (its GPU set must be the
-    committed one), its loads (the next layer's). 0, or the error."""
+    committed one), its loads (the next layer's). 0, or -1 (failed)."""
     n = s.ncommitted[m]
     b.lay_f[m, F_RB] = now(prog, ts)
     rc = sync(prog, prog.rb[m, 3])

@@ -85,9 +85,12 @@ def now(prog, ts):
 
 @njit(cache=True, _nrt=False)
 def fail(b, rc, call):
+    """The first failure kept (the call's error, which call: `Books.cnt`); -1, which every caller
+    passes up, whether it returns a mark id or a status (an error code returned as a mark would
+    read as one)."""
     if b.cnt[C_ERR] == 0:
         b.cnt[C_ERR], b.cnt[C_ERRCALL] = rc, call
-    return rc
+    return -1
 
 
 @njit(cache=True, _nrt=False)
@@ -113,7 +116,7 @@ def evof(b, gbase, g):
 @njit(cache=True, _nrt=False)
 def load(prog, pool, b, gbase, m, e, slot):
     """`DevicePool.load` on the copy stream: wait for the slot's last reader, the copy between
-    its two marks; the slot now holds e, its copy pending. 0, or the error."""
+    its two marks; the slot now holds e, its copy pending. 0, or -1 (failed)."""
     cp = prog.scal[S_CP]
     if pool.was_read[m, slot]:
         rc = wait(prog, cp, pool.read_ev[m, slot], 0)
@@ -154,3 +157,23 @@ def layer_entry(prog, b, gbase, m, ts):
         return fail(b, rc, 0)
     b.lay_f[m, F_IN] = now(prog, ts)
     return mark(prog, b, gbase, cs)
+
+
+@njit(cache=True, _nrt=False)
+def read_back(prog, b, rb, stream):
+    """A read-back queued on `stream`: the device rows copied into pinned memory, then its event
+    recorded (rb: host address, device address, bytes, event). 0, or -1."""
+    rc = copy(prog, rb[0], rb[1], rb[2], D2H, stream)
+    if rc:
+        return fail(b, rc, 4)
+    rc = record(prog, rb[3], stream)
+    if rc:
+        return fail(b, rc, 1)
+    return 0
+
+
+@njit(cache=True, _nrt=False)
+def copy_in(prog, b, dst, src, nbytes, stream):
+    """A host-written input copied to the device on `stream`. 0, or -1."""
+    rc = copy(prog, dst, src, nbytes, H2D, stream)
+    return fail(b, rc, 4) if rc else 0

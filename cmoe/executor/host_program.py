@@ -28,12 +28,12 @@ from __future__ import annotations
 
 from numba import njit
 
-from cmoe.executor.host_calls import copy, launch, record, sync, wait
+from cmoe.executor.host_calls import launch, sync, wait
 from cmoe.executor.host_commit import commit_start, committed_layer
 from cmoe.executor.host_live import live_begin, live_routes
-from cmoe.executor.host_prims import (C_BEGIN_LOADS, C_LOADS, C_SKIPPED, C_WAVES, C_WX, D2H, F_ROUTED, F_SYNCED,
-                                      G_EXPERTS, G_FINISH, G_WAVE, H2D, S_COMMIT, S_CS, S_E, S_HEAD, S_K, S_LIVE, S_N,
-                                      S_PRE, evof, fail, layer_done, layer_entry, load, mark, now)
+from cmoe.executor.host_prims import (C_BEGIN_LOADS, C_LOADS, C_SKIPPED, C_WAVES, C_WX, F_ROUTED, F_SYNCED, G_EXPERTS,
+                                      G_FINISH, G_WAVE, S_COMMIT, S_CS, S_E, S_HEAD, S_K, S_LIVE, S_N, S_PRE, copy_in,
+                                      evof, fail, layer_done, layer_entry, load, mark, now, read_back)
 # what the engine reads as hp.X (`lean_fast`): the layout, the runtime's addresses
 from cmoe.executor.host_calls import runtime_addresses  # noqa: F401
 from cmoe.executor.host_prims import (CALLS, C_ERR, C_ERRCALL, C_MARKS, F_LAST, L_LAST, L_TIN, L_TPLAN,  # noqa: F401
@@ -46,7 +46,7 @@ from cmoe.sim.replay.twin_pool import OCC
 @njit(cache=True, _nrt=False)
 def run(prog, pool, s, d, pd, b, gbase, p, P, ts, waves):
     """The pass after its inputs: P's graph, the policy's begin loads, each MoE layer, H's graph.
-    0, or the failing call's error (`Books.cnt`)."""
+    0, or -1: the failing call and its error in `Books.cnt`."""
     b.cnt[:] = 0
     d.n[:] = 0
     cs = prog.scal[S_CS]
@@ -115,12 +115,8 @@ def _enter(prog, b, gbase, m, ts):
     t_in = layer_entry(prog, b, gbase, m, ts)
     if t_in < 0:
         return -1
-    rc = copy(prog, prog.rb[m, 0], prog.rb[m, 1], prog.rb[m, 2], D2H, cs)
-    if rc:
-        return fail(b, rc, 4)
-    rc = record(prog, prog.rb[m, 3], cs)
-    if rc:
-        return fail(b, rc, 1)
+    if read_back(prog, b, prog.rb[m], cs):
+        return -1
     rc = sync(prog, prog.rb[m, 3])
     if rc:
         return fail(b, rc, 3)
@@ -161,9 +157,8 @@ def _wave(prog, pool, d, b, gbase, m, k, g0, g1, l0, l1, nw, waves, due, one, ts
     for i in range(g0, g1):
         if waves[i - g0] == k:
             row[d.g_e[i]] = d.g_slot[i]
-    rc = copy(prog, prog.table_dst[m], prog.stage_ptr[m, k], prog.scal[S_E] * 4, H2D, cs)
-    if rc:
-        return fail(b, rc, 4)
+    if copy_in(prog, b, prog.table_dst[m], prog.stage_ptr[m, k], prog.scal[S_E] * 4, cs):
+        return -1
     w, x0 = b.cnt[C_WAVES], b.cnt[C_WX]
     for i in range(g0, g1):
         if waves[i - g0] != k:

@@ -264,7 +264,7 @@ class HostProgramSteps:
         c = b.cnt
         n = int(c[hp.C_MARKS])
         free.extend(b.ev[n:].tolist())
-        if rc:
+        if rc or c[hp.C_ERR]:
             err, what = int(c[hp.C_ERR]), hp.CALLS[c[hp.C_ERRCALL]]
             why = f"{what} failed (error {err})" if err > 0 else what if err == -1 else "plan and pool disagree"
             raise RuntimeError(f"the host program stopped in pass {p.index}: {why}")

@@ -22,9 +22,8 @@ def _cache_dir() -> str:
     h = hashlib.sha256(numba.__version__.encode())
     for name in ("clock.py", "compute.py", "decide.py", "twin_pool.py"):        # the compiled modules
         h.update(name.encode() + (here / name).read_bytes())
-    ex = here.parents[1] / "executor"                 # the compiled host program's, which calls decide's
-    for name in ("host_calls.py", "host_prims.py", "host_program.py", "host_commit.py", "host_live.py", "host_waves.py"):
-        h.update(name.encode() + (ex / name).read_bytes())
+    for f in sorted((here.parents[1] / "executor").glob("host_*.py")):   # the compiled host program's
+        h.update(f.name.encode() + f.read_bytes())
     name = f"cmoe-replay-{h.hexdigest()[:12]}"
     bases = [os.environ.get("NUMBA_CACHE_DIR"), os.environ.get("XDG_CACHE_HOME") and Path(os.environ["XDG_CACHE_HOME"]) / "cmoe",
              Path.home() / ".cache" / "cmoe", Path(tempfile.gettempdir()) / "cmoe"]
