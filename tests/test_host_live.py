@@ -17,7 +17,7 @@ from cmoe.executor.routes import _by_weight
 from cmoe.sim.replay.state import export, pass_data
 from cmoe.sim.replay.twin_pool import OCC, decisions
 from cmoe.trace.passes import ranked
-from tests.test_host_program import _FAKE, EV0, Reference, _prog, _setup
+from tests.test_host_program import _FAKE, Reference, _books, _prefilled, _prog, _setup
 
 
 def _rows(rng, N, K, E, ties):
@@ -112,21 +112,14 @@ def test_a_live_pass_makes_the_python_steps_calls(name, seed, N, K2):
     candidates: each row's prediction by weight)."""
     t, pa, lay, make = _setup(name, seed=seed % 3)
     M, E, S, K = len(lay.slots), t.spec.num_experts, max(lay.slots), 2
-    py, tw = make(), make()
+    py, tw = _prefilled(make, pa, M), _prefilled(make, pa, M)
     commit = name == "commit"
     K2 = K2 if py.uses_prediction else 0
-    for pol in (py, tw):                                  # the prefill, in Python
-        pol.begin_pass(False, [])
-        for m in range(M):
-            pol.plan(m, pa.needed(0, m).tolist(), None)
     prog = _live_prog(M, E, S, K, N, K2, commit)
     ref, run = Reference(py, prog, M, S), _FAKE.use(prog)
     lp = live_pass(M, E)
     s, pd, d = export(tw, lp), pass_data(lp), decisions(M + 1, 1, E)
-    pool = hp.Pool(np.array(ref.expert, np.int64), np.zeros((M, S), np.bool_), np.zeros((M, S), np.bool_),
-                   np.zeros((M, S), np.int64), np.zeros((M, S), np.int64), np.full((M, S), -1, np.int64))
-    b = hp.books(M, E, S, prog.stage.shape[1], marks=4096)
-    b.ev[:] = EV0 + np.arange(b.ev.size)
+    pool, b = hp.pool_of(np.array(ref.expert)), _books(M, E, S, prog)
     rng = np.random.default_rng(seed)
     loads = 0
     for p in range(6):
@@ -159,7 +152,7 @@ def test_commits_rows_are_the_python_steps():
         N, K = int(rng.integers(1, 6)), int(rng.integers(1, 5))
         ids, w = _rows(rng, N, K, 12, ties=seed % 2 == 0)
         out = np.full((N, K + 1), -7, np.int16)
-        rows_by_weight(np.concatenate([ids, w], 1).reshape(-1), N, 2 * K, K, 0, K, out)
+        rows_by_weight(np.concatenate([ids, w], 1).reshape(-1), N, 2 * K, K, 0, K, out, np.zeros(K, np.int64))
         assert out[:, :K].tolist() == _by_weight(ids, w)[0] and (out[:, K] == -7).all()
 
 

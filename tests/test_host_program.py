@@ -93,6 +93,15 @@ class FakeRuntime:
 _FAKE = FakeRuntime()
 
 
+def _prefilled(make, pa, M):
+    """A policy object that has planned the prefill (pass 0) in Python, as the engine runs it."""
+    pol = make()
+    pol.begin_pass(False, [])
+    for m in range(M):
+        pol.plan(m, pa.needed(0, m).tolist(), None)
+    return pol
+
+
 def _setup(name, M=3, E=6, slots=(2, 3, 2), batch=2, seed=0):
     # a look-ahead policy reads predictions three layers deep (`tiny_deep`)
     t = tiny_deep(seed, E=E, M=M, T=48) if name.endswith("-ahead") else tiny(M=M, E=E, T=48, seed=seed, requests=2, K=2)
@@ -127,6 +136,13 @@ def _prog(M, E, S, W, t=None, pa=None, K=2, N=2):
                  "comm_ptr": np.array([[9500 + m, comm.ctypes.data + E * m, E] for m in range(M)], np.int64)}
     return hp.Prog(gr, scal, rb, np.array([8000 + m for m in range(M)], np.int64), stage, stage_ptr, slot_ptr, src_ptr,
                    **extra, **hp.no_live(M), fn=_FAKE.fn)
+
+
+def _books(M, E, S, prog):
+    """A pass's record buffers, their events numbered from EV0 (as the log shows them)."""
+    b = hp.books(M, E, S, prog.stage.shape[1], marks=4096)
+    b.ev[:] = EV0 + np.arange(b.ev.size)
+    return b
 
 
 class Reference:
@@ -263,21 +279,14 @@ class Reference:
 def _run_both(name, **kw):
     t, pa, lay, make = _setup(name, **kw)
     M, E, S = len(lay.slots), t.spec.num_experts, max(lay.slots)
-    py, tw = make(), make()
-    for pol in (py, tw):                                  # the prefill, in Python, as the engine runs it
-        pol.begin_pass(False, [])
-        for m in range(M):
-            pol.plan(m, pa.needed(0, m).tolist(), None)
+    py, tw = _prefilled(make, pa, M), _prefilled(make, pa, M)
     commit = name.startswith("commit")
     prog = _prog(M, E, S, W=min(2 * 2, E) + 1, t=t if commit else None, pa=pa)
     ref = Reference(py, prog, M, S)
     fake = _FAKE
     run = fake.use(prog)
     s, pd, d = export(tw, pa), pass_data(pa), decisions(M + 1, 1, E)
-    pool = hp.Pool(np.array(ref.expert, np.int64), np.zeros((M, S), np.bool_), np.zeros((M, S), np.bool_),
-                   np.zeros((M, S), np.int64), np.zeros((M, S), np.int64), np.full((M, S), -1, np.int64))
-    b = hp.books(M, E, S, prog.stage.shape[1], marks=4096)
-    b.ev[:] = EV0 + np.arange(b.ev.size)
+    pool, b = hp.pool_of(np.array(ref.expert)), _books(M, E, S, prog)
     ts, waves = np.zeros(2, np.int64), np.zeros(E, np.int64)
     logs = []
     for p in range(1, pa.num_passes):
@@ -409,20 +418,11 @@ def test_a_failing_call_stops_the_pass(name, kind, nth, err):
     error and which call made it; an error code never passes for a mark id."""
     t, pa, lay, make = _setup(name)
     M, E, S = len(lay.slots), t.spec.num_experts, max(lay.slots)
-    tw = make()
-    tw.begin_pass(False, [])
-    for m in range(M):
-        tw.plan(m, pa.needed(0, m).tolist(), None)
+    tw = _prefilled(make, pa, M)
     prog = _prog(M, E, S, W=min(2 * 2, E) + 1, t=t if name == "commit" else None, pa=pa)
     run = _FAKE.use(prog)
     s, pd, d = export(tw, pa), pass_data(pa), decisions(M + 1, 1, E)
-    pool = hp.Pool(np.full((M, S), -1, np.int64), np.zeros((M, S), np.bool_), np.zeros((M, S), np.bool_),
-                   np.zeros((M, S), np.int64), np.zeros((M, S), np.int64), np.full((M, S), -1, np.int64))
-    for m, where in enumerate(tw.pool.where):
-        for e, sl in where.items():
-            pool.expert[m, sl] = e
-    b = hp.books(M, E, S, prog.stage.shape[1], marks=4096)
-    b.ev[:] = EV0 + np.arange(b.ev.size)
+    pool, b = hp.pool_of(np.array(Reference(tw, prog, M, S).expert)), _books(M, E, S, prog)
     _FAKE.failing = (kind, nth, err)
     try:
         rc = run(prog, pool, s, d, pd, b, 0, 1, pa.num_passes, np.zeros(2, np.int64), np.zeros(E, np.int64))

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 from numba import njit
 
-from cmoe.executor.host_calls import launch, sync, wait
-from cmoe.executor.host_live import live_routes
-from cmoe.executor.host_prims import (C_SKIPPED, C_WAVES, C_WX, F_RB, F_ROUTED, F_SYNCED, G_EXPERTS, S_CS, S_E, S_K,
-                                      S_LIVE, S_N, copy_in, evof, fail, layer_done, layer_entry, load, mark, now,
-                                      read_back)
-from cmoe.sim.replay.decide import _plan
+from cmoe.executor.host_prims import (C_WAVES, C_WX, F_RB, F_ROUTED, F_SYNCED, G_EXPERTS, S_CS, S_E, S_K, before_read,
+                                      copy_in, evof, fail, launch_ok, layer_done, layer_entry, load, mark, now,
+                                      read_back, sync_ok, twin_step)
 from cmoe.sim.replay.twin_pool import _among
 
 
@@ -25,11 +22,8 @@ def commit_start(prog, b, ts):
     """The pass's start (`_pred0_host`): layer 0's prediction read back, its wait."""
     cs = prog.scal[S_CS]
     b.pass_f[0] = now(prog, ts)
-    if read_back(prog, b, prog.rb0, cs):
+    if read_back(prog, b, prog.rb0, cs) or sync_ok(prog, b, prog.rb0[3]):
         return -1
-    rc = sync(prog, prog.rb0[3])
-    if rc:
-        return fail(b, rc, 3)
     b.pass_f[1] = now(prog, ts)
     return 0
 
@@ -79,15 +73,13 @@ def _launched(prog, pool, s, b, gbase, m, ts):
         x = b.cnt[C_WX]
         b.wx[x, 0], b.wx[x, 1], b.wx[x, 2], b.wx[x, 3] = e, 0, pool.landed[m, sl] if pool.pending[m, sl] else -1, t_plan
         b.cnt[C_WX] = x + 1
-        if pool.pending[m, sl]:
-            rc = wait(prog, cs, pool.ready_ev[m, sl], 0)
-            if rc:
-                return t_plan, fail(b, rc, 2)
-            pool.pending[m, sl], waited = False, True
+        got = before_read(prog, pool, b, m, sl, cs)
+        if got < 0:
+            return t_plan, -1
+        waited = waited or got == 1
     t0 = mark(prog, b, gbase, cs) if waited else t_plan
-    rc = launch(prog, prog.gr[m, G_EXPERTS], cs)
-    if rc:
-        return t_plan, fail(b, rc, 0)
+    if launch_ok(prog, b, prog.gr[m, G_EXPERTS], cs):
+        return t_plan, -1
     t1 = mark(prog, b, gbase, cs)
     if t_plan < 0 or t0 < 0 or t1 < 0:
         return t_plan, -1
@@ -105,19 +97,10 @@ def _tail(prog, pool, s, d, pd, b, gbase, p, P, m, ts):
     committed one), its loads (the next layer's). 0, or -1 (failed)."""
     n = s.ncommitted[m]
     b.lay_f[m, F_RB] = now(prog, ts)
-    rc = sync(prog, prog.rb[m, 3])
-    if rc:
-        return fail(b, rc, 3)
+    if sync_ok(prog, b, prog.rb[m, 3]):
+        return -1
     b.lay_f[m, F_SYNCED] = now(prog, ts)
-    j = 1 + m
-    g0 = d.g_ptr[j] = d.n[0]
-    l0 = d.l_ptr[j] = d.n[2]
-    d.c_ptr[j], d.skipped[j] = d.n[1], 0
-    if prog.scal[S_LIVE]:                             # a live pass: the read-back's routes
-        live_routes(prog.rbh, prog.lv, prog.scal[S_N], prog.scal[S_E], prog.scal[S_K], prog.scr, pd, prog.tp, m, True)
-    _plan(s, d, p, m, P, pd, s.protect, s.hits, s.placed)
-    d.n[3] = j + 1
-    b.cnt[C_SKIPPED] += d.skipped[j]
+    g0, l0 = twin_step(prog, s, d, pd, b, p, P, m)
     if d.n[0] - g0 != n:
         return fail(b, -2, 5)
     for i in range(n):

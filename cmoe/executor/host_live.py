@@ -66,6 +66,19 @@ def live_pass(M: int, E: int) -> PassArrays:
 
 
 @njit(cache=True, _nrt=False)
+def _order(v, at, K, order) -> None:
+    """The K columns whose weights start at v[at], heaviest first, ties in column order (a stable
+    insertion: `routes._by_weight`'s stable argsort), into order[:K]."""
+    for c in range(K):
+        w = v[at + c]
+        j = c
+        while j > 0 and v[at + order[j - 1]] < w:
+            order[j] = order[j - 1]
+            j -= 1
+        order[j] = c
+
+
+@njit(cache=True, _nrt=False)
 def _ranked(v, N, C, K, c_id, c_w, E, scr, out) -> int:
     """`ranked(_by_weight(ids, w))` over the N rows of v (row i's floats at v[i * C:]; ids at
     columns c_id.., weights at c_w..): writes the experts into out, returns how many.
@@ -76,13 +89,7 @@ def _ranked(v, N, C, K, c_id, c_w, E, scr, out) -> int:
     nf = 0
     for i in range(N):
         row = i * C
-        for c in range(K):                                 # stable insertion by weight, descending
-            w = v[row + c_w + c]
-            j = c
-            while j > 0 and v[row + c_w + order[j - 1]] < w:
-                order[j] = order[j - 1]
-                j -= 1
-            order[j] = c
+        _order(v, row + c_w, K, order)
         for r in range(K):
             e = int(v[row + c_id + order[r]])
             if e < 0 or e >= E:                            # no expert (a bad id is not counted either:
@@ -102,23 +109,14 @@ def _ranked(v, N, C, K, c_id, c_w, E, scr, out) -> int:
 
 
 @njit(cache=True, _nrt=False)
-def _by_weight(v, N, C, K, c_id, c_w, rows) -> None:
+def _by_weight(v, N, C, K, c_id, c_w, rows, order) -> None:
     """Each row's ids by weight, highest first, ties in column order, into rows [N, >= K]
-    (`routes._by_weight`, whose lists commit's candidates are drawn from)."""
+    (`routes._by_weight`, whose lists commit's candidates are drawn from); order: scratch of K."""
     for i in range(N):
         row = i * C
+        _order(v, row + c_w, K, order)
         for r in range(K):
-            best = -1
-            for c in range(K):                             # the r-th: the heaviest not yet taken
-                taken = False
-                for q in range(r):
-                    if rows[i, q] == c:
-                        taken = True
-                if not taken and (best < 0 or v[row + c_w + c] > v[row + c_w + best]):
-                    best = c
-            rows[i, r] = best
-        for r in range(K):
-            rows[i, r] = int(v[row + c_id + rows[i, r]])
+            rows[i, r] = int(v[row + c_id + order[r]])
 
 
 @njit(cache=True, _nrt=False)
@@ -132,7 +130,7 @@ def live_begin(rbh, lv, N, E, scr, pd, tp, commit) -> None:
     if commit:
         K2 = lv[M, V_K2]
         pd.pred_ptr[1] = _ranked(rbh[M], N, lv[M, V_COLS], K2, 0, K2, E, scr, pd.pred[:E])
-        _by_weight(rbh[M], N, lv[M, V_COLS], K2, 0, K2, tp[0, 0])
+        _by_weight(rbh[M], N, lv[M, V_COLS], K2, 0, K2, tp[0, 0], scr[2 * E:])
 
 
 @njit(cache=True, _nrt=False)
@@ -147,4 +145,4 @@ def live_routes(rbh, lv, N, E, K, scr, pd, tp, m, commit) -> None:
         n = _ranked(v, N, C, K2, pc, pc + K2, E, scr, pd.pred[a:a + E]) if K2 else 0
         pd.pred_ptr[m + 2] = a + n
         if commit:                                         # its candidates (`layout` checks tp's shape)
-            _by_weight(v, N, C, K2, pc, pc + K2, tp[0, m + 1])
+            _by_weight(v, N, C, K2, pc, pc + K2, tp[0, m + 1], scr[2 * E:])

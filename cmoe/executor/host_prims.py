@@ -1,6 +1,7 @@
 """What the compiled host program's parts share (`cmoe.executor.host_program`, `host_commit`): the
 layout of its inputs and records (`Prog`, `Pool`, `Books` and their column names), and its
-primitives: the host clock, an error kept once, a timing mark, and a load on the copy stream."""
+primitives: the host clock, an error kept once, a timing mark, each runtime call checked, a load on
+the copy stream, a layer's entry, end and twin step."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from collections import namedtuple
 import numpy as np
 from numba import njit
 
-from cmoe.executor.host_calls import clock, copy, launch, record, wait
+from cmoe.executor.host_calls import clock, copy, launch, record, sync, wait
+from cmoe.executor.host_live import live_routes
 from cmoe.executor.host_waves import _snapshot
+from cmoe.sim.replay.decide import _plan
 
 H2D, D2H = 1, 2
 # Prog.gr columns: a MoE layer's graphs (0: none)
@@ -64,6 +67,13 @@ def books(M: int, E: int, S: int, waves: int, marks: int) -> Books:
                  z((M + 1) * 3 * E, 5), z(8), z(marks), z(M, S), z(M, S), np.zeros(2))
 
 
+def pool_of(expert: np.ndarray) -> Pool:
+    """The device pool holding `expert` [M, S] (-1: empty), no copy pending, no slot read yet."""
+    z = lambda dt: np.zeros(expert.shape, dt)
+    return Pool(np.asarray(expert, np.int64), z(np.bool_), z(np.bool_), z(np.int64), z(np.int64),
+                np.full(expert.shape, -1, np.int64))
+
+
 def no_commit(M: int) -> dict:
     """Prog's commit fields for a policy that commits nothing."""
     return {"rb0": np.zeros(4, np.int64), "ids": np.zeros((M, 1, 1), np.int32), "ids_ptr": np.zeros((M, 3), np.int64),
@@ -98,12 +108,10 @@ def mark(prog, b, gbase, stream):
     """The pass's next event recorded on a stream: its global id (-1: failed)."""
     k = b.cnt[C_MARKS]
     if k >= b.ev.size:
-        fail(b, -1, 5)
-        return -1
+        return fail(b, -1, 5)
     rc = record(prog, b.ev[k], stream)
     if rc:
-        fail(b, rc, 1)
-        return -1
+        return fail(b, rc, 1)
     b.cnt[C_MARKS] = k + 1
     return gbase + k
 
@@ -111,6 +119,33 @@ def mark(prog, b, gbase, stream):
 @njit(cache=True, _nrt=False)
 def evof(b, gbase, g):
     return b.ev[g - gbase]
+
+
+@njit(cache=True, _nrt=False)
+def launch_ok(prog, b, g, stream):
+    """A graph launched on `stream`. 0, or -1."""
+    rc = launch(prog, g, stream)
+    return fail(b, rc, 0) if rc else 0
+
+
+@njit(cache=True, _nrt=False)
+def sync_ok(prog, b, ev):
+    """The host waits for an event. 0, or -1."""
+    rc = sync(prog, ev)
+    return fail(b, rc, 3) if rc else 0
+
+
+@njit(cache=True, _nrt=False)
+def before_read(prog, pool, b, m, sl, stream):
+    """`DevicePool.before_read`: `stream` waits for slot sl's pending copy. 1 (it waited), 0 (none
+    pending) or -1."""
+    if not pool.pending[m, sl]:
+        return 0
+    rc = wait(prog, stream, pool.ready_ev[m, sl], 0)
+    if rc:
+        return fail(b, rc, 2)
+    pool.pending[m, sl] = False
+    return 1
 
 
 @njit(cache=True, _nrt=False)
@@ -152,9 +187,8 @@ def layer_done(prog, pool, s, b, m, t_in, t_plan, t1, ts):
 def layer_entry(prog, b, gbase, m, ts):
     """A MoE layer's start: A_m's graph launched, the host's time, the entry mark (-1: failed)."""
     cs = prog.scal[S_CS]
-    rc = launch(prog, prog.gr[m, G_ATTN], cs)
-    if rc:
-        return fail(b, rc, 0)
+    if launch_ok(prog, b, prog.gr[m, G_ATTN], cs):
+        return -1
     b.lay_f[m, F_IN] = now(prog, ts)
     return mark(prog, b, gbase, cs)
 
@@ -177,3 +211,21 @@ def copy_in(prog, b, dst, src, nbytes, stream):
     """A host-written input copied to the device on `stream`. 0, or -1."""
     rc = copy(prog, dst, src, nbytes, H2D, stream)
     return fail(b, rc, 4) if rc else 0
+
+
+@njit(cache=True, _nrt=False)
+def twin_step(prog, s, d, pd, b, p, P, m):
+    """Step 1 + m of the twin's decisions (a live pass's routes first read from the layer's
+    read-back, `host_live`): its buffers' starts, the plan, the skips tallied. Returns the step's
+    first GPU expert and first load (their ends: d.n[0], d.n[2])."""
+    j = 1 + m
+    g0, l0 = d.n[0], d.n[2]
+    d.g_ptr[j], d.c_ptr[j], d.l_ptr[j] = d.n[0], d.n[1], d.n[2]
+    d.skipped[j] = 0
+    if prog.scal[S_LIVE]:
+        live_routes(prog.rbh, prog.lv, prog.scal[S_N], prog.scal[S_E], prog.scal[S_K], prog.scr, pd, prog.tp, m,
+                    prog.scal[S_COMMIT] != 0)
+    _plan(s, d, p, m, P, pd, s.protect, s.hits, s.placed)
+    d.n[3] = j + 1
+    b.cnt[C_SKIPPED] += d.skipped[j]
+    return g0, l0

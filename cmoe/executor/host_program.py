@@ -28,18 +28,18 @@ from __future__ import annotations
 
 from numba import njit
 
-from cmoe.executor.host_calls import launch, sync, wait
 from cmoe.executor.host_commit import commit_start, committed_layer
-from cmoe.executor.host_live import live_begin, live_routes
-from cmoe.executor.host_prims import (C_BEGIN_LOADS, C_LOADS, C_SKIPPED, C_WAVES, C_WX, F_ROUTED, F_SYNCED, G_EXPERTS,
-                                      G_FINISH, G_WAVE, S_COMMIT, S_CS, S_E, S_HEAD, S_K, S_LIVE, S_N, S_PRE, copy_in,
-                                      evof, fail, layer_done, layer_entry, load, mark, now, read_back)
+from cmoe.executor.host_live import live_begin
+from cmoe.executor.host_prims import (C_BEGIN_LOADS, C_LOADS, C_WAVES, C_WX, F_ROUTED, F_SYNCED, G_EXPERTS, G_FINISH,
+                                      G_WAVE, S_COMMIT, S_CS, S_E, S_HEAD, S_LIVE, S_N, S_PRE, before_read, copy_in,
+                                      evof, fail, launch_ok, layer_done, layer_entry, load, mark, now, read_back,
+                                      sync_ok, twin_step)
 # what the engine reads as hp.X (`lean_fast`): the layout, the runtime's addresses
 from cmoe.executor.host_calls import runtime_addresses  # noqa: F401
 from cmoe.executor.host_prims import (CALLS, C_ERR, C_ERRCALL, C_MARKS, F_LAST, L_LAST, L_TIN, L_TPLAN,  # noqa: F401
-                                      Pool, Prog, books, no_commit, no_live)
+                                      Pool, Prog, books, no_commit, no_live, pool_of)
 from cmoe.executor.host_waves import _deferred, _index, _loads_now, _wave_of
-from cmoe.sim.replay.decide import _begin, _plan
+from cmoe.sim.replay.decide import _begin
 from cmoe.sim.replay.twin_pool import OCC
 
 
@@ -50,9 +50,8 @@ def run(prog, pool, s, d, pd, b, gbase, p, P, ts, waves):
     b.cnt[:] = 0
     d.n[:] = 0
     cs = prog.scal[S_CS]
-    rc = launch(prog, prog.scal[S_PRE], cs)
-    if rc:
-        return fail(b, rc, 0)
+    if launch_ok(prog, b, prog.scal[S_PRE], cs):
+        return -1
     commit = prog.scal[S_COMMIT] != 0
     if commit and commit_start(prog, b, ts):
         return -1
@@ -73,10 +72,7 @@ def run(prog, pool, s, d, pd, b, gbase, p, P, ts, waves):
     d.occupancy[0] = s.scal[OCC]
     j = d.n[3]
     d.g_ptr[j], d.c_ptr[j], d.l_ptr[j] = d.n[0], d.n[1], d.n[2]
-    rc = launch(prog, prog.scal[S_HEAD], cs)
-    if rc:
-        return fail(b, rc, 0)
-    return 0
+    return launch_ok(prog, b, prog.scal[S_HEAD], cs)
 
 
 @njit(cache=True, _nrt=False)
@@ -100,9 +96,8 @@ def _layer(prog, pool, s, d, pd, b, gbase, p, P, m, ts, waves):
         if t1 < 0:
             return -1
     if launches > 1:
-        rc = launch(prog, prog.gr[m, G_FINISH], cs)
-        if rc:
-            return fail(b, rc, 0)
+        if launch_ok(prog, b, prog.gr[m, G_FINISH], cs):
+            return -1
         t1 = mark(prog, b, gbase, cs)
         if t1 < 0:
             return -1
@@ -115,28 +110,18 @@ def _enter(prog, b, gbase, m, ts):
     t_in = layer_entry(prog, b, gbase, m, ts)
     if t_in < 0:
         return -1
-    if read_back(prog, b, prog.rb[m], cs):
+    if read_back(prog, b, prog.rb[m], cs) or sync_ok(prog, b, prog.rb[m, 3]):
         return -1
-    rc = sync(prog, prog.rb[m, 3])
-    if rc:
-        return fail(b, rc, 3)
     b.lay_f[m, F_SYNCED] = now(prog, ts)
     return t_in
 
 
 @njit(cache=True, _nrt=False)
 def _plan_step(prog, pool, s, d, pd, b, gbase, p, P, m, waves):
-    """Step 1 + m of the twin's decisions: (GPU experts' range, loads' range, waves); waves -1: failed."""
-    j = 1 + m
-    g0, l0 = d.n[0], d.n[2]
-    d.g_ptr[j], d.c_ptr[j], d.l_ptr[j] = d.n[0], d.n[1], d.n[2]
-    d.skipped[j] = 0
-    if prog.scal[S_LIVE]:                             # the read-back's routes (pass 0 of the live arrays)
-        live_routes(prog.rbh, prog.lv, prog.scal[S_N], prog.scal[S_E], prog.scal[S_K], prog.scr, pd, prog.tp, m, False)
-    _plan(s, d, p, m, P, pd, s.protect, s.hits, s.placed)
-    d.n[3] = j + 1
+    """The twin's step 1 + m and its loads not deferred behind a launch: (GPU experts' range, loads'
+    range, waves); waves -1: failed."""
+    g0, l0 = twin_step(prog, s, d, pd, b, p, P, m)
     g1, l1 = d.n[0], d.n[2]
-    b.cnt[C_SKIPPED] += d.skipped[j]
     nw = _wave_of(d, g0, g1, l0, l1, m, waves)
     for i in range(l0, l1):
         if not _deferred(d, i, m, g0, g1):
@@ -170,17 +155,13 @@ def _wave(prog, pool, d, b, gbase, m, k, g0, g1, l0, l1, nw, waves, due, one, ts
         b.wx[x, 0], b.wx[x, 1], b.wx[x, 3] = e, _loads_now(d, l0, l1, m, e), due
         b.wx[x, 2] = pool.landed[m, sl] if pool.pending[m, sl] else -1
         b.cnt[C_WX] = x + 1
-        if pool.pending[m, sl]:                        # `DevicePool.before_read`
-            rc = wait(prog, cs, pool.ready_ev[m, sl], 0)
-            if rc:
-                return fail(b, rc, 2)
-            pool.pending[m, sl] = False
+        if before_read(prog, pool, b, m, sl, cs) < 0:
+            return -1
     t0 = mark(prog, b, gbase, cs)
     if t0 < 0:
         return -1
-    rc = launch(prog, prog.gr[m, G_EXPERTS] if one else prog.gr[m, G_WAVE], cs)
-    if rc:
-        return fail(b, rc, 0)
+    if launch_ok(prog, b, prog.gr[m, G_EXPERTS] if one else prog.gr[m, G_WAVE], cs):
+        return -1
     t1 = mark(prog, b, gbase, cs)
     if t1 < 0:
         return -1

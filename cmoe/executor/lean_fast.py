@@ -10,14 +10,14 @@ of a replayed trace for the policies whose plan is exact or skips (`ondemand`, `
 `commit-ahead`, their deeper predictions from the replay's `seen`), and of a live run (no trace)
 for those that plan from the read-backs alone (`ondemand`, `lru-prefetch`, `adaptive`, `commit`:
 `host_live` ranks each read-back as `routes._parse_routes` does, and commit's candidates are each
-row's prediction by weight, as `_keep_prediction` keeps them). Elsewhere, and with CMOE_HOST_PROGRAM=0 (the A/B),
-the Python step runs as before: `upper` (no host step to speed up), CPU experts, the look-ahead
-policies live, the host-phase profiler and the GPU-sleep calibration runs. Recorded plans
-(`record_plans`) are rebuilt from the twin's decisions and the program's per-layer snapshots of
-the slots. The twin decides from the pass's routes as the replay engine does (a replay's ranked
-needs and predictions from the trace, which the Python step reads too; a live pass's from the
-read-back), after the layer's read-back wait, so causality is the Python step's: nothing of
-layer m is decided before its routes exist.
+row's prediction by weight, as `_keep_prediction` keeps them). Elsewhere, and with
+CMOE_HOST_PROGRAM=0 (the A/B), the Python step runs as before: `upper` (no host step to speed up),
+CPU experts, the look-ahead policies live, the host-phase profiler and the GPU-sleep calibration
+runs. Recorded plans (`record_plans`) are rebuilt from the twin's decisions and the program's
+per-layer snapshots of the slots. The twin decides from the pass's routes as the replay engine does
+(a replay's ranked needs and predictions from the trace, which the Python step reads too; a live
+pass's from the read-back), after the layer's read-back wait, so causality is the Python step's:
+nothing of layer m is decided before its routes exist.
 """
 
 from __future__ import annotations
@@ -88,15 +88,12 @@ class HostProgramSteps:
                 and (self.policy.depth > 1 or not self.policy.name.endswith("-ahead"))   # depth 1: `_ahead` hands none
                 and not self._lead_cycles and self.host_phases is None and hp.perf_counter_is_monotonic())
 
-    def _hp_wanted(self) -> bool:
-        """After `_hp_prepare`, on the first graphed decode pass: a replay's arrays are ready, or
-        the run is live (no trace: every pass planned from its read-back, `host_live`)."""
-        if not self._hp_allowed():
-            return False
-        if self._hp_pa is None and self.cur.replay is None and self.cur.active.all() and self.policy.name in LIVE_KINDS \
-                and self.policy.depth == 1:                # a live look-ahead reads deeper columns: the Python step
-            self._hp_pa, self._hp_live = live_pass(self.M, self.spec.num_experts), True
-        return self._hp_pa is not None
+    def _hp_live_run(self) -> bool:
+        """On the first graphed decode pass, with no replay's arrays: the run is live (no trace), its
+        rows all real, its policy one that plans from the read-backs alone (a live look-ahead reads
+        deeper columns: the Python step)."""
+        return self._hp_pa is None and self.cur.replay is None and self.cur.active.all() \
+            and self.policy.name in LIVE_KINDS and self.policy.depth == 1
 
     def _hp_prepare(self, passes) -> None:
         """Before timing, where the program may run: the passes as its twin reads them."""
@@ -109,10 +106,13 @@ class HostProgramSteps:
         """Right after capture (the device synchronised, untimed): the program's arrays, the twin's
         state exported from the policy object, the program compiled for them (its first build on a
         machine takes seconds, later processes load it from numba's cache: counted in `capture_us`,
-        the first request's cost); or None where
-        anything it needs is missing."""
+        the first request's cost); or None where anything it needs is missing."""
         self._hp = None
-        if not self._hp_wanted():
+        if not self._hp_allowed():
+            return
+        if self._hp_live_run():                            # every pass planned from its read-backs (`host_live`)
+            self._hp_pa, self._hp_live = live_pass(self.M, self.spec.num_experts), True
+        if self._hp_pa is None:
             return
         import time
         from cmoe.sim.replay.state import export, has_twin, pass_data
@@ -126,8 +126,7 @@ class HostProgramSteps:
         expert = np.full((M, S), -1, np.int64)
         for m in range(M):
             expert[m, :len(pool.expert[m])] = pool.expert[m]
-        state = hp.Pool(expert, np.zeros((M, S), np.bool_), np.zeros((M, S), np.bool_), np.zeros((M, S), np.int64),
-                        np.zeros((M, S), np.int64), np.full((M, S), -1, np.int64))
+        state = hp.pool_of(expert)
         W = prog.stage.shape[1]
         ahead = 2 * self.policy.depth * getattr(self.policy, "top", 0) if self.policy.depth > 1 else 0
         marks = 2 + M * (marks_per_layer(self.kin["N"], self.spec.top_k, E, W) + ahead) + 6 * E   # + prefetches
@@ -257,10 +256,11 @@ class HostProgramSteps:
         del free[-K:]
         h["prog"].scal[hp.S_CS] = self.pool.compute_h
         gbase = h["gbase"]
+        pi = p.index                                       # the pass in the twin's arrays
         if self._hp_live:                                  # a live pass: planned as pass 0 of its own arrays
             assert p.replay is None and p.active.all(), "a live run's pass that the program cannot plan"
-        rc = h["run"](h["prog"], h["pool"], h["s"], h["d"], h["pd"], b, gbase, 0 if self._hp_live else p.index, h["P"],
-                      h["ts"], h["waves"])
+            pi = 0
+        rc = h["run"](h["prog"], h["pool"], h["s"], h["d"], h["pd"], b, gbase, pi, h["P"], h["ts"], h["waves"])
         c = b.cnt
         n = int(c[hp.C_MARKS])
         free.extend(b.ev[n:].tolist())
@@ -275,7 +275,7 @@ class HostProgramSteps:
                             b.wav_f[:nw].copy(), b.wx[:nx].copy(), b.ld[:nl].copy(), int(c[hp.C_SKIPPED]),
                             b.pass_f.copy()))
         if self.record_plans:
-            self._hp_plans(p.index, b, 0 if self._hp_live else p.index)
+            self._hp_plans(p.index, b, pi)
         M = self.M
         last = int(b.lay_i[M - 1, hp.L_LAST])
         self.last, self.h_last = self._hp_mark(last, b.ev[last - gbase]), float(b.lay_f[M - 1, hp.F_LAST])
