@@ -36,7 +36,7 @@ from cmoe.executor.host_prims import (C_BEGIN_LOADS, C_LOADS, C_WAVES, C_WX, F_R
                                       sync_ok, twin_step)
 # what the engine reads as hp.X (`lean_fast`): the layout, the runtime's addresses
 from cmoe.executor.host_calls import runtime_addresses  # noqa: F401
-from cmoe.executor.host_prims import (CALLS, C_ERR, C_ERRCALL, C_MARKS, F_LAST, L_LAST, L_TIN, L_TPLAN,  # noqa: F401
+from cmoe.executor.host_prims import (CALLS, C_ERR, C_ERRCALL, C_MARKS, C_SKIPPED, F_LAST, L_LAST, L_TIN, L_TPLAN,  # noqa: F401
                                       Pool, Prog, books, no_commit, no_live, pool_of)
 from cmoe.executor.host_waves import _deferred, _index, _loads_now, _wave_of
 from cmoe.sim.replay.decide import _begin
