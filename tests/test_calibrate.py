@@ -440,6 +440,26 @@ def test_the_lean_engines_gpu_side_steps_run_on_the_cpu(checkpoints, monkeypatch
     assert set(out["seconds"]) >= {"batch 1", "batch 8", "long context"}
 
 
+
+def test_host_pass_start_is_the_median_of_batch_ones_runs_of_every_round(checkpoints, monkeypatch):
+    """Queued decode passes: each eager run's host pass start (`_host_between`) is kept per batch
+    under `repeats` ("host, pass start", shown, not judged), and the profile's is the median over
+    batch 1's runs of every round, so one disturbed run (or one early pair, as on the H100 in the
+    twenty-second session: 414 us, where the runs measured 285-303) does not set it."""
+    import torch
+
+    from cmoe.calibrate import measure_model as mm
+    from cmoe.core.checkpoint import check_checkpoint
+    monkeypatch.setattr(mm._ModelRuns, "queued", property(lambda self: True))
+    seq = iter([1e-3, 2e-3, 5e-3, 6e-3, 3e-3, 0.1, 7e-3, 8e-3])   # batch 1, 8 (round 1); 1, 8 (round 2)
+    monkeypatch.setattr(mm, "_host_between", lambda log, first: next(seq))
+    d = checkpoints["mixtral"]
+    out = mm.layers(torch.device("cpu"), check_checkpoint(d), "fp32", 2, d, tokens=4)
+    assert out["repeats"]["host, pass start"]["points"] == [[1, [1e-3, 2e-3, 3e-3, 0.1]], [8, [5e-3, 6e-3, 7e-3, 8e-3]]]
+    assert out["repeats"]["host, pass start"]["judged"] is False
+    assert out["layer"]["host"]["pass_start_s"] == pytest.approx(2.5e-3)
+    assert next(seq, None) is None                                # two runs a batch a round, nothing else
+
 def test_host_points_are_means_over_every_rounds_runs():
     """The host's table takes each batch's mean over all its rounds' runs, keeps each run's figure
     under `repeats`, pools the read-back waits and gaps of all of them, and keeps each batch's mean
