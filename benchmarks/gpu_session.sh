@@ -139,12 +139,12 @@ case "${1:-}" in
        "$N" -i /tmp/ncuv/v.ncu-rep --page source --csv --print-source sass > /tmp/ncuv/source.csv 2>&1 || true
        (cd /tmp && tar czf "$OUT/ncuv.tgz" ncuv/raw.csv ncuv/source.csv ncuv/run.log); ls -la /tmp/ncuv ;;
   gptq) timeout 300 python3 benchmarks/gptq_h200.py run --src .gq --out "$OUT/gptq-h200.json" 2>&1 | tail -30 ;;
-  validate) timeout 560 python3 benchmarks/validate_h200.py --out /tmp/v --pools "${POOLS:-16,20,26}" --batches "${BATCHES:-1,2,4,8}" \
+  validate) rm -rf /tmp/v; timeout 560 python3 benchmarks/validate_h200.py --out /tmp/v --pools "${POOLS:-16,20,26}" --batches "${BATCHES:-1,2,4,8}" \
               --tokens 32 --policies upper,ondemand,lru-prefetch,commit,oracle --measure-only --spec "${SPEC:-mixtral-8x7b}" \
               --calibrate-on "${CAL:-both}" --commit "${COMMIT:-unknown}" 2>&1 | tee "$OUT/validate.log" | grep -v "^  " || true
             (cd /tmp/v && tar czf "$OUT/head.tgz" results.json profile*.json \
               && for b in 1 2 4 8; do ls -d pool*-b$b >/dev/null 2>&1 && tar czf "$OUT/meas-b$b.tgz" pool*-b$b; done; true) ;;
-  validate-r) timeout 560 python3 benchmarks/validate_h200.py --out /tmp/v --pools "${POOLS:-16,20,26}" --batches "${2:?batches}" \
+  validate-r) rm -rf /tmp/v; timeout 560 python3 benchmarks/validate_h200.py --out /tmp/v --pools "${POOLS:-16,20,26}" --batches "${2:?batches}" \
                 --tokens 32 --policies upper,ondemand,lru-prefetch,commit,oracle --measure-only --repeat --spec "${SPEC:-mixtral-8x7b}" \
                 --calibrate-on "${CAL:-both}" --commit "${COMMIT:-unknown}" 2>&1 | tee "$OUT/validate.log" | grep -v "^  " || true
               (cd /tmp/v && tar czf "$OUT/head.tgz" results.json profile*.json \

@@ -441,10 +441,10 @@ def test_the_lean_engines_gpu_side_steps_run_on_the_cpu(checkpoints, monkeypatch
 
 
 
-def test_host_pass_start_is_the_median_of_batch_ones_runs_of_every_round(checkpoints, monkeypatch):
+def test_host_pass_start_is_the_median_of_every_runs(checkpoints, monkeypatch):
     """Queued decode passes: each eager run's host pass start (`_host_between`) is kept per batch
     under `repeats` ("host, pass start", shown, not judged), and the profile's is the median over
-    batch 1's runs of every round, so one disturbed run (or one early pair, as on the H100 in the
+    every batch's runs of every round, so one disturbed run (or one early pair, as on the H100 in the
     twenty-second session: 414 us, where the runs measured 285-303) does not set it."""
     import torch
 
@@ -457,7 +457,7 @@ def test_host_pass_start_is_the_median_of_batch_ones_runs_of_every_round(checkpo
     out = mm.layers(torch.device("cpu"), check_checkpoint(d), "fp32", 2, d, tokens=4)
     assert out["repeats"]["host, pass start"]["points"] == [[1, [1e-3, 2e-3, 3e-3, 0.1]], [8, [5e-3, 6e-3, 7e-3, 8e-3]]]
     assert out["repeats"]["host, pass start"]["judged"] is False
-    assert out["layer"]["host"]["pass_start_s"] == pytest.approx(2.5e-3)
+    assert out["layer"]["host"]["pass_start_s"] == pytest.approx(5.5e-3)        # median of all eight
     assert next(seq, None) is None                                # two runs a batch a round, nothing else
 
 def test_host_points_are_means_over_every_rounds_runs():
@@ -487,3 +487,18 @@ def test_host_points_are_means_over_every_rounds_runs():
     assert host["sync"] == [0.5, 1.5, 1.0, 2.0, 0.25, 0.25, 0.75, 0.75]
     assert host["waits"] == [(1, 1.25), (8, 0.5)]            # the wait each batch's route point followed
     assert host["gaps"] == [1.0, 2.0, 3.0, 4.0, 4.0]
+
+
+def test_copy_slowdown_times_each_kernel_alone_then_beside_the_copy_in_pairs():
+    """Each round: sync, the kernel alone, the copy queued, the kernel again with no sync between
+    (a device-wide sync there waits for the copy: the bug that made the old figure the matmul's
+    drift), then sync; the slowdowns are the rounds' own ratios."""
+    from cmoe.calibrate.measure import paired_slowdowns
+    log, times = [], iter([100.0, 110.0, 200.0, 204.0, 50.0, 50.0])
+
+    def timed():
+        log.append("timed")
+        return next(times)
+    out = paired_slowdowns(timed, lambda: log.append("copy"), lambda: log.append("sync"), 3)
+    assert log == ["sync", "timed", "copy", "timed", "sync"] * 3
+    assert out == pytest.approx([0.10, 0.02, 0.0])

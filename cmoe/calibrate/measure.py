@@ -108,18 +108,67 @@ def compute(device: torch.device) -> dict:
     launch = (time.perf_counter() - t0) / 200
     if cuda:
         torch.cuda.synchronize(device)
-    slow = 0.0
-    if cuda:                                    # a matmul while a side stream copies
-        host = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
-        dev = torch.empty_like(host, device=device)
-        side = torch.cuda.Stream(device)
+    out = {"matmul": (2 * n**3, mm), "launch": launch, "copy_slowdown": 0.0, "repeats": rec.curves}
+    if cuda:
+        out.update(_copy_slowdowns(device, rec, lambda: a @ b))
+    return out
+
+
+SLOW_ROUNDS = 7   # paired rounds of the copy slowdown: a kernel alone, then under a side-stream copy
+
+
+def _copy_slowdowns(device: torch.device, rec: Timings, matmul) -> dict:
+    """What a side-stream H2D copy does to the kernels beside it: an HBM-bound device copy (what
+    decode's kernels are; `copy_slowdown`, the profile's `copy_compute_slowdown`) and the matmul
+    (`copy_slowdown_matmul`, shown). Each round times the kernel alone and then with the copy
+    queued ahead of it, moments apart, and the figure is the median of the rounds' ratios; every
+    round's is kept under `repeats`. Before the twenty-third session this timed the matmul after a
+    device-wide synchronize, which waited for the copy: the "slowdown" (0.07-0.18 on one H100) was
+    the matmul's drift against its own earlier best."""
+    host = torch.empty(128 * 2**20, dtype=torch.uint8, pin_memory=True)   # 2.4 ms at 54 GB/s, each
+    dev = torch.empty_like(host, device=device)
+    src = torch.empty(64 * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    side = torch.cuda.Stream(device)
+
+    def timed(fn, inner: int) -> float:
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(inner):
+            fn()
+        e.record()
+        e.synchronize()
+        return s.elapsed_time(e) / 1e3 / inner
+
+    def copying() -> None:
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            for _ in range(8):
+            for _ in range(4):                  # ~10 ms of copying: outlasts the kernels timed beside it
                 dev.copy_(host, non_blocking=True)
-        busy = min(rec.times(lambda: a @ b, repeats=3))
-        torch.cuda.synchronize(device)
-        slow = busy / mm - 1
-    return {"matmul": (2 * n**3, mm), "launch": launch, "copy_slowdown": slow, "repeats": rec.curves}
+
+    out = {}
+    for key, fn, inner in (("copy_slowdown", lambda: dst.copy_(src), 20), ("copy_slowdown_matmul", matmul, 3)):
+        fn()
+        ratios = paired_slowdowns(lambda: timed(fn, inner), copying, lambda: torch.cuda.synchronize(device),
+                                  SLOW_ROUNDS)
+        rec.curves[key.replace("_", " ")] = {"unit": None, "grows": False, "judged": False,   # busy / alone
+                                             "points": [[None, [1.0 + r for r in ratios]]]}
+        out[key] = float(np.median(ratios))
+    return out
+
+
+def paired_slowdowns(timed, copying, sync, rounds: int) -> list[float]:
+    """Each round: `timed()` alone, then `copying()` (queues the side copy) and `timed()` again,
+    then `sync()`; the rounds' fractional slowdowns (busy / alone - 1)."""
+    out = []
+    for _ in range(rounds):
+        sync()
+        alone = timed()
+        copying()
+        busy = timed()
+        sync()
+        out.append(busy / alone - 1.0)
+    return out
 
 
 def _expert_points(rec: Timings, what: str, device: torch.device, spec: ModelSpec, fmt: str,

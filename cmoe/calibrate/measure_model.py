@@ -354,8 +354,8 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
         one["host_start"], one["gpu_start"], one["gpu_head"] = one.pop("plain")
         gap = one["host_start"] - one["gpu_start"]      # the GPU's idle gap between passes, before the first mark
     starts = [[b, [x["between"] for x in runs]] for b, runs in sorted(r.host_runs.items()) if runs[0]["between"] is not None]
-    if starts:     # queued passes: the host's own lane (upper's is ahead, its gap ~0); batch 1's runs of every
-        one["host_start"] = float(np.median(starts[0][1]))   # round, their median (one pair: 289-414 us, H100)
+    if starts:     # queued passes: the host's own lane (upper's is ahead, its gap ~0); the median of every run
+        one["host_start"] = float(np.median([x for _, v in starts for x in v]))   # (`_host_between`)
     ne_bytes = non_expert_bytes(r.spec, r.rec)
     per_layer = (ne_bytes["attention"] + ne_bytes["norms"]) // r.spec.num_layers
     tail = [(t, max(a[1] - b[1], 0.0)) for t, a, b in zip((1, 8), host["expert"], host["expert_span"])]

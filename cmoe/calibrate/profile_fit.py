@@ -45,7 +45,8 @@ Measurements (all times in seconds):
   (`cmoe.calibrate.wake`) and "route_waits" [(tokens, seconds)], the wait each route point followed;
 - `cpu_expert`: {"bytes", "points": [(tokens, seconds)]}: one expert on the host's CPU;
 - `roundtrip`: seconds to take a pass's hidden states to the host and back, synchronised;
-- `copy_slowdown`: fractional slowdown of a matmul while a side-stream copy runs;
+- `copy_slowdown`: fractional slowdown of an HBM-bound kernel while a side-stream copy runs
+  (`copy_slowdown_matmul`: of a matmul, shown; `cmoe.calibrate.measure._copy_slowdowns`);
 - `repeats`: {what: {"unit": "bytes" | "tokens" | null, "grows": bool, "judged": bool, "points":
   [(x, [seconds of every repeat])]}}: the figures above are the best of these; `noise` judges the
   machine by them.

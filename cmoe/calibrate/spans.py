@@ -79,7 +79,13 @@ def _host_between(log, first: int) -> float:
     first `host_attention`, plus layer `first`'s excess. Taken from runs whose host keeps pace with
     the GPU (every layer reads back), so the gap holds the host's books, inputs and replays and no
     wait: with queued decode passes (`pass_overlap`) that, not the GPU's idle, is the pass start
-    a host-bound policy pays."""
+    a host-bound policy pays.
+
+    Calibrate keeps every eager run's figure (`repeats`, "host, pass start") and takes the median of
+    all of them, every batch's of every round: on the H100 (twenty-third session) two calibrations'
+    20 runs each spread 196-520 us with no trend in the batch, batch 1's four runs alone gave 303
+    and 251 us, all twenty 329 and 332; the first round's two batch-1 runs alone (the profile's
+    figure before) had read 414, 331 and 289 in three calibrations, against 285-303 in the runs."""
     dec = sorted(p for p, d, _, _ in log.pass_us if d)
     head = {s[STEP]: s[END] for s in log.spans if s[OP] == "host_head" and s[STEP] in dec}
     enter: dict[int, float] = {}

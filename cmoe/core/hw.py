@@ -49,7 +49,7 @@ class HardwareProfile:
     attn_us_per_token: float                        # extra attention/router time per extra token in a pass
     cpu_expert_gbps: float                          # CPU expert throughput, as expert bytes read per second
     roundtrip_us: float                             # GPU->CPU->GPU hidden-state round trip with its synchronisations
-    copy_compute_slowdown: float = 0.0              # matmul slowdown while a side-stream copy runs
+    copy_compute_slowdown: float = 0.0              # HBM-bound kernels' slowdown while a side-stream copy runs
     attn_us_per_ctx_token: float = 0.0              # per decoder layer, per key attended (a pass's context)
     readback_gpu_us: float = 0.0                    # per MoE layer, GPU: packing its routing for the read-back
                                                     # (every policy but a silent upper)
