@@ -101,7 +101,7 @@ def main() -> None:
                          "layer_mape_mean": [v["per_layer_mape_mean"] for v in vs],
                          "error_from": [v["error_from"] for v in vs],
                          "host_speed": [host_ratio(v, prof, b) for v in vs],
-                         "link_speed": [link_ratio(v) for v in vs]}
+                         "link_speed": [link_ratio(v) for v in vs], "slow_loads": [v.get("slow_loads") for v in vs]}
                         | ({"layer_repeats": agg["per_layer_repeats"]} if len(vs) > 1 else {})
                         | ({"host_adjusted_tok_s": adjusted[agg["policy"]]["predicted"],
                             "host_adjusted_error": adjusted[agg["policy"]]["error"]} if adjusted else {})
@@ -146,7 +146,7 @@ def table(rows: list[dict]) -> str:
     ladj = any("link_adjusted_tok_s" in r for r in rows)
     out = ["| pool GB (experts) | batch | policy | predicted tok/s | measured tok/s | error | runs' spread "
            "| TPOT ms pred / meas | worst layer (mean time) | layer MAPE | host, run / calibration "
-           "| link, run / calibration |"
+           "| link, run / calibration (loads under 80% of it) |"
            + (" predicted at the runs' host speed | error |" if adj else "")
            + (" predicted at the runs' link speed | error |" if ladj else ""),
            "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
@@ -157,7 +157,8 @@ def table(rows: list[dict]) -> str:
                            for x, w in zip(r["layer_mean_error_worst"], r["layer_worst"]))
         mape = " / ".join(f"{x * 100:.0f}%" for x in r["layer_mape_mean"])
         host = " / ".join(f"{x:.2f}x" if x else "-" for x in r["host_speed"])
-        link = " / ".join(f"{x:.3f}x" if x else "-" for x in r.get("link_speed", []))
+        link = " / ".join(f"{x:.3f}x" + (f" ({w:.0%} slow)" if w else "") if x else "-"
+                          for x, w in zip(r.get("link_speed", []), r.get("slow_loads", [None] * 9)))
         line = (f"| {r['pool_gb']:g} ({r['experts_fit']}) | {r['batch']} | {r['policy']} | {r['predicted_tok_s']:.1f} "
                 f"| {meas} | {r['error'] * 100:+.1f}% | {r['spread'] * 100:.0f}% "
                 f"| {r['predicted_tpot_ms']:.1f} / {r['measured_tpot_ms']:.1f} | {worst} | {mape} | {host} | {link or '-'} |")

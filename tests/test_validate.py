@@ -229,6 +229,20 @@ def test_link_rate_is_the_loads_bytes_over_their_time_in_the_passes_compared():
     assert link_gbps(spans, {3}) is None
 
 
+
+def test_slow_loads_are_the_share_under_eighty_percent_of_the_predicted_rate():
+    from cmoe.analysis.validate import slow_loads
+    from cmoe.core.timeline import Span
+    spans = [Span("gpu", 1, 0, "copy0", "load", 3, 100.0, 1100.0, 50_000_000),      # 50 GB/s
+             Span("gpu", 1, 1, "copy0", "load", 4, 1100.0, 2100.0, 39_000_000),     # 39 GB/s: under 40
+             Span("gpu", 2, 4, "copy0", "load", 1, 2000.0, 2500.0, 20_500_000),     # 41 GB/s
+             Span("gpu", 2, 5, "copy0", "load", 5, 3000.0, 4000.0, 30_000_000),     # 30 GB/s
+             Span("gpu", 0, 0, "copy0", "load", 2, 0.0, 10.0, 1_000_000),           # prefill: not compared
+             Span("gpu", 1, 0, "compute", "expert", 3, 1100.0, 1140.0, 1_000)]
+    assert slow_loads(spans, {1, 2}, 50.0) == 0.5
+    assert slow_loads(spans, {1, 2}, 40.0) == 0.25
+    assert slow_loads(spans, {3}, 50.0) is None and slow_loads(spans, {1}, None) is None
+
 def test_link_speed_is_each_loading_runs_measured_rate_over_its_predicted():
     from cmoe.analysis.validate import link_ratio
     from cmoe.pipeline import link_speed
