@@ -158,8 +158,8 @@ def test_commits_pass_start_plans_layer_0_before_it_runs():
 
 
 def test_calibrate_prices_commits_pass_start():
-    """`start_excess_s`: layer 0's attention and route over the other layers' mean, over the decode
-    passes; the fit takes host_sync_us off commit's excess over upper's (`commit_start_us`)."""
+    """`start_excess_s`: layer 0's attention and route over the other layers' mean, the median over
+    the decode passes (one stalled pass does not move it); the fit takes host_sync_us off commit's excess over upper's (`commit_start_us`)."""
     from types import SimpleNamespace
 
     from cmoe.calibrate.commit_steps import start_excess_s
@@ -173,9 +173,9 @@ def test_calibrate_prices_commits_pass_start():
                 Span("gpu", p, 1, "compute", "attention", -1, 0.0, 70.0), Span("gpu", p, 1, "compute", "route", -1, 70.0, 86.0),
                 Span("gpu", p, 2, "compute", "attention", -1, 0.0, 74.0), Span("gpu", p, 2, "compute", "route", -1, 74.0, 88.0),
                 Span("gpu", p, 1, "compute", "expert", 3, 90.0, 200.0)]
-    log = SimpleNamespace(spans=one(0, 900.0, 0.0) + one(1, 300.0, 60.0) + one(2, 320.0, 50.0),
-                          pass_us=[(0, False, 1, 0.0), (1, True, 1, 0.0), (2, True, 1, 0.0)])
-    assert start_excess_s(log, 0) == pytest.approx((360.0 + 370.0) / 2 * 1e-6 - 87e-6)
+    log = SimpleNamespace(spans=one(0, 900.0, 0.0) + one(1, 300.0, 60.0) + one(2, 320.0, 50.0) + one(3, 5000.0, 0.0),
+                          pass_us=[(0, False, 1, 0.0), (1, True, 1, 0.0), (2, True, 1, 0.0), (3, True, 1, 0.0)])
+    assert start_excess_s(log, 0) == pytest.approx(370.0 * 1e-6 - 87e-6)      # the median: pass 3 stalled
     known = replace(H200, host_sync_us=80.0, host_layer_us=950.0, host_route_us=100.0, host_expert_us=170.0)
     m = _synthetic(known)
     assert fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-02").commit_start_us == 0.0

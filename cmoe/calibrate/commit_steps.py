@@ -35,9 +35,12 @@ def commit_gpu_s(resident_log, loading_log, first: int) -> tuple[float, float]:
 
 
 def start_excess_s(log, first: int) -> float:
-    """Layer `first`'s excess over the mean of the others (its attention and route spans, mean over
-    the decode passes), in seconds: commit's over upper's is what its pass start adds (the fit takes
-    host_sync_us off it: `commit_start_us`)."""
+    """Layer `first`'s excess over the mean of the others (its attention and route spans, the median
+    over the decode passes), in seconds: commit's over upper's is what its pass start adds (the fit
+    takes host_sync_us off it: `commit_start_us`). The median: a pass whose host stalled puts
+    milliseconds into layer 0 (`upper`'s is ~35 us with passes at 190-240), and one calibration's
+    mean read 514 us of commit start where another's read 44 and the runs between them showed
+    ~160 (an H100, twenty-third session)."""
     dec = {p for p, d, _, _ in log.pass_us if d}
     per: dict[int, dict[int, float]] = {}
     for s in log.spans:
@@ -46,4 +49,4 @@ def start_excess_s(log, first: int) -> float:
             layer[s[LAYER]] = layer.get(s[LAYER], 0.0) + s[END] - s[START]
     ex = [lay[first] - float(np.mean([v for k, v in lay.items() if k != first]))
           for lay in per.values() if first in lay and len(lay) > 1]
-    return float(np.mean(ex)) / 1e6 if ex else 0.0
+    return float(np.median(ex)) / 1e6 if ex else 0.0

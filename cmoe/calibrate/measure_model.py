@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from cmoe.calibrate import wake
+from cmoe.calibrate.commit_steps import commit_gpu_s, start_excess_s
 from cmoe.core.spec import ModelSpec
 from cmoe.calibrate.spans import _gaps, _host_between, _mean, _pass_overhead, _per_layer, _sync_s, queued_period
 from cmoe.core.timeline import STEP, LAYER, OP, EXPERT, START, END
@@ -276,15 +277,15 @@ def _lean_batch(r: _ModelRuns, w, cfg, batch: int, eager: list) -> None:
     # not), charged per MoE layer; batch 1 keeps the eager runs' attention for the prediction's
     att = float(np.mean([_per_layer(e, ("attention",), r.first)[0] for e in eager]))
     gpu["readback"].append((batch, (att - up) / M / 1e6))
-    if batch == 1:
-        r.one["eager_attention"], r.one["plain"] = att, _pass_overhead(plain, r.first)
+    if batch == 1:                # upper's layer-0 excess, the median's (`start_excess_s`), for commit's
+        r.one["eager_attention"], r.one["plain"], r.one["plain_excess"] = att, _pass_overhead(plain, r.first), \
+            start_excess_s(plain, r.first)
 
 
 def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, queued, h_route: float) -> None:
     """Batch 1's own figures into `r.one`: the pass's start-up and LM head on both sides; what
     predicting adds per MoE layer and what commit adds to the route (two `commit` runs, every
     expert resident); and what issuing one load costs the host (`ondemand` with top_k slots)."""
-    from cmoe.calibrate.commit_steps import commit_gpu_s, start_excess_s
     from cmoe.executor.run import run_policy
     w, spec, M = r.w, r.spec, r.M
     one = r.one
@@ -293,9 +294,8 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
     cc = replace(cfg, policies=("commit",), slots=spec.num_experts)
     run_policy(w, cc, "commit")
     c_log = run_policy(w, cc, "commit").log
-    # the early router itself, timed on its own (every policy that predicts runs it), and
-    # what commit's larger read-back and OWA add to the route (a difference of two runs'
-    # host times: noisy, so only the route's part)
+    # the early router itself, timed on its own (every policy that predicts runs it), and what commit's larger
+    # read-back and OWA add to the route (a difference of two runs' host times: noisy, so only the route's part)
     if r.lean:
         # the next layer's router inside A_m, on the GPU: lru-prefetch (it predicts, on the read-back
         # path, so its attention spans are GPU time; commit's ahead path would add the host's wait)
@@ -307,7 +307,7 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
         one["commit_waves"] = _wave_points(c_log, w.trace, 1, spec)   # and the copies before them,
         loading = replace(cc, slots=max(spec.top_k, spec.num_experts // 2), tokens=min(r.tokens, 8))  # moving or not
         one["commit_gpu"], one["commit_gpu_copy"] = commit_gpu_s(c_log, run_policy(w, loading, "commit").log, r.first)
-        one["commit_start"] = start_excess_s(c_log, r.first) - one["plain"][1]     # over upper's layer 0
+        one["commit_start"] = start_excess_s(c_log, r.first) - one["plain_excess"]     # over upper's layer 0
     c_route, _ = _per_layer(c_log, ("host_route",), None)
     c_pred, _ = _per_layer(c_log, ("host_predict",), None)
     one["predict"] = c_pred / M / 1e6
