@@ -85,6 +85,14 @@ def test_fitting_recovers_the_parameters_it_was_made_from():
     assert dict(got.expert_gbps)["bf16"] == pytest.approx(3100.0, rel=1e-6)     # the other width, measured too
     assert "measured by cmoe calibrate on test, 2026-11-29" in got.sources["layer_fixed_us"]
     assert got.copy_fifo and got.launch_us == 0.0        # the executor's one copy stream; launching is the host's
+    assert got.copy_attention_slowdown is None           # no loading run: the proxy's figure for both sides
+    m = _synthetic(known)
+    m["layer"]["copy_slow"] = {"attention": 0.125, "expert": 0.0625}
+    own = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-11-29")
+    assert (own.copy_compute_slowdown, own.copy_attention_slowdown) == (0.0625, 0.125)
+    m["layer"]["copy_slow"] = {"attention": -0.01, "expert": None}       # too few spans: the proxy's
+    own = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-11-29")
+    assert (own.copy_compute_slowdown, own.copy_attention_slowdown) == (known.copy_compute_slowdown, 0.0)
     table = beside(got, _synthetic(known))
     assert "layer (non-expert), 8 tok" in table
 

@@ -38,6 +38,9 @@ CASES = {
     "flag as number": ({"copy_fifo": 1}, "copy_fifo is 1, but it must be true or false"),
     "negative dense_rows": ({"dense_rows": -1}, "dense_rows is -1, but it must be a whole number >= 0"),
     "null": ({"gpu_mem_bytes": None}, "gpu_mem_bytes is null"),
+    "negative attention slowdown": ({"copy_attention_slowdown": -0.1},
+                                    "copy_attention_slowdown is -0.1, but it must be null or a finite number >= 0"),
+    "string attention slowdown": ({"copy_attention_slowdown": "0.1"}, 'copy_attention_slowdown is "0.1"'),
     "missing field": ({"hbm_gbps": ...}, "missing the fields ['hbm_gbps']"),
 }
 
@@ -76,3 +79,13 @@ def test_good_profiles_still_load_and_whole_floats_are_whole_numbers():
     assert HardwareProfile.from_dict(GOOD) == H200
     p = HardwareProfile.from_dict({**GOOD, "gpu_mem_bytes": 141e9, "copy_engines": 2.0})
     assert p.gpu_mem_bytes == 141 * 10**9 and type(p.copy_engines) is int and p.copy_engines == 2
+
+
+def test_the_attention_slowdown_is_optional_and_round_trips():
+    """Profiles written before it had no `copy_attention_slowdown`: they read as null, the attention
+    side then slowed by `copy_compute_slowdown` as before; a measured one survives JSON."""
+    old = {k: v for k, v in GOOD.items() if k != "copy_attention_slowdown"}
+    p = HardwareProfile.from_dict(old)
+    assert p.copy_attention_slowdown is None and p.attention_slow == 1.0 + H200.copy_compute_slowdown
+    q = replace(H200, copy_attention_slowdown=0.125)
+    assert HardwareProfile.from_dict(json.loads(json.dumps(q.to_dict()))) == q and q.attention_slow == 1.125

@@ -81,6 +81,21 @@ def test_an_op_that_starts_while_a_copy_is_in_flight_runs_slower():
         ("sim", 1, 1, "compute", "attention", -1, 37, 47, 0), ("sim", 1, 1, "compute", "expert", 1, 47, 49, 1000)]
 
 
+
+def test_the_attention_side_has_its_own_slowdown_beside_a_copy():
+    """The commit case with copies taking 4 us: layer 1's load (34-38) is in flight when layer 0's
+    expert starts (2 us x 1.5 = 3: 34-37) and when layer 1's attention starts (10 us x 1.2 = 12:
+    37-49); without its own factor the attention side takes the experts' (x 1.5 = 15)."""
+    t = tiny_trace([0, 1], [[0, 0], [0, 1]], [[0, 0], [0, 1]])
+    slow = replace(FLAT, copy_compute_slowdown=0.5, h2d_pinned=((1, 0.25),))
+    run = run_tiny(t, "commit", profile=replace(slow, copy_attention_slowdown=0.2))
+    assert run.spans[-4:] == [
+        ("sim", 1, 0, "compute", "expert", 0, 34, 37, 1000), ("sim", 1, 1, "copy0", "load", 1, 34, 38, 1000),
+        ("sim", 1, 1, "compute", "attention", -1, 37, 49, 0), ("sim", 1, 1, "compute", "expert", 1, 49, 51, 1000)]
+    same = run_tiny(t, "commit", profile=slow)
+    assert same.spans[-2][6:8] == (37, 52)
+    assert slow.attention_slow == 1.5 and replace(slow, copy_attention_slowdown=0.0).attention_slow == 1.0
+
 def test_static_runs_misses_on_the_cpu():
     run = run_tiny(tiny_trace([0], [[0], [0], [1]], [[0], [0], [1]]), "static")
     # the hidden states go to the host (half the round trip), the expert runs there, the result comes back

@@ -181,3 +181,22 @@ def test_calibrate_prices_commits_pass_start():
     assert fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-02").commit_start_us == 0.0
     m["layer"]["commit_start_excess_s"] = 200e-6
     assert fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-02").commit_start_us == pytest.approx(120.0)
+
+
+def test_copy_slowdowns_read_the_models_own_kernels_beside_a_load():
+    """A span counts as beside a load where a load begun before it is still on the link at its start
+    (one begun later or ended before does not); the first layer and prefill are left out; the
+    figure is the median busy span over the median quiet one, None under five of either."""
+    from types import SimpleNamespace
+
+    from cmoe.calibrate.commit_steps import copy_slowdowns
+    from cmoe.core.timeline import Span
+    spans = [Span("gpu", 1, 1, "copy0", "load", 2, 0.0, 100.0, 1000), Span("gpu", 1, 1, "copy0", "load", 3, 10.0, 20.0, 1000)]
+    for i in range(6):                                  # attention: 6 beside the long load (55 us), 6 after it (50)
+        spans += [Span("gpu", 1, 1 + i, "compute", "attention", -1, 20.0 + i, 75.0 + i, 0),
+                  Span("gpu", 1, 1 + i, "compute", "attention", -1, 200.0 + i, 250.0 + i, 0),
+                  Span("gpu", 1, 1 + i, "compute", "expert", 0, 300.0 + i, 340.0 + i, 0)]   # experts: none beside
+    spans += [Span("gpu", 1, 0, "compute", "attention", -1, 5.0, 500.0, 0),               # the first layer
+              Span("gpu", 0, 1, "compute", "attention", -1, 5.0, 500.0, 0)]               # prefill
+    log = SimpleNamespace(spans=spans, pass_us=[(0, False, 1, 0.0), (1, True, 1, 0.0)])
+    assert copy_slowdowns(log, 0) == {"attention": pytest.approx(0.1), "expert": None}

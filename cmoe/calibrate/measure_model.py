@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from cmoe.calibrate import wake
-from cmoe.calibrate.commit_steps import commit_gpu_s, start_excess_s
+from cmoe.calibrate.commit_steps import commit_gpu_s, copy_slowdowns, start_excess_s
 from cmoe.core.spec import ModelSpec
 from cmoe.calibrate.spans import _gaps, _host_between, _mean, _pass_overhead, _per_layer, _sync_s, queued_period
 from cmoe.core.timeline import STEP, LAYER, OP, EXPERT, START, END
@@ -305,8 +305,9 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
         one["predict_gpu"] = (p_att - one["eager_attention"]) / M / 1e6
     if r.lean:                    # commit's own launches (OWA on the device): what they take over upper's,
         one["commit_waves"] = _wave_points(c_log, w.trace, 1, spec)   # and the copies before them,
-        loading = replace(cc, slots=max(spec.top_k, spec.num_experts // 2), tokens=min(r.tokens, 8))  # moving or not
-        one["commit_gpu"], one["commit_gpu_copy"] = commit_gpu_s(c_log, run_policy(w, loading, "commit").log, r.first)
+        ld = run_policy(w, replace(cc, slots=max(spec.top_k, spec.num_experts // 2), tokens=min(r.tokens, 8)),
+                        "commit").log     # moving or not, and what its loads do to the kernels beside them
+        one["commit_gpu"], one["commit_gpu_copy"], one["copy_slow"] = *commit_gpu_s(c_log, ld, r.first), copy_slowdowns(ld, r.first)
         one["commit_start"] = start_excess_s(c_log, r.first) - one["plain_excess"]     # over upper's layer 0
     c_route, _ = _per_layer(c_log, ("host_route",), None)
     c_pred, _ = _per_layer(c_log, ("host_predict",), None)
@@ -348,8 +349,7 @@ def _context_points(r: _ModelRuns) -> list:
 def _result(r: _ModelRuns, ctx: list) -> dict:
     """What `layers` returns: the measurements `cmoe.calibrate.profile_fit` fits, in its units."""
     from cmoe.core.quant import non_expert_bytes
-    gpu, host, one = r.gpu, r.host, r.one
-    gap = None
+    gpu, host, one, gap = r.gpu, r.host, r.one, None
     if "plain" in one:            # the lean engine: a pass's start and head as upper's own run shows them
         one["host_start"], one["gpu_start"], one["gpu_head"] = one.pop("plain")
         gap = one["host_start"] - one["gpu_start"]      # the GPU's idle gap between passes, before the first mark
@@ -364,7 +364,7 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
                      "pass_start_s": one["gpu_start"], "expert_in_model_s": gpu["expert"][0][1],
                      "expert_points": gpu["expert"], "predict_layer_s": one["predict"],
                      "commit_route_s": one["commit_route"], "context_points": ctx,
-                     **{k: one[k] for k in ("split_point", "context_caches", "load_queue") if one.get(k)},
+                     **{k: one[k] for k in ("split_point", "context_caches", "load_queue", "copy_slow") if one.get(k)},
                      "readback_gpu_s": max(float(np.median([x for _, x in gpu["readback"]])), 0.0) if gpu["readback"] else 0.0,
                      "predict_gpu_s": max(one.get("predict_gpu", 0.0), 0.0), "commit_gpu_s": one.get("commit_gpu", 0.0),
                      "commit_gpu_copy_s": one.get("commit_gpu_copy", 0.0),

@@ -46,7 +46,9 @@ Measurements (all times in seconds):
 - `cpu_expert`: {"bytes", "points": [(tokens, seconds)]}: one expert on the host's CPU;
 - `roundtrip`: seconds to take a pass's hidden states to the host and back, synchronised;
 - `copy_slowdown`: fractional slowdown of an HBM-bound kernel while a side-stream copy runs
-  (`copy_slowdown_matmul`: of a matmul, shown; `cmoe.calibrate.measure._copy_slowdowns`);
+  (`copy_slowdown_matmul`: of a matmul, shown; `cmoe.calibrate.measure._copy_slowdowns`); where
+  `layer` has "copy_slow" {"attention", "expert"} (the model's own kernels in a loading run,
+  `cmoe.calibrate.commit_steps.copy_slowdowns`) those set the profile's two factors instead;
 - `repeats`: {what: {"unit": "bytes" | "tokens" | null, "grows": bool, "judged": bool, "points":
   [(x, [seconds of every repeat])]}}: the figures above are the best of these; `noise` judges the
   machine by them.
@@ -110,7 +112,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         hbm_gbps=hbm, matmul_tflops=rate,
         expert_gbps=tuple(classes), launch_us=launch_s * 1e6, layer_fixed_us=max(la, 0.0) * 1e6,
         attn_us_per_token=max(lb, 0.0) * 1e6, cpu_expert_gbps=cpu["bytes"] / max(ca, 1e-9) / GB,
-        cpu_expert_us_per_token=max(cb, 0.0) * 1e6, roundtrip_us=roundtrip * 1e6, copy_compute_slowdown=max(m.get("copy_slowdown", 0.0), 0.0),
+        cpu_expert_us_per_token=max(cb, 0.0) * 1e6, roundtrip_us=roundtrip * 1e6, **_copy_slowdowns(m),
         pass_start_us=m["layer"].get("pass_start_s", 0.0) * 1e6, head_us=m["layer"].get("head_s", 0.0) * 1e6,
         predict_layer_us=m["layer"].get("predict_layer_s", 0.0) * 1e6,
         readback_gpu_us=m["layer"].get("readback_gpu_s", 0.0) * 1e6, predict_gpu_us=m["layer"].get("predict_gpu_s", 0.0) * 1e6,
@@ -133,8 +135,8 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
 
 
 _MEASURED = ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "hbm_gbps", "expert_gbps", "launch_us", "layer_fixed_us",
-             "attn_us_per_token", "cpu_expert_gbps", "roundtrip_us", "copy_compute_slowdown", "pass_start_us", "head_us",
-             "predict_layer_us", "commit_route_us", "cpu_expert_us_per_token", "readback_gpu_us", "predict_gpu_us",
+             "attn_us_per_token", "cpu_expert_gbps", "roundtrip_us", "copy_compute_slowdown", "copy_attention_slowdown",
+             "pass_start_us", "head_us", "predict_layer_us", "commit_route_us", "cpu_expert_us_per_token", "readback_gpu_us", "predict_gpu_us",
              "commit_gpu_us", "commit_gpu_copy_us")
 _EXECUTOR = {      # the fields the executor's design sets, not a measurement
     "copy_engines": "one copy stream, as the executor uses",
@@ -266,6 +268,17 @@ def _host_fields(h: dict | None) -> dict:
             out["host_route_waits"] = tuple((int(t), w * 1e6) for t, w in h["route_waits"])
     return out
 
+
+
+def _copy_slowdowns(m: dict) -> dict:
+    """The profile's copy slowdowns: the model's own kernels beside its loads where calibrate saw
+    enough of them (experts -> `copy_compute_slowdown`, the attention step ->
+    `copy_attention_slowdown`), else the lone HBM-bound kernel's for both."""
+    own = m["layer"].get("copy_slow") or {}
+    proxy = max(m.get("copy_slowdown", 0.0), 0.0)
+    att = own.get("attention")
+    return {"copy_compute_slowdown": max(own["expert"], 0.0) if own.get("expert") is not None else proxy,
+            "copy_attention_slowdown": max(att, 0.0) if att is not None else None}
 
 def _pass_gap_us(m: dict) -> float:
     """`pass_gap_us`: the host's part of a pass's start before its first mark, where the GPU idles

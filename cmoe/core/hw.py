@@ -49,7 +49,9 @@ class HardwareProfile:
     attn_us_per_token: float                        # extra attention/router time per extra token in a pass
     cpu_expert_gbps: float                          # CPU expert throughput, as expert bytes read per second
     roundtrip_us: float                             # GPU->CPU->GPU hidden-state round trip with its synchronisations
-    copy_compute_slowdown: float = 0.0              # HBM-bound kernels' slowdown while a side-stream copy runs
+    copy_compute_slowdown: float = 0.0              # expert kernels' slowdown while a side-stream copy runs
+    copy_attention_slowdown: float | None = None    # the rest of a layer's (attention, norms, router) while one
+                                                    # runs; None: copy_compute_slowdown's (`attention_slow`)
     attn_us_per_ctx_token: float = 0.0              # per decoder layer, per key attended (a pass's context)
     readback_gpu_us: float = 0.0                    # per MoE layer, GPU: packing its routing for the read-back
                                                     # (every policy but a silent upper)
@@ -169,6 +171,9 @@ class HardwareProfile:
         if self.wave_gbps and not self.copy_fifo:
             raise bad(self.name, "wave_gbps", self.wave_gbps, "0 unless copy_fifo is true (the fused launches "
                       "are the executor's, whose loads run on one copy stream in issue order)")
+        a = self.copy_attention_slowdown
+        if a is not None and not NON_NEGATIVE[0](a):
+            raise bad(self.name, "copy_attention_slowdown", a, f"null or {NON_NEGATIVE[1]}")
         if not isinstance(self.sources, dict):
             raise bad(self.name, "sources", self.sources, "an object of field -> where its figure comes from")
 
@@ -234,6 +239,14 @@ class HardwareProfile:
         """What a decode layer's attention costs beyond one run a head, over a cache of `cache_len`
         slots (`split_runs`)."""
         return self.attn_us_per_split_run * (split_runs(cache_len, self.attn_split_max, self.attn_split_block) - 1)
+
+    @property
+    def attention_slow(self) -> float:
+        """The factor on a layer's non-expert GPU time that starts while a copy is in flight. Apart
+        from the experts' since the twenty-third session: on an H100 the model's own attention step
+        ran 10-14% slower beside a load and its experts 6-11%, in every loading run of three calls."""
+        a = self.copy_attention_slowdown
+        return 1.0 + (self.copy_compute_slowdown if a is None else a)
 
     @property
     def pass_gap(self) -> float:

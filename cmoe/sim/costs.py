@@ -67,13 +67,13 @@ def moe_attention_extra_us(hw: HardwareProfile, policy, num_layers: int) -> floa
 class PassCosts:
     """What every layer of one pass costs or needs (op times, the host's costs, which path commit
     takes), worked out once per pass; `tally` is the pass's counts in the run record."""
-    __slots__ = ("ps", "p", "n", "tally", "slow", "layer_gpu", "layer_host", "route_host", "route_wake", "wake_base",
+    __slots__ = ("ps", "p", "n", "tally", "slow", "attn_slow", "layer_gpu", "layer_host", "route_host", "route_wake", "wake_base",
                  "commit_decode", "all_rows", "fifo", "ahead")
 
     def __init__(self, ps: Pass, tally, hw: HardwareProfile, c: Costs, commits: bool, predict_us: float):
         n = ps.num_tokens
         self.ps, self.p, self.n, self.tally = ps, ps.index, n, tally
-        self.slow = 1.0 + hw.copy_compute_slowdown
+        self.slow, self.attn_slow = 1.0 + hw.copy_compute_slowdown, hw.attention_slow
         self.layer_gpu = hw.layer_us(n, c.attn_bytes) + hw.attn_us_per_ctx_token * ps.context \
             + hw.attn_us_per_cache_key * (ps.keys if ps.decode else ps.context) \
             + (hw.attn_split_us(c.cache_len) if ps.decode else 0.0)

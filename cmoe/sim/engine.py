@@ -36,8 +36,9 @@ Processes and resources:
   experts, between the two halves of the GPU->CPU->GPU round trip; the layer ends when both the
   GPU experts and the CPU results are done.
 Op times come from the HardwareProfile (`cmoe.sim.costs` works out what a model and a pass need of
-it); sizes from the trace's exact expert bytes. A GPU op (attention or an expert) that starts while
-a copy is in flight runs `copy_compute_slowdown` slower (the copy's HBM traffic).
+it); sizes from the trace's exact expert bytes. A GPU op that starts while a copy is in flight runs
+slower: an expert by `copy_compute_slowdown`, a layer's attention side by `copy_attention_slowdown`
+(`HardwareProfile.attention_slow`).
 What counts as a hit, a stall or a load is `cmoe.core.metrics`'s, shared with the executor.
 """
 
@@ -234,7 +235,7 @@ class Simulation(ExpertSteps):
                     gpu += hw.expert_us(c.shared_bytes, c.dense_bits, n, c.shared_bytes)
                     host += hw.host_expert(n)
                 if self.in_flight and self._copying(max(G, H)):
-                    gpu *= x.slow
+                    gpu *= x.attn_slow
                 G = max(max(G, H) + gpu, H + host)          # self._op, inlined: the hot path
                 H += host
                 run.spans.append(("sim", p, d, "compute", "attention", -1, last, G, 0))     # self._span

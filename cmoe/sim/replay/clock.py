@@ -8,7 +8,7 @@ How it stays identical to SimPy, not just close:
   the copy queue (a waiting copy engine is served when the Put is *processed*, and only the
   first waiting engine is tried, as simpy's `Store` does), a load's ready event, the drain event.
   Ties between a copy landing and the compute stream resuming at the same instant therefore go
-  the same way (they decide whether a kernel runs slower, `copy_compute_slowdown`, and whether an
+  the same way (they decide whether a kernel runs slower, `copy_*_slowdown`, and whether an
   expert is a hit).
 - Every time is computed with SimPy's arithmetic: a timeout to `t` lands on `now + (t - now)`,
   and the compute stream's sums and maxima follow the engine's expressions term by term
@@ -67,7 +67,7 @@ Costs = namedtuple("Costs", [
 ])
 # Costs.hwf
 (SLOW, HOST_LOAD, HX0, HX1, TAIL, HALF_RT, CPU_TOK, TFLOPS, HOST_SYNC, PASS_START, HOST_PASS_START, HEAD, HOST_HEAD,
- WAVE, WAVE_ROW, OWA_GPU, PASS_GAP, COMMIT_GPU, COMMIT_GPU_COPY, COMMIT_START) = range(20)
+ WAVE, WAVE_ROW, OWA_GPU, PASS_GAP, COMMIT_GPU, COMMIT_GPU_COPY, COMMIT_START, ATTN_SLOW) = range(21)
 # Costs.hwi
 ENGINES, FIFO, ON_HOST, PARAMS, KEEP, HEAD_SPAN, SILENT, AHEAD = range(8)
 Out = namedtuple("Out", [

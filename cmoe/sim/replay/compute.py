@@ -13,7 +13,7 @@ from cmoe.sim.replay.clock import (DRAINED, ENGINES, ERR, FIFO, G_, H_, HALF_RT,
                                    AHEAD, COMMIT_GPU, COMMIT_GPU_COPY, COMMIT_START, HOST_LOAD, HOST_PASS_START, HOST_SYNC,
                                    IN_FLIGHT, NOW, OP_ATTN, SILENT,
                                    OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, OWA_GPU, PASS_GAP,
-                                   PASS_INDEX, PASS_START, PREV_END, CPU_TOK, SLOW, TAIL, WAVE, WAVE_ROW,
+                                   PASS_INDEX, PASS_START, PREV_END, CPU_TOK, SLOW, ATTN_SLOW, TAIL, WAVE, WAVE_ROW,
                                    W_DRAINED, W_READY, _advance, copying, _issue, _release, _span, _sync, pmax)
 
 
@@ -325,7 +325,7 @@ def run(c, x, o, d, p0, p1, M):
             prev_layer = dl
             gpu, host = x.attn_gpu[p], x.attn_host[p]
             if c.I[IN_FLIGHT] and copying(c, x, pmax(G, H)):
-                gpu *= slow
+                gpu *= x.hwf[ATTN_SLOW]
             G = pmax(pmax(G, H) + gpu, H + host)
             H += host
             _span(c, o, x, p, dl, 0, OP_ATTN, -1, last, G, 0, -1, -1)
