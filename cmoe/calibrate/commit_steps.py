@@ -66,8 +66,8 @@ def start_excess_s(log, first: int) -> float:
     over the decode passes), in seconds: commit's over upper's is what its pass start adds (the fit
     takes host_sync_us off it: `commit_start_us`). The median: a pass whose host stalled puts
     milliseconds into layer 0 (`upper`'s is ~35 us with passes at 190-240), and one calibration's
-    mean read 514 us of commit start where another's read 44 and the runs between them showed
-    ~160 (an H100, twenty-third session)."""
+    mean read 514 us of commit start where another's read 44 and the runs showed 125-188 (an H100,
+    twenty-third session)."""
     dec = {p for p, d, _, _ in log.pass_us if d}
     per: dict[int, dict[int, float]] = {}
     for s in log.spans:
