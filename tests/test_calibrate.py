@@ -88,8 +88,10 @@ def test_fitting_recovers_the_parameters_it_was_made_from():
     assert got.copy_attention_slowdown is None           # no loading run: the proxy's figure for both sides
     m = _synthetic(known)
     m["layer"]["copy_slow"] = {"attention": 0.125, "expert": 0.0625}
+    m["layer"]["readback_copy_s"] = 12e-6
     own = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-11-29")
     assert (own.copy_compute_slowdown, own.copy_attention_slowdown) == (0.0625, 0.125)
+    assert own.readback_copy_us == pytest.approx(12.0) and got.readback_copy_us == 0.0
     m["layer"]["copy_slow"] = {"attention": -0.01, "expert": None}       # too few spans: the proxy's
     own = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-11-29")
     assert (own.copy_compute_slowdown, own.copy_attention_slowdown) == (known.copy_compute_slowdown, 0.0)

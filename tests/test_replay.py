@@ -38,7 +38,7 @@ FLAT2 = replace(FLAT, copy_engines=2, host_layer_us=3.0, host_expert_us=1.0, hos
 FLAT_FIFO = replace(FLAT, copy_fifo=True, host_layer_us=12.0, host_expert_us=2.0, host_route_us=1.0)
 # the lean executor: fused launches (waves), a silent upper, commit ahead of its read-back
 LEAN = replace(EAGER, silent_upper=True, commit_ahead=True, wave_gbps=3000.0, wave_us=25.0, wave_row_us=0.5,
-               host_expert_us=40.0, h2d_queued_us=8.0, copy_attention_slowdown=0.12)
+               host_expert_us=40.0, h2d_queued_us=8.0, copy_attention_slowdown=0.12, readback_copy_us=11.0)
 FLAT_WAVE = replace(FLAT_FIFO, wave_gbps=0.5, wave_us=1.0, wave_row_us=1.0, commit_ahead=True)
 # ... whose copies queued behind another skip the start-up: 1000 bytes in 0.75 us instead of 1, 2000 in 1.25
 # instead of 4 / 3 (`h2d_queued`)
@@ -115,8 +115,9 @@ def tiny_costs(t):
                  attn_bytes=0, dense_bytes=0, shared_bytes=0, dense_bits=16, moe_layers=t.spec.moe_layers)
 
 
-# copies four times as long, an attention side that a copy slows by a quarter and experts by a half
-FLAT_SLOW = replace(FLAT_FIFO, h2d_pinned=((1, 0.25),), copy_attention_slowdown=0.25)
+# copies four times as long, an attention side that a copy slows by a quarter and experts by a half,
+# and a read-back half a microsecond later beside a load
+FLAT_SLOW = replace(FLAT_FIFO, h2d_pinned=((1, 0.25),), copy_attention_slowdown=0.25, readback_copy_us=0.5)
 
 
 @pytest.mark.parametrize("profile", [FLAT, FLAT2, FLAT_FIFO, FLAT_WAVE,

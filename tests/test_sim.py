@@ -96,6 +96,20 @@ def test_the_attention_side_has_its_own_slowdown_beside_a_copy():
     assert same.spans[-2][6:8] == (37, 52)
     assert slow.attention_slow == 1.5 and replace(slow, copy_attention_slowdown=0.0).attention_slow == 1.0
 
+
+def test_a_read_back_beside_a_moving_load_takes_readback_copy_us_more():
+    """lru-prefetch with 20 us copies: layer 1's prefetch (34-54) is still moving when its route
+    step starts at 46 (pass 1) and layer 1's load (86-106) when it starts at 98 (pass 2): each route
+    takes 3 us (a span the host's own time would not show here); the experts still wait for their
+    loads, and with no such term there is no route span at all."""
+    t = tiny_trace([0, 1], [[0, 0], [0, 1], [1, 0]], [[0, 0], [0, 1], [1, 0]])
+    base = replace(FLAT, h2d_pinned=((1, 0.05),), copy_fifo=True, copy_compute_slowdown=0.0)
+    run = run_tiny(t, "lru-prefetch", profile=replace(base, readback_copy_us=3.0))
+    routes = [sp for sp in run.spans if sp[4] == "route"]
+    assert routes == [("sim", 1, 1, "compute", "route", -1, 46, 49, 0), ("sim", 2, 1, "compute", "route", -1, 98, 101, 0)]
+    assert ("sim", 1, 1, "compute", "expert", 1, 54, 56, 1000) in run.spans
+    assert not [sp for sp in run_tiny(t, "lru-prefetch", profile=base).spans if sp[4] == "route"]
+
 def test_static_runs_misses_on_the_cpu():
     run = run_tiny(tiny_trace([0], [[0], [0], [1]], [[0], [0], [1]]), "static")
     # the hidden states go to the host (half the round trip), the expert runs there, the result comes back

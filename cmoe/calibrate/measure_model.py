@@ -24,71 +24,16 @@ import numpy as np
 import torch
 
 from cmoe.calibrate import wake
-from cmoe.calibrate.commit_steps import commit_gpu_s, copy_slowdowns, start_excess_s
+from cmoe.calibrate.commit_steps import commit_gpu_s, copy_slowdowns, route_gpu_s, start_excess_s
+from cmoe.calibrate.log_points import _cpu_points, _load_cost, _wave_points
 from cmoe.core.spec import ModelSpec
 from cmoe.calibrate.spans import _gaps, _host_between, _mean, _pass_overhead, _per_layer, _sync_s, queued_period
-from cmoe.core.timeline import STEP, LAYER, OP, EXPERT, START, END
 
 
 LONG_PROMPT = 2048    # the context of the long run that prices attention per key (a CPU uses an eighth)
 LEAD_US = 5000.0      # GPU sleep queued before each layer's experts in the GPU-time run: longer than
                       # the host takes to issue a layer's experts and the next layer's attention
 HOST_ROUNDS = 2       # rounds of two eager runs per batch size for the host's side (module docstring)
-
-
-def _wave_points(log, tr, batch: int, spec: ModelSpec) -> list[list[float]]:
-    """[experts, rows, seconds, mean expert bytes] of every decode layer's fused launch in an
-    `upper` run (one launch per layer: its experts' spans split its time evenly)."""
-    from cmoe.trace.passes import make_passes
-    passes = make_passes(tr, batch)
-    moe = {d: m for m, d in enumerate(spec.moe_layers)}
-    dec = {p for p, d, _, _ in log.pass_us if d}
-    by: dict[tuple[int, int], list] = {}
-    for s in log.spans:
-        if s[STEP] in dec and s[OP] == "expert":
-            by.setdefault((s[STEP], s[LAYER]), []).append(s)
-    out = []
-    for (p, d), spans in sorted(by.items()):
-        m = moe[d]
-        votes = dict(zip(passes[p].needed[m], passes[p].votes[m]))
-        nbytes = float(np.mean([tr.expert_bytes[m][s[EXPERT]] for s in spans]))
-        out.append([len(spans), sum(votes.get(s[EXPERT], 1) for s in spans),
-                    (max(s[END] for s in spans) - min(s[START] for s in spans)) / 1e6, nbytes])
-    return out
-
-
-def _cpu_points(log, tr, batch: int, spec: ModelSpec) -> tuple[list, list]:
-    """(tokens, seconds) of every CPU expert of the decode passes, its tokens from the trace's
-    votes, and the round trip's two halves added up per layer (seconds)."""
-    from cmoe.trace.passes import make_passes
-    passes = make_passes(tr, batch)
-    moe = {d: m for m, d in enumerate(spec.moe_layers)}
-    dec = {p for p, d, _, _ in log.pass_us if d}
-    pts, trips = [], {}
-    for s in log.spans:
-        if s[STEP] not in dec:
-            continue
-        if s[OP] == "cpu_expert":
-            ps, m = passes[s[STEP]], moe[s[LAYER]]
-            votes = dict(zip(ps.needed[m], ps.votes[m]))
-            pts.append((votes.get(s[EXPERT], 1), (s[END] - s[START]) / 1e6))
-        elif s[OP] == "roundtrip":
-            trips[(s[STEP], s[LAYER])] = trips.get((s[STEP], s[LAYER]), 0.0) + (s[END] - s[START]) / 1e6
-    return pts, list(trips.values())
-
-
-def _load_cost(log, upper_route_us: float, cuda: bool) -> float:
-    """Host seconds per load: the route phase's excess over `upper`'s (per pass, us) spread over
-    the loads issued, less the copy itself where the host copies (on a CPU)."""
-    dec = {p for p, d, _, _ in log.pass_us if d}
-    loads = [s for s in log.spans if s[STEP] in dec and s[OP] == "load"]
-    if not loads:
-        return 0.0
-    route, _ = _per_layer(log, ("host_route",), None)
-    per = (route - upper_route_us) * len(dec) / len(loads)
-    if not cuda:
-        per -= float(np.mean([s[END] - s[START] for s in loads]))
-    return max(per, 0.0) / 1e6
 
 
 class _ModelRuns:
@@ -303,6 +248,10 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
         lp = replace(cfg, policies=("lru-prefetch",), slots=spec.num_experts)
         p_att = _per_layer(run_policy(w, lp, "lru-prefetch").log, ("attention",), r.first)[0]
         one["predict_gpu"] = (p_att - one["eager_attention"]) / M / 1e6
+        # its route step beside a load it prefetched, over one with none moving (`readback_copy_us`)
+        quiet, busy = route_gpu_s(run_policy(w, replace(lp, slots=max(spec.top_k, spec.num_experts // 2),
+                                                        tokens=min(r.tokens, 8)), "lru-prefetch").log, r.first)
+        one["readback_copy"] = max(busy - quiet, 0.0) if busy and quiet else 0.0
     if r.lean:                    # commit's own launches (OWA on the device): what they take over upper's,
         one["commit_waves"] = _wave_points(c_log, w.trace, 1, spec)   # and the copies before them,
         ld = run_policy(w, replace(cc, slots=max(spec.top_k, spec.num_experts // 2), tokens=min(r.tokens, 8)),
@@ -367,7 +316,7 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
                      **{k: one[k] for k in ("split_point", "context_caches", "load_queue", "copy_slow") if one.get(k)},
                      "readback_gpu_s": max(float(np.median([x for _, x in gpu["readback"]])), 0.0) if gpu["readback"] else 0.0,
                      "predict_gpu_s": max(one.get("predict_gpu", 0.0), 0.0), "commit_gpu_s": one.get("commit_gpu", 0.0),
-                     "commit_gpu_copy_s": one.get("commit_gpu_copy", 0.0),
+                     "commit_gpu_copy_s": one.get("commit_gpu_copy", 0.0), "readback_copy_s": one.get("readback_copy", 0.0),
                      "commit_start_excess_s": one.get("commit_start", 0.0),
                      "host": {"layer_points": host["layer"], "route_points": host["route"],
                               "expert_points": host["expert"], "expert_tail_s": float(np.mean([x for _, x in tail])),

@@ -306,8 +306,9 @@ class Simulation(ExpertSteps):
         x.tally.skipped += len(plan.skipped)
         if x.ahead:
             return (yield from self._ahead_layer(x, m, d, plan, votes, H, G))
-        if not self._silent:          # the route step, slower after a long wait
-            H = max(H, G) + x.route_host + wake_extra(hw, x, max(G - H, 0.0))
+        if not self._silent:          # the route step, slower after a long wait and beside a load
+            H = max(H, G) + x.route_host + wake_extra(hw, x, max(G - H, 0.0)) \
+                + (hw.readback_copy_us if hw.readback_copy_us and self.in_flight and self._copying(t_in) else 0.0)
         later: dict[int, list[Load]] = {}
         now_loads = plan.loads
         loaded = {ld.expert for ld in plan.loads if ld.layer == m}

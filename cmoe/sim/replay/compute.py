@@ -13,7 +13,7 @@ from cmoe.sim.replay.clock import (DRAINED, ENGINES, ERR, FIFO, G_, H_, HALF_RT,
                                    AHEAD, COMMIT_GPU, COMMIT_GPU_COPY, COMMIT_START, HOST_LOAD, HOST_PASS_START, HOST_SYNC,
                                    IN_FLIGHT, NOW, OP_ATTN, SILENT,
                                    OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, OWA_GPU, PASS_GAP,
-                                   PASS_INDEX, PASS_START, PREV_END, CPU_TOK, SLOW, ATTN_SLOW, TAIL, WAVE, WAVE_ROW,
+                                   PASS_INDEX, PASS_START, PREV_END, CPU_TOK, SLOW, ATTN_SLOW, RB_COPY, TAIL, WAVE, WAVE_ROW,
                                    W_DRAINED, W_READY, _advance, copying, _issue, _release, _span, _sync, pmax)
 
 
@@ -274,8 +274,9 @@ def _layer(c, x, o, d, p, m, dl, j, H, G, t_in, n, slow, M, fifo, cpu):
     o.skipped[p] += d.skipped[j]
     if x.hwi[AHEAD] and x.commit_decode[p]:         # Simulation._ahead_layer
         return _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M)
-    if not x.hwi[SILENT]:                           # the route step, slower after a long wait
-        H = pmax(H, G) + x.route_host[p] + _wake_extra(x, p, pmax(G - H, 0.0))
+    if not x.hwi[SILENT]:                           # the route step, slower after a long wait and beside a load
+        moving = x.hwf[RB_COPY] != 0.0 and c.I[IN_FLIGHT] != 0 and copying(c, x, t_in)
+        H = pmax(H, G) + x.route_host[p] + _wake_extra(x, p, pmax(G - H, 0.0)) + (x.hwf[RB_COPY] if moving else 0.0)
     if not fifo:                                    # reads of resident experts; a loaded one is read after its write
         for g in range(g0, g1):
             if not _own(d, l0, l1, m, d.g_e[g]):
