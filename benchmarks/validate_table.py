@@ -18,6 +18,7 @@ import argparse
 import json
 import shutil
 import sys
+from itertools import zip_longest
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -157,8 +158,8 @@ def table(rows: list[dict]) -> str:
                            for x, w in zip(r["layer_mean_error_worst"], r["layer_worst"]))
         mape = " / ".join(f"{x * 100:.0f}%" for x in r["layer_mape_mean"])
         host = " / ".join(f"{x:.2f}x" if x else "-" for x in r["host_speed"])
-        link = " / ".join(f"{x:.3f}x" + (f" ({w:.0%} slow)" if w else "") if x else "-"
-                          for x, w in zip(r.get("link_speed", []), r.get("slow_loads", [None] * 9)))
+        link = " / ".join(f"{x:.3f}x" + (f" ({w:.0%} slow)" if w is not None else "") if x else "-"
+                          for x, w in zip_longest(r.get("link_speed", []), r.get("slow_loads", [])))
         line = (f"| {r['pool_gb']:g} ({r['experts_fit']}) | {r['batch']} | {r['policy']} | {r['predicted_tok_s']:.1f} "
                 f"| {meas} | {r['error'] * 100:+.1f}% | {r['spread'] * 100:.0f}% "
                 f"| {r['predicted_tpot_ms']:.1f} / {r['measured_tpot_ms']:.1f} | {worst} | {mape} | {host} | {link or '-'} |")

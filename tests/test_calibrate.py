@@ -85,13 +85,15 @@ def test_fitting_recovers_the_parameters_it_was_made_from():
     assert dict(got.expert_gbps)["bf16"] == pytest.approx(3100.0, rel=1e-6)     # the other width, measured too
     assert "measured by cmoe calibrate on test, 2026-11-29" in got.sources["layer_fixed_us"]
     assert got.copy_fifo and got.launch_us == 0.0        # the executor's one copy stream; launching is the host's
-    assert got.copy_attention_slowdown is None           # no loading run: the proxy's figure for both sides
+    assert got.copy_attention_slowdown == got.copy_compute_slowdown == known.copy_compute_slowdown   # no loading
+    assert "paired rounds" in got.sources["copy_attention_slowdown"]              # run: the proxy's for both
     m = _synthetic(known)
     m["layer"]["copy_slow"] = {"attention": 0.125, "expert": 0.0625}
     m["layer"]["readback_copy_s"] = 12e-6
     own = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-11-29")
     assert (own.copy_compute_slowdown, own.copy_attention_slowdown) == (0.0625, 0.125)
     assert own.readback_copy_us == pytest.approx(12.0) and got.readback_copy_us == 0.0
+    assert "commit's loads" in own.sources["copy_compute_slowdown"]
     m["layer"]["copy_slow"] = {"attention": -0.01, "expert": None}       # too few spans: the proxy's
     own = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-11-29")
     assert (own.copy_compute_slowdown, own.copy_attention_slowdown) == (known.copy_compute_slowdown, 0.0)
@@ -500,9 +502,9 @@ def test_host_points_are_means_over_every_rounds_runs():
 
 
 def test_copy_slowdown_times_each_kernel_alone_then_beside_the_copy_in_pairs():
-    """Each round: sync, the kernel alone, the copy queued, the kernel again with no sync between
-    (a device-wide sync there waits for the copy: the bug that made the old figure the matmul's
-    drift), then sync; the slowdowns are the rounds' own ratios."""
+    """A round: sync, the kernel alone, the copy queued, the kernel again with no sync between (a
+    device-wide sync there waits for the copy: the bug that made the old figure the matmul's drift),
+    then sync; every other round the busy side first; the slowdowns are the rounds' own ratios."""
     from cmoe.calibrate.measure import paired_slowdowns
     log, times = [], iter([100.0, 110.0, 200.0, 204.0, 50.0, 50.0])
 
@@ -510,5 +512,6 @@ def test_copy_slowdown_times_each_kernel_alone_then_beside_the_copy_in_pairs():
         log.append("timed")
         return next(times)
     out = paired_slowdowns(timed, lambda: log.append("copy"), lambda: log.append("sync"), 3)
-    assert log == ["sync", "timed", "copy", "timed", "sync"] * 3
-    assert out == pytest.approx([0.10, 0.02, 0.0])
+    assert log == (["sync", "timed", "copy", "timed", "sync"] + ["sync", "copy", "timed", "sync", "timed", "sync"]
+                   + ["sync", "timed", "copy", "timed", "sync"])
+    assert out == pytest.approx([0.10, 200.0 / 204.0 - 1.0, 0.0])   # round 2 timed busy (200) before alone (204)

@@ -146,7 +146,9 @@ def test_every_name_read_through_a_module_alias_exists():
             if target not in loaded:
                 try:
                     loaded[target] = importlib.import_module(target)
-                except ImportError:                      # a GPU-only module (triton) on a CPU machine
+                except ModuleNotFoundError as e:        # a GPU-only module (triton) on a CPU machine;
+                    if (e.name or "").startswith("cmoe"):   # a cmoe import that fails is a failure
+                        raise
                     loaded[target] = None
             if loaded[target] is not None and not hasattr(loaded[target], node.attr):
                 missing.append(f"{name}:{node.lineno} {node.value.id}.{node.attr}")

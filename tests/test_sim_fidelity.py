@@ -184,19 +184,34 @@ def test_calibrate_prices_commits_pass_start():
 
 
 def test_copy_slowdowns_read_the_models_own_kernels_beside_a_load():
-    """A span counts as beside a load where a load begun before it is still on the link at its start
-    (one begun later or ended before does not); the first layer and prefill are left out; the
-    figure is the median busy span over the median quiet one, None under five of either."""
+    """A span counts as beside a load where a load begun before it is still on the link (one begun
+    later or ended before does not); an attention span is timed from the host's launch of it where
+    that came later; a fused launch (abutting expert pieces) is classed once, by its own start, and
+    compared within its expert count; the first layer and prefill are left out; None under five."""
     from types import SimpleNamespace
 
     from cmoe.calibrate.commit_steps import copy_slowdowns
     from cmoe.core.timeline import Span
     spans = [Span("gpu", 1, 1, "copy0", "load", 2, 0.0, 100.0, 1000), Span("gpu", 1, 1, "copy0", "load", 3, 10.0, 20.0, 1000)]
-    for i in range(6):                                  # attention: 6 beside the long load (55 us), 6 after it (50)
-        spans += [Span("gpu", 1, 1 + i, "compute", "attention", -1, 20.0 + i, 75.0 + i, 0),
-                  Span("gpu", 1, 1 + i, "compute", "attention", -1, 200.0 + i, 250.0 + i, 0),
-                  Span("gpu", 1, 1 + i, "compute", "expert", 0, 300.0 + i, 340.0 + i, 0)]   # experts: none beside
+    for i in range(6):
+        spans += [Span("gpu", 1, 1 + i, "compute", "attention", -1, 20.0 + i, 75.0 + i, 0),     # 55 us beside the load
+                  Span("gpu", 2, 1 + i, "compute", "attention", -1, 200.0 + i, 250.0 + i, 0),   # 50 us after it
+                  # the GPU waited 30 us for the host's launch: 40 us of its own, after the load
+                  Span("gpu", 3, 1 + i, "compute", "attention", -1, 300.0, 370.0, 0),
+                  Span("gpu", 3, 1 + i, "host", "host_attention", -1, 290.0, 330.0, 0),
+                  # two-expert launches: one at 90 beside the load (24 us, its second piece after the
+                  # load's end), one at 400 after it (20 us); and one-expert launches, all after it
+                  Span("gpu", 1, 1 + i, "compute", "expert", 4, 90.0, 102.0, 0),
+                  Span("gpu", 1, 1 + i, "compute", "expert", 5, 102.0, 114.0, 0),
+                  Span("gpu", 2, 1 + i, "compute", "expert", 4, 400.0, 410.0, 0),
+                  Span("gpu", 2, 1 + i, "compute", "expert", 5, 410.0, 420.0, 0),
+                  Span("gpu", 3, 1 + i, "compute", "expert", 4, 500.0, 530.0, 0)]
     spans += [Span("gpu", 1, 0, "compute", "attention", -1, 5.0, 500.0, 0),               # the first layer
               Span("gpu", 0, 1, "compute", "attention", -1, 5.0, 500.0, 0)]               # prefill
-    log = SimpleNamespace(spans=spans, pass_us=[(0, False, 1, 0.0), (1, True, 1, 0.0)])
-    assert copy_slowdowns(log, 0) == {"attention": pytest.approx(0.1), "expert": None}
+    log = SimpleNamespace(spans=spans, pass_us=[(0, False, 1, 0.0), (1, True, 1, 0.0), (2, True, 1, 0.0),
+                                                (3, True, 1, 0.0)])
+    out = copy_slowdowns(log, 0)
+    assert out["attention"] == pytest.approx(55.0 / 45.0 - 1.0)    # quiet: 50 and 40 us, six each
+    assert out["expert"] == pytest.approx(0.2)                     # the two-expert launches; one-expert: no busy
+    log.spans = [sp for sp in spans if not (sp[4] == "expert" and sp[1] == 1)]
+    assert copy_slowdowns(log, 0)["expert"] is None

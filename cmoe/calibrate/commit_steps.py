@@ -39,26 +39,54 @@ SLOW_MIN = 5     # spans on each side (a load in flight at its start, none) for 
 
 def copy_slowdowns(log, first: int) -> dict:
     """What a load in flight does to the model's own kernels, from a run that loads while it
-    computes: per op ("attention", "expert"), the median span that started while a load was on the
-    link over the median of those that did not, less 1, over the decode passes and the layers but
-    `first` (its start-up); None where either side has under `SLOW_MIN` spans. On an H100 (twenty-
-    third session) every loading run of three calls read 0.10-0.14 for the attention step and
-    0.06-0.11 for the experts, where a lone HBM-bound copy beside a load slowed 1.5-3.6% and a matmul
-    about 1%: a proxy kernel does not say what decode's small launches lose."""
+    computes, over the decode passes and the layers but `first` (its start-up); per op, the
+    slowdown (less 1) of the work that started while a load was on the link over the work that
+    did not, None where either side has under `SLOW_MIN`:
+    - "attention": each attention span from the later of its start and the host's launch of it
+      (the end of its `host_attention`: a GPU that waited for the host did not run slower), medians;
+    - "expert": each fused launch (a layer's expert spans that abut: one launch split evenly), by
+      its own start, medians within each expert count, weighted by the launches of each.
+    On an H100 (twenty-third session) every loading run of three calls read 0.11-0.14 for the
+    attention step (the host had launched it before the GPU got there in all but 4 of 992 spans a
+    run) and 0.06-0.11 for the experts, where a lone HBM-bound copy beside a load slowed 1.5-3.6%
+    and a matmul about 1%: a proxy kernel does not say what decode's small launches lose."""
     dec = {p for p, d, _, _ in log.pass_us if d}
     loads = sorted((s[START], s[END]) for s in log.spans if s[OP] == "load" and s[END] > s[START])
     starts = np.array([a for a, _ in loads])
     ends = np.maximum.accumulate(np.array([b for _, b in loads])) if loads else np.array([])
-    out = {}
-    for op in ("attention", "expert"):
-        busy, quiet = [], []
-        for s in log.spans:
-            if s[STEP] in dec and s[STREAM] == "compute" and s[OP] == op and s[LAYER] != first:
-                i = int(np.searchsorted(starts, s[START], side="right")) - 1   # the last load begun by then
-                (busy if i >= 0 and ends[i] > s[START] else quiet).append(s[END] - s[START])
-        ok = len(busy) >= SLOW_MIN and len(quiet) >= SLOW_MIN
-        out[op] = float(np.median(busy) / np.median(quiet) - 1.0) if ok else None
-    return out
+
+    def moving(t: float) -> bool:                    # the last load begun by `t` still on the link
+        i = int(np.searchsorted(starts, t, side="right")) - 1
+        return i >= 0 and bool(ends[i] > t)
+    issued = {(s[STEP], s[LAYER]): s[END] for s in log.spans if s[OP] == "host_attention"}
+    att: dict[bool, list] = {True: [], False: []}
+    pieces: dict[tuple, list] = {}
+    for s in log.spans:
+        if s[STEP] in dec and s[STREAM] == "compute" and s[LAYER] != first:
+            if s[OP] == "attention":
+                t0 = max(s[START], issued.get((s[STEP], s[LAYER]), s[START]))
+                att[moving(t0)].append(s[END] - t0)
+            elif s[OP] == "expert":
+                pieces.setdefault((s[STEP], s[LAYER]), []).append((s[START], s[END]))
+    by_n: dict[int, dict[bool, list]] = {}
+    for ps in pieces.values():
+        ps.sort()
+        run = [ps[0]]
+        for a, b in ps[1:] + [(None, None)]:
+            if a is not None and abs(a - run[-1][1]) < 1e-3:
+                run.append((a, b))
+                continue
+            by_n.setdefault(len(run), {True: [], False: []})[moving(run[0][0])].append(run[-1][1] - run[0][0])
+            run = [(a, b)]
+    return {"attention": _ratio([att]), "expert": _ratio(list(by_n.values()))}
+
+
+def _ratio(groups: list[dict[bool, list]]) -> float | None:
+    """The busy-over-quiet median ratio less 1 of each group with `SLOW_MIN` of each side, weighted
+    by its size; None where no group has."""
+    ok = [(len(g[True]) + len(g[False]), float(np.median(g[True]) / np.median(g[False]) - 1.0))
+          for g in groups if len(g[True]) >= SLOW_MIN and len(g[False]) >= SLOW_MIN]
+    return sum(n * r for n, r in ok) / sum(n for n, _ in ok) if ok else None
 
 
 def start_excess_s(log, first: int) -> float:

@@ -158,14 +158,22 @@ def _copy_slowdowns(device: torch.device, rec: Timings, matmul) -> dict:
 
 
 def paired_slowdowns(timed, copying, sync, rounds: int) -> list[float]:
-    """Each round: `timed()` alone, then `copying()` (queues the side copy) and `timed()` again,
-    then `sync()`; the rounds' fractional slowdowns (busy / alone - 1)."""
+    """Each round a pair, its order alternating so that neither side always comes first after a
+    `sync()`: even rounds `timed()` alone, then `copying()` (queues the side copy) and `timed()`
+    beside it; odd rounds the copy and `timed()` beside it, `sync()`, then `timed()` alone; `sync()`
+    after each. The rounds' fractional slowdowns (busy / alone - 1)."""
     out = []
-    for _ in range(rounds):
+    for i in range(rounds):
         sync()
-        alone = timed()
-        copying()
-        busy = timed()
+        if i % 2 == 0:
+            alone = timed()
+            copying()
+            busy = timed()
+        else:
+            copying()
+            busy = timed()
+            sync()
+            alone = timed()
         sync()
         out.append(busy / alone - 1.0)
     return out

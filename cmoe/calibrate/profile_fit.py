@@ -31,8 +31,7 @@ Measurements (all times in seconds):
   `commit_gpu_s`, `commit_gpu_copy_s`: commit's `route` spans on the compute stream (its decode
   layers but the first, median; `cmoe.calibrate.commit_steps`): the read-back's start and the
   launch's inputs copied between attention and launch, and what they take more while a load moves;
-  `readback_copy_s`: the same for a read-back policy (`lru-prefetch` with half the experts' slots:
-  its route span with a load it prefetched still moving, over one with none);
+  `readback_copy_s`: the same for a read-back policy (`lru-prefetch`, half the slots, route spans);
   `commit_start_excess_s`: commit's layer 0 over upper's (each over its other layers, batch 1, every
   expert resident), of which all but `host_sync_us` is `commit_start_us`;
   `context_points`: [(keys per decode token, seconds per layer)] of a short and a long-prompt run:
@@ -107,6 +106,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     per_key_field = "attn_us_per_cache_key" if m.get("attention_walks_cache") else "attn_us_per_ctx_token"
     h2d = curve(m["h2d"], m.get("h2d_rounds"))
     queued = queued_fit(m["layer"].get("load_queue"), h2d)
+    slows, slow_src = _copy_slowdowns(m)
     return HardwareProfile(
         name=name, gpu_mem_bytes=gpu_mem_bytes, h2d_pinned=h2d,
         d2h_pinned=curve(m["d2h"]),
@@ -114,7 +114,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         hbm_gbps=hbm, matmul_tflops=rate,
         expert_gbps=tuple(classes), launch_us=launch_s * 1e6, layer_fixed_us=max(la, 0.0) * 1e6,
         attn_us_per_token=max(lb, 0.0) * 1e6, cpu_expert_gbps=cpu["bytes"] / max(ca, 1e-9) / GB,
-        cpu_expert_us_per_token=max(cb, 0.0) * 1e6, roundtrip_us=roundtrip * 1e6, **_copy_slowdowns(m),
+        cpu_expert_us_per_token=max(cb, 0.0) * 1e6, roundtrip_us=roundtrip * 1e6, **slows,
         pass_start_us=m["layer"].get("pass_start_s", 0.0) * 1e6, head_us=m["layer"].get("head_s", 0.0) * 1e6,
         predict_layer_us=m["layer"].get("predict_layer_s", 0.0) * 1e6,
         readback_gpu_us=m["layer"].get("readback_gpu_s", 0.0) * 1e6, predict_gpu_us=m["layer"].get("predict_gpu_s", 0.0) * 1e6,
@@ -127,6 +127,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         **{per_key_field: per_key * 1e6}, **split,
         **host, **table, **waves, **queued,
         sources={k: src for k in (*_MEASURED, per_key_field, *host, *table)}
+        | {k: src + f" ({why})" for k, why in slow_src.items()}
         | {k: src + " (ondemand's loads queued back to back, over the curve's last rate)" for k in queued}
         | {k: src + " (a short prompt in a cache as long as the long run's, beside the two context points)"
            for k in split}
@@ -272,16 +273,22 @@ def _host_fields(h: dict | None) -> dict:
     return out
 
 
-
-def _copy_slowdowns(m: dict) -> dict:
-    """The profile's copy slowdowns: the model's own kernels beside its loads where calibrate saw
-    enough of them (experts -> `copy_compute_slowdown`, the attention step ->
-    `copy_attention_slowdown`), else the lone HBM-bound kernel's for both."""
+def _copy_slowdowns(m: dict) -> tuple[dict, dict]:
+    """The profile's two copy slowdowns and where each comes from: the model's own kernels beside
+    its loads where calibrate saw enough of them (experts -> `copy_compute_slowdown`, the attention
+    step -> `copy_attention_slowdown`), else, for each alone, the lone HBM-bound kernel's."""
     own = m["layer"].get("copy_slow") or {}
     proxy = max(m.get("copy_slowdown", 0.0), 0.0)
-    att = own.get("attention")
-    return {"copy_compute_slowdown": max(own["expert"], 0.0) if own.get("expert") is not None else proxy,
-            "copy_attention_slowdown": max(att, 0.0) if att is not None else None}
+    model, lone = ("the model's own {} beside commit's loads, busy over quiet medians",
+                   "an HBM-bound device copy alone and beside an H2D copy, the median of paired rounds")
+    out, why = {}, {}
+    for key, field_, what in (("expert", "copy_compute_slowdown", "expert launches"),
+                              ("attention", "copy_attention_slowdown", "attention steps")):
+        mine = own.get(key)
+        out[field_] = max(mine, 0.0) if mine is not None else proxy
+        why[field_] = model.format(what) if mine is not None else lone
+    return out, why
+
 
 def _pass_gap_us(m: dict) -> float:
     """`pass_gap_us`: the host's part of a pass's start before its first mark, where the GPU idles
