@@ -213,5 +213,35 @@ def test_copy_slowdowns_read_the_models_own_kernels_beside_a_load():
     out = copy_slowdowns(log, 0)
     assert out["attention"] == pytest.approx(55.0 / 45.0 - 1.0)    # quiet: 50 and 40 us, six each
     assert out["expert"] == pytest.approx(0.2)                     # the two-expert launches; one-expert: no busy
+    for i in range(12):            # one-expert launches beside the load (15 us) and after it (10 us): with
+        spans += [Span("gpu", 1, 1 + i % 6, "compute", "expert", 6, 60.0 + i, 60.0 + i + 15.0, 0),   # pass 3's
+                  Span("gpu", 2, 1 + i % 6, "compute", "expert", 6, 600.0 + 40 * i, 600.0 + 40 * i + 10.0, 0)]
+    # six of 30 us, the quiet median is 10: +50% over 30 launches, +20% over the twelve two-expert ones
+    assert copy_slowdowns(log, 0)["expert"] == pytest.approx((12 * 0.2 + 30 * 0.5) / 42)
     log.spans = [sp for sp in spans if not (sp[4] == "expert" and sp[1] == 1)]
     assert copy_slowdowns(log, 0)["expert"] is None
+
+
+def test_readback_copy_compares_routes_within_each_count_of_their_own_loads():
+    """The route span holds the host issuing the layer's own loads; busy layers here issue fewer
+    (1 against 2: a pooled difference would read 14 - 20 = -6 us), so the figure is taken within
+    each count: +4 us with one own load, +6 with two, weighted 12:12 -> 5 us."""
+    from types import SimpleNamespace
+
+    from cmoe.calibrate.commit_steps import readback_copy_s
+    from cmoe.core.timeline import Span
+    spans, plans = [Span("gpu", 1, 9, "copy0", "load", 2, 0.0, 1000.0, 1000)], []
+    moe = (0, 2, 3)                                     # decoder layers of MoE layers 0, 1, 2
+    for i in range(6):
+        for p_, t0, n, dur in ((1, 100.0, 1, 14.0), (2, 2000.0, 1, 10.0), (3, 200.0, 2, 26.0), (4, 3000.0, 2, 20.0)):
+            spans.append(Span("gpu", p_ * 10 + i, 2, "compute", "route", -1, t0 + i, t0 + i + dur, 0))
+            plans.append(SimpleNamespace(pass_index=p_ * 10 + i, layer=1, loads=(0,) * n))
+    spans.append(Span("gpu", 10, 0, "compute", "route", -1, 5.0, 905.0, 0))          # the first layer
+    plans.append(SimpleNamespace(pass_index=10, layer=-1, loads=(1, 2)))              # the pass's own loads
+    steps = sorted({sp[1] for sp in spans})
+    log = SimpleNamespace(spans=spans, plans=plans, pass_us=[(q, True, 1, 0.0) for q in steps])
+    assert readback_copy_s(log, 0, moe) == pytest.approx(5e-6)
+    log.plans = [r for r in plans if r.loads != (0, 0)]                 # two-load layers unplanned: count 1 only
+    assert readback_copy_s(log, 0, moe) == pytest.approx(4e-6)
+    log.spans = [sp for sp in spans if not (sp[4] == "route" and sp[6] < 1000.0)]   # none busy
+    assert readback_copy_s(log, 0, moe) is None

@@ -11,11 +11,14 @@ import numpy as np
 
 from cmoe.core.timeline import END, LAYER, OP, START, STEP, STREAM
 
+SLOW_MIN = 5     # spans on each side (a load in flight at its start, none) for a copy slowdown
+
 
 def route_gpu_s(log, first: int) -> tuple[float, float]:
     """(median route span with no load moving as it starts, median with one moving), in seconds,
-    over commit's decode layers but the first (the pass's start-up); 0 where there is none. The
-    medians: the GPU's own time where the host is ahead, as it mostly is on this path."""
+    over commit's decode layers (its ahead path issues no loads inside the span) but the first (the
+    pass's start-up); 0 where there is none. The medians: the GPU's own time where the host is
+    ahead, as it mostly is on this path."""
     dec = {p for p, d, _, _ in log.pass_us if d}
     loads = [(s[START], s[END]) for s in log.spans if s[OP] == "load"]
     quiet, busy = [], []
@@ -26,15 +29,32 @@ def route_gpu_s(log, first: int) -> tuple[float, float]:
     return tuple(float(np.median(xs)) / 1e6 if xs else 0.0 for xs in (quiet, busy))
 
 
+def readback_copy_s(log, first: int, moe_layers) -> float | None:
+    """What a read-back policy's route span (the compute stream from its attention's end to the
+    experts' launch) takes more when a load is moving as it starts, in seconds, from a run with its
+    plans recorded: busy median less quiet median within each count of loads the layer's own plan
+    issued (the host issues them inside the span: `host_load_us` each, priced apart), weighted by
+    the spans of each; None where no count has `SLOW_MIN` of each side."""
+    dec = {p for p, d, _, _ in log.pass_us if d}
+    own = {(r.pass_index, moe_layers[r.layer]): len(r.loads) for r in log.plans if r.layer >= 0}
+    loads = [(s[START], s[END]) for s in log.spans if s[OP] == "load"]
+    by: dict[int, dict[bool, list]] = {}
+    for s in log.spans:
+        if s[STEP] in dec and s[OP] == "route" and s[STREAM] == "compute" and s[LAYER] != first \
+                and (s[STEP], s[LAYER]) in own:
+            moving = any(a <= s[START] < b for a, b in loads)
+            by.setdefault(own[s[STEP], s[LAYER]], {True: [], False: []})[moving].append(s[END] - s[START])
+    ok = [(len(g[True]) + len(g[False]), float(np.median(g[True]) - np.median(g[False])))
+          for g in by.values() if len(g[True]) >= SLOW_MIN and len(g[False]) >= SLOW_MIN]
+    return sum(n * d for n, d in ok) / sum(n for n, _ in ok) / 1e6 if ok else None
+
+
 def commit_gpu_s(resident_log, loading_log, first: int) -> tuple[float, float]:
     """(`commit_gpu_s`, `commit_gpu_copy_s`): the route step with every expert resident, and what
     it takes more while a load moves (a run that loads: fewer slots than experts)."""
     quiet, _ = route_gpu_s(resident_log, first)
     _, busy = route_gpu_s(loading_log, first)
     return quiet, (max(busy - quiet, 0.0) if busy else 0.0)
-
-
-SLOW_MIN = 5     # spans on each side (a load in flight at its start, none) for a copy slowdown
 
 
 def copy_slowdowns(log, first: int) -> dict:

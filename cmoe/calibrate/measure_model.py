@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from cmoe.calibrate import wake
-from cmoe.calibrate.commit_steps import commit_gpu_s, copy_slowdowns, route_gpu_s, start_excess_s
+from cmoe.calibrate.commit_steps import commit_gpu_s, copy_slowdowns, readback_copy_s, start_excess_s
 from cmoe.calibrate.log_points import _cpu_points, _load_cost, _wave_points
 from cmoe.core.spec import ModelSpec
 from cmoe.calibrate.spans import _gaps, _host_between, _mean, _pass_overhead, _per_layer, _sync_s, queued_period
@@ -249,9 +249,9 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
         p_att = _per_layer(run_policy(w, lp, "lru-prefetch").log, ("attention",), r.first)[0]
         one["predict_gpu"] = (p_att - one["eager_attention"]) / M / 1e6
         # its route step beside a load it prefetched, over one with none moving (`readback_copy_us`)
-        quiet, busy = route_gpu_s(run_policy(w, replace(lp, slots=max(spec.top_k, spec.num_experts // 2),
-                                                        tokens=min(r.tokens, 8)), "lru-prefetch").log, r.first)
-        one["readback_copy"] = max(busy - quiet, 0.0) if busy and quiet else 0.0
+        rb = readback_copy_s(run_policy(w, replace(lp, slots=max(spec.top_k, spec.num_experts // 2), tokens=min(
+            r.tokens, 8), record_plans=True), "lru-prefetch").log, r.first, spec.moe_layers)
+        one["readback_copy"] = max(rb, 0.0) if rb is not None else 0.0
     if r.lean:                    # commit's own launches (OWA on the device): what they take over upper's,
         one["commit_waves"] = _wave_points(c_log, w.trace, 1, spec)   # and the copies before them,
         ld = run_policy(w, replace(cc, slots=max(spec.top_k, spec.num_experts // 2), tokens=min(r.tokens, 8)),
