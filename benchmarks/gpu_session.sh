@@ -66,6 +66,10 @@ B="python3 benchmarks/lean_h200.py --tokens 256 --policy-tokens 128 --repeats 3 
 # upper at batches 1/4/8, pool 20, two runs each: upper SECONDS BUDGET [lean_h200.py options]
 upper() { timeout "$1" python3 benchmarks/lean_h200.py --out "$OUT/lean" --tokens 128 --batches 1,4,8 --pools 20 \
             --engines lean --policies "" --repeats 2 --budget-s "$2" "${@:3}" 2>&1 | grep -E "^lean|^HBM|^built|rror" || true; }
+# the calibration's terms that moved between calibrations (twenty-third session), printed after a validation
+terms() { python3 -c "import json; p = json.load(open('/tmp/v/profile.json')); print('terms', {k: round(p.get(k) or 0.0, 3)
+  for k in ('host_pass_start_us', 'host_head_us', 'commit_start_us', 'copy_compute_slowdown', 'copy_attention_slowdown',
+            'readback_copy_us', 'commit_gpu_copy_us')})" 2>&1 | tail -1 || true; }
 case "${1:-}" in
   program) python3 -c "import numba, llvmlite; print('numba', numba.__version__, 'llvmlite', llvmlite.__version__)"
      timeout 90 python3 -m pytest -q tests/test_host_program.py -p no:cacheprovider 2>&1 | tail -3 || true
@@ -143,12 +147,12 @@ case "${1:-}" in
               --tokens 32 --policies upper,ondemand,lru-prefetch,commit,oracle --measure-only --spec "${SPEC:-mixtral-8x7b}" \
               --calibrate-on "${CAL:-both}" --commit "${COMMIT:-unknown}" 2>&1 | tee "$OUT/validate.log" | grep -v "^  " || true
             (cd /tmp/v && tar czf "$OUT/head.tgz" results.json profile*.json \
-              && for b in 1 2 4 8; do ls -d pool*-b$b >/dev/null 2>&1 && tar czf "$OUT/meas-b$b.tgz" pool*-b$b; done; true) ;;
+              && for b in 1 2 4 8; do ls -d pool*-b$b >/dev/null 2>&1 && tar czf "$OUT/meas-b$b.tgz" pool*-b$b; done; true); terms ;;
   validate-r) rm -rf /tmp/v; timeout 560 python3 benchmarks/validate_h200.py --out /tmp/v --pools "${POOLS:-16,20,26}" --batches "${2:?batches}" \
                 --tokens 32 --policies upper,ondemand,lru-prefetch,commit,oracle --measure-only --repeat --spec "${SPEC:-mixtral-8x7b}" \
                 --calibrate-on "${CAL:-both}" --commit "${COMMIT:-unknown}" 2>&1 | tee "$OUT/validate.log" | grep -v "^  " || true
               (cd /tmp/v && tar czf "$OUT/head.tgz" results.json profile*.json \
-                && for b in 1 2 4 8; do ls -d pool*-b$b >/dev/null 2>&1 && tar czf "$OUT/meas-b$b.tgz" pool*-b$b; done; true) ;;
+                && for b in 1 2 4 8; do ls -d pool*-b$b >/dev/null 2>&1 && tar czf "$OUT/meas-b$b.tgz" pool*-b$b; done; true); terms ;;
   host-ab) [ -f .before/benchmarks/lean_h200.py ] || { echo "host-ab: no .before/ tree (carry it with the call)" >&2; exit 2; }
            mkdir -p "$OUT/host-ab"
            for i in 1 2; do for t in before after; do
