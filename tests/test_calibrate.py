@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from cmoe.core.hw import GB, H200, load_profile
@@ -470,6 +471,9 @@ def test_host_pass_start_is_the_median_of_every_runs(checkpoints, monkeypatch):
     assert out["repeats"]["host, pass start"]["points"] == [[1, [1e-3, 2e-3, 3e-3, 0.1]], [8, [5e-3, 6e-3, 7e-3, 8e-3]]]
     assert out["repeats"]["host, pass start"]["judged"] is False
     assert out["layer"]["host"]["pass_start_s"] == pytest.approx(5.5e-3)        # median of all eight
+    heads = out["repeats"]["host, LM head"]["points"]                  # the LM head: batch 1's runs, their median
+    assert [b for b, _ in heads] == [1, 8] and len(heads[0][1]) == 2 * mm.HOST_ROUNDS
+    assert out["layer"]["host"]["head_s"] == pytest.approx(float(np.median(heads[0][1])))
     assert next(seq, None) is None                                # two runs a batch a round, nothing else
 
 def test_host_points_are_means_over_every_rounds_runs():
