@@ -87,7 +87,10 @@ def test_fitting_recovers_the_parameters_it_was_made_from():
     assert "measured by cmoe calibrate on test, 2026-11-29" in got.sources["layer_fixed_us"]
     assert got.copy_fifo and got.launch_us == 0.0        # the executor's one copy stream; launching is the host's
     assert got.copy_attention_slowdown == got.copy_compute_slowdown == known.copy_compute_slowdown   # no loading
-    assert "paired rounds" in got.sources["copy_attention_slowdown"]              # run: the proxy's for both
+    assert "no side-stream copy" in got.sources["copy_attention_slowdown"]        # run: the proxy's for both
+    m = _synthetic(known)
+    m["copy_slowdown_matmul"] = 0.01                                              # (timed on a GPU)
+    assert "paired rounds" in fit_profile("fit", m, known.gpu_mem_bytes, "t", "d").sources["copy_compute_slowdown"]
     m = _synthetic(known)
     m["layer"]["copy_slow"] = {"attention": 0.125, "expert": 0.0625}
     m["layer"]["readback_copy_s"] = 12e-6

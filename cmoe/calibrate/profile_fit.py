@@ -277,10 +277,10 @@ def _copy_slowdowns(m: dict) -> tuple[dict, dict]:
     """The profile's two copy slowdowns and where each comes from: the model's own kernels beside
     its loads where calibrate saw enough of them (experts -> `copy_compute_slowdown`, the attention
     step -> `copy_attention_slowdown`), else, for each alone, the lone HBM-bound kernel's."""
-    own = m["layer"].get("copy_slow") or {}
-    proxy = max(m.get("copy_slowdown", 0.0), 0.0)
+    own, proxy = m["layer"].get("copy_slow") or {}, max(m.get("copy_slowdown", 0.0), 0.0)
     model, lone = ("the model's own {} beside commit's loads, busy over quiet medians",
-                   "an HBM-bound device copy alone and beside an H2D copy, the median of paired rounds")
+                   "an HBM-bound device copy alone and beside an H2D copy, the median of paired rounds"
+                   if "copy_slowdown_matmul" in m else "no side-stream copy timed here (a CPU, or calibrated before)")
     out, why = {}, {}
     for key, field_, what in (("expert", "copy_compute_slowdown", "expert launches"),
                               ("attention", "copy_attention_slowdown", "attention steps")):
