@@ -53,6 +53,8 @@
 #                                             # program GPU tests (replayed with adaptive-ahead and commit-ahead, live
 #                                             # at batch 1 too), then both beside the Python step, Mixtral b1/b4
 #                                             # pool 20 and OLMoE b1 pool 3 (~7 min)
+#   bash benchmarks/gpu_session.sh calib      # issue 15: `cmoe calibrate` alone on the 4-layer cut (~1-2 min), its profile
+#                                             # and measurements into $OUT and the terms that moved between calibrations
 #   bash benchmarks/gpu_session.sh validate-r 1,2,4   # the same with every configuration run twice (--repeat),
 #   bash benchmarks/gpu_session.sh validate-r 8       # in two calls: all four batches took over 450 s of runs
 #                                             # on the H200 (sixth session); each call calibrates again
@@ -143,6 +145,9 @@ case "${1:-}" in
        "$N" -i /tmp/ncuv/v.ncu-rep --page source --csv --print-source sass > /tmp/ncuv/source.csv 2>&1 || true
        (cd /tmp && tar czf "$OUT/ncuv.tgz" ncuv/raw.csv ncuv/source.csv ncuv/run.log); ls -la /tmp/ncuv ;;
   gptq) timeout 300 python3 benchmarks/gptq_h200.py run --src .gq --out "$OUT/gptq-h200.json" 2>&1 | tail -30 ;;
+  calib) rm -rf /tmp/v; mkdir -p /tmp/v; timeout 300 python3 -c "from cmoe.cli.app import app; app()" calibrate --device cuda \
+          --layers 4 --out /tmp/v/profile.json 2>&1 | grep -v Warning | tail -40 || true
+        cp /tmp/v/profile*.json "$OUT/" 2>/dev/null; terms ;;
   validate) rm -rf /tmp/v; timeout 560 python3 benchmarks/validate_h200.py --out /tmp/v --pools "${POOLS:-16,20,26}" --batches "${BATCHES:-1,2,4,8}" \
               --tokens 32 --policies upper,ondemand,lru-prefetch,commit,oracle --measure-only --spec "${SPEC:-mixtral-8x7b}" \
               --calibrate-on "${CAL:-both}" --commit "${COMMIT:-unknown}" 2>&1 | tee "$OUT/validate.log" | grep -v "^  " || true
