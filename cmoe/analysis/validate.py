@@ -147,12 +147,14 @@ def link_gbps(spans, steps: set[int]) -> float | None:
     time on the copy stream, in the passes `steps`. None where the passes loaded nothing. Beside a
     prediction's own, it says how fast the link ran against its calibration: on the H200 (tenth
     session) runs of one session moved loads at 51.0-55.4 GB/s, in spells of seconds."""
-    nbytes = us = 0.0
-    for s in spans:
-        if s[OP] == "load" and s[STEP] in steps and s[BYTES] > 0 and s[END] > s[START]:
-            nbytes += s[BYTES]
-            us += s[END] - s[START]
-    return nbytes / us / 1e3 if us else None
+    loads = _loads(spans, steps)
+    us = sum(s[END] - s[START] for s in loads)
+    return sum(s[BYTES] for s in loads) / us / 1e3 if us else None
+
+
+def _loads(spans, steps: set[int]) -> list:
+    """The run's expert loads in the passes `steps` that moved bytes over some time."""
+    return [s for s in spans if s[OP] == "load" and s[STEP] in steps and s[BYTES] > 0 and s[END] > s[START]]
 
 
 SLOW_LOAD = 0.8   # a load that moved at under this share of the predicted link rate is the link's slow tail
@@ -164,8 +166,7 @@ def slow_loads(spans, steps: set[int], gbps: float | None) -> float | None:
     (twenty-third session) ran every run's median load at 54 GB/s as calibrated, while 5-13% of its
     loads moved at 35-45 GB/s on one host and none on another: a tail the calibration's best-of
     repeats did not meet, which `link_ratio` shows as 0.87-0.97x."""
-    rates = [s[BYTES] / (s[END] - s[START]) / 1e3 for s in spans
-             if s[OP] == "load" and s[STEP] in steps and s[BYTES] > 0 and s[END] > s[START]]
+    rates = [s[BYTES] / (s[END] - s[START]) / 1e3 for s in _loads(spans, steps)]
     return sum(r < SLOW_LOAD * gbps for r in rates) / len(rates) if rates and gbps else None
 
 

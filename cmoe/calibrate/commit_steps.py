@@ -19,13 +19,11 @@ def route_gpu_s(log, first: int) -> tuple[float, float]:
     over commit's decode layers (its ahead path issues no loads inside the span) but the first (the
     pass's start-up); 0 where there is none. The medians: the GPU's own time where the host is
     ahead, as it mostly is on this path."""
-    dec = {p for p, d, _, _ in log.pass_us if d}
-    loads = [(s[START], s[END]) for s in log.spans if s[OP] == "load"]
+    dec, moving = {p for p, d, _, _ in log.pass_us if d}, _in_flight(log)
     quiet, busy = [], []
     for s in log.spans:
         if s[STEP] in dec and s[OP] == "route" and s[STREAM] == "compute" and s[LAYER] != first:
-            moving = any(a <= s[START] < b for a, b in loads)
-            (busy if moving else quiet).append(s[END] - s[START])
+            (busy if moving(s[START]) else quiet).append(s[END] - s[START])
     return tuple(float(np.median(xs)) / 1e6 if xs else 0.0 for xs in (quiet, busy))
 
 
@@ -35,18 +33,15 @@ def readback_copy_s(log, first: int, moe_layers) -> float | None:
     plans recorded: busy median less quiet median within each count of loads the layer's own plan
     issued (the host issues them inside the span: `host_load_us` each, priced apart), weighted by
     the spans of each; None where no count has `SLOW_MIN` of each side."""
-    dec = {p for p, d, _, _ in log.pass_us if d}
+    dec, moving = {p for p, d, _, _ in log.pass_us if d}, _in_flight(log)
     own = {(r.pass_index, moe_layers[r.layer]): len(r.loads) for r in log.plans if r.layer >= 0}
-    loads = [(s[START], s[END]) for s in log.spans if s[OP] == "load"]
     by: dict[int, dict[bool, list]] = {}
     for s in log.spans:
         if s[STEP] in dec and s[OP] == "route" and s[STREAM] == "compute" and s[LAYER] != first \
                 and (s[STEP], s[LAYER]) in own:
-            moving = any(a <= s[START] < b for a, b in loads)
-            by.setdefault(own[s[STEP], s[LAYER]], {True: [], False: []})[moving].append(s[END] - s[START])
-    ok = [(len(g[True]) + len(g[False]), float(np.median(g[True]) - np.median(g[False])))
-          for g in by.values() if len(g[True]) >= SLOW_MIN and len(g[False]) >= SLOW_MIN]
-    return sum(n * d for n, d in ok) / sum(n for n, _ in ok) / 1e6 if ok else None
+            by.setdefault(own[s[STEP], s[LAYER]], {True: [], False: []})[moving(s[START])].append(s[END] - s[START])
+    d = _weighted(list(by.values()), lambda busy, quiet: busy - quiet)
+    return d / 1e6 if d is not None else None
 
 
 def commit_gpu_s(resident_log, loading_log, first: int) -> tuple[float, float]:
@@ -70,14 +65,7 @@ def copy_slowdowns(log, first: int) -> dict:
     attention step (the host had launched it before the GPU got there in all but 4 of 992 spans a
     run) and 0.06-0.11 for the experts, where a lone HBM-bound copy beside a load slowed 1.5-3.6%
     and a matmul about 1%: a proxy kernel does not say what decode's small launches lose."""
-    dec = {p for p, d, _, _ in log.pass_us if d}
-    loads = sorted((s[START], s[END]) for s in log.spans if s[OP] == "load" and s[END] > s[START])
-    starts = np.array([a for a, _ in loads])
-    ends = np.maximum.accumulate(np.array([b for _, b in loads])) if loads else np.array([])
-
-    def moving(t: float) -> bool:                    # the last load begun by `t` still on the link
-        i = int(np.searchsorted(starts, t, side="right")) - 1
-        return i >= 0 and bool(ends[i] > t)
+    dec, moving = {p for p, d, _, _ in log.pass_us if d}, _in_flight(log)
     issued = {(s[STEP], s[LAYER]): s[END] for s in log.spans if s[OP] == "host_attention"}
     att: dict[bool, list] = {True: [], False: []}
     pieces: dict[tuple, list] = {}
@@ -98,13 +86,26 @@ def copy_slowdowns(log, first: int) -> dict:
                 continue
             by_n.setdefault(len(run), {True: [], False: []})[moving(run[0][0])].append(run[-1][1] - run[0][0])
             run = [(a, b)]
-    return {"attention": _ratio([att]), "expert": _ratio(list(by_n.values()))}
+    ratio = lambda busy, quiet: busy / quiet - 1.0  # noqa: E731
+    return {"attention": _weighted([att], ratio), "expert": _weighted(list(by_n.values()), ratio)}
 
 
-def _ratio(groups: list[dict[bool, list]]) -> float | None:
-    """The busy-over-quiet median ratio less 1 of each group with `SLOW_MIN` of each side, weighted
-    by its size; None where no group has."""
-    ok = [(len(g[True]) + len(g[False]), float(np.median(g[True]) / np.median(g[False]) - 1.0))
+def _in_flight(log):
+    """t -> whether a load of the run was on the link at t (begun at or before it, not yet ended)."""
+    loads = sorted((s[START], s[END]) for s in log.spans if s[OP] == "load" and s[END] > s[START])
+    starts = np.array([a for a, _ in loads])
+    ends = np.maximum.accumulate(np.array([b for _, b in loads])) if loads else np.array([])
+
+    def moving(t: float) -> bool:                    # the last load begun by `t` still on the link
+        i = int(np.searchsorted(starts, t, side="right")) - 1
+        return i >= 0 and bool(ends[i] > t)
+    return moving
+
+
+def _weighted(groups: list[dict[bool, list]], compare) -> float | None:
+    """compare(busy median, quiet median) of each group with `SLOW_MIN` spans of each side, the
+    groups weighted by their sizes; None where no group has."""
+    ok = [(len(g[True]) + len(g[False]), float(compare(np.median(g[True]), np.median(g[False]))))
           for g in groups if len(g[True]) >= SLOW_MIN and len(g[False]) >= SLOW_MIN]
     return sum(n * r for n, r in ok) / sum(n for n, _ in ok) if ok else None
 

@@ -44,13 +44,18 @@ class Timings:
 def _timer(device: torch.device):
     cuda = device.type == "cuda"
 
-    def times(fn, repeats: int = 5, inner: int = 1) -> list[float]:
-        fn()
+    def times(fn, repeats: int = 5, inner: int = 1, sync: bool = True) -> list[float]:
+        """`repeats` timings of `inner` calls of fn (seconds per call); with `sync` (the default)
+        after one untimed call and, on CUDA, each from a synchronised device; without, from where
+        the streams stand (work queued on another stream goes on beside it: `_copy_slowdowns`)."""
+        if sync:
+            fn()
         out = []
         for _ in range(repeats):
             if cuda:
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize(device)
+                if sync:
+                    torch.cuda.synchronize(device)
                 s.record()
                 for _ in range(inner):
                     fn()
@@ -131,15 +136,6 @@ def _copy_slowdowns(device: torch.device, rec: Timings, matmul) -> dict:
     dst = torch.empty_like(src)
     side = torch.cuda.Stream(device)
 
-    def timed(fn, inner: int) -> float:
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(inner):
-            fn()
-        e.record()
-        e.synchronize()
-        return s.elapsed_time(e) / 1e3 / inner
-
     def copying() -> None:
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
@@ -149,8 +145,8 @@ def _copy_slowdowns(device: torch.device, rec: Timings, matmul) -> dict:
     out = {}
     for key, fn, inner in (("copy_slowdown", lambda: dst.copy_(src), 20), ("copy_slowdown_matmul", matmul, 3)):
         fn()
-        ratios = paired_slowdowns(lambda: timed(fn, inner), copying, lambda: torch.cuda.synchronize(device),
-                                  SLOW_ROUNDS)
+        ratios = paired_slowdowns(lambda: rec.times(fn, 1, inner, sync=False)[0], copying,
+                                  lambda: torch.cuda.synchronize(device), SLOW_ROUNDS)
         rec.curves[key.replace("_", " ")] = {"unit": None, "grows": False, "judged": False,   # busy / alone
                                              "points": [[None, [1.0 + r for r in ratios]]]}
         out[key] = float(np.median(ratios))

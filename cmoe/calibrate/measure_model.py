@@ -239,8 +239,6 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
     cc = replace(cfg, policies=("commit",), slots=spec.num_experts)
     run_policy(w, cc, "commit")
     c_log = run_policy(w, cc, "commit").log
-    # the early router itself, timed on its own (every policy that predicts runs it), and what commit's larger
-    # read-back and OWA add to the route (a difference of two runs' host times: noisy, so only the route's part)
     if r.lean:
         # the next layer's router inside A_m, on the GPU: lru-prefetch (it predicts, on the read-back
         # path, so its attention spans are GPU time; commit's ahead path would add the host's wait)
@@ -248,16 +246,19 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
         lp = replace(cfg, policies=("lru-prefetch",), slots=spec.num_experts)
         p_att = _per_layer(run_policy(w, lp, "lru-prefetch").log, ("attention",), r.first)[0]
         one["predict_gpu"] = (p_att - one["eager_attention"]) / M / 1e6
-        # its route step beside a load it prefetched, over one with none moving (`readback_copy_us`)
-        rb = readback_copy_s(run_policy(w, replace(lp, slots=max(spec.top_k, spec.num_experts // 2), tokens=min(
-            r.tokens, 8), record_plans=True), "lru-prefetch").log, r.first, spec.moe_layers)
+        # runs that load (half the experts' slots, a few tokens): lru-prefetch's route step beside a load it
+        # prefetched, over one with none moving (`readback_copy_us`); commit's launches (OWA on the device)
+        # over upper's, and the copies before them, moving or not; what its loads do to the kernels beside them
+        loading = {"slots": max(spec.top_k, spec.num_experts // 2), "tokens": min(r.tokens, 8)}
+        rb = readback_copy_s(run_policy(w, replace(lp, record_plans=True, **loading), "lru-prefetch").log, r.first,
+                             spec.moe_layers)
         one["readback_copy"] = max(rb, 0.0) if rb is not None else 0.0
-    if r.lean:                    # commit's own launches (OWA on the device): what they take over upper's,
-        one["commit_waves"] = _wave_points(c_log, w.trace, 1, spec)   # and the copies before them,
-        ld = run_policy(w, replace(cc, slots=max(spec.top_k, spec.num_experts // 2), tokens=min(r.tokens, 8)),
-                        "commit").log     # moving or not, and what its loads do to the kernels beside them
+        one["commit_waves"] = _wave_points(c_log, w.trace, 1, spec)
+        ld = run_policy(w, replace(cc, **loading), "commit").log
         one["commit_gpu"], one["commit_gpu_copy"], one["copy_slow"] = *commit_gpu_s(c_log, ld, r.first), copy_slowdowns(ld, r.first)
         one["commit_start"] = start_excess_s(c_log, r.first) - one["plain_excess"]     # over upper's layer 0
+    # the early router itself, timed on its own (every policy that predicts runs it), and what commit's larger
+    # read-back and OWA add to the route (a difference of two runs' host times: noisy, so only the route's part)
     c_route, _ = _per_layer(c_log, ("host_route",), None)
     c_pred, _ = _per_layer(c_log, ("host_predict",), None)
     one["predict"] = c_pred / M / 1e6

@@ -34,12 +34,6 @@ FAST_KINDS = ("ondemand", "lru-prefetch", "oracle", "adaptive", "commit", "adapt
 LIVE_KINDS = ("ondemand", "lru-prefetch", "adaptive", "commit")   # those that plan from the read-backs alone
 
 
-def _flat(lists) -> tuple:
-    ptr = np.zeros(len(lists) + 1, np.int64)
-    np.cumsum([len(x) for x in lists], out=ptr[1:])
-    return ptr, np.array([x for xs in lists for x in xs], np.int16)
-
-
 def replay_arrays(passes, M: int, rows: bool, depth: int = 1) -> tuple:
     """The engine's replayed passes as the twin reads them: each pass's ranked needs and
     predictions (a `PassArrays`, whose other fields the twin does not read), with `depth` > 1 the
@@ -50,17 +44,17 @@ def replay_arrays(passes, M: int, rows: bool, depth: int = 1) -> tuple:
     Distances: the Python step hands layer q's plan `seen[q][:depth]` (what the state predicting
     layer q says of layers q, q+1, ...); the twin reads layer j's prediction at distance k + 1 at
     (p, j, k), which is `seen[j - k][k]`. Entries with j < k no plan reaches: left empty."""
-    from cmoe.trace.pass_arrays import PassArrays
+    from cmoe.trace.pass_arrays import PassArrays, csr
     P = len(passes)
     if not passes or [p.index for p in passes] != list(range(P)) or \
             any(p.replay is None or "needed" not in p.replay or not p.active.all() for p in passes) or \
             (depth > 1 and any("seen" not in p.replay for p in passes)):
         return None, None
-    (nptr, need), (pptr, pred) = (_flat([p.replay[key][m] for p in passes for m in range(M)])
+    (nptr, need), (pptr, pred) = (csr([p.replay[key][m] for p in passes for m in range(M)], np.int16)
                                   for key in ("needed", "predicted"))
     D = 1 if depth == 1 else min(depth, max(len(x) for p in passes for x in p.replay["seen"]))
-    aptr, ahead = (pptr, pred) if D == 1 else _flat(
-        [p.replay["seen"][j - k][k] if j >= k else [] for p in passes for j in range(M) for k in range(D)])
+    aptr, ahead = (pptr, pred) if D == 1 else csr(
+        [p.replay["seen"][j - k][k] if j >= k else [] for p in passes for j in range(M) for k in range(D)], np.int16)
     z = np.zeros(P, np.int64)
     pa = PassArrays(decode=np.array([p.decode for p in passes], bool), ntok=z, context=z, keys=z,
                     tok_ptr=np.zeros(P + 1, np.int64), tok=np.zeros(0, np.int64), need_ptr=nptr, need=need,

@@ -233,28 +233,33 @@ def to_passes(pa: PassArrays) -> list:
     return out
 
 
+def csr(rows, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged rows as (pointer [len(rows) + 1] int64, values of `dtype`): row i is values[ptr[i]:ptr[i + 1]]."""
+    ptr = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum([len(r) for r in rows], out=ptr[1:])
+    return ptr, np.array([x for r in rows for x in r], dtype)
+
+
 def from_passes(passes: list, num_layers: int) -> PassArrays:
     """`Pass` objects (made by hand, or by make_passes) as arrays."""
     M = num_layers
-    flat = lambda key: [x for ps in passes for row in getattr(ps, key) for x in row]
-    lens = lambda key: [len(row) for ps in passes for row in getattr(ps, key)]
-    ptr = lambda key: np.concatenate([[0], np.cumsum(lens(key), dtype=np.int64)]).astype(np.int64)
+    ragged = lambda key, dtype: csr([row for ps in passes for row in getattr(ps, key)], dtype)  # noqa: E731
     assert all(len(ps.needed) == M for ps in passes), "a pass has the wrong number of layers"
     toks = [np.asarray(ps.tokens, np.int64) for ps in passes]
     ntok = np.array([t.size for t in toks], np.int64)
     D = len(passes[0].ahead[0]) if passes and passes[0].ahead else 1
     assert all(len(ps.ahead) == (M if D > 1 else 0) for ps in passes), "passes differ in their predictions' depth"
-    rows = [row for ps in passes for layer in (ps.ahead or [(p,) for p in ps.predicted]) for row in layer]
-    aptr = np.concatenate([[0], np.cumsum([len(r) for r in rows], dtype=np.int64)]).astype(np.int64)
-    return PassArrays(ahead_ptr=aptr, ahead=np.array([x for r in rows for x in r], np.int16), depth=D,
+    aptr, ahead = csr([row for ps in passes for layer in (ps.ahead or [(p,) for p in ps.predicted]) for row in layer],
+                      np.int16)
+    (need_ptr, need), (_, votes), (pred_ptr, pred) = (ragged(k, t) for k, t in (("needed", np.int16), ("votes", np.int32),
+                                                                                ("predicted", np.int16)))
+    return PassArrays(ahead_ptr=aptr, ahead=ahead, depth=D,
                       decode=np.array([ps.decode for ps in passes], bool), ntok=ntok,
                       context=np.array([ps.context for ps in passes], np.int64),
                       keys=np.array([ps.keys for ps in passes], np.int64),
                       tok_ptr=np.concatenate([[0], np.cumsum(ntok)]).astype(np.int64),
                       tok=np.concatenate(toks) if toks else np.zeros(0, np.int64),
-                      need_ptr=ptr("needed"), need=np.array(flat("needed"), np.int16),
-                      votes=np.array(flat("votes"), np.int32), pred_ptr=ptr("predicted"),
-                      pred=np.array(flat("predicted"), np.int16), num_layers=M)
+                      need_ptr=need_ptr, need=need, votes=votes, pred_ptr=pred_ptr, pred=pred, num_layers=M)
 
 
 class Future(Sequence):
