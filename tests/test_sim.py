@@ -110,6 +110,24 @@ def test_a_read_back_beside_a_moving_load_takes_readback_copy_us_more():
     assert ("sim", 1, 1, "compute", "expert", 1, 54, 56, 1000) in run.spans
     assert not [sp for sp in run_tiny(t, "lru-prefetch", profile=base).spans if sp[4] == "route"]
 
+def test_a_launch_beside_a_moving_load_starts_launch_copy_us_later():
+    """The same in fused launches (the lean executor's): pass 1's layer-0 launch is issued at 34,
+    right after the prefetch of layer 1 (34-54) it plans, so its slot table's copy waits 3 us behind
+    that load (expert at 37, not 34, and layer 1's attention after it); a launch that waits for its
+    own load anyway (pass 1's layer 1, pass 2's both) starts as that load lands, as without the term."""
+    t = tiny_trace([0, 1], [[0, 0], [0, 1], [1, 0]], [[0, 0], [0, 1], [1, 0]])
+    base = replace(FLAT, h2d_pinned=((1, 0.05),), copy_fifo=True, copy_compute_slowdown=0.0, wave_gbps=0.5)
+    run = run_tiny(t, "lru-prefetch", profile=replace(base, launch_copy_us=3.0))
+    assert [sp for sp in run.spans if sp[1] >= 1 and sp[4] in ("expert", "attention")] == [
+        ("sim", 1, 0, "compute", "attention", -1, 24, 34, 0), ("sim", 1, 0, "compute", "expert", 0, 37, 39, 1000),
+        ("sim", 1, 1, "compute", "attention", -1, 39, 49, 0), ("sim", 1, 1, "compute", "expert", 1, 54, 56, 1000),
+        ("sim", 2, 0, "compute", "attention", -1, 56, 66, 0), ("sim", 2, 0, "compute", "expert", 1, 86, 88, 1000),
+        ("sim", 2, 1, "compute", "attention", -1, 88, 98, 0), ("sim", 2, 1, "compute", "expert", 0, 106, 108, 1000)]
+    plain = run_tiny(t, "lru-prefetch", profile=base)
+    assert ("sim", 1, 0, "compute", "expert", 0, 34, 36, 1000) in plain.spans
+    assert [sp for sp in plain.spans if sp[1] == 2] == [sp for sp in run.spans if sp[1] == 2]
+
+
 def test_static_runs_misses_on_the_cpu():
     run = run_tiny(tiny_trace([0], [[0], [0], [1]], [[0], [0], [1]]), "static")
     # the hidden states go to the host (half the round trip), the expert runs there, the result comes back

@@ -32,7 +32,10 @@ def readback_copy_s(log, first: int, moe_layers) -> float | None:
     experts' launch) takes more when a load is moving as it starts, in seconds, from a run with its
     plans recorded: busy median less quiet median within each count of loads the layer's own plan
     issued (the host issues them inside the span: `host_load_us` each, priced apart), weighted by
-    the spans of each; None where no count has `SLOW_MIN` of each side."""
+    the spans of each; None where no count has `SLOW_MIN` of each side. Where the layers that issued
+    none have them, from those alone: on the H200 (2026-12-05) their route span took 11-14 us quiet
+    and 25-31 beside a load in every read-back run, while one that issued a load took ~25 us either
+    way (the read-back's delay hides behind the host's issue), so pooling the counts read 6.5 us."""
     dec, moving = {p for p, d, _, _ in log.pass_us if d}, _in_flight(log)
     own = {(r.pass_index, moe_layers[r.layer]): len(r.loads) for r in log.plans if r.layer >= 0}
     by: dict[int, dict[bool, list]] = {}
@@ -40,7 +43,43 @@ def readback_copy_s(log, first: int, moe_layers) -> float | None:
         if s[STEP] in dec and s[OP] == "route" and s[STREAM] == "compute" and s[LAYER] != first \
                 and (s[STEP], s[LAYER]) in own:
             by.setdefault(own[s[STEP], s[LAYER]], {True: [], False: []})[moving(s[START])].append(s[END] - s[START])
-    d = _weighted(list(by.values()), lambda busy, quiet: busy - quiet)
+    d = _weighted([by.get(0, {True: [], False: []})], lambda busy, quiet: busy - quiet)
+    if d is None:
+        d = _weighted(list(by.values()), lambda busy, quiet: busy - quiet)
+    return d / 1e6 if d is not None else None
+
+
+def launch_copy_s(log, first: int, moe_layers) -> float | None:
+    """What a read-back policy's launch of its experts waits more when a load is moving as the host
+    issues it, in seconds, from a run with its plans recorded: the compute stream's gap from the
+    route span's end (the launch issued) to the layer's first expert, busy median less quiet median,
+    over the decode layers but the first whose plan loaded nothing into the layer itself and none of
+    whose own loads was still landing then (a wait for its own copy is not this one). The gap is the
+    slot table's small copy (`lean_io._set_table`, on the compute stream) and the launch: on the
+    H200 (2026-12-05) 6 us with the link idle, 16-21 us beside a load in every read-back policy's
+    runs at batches 1 and 2. None where either side has under `SLOW_MIN`."""
+    dec, moving = {p for p, d, _, _ in log.pass_us if d}, _in_flight(log)
+    own = {(r.pass_index, moe_layers[r.layer]) for r in log.plans
+           if r.layer >= 0 and not any(ld[0] == r.layer for ld in r.loads)}
+    landing: dict[int, list] = {}
+    first_x: dict[tuple, float] = {}
+    for s in log.spans:
+        if s[OP] == "load" and s[END] > s[START]:
+            landing.setdefault(s[LAYER], []).append((s[START], s[END]))
+        elif s[OP] == "expert" and s[STEP] in dec:
+            k = (s[STEP], s[LAYER])
+            first_x[k] = min(first_x.get(k, s[START]), s[START])
+    gaps: dict[bool, list] = {True: [], False: []}
+    for s in log.spans:
+        k = (s[STEP], s[LAYER])
+        if s[OP] != "route" or s[STREAM] != "compute" or s[STEP] not in dec or s[LAYER] == first \
+                or k not in own or k not in first_x:
+            continue
+        t = s[END]
+        if any(a <= t < b for a, b in landing.get(s[LAYER], ())):
+            continue
+        gaps[moving(t)].append(first_x[k] - t)
+    d = _weighted([gaps], lambda busy, quiet: busy - quiet)
     return d / 1e6 if d is not None else None
 
 

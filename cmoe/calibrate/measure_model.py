@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from cmoe.calibrate import wake
-from cmoe.calibrate.commit_steps import commit_gpu_s, copy_slowdowns, readback_copy_s, start_excess_s
+from cmoe.calibrate.commit_steps import commit_gpu_s, copy_slowdowns, launch_copy_s, readback_copy_s, start_excess_s
 from cmoe.calibrate.log_points import _cpu_points, _load_cost, _wave_points
 from cmoe.core.spec import ModelSpec
 from cmoe.calibrate.spans import _gaps, _host_between, _mean, _pass_overhead, _per_layer, _sync_s, queued_period
@@ -250,9 +250,12 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
         # prefetched, over one with none moving (`readback_copy_us`); commit's launches (OWA on the device)
         # over upper's, and the copies before them, moving or not; what its loads do to the kernels beside them
         loading = {"slots": max(spec.top_k, spec.num_experts // 2), "tokens": min(r.tokens, 8)}
-        rb = readback_copy_s(run_policy(w, replace(lp, record_plans=True, **loading), "lru-prefetch").log, r.first,
-                             spec.moe_layers)
-        one["readback_copy"] = max(rb, 0.0) if rb is not None else 0.0
+        # (three quarters of the slots: layers that load nothing of their own, beside a load and not)
+        rb_log = run_policy(w, replace(lp, record_plans=True, tokens=loading["tokens"],
+                                       slots=max(spec.top_k, 3 * spec.num_experts // 4)), "lru-prefetch").log
+        for key, f in (("readback_copy", readback_copy_s), ("launch_copy", launch_copy_s)):   # and its launches'
+            v = f(rb_log, r.first, spec.moe_layers)
+            one[key] = max(v, 0.0) if v is not None else 0.0
         one["commit_waves"] = _wave_points(c_log, w.trace, 1, spec)
         ld = run_policy(w, replace(cc, **loading), "commit").log
         one["commit_gpu"], one["commit_gpu_copy"], one["copy_slow"] = *commit_gpu_s(c_log, ld, r.first), copy_slowdowns(ld, r.first)
@@ -318,6 +321,7 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
                      "readback_gpu_s": max(float(np.median([x for _, x in gpu["readback"]])), 0.0) if gpu["readback"] else 0.0,
                      "predict_gpu_s": max(one.get("predict_gpu", 0.0), 0.0), "commit_gpu_s": one.get("commit_gpu", 0.0),
                      "commit_gpu_copy_s": one.get("commit_gpu_copy", 0.0), "readback_copy_s": one.get("readback_copy", 0.0),
+                     "launch_copy_s": one.get("launch_copy", 0.0),
                      "commit_start_excess_s": one.get("commit_start", 0.0),
                      "host": {"layer_points": host["layer"], "route_points": host["route"],
                               "expert_points": host["expert"], "expert_tail_s": float(np.mean([x for _, x in tail])),

@@ -31,7 +31,7 @@ Measurements (all times in seconds):
   `commit_gpu_s`, `commit_gpu_copy_s`: commit's `route` spans on the compute stream (its decode
   layers but the first, median; `cmoe.calibrate.commit_steps`): the read-back's start and the
   launch's inputs copied between attention and launch, and what they take more while a load moves;
-  `readback_copy_s`: the same for a read-back policy (`lru-prefetch`, half the slots, route spans);
+  `readback_copy_s`, `launch_copy_s`: the same for a read-back policy's route and launch (`lru-prefetch`);
   `commit_start_excess_s`: commit's layer 0 over upper's (each over its other layers, batch 1, every
   expert resident), of which all but `host_sync_us` is `commit_start_us`;
   `context_points`: [(keys per decode token, seconds per layer)] of a short and a long-prompt run:
@@ -120,7 +120,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         readback_gpu_us=m["layer"].get("readback_gpu_s", 0.0) * 1e6, predict_gpu_us=m["layer"].get("predict_gpu_s", 0.0) * 1e6,
         commit_route_us=m["layer"].get("commit_route_s", 0.0) * 1e6, commit_gpu_us=m["layer"].get("commit_gpu_s", 0.0) * 1e6,
         commit_gpu_copy_us=m["layer"].get("commit_gpu_copy_s", 0.0) * 1e6, copy_fifo=True,
-        readback_copy_us=m["layer"].get("readback_copy_s", 0.0) * 1e6,
+        readback_copy_us=m["layer"].get("readback_copy_s", 0.0) * 1e6, launch_copy_us=m["layer"].get("launch_copy_s", 0.0) * 1e6,
         copy_on_host=device.lower() == "cpu", dense_rows=int(m.get("dense_rows", 0)),
         silent_upper=bool(m.get("silent_upper", False)), commit_ahead=bool(m.get("commit_ahead", False)),
         pass_overlap=bool(m.get("pass_overlap", False)),
@@ -141,7 +141,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
 _MEASURED = ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "hbm_gbps", "expert_gbps", "launch_us", "layer_fixed_us",
              "attn_us_per_token", "cpu_expert_gbps", "roundtrip_us", "copy_compute_slowdown", "copy_attention_slowdown",
              "pass_start_us", "head_us", "predict_layer_us", "commit_route_us", "cpu_expert_us_per_token", "readback_gpu_us", "predict_gpu_us",
-             "commit_gpu_us", "commit_gpu_copy_us", "readback_copy_us")
+             "commit_gpu_us", "commit_gpu_copy_us", "readback_copy_us", "launch_copy_us")
 _EXECUTOR = {      # the fields the executor's design sets, not a measurement
     "copy_engines": "one copy stream, as the executor uses",
     "copy_fifo": "the executor issues every load to one copy stream, which runs them in issue order",

@@ -130,6 +130,8 @@ class HardwareProfile:
                                                     # small copies wait behind the load's on the one H2D engine
     readback_copy_us: float = 0.0                   # per MoE layer of a read-back policy: what its route step takes
                                                     # more when a load is moving as it starts (an H100: 5-15 us)
+    launch_copy_us: float = 0.0                     # ... and each launch of its experts starts this much later when
+                                                    # a load moves as it is issued: its slot table's copy waits too
     # Measured shapes (calibrate, from enough points): where given, they replace the lines above.
     # (rows, us) pairs, rows ascending; read piecewise-linearly, held flat below the first point and
     # past the last one when the last piece falls, extended along the last piece when it rises.

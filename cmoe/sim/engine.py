@@ -333,7 +333,8 @@ class Simulation(ExpertSteps):
             H += hw.roundtrip_us / 2
         if H > t_in:
             self._span(x.p, d, "compute", "route", -1, t_in, H)
-        H, G = yield from self._gpu_experts(x, m, d, plan, votes, loaded, later, H, G, self._silent)
+        H, G = yield from self._gpu_experts(x, m, d, plan, votes, loaded, later, H, G, self._silent,
+                                             table=0.0 if self._silent else hw.launch_copy_us)
         if plan.cpu:
             H, G = self._cpu_experts(x, m, d, plan, votes, H, G)
         return H, G

@@ -14,7 +14,8 @@ from cmoe.sim.costs import PassCosts
 
 class ExpertSteps:
     def _gpu_experts(self, x: PassCosts, m: int, d: int, plan, votes: dict, loaded: set[int],
-                     later: dict[int, list[Load]], H: float, G: float, silent: bool, extra: float = 0.0):
+                     later: dict[int, list[Load]], H: float, G: float, silent: bool, extra: float = 0.0,
+                     table: float = 0.0):
         """The plan's GPU experts in turn: each kernel once its copy (if one is pending) has landed
         and the host has issued it (nothing to issue when `silent`), slowed while a copy moves.
         `loaded`: the experts this layer loads itself. With one FIFO copy stream, `later`'s loads
@@ -23,7 +24,7 @@ class ExpertSteps:
         (H, G)."""
         hw, c, run, p = self.hw, self.c, self.run, x.p
         if hw.wave_gbps:
-            return (yield from self._gpu_waves(x, m, d, plan, votes, loaded, later, H, G, silent, extra))
+            return (yield from self._gpu_waves(x, m, d, plan, votes, loaded, later, H, G, silent, extra, table))
         ready, landed_at = self.ready, self.landed_at
         for e in plan.gpu:
             due = max(G, H)
@@ -58,7 +59,8 @@ class ExpertSteps:
         return H, G
 
     def _gpu_waves(self, x: PassCosts, m: int, d: int, plan, votes: dict, loaded: set[int],
-                   later: dict[int, list[Load]], H: float, G: float, silent: bool, extra: float = 0.0):
+                   later: dict[int, list[Load]], H: float, G: float, silent: bool, extra: float = 0.0,
+                   table: float = 0.0):
         """The lean executor's fused launches (`profile.wave_gbps`): the plan's GPU experts in
         waves (`cmoe.policy.waves`, as the executor groups them); a wave starts once all its copies
         have landed (each expert's wait counted from the same due time, as the executor's events
@@ -66,7 +68,10 @@ class ExpertSteps:
         waits, the launch itself: all but host_expert_tail_us; the GPU idles meanwhile, as the
         H200's timelines show: 40-60 us between the read-back and a layer's first expert), runs
         wave_us (+ `extra`: commit's OWA) plus its experts' shares, and its time is split evenly among them (the executor's
-        spans); the loads deferred behind a wave's experts are issued after it.
+        spans); the loads deferred behind a wave's experts are issued after it. A launch issued while a
+        load moves starts `table` later (the read-back path's `launch_copy_us`: its slot table's small
+        copy, on the compute stream, waits behind the load's on the one H2D engine; on the H200, 2026-12-05,
+        6 us between the read-back and the experts with the link idle, 16-21 us beside a load).
         Copies run FIFO (the profile requires it). Returns (H, G)."""
         hw, c, run, p = self.hw, self.c, self.run, x.p
         after = {ld.expert: v for v, lds in later.items() for ld in lds}
@@ -85,7 +90,10 @@ class ExpertSteps:
                 r = x.n if x.all_rows else votes.get(e, 1)
                 dur += hw.wave_expert_us(c.expert_bytes[m][e], r)
             issue = 0.0 if silent else hw.host_expert(x.n)   # by the pass's tokens, as calibrate measures it
-            start = max(start, H + issue - hw.host_expert_tail_us)    # launched once the host is through
+            launched = H + issue - hw.host_expert_tail_us       # launched once the host is through
+            if table and self.in_flight and self._copying(launched):
+                launched += table
+            start = max(start, launched)
             if self.in_flight and self._copying(start):
                 dur *= x.slow
             G = start + dur

@@ -13,7 +13,7 @@ from cmoe.sim.replay.clock import (DRAINED, ENGINES, ERR, FIFO, G_, H_, HALF_RT,
                                    AHEAD, COMMIT_GPU, COMMIT_GPU_COPY, COMMIT_START, HOST_LOAD, HOST_PASS_START, HOST_SYNC,
                                    IN_FLIGHT, NOW, OP_ATTN, SILENT,
                                    OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, OWA_GPU, PASS_GAP,
-                                   PASS_INDEX, PASS_START, PREV_END, CPU_TOK, SLOW, ATTN_SLOW, RB_COPY, TAIL, WAVE, WAVE_ROW,
+                                   PASS_INDEX, PASS_START, PREV_END, CPU_TOK, SLOW, ATTN_SLOW, RB_COPY, LAUNCH_COPY, TAIL, WAVE, WAVE_ROW,
                                    W_DRAINED, W_READY, _advance, copying, _issue, _release, _span, _sync, pmax)
 
 
@@ -95,10 +95,11 @@ def _await_copy(c, x, o, m, e, due):
 
 
 @njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False)
-def _waves(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, silent, own, extra):
+def _waves(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, silent, own, extra, table):
     """`Simulation._gpu_waves`, line for line: the GPU experts in fused launches (`waves`: an
     expert loaded behind a victim of this layer runs in the launch after the victim's). `own`:
-    count this layer's own loads as demand (the read-back path; commit's ahead path has none)."""
+    count this layer's own loads as demand (the read-back path; commit's ahead path has none);
+    `table`: what a launch issued beside a moving load waits more (the read-back path's)."""
     nw = 0
     for g in range(g0, g1):
         w = 0
@@ -128,7 +129,10 @@ def _waves(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, silent, own, 
             r = n if x.all_rows[p] else _votes(x, p, m, e, M)
             dur += x.wfix[m, e] + x.hwf[WAVE_ROW] * r
         issue = 0.0 if silent else x.htab[n]              # a launch's host cost goes by the pass's tokens
-        start = pmax(start, H + issue - x.hwf[TAIL])
+        launched = H + issue - x.hwf[TAIL]
+        if table != 0.0 and c.I[IN_FLIGHT] and copying(c, x, launched):
+            launched += table                           # its slot table's copy waits behind the load's
+        start = pmax(start, launched)
         if c.I[IN_FLIGHT] and copying(c, x, start):
             dur *= slow
         G = start + dur
@@ -177,7 +181,7 @@ def _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M):
     if end > t_in:
         _span(c, o, x, p, dl, 0, OP_ROUTE, -1, t_in, end, 0, -1, -1)
     if x.hwf[WAVE]:
-        _, G = _waves(c, x, o, d, p, m, dl, g0, g1, l0, l0, Hx, G, n, slow, M, False, False, x.hwf[OWA_GPU])
+        _, G = _waves(c, x, o, d, p, m, dl, g0, g1, l0, l0, Hx, G, n, slow, M, False, False, x.hwf[OWA_GPU], 0.0)
     else:                                               # as _gpu_experts: no loads of its own (l0, l0)
         _, G = _kernels(c, x, o, d, p, m, dl, g0, g1, l0, l0, Hx, G, n, slow, M, x.hwi[FIFO])
     return Hr, G
@@ -294,7 +298,8 @@ def _layer(c, x, o, d, p, m, dl, j, H, G, t_in, n, slow, M, fifo, cpu):
     if H > t_in:
         _span(c, o, x, p, dl, 0, OP_ROUTE, -1, t_in, H, 0, -1, -1)
     if x.hwf[WAVE]:
-        H, G = _waves(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, x.hwi[SILENT], True, 0.0)
+        H, G = _waves(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, x.hwi[SILENT], True, 0.0,
+                      0.0 if x.hwi[SILENT] else x.hwf[LAUNCH_COPY])
     else:
         H, G = _kernels(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, fifo)
     if c1 > c0:
