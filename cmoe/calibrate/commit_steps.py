@@ -34,8 +34,8 @@ def readback_copy_s(log, first: int, moe_layers) -> float | None:
     issued (the host issues them inside the span: `host_load_us` each, priced apart), weighted by
     the spans of each; None where no count has `SLOW_MIN` of each side. Where the layers that issued
     none have them, from those alone: on the H200 (2026-12-05) their route span took 11-14 us quiet
-    and 25-31 beside a load in every read-back run, while one that issued a load took ~25 us either
-    way (the read-back's delay hides behind the host's issue), so pooling the counts read 6.5 us."""
+    and 25-32 beside a load in every read-back run, while one that issued a load took 23-29 us
+    either way (seen, not explained), so pooling the counts read 6.5 us."""
     dec, moving = {p for p, d, _, _ in log.pass_us if d}, _in_flight(log)
     own = {(r.pass_index, moe_layers[r.layer]): len(r.loads) for r in log.plans if r.layer >= 0}
     by: dict[int, dict[bool, list]] = {}
