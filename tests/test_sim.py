@@ -126,6 +126,12 @@ def test_a_launch_beside_a_moving_load_starts_launch_copy_us_later():
     plain = run_tiny(t, "lru-prefetch", profile=base)
     assert ("sim", 1, 0, "compute", "expert", 0, 34, 36, 1000) in plain.spans
     assert [sp for sp in plain.spans if sp[1] == 2] == [sp for sp in run.spans if sp[1] == 2]
+    # commit's ahead path copies its table inside the route step (`commit_gpu_copy_us` prices that):
+    # its layer-0 launch beside the same kind of load (34-54) starts at 34 either way
+    ahead = replace(base, commit_ahead=True)
+    got = run_tiny(t, "commit", profile=replace(ahead, launch_copy_us=3.0)).spans
+    assert ("sim", 1, 0, "compute", "expert", 0, 34, 36, 1000) in got and ("sim", 1, 1, "copy0", "load", 1, 34, 54, 1000) in got
+    assert got == run_tiny(t, "commit", profile=ahead).spans
 
 
 def test_static_runs_misses_on_the_cpu():

@@ -254,33 +254,35 @@ def test_readback_copy_compares_routes_within_each_count_of_their_own_loads():
 
 
 def test_launch_copy_is_the_launch_gap_beside_a_load_over_the_quiet_one():
-    """Route end to first expert: 20 us while another layer's load moves (0-1000), 6 us with the
-    link idle -> 14 us; a layer that loads into itself (its plan) or whose own prefetch is still
-    landing (a load of its decoder layer over the route's end) waits for that copy and is left out,
-    as is the first layer; too few on a side gives None."""
+    """Route end to first expert: 20 us while another layer's load moves, 6 us with the link idle ->
+    14 us. Left out, each group large enough to move the busy median to 400 us if it were counted:
+    layers that load into themselves (their plan), layers whose own prefetch is still landing at the
+    route's end, layers whose own prefetch waits queued behind another load then, and the first
+    layer. Too few on a side gives None."""
     from types import SimpleNamespace
 
     from cmoe.calibrate.commit_steps import launch_copy_s
     from cmoe.core.timeline import Span
     moe = (0, 2, 3)                                     # decoder layers of MoE layers 0, 1, 2
-    spans = [Span("gpu", 1, 9, "copy0", "load", 2, 0.0, 1000.0, 1000),
-             Span("gpu", 40, 2, "copy0", "load", 5, 5000.0, 5600.0, 1000)]
+    spans = [Span("gpu", 1, 9, "copy0", "load", 2, 0.0, 1000.0, 1000),          # another layer's
+             Span("gpu", 40, 2, "copy0", "load", 5, 5000.0, 5900.0, 1000),      # layer 2's own, moving
+             Span("gpu", 50, 9, "copy0", "load", 6, 7000.0, 8000.0, 1000),      # another layer's, and
+             Span("gpu", 50, 2, "copy0", "load", 7, 8000.0, 8100.0, 1000)]      # layer 2's queued behind it
     plans = []
 
-    def layer(p_, t_end, gap, loads=()):
-        spans.extend([Span("gpu", p_, 2, "compute", "route", -1, t_end - 10.0, t_end, 0),
-                      Span("gpu", p_, 2, "compute", "expert", 3, t_end + gap, t_end + gap + 30.0, 0),
-                      Span("gpu", p_, 2, "compute", "expert", 1, t_end + gap + 30.0, t_end + gap + 60.0, 0)])
-        plans.append(SimpleNamespace(pass_index=p_, layer=1, loads=loads))
+    def layer(p_, t_end, gap, loads=(), d=2, m=1):
+        spans.extend([Span("gpu", p_, d, "compute", "route", -1, t_end - 10.0, t_end, 0),
+                      Span("gpu", p_, d, "compute", "expert", 3, t_end + gap, t_end + gap + 30.0, 0),
+                      Span("gpu", p_, d, "compute", "expert", 1, t_end + gap + 30.0, t_end + gap + 60.0, 0)])
+        plans.append(SimpleNamespace(pass_index=p_, layer=m, loads=loads))
     for i in range(6):
         layer(10 + i, 100.0 + 100 * i, 20.0)                       # busy
         layer(20 + i, 2000.0 + 100 * i, 6.0)                       # quiet
-    for i in range(4):             # counted, these would make the busy median 400
-        layer(30 + i, 700.0 + 50 * i, 400.0, loads=((1, 4, 0, -1, 0),))    # loads into itself: waits for it
+    for i in range(7):
+        layer(30 + i, 620.0 + 50 * i, 400.0, loads=((1, 4, 0, -1, 0),))    # loads into itself
         layer(40 + i, 5100.0 + 100 * i, 400.0)                     # its own prefetch still landing
-    spans.append(Span("gpu", 10, 0, "compute", "route", -1, 5.0, 50.0, 0))          # the first layer
-    spans.append(Span("gpu", 10, 0, "compute", "expert", 0, 90.0, 100.0, 0))
-    plans.append(SimpleNamespace(pass_index=10, layer=0, loads=()))
+        layer(50 + i, 7100.0 + 100 * i, 400.0 + (8000.0 - 7100.0 - 100 * i))   # its own prefetch queued
+        layer(60 + i, 130.0 + 100 * i, 400.0, d=0, m=0)            # the first layer
     log = SimpleNamespace(spans=spans, plans=plans, pass_us=[(q, True, 1, 0.0) for q in sorted({sp[1] for sp in spans})])
     assert launch_copy_s(log, 0, moe) == pytest.approx(14e-6)
     log.spans = [sp for sp in spans if not (sp[4] == "route" and 2000.0 <= sp[7] < 3000.0)]   # no quiet route

@@ -54,7 +54,8 @@ def launch_copy_s(log, first: int, moe_layers) -> float | None:
     issues it, in seconds, from a run with its plans recorded: the compute stream's gap from the
     route span's end (the launch issued) to the layer's first expert, busy median less quiet median,
     over the decode layers but the first whose plan loaded nothing into the layer itself and none of
-    whose own loads was still landing then (a wait for its own copy is not this one). The gap is the
+    whose own loads, moving or queued, landed after the route's end and began before the experts (a
+    wait for its own copy is not this one). The gap is the
     slot table's small copy (`lean_io._set_table`, on the compute stream) and the launch: on the
     H200 (2026-12-05) 6 us with the link idle, 16-21 us beside a load in every read-back policy's
     runs at batches 1 and 2. None where either side has under `SLOW_MIN`."""
@@ -76,7 +77,7 @@ def launch_copy_s(log, first: int, moe_layers) -> float | None:
                 or k not in own or k not in first_x:
             continue
         t = s[END]
-        if any(a <= t < b for a, b in landing.get(s[LAYER], ())):
+        if any(b > t and a < first_x[k] for a, b in landing.get(s[LAYER], ())):
             continue
         gaps[moving(t)].append(first_x[k] - t)
     d = _weighted([gaps], lambda busy, quiet: busy - quiet)

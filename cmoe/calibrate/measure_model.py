@@ -246,8 +246,9 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
         lp = replace(cfg, policies=("lru-prefetch",), slots=spec.num_experts)
         p_att = _per_layer(run_policy(w, lp, "lru-prefetch").log, ("attention",), r.first)[0]
         one["predict_gpu"] = (p_att - one["eager_attention"]) / M / 1e6
-        # runs that load (half the experts' slots, a few tokens): lru-prefetch's route step beside a load it
-        # prefetched, over one with none moving (`readback_copy_us`); commit's launches (OWA on the device)
+        # runs that load (half the experts' slots, a few tokens; lru-prefetch's three quarters): its route step
+        # and launch beside a load it prefetched, over those with none moving (`readback_copy_us`,
+        # `launch_copy_us`); commit's launches (OWA on the device)
         # over upper's, and the copies before them, moving or not; what its loads do to the kernels beside them
         loading = {"slots": max(spec.top_k, spec.num_experts // 2), "tokens": min(r.tokens, 8)}
         # (three quarters of the slots: layers that load nothing of their own, beside a load and not)
