@@ -57,6 +57,7 @@ def test_errors_by_hand(runs):
     assert v["per_layer"][0]["mean_error"] == pytest.approx(-20 / 170)
     assert v["per_layer_mean_error_max"] == pytest.approx(-20 / 170)          # the worst layer, sign kept
     assert v["per_layer_worst"] == 0
+    assert v["per_layer_mean_error_max_rest"] == pytest.approx(-20 / 230)     # past the first layer
     assert v["per_token"]["signed"] == pytest.approx(-60 / 440)
     assert v["tokens_per_s"]["predicted"] == pytest.approx(1e6 / 380)
     assert v["tokens_per_s"]["error"] == pytest.approx(440 / 380 - 1)
