@@ -34,7 +34,7 @@ def readback_copy_s(log, first: int, moe_layers) -> float | None:
     issued (the host issues them inside the span: `host_load_us` each, priced apart), weighted by
     the spans of each; None where no count has `SLOW_MIN` of each side. Where the layers that issued
     none have them, from those alone: on the H200 (2026-12-05) their route span took 11-14 us quiet
-    and 25-32 beside a load in every read-back run, while one that issued a load took 23-29 us
+    and 25-32 beside a load in the pool-26 read-back runs, while one that issued a load took 23-29 us
     either way (seen, not explained), so pooling the counts read 6.5 us."""
     dec, moving = {p for p, d, _, _ in log.pass_us if d}, _in_flight(log)
     own = {(r.pass_index, moe_layers[r.layer]): len(r.loads) for r in log.plans if r.layer >= 0}
@@ -57,8 +57,8 @@ def launch_copy_s(log, first: int, moe_layers) -> float | None:
     whose own loads, moving or queued, landed after the route's end and began before the experts (a
     wait for its own copy is not this one). The gap is the
     slot table's small copy (`lean_io._set_table`, on the compute stream) and the launch: on the
-    H200 (2026-12-05) 6 us with the link idle, 16-21 us beside a load in every read-back policy's
-    runs at batches 1 and 2. None where either side has under `SLOW_MIN`."""
+    H200 (2026-12-05), medians, 6 us with the link idle and 16-25 beside a load in the read-back
+    policies' runs at batches 1 and 2. None where either side has under `SLOW_MIN`."""
     dec, moving = {p for p, d, _, _ in log.pass_us if d}, _in_flight(log)
     own = {(r.pass_index, moe_layers[r.layer]) for r in log.plans
            if r.layer >= 0 and not any(ld[0] == r.layer for ld in r.loads)}

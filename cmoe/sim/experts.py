@@ -71,7 +71,7 @@ class ExpertSteps:
         spans); the loads deferred behind a wave's experts are issued after it. A launch issued while a
         load moves starts `table` later (the read-back path's `launch_copy_us`: its slot table's small
         copy, on the compute stream, waits behind the load's on the one H2D engine; on the H200, 2026-12-05,
-        6 us between the read-back and the experts with the link idle, 16-21 us beside a load).
+        6 us between the read-back and the experts with the link idle, 16-25 us beside a load).
         Copies run FIFO (the profile requires it). Returns (H, G)."""
         hw, c, run, p = self.hw, self.c, self.run, x.p
         after = {ld.expert: v for v, lds in later.items() for ld in lds}
