@@ -11,7 +11,9 @@
 #                                             # model, which predicts; CAL=cut or CAL=built for one), then
 #                                             # measure the GPU-only policies at pools 16/20/26, batches
 #                                             # 1/2/4/8; the tarballs under $OUT go to benchmarks/validate_table.py here;
-#                                             # SPEC=PRESET POOLS=GB,GB BATCHES=B,B for another model's shapes
+#                                             # SPEC=PRESET POOLS=GB,GB BATCHES=B,B for another model's shapes;
+#                                             # CAL=built BATCHES=1,2,4,8 fits one call: 401-419 s on an H100, 414 s
+#                                             # in two calls on the H200 (twenty-fourth session)
 #   bash benchmarks/gpu_session.sh host-ab    # issue 13: the host's step by phase, batch 1, pool 20, in four
 #                                             # processes alternating .before/ (a tree to compare against,
 #                                             # carried) and this tree; logs and JSON under $OUT/host-ab/
