@@ -208,10 +208,11 @@ def validate(pred: Run, meas: Run) -> dict:
     diffs = {k: cp[k] - cm[k] for k in cp if k != "pass"}
     worst = max(diffs, key=lambda k: abs(diffs[k]))
     layer_mape = [v["mape"] for v in layers.values() if v["n"]]
-    worst_layer = max((k for k, v in layers.items() if v["n"]), key=lambda k: abs(layers[k]["mean_error"]), default=None)
+    scored = [k for k, v in layers.items() if v["n"]]
+    worst_of = lambda ks: max(ks, key=lambda k: abs(layers[k]["mean_error"]), default=None)  # noqa: E731
+    worst_layer = worst_of(scored)
     # past the first layer, whose span holds the host's pass boundary (issue 15's misses, twenty-fourth session)
-    rest = max((k for k, v in layers.items() if v["n"] and k != min(layers)), key=lambda k: abs(layers[k]["mean_error"]),
-               default=None)
+    rest = worst_of([k for k in scored if k != min(layers)])
     return {"policy": pred.metrics["policy"], "model": pred.metrics["model"], "trace_id": pred.metrics["trace_id"],
             "decode_passes": len(order), "tokens_per_s": {"predicted": tp, "measured": tm, "error": (tp - tm) / tm},
             "per_token": tok, "op_kinds": kinds, "per_layer": layers,

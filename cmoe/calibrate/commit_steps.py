@@ -19,11 +19,10 @@ def route_gpu_s(log, first: int) -> tuple[float, float]:
     over commit's decode layers (its ahead path issues no loads inside the span) but the first (the
     pass's start-up); 0 where there is none. The medians: the GPU's own time where the host is
     ahead, as it mostly is on this path."""
-    dec, moving = {p for p, d, _, _ in log.pass_us if d}, _in_flight(log)
+    moving = _in_flight(log)
     quiet, busy = [], []
-    for s in log.spans:
-        if s[STEP] in dec and s[OP] == "route" and s[STREAM] == "compute" and s[LAYER] != first:
-            (busy if moving(s[START]) else quiet).append(s[END] - s[START])
+    for s in _routes(log, first):
+        (busy if moving(s[START]) else quiet).append(s[END] - s[START])
     return tuple(float(np.median(xs)) / 1e6 if xs else 0.0 for xs in (quiet, busy))
 
 
@@ -36,12 +35,11 @@ def readback_copy_s(log, first: int, moe_layers) -> float | None:
     none have them, from those alone: on the H200 (2026-12-05) their route span took 11-14 us quiet
     and 25-32 beside a load in the pool-26 read-back runs, while one that issued a load took 23-29 us
     either way (seen, not explained), so pooling the counts read 6.5 us."""
-    dec, moving = {p for p, d, _, _ in log.pass_us if d}, _in_flight(log)
+    moving = _in_flight(log)
     own = {(r.pass_index, moe_layers[r.layer]): len(r.loads) for r in log.plans if r.layer >= 0}
     by: dict[int, dict[bool, list]] = {}
-    for s in log.spans:
-        if s[STEP] in dec and s[OP] == "route" and s[STREAM] == "compute" and s[LAYER] != first \
-                and (s[STEP], s[LAYER]) in own:
+    for s in _routes(log, first):
+        if (s[STEP], s[LAYER]) in own:
             by.setdefault(own[s[STEP], s[LAYER]], {True: [], False: []})[moving(s[START])].append(s[END] - s[START])
     d = _weighted([by.get(0, {True: [], False: []})], lambda busy, quiet: busy - quiet)
     if d is None:
@@ -55,11 +53,11 @@ def launch_copy_s(log, first: int, moe_layers) -> float | None:
     route span's end (the launch issued) to the layer's first expert, busy median less quiet median,
     over the decode layers but the first whose plan loaded nothing into the layer itself and none of
     whose own loads, moving or queued, landed after the route's end and began before the experts (a
-    wait for its own copy is not this one). The gap is the
-    slot table's small copy (`lean_io._set_table`, on the compute stream) and the launch: on the
-    H200 (2026-12-05), medians, 6 us with the link idle and 16-25 beside a load in the read-back
-    policies' runs at batches 1 and 2. None where either side has under `SLOW_MIN`."""
-    dec, moving = {p for p, d, _, _ in log.pass_us if d}, _in_flight(log)
+    wait for its own copy is not this one). The gap is the slot table's small copy
+    (`lean_io._set_table`, on the compute stream) and the launch: on the H200 (2026-12-05), medians,
+    6 us with the link idle and 16-25 beside a load in the read-back policies' runs at batches 1 and
+    2. None where either side has under `SLOW_MIN`."""
+    moving = _in_flight(log)
     own = {(r.pass_index, moe_layers[r.layer]) for r in log.plans
            if r.layer >= 0 and not any(ld[0] == r.layer for ld in r.loads)}
     landing: dict[int, list] = {}
@@ -67,19 +65,14 @@ def launch_copy_s(log, first: int, moe_layers) -> float | None:
     for s in log.spans:
         if s[OP] == "load" and s[END] > s[START]:
             landing.setdefault(s[LAYER], []).append((s[START], s[END]))
-        elif s[OP] == "expert" and s[STEP] in dec:
+        elif s[OP] == "expert":
             k = (s[STEP], s[LAYER])
             first_x[k] = min(first_x.get(k, s[START]), s[START])
     gaps: dict[bool, list] = {True: [], False: []}
-    for s in log.spans:
-        k = (s[STEP], s[LAYER])
-        if s[OP] != "route" or s[STREAM] != "compute" or s[STEP] not in dec or s[LAYER] == first \
-                or k not in own or k not in first_x:
-            continue
-        t = s[END]
-        if any(b > t and a < first_x[k] for a, b in landing.get(s[LAYER], ())):
-            continue
-        gaps[moving(t)].append(first_x[k] - t)
+    for s in _routes(log, first):
+        k, t = (s[STEP], s[LAYER]), s[END]
+        if k in own and k in first_x and not any(b > t and a < first_x[k] for a, b in landing.get(s[LAYER], ())):
+            gaps[moving(t)].append(first_x[k] - t)
     d = _weighted([gaps], lambda busy, quiet: busy - quiet)
     return d / 1e6 if d is not None else None
 
@@ -128,6 +121,13 @@ def copy_slowdowns(log, first: int) -> dict:
             run = [(a, b)]
     ratio = lambda busy, quiet: busy / quiet - 1.0  # noqa: E731
     return {"attention": _weighted([att], ratio), "expert": _weighted(list(by_n.values()), ratio)}
+
+
+def _routes(log, first: int) -> list:
+    """The compute stream's `route` spans of the run's decode passes, layer `first` (the pass's
+    start-up) left out: what each route statistic here compares."""
+    dec = {p for p, d, _, _ in log.pass_us if d}
+    return [s for s in log.spans if s[STEP] in dec and s[OP] == "route" and s[STREAM] == "compute" and s[LAYER] != first]
 
 
 def _in_flight(log):

@@ -246,19 +246,18 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
         lp = replace(cfg, policies=("lru-prefetch",), slots=spec.num_experts)
         p_att = _per_layer(run_policy(w, lp, "lru-prefetch").log, ("attention",), r.first)[0]
         one["predict_gpu"] = (p_att - one["eager_attention"]) / M / 1e6
-        # runs that load (half the experts' slots, a few tokens; lru-prefetch's three quarters): its route step
-        # and launch beside a load it prefetched, over those with none moving (`readback_copy_us`,
-        # `launch_copy_us`); commit's launches (OWA on the device)
-        # over upper's, and the copies before them, moving or not; what its loads do to the kernels beside them
-        loading = {"slots": max(spec.top_k, spec.num_experts // 2), "tokens": min(r.tokens, 8)}
-        # (three quarters of the slots: layers that load nothing of their own, beside a load and not)
-        rb_log = run_policy(w, replace(lp, record_plans=True, tokens=loading["tokens"],
+        # runs that load, a few tokens each. lru-prefetch with three quarters of the slots (layers that load
+        # nothing of their own, beside a load it prefetched and not): its route step and launch beside a load
+        # (`readback_copy_us`, `launch_copy_us`). commit with half: its launches (OWA on the device) over
+        # upper's, the copies before them, moving or not, and what its loads do to the kernels beside them
+        tokens = min(r.tokens, 8)
+        rb_log = run_policy(w, replace(lp, record_plans=True, tokens=tokens,
                                        slots=max(spec.top_k, 3 * spec.num_experts // 4)), "lru-prefetch").log
-        for key, f in (("readback_copy", readback_copy_s), ("launch_copy", launch_copy_s)):   # and its launches'
+        for key, f in (("readback_copy", readback_copy_s), ("launch_copy", launch_copy_s)):
             v = f(rb_log, r.first, spec.moe_layers)
             one[key] = max(v, 0.0) if v is not None else 0.0
         one["commit_waves"] = _wave_points(c_log, w.trace, 1, spec)
-        ld = run_policy(w, replace(cc, **loading), "commit").log
+        ld = run_policy(w, replace(cc, slots=max(spec.top_k, spec.num_experts // 2), tokens=tokens), "commit").log
         one["commit_gpu"], one["commit_gpu_copy"], one["copy_slow"] = *commit_gpu_s(c_log, ld, r.first), copy_slowdowns(ld, r.first)
         one["commit_start"] = start_excess_s(c_log, r.first) - one["plain_excess"]     # over upper's layer 0
     # the early router itself, timed on its own (every policy that predicts runs it), and what commit's larger
