@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from cmoe.executor.cuda_rt import D2H, DISABLE_TIMING, H2D
@@ -135,6 +136,27 @@ def test_a_pass_lists_its_real_rows_once():
     assert eng._live() == [1, 2]
 
 
+def test_the_caches_step_on_the_device_writes_what_its_step_writes():
+    """`StaticKV.device_step` (P's graph's first work) after `aim_device_steps`, with the host's
+    `advance`: pass by pass the slot, the mask and the count that `step` leaves; the aim refused
+    before a prefill."""
+    from cmoe.executor.kv import StaticKV
+    a, b = StaticKV(2, 9, torch.device("cpu")), StaticKV(2, 9, torch.device("cpu"))
+    for kv in (a, b):
+        kv.prefill(4, torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))
+    b.aim_decode()                                     # the warm-up's aim, as `_capture` leaves it
+    b.aim_device_steps()
+    assert b.slots.item() == 3 and b.decoding
+    for s in (4, 5, 6):
+        assert a.step() == s == b.advance()
+        b.device_step()
+        assert a.slots.item() == b.slots.item() == s and a.length == b.length == s + 1
+        assert torch.equal(a.valid, b.valid) and b.valid[:, s].all() and not b.valid[:, s + 1:].any()
+    assert a.valid[0].tolist() == [False] + [True] * 6 + [False] * 2
+    with pytest.raises(ValueError, match="follows a prefill"):
+        StaticKV(1, 4, torch.device("cpu")).aim_device_steps()
+
+
 def test_a_graphed_passs_inputs_are_runtime_calls_and_torchs_ops_where_they_must(monkeypatch):
     """`pass_inputs`: with the runtime and device tensors, the cache's next slot (8 bytes from a
     pinned table of positions, made once per cache), its mask column (one 2-D memset) and each pair device
@@ -177,6 +199,15 @@ def test_a_graphed_passs_inputs_are_runtime_calls_and_torchs_ops_where_they_must
         lean_io.pass_inputs(no_rt, kv, [(dst, src)], 7, no_table)
         assert rt.take() == [] and dst.tolist() == [[7], [8], [9]] and kv.length == 6
         assert kv.slots.item() == 5 and kv.valid[:, 5].all() and not kv.valid[:, 6:].any()
+    # stepped (P's graph moves the slot and column on the device): the host's count alone, the pairs as before
+    kv = StaticKV(3, 16, torch.device("cpu"))
+    kv.prefill(5, None)
+    for stepped_rt in (rt, None):
+        dst.zero_()
+        lean_io.pass_inputs(stepped_rt, kv, [(dst, src)], 7, None, stepped=True)
+        assert rt.take() == ([("copy", dst.data_ptr(), src.data_ptr(), 24, D2D, 7)] if stepped_rt else [])
+        assert dst.tolist() == ([[0], [0], [0]] if stepped_rt else [[7], [8], [9]])
+    assert kv.length == 7 and kv.decoding and kv.slots.item() == 0 and not kv.valid[:, 5:].any()
     # the table: every position; none for a mask the runtime's memset would not write right
     assert lean_io.slot_table(StaticKV(1, 4, torch.device("cpu"))).tolist() == [0, 1, 2, 3]
     odd = StaticKV(2, 4, torch.device("cpu"))

@@ -80,6 +80,22 @@ class StaticKV:
         self.valid[:, s] = True
         return s
 
+    def device_step(self) -> None:
+        """`step`'s device side as two kernels that take the slot from the device: the slot one past
+        the last written, and its mask column. The first work of a graphed decode pass
+        (`lean_program._capture`), so no pass copies its slot in from the host; the host's
+        `advance` keeps the count, and `aim_device_steps` sets the slot before the first replay."""
+        self.slots.add_(1)
+        self.valid.index_fill_(1, self.slots, True)
+
+    def aim_device_steps(self) -> None:
+        """Before the first pass of graphs that hold `device_step`: the slot last written, so that
+        their step lands on the next one."""
+        if not self.length:
+            raise ValueError("a decode step on the device follows a prefill")
+        self.slots.fill_(self.length - 1)
+        self._write = self.slots
+
     def advance(self) -> int:
         """`step`'s host side alone: the next slot, taken; the caller writes `slots` and the
         `valid` column on the device (the lean engine's runtime calls: `lean_io.pass_inputs`)."""

@@ -210,7 +210,7 @@ def _on_device(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def pass_inputs(rt, kv, pairs: list, h: int, table: torch.Tensor | None) -> None:
+def pass_inputs(rt, kv, pairs: list, h: int, table: torch.Tensor | None, stepped: bool = False) -> None:
     """A graphed decode pass's inputs on the compute stream (handle `h`): the cache's next slot and
     its mask column, then each (destination, source) pair of device tensors (the token ids and
     positions, a replay's routes). With the runtime and the cache's `slot_table`, one call each,
@@ -218,17 +218,24 @@ def pass_inputs(rt, kv, pairs: list, h: int, table: torch.Tensor | None) -> None
     layer 0 could be issued): the slot from the table, the column by `cudaMemset2DAsync`, each
     pair device to device, or by torch's copy where a pair is not two like tensors (`_like`).
     Without them, torch's ops. The sources are the caller's tensors, on the compute stream's
-    allocations (stream order keeps them)."""
-    if rt is None or table is None:
+    allocations (stream order keeps them).
+
+    `stepped`: the pass's first graph moves the slot and its mask column on the device
+    (`StaticKV.device_step`), so only the host's count moves here. The slot's copy from pinned
+    memory goes through the one host-to-device engine, and beside a moving load it waited there:
+    layer 0 took 24-50 us longer on the twenty-fourth session's H100 runs whenever a load was
+    moving (BENCHMARKS.md, twenty-fifth session), as the read-back's table copy does."""
+    fast = rt is not None and (stepped or table is not None)
+    if stepped:
+        kv.advance()
+    elif not fast:
         kv.step()
-        for d, s in pairs:
-            d.copy_(s, non_blocking=True)
-        return
-    s, v = kv.advance(), kv.valid
-    rt.copy(kv.slots.data_ptr(), table.data_ptr() + 8 * s, 8, H2D, h)
-    rt.memset2d(v.data_ptr() + s, v.stride(0), 1, 1, v.shape[0], h)
+    else:
+        s, v = kv.advance(), kv.valid
+        rt.copy(kv.slots.data_ptr(), table.data_ptr() + 8 * s, 8, H2D, h)
+        rt.memset2d(v.data_ptr() + s, v.stride(0), 1, 1, v.shape[0], h)
     for d, src in pairs:
-        if _like(d, src):
+        if fast and _like(d, src):
             rt.copy(d.data_ptr(), src.data_ptr(), d.nbytes, D2D, h)
         else:                                  # another dtype (a recorded trace's int32 ids), a view
             d.copy_(src, non_blocking=True)

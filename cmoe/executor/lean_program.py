@@ -142,6 +142,11 @@ class Segments:
                 idx, w = t["pred"][0]
                 t["rb0"] = torch.cat([idx.float(), w.float()], 1)
 
+    def _pre_stepped(self) -> None:
+        """P as captured: the cache's step on the device, then `seg_pre`."""
+        self.kv.device_step()
+        self.seg_pre()
+
     def seg_attn(self, m: int) -> None:
         t = self.t
         h = t["h_in0"] if m == 0 else t["h"][m - 1]
@@ -225,17 +230,7 @@ class Segments:
         """Warm up and record the decode segments, over the static inputs (first decode pass)."""
         h0 = time.perf_counter()
         dev = self.device
-        E = self.spec.num_experts
-        self.io = {"ids": torch.zeros((B, 1), dtype=torch.long, device=dev),
-                   "pos": torch.zeros((B, 1), dtype=torch.long, device=dev), "mask": self.kv.decode_mask}
-        self._make_kin(B, decode=True)
-        if self.fused:
-            from cmoe.executor.kernels_triton import Workspace
-            self._ws = Workspace(B, self._kin_k, self.spec.hidden, self.spec.expert_ffn, E, dev)
-        self.kv.aim_decode()                             # warm-up writes where this pass will write
-        if self.clock.rt is not None and os.environ.get("CMOE_RUNTIME_INPUTS", "1") != "0":
-            from cmoe.executor.lean_io import slot_table  # `pass_inputs`' positions, pinned, untimed
-            self._slot_src = slot_table(self.kv)          # (CMOE_RUNTIME_INPUTS=0: torch's ops, an A/B)
+        self._capture_inputs(B)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         self.t = _fresh(self.M)
@@ -262,7 +257,7 @@ class Segments:
             and os.environ.get("CMOE_WAVE_GRAPHS", "1") != "0"
         if waves:                                          # a layer in launch waves: one replay a wave
             self._wave_acc = torch.zeros((B, self.spec.hidden), dtype=torch.float32, device=dev)
-        rec("pre", self.seg_pre)
+        rec("pre", self._pre_stepped if self._stepped else self.seg_pre)
         for m in range(self.M):
             rec(("attn", m), self.seg_attn, m)
             if self.fused and not self.has_cpu:
@@ -276,11 +271,31 @@ class Segments:
                 self._static_out = False
         rec("head", self.seg_head)
         torch.cuda.synchronize(dev)
+        if self._stepped:
+            self.kv.aim_device_steps()                     # P's first replay steps to this pass's slot
         self.graphs = g
         self.t_graph = self.t
         self._static_out = True
         self._in_graph = False
         self.log.capture_us = (time.perf_counter() - h0) * 1e6
+
+    def _capture_inputs(self, B: int) -> None:
+        """The graphs' static inputs: ids, positions, the kernels' inputs and workspace, the cache
+        aimed at this pass's slot for the warm-up."""
+        dev = self.device
+        self.io = {"ids": torch.zeros((B, 1), dtype=torch.long, device=dev),
+                   "pos": torch.zeros((B, 1), dtype=torch.long, device=dev), "mask": self.kv.decode_mask}
+        self._make_kin(B, decode=True)
+        if self.fused:
+            from cmoe.executor.kernels_triton import Workspace
+            self._ws = Workspace(B, self._kin_k, self.spec.hidden, self.spec.expert_ffn, self.spec.num_experts, dev)
+        self.kv.aim_decode()                             # warm-up writes where this pass will write
+        # the pass's slot moved on the device by P's graph (`StaticKV.device_step`; CMOE_DEVICE_STEP=0:
+        # copied in by `pass_inputs`, an A/B)
+        self._stepped = os.environ.get("CMOE_DEVICE_STEP", "1") != "0"
+        if self.clock.rt is not None and os.environ.get("CMOE_RUNTIME_INPUTS", "1") != "0" and not self._stepped:
+            from cmoe.executor.lean_io import slot_table  # `pass_inputs`' positions, pinned, untimed
+            self._slot_src = slot_table(self.kv)          # (CMOE_RUNTIME_INPUTS=0: torch's ops, an A/B)
 
     def _program_eager(self) -> None:
         self.seg_pre()
