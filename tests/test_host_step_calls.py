@@ -138,8 +138,8 @@ def test_a_pass_lists_its_real_rows_once():
 
 def test_the_caches_step_on_the_device_writes_what_its_step_writes():
     """`StaticKV.device_step` (P's graph's first work) after `aim_device_steps`, with the host's
-    `advance`: pass by pass the slot, the mask and the count that `step` leaves; the aim refused
-    before a prefill."""
+    `advance`: pass by pass the slot, the mask and the count that `step` leaves; a cache whose
+    device and host counts part is refused at the end; with no prefill the first step is slot 0."""
     from cmoe.executor.kv import StaticKV
     a, b = StaticKV(2, 9, torch.device("cpu")), StaticKV(2, 9, torch.device("cpu"))
     for kv in (a, b):
@@ -153,8 +153,16 @@ def test_the_caches_step_on_the_device_writes_what_its_step_writes():
         assert a.slots.item() == b.slots.item() == s and a.length == b.length == s + 1
         assert torch.equal(a.valid, b.valid) and b.valid[:, s].all() and not b.valid[:, s + 1:].any()
     assert a.valid[0].tolist() == [False] + [True] * 6 + [False] * 2
-    with pytest.raises(ValueError, match="follows a prefill"):
-        StaticKV(1, 4, torch.device("cpu")).aim_device_steps()
+    b.check_device_steps()
+    b.advance()                                        # a pass that took a slot and never replayed P
+    with pytest.raises(RuntimeError, match=r"on the device \(6\) is not the last one the host took \(7\)"):
+        b.check_device_steps()
+    c = StaticKV(1, 4, torch.device("cpu"))            # no prefill: the first step lands on slot 0
+    c.aim_device_steps()
+    assert c.advance() == 0
+    c.device_step()
+    assert c.slots.item() == 0 and c.valid.tolist() == [[True, False, False, False]]
+    c.check_device_steps()
 
 
 def test_a_graphed_passs_inputs_are_runtime_calls_and_torchs_ops_where_they_must(monkeypatch):

@@ -125,6 +125,7 @@ def test_lean_queued_passes_decide_as_synced_ones(fused_checkpoints, monkeypatch
     from cmoe.executor.cuda_rt import Runtime
     memsets, memset2d = [], Runtime.memset2d
     monkeypatch.setattr(Runtime, "memset2d", lambda self, *a: memsets.append(a) or memset2d(self, *a))
+    monkeypatch.delenv("CMOE_DEVICE_STEP", raising=False)
     for sync in ("0", "1"):
         monkeypatch.setenv("CMOE_PASS_SYNC", sync)
         _, runs[sync] = _run(fused_checkpoints["mixtral"], pols, tokens=8, keep_logits=False)
@@ -205,12 +206,28 @@ def test_lean_early_launched_gemv_changes_no_decision(fused_checkpoints, family,
 def test_lean_slot_stepped_on_the_device_as_copied_in(fused_checkpoints, family, monkeypatch):
     """P's graph moves the cache's slot and mask column on the device (the default), against the
     slot copied in from pinned memory and the column set by a memset (CMOE_DEVICE_STEP=0): the same
-    plans, logits agreeing up to the expert kernel's fp32 atomics, and the cache left alike."""
-    out = {}
+    plans, logits agreeing up to the expert kernel's fp32 atomics, the memsets only where copied in,
+    and the caches left alike."""
+    from cmoe.executor import run as R
+    from cmoe.executor.cuda_rt import Runtime
+    memsets, memset2d, new_cache = [], Runtime.memset2d, R.new_cache
+    monkeypatch.setattr(Runtime, "memset2d", lambda self, *a: memsets.append(a) or memset2d(self, *a))
+    caches = []
+    monkeypatch.setattr(R, "new_cache", lambda *a: caches.append(new_cache(*a)) or caches[-1])
+    out, count, pols = {}, {}, ["upper", "ondemand", "commit"]
     for flag in ("1", "0"):
         monkeypatch.setenv("CMOE_DEVICE_STEP", flag)
-        _, out[flag] = _run(fused_checkpoints[family], ["upper", "ondemand", "commit"], tokens=6)
+        n = len(memsets)
+        _, out[flag] = _run(fused_checkpoints[family], pols, tokens=6)
+        count[flag] = len(memsets) - n
     _same_decisions(out["1"], out["0"])
+    # stepped, no pass sets its mask column from the host; copied in, every graphed decode pass does
+    assert count["1"] == 0 and (Runtime.get() is None or count["0"] >= 5 * len(pols)), count
+    # the caches each way alike at the end: the slot last written, the mask, the count (the engine's
+    # `check_device_steps` passed at finish in the stepped runs)
+    for a, b in zip(caches[:len(pols)], caches[len(pols):]):
+        assert a.length == b.length and a.slots.item() == b.slots.item() == a.length - 1
+        assert torch.equal(a.valid, b.valid)
 
 
 @pytest.fixture(scope="module")

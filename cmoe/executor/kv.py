@@ -91,14 +91,22 @@ class StaticKV:
     def aim_device_steps(self) -> None:
         """Before the first pass of graphs that hold `device_step`: the slot last written, so that
         their step lands on the next one."""
-        if not self.length:
-            raise ValueError("a decode step on the device follows a prefill")
-        self.slots.fill_(self.length - 1)
+        self.slots.fill_(self.length - 1)                         # -1 with no prefill: the first step lands on 0
         self._write = self.slots
+
+    def check_device_steps(self) -> None:
+        """After graphed passes that stepped on the device: the device's slot is the last the host
+        took. The device counts, so a pass that took a slot without replaying its first graph (or
+        the reverse) would shift every later pass's writes; refused, not passed on."""
+        on_device = int(self.slots.item())
+        if on_device != self.length - 1:
+            raise RuntimeError(f"the cache's slot on the device ({on_device}) is not the last one the host took "
+                               f"({self.length - 1}): a pass stepped one side only")
 
     def advance(self) -> int:
         """`step`'s host side alone: the next slot, taken; the caller writes `slots` and the
-        `valid` column on the device (the lean engine's runtime calls: `lean_io.pass_inputs`)."""
+        `valid` column on the device (`lean_io.pass_inputs`' runtime calls, or P's graph:
+        `device_step`)."""
         if self.length >= self.max_len:
             raise ValueError(f"the cache holds {self.max_len} positions and all are used")
         s = self.length

@@ -122,7 +122,7 @@ class LeanEngine(HostSteps, HostProgramSteps, Segments, Engine):
         # passes queued back to back (docs/executor.md); GPU-sleep runs and CMOE_PASS_SYNC=1 keep syncs
         self._overlap = queues_passes(self.cuda) and not self._lead_cycles
         self._chained, self._slot_src, self._rb_pin0 = False, None, None   # `pass_inputs`' table; `_read_back_pred0`'s
-        self._stepped = False                              # P's graph steps the cache (`_capture`)
+        self._stepped = self._rt_inputs = False            # P's graph steps the cache; inputs by runtime calls (`_capture`)
         self._spin = os.environ.get("CMOE_WAIT", "sync") == "spin"     # `HostIO._read_back_wait`: the A/B
 
     # --- hooks (record tensors; run inside graph capture too) ------------------------------------
@@ -290,6 +290,8 @@ class LeanEngine(HostSteps, HostProgramSteps, Segments, Engine):
     def finish(self):
         self._hp_finish()
         self._settle()
+        if self._stepped and self.kv is not None:
+            self.kv.check_device_steps()
         self.log.host_phases = self.host_phases
         self.log.plans.sort(key=lambda r: (r.pass_index, r.layer))   # upper's are settled a pass late
         return super().finish()
@@ -298,7 +300,8 @@ class LeanEngine(HostSteps, HostProgramSteps, Segments, Engine):
         B, n = p.input_ids.shape
         if graphs:                                         # runtime calls where it can (`pass_inputs`)
             pairs = [(self.io["ids"], p.input_ids), (self.io["pos"], p.position_ids)] + self._route_pairs(p)
-            pass_inputs(self.clock.rt, self.kv, pairs, self.pool.compute_h, self._slot_src, self._stepped)
+            pass_inputs(self.clock.rt if self._rt_inputs else None, self.kv, pairs, self.pool.compute_h,
+                        self._slot_src, self._stepped)
             return
         if self.graphs is not None:
             # the eager path replaces the inputs and workspace the graphs were captured over

@@ -293,9 +293,10 @@ class Segments:
         # the pass's slot moved on the device by P's graph (`StaticKV.device_step`; CMOE_DEVICE_STEP=0:
         # copied in by `pass_inputs`, an A/B)
         self._stepped = os.environ.get("CMOE_DEVICE_STEP", "1") != "0"
-        if self.clock.rt is not None and os.environ.get("CMOE_RUNTIME_INPUTS", "1") != "0" and not self._stepped:
+        self._rt_inputs = self.clock.rt is not None and os.environ.get("CMOE_RUNTIME_INPUTS", "1") != "0"
+        if self._rt_inputs and not self._stepped:         # (CMOE_RUNTIME_INPUTS=0: torch's ops, an A/B)
             from cmoe.executor.lean_io import slot_table  # `pass_inputs`' positions, pinned, untimed
-            self._slot_src = slot_table(self.kv)          # (CMOE_RUNTIME_INPUTS=0: torch's ops, an A/B)
+            self._slot_src = slot_table(self.kv)
 
     def _program_eager(self) -> None:
         self.seg_pre()
