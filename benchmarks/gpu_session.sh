@@ -55,7 +55,7 @@
 #                                             # program GPU tests (replayed with adaptive-ahead and commit-ahead, live
 #                                             # at batch 1 too), then both beside the Python step, Mixtral b1/b4
 #                                             # pool 20 and OLMoE b1 pool 3 (~7 min)
-#   bash benchmarks/gpu_session.sh step-ab    # the cache's slot stepped on the device against copied in (CMOE_DEVICE_STEP=0):
+#   bash benchmarks/gpu_session.sh step-ab    # the cache's slot stepped on the device (CMOE_DEVICE_STEP=1) against copied in:
 #                                             # the lean GPU tests that cover it, then upper, lru-prefetch and oracle at
 #                                             # pool 26, batches 1 and 8, each right after its twin, timelines kept (~4 min)
 #   bash benchmarks/gpu_session.sh calib      # issue 15: `cmoe calibrate` alone on the 4-layer cut (~1-2 min), its profile
@@ -153,7 +153,7 @@ case "${1:-}" in
   step-ab) timeout 230 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -k "slot_stepped or queued or match_transformers" \
              -p no:cacheprovider 2>&1 | tail -6 || true
            timeout 300 python3 benchmarks/lean_h200.py --out "$OUT/step" --tokens 32 --policy-tokens 32 --repeats 1 \
-             --batches 1,8 --pools 26 --engines lean --policies lru-prefetch,oracle --env-ablation CMOE_DEVICE_STEP=0 \
+             --batches 1,8 --pools 26 --engines lean --policies lru-prefetch,oracle --env-ablation CMOE_DEVICE_STEP=1 \
              --timelines --budget-s 240 2>&1 | grep -E "^lean|^HBM|^built|rror" || true ;;
   calib) rm -rf /tmp/v; mkdir -p /tmp/v; timeout 300 python3 -c "from cmoe.cli.app import app; app()" calibrate --device cuda \
           --layers 4 --out /tmp/v/profile.json 2>&1 | grep -v Warning | tail -40 || true

@@ -132,9 +132,8 @@ def test_lean_queued_passes_decide_as_synced_ones(fused_checkpoints, monkeypatch
     # per policy, 8 decode passes: synced, a device sync at the start of each; queued, one at the
     # first (its capture) and one at close (the last pass still queued). On the H200: 129 and 99
     assert syncs["1"] - syncs["0"] == (8 - 2) * len(pols), syncs
-    # each graphed pass's slot and mask column moved on the device by P's graph (`StaticKV.device_step`):
-    # no memset of the column, and no copy of the slot, from the host
-    assert memsets == [], len(memsets)
+    # each graphed pass's inputs by the runtime (`pass_inputs`): one memset of the mask column each
+    assert Runtime.get() is None or len(memsets) >= 2 * 7 * len(pols), len(memsets)
     for a, b in zip(runs["0"], runs["1"]):
         assert [p.loads for p in a.log.plans] == [p.loads for p in b.log.plans], a.policy
         assert a.log.slot_mismatches == 0 and b.log.slot_mismatches == 0, a.policy
@@ -204,8 +203,8 @@ def test_lean_early_launched_gemv_changes_no_decision(fused_checkpoints, family,
 
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v2", "qwen3_moe"])
 def test_lean_slot_stepped_on_the_device_as_copied_in(fused_checkpoints, family, monkeypatch):
-    """P's graph moves the cache's slot and mask column on the device (the default), against the
-    slot copied in from pinned memory and the column set by a memset (CMOE_DEVICE_STEP=0): the same
+    """P's graph moves the cache's slot and mask column on the device (CMOE_DEVICE_STEP=1), against the
+    slot copied in from pinned memory and the column set by a memset (the default): the same
     plans, logits agreeing up to the expert kernel's fp32 atomics, the memsets only where copied in,
     and the caches left alike."""
     from cmoe.executor import run as R
