@@ -433,3 +433,58 @@ def test_a_failing_call_stops_the_pass(name, kind, nth, err):
     calls = {"launch": 0, "record": 1, "wait": 2, "sync": 3, "copy": 4}
     assert rc == -1 and failed == len(log) - 1, log[failed:]
     assert (b.cnt[hp.C_ERR], b.cnt[hp.C_ERRCALL]) == (err, calls[kind])
+
+
+def test_a_pass_takes_only_the_events_the_last_pass_recorded(monkeypatch):
+    """`_hp_pass` hands the program K events a pass: all K from the clock's free ones before the
+    first pass, then only the n the last pass recorded (its marks, the run's until read) are
+    replaced, the rest kept; a short reserve is made up and counted late; `_hp_finish` gives back
+    the ones no pass recorded. No event is ever two marks at once, and none is lost."""
+    from types import SimpleNamespace as NS
+    from cmoe.executor.lean_fast import HostProgramSteps
+    made = iter(range(1000, 2000))
+
+    class Marks:
+        free, late = [next(made) for _ in range(12)], 0
+
+        def reserve(self, n):
+            while len(self.free) < n:
+                self.free.append(next(made))
+
+    M, K, used = 2, 6, [4, 6, 0, 3, 5]
+    marks = Marks()
+    b = hp.books(M, 3, 2, 2, K)
+    held = []
+
+    def run(prog, pool, s, d, pd, b, gbase, p, P, ts, waves):
+        held.append(b.ev.tolist())
+        n = used[p]
+        b.cnt[:] = 0
+        b.cnt[hp.C_MARKS] = n
+        b.lay_i[M - 1, hp.L_LAST] = gbase + max(n - 1, 0)
+        return 0
+
+    eng = type("Eng", (HostProgramSteps,), {})()
+    eng.clock, eng.pool, eng.M, eng.record_plans = NS(_marks=marks), NS(compute_h=7, expert=[[0, 1], [2]]), M, False
+    eng.last, eng.h_last = None, 0.0
+    eng._hp = {"books": b, "marks": K, "spent": K, "prog": NS(scal=np.zeros(16, np.int64)), "gbase": 0,
+               "run": run, "pool": NS(expert=np.zeros((M, 2), np.int64)), "s": None, "d": None, "pd": None,
+               "P": len(used), "ts": None, "waves": None, "passes": [], "mk": {}, "ev": []}
+    for p in range(len(used)):
+        eng._hp_pass(NS(index=p))
+    recorded = np.concatenate(eng._hp["ev"]).tolist()
+    assert [len(e) for e in eng._hp["ev"]] == used and len(set(recorded)) == sum(used) == 18
+    for p, ev in enumerate(held):
+        assert len(set(ev)) == K                                   # K distinct events each pass
+        earlier = set(np.concatenate(eng._hp["ev"][:p]).tolist()) if p else set()
+        assert not earlier & set(ev)                               # none a mark not yet read
+        if p:                                                      # the unused ones stayed put
+            assert ev[used[p - 1]:] == held[p - 1][used[p - 1]:]
+    # 12 free: 6 taken, then 4, 6 (4 made late), 0, 3 (3 made late)
+    assert marks.late == 7 and marks.free == []
+    monkeypatch.setattr("cmoe.sim.replay.state.restore", lambda policy, s: None)
+    eng.policy, eng._hp_spans = None, lambda *a: None
+    eng.pool._forget = lambda: None
+    eng._hp_finish()
+    assert sorted(marks.free + recorded) == list(range(1000, 1000 + 12 + 7))   # every event back or a mark
+    assert marks.free == held[-1][used[-1]:]
