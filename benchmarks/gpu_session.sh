@@ -56,8 +56,9 @@
 #                                             # at batch 1 too), then both beside the Python step, Mixtral b1/b4
 #                                             # pool 20 and OLMoE b1 pool 3 (~7 min)
 #   bash benchmarks/gpu_session.sh step-ab    # the cache's slot stepped on the device (CMOE_DEVICE_STEP=1) against copied in:
-#                                             # the lean GPU tests that cover it, then upper, lru-prefetch and oracle at
-#                                             # pool 26, batches 1 and 8, each right after its twin, timelines kept (~4 min)
+#                                             # the lean GPU tests that cover it and the host program (its events handed
+#                                             # over anew, twenty-fifth session), then upper, lru-prefetch and oracle at
+#                                             # pool 26, batches 1 and 8, each right after its twin, timelines kept (~6 min)
 #   bash benchmarks/gpu_session.sh calib      # issue 15: `cmoe calibrate` alone on the 4-layer cut (~1-2 min), its profile
 #                                             # and measurements into $OUT and the terms that moved between calibrations
 #   bash benchmarks/gpu_session.sh validate-r 1,2,4   # the same with every configuration run twice (--repeat),
@@ -150,7 +151,7 @@ case "${1:-}" in
        "$N" -i /tmp/ncuv/v.ncu-rep --page source --csv --print-source sass > /tmp/ncuv/source.csv 2>&1 || true
        (cd /tmp && tar czf "$OUT/ncuv.tgz" ncuv/raw.csv ncuv/source.csv ncuv/run.log); ls -la /tmp/ncuv ;;
   gptq) timeout 300 python3 benchmarks/gptq_h200.py run --src .gq --out "$OUT/gptq-h200.json" 2>&1 | tail -30 ;;
-  step-ab) timeout 230 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -k "slot_stepped or queued or match_transformers" \
+  step-ab) timeout 260 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -k "slot_stepped or queued or match_transformers or host_program" \
              -p no:cacheprovider 2>&1 | tail -6 || true
            timeout 300 python3 benchmarks/lean_h200.py --out "$OUT/step" --tokens 32 --policy-tokens 32 --repeats 1 \
              --batches 1,8 --pools 26 --engines lean --policies lru-prefetch,oracle --env-ablation CMOE_DEVICE_STEP=1 \
