@@ -128,8 +128,7 @@ class HostProgramSteps:
         h = self._hp = {"run": hp.run, "prog": prog, "pool": state, "s": export(self.policy, pa),
                         "d": decisions(M + 1, 1, E), "pd": pass_data(pa), "P": pa.num_passes,
                         "books": hp.books(M, E, S, W, marks), "marks": marks, "ts": np.zeros(2, np.int64),
-                        "waves": np.zeros(E, np.int64), "gbase": 0, "passes": [], "mk": {}, "ev": [],
-                        "spent": marks}                # all of books.ev to take before the first pass
+                        "waves": np.zeros(E, np.int64), "gbase": 0, "passes": [], "mk": {}, "ev": []}
         hp.compile_for(h["run"], prog, state, h["s"], h["d"], h["pd"], h["books"], 0, 0, 0, h["ts"], h["waves"])
         self.log.host_program = True
         self.log.capture_us += (time.perf_counter() - h0) * 1e6
@@ -243,7 +242,7 @@ class HostProgramSteps:
         the layers (the last layer's end mark and host time)."""
         h = self._hp
         b = h["books"]
-        self._hp_refill(b.ev, h["spent"])
+        self._hp_refill(b.ev, h.get("spent", h["marks"]))   # all of books.ev before the first pass
         h["prog"].scal[hp.S_CS] = self.pool.compute_h
         gbase = h["gbase"]
         pi = p.index                                       # the pass in the twin's arrays
@@ -328,8 +327,8 @@ class HostProgramSteps:
             self.pool.expert[m] = pool.expert[m, :n].tolist()
         self.pool._forget()                               # the device has finished: nothing in flight
         h["passes"] = []
-        self.clock._marks.free.extend(h["books"].ev[h["spent"]:].tolist())   # the events no pass recorded
-        h["spent"] = h["marks"]
+        self.clock._marks.free.extend(h["books"].ev[h.get("spent", h["marks"]):].tolist())   # those no pass recorded
+        h["spent"] = h["marks"]                          # given back: a second finish gives none
 
     def _hp_spans(self, p, last, h_last, lay_i, lay_f, wav_i, wav_f, wx, ld, skipped, pass_f) -> None:
         """One pass's records as `_enter_layer`, `_plan_layer` and `_launch_waves` (or commit's
