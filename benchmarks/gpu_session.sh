@@ -59,6 +59,8 @@
 #                                             # the lean GPU tests that cover it and the host program (its events handed
 #                                             # over anew, twenty-fifth session), then upper, lru-prefetch and oracle at
 #                                             # pool 26, batches 1 and 8, each right after its twin, timelines kept (~6 min)
+#   bash benchmarks/gpu_session.sh boundary   # issue 15: the host's pass boundary by phase with the compiled program running
+#                                             # (CMOE_HOST_PROFILE=pass), pools 16 and 26, batches 1 and 8, timelines kept (~5 min)
 #   bash benchmarks/gpu_session.sh calib      # issue 15: `cmoe calibrate` alone on the 4-layer cut (~1-2 min), its profile
 #                                             # and measurements into $OUT and the terms that moved between calibrations
 #   bash benchmarks/gpu_session.sh validate-r 1,2,4   # the same with every configuration run twice (--repeat),
@@ -156,6 +158,9 @@ case "${1:-}" in
            timeout 300 python3 benchmarks/lean_h200.py --out "$OUT/step" --tokens 32 --policy-tokens 32 --repeats 1 \
              --batches 1,8 --pools 26 --engines lean --policies lru-prefetch,oracle --env-ablation CMOE_DEVICE_STEP=1 \
              --timelines --budget-s 240 2>&1 | grep -E "^lean|^HBM|^built|rror" || true ;;
+  boundary) timeout 300 python3 benchmarks/lean_h200.py --out "$OUT/boundary" --tokens 32 --policy-tokens 32 --repeats 1 \
+              --batches 1,8 --pools 16,26 --engines lean --policies ondemand,lru-prefetch,oracle,commit --pass-profile \
+              --timelines --budget-s 260 2>&1 | grep -E "^lean|host phases|rror" || true ;;
   calib) rm -rf /tmp/v; mkdir -p /tmp/v; timeout 300 python3 -c "from cmoe.cli.app import app; app()" calibrate --device cuda \
           --layers 4 --out /tmp/v/profile.json 2>&1 | grep -v Warning | tail -40 || true
         cp /tmp/v/profile*.json "$OUT/" 2>/dev/null; terms ;;
@@ -179,5 +184,5 @@ case "${1:-}" in
                 | grep -E "^lean|host phases|Error|error" > "$OUT/host-ab/$t$i.log") || true
            done; done
            grep -h "^lean" "$OUT"/host-ab/*.log | cut -c1-150 || true ;;
-  *) echo "usage: $0 check|fuse-ab|gemv|attn|tests|host-tests|wait|ncu|variants|kernel-ab|ncu-variants|gptq|b1|b48|cpu48|validate|validate-r BATCHES|host-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 step-ab|boundary|check|fuse-ab|gemv|attn|tests|host-tests|wait|ncu|variants|kernel-ab|ncu-variants|gptq|b1|b48|cpu48|validate|validate-r BATCHES|host-ab" >&2; exit 2 ;;
 esac

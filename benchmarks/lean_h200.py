@@ -172,6 +172,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=560.0, help="stop starting runs after this many seconds")
     ap.add_argument("--profile", default="", help="cProfile a 16-token lean run of these policies (comma list) at batch 1")
     ap.add_argument("--host-profile", action="store_true", help="time the host's step by phase (CMOE_HOST_PROFILE)")
+    ap.add_argument("--pass-profile", action="store_true",
+                    help="time the host's pass boundary by phase, the compiled host program running (CMOE_HOST_PROFILE=pass)")
     ap.add_argument("--norm-ablation", action="store_true",
                     help="also run lean upper with transformers' own RMSNorm (CMOE_FUSED_NORM=0)")
     ap.add_argument("--attn-ablation", action="store_true",
@@ -202,8 +204,8 @@ def main() -> None:
                     help="also run lean upper with torch's router top-k and residual sums (CMOE_FUSED_STEPS=0)")
     a = ap.parse_args()
     a.twins = env_twins(a, ap)
-    if a.host_profile:
-        os.environ["CMOE_HOST_PROFILE"] = "1"
+    if a.host_profile or a.pass_profile:
+        os.environ["CMOE_HOST_PROFILE"] = "pass" if a.pass_profile else "1"
     t_start = time.perf_counter()
     a.out.mkdir(parents=True, exist_ok=True)
     # COMMIT as gpu_session.sh is called: the device's copy of the tree may carry an older .git
@@ -248,9 +250,11 @@ def main() -> None:
                  **decode_stats(r, w.spec, res["hbm_gbps"], w.store.layout.nbytes / (res["h2d_gbps_one_expert"] * 1e9)))
         ph = getattr(r.log, "host_phases", None)
         if ph:
-            n = max(ph.pop("layers", 1), 1)
-            m["host_phases_us_per_layer"] = {k: v / n for k, v in ph.items()}
-            print("   host phases, us per layer:", ", ".join(f"{k} {v / n:.1f}" for k, v in ph.items()), flush=True)
+            unit = "layer" if "layers" in ph else "pass"            # CMOE_HOST_PROFILE=pass counts passes alone
+            n = max(ph.pop("layers", 0) or ph.get("passes", 1), 1)
+            ph.pop("passes", None)
+            m[f"host_phases_us_per_{unit}"] = {k: v / n for k, v in ph.items()}
+            print(f"   host phases, us per {unit}:", ", ".join(f"{k} {v / n:.1f}" for k, v in ph.items()), flush=True)
         res["runs"].append(m)
         if a.timelines:                                  # every run's spans, for the host's steps offline
             name = f"timeline-{engine}-b{cfg.batch}-{cfg.pool_gb:g}-{p}" + (f"-{tag}".replace(" ", "_") if tag else "")

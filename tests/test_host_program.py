@@ -464,7 +464,7 @@ def test_a_pass_takes_only_the_events_the_last_pass_recorded(monkeypatch):
         b.lay_i[M - 1, hp.L_LAST] = gbase + max(n - 1, 0)
         return 0
 
-    eng = type("Eng", (HostProgramSteps,), {})()
+    eng = type("Eng", (HostProgramSteps,), {"_tick": lambda self, phase: None})()
     eng.clock, eng.pool, eng.M, eng.record_plans = NS(_marks=marks), NS(compute_h=7, expert=[[0, 1], [2]]), M, False
     eng.last, eng.h_last = None, 0.0
     eng._hp = {"books": b, "marks": K, "prog": NS(scal=np.zeros(16, np.int64)), "gbase": 0,

@@ -221,3 +221,23 @@ def test_a_graphed_passs_inputs_are_runtime_calls_and_torchs_ops_where_they_must
     odd = StaticKV(2, 4, torch.device("cpu"))
     odd.valid = odd.valid.t().contiguous().t()
     assert lean_io.slot_table(odd) is None
+
+
+def test_the_host_profile_counts_layers_or_passes(monkeypatch):
+    """`_tick`: time since the last tick into the named phase; a read-back wait counts a layer (the
+    Python step's profile), the head a pass (`CMOE_HOST_PROFILE=pass`, the program running); with
+    no profile, nothing."""
+    from cmoe.executor import lean_steps
+    clock = iter([1.0, 1.000010, 1.000025, 1.000030, 1.000100, 1.000130])
+    monkeypatch.setattr(lean_steps.time, "perf_counter", lambda: next(clock))
+    eng = type("Eng", (lean_steps.HostSteps,), {})()
+    eng.host_phases, eng._t_phase = {}, 0.0
+    eng._tick(None)
+    for phase in ("pass: inputs", "pass: program (its layers)", "pass: head", "read-back wait", "pass: head"):
+        eng._tick(phase)
+    got = {k: round(v, 3) if isinstance(v, float) else v for k, v in eng.host_phases.items()}
+    assert got == {"pass: inputs": 10.0, "pass: program (its layers)": 15.0, "pass: head": 35.0,
+                   "read-back wait": 70.0, "passes": 2, "layers": 1}
+    eng.host_phases = None
+    eng._tick("pass: head")                                        # off: no clock read, nothing kept
+    assert eng.host_phases is None

@@ -112,7 +112,7 @@ class LeanEngine(HostSteps, HostProgramSteps, Segments, Engine):
         self._fuse(model, spec.family)
         self.has_shared = spec.shared_ffn > 0               # else the MoE block's output is the routed sum
         self._books: list = []                             # passes whose bookkeeping waits for the next launch
-        self.host_phases = {} if os.environ.get("CMOE_HOST_PROFILE") == "1" else None
+        self.host_phases = {} if os.environ.get("CMOE_HOST_PROFILE") in ("1", "pass") else None   # `_tick`
         self._t_phase = 0.0
         self._fused: list = []                             # one launch's marks, split per expert when resolved
         self._upper_marks: list = []

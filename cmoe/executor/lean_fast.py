@@ -12,8 +12,8 @@ for those that plan from the read-backs alone (`ondemand`, `lru-prefetch`, `adap
 `host_live` ranks each read-back as `routes._parse_routes` does, and commit's candidates are each
 row's prediction by weight, as `_keep_prediction` keeps them). Elsewhere, and with
 CMOE_HOST_PROGRAM=0 (the A/B), the Python step runs as before: `upper` (no host step to speed up),
-CPU experts, the look-ahead policies live, the host-phase profiler and the GPU-sleep calibration
-runs. Recorded plans (`record_plans`) are rebuilt from the twin's decisions and the program's
+CPU experts, the look-ahead policies live, the host-phase profiler (`CMOE_HOST_PROFILE=1`; `=pass`
+times the pass's boundary with the program running) and the GPU-sleep calibration runs. Recorded plans (`record_plans`) are rebuilt from the twin's decisions and the program's
 per-layer snapshots of the slots. The twin decides from the pass's routes as the replay engine does
 (a replay's ranked needs and predictions from the trace, which the Python step reads too; a live
 pass's from the read-back), after the layer's read-back wait, so causality is the Python step's:
@@ -80,7 +80,8 @@ class HostProgramSteps:
                 and self.fused and not self.silent and not self.has_cpu and (self.owa or not self.commit)
                 and self.policy.name in FAST_KINDS
                 and (self.policy.depth > 1 or not self.policy.name.endswith("-ahead"))   # depth 1: `_ahead` hands none
-                and not self._lead_cycles and self.host_phases is None and hp.perf_counter_is_monotonic())
+                and not self._lead_cycles and hp.perf_counter_is_monotonic()
+                and (self.host_phases is None or os.environ.get("CMOE_HOST_PROFILE") == "pass"))
 
     def _hp_live_run(self) -> bool:
         """On the first graphed decode pass, with no replay's arrays: the run is live (no trace), its
@@ -244,12 +245,14 @@ class HostProgramSteps:
         b = h["books"]
         self._hp_refill(b.ev, h.get("spent", h["marks"]))   # all of books.ev before the first pass
         h["prog"].scal[hp.S_CS] = self.pool.compute_h
+        self._tick("pass: program entry")
         gbase = h["gbase"]
         pi = p.index                                       # the pass in the twin's arrays
         if self._hp_live:                                  # a live pass: planned as pass 0 of its own arrays
             assert p.replay is None and p.active.all(), "a live run's pass that the program cannot plan"
             pi = 0
         rc = h["run"](h["prog"], h["pool"], h["s"], h["d"], h["pd"], b, gbase, pi, h["P"], h["ts"], h["waves"])
+        self._tick("pass: program (its layers)")
         c = b.cnt
         n = h["spent"] = int(c[hp.C_MARKS])                # b.ev[:n] are the run's marks now; the rest wait
         if rc or c[hp.C_ERR]:
@@ -267,6 +270,7 @@ class HostProgramSteps:
         M = self.M
         last = int(b.lay_i[M - 1, hp.L_LAST])
         self.last, self.h_last = self._hp_mark(last, b.ev[last - gbase]), float(b.lay_f[M - 1, hp.F_LAST])
+        self._tick("pass: program records")
 
     def _hp_refill(self, ev: np.ndarray, n: int) -> None:
         """The program's events for a pass: the n its last pass recorded (its marks, read at the

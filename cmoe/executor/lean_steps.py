@@ -231,14 +231,17 @@ class HostSteps(HostIO):
             tuple(_slot_table(self.policy.pool.where[m], len(self.pool.expert[m])))))
 
     def _tick(self, phase: str | None) -> None:
-        """Host time by phase of the policy's step (`CMOE_HOST_PROFILE=1`; summed in `host_phases`)."""
+        """Host time by phase of the policy's step (`CMOE_HOST_PROFILE=1`; summed in `host_phases`),
+        or with `CMOE_HOST_PROFILE=pass` of the pass alone, the compiled host program running (its
+        layers one phase: the boundary between passes is what this times)."""
         if self.host_phases is None:
             return
         now = time.perf_counter()
         if phase is not None:
             self.host_phases[phase] = self.host_phases.get(phase, 0.0) + (now - self._t_phase) * 1e6
-            if phase == "read-back wait":
-                self.host_phases["layers"] = self.host_phases.get("layers", 0) + 1
+            if phase in ("read-back wait", "pass: head"):
+                count = "layers" if phase == "read-back wait" else "passes"
+                self.host_phases[count] = self.host_phases.get(count, 0) + 1
         self._t_phase = now
 
     def _parse_routes(self, m, host, K, K2, live):
