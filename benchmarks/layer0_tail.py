@@ -6,9 +6,12 @@ validate`) wrote, untarred (`poolP-bB/measured/timeline-POLICY.parquet`), or the
     python benchmarks/layer0_tail.py FOLDER [FOLDER ...] [--json OUT.json]
 
 Per decode pass past the first: from the later of layer 0's first mark and the end of the host's
-step for it (`host_attention`, the launch) to the end of layer 0's attention span on the GPU, and
-whether any load was on the link in that window. A pass's inputs on the compute stream that wait
-behind a load (an H2D copy) show as a longer tail beside one; medians per folder, batch and tag.
+step for it (its last `host_attention` span, the launch) to the end of layer 0's attention span on
+the GPU, and whether any load was on the link in that window. A pass's inputs on the compute
+stream that wait behind a load (an H2D copy) show as a longer tail beside one; medians per folder,
+batch and tag. commit's passes are left out: its layer 0 launches after the read-back of its
+first prediction, so its window holds neither the pass's inputs nor P (two `host_attention` spans
+at layer 0, the pass's start and the launch).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def tails(path: Path) -> list[tuple[bool, float]]:
         ha = s.filter((pl.col("stream") == "host") & (pl.col("op") == "host_attention"))
         if len(ga) == 0 or len(ha) == 0:
             continue
-        a0, a1, h1 = ga["start_us"][0], ga["end_us"][0], ha["end_us"][0]
+        a0, a1, h1 = ga["start_us"][0], ga["end_us"][0], ha["end_us"].max()
         t0 = max(a0, h1)
         busy = bool(((loads[:, 0] < a1) & (loads[:, 1] > t0)).any()) if len(loads) else False
         out.append((busy, a1 - t0))
@@ -68,7 +71,7 @@ def main() -> None:
         groups: dict[tuple[int, str], list] = {}
         for f in sorted(folder.rglob("timeline-*.parquet")):
             k = key(f)
-            if k is not None:
+            if k is not None and "commit" not in f.name:
                 groups.setdefault(k, []).extend(tails(f))
         for (b, tag), v in sorted(groups.items()):
             idle = [x for busy, x in v if not busy]

@@ -250,8 +250,10 @@ def main() -> None:
                  **decode_stats(r, w.spec, res["hbm_gbps"], w.store.layout.nbytes / (res["h2d_gbps_one_expert"] * 1e9)))
         ph = getattr(r.log, "host_phases", None)
         if ph:
-            unit = "layer" if "layers" in ph else "pass"            # CMOE_HOST_PROFILE=pass counts passes alone
-            n = max(ph.pop("layers", 0) or ph.get("passes", 1), 1)
+            per_pass = os.environ.get("CMOE_HOST_PROFILE") == "pass"      # --pass-profile: the graphed passes
+            unit = "pass" if per_pass else "layer"
+            n = max(ph.pop("passes", 0) if per_pass else ph.get("layers", 1), 1)
+            ph.pop("layers", None)
             ph.pop("passes", None)
             m[f"host_phases_us_per_{unit}"] = {k: v / n for k, v in ph.items()}
             print(f"   host phases, us per {unit}:", ", ".join(f"{k} {v / n:.1f}" for k, v in ph.items()), flush=True)

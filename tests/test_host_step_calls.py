@@ -241,3 +241,15 @@ def test_the_host_profile_counts_layers_or_passes(monkeypatch):
     eng.host_phases = None
     eng._tick("pass: head")                                        # off: no clock read, nothing kept
     assert eng.host_phases is None
+
+
+def test_the_pass_profile_keeps_the_graphed_passes_alone(monkeypatch):
+    """`_hp_setup` (right after the graphs' capture) drops what the prefill's Python step timed when
+    `CMOE_HOST_PROFILE=pass`; with `=1` the whole run's phases stay."""
+    from cmoe.executor.lean_fast import HostProgramSteps
+    for mode, kept in (("pass", {}), ("1", {"read-back wait": 5.0, "layers": 1})):
+        monkeypatch.setenv("CMOE_HOST_PROFILE", mode)
+        eng = type("Eng", (HostProgramSteps,), {"_hp_allowed": lambda self: False})()
+        eng.host_phases = {"read-back wait": 5.0, "layers": 1}
+        eng._hp_setup()
+        assert eng.host_phases == kept and eng._hp is None

@@ -103,6 +103,8 @@ class HostProgramSteps:
         machine takes seconds, later processes load it from numba's cache: counted in `capture_us`,
         the first request's cost); or None where anything it needs is missing."""
         self._hp = None
+        if self.host_phases is not None and os.environ.get("CMOE_HOST_PROFILE") == "pass":
+            self.host_phases.clear()                       # the graphed passes alone: not the prefill's Python step
         if not self._hp_allowed():
             return
         if self._hp_live_run():                            # every pass planned from its read-backs (`host_live`)

@@ -232,8 +232,9 @@ class HostSteps(HostIO):
 
     def _tick(self, phase: str | None) -> None:
         """Host time by phase of the policy's step (`CMOE_HOST_PROFILE=1`; summed in `host_phases`),
-        or with `CMOE_HOST_PROFILE=pass` of the pass alone, the compiled host program running (its
-        layers one phase: the boundary between passes is what this times)."""
+        or with `CMOE_HOST_PROFILE=pass` of the graphed passes alone (`_hp_setup` drops what the
+        prefill's Python step timed), the compiled host program running: its layers one phase, the
+        boundary between passes what this times."""
         if self.host_phases is None:
             return
         now = time.perf_counter()
