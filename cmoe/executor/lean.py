@@ -64,7 +64,7 @@ from cmoe.executor.lean_io import pass_inputs
 from cmoe.executor.records import PlanRecord, _expert_to_slot, _slot_table
 from cmoe.executor.lean_program import Segments, _Capture, _fresh, queues_passes
 from cmoe.executor.replay_rows import routes_on_device
-from cmoe.executor.lean_steps import HostSteps
+from cmoe.executor.lean_steps import HostSteps, host_profile
 from cmoe.executor.lean_fast import HostProgramSteps
 from cmoe.core.metrics import classify
 from cmoe.core.timeline import Span
@@ -112,7 +112,7 @@ class LeanEngine(HostSteps, HostProgramSteps, Segments, Engine):
         self._fuse(model, spec.family)
         self.has_shared = spec.shared_ffn > 0               # else the MoE block's output is the routed sum
         self._books: list = []                             # passes whose bookkeeping waits for the next launch
-        self.host_phases = {} if os.environ.get("CMOE_HOST_PROFILE") in ("1", "pass") else None   # `_tick`
+        self.host_phases = {} if host_profile() else None   # `_tick`
         self._t_phase = 0.0
         self._fused: list = []                             # one launch's marks, split per expert when resolved
         self._upper_marks: list = []

@@ -29,6 +29,7 @@ import numpy as np
 from cmoe.executor import host_program as hp
 from cmoe.executor.cuda_rt import Mark
 from cmoe.executor.host_live import layout, live_pass
+from cmoe.executor.lean_steps import host_profile
 
 FAST_KINDS = ("ondemand", "lru-prefetch", "oracle", "adaptive", "commit", "adaptive-ahead", "commit-ahead")
 LIVE_KINDS = ("ondemand", "lru-prefetch", "adaptive", "commit")   # those that plan from the read-backs alone
@@ -81,7 +82,7 @@ class HostProgramSteps:
                 and self.policy.name in FAST_KINDS
                 and (self.policy.depth > 1 or not self.policy.name.endswith("-ahead"))   # depth 1: `_ahead` hands none
                 and not self._lead_cycles and hp.perf_counter_is_monotonic()
-                and (self.host_phases is None or os.environ.get("CMOE_HOST_PROFILE") == "pass"))
+                and (self.host_phases is None or host_profile() == "pass"))
 
     def _hp_live_run(self) -> bool:
         """On the first graphed decode pass, with no replay's arrays: the run is live (no trace), its
@@ -103,7 +104,7 @@ class HostProgramSteps:
         machine takes seconds, later processes load it from numba's cache: counted in `capture_us`,
         the first request's cost); or None where anything it needs is missing."""
         self._hp = None
-        if self.host_phases is not None and os.environ.get("CMOE_HOST_PROFILE") == "pass":
+        if self.host_phases is not None and host_profile() == "pass":
             self.host_phases.clear()                       # the graphed passes alone: not the prefill's Python step
         if not self._hp_allowed():
             return

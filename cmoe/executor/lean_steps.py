@@ -6,6 +6,7 @@ one file; the step's copies between host and device are in `lean_io`."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -13,6 +14,13 @@ import torch
 from cmoe.executor.lean_io import HostIO
 from cmoe.executor.records import PlanRecord, _loads, _slot_table
 from cmoe.policy.waves import waves as launch_waves
+
+
+def host_profile() -> str | None:
+    """`CMOE_HOST_PROFILE`: "1" (the Python step by phase; the compiled program off), "pass" (the
+    graphed passes and their boundary by phase, the program running) or None (no profile)."""
+    v = os.environ.get("CMOE_HOST_PROFILE")
+    return v if v in ("1", "pass") else None
 
 
 class HostSteps(HostIO):
