@@ -7,7 +7,8 @@ validate`) wrote, untarred (`poolP-bB/measured/timeline-POLICY.parquet`), or the
 
 Per decode pass past the first: from the later of layer 0's first mark and the end of the host's
 step for it (its last `host_attention` span, the launch) to the end of layer 0's attention span on
-the GPU, and whether any load was on the link in that window. A pass's inputs on the compute
+the GPU, and whether a load was on the link as it began (calibration's rule for the other layers'
+copy slowdown: `cmoe.calibrate.commit_steps.attention_tails`). A pass's inputs on the compute
 stream that wait behind a load (an H2D copy) show as a longer tail beside one; medians per folder,
 batch and tag. commit's passes are left out: its layer 0 launches after the read-back of its
 first prediction, so its window holds neither the pass's inputs nor P (two `host_attention` spans
@@ -20,29 +21,24 @@ import json
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
-import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cmoe.calibrate.commit_steps import attention_tails  # noqa: E402
+from cmoe.core.timeline import LAYER, STEP, read_parquet  # noqa: E402
 from cmoe.policy.policies import POLICIES  # noqa: E402
 
 
-def tails(path: Path) -> list[tuple[bool, float]]:
-    t = pl.read_parquet(path)
-    loads = t.filter(pl.col("op") == "load").select(["start_us", "end_us"]).to_numpy()
-    out = []
-    for step in range(1, int(t["step"].max()) + 1):
-        s = t.filter((pl.col("step") == step) & (pl.col("layer") == 0))
-        ga = s.filter((pl.col("stream") == "compute") & (pl.col("op") == "attention"))
-        ha = s.filter((pl.col("stream") == "host") & (pl.col("op") == "host_attention"))
-        if len(ga) == 0 or len(ha) == 0:
-            continue
-        a0, a1, h1 = ga["start_us"][0], ga["end_us"][0], ha["end_us"].max()
-        t0 = max(a0, h1)
-        busy = bool(((loads[:, 0] < a1) & (loads[:, 1] > t0)).any()) if len(loads) else False
-        out.append((busy, a1 - t0))
-    return out
+def tails(path: Path) -> dict[bool, list]:
+    """The timeline's layer-0 tails in us, keyed by whether a load was moving as each began
+    (`commit_steps.attention_tails`, which calibration's copy slowdown reads for the other layers)."""
+    spans = read_parquet(path)
+    first = min(s[LAYER] for s in spans if s[LAYER] >= 0)
+    passes = sorted({s[STEP] for s in spans})
+    log = SimpleNamespace(spans=spans, pass_us=[(p, p > 0, 0, 0.0) for p in passes])   # pass 0: the prefill
+    return attention_tails(log, lambda layer: layer == first)
 
 
 def key(path: Path) -> tuple[int, str] | None:
@@ -68,14 +64,15 @@ def main() -> None:
     print("| folder | batch | tag | passes idle / busy | tail median, link idle | tail median, a load moving |")
     print("| --- | ---: | --- | --- | ---: | ---: |")
     for folder in map(Path, args):
-        groups: dict[tuple[int, str], list] = {}
+        groups: dict[tuple[int, str], dict[bool, list]] = {}
         for f in sorted(folder.rglob("timeline-*.parquet")):
             k = key(f)
             if k is not None and "commit" not in f.name:
-                groups.setdefault(k, []).extend(tails(f))
+                g = groups.setdefault(k, {True: [], False: []})
+                for busy, xs in tails(f).items():
+                    g[busy].extend(xs)
         for (b, tag), v in sorted(groups.items()):
-            idle = [x for busy, x in v if not busy]
-            moving = [x for busy, x in v if busy]
+            idle, moving = v[False], v[True]
             med = lambda xs: f"{np.median(xs):.1f}" if xs else "-"
             print(f"| {folder.name} | {b} | {tag or '-'} | {len(idle)} / {len(moving)} | {med(idle)} us | {med(moving)} us |")
             q = lambda xs: [round(float(x), 1) for x in np.percentile(xs, [20, 50, 80])] if xs else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from cmoe.calibrate.spans import decode_passes
 from cmoe.core.timeline import END, LAYER, OP, START, STEP, STREAM
 
 SLOW_MIN = 5     # spans on each side (a load in flight at its start, none) for a copy slowdown
@@ -98,17 +99,12 @@ def copy_slowdowns(log, first: int) -> dict:
     attention step (the host had launched it before the GPU got there in all but 4 of 992 spans a
     run) and 0.06-0.11 for the experts, where a lone HBM-bound copy beside a load slowed 1.5-3.6%
     and a matmul about 1%: a proxy kernel does not say what decode's small launches lose."""
-    dec, moving = {p for p, d, _, _ in log.pass_us if d}, _in_flight(log)
-    issued = {(s[STEP], s[LAYER]): s[END] for s in log.spans if s[OP] == "host_attention"}
-    att: dict[bool, list] = {True: [], False: []}
+    dec, moving = decode_passes(log), _in_flight(log)
+    att = attention_tails(log, lambda layer: layer != first)
     pieces: dict[tuple, list] = {}
     for s in log.spans:
-        if s[STEP] in dec and s[STREAM] == "compute" and s[LAYER] != first:
-            if s[OP] == "attention":
-                t0 = max(s[START], issued.get((s[STEP], s[LAYER]), s[START]))
-                att[moving(t0)].append(s[END] - t0)
-            elif s[OP] == "expert":
-                pieces.setdefault((s[STEP], s[LAYER]), []).append((s[START], s[END]))
+        if s[STEP] in dec and s[STREAM] == "compute" and s[LAYER] != first and s[OP] == "expert":
+            pieces.setdefault((s[STEP], s[LAYER]), []).append((s[START], s[END]))
     by_n: dict[int, dict[bool, list]] = {}
     for ps in pieces.values():
         ps.sort()
@@ -123,10 +119,26 @@ def copy_slowdowns(log, first: int) -> dict:
     return {"attention": _weighted([att], ratio), "expert": _weighted(list(by_n.values()), ratio)}
 
 
+def attention_tails(log, keep) -> dict[bool, list]:
+    """Each decode pass's attention span on the compute stream in the layers `keep(layer)` accepts,
+    from the later of its start and the host's launch of it (the end of the layer's last
+    `host_attention`: a GPU that waited for the host did not run slower), in us, keyed by whether a
+    load was on the link at that point. `copy_slowdowns` reads every layer but the first;
+    `benchmarks/layer0_tail.py` the first, whose span holds the pass's inputs and P."""
+    dec, moving = decode_passes(log), _in_flight(log)
+    issued = {(s[STEP], s[LAYER]): s[END] for s in log.spans if s[OP] == "host_attention"}   # the last, in order
+    out: dict[bool, list] = {True: [], False: []}
+    for s in log.spans:
+        if s[STEP] in dec and s[STREAM] == "compute" and s[OP] == "attention" and keep(s[LAYER]):
+            t0 = max(s[START], issued.get((s[STEP], s[LAYER]), s[START]))
+            out[moving(t0)].append(s[END] - t0)
+    return out
+
+
 def _routes(log, first: int) -> list:
     """The compute stream's `route` spans of the run's decode passes, layer `first` (the pass's
     start-up) left out: what each route statistic here compares."""
-    dec = {p for p, d, _, _ in log.pass_us if d}
+    dec = decode_passes(log)
     return [s for s in log.spans if s[STEP] in dec and s[OP] == "route" and s[STREAM] == "compute" and s[LAYER] != first]
 
 
@@ -157,7 +169,7 @@ def start_excess_s(log, first: int) -> float:
     milliseconds into layer 0 (`upper`'s is ~35 us with passes at 190-240), and one calibration's
     mean read 514 us of commit start where another's read 44 and the runs showed 125-188 (an H100,
     twenty-third session)."""
-    dec = {p for p, d, _, _ in log.pass_us if d}
+    dec = decode_passes(log)
     per: dict[int, dict[int, float]] = {}
     for s in log.spans:
         if s[STEP] in dec and s[STREAM] == "compute" and s[OP] in ("attention", "route") and s[LAYER] >= 0:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cmoe.calibrate.spans import _per_layer
+from cmoe.calibrate.spans import _per_layer, decode_passes
 from cmoe.core.spec import ModelSpec
 from cmoe.core.timeline import END, EXPERT, LAYER, OP, START, STEP
 
@@ -17,7 +17,7 @@ def _wave_points(log, tr, batch: int, spec: ModelSpec) -> list[list[float]]:
     from cmoe.trace.passes import make_passes
     passes = make_passes(tr, batch)
     moe = {d: m for m, d in enumerate(spec.moe_layers)}
-    dec = {p for p, d, _, _ in log.pass_us if d}
+    dec = decode_passes(log)
     by: dict[tuple[int, int], list] = {}
     for s in log.spans:
         if s[STEP] in dec and s[OP] == "expert":
@@ -38,7 +38,7 @@ def _cpu_points(log, tr, batch: int, spec: ModelSpec) -> tuple[list, list]:
     from cmoe.trace.passes import make_passes
     passes = make_passes(tr, batch)
     moe = {d: m for m, d in enumerate(spec.moe_layers)}
-    dec = {p for p, d, _, _ in log.pass_us if d}
+    dec = decode_passes(log)
     pts, trips = [], {}
     for s in log.spans:
         if s[STEP] not in dec:
@@ -55,7 +55,7 @@ def _cpu_points(log, tr, batch: int, spec: ModelSpec) -> tuple[list, list]:
 def _load_cost(log, upper_route_us: float, cuda: bool) -> float:
     """Host seconds per load: the route phase's excess over `upper`'s (per pass, us) spread over
     the loads issued, less the copy itself where the host copies (on a CPU)."""
-    dec = {p for p, d, _, _ in log.pass_us if d}
+    dec = decode_passes(log)
     loads = [s for s in log.spans if s[STEP] in dec and s[OP] == "load"]
     if not loads:
         return 0.0

@@ -10,6 +10,12 @@ import numpy as np
 from cmoe.core.timeline import BYTES, END, LAYER, OP, START, STEP, STREAM
 
 
+def decode_passes(log) -> set[int]:
+    """The run's decode passes (`RunLog.pass_us`: (pass, decode, tokens, us)), which calibrate's
+    statistics read; the prefill's start-up is not theirs."""
+    return {p for p, d, _, _ in log.pass_us if d}
+
+
 def _per_layer(log, ops: tuple[str, ...], first: int | None) -> tuple[float, float]:
     """Mean over decode passes of (the `ops` spans' time less the pass's start-up, start-up) in us,
     where the start-up is layer `first`'s excess over the mean of the other layers. Means, not
@@ -17,7 +23,7 @@ def _per_layer(log, ops: tuple[str, ...], first: int | None) -> tuple[float, flo
     engine does that step where the host does not see it (the lean engine's early router inside a
     CUDA graph costs the host nothing; its GPU time lies in `attention`)."""
     per: dict[int, dict[int, float]] = {}
-    dec = {p for p, d, _, _ in log.pass_us if d}
+    dec = decode_passes(log)
     for s in log.spans:
         if s[STEP] in dec and s[OP] in ops:
             layer = per.setdefault(s[STEP], {})
@@ -36,7 +42,7 @@ def _per_layer(log, ops: tuple[str, ...], first: int | None) -> tuple[float, flo
 def _mean(log, op: str, stat=np.mean) -> float:
     """Mean (or `stat`) duration of the decode passes' `op` spans, in seconds; 0 when the run has
     none (an engine that never does that step pays nothing for it)."""
-    dec = {p for p, d, _, _ in log.pass_us if d}
+    dec = decode_passes(log)
     xs = [s[END] - s[START] for s in log.spans if s[STEP] in dec and s[OP] == op]
     return float(stat(xs)) / 1e6 if xs else 0.0
 
@@ -47,7 +53,7 @@ def _gaps(log) -> list[float]:
     simulator adds after host_sync_us (the launch less its tail: `_result` adds the tail back).
     With every expert resident it is the read-back's latency once the GPU is done, which the
     host_sync span alone overstates: that span also holds the GPU work the host waited behind."""
-    dec = {p for p, d, _, _ in log.pass_us if d}
+    dec = decode_passes(log)
     att, first, route, issue = {}, {}, {}, {}
     for s in log.spans:
         if s[STEP] not in dec:
@@ -122,7 +128,7 @@ def queued_period(log) -> list | None:
     passes: [bytes, mean seconds from one's end to the next's, count] over the loads that started
     within QUEUE_GAP_US of the previous load's end (the marks between them); None without any.
     What a queued copy costs: no DMA start-up, the gap between the marks included."""
-    dec = {p for p, d, _, _ in log.pass_us if d}
+    dec = decode_passes(log)
     loads = sorted((s[START], s[END], s[BYTES]) for s in log.spans if s[STEP] in dec and s[OP] == "load")
     per = [(b, e1 - e0) for (_, e0, _), (s1, e1, b) in zip(loads, loads[1:]) if s1 - e0 < QUEUE_GAP_US]
     if not per or len({b for b, _ in per}) != 1:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from cmoe.calibrate.spans import decode_passes
 from cmoe.core.timeline import END, OP, START, STEP
 
 WAKE_LEADS_US = (300.0, 1000.0, 3000.0)     # GPU sleep before each layer's experts: waits up to ~3 ms,
@@ -32,7 +33,7 @@ WAKE_ROUNDS = 2
 def route_and_wait(log) -> tuple[float, float]:
     """(the mean host route step per MoE layer, the median read-back wait), in seconds, over a
     run's decode passes; (0, 0) for a run without them."""
-    dec = {p for p, d, _, _ in log.pass_us if d}
+    dec = decode_passes(log)
     route = [s[END] - s[START] for s in log.spans if s[STEP] in dec and s[OP] == "host_route"]
     wait = [s[END] - s[START] for s in log.spans if s[STEP] in dec and s[OP] == "host_sync"]
     if not route or not wait:

@@ -223,7 +223,7 @@ def pass_inputs(rt, kv, pairs: list, h: int, table: torch.Tensor | None, stepped
     `stepped`: the pass's first graph moves the slot and its mask column on the device
     (`StaticKV.device_step`), so only the host's count moves here. The slot's copy from pinned
     memory goes through the one host-to-device engine, and beside a moving load it waited there:
-    layer 0's GPU part took 25-30 us longer on the twenty-fourth session's runs whenever a load was
+    layer 0's GPU part took 25-29 us longer on the twenty-fourth session's runs whenever a load was
     moving (BENCHMARKS.md, twenty-fifth session), as the read-back's table copy does."""
     fast = rt is not None and (stepped or table is not None)
     if stepped:
