@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from executor_h200 import h2d_gbps, hbm_gbps, upper_floor_ms  # noqa: E402
 
 from cmoe.executor.run import ExecConfig, build, prepare, run_policy  # noqa: E402
+from cmoe.executor.lean_steps import host_profile  # noqa: E402
 from cmoe.policy.policies import POLICIES  # noqa: E402
 from cmoe.core.timeline import STEP, STREAM, OP, START, END, write_parquet  # noqa: E402
 
@@ -80,6 +81,16 @@ def under_configs(path: Path, run) -> None:
     finally:
         CONFIGS.clear()
         CONFIGS.update(was)
+
+
+def phases_per_unit(ph: dict, profile: str | None) -> tuple[str, dict]:
+    """A run's `host_phases` (us summed, with their counts) as (unit, us per unit): per graphed pass
+    under `CMOE_HOST_PROFILE=pass`, else per MoE layer the Python step ran (the run's totals where
+    it counted none)."""
+    unit = "pass" if profile == "pass" else "layer"
+    counts = {"layer": ph.get("layers", 0), "pass": ph.get("passes", 0)}
+    n = max(counts[unit], 1)
+    return unit, {k: v / n for k, v in ph.items() if k not in ("layers", "passes")}
 
 
 def env_twins(a, ap) -> list[tuple[str, str, str]]:
@@ -250,13 +261,9 @@ def main() -> None:
                  **decode_stats(r, w.spec, res["hbm_gbps"], w.store.layout.nbytes / (res["h2d_gbps_one_expert"] * 1e9)))
         ph = getattr(r.log, "host_phases", None)
         if ph:
-            per_pass = os.environ.get("CMOE_HOST_PROFILE") == "pass"      # --pass-profile: the graphed passes
-            unit = "pass" if per_pass else "layer"
-            n = max(ph.pop("passes", 0) if per_pass else ph.get("layers", 1), 1)
-            ph.pop("layers", None)
-            ph.pop("passes", None)
-            m[f"host_phases_us_per_{unit}"] = {k: v / n for k, v in ph.items()}
-            print(f"   host phases, us per {unit}:", ", ".join(f"{k} {v / n:.1f}" for k, v in ph.items()), flush=True)
+            unit, per = phases_per_unit(ph, host_profile())
+            m[f"host_phases_us_per_{unit}"] = per
+            print(f"   host phases, us per {unit}:", ", ".join(f"{k} {v:.1f}" for k, v in per.items()), flush=True)
         res["runs"].append(m)
         if a.timelines:                                  # every run's spans, for the host's steps offline
             name = f"timeline-{engine}-b{cfg.batch}-{cfg.pool_gb:g}-{p}" + (f"-{tag}".replace(" ", "_") if tag else "")

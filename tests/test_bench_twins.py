@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.lean_h200 import env_twins
+from benchmarks.lean_h200 import env_twins, phases_per_unit
 
 
 def _args(env="", sync=False, inputs=False, wait=False):
@@ -31,3 +31,13 @@ def test_a_pair_without_name_or_value_sign_stops_with_one_line(bad, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("lean_h200.py: error: --env-ablation:") and "is not NAME=VALUE" in err
+
+
+def test_host_phases_are_read_per_layer_or_per_graphed_pass():
+    """`phases_per_unit`: the Python step's profile per layer it counted (the run's totals where it
+    counted none), `CMOE_HOST_PROFILE=pass` per graphed pass; the counters themselves are not phases."""
+    ph = {"pass: inputs": 40.0, "read-back wait": 120.0, "layers": 4, "passes": 2}
+    assert phases_per_unit(ph, "pass") == ("pass", {"pass: inputs": 20.0, "read-back wait": 60.0})
+    assert phases_per_unit(ph, "1") == ("layer", {"pass: inputs": 10.0, "read-back wait": 30.0})
+    assert phases_per_unit({"pass: head": 8.0, "passes": 2}, "1") == ("layer", {"pass: head": 8.0})
+    assert phases_per_unit({"pass: head": 8.0}, "pass") == ("pass", {"pass: head": 8.0})
