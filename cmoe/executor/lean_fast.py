@@ -278,7 +278,7 @@ class HostProgramSteps:
     def _hp_refill(self, ev: np.ndarray, n: int) -> None:
         """The program's events for a pass: the n its last pass recorded (its marks, read at the
         run's end; all of `ev` before the first pass) replaced from the clock's free ones, the rest
-        kept where they are. Handing all of them back and taking them again each pass cost 15-25 us
+        kept where they are. Handing all of them back and taking them again each pass cost 13-30 us
         of the host's pass boundary on 2026-12-05's AMD CPU at 402-786 events (the GPU waits for the
         boundary); this moves only the used ones."""
         if n == 0:
