@@ -284,10 +284,12 @@ def _run_both(name, **kw):
     prog = _prog(M, E, S, W=min(2 * 2, E) + 1, t=t if commit else None, pa=pa)
     ref = Reference(py, prog, M, S)
     fake = _FAKE
-    run = fake.use(prog)
     s, pd, d = export(tw, pa), pass_data(pa), decisions(M + 1, 1, E)
     pool, b = hp.pool_of(np.array(ref.expert)), _books(M, E, S, prog)
     ts, waves = np.zeros(2, np.int64), np.zeros(E, np.int64)
+    # the compiled entry point, as the engine calls it (`_hp_setup`), not the dispatcher
+    run = hp.compile_for(fake.use(prog), prog, pool, s, d, pd, b, 0, 0, 0, ts, waves)
+    assert run is not hp.run
     logs = []
     for p in range(1, pa.num_passes):
         assert pa.decode[p]
