@@ -75,6 +75,11 @@ def test_fitting_recovers_the_parameters_it_was_made_from():
     m["layer"]["load_queue"] = [4 << 20, 4 * 1.048576 / known.h2d_pinned[-1][1] / 1e3 + 5e-6, 30]
     q = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-11-29")
     assert q.h2d_queued_us == pytest.approx(5.0) and "h2d_queued_us" in q.sources
+    assert q.h2d_pinned == got.h2d_pinned and "x1" not in q.sources["h2d_pinned"]
+    m["layer"]["load_queue"] = [93_585_408, 93_585_408 / (known.h2d_pinned[-1][1] * 1.02 * 1e9), 112]
+    f = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-11-29")    # expert-sized loads 2% faster
+    assert [g for _, g in f.h2d_pinned] == pytest.approx([g * 1.02 for _, g in got.h2d_pinned])
+    assert f.h2d_queued_us == 0.0 and "x1.0200" in f.sources["h2d_pinned"]
     assert [g for _, g in got.d2h_pinned] == pytest.approx([g for _, g in known.d2h_pinned])
     for f in ("hbm_gbps", "matmul_tflops", "launch_us", "layer_fixed_us", "attn_us_per_token", "cpu_expert_gbps",
               "roundtrip_us", "h2d_pageable_gbps", "copy_compute_slowdown", "pass_start_us", "head_us",
@@ -326,9 +331,19 @@ def test_queued_loads_give_the_copy_cost_without_start_up():
     assert got[0] == b and got[2] == 2 and got[1] == pytest.approx((66.4 + 68.6) / 2 / 1e6)
     assert queued_period(SimpleNamespace(spans=spans[:2] + spans[4:], pass_us=log.pass_us)) is None
     h2d = ((1 << 20, 30.7), (1 << 28, 54.9))
-    assert queued_fit(got, h2d)["h2d_queued_us"] == pytest.approx(67.5 - b / 54.9e3)
-    assert queued_fit(None, h2d) == {}
-    assert queued_fit([b, 50e-6, 4], h2d) == {"h2d_queued_us": 0.0}     # faster than the curve: no start-up
+    same, fit, k = queued_fit(got, h2d)
+    assert same == h2d and k == 1.0 and fit["h2d_queued_us"] == pytest.approx(67.5 - b / 54.9e3)
+    assert queued_fit(None, h2d) == (h2d, {}, 1.0)
+    assert queued_fit([b, 50e-6, 4], h2d) == (h2d, {"h2d_queued_us": 0.0}, 1.0)   # faster, small: no start-up
+    # expert-sized loads (93.6 MB) faster than the curve's last rate: the curve runs at their rate
+    big = 93_585_408
+    scaled, fit, k = queued_fit([big, big / 56.3e9, 112], h2d)
+    assert fit == {"h2d_queued_us": 0.0} and k == pytest.approx(56.3 / 54.9)
+    assert [b for b, _ in scaled] == [1 << 20, 1 << 28]
+    assert [g for _, g in scaled] == pytest.approx([30.7 * 56.3 / 54.9, 56.3])
+    # ... and slower: the curve kept, the excess their start-up
+    same, fit, k = queued_fit([big, big / 54.9e9 + 20e-6, 112], h2d)
+    assert same == h2d and k == 1.0 and fit["h2d_queued_us"] == pytest.approx(20.0)
 
 
 def test_fused_launch_fit_recovers_its_parameters():

@@ -104,8 +104,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     waves |= _owa_fit(m.get("commit_waves") or [], waves)
     # the lean kernel's rows run side by side: its per-key cost is per key of the longest row
     per_key_field = "attn_us_per_cache_key" if m.get("attention_walks_cache") else "attn_us_per_ctx_token"
-    h2d = curve(m["h2d"], m.get("h2d_rounds"))
-    queued = queued_fit(m["layer"].get("load_queue"), h2d)
+    h2d, queued, link_k = queued_fit(m["layer"].get("load_queue"), curve(m["h2d"], m.get("h2d_rounds")))
     slows, slow_src = _copy_slowdowns(m)
     return HardwareProfile(
         name=name, gpu_mem_bytes=gpu_mem_bytes, h2d_pinned=h2d,
@@ -129,6 +128,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         sources={k: src for k in (*_MEASURED, per_key_field, *host, *table)}
         | {k: src + f" ({why})" for k, why in slow_src.items()}
         | {k: src + " (ondemand's loads queued back to back, over the curve's last rate)" for k in queued}
+        | ({"h2d_pinned": src + f" (x{link_k:.4f}: as fast as ondemand's queued expert loads ran)"} if link_k != 1 else {})
         | {k: src + " (a short prompt in a cache as long as the long run's, beside the two context points)"
            for k in split}
         | {k: src + " (upper's fused launches in the model: time = wave_us + experts' bytes at wave_gbps + "
