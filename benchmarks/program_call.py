@@ -68,7 +68,8 @@ def main() -> None:
     for batch in (1, 8):
         args = arguments(batch)
         entry = hp.compile_for(_noop, *args)
-        n = sum(len(a) if isinstance(a, tuple) else isinstance(a, np.ndarray) for a in args)
+        n = sum(sum(isinstance(x, np.ndarray) for x in a) if isinstance(a, tuple) else isinstance(a, np.ndarray)
+                for a in args)
         assert entry(*args) == _noop(*args) == 1
         print(f"| {batch} | {n} | {per_call(_noop, args):.2f} | {per_call(entry, args):.2f} |")
 

@@ -76,10 +76,14 @@ def test_fitting_recovers_the_parameters_it_was_made_from():
     q = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-11-29")
     assert q.h2d_queued_us == pytest.approx(5.0) and "h2d_queued_us" in q.sources
     assert q.h2d_pinned == got.h2d_pinned and "x1" not in q.sources["h2d_pinned"]
-    m["layer"]["load_queue"] = [93_585_408, 93_585_408 / (known.h2d_pinned[-1][1] * 1.02 * 1e9), 112]
-    f = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-11-29")    # expert-sized loads 2% faster
-    assert [g for _, g in f.h2d_pinned] == pytest.approx([g * 1.02 for _, g in got.h2d_pinned])
-    assert f.h2d_queued_us == 0.0 and "x1.0200" in f.sources["h2d_pinned"]
+    seconds = 93_585_408 / (known.h2d_pinned[-1][1] * 1.02 * 1e9)             # expert-sized loads, 2% faster
+    m["layer"]["load_queue"] = [93_585_408, seconds, 112]
+    f = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-11-29")
+    assert f.h2d_queued(93_585_408) == pytest.approx(seconds * 1e6) and f.h2d_queued_us == 0.0
+    assert f.h2d_pinned[0] == got.h2d_pinned[0] and f.h2d_pinned[-1][1] > got.h2d_pinned[-1][1] * 1.02
+    assert "from 16 MiB up x1.0" in f.sources["h2d_pinned"]
+    row = next(r for r in beside(f, m).splitlines() if r.startswith("H2D queued load 89.25 MiB"))
+    assert row.split()[5:7] == [f"{seconds * 1e6:.1f}us"] * 2                 # measured, fitted
     assert [g for _, g in got.d2h_pinned] == pytest.approx([g for _, g in known.d2h_pinned])
     for f in ("hbm_gbps", "matmul_tflops", "launch_us", "layer_fixed_us", "attn_us_per_token", "cpu_expert_gbps",
               "roundtrip_us", "h2d_pageable_gbps", "copy_compute_slowdown", "pass_start_us", "head_us",
@@ -335,15 +339,19 @@ def test_queued_loads_give_the_copy_cost_without_start_up():
     assert same == h2d and k == 1.0 and fit["h2d_queued_us"] == pytest.approx(67.5 - b / 54.9e3)
     assert queued_fit(None, h2d) == (h2d, {}, 1.0)
     assert queued_fit([b, 50e-6, 4], h2d) == (h2d, {"h2d_queued_us": 0.0}, 1.0)   # faster, small: no start-up
-    # expert-sized loads (93.6 MB) faster than the curve's last rate: the curve runs at their rate
-    big = 93_585_408
-    scaled, fit, k = queued_fit([big, big / 56.3e9, 112], h2d)
-    assert fit == {"h2d_queued_us": 0.0} and k == pytest.approx(56.3 / 54.9)
-    assert [b for b, _ in scaled] == [1 << 20, 1 << 28]
-    assert [g for _, g in scaled] == pytest.approx([30.7 * 56.3 / 54.9, 56.3])
-    # ... and slower: the curve kept, the excess their start-up
-    same, fit, k = queued_fit([big, big / 54.9e9 + 20e-6, 112], h2d)
-    assert same == h2d and k == 1.0 and fit["h2d_queued_us"] == pytest.approx(20.0)
+    assert queued_fit([b, 0.0, 4], h2d) == (h2d, {}, 1.0) == queued_fit([b, -1e-6, 4], h2d)   # not a time
+    # expert-sized loads (93.6 MB) around the curve's last rate: a profile with the fit prices a
+    # queued load at what they took, faster (the line moved, its small copy kept) or slower (start-up)
+    big, h2d = 93_585_408, ((1 << 20, 30.7), (1 << 24, 50.2), (1 << 28, 54.9))
+    at_last = big / 54.9e9
+    for f in (0.97, 0.999, 1 - 1e-9, 1 + 1e-9, 1.001, 1.01):
+        curve_, fit, k = queued_fit([big, at_last * f, 112], h2d)
+        prof = replace(H200, h2d_pinned=curve_, **fit)
+        assert prof.h2d_queued(big) == pytest.approx(at_last * f * 1e6, rel=1e-9), f
+        assert curve_[0] == h2d[0] and (k > 1) == (f < 1) and (curve_ == h2d) == (f >= 1)
+        if f < 1:
+            assert fit == {"h2d_queued_us": 0.0}
+            assert [g for _, g in curve_[1:]] == pytest.approx([g * k for _, g in h2d[1:]])
 
 
 def test_fused_launch_fit_recovers_its_parameters():

@@ -1,6 +1,6 @@
 """The link's bandwidth curve from `cmoe calibrate`'s timed copies: the best of each size's
 repeats, the sizes from LINE_FROM up on one line through the smallest copy and the median of the
-largest copy's rounds, scaled to calibrate's own queued expert loads where those ran faster
+largest copy's rounds, moved to calibrate's own queued expert loads where those ran faster
 (`queued_fit`); and `fit_line`, the least-squares line the other fits use. Pure arithmetic,
 no torch."""
 
@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from cmoe.core.hw import GB
+from cmoe.core.hw import GB, HardwareProfile
 
 Points = list[tuple[float, float]]
 
@@ -72,21 +72,23 @@ def queued_fit(load_queue, h2d: tuple) -> tuple[tuple, dict, float]:
     rate, and how much faster than `h2d` the curve now runs: (h2d, {}, 1.0) where none was measured;
     no start-up (0) where they ran faster than that rate.
 
-    Loads of LINE_FROM bytes or more that ran faster than the curve's last rate move the curve
-    itself: every point k times as fast, k their rate over the last, so that such a load takes what
-    calibrate's took. Those loads are the store's own pinned experts on the executor's copy stream,
-    what the runs copy; the curve's largest copy is another buffer, timed at other moments. On the
-    H100 of the twenty-sixth session (47523d2) the largest copy's rounds spread 17.6% (4.86-5.71 ms
-    for 256 MiB) and their median put the line at 53.4 GB/s; calibrate's 112 queued expert loads
-    (93.6 MB) ran at 54.8, and the validation's loads at 1.0375x the curve (every loading row 3.0-3.6%
-    slow, 31 of 60 within 3%); scaled, 1.0115x. In the twelve other stored Mixtral calibrations with
-    queued loads they were at most 0.3% faster than the line, which this leaves as it was. Smaller loads
-    (OLMoE's 3 MB) are mostly start-up: their rate says little of the line's, and moves nothing."""
-    if not load_queue:
+    Loads of LINE_FROM bytes or more that ran faster than the curve's last rate move the curve's
+    line instead (its points from LINE_FROM up, k times as fast), so that the profile prices such a
+    load (`h2d_queued`, which then reads the curve) at what calibrate's took; the smaller copies'
+    points, mostly start-up, stay as measured. Those loads are the store's own pinned experts on
+    the executor's copy stream, what the runs copy; the curve's largest copy is another buffer,
+    timed at other moments. On the H100 of the twenty-sixth session (47523d2) the largest copy's
+    rounds spread 17% (4.86-5.71 ms for 256 MiB) and their median put the line at 53.4 GB/s;
+    calibrate's 112 queued expert loads (93.6 MB) ran at 54.8, and the validation's loads at a
+    median 1.038x the curve (31 of 60 rows within 3%). In the twelve other stored Mixtral
+    calibrations with queued loads, the loads' own rate was within 1% of their runs' in eleven.
+    Smaller loads (OLMoE's 3 MB) are mostly start-up: their rate says little of the line's, and
+    moves nothing."""
+    if not load_queue or load_queue[1] <= 0:
         return h2d, {}, 1.0
     nbytes, seconds, _ = load_queue
     at_last = nbytes / (h2d[-1][1] * GB)
     if nbytes >= LINE_FROM and seconds < at_last:
-        k = at_last / seconds
-        return tuple((b, g * k) for b, g in h2d), {"h2d_queued_us": 0.0}, k
+        k = nbytes / (HardwareProfile.curve_gbps(h2d, nbytes) * GB) / seconds   # the curve's own time over theirs
+        return tuple((b, g * k if b >= LINE_FROM else g) for b, g in h2d), {"h2d_queued_us": 0.0}, k
     return h2d, {"h2d_queued_us": max(seconds - at_last, 0.0) * 1e6}, 1.0

@@ -128,7 +128,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         sources={k: src for k in (*_MEASURED, per_key_field, *host, *table)}
         | {k: src + f" ({why})" for k, why in slow_src.items()}
         | {k: src + " (ondemand's loads queued back to back, over the curve's last rate)" for k in queued}
-        | ({"h2d_pinned": src + f" (x{link_k:.4f}: as fast as ondemand's queued expert loads ran)"} if link_k != 1 else {})
+        | ({"h2d_pinned": src + f" (from 16 MiB up x{link_k:.4f}: as fast as ondemand's queued expert loads ran)"} if link_k != 1 else {})
         | {k: src + " (a short prompt in a cache as long as the long run's, beside the two context points)"
            for k in split}
         | {k: src + " (upper's fused launches in the model: time = wave_us + experts' bytes at wave_gbps + "
@@ -178,16 +178,14 @@ def _wave_fit(points: list) -> dict:
     a launch's fixed cost from its experts' (then each expert stays a kernel of its own)."""
     if len(points) < 3 or len({int(p[0]) for p in points}) < 2:
         return {}
-    X = np.array([[1.0, p[0], p[1]] for p in points])
-    y = np.array([p[2] for p in points])
+    X, y = np.array([[1.0, p[0], p[1]] for p in points]), np.array([p[2] for p in points])
     coef = np.linalg.lstsq(X, y, rcond=None)[0]
     if coef[2] < 0:
         coef = np.append(np.linalg.lstsq(X[:, :2], y, rcond=None)[0], 0.0)
     c, a, b = (float(v) for v in coef)
     if a <= 0:
         return {}
-    nbytes = float(np.mean([p[3] for p in points]))
-    out = {"wave_gbps": nbytes / a / GB, "wave_us": max(c, 0.0) * 1e6, "wave_row_us": b * 1e6}
+    out = {"wave_gbps": float(np.mean([p[3] for p in points])) / a / GB, "wave_us": max(c, 0.0) * 1e6, "wave_row_us": b * 1e6}
     # the launch's own cost by expert count: what each count's launches take beyond their experts'
     # shares (the line bends: on the H200 two experts took 81 us where the line said 86, three 118 for 110)
     by: dict[int, list[float]] = {}
@@ -325,9 +323,11 @@ def beside(p: HardwareProfile, m: dict) -> str:
         for b, s in best_per_size(pts):
             row(f"{kind} {size_label(b)}", s, fn(b))
         if kind == "H2D pinned" and pts:
-            b = max(int(x) for x, _ in pts)
+            b, q = max(int(x) for x, _ in pts), m["layer"].get("load_queue")
             for i, s in enumerate(m.get("h2d_rounds") or [], 2):
                 row(f"{kind} {size_label(b)}, round {i}", s, fn(b))
+            if q:                                  # calibrate's own expert loads, back to back (`queued_fit`)
+                row(f"H2D queued load {size_label(q[0])}", q[1], p.h2d_queued(q[0]))
     for kind, key in (("H2D pageable", "h2d_pageable_points"), ("D2H pageable", "d2h_pageable_points")):
         for b, s in best_per_size(m.get(key) or []):
             row(f"{kind} {size_label(b)}", s, p.h2d_us(b, pinned=False) if kind.startswith("H2D") else None)

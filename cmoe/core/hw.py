@@ -183,7 +183,8 @@ class HardwareProfile:
 
     # transfers ------------------------------------------------------------------------------
     @staticmethod
-    def _curve_gbps(pts: tuple[tuple[int, float], ...], nbytes: int) -> float:
+    def curve_gbps(pts: tuple[tuple[int, float], ...], nbytes: int) -> float:
+        """A (bytes, GB/s) curve's rate at `nbytes`: linear in log2(bytes), flat past its ends."""
         if nbytes <= pts[0][0]:
             return pts[0][1]
         if nbytes >= pts[-1][0]:
@@ -196,7 +197,7 @@ class HardwareProfile:
         raise AssertionError("unreachable")
 
     def h2d_us(self, nbytes: int, pinned: bool = True) -> float:
-        gbps = self._curve_gbps(self.h2d_pinned, nbytes) if pinned else self.h2d_pageable_gbps
+        gbps = self.curve_gbps(self.h2d_pinned, nbytes) if pinned else self.h2d_pageable_gbps
         return nbytes / (gbps * GB) * 1e6
 
     def h2d_queued(self, nbytes: int) -> float:
@@ -209,7 +210,7 @@ class HardwareProfile:
         return min(nbytes / (self.h2d_pinned[-1][1] * GB) * 1e6 + self.h2d_queued_us, self.h2d_us(nbytes))
 
     def d2h_us(self, nbytes: int) -> float:
-        return nbytes / (self._curve_gbps(self.d2h_pinned, nbytes) * GB) * 1e6
+        return nbytes / (self.curve_gbps(self.d2h_pinned, nbytes) * GB) * 1e6
 
     # compute --------------------------------------------------------------------------------
     def expert_kernel_gbps(self, bits: float) -> float:

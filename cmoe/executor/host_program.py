@@ -181,7 +181,7 @@ def _wave(prog, pool, d, b, gbase, m, k, g0, g1, l0, l1, nw, waves, due, one, ts
 def compile_for(fn, *args):
     """Compile `fn` (`run`) for these arguments' types without running it, before timing (from
     numba's cache where an earlier process compiled it), and return the compiled entry point. A
-    pass calls that, not `fn`: the dispatcher types all 84 arrays of the arguments again on every
+    pass calls that, not `fn`: the dispatcher types all 81 arrays of the arguments again on every
     call (8.7 us a call on 2026-12-05's AMD CPU, 0.7 through the entry point:
     `benchmarks/program_call.py`), at the pass boundary, where the GPU waits. The entry point does
     not check types, so a caller passes it these same objects (or ones of the same types) only."""

@@ -129,11 +129,12 @@ class HostProgramSteps:
         ahead = 2 * self.policy.depth * getattr(self.policy, "top", 0) if self.policy.depth > 1 else 0
         marks = 2 + M * (marks_per_layer(self.kin["N"], self.spec.top_k, E, W) + ahead) + 6 * E   # + prefetches
         pa = self._hp_pa
-        h = self._hp = {"run": None, "prog": prog, "pool": state, "s": export(self.policy, pa),
-                        "d": decisions(M + 1, 1, E), "pd": pass_data(pa), "P": pa.num_passes,
-                        "books": hp.books(M, E, S, W, marks), "marks": marks, "ts": np.zeros(2, np.int64),
-                        "waves": np.zeros(E, np.int64), "gbase": 0, "passes": [], "mk": {}, "ev": []}
+        h = {"run": None, "prog": prog, "pool": state, "s": export(self.policy, pa),
+             "d": decisions(M + 1, 1, E), "pd": pass_data(pa), "P": pa.num_passes,
+             "books": hp.books(M, E, S, W, marks), "marks": marks, "ts": np.zeros(2, np.int64),
+             "waves": np.zeros(E, np.int64), "gbase": 0, "passes": [], "mk": {}, "ev": []}
         h["run"] = hp.compile_for(hp.run, prog, state, h["s"], h["d"], h["pd"], h["books"], 0, 0, 0, h["ts"], h["waves"])
+        self._hp = h                                       # whole, once its program is compiled
         self.log.host_program = True
         self.log.capture_us += (time.perf_counter() - h0) * 1e6
 
