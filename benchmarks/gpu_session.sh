@@ -13,7 +13,9 @@
 #                                             # 1/2/4/8; the tarballs under $OUT go to benchmarks/validate_table.py here;
 #                                             # SPEC=PRESET POOLS=GB,GB BATCHES=B,B for another model's shapes;
 #                                             # CAL=built BATCHES=1,2,4,8 fits one call: 401-419 s on an H100, 414 s
-#                                             # in two calls on the H200 (twenty-fourth session)
+#                                             # in two calls on the H200 (twenty-fourth session); issue 15's
+#                                             # calibrations across sessions: validate_table.py FOLDER --against
+#                                             # benchmarks/results/validate-lean-h100-fa7b3d0/profile.json
 #   bash benchmarks/gpu_session.sh host-ab    # issue 13: the host's step by phase, batch 1, pool 20, in four
 #                                             # processes alternating .before/ (a tree to compare against,
 #                                             # carried) and this tree; logs and JSON under $OUT/host-ab/
@@ -157,10 +159,12 @@ case "${1:-}" in
              -p no:cacheprovider 2>&1 | tail -6 || true
            timeout 300 python3 benchmarks/lean_h200.py --out "$OUT/step" --tokens 32 --policy-tokens 32 --repeats 1 \
              --batches 1,8 --pools 26 --engines lean --policies lru-prefetch,oracle --env-ablation CMOE_DEVICE_STEP=1 \
-             --timelines --budget-s 240 2>&1 | grep -E "^lean|^HBM|^built|rror" || true ;;
+             --timelines --budget-s 240 2>&1 | grep -E "^lean|^HBM|^built|rror" || true
+           (cd "$OUT" && tar czf step.tgz step && rm -rf step) ;;     # one file: the device tool returns eight a call
   boundary) timeout 300 python3 benchmarks/lean_h200.py --out "$OUT/boundary" --tokens 32 --policy-tokens 32 --repeats 1 \
               --batches 1,8 --pools 16,26 --engines lean --policies ondemand,lru-prefetch,oracle,commit --pass-profile \
-              --timelines --budget-s 260 2>&1 | grep -E "^lean|host phases|rror" || true ;;
+              --timelines --budget-s 260 2>&1 | grep -E "^lean|host phases|rror" || true
+            (cd "$OUT" && tar czf boundary.tgz boundary && rm -rf boundary) ;;
   calib) rm -rf /tmp/v; mkdir -p /tmp/v; timeout 300 python3 -c "from cmoe.cli.app import app; app()" calibrate --device cuda \
           --layers 4 --out /tmp/v/profile.json 2>&1 | grep -v Warning | tail -40 || true
         cp /tmp/v/profile*.json "$OUT/" 2>/dev/null; terms ;;

@@ -266,8 +266,9 @@ def main() -> None:
             print(f"   host phases, us per {unit}:", ", ".join(f"{k} {v:.1f}" for k, v in per.items()), flush=True)
         res["runs"].append(m)
         if a.timelines:                                  # every run's spans, for the host's steps offline
-            name = f"timeline-{engine}-b{cfg.batch}-{cfg.pool_gb:g}-{p}" + (f"-{tag}".replace(" ", "_") if tag else "")
-            write_parquet(r.log.spans, a.out / f"{name.replace(',', '')}.parquet")
+            name = f"timeline-{engine}-b{cfg.batch}-{cfg.pool_gb:g}-{p}" + (f"-{tag}" if tag else "")
+            # no '=' (an ablation's tag): the device tool returns no file named with one
+            write_parquet(r.log.spans, a.out / f"{name.replace(',', '').replace(' ', '_').replace('=', '_')}.parquet")
         print(f"{engine:<4} b{cfg.batch} {cfg.pool_gb:4.0f}GB {p:<13} {m['tokens_per_s']:8.1f} tok/s "
               f"{m['pass_ms_mean']:7.2f} ms/pass (floor {m['hbm_floor_ms']:.2f}, link {m['link_limit_ms']:.2f}) "
               f"loads/pass {m['loads_per_pass']:5.1f} host {m['host_work_us_per_layer']:5.1f} us/layer "
