@@ -341,17 +341,23 @@ def test_queued_loads_give_the_copy_cost_without_start_up():
     assert queued_fit([b, 50e-6, 4], h2d) == (h2d, {"h2d_queued_us": 0.0}, 1.0)   # faster, small: no start-up
     assert queued_fit([b, 0.0, 4], h2d) == (h2d, {}, 1.0) == queued_fit([b, -1e-6, 4], h2d)   # not a time
     # expert-sized loads (93.6 MB) around the curve's last rate: a profile with the fit prices a
-    # queued load at what they took, faster (the line moved, its small copy kept) or slower (start-up)
+    # queued load at what they took, faster (the line moved, its small copy kept) or slower (start-up,
+    # up to the curve's own time at their size: 3.4% over the last rate here)
     big, h2d = 93_585_408, ((1 << 20, 30.7), (1 << 24, 50.2), (1 << 28, 54.9))
     at_last = big / 54.9e9
-    for f in (0.97, 0.999, 1 - 1e-9, 1 + 1e-9, 1.001, 1.01):
+    own = big / (H200.curve_gbps(h2d, big) * 1e9)
+    for f in (0.97, 0.999, 1 - 1e-9, 1.0, 1 + 1e-9, 1.001, 1.01):
         curve_, fit, k = queued_fit([big, at_last * f, 112], h2d)
         prof = replace(H200, h2d_pinned=curve_, **fit)
         assert prof.h2d_queued(big) == pytest.approx(at_last * f * 1e6, rel=1e-9), f
-        assert curve_[0] == h2d[0] and (k > 1) == (f < 1) and (curve_ == h2d) == (f >= 1)
-        if f < 1:
+        assert curve_[0] == h2d[0] and (k > 1) == (f <= 1) and (curve_ == h2d) == (f > 1)
+        if f <= 1:
             assert fit == {"h2d_queued_us": 0.0}
             assert [g for _, g in curve_[1:]] == pytest.approx([g * k for _, g in h2d[1:]])
+    curve_, fit, _ = queued_fit([big, own * 1.05, 112], h2d)                  # slower than the curve itself
+    assert replace(H200, h2d_pinned=curve_, **fit).h2d_queued(big) == pytest.approx(own * 1e6)
+    small = ((1 << 20, 30.7), (1 << 23, 48.0))                                # no point of the line to move
+    assert queued_fit([big, big / 60e9, 112], small) == (small, {"h2d_queued_us": 0.0}, 1.0)
 
 
 def test_fused_launch_fit_recovers_its_parameters():

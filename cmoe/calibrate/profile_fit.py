@@ -326,7 +326,7 @@ def beside(p: HardwareProfile, m: dict) -> str:
             b, q = max(int(x) for x, _ in pts), m["layer"].get("load_queue")
             for i, s in enumerate(m.get("h2d_rounds") or [], 2):
                 row(f"{kind} {size_label(b)}, round {i}", s, fn(b))
-            if q:                                  # calibrate's own expert loads, back to back (`queued_fit`)
+            if q and q[1] > 0:                     # calibrate's own expert loads, back to back (`queued_fit`)
                 row(f"H2D queued load {size_label(q[0])}", q[1], p.h2d_queued(q[0]))
     for kind, key in (("H2D pageable", "h2d_pageable_points"), ("D2H pageable", "d2h_pageable_points")):
         for b, s in best_per_size(m.get(key) or []):
