@@ -469,7 +469,7 @@ def test_a_pass_takes_only_the_events_the_last_pass_recorded(monkeypatch):
     eng = type("Eng", (HostProgramSteps,), {"_tick": lambda self, phase: None})()
     eng.clock, eng.pool, eng.M, eng.record_plans = NS(_marks=marks), NS(compute_h=7, expert=[[0, 1], [2]]), M, False
     eng.last, eng.h_last = None, 0.0
-    eng._hp = {"books": b, "marks": K, "prog": NS(scal=np.zeros(16, np.int64)), "gbase": 0,
+    eng._hp = {"books": b, "marks": K, "spent": K, "prog": NS(scal=np.zeros(16, np.int64)), "gbase": 0,
                "run": run, "pool": NS(expert=np.zeros((M, 2), np.int64)), "s": None, "d": None, "pd": None,
                "P": len(used), "ts": None, "waves": None, "passes": [], "mk": {}, "ev": []}
     for p in range(len(used)):

@@ -212,7 +212,8 @@ def validate(pred: Run, meas: Run) -> dict:
     worst_of = lambda ks: max(ks, key=lambda k: abs(layers[k]["mean_error"]), default=None)  # noqa: E731
     worst_layer = worst_of(scored)
     # past the first layer, whose span holds the host's pass boundary (issue 15's misses, twenty-fourth session)
-    rest = worst_of([k for k in scored if k != min(layers)])
+    first = min(layers, default=None)
+    rest = worst_of([k for k in scored if k != first])
     return {"policy": pred.metrics["policy"], "model": pred.metrics["model"], "trace_id": pred.metrics["trace_id"],
             "decode_passes": len(order), "tokens_per_s": {"predicted": tp, "measured": tm, "error": (tp - tm) / tm},
             "per_token": tok, "op_kinds": kinds, "per_layer": layers,

@@ -100,7 +100,7 @@ def copy_slowdowns(log, first: int) -> dict:
     run) and 0.06-0.11 for the experts, where a lone HBM-bound copy beside a load slowed 1.5-3.6%
     and a matmul about 1%: a proxy kernel does not say what decode's small launches lose."""
     dec, moving = decode_passes(log), _in_flight(log)
-    att = attention_tails(log, lambda layer: layer != first)
+    att = attention_tails(log, lambda layer: layer != first, moving)
     pieces: dict[tuple, list] = {}
     for s in log.spans:
         if s[STEP] in dec and s[STREAM] == "compute" and s[LAYER] != first and s[OP] == "expert":
@@ -119,13 +119,14 @@ def copy_slowdowns(log, first: int) -> dict:
     return {"attention": _weighted([att], ratio), "expert": _weighted(list(by_n.values()), ratio)}
 
 
-def attention_tails(log, keep) -> dict[bool, list]:
+def attention_tails(log, keep, moving=None) -> dict[bool, list]:
     """Each decode pass's attention span on the compute stream in the layers `keep(layer)` accepts,
     from the later of its start and the host's launch of it (the end of the layer's last
     `host_attention`: a GPU that waited for the host did not run slower), in us, keyed by whether a
     load was on the link at that point. `copy_slowdowns` reads every layer but the first;
-    `benchmarks/layer0_tail.py` the first, whose span holds the pass's inputs and P."""
-    dec, moving = decode_passes(log), _in_flight(log)
+    `benchmarks/layer0_tail.py` the first, whose span holds the pass's inputs and P. `moving`: the
+    run's `_in_flight`, where the caller has it."""
+    dec, moving = decode_passes(log), moving or _in_flight(log)
     issued = {(s[STEP], s[LAYER]): s[END] for s in log.spans if s[OP] == "host_attention"}   # the last, in order
     out: dict[bool, list] = {True: [], False: []}
     for s in log.spans:

@@ -131,7 +131,7 @@ class HostProgramSteps:
         pa = self._hp_pa
         h = {"run": None, "prog": prog, "pool": state, "s": export(self.policy, pa),
              "d": decisions(M + 1, 1, E), "pd": pass_data(pa), "P": pa.num_passes,
-             "books": hp.books(M, E, S, W, marks), "marks": marks, "ts": np.zeros(2, np.int64),
+             "books": hp.books(M, E, S, W, marks), "marks": marks, "spent": marks, "ts": np.zeros(2, np.int64),
              "waves": np.zeros(E, np.int64), "gbase": 0, "passes": [], "mk": {}, "ev": []}
         h["run"] = hp.compile_for(hp.run, prog, state, h["s"], h["d"], h["pd"], h["books"], 0, 0, 0, h["ts"], h["waves"])
         self._hp = h                                       # whole, once its program is compiled
@@ -247,7 +247,7 @@ class HostProgramSteps:
         the layers (the last layer's end mark and host time)."""
         h = self._hp
         b = h["books"]
-        self._hp_refill(b.ev, h.get("spent", h["marks"]))   # all of books.ev before the first pass
+        self._hp_refill(b.ev, h["spent"])                  # all of books.ev before the first pass
         h["prog"].scal[hp.S_CS] = self.pool.compute_h
         self._tick("pass: program entry")
         gbase = h["gbase"]
@@ -335,7 +335,7 @@ class HostProgramSteps:
             self.pool.expert[m] = pool.expert[m, :n].tolist()
         self.pool._forget()                               # the device has finished: nothing in flight
         h["passes"] = []
-        self.clock._marks.free.extend(h["books"].ev[h.get("spent", h["marks"]):].tolist())   # those no pass recorded
+        self.clock._marks.free.extend(h["books"].ev[h["spent"]:].tolist())   # those no pass recorded
         h["spent"] = h["marks"]                          # given back: a second finish gives none
 
     def _hp_spans(self, p, last, h_last, lay_i, lay_f, wav_i, wav_f, wx, ld, skipped, pass_f) -> None:

@@ -291,7 +291,7 @@ class Segments:
             self._ws = Workspace(B, self._kin_k, self.spec.hidden, self.spec.expert_ffn, self.spec.num_experts, dev)
         self.kv.aim_decode()                             # warm-up writes where this pass will write
         # CMOE_DEVICE_STEP=1: the pass's slot moved on the device by P's graph (`StaticKV.device_step`),
-        # else copied in by `pass_inputs`; opt-in until a GPU has run it (twenty-fifth session: no device)
+        # else copied in by `pass_inputs`; opt-in: on an H100 it gained no tokens/s (twenty-sixth session)
         self._stepped = os.environ.get("CMOE_DEVICE_STEP", "0") == "1"
         self._rt_inputs = self.clock.rt is not None and os.environ.get("CMOE_RUNTIME_INPUTS", "1") != "0"
         if self._rt_inputs and not self._stepped:         # (CMOE_RUNTIME_INPUTS=0: torch's ops, an A/B)
