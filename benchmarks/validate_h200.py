@@ -84,6 +84,9 @@ def main() -> None:
     setup = {"tokens": a.tokens, "device": a.device, "slots": a.slots}
     first = ExecConfig(policies=policies, pool_gb=float(a.pools.split(",")[0]), batch=1, **setup)
     w, _ = prepare(cfg=first, **where)
+    # what validate_table.py replays: the model's shapes and trace as run (the embedded model is no preset)
+    res |= {"spec": w.spec.name, "trace": where["trace_src"], "model": where["model_dir"] and str(where["model_dir"]),
+            "expert_format": w.fmt, "slots": a.slots}
     t0 = time.perf_counter()
     build(w, first)
     res["build_s"] = time.perf_counter() - t0

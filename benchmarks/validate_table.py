@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cmoe.core.checkpoint import check_checkpoint  # noqa: E402
 from cmoe.core.hw import load_profile  # noqa: E402
 from cmoe.pipeline import host_ratio, host_speed, predict  # noqa: E402
 from cmoe.core.spec import preset  # noqa: E402
@@ -54,16 +55,17 @@ def main() -> None:
     res = json.loads((a.folder / "results.json").read_text())
     prof = load_profile(str(a.profile or a.folder / "profile.json"))
     other = load_profile(str(a.against)) if a.against else None
-    spec = preset(res["spec"])
+    spec = check_checkpoint(Path(res["model"]), float_experts=True) if res.get("model") else preset(res["spec"])
+    trace_src, fmt = res.get("trace") or f"synthetic:{res['spec']}", res.get("expert_format", "w4g128")
     rows = []
     for c in res["configs"]:
         pool, b = c["pool_gb"], c["batch"]
         here = a.folder / f"pool{pool:g}-b{b}"
         pols = list(c["policies"])
-        w = SimpleNamespace(trace=load_trace(f"synthetic:{res['spec']}", None, b), spec=spec, fmt="w4g128")
+        w = SimpleNamespace(trace=load_trace(trace_src, None, b), spec=spec, fmt=fmt)
 
         def run_sim(policies, profile, folder, pool=pool, b=b, w=w):     # the simulator, this configuration
-            predict(w, SimpleNamespace(policies=policies, pool_gb=pool, batch=b, slots=None, tokens=res["tokens"],
+            predict(w, SimpleNamespace(policies=policies, pool_gb=pool, batch=b, slots=res.get("slots"), tokens=res["tokens"],
                                        include_prefill=True), profile, folder)
 
         def held(profile, folder, policies):
