@@ -16,7 +16,8 @@
 #                                             # in two calls on the H200 (twenty-fourth session); issue 15's
 #                                             # calibrations across sessions: validate_table.py FOLDER --against
 #                                             # benchmarks/results/validate-lean-h100-fa7b3d0/profile.json
-#                                             # (VT=SECONDS bounds the validation, for a call that runs tests first)
+#                                             # (VT=SECONDS bounds the validation, for a call that runs tests first;
+#                                             # POLS=upper,lfu-fallback,static the CPU-expert policies, twins built)
 #   bash benchmarks/gpu_session.sh host-ab    # issue 13: the host's step by phase, batch 1, pool 20, in four
 #                                             # processes alternating .before/ (a tree to compare against,
 #                                             # carried) and this tree; logs and JSON under $OUT/host-ab/
@@ -170,7 +171,7 @@ case "${1:-}" in
           --layers 4 --out /tmp/v/profile.json 2>&1 | grep -v Warning | tail -40 || true
         cp /tmp/v/profile*.json "$OUT/" 2>/dev/null; terms ;;
   validate) rm -rf /tmp/v; timeout ${VT:-560} python3 benchmarks/validate_h200.py --out /tmp/v --pools "${POOLS:-16,20,26}" --batches "${BATCHES:-1,2,4,8}" \
-              --tokens 32 --policies upper,ondemand,lru-prefetch,commit,oracle --measure-only --spec "${SPEC:-mixtral-8x7b}" \
+              --tokens 32 --policies "${POLS:-upper,ondemand,lru-prefetch,commit,oracle}" --measure-only --spec "${SPEC:-mixtral-8x7b}" \
               --calibrate-on "${CAL:-both}" --commit "${COMMIT:-unknown}" 2>&1 | tee "$OUT/validate.log" | grep -v "^  " || true
             (cd /tmp/v && tar czf "$OUT/head.tgz" results.json profile*.json \
               && for b in 1 2 4 8; do ls -d pool*-b$b >/dev/null 2>&1 && tar czf "$OUT/meas-b$b.tgz" pool*-b$b; done; true); terms ;;
