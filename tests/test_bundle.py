@@ -57,6 +57,11 @@ def test_corrupted_bundles_give_one_line(small_trace, tmp_path):
         bundle.read(tmp_path / "c")
     with pytest.raises(CmoeError, match="is not a trace bundle"):
         bundle.read(tmp_path)
+    with pytest.raises(CmoeError, match="does not exist"):
+        bundle.read(tmp_path / "none")
+    (tmp_path / "log.npy").write_bytes(b"")               # a routing log handed over as if it were a bundle
+    with pytest.raises(CmoeError, match=r"log.npy is a file, .* `cmoe trace --import .*log.npy --spec PRESET"):
+        bundle.read(tmp_path / "log.npy")
 
 
 def test_version_and_out_of_range_ids_are_refused(small_trace, tmp_path):

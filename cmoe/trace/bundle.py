@@ -178,6 +178,9 @@ def write(t: Trace, path: str | Path, overwrite: bool = False, parquet: bool = F
 
 def read(path: str | Path) -> Trace:
     path = Path(path)
+    if path.is_file():
+        raise CmoeError(f"{path} is a file, and a trace bundle is a folder made by `cmoe trace`: "
+                        f"turn a routing log into one with `cmoe trace --import {path} --spec PRESET --out BUNDLE`")
     if not path.is_dir():
         raise CmoeError(f"trace bundle {path} does not exist (a bundle is a folder made by `cmoe trace`)")
     meta_path, routes_path = path / "meta.json", path / "routes.safetensors"
