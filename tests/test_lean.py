@@ -277,7 +277,7 @@ def test_each_layer_marks_its_entry_plan_and_launches_once(fused_checkpoints, mo
         w = names.count("_launch_waves") // 2
         one = w == 1 and not plan.cpu
         assert names == ["_enter_layer", "_host_layer"] + ["_launch_waves"] * 2 * w + \
-            ["_host_layer"] * (bool(plan.cpu) + (not one)), (pol, p, m)
+            ["_cpu_sum"] * bool(plan.cpu) + ["_host_layer"] * (not one), (pol, p, m)
         launch_end = [t for n, t in made if n == "_launch_waves"][-1]
         assert (last is launch_end) == one and last is [t for n, t in made if n != "load"][-1]
         seen.add((pol, one, w > 1, bool(plan.cpu)))

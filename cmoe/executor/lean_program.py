@@ -253,14 +253,16 @@ class Segments:
                 fn(*a)
             g[name] = gr
 
-        waves = self.fused and not self.has_cpu and not self.silent and not self.commit \
+        # CPU-expert policies too: a layer's GPU experts replay as the others' do, and its CPU
+        # experts' sum joins the waves' before the finish (`HostSteps._host_layer`)
+        waves = self.fused and not self.silent and not self.commit \
             and os.environ.get("CMOE_WAVE_GRAPHS", "1") != "0"
         if waves:                                          # a layer in launch waves: one replay a wave
             self._wave_acc = torch.zeros((B, self.spec.hidden), dtype=torch.float32, device=dev)
         rec("pre", self._pre_stepped if self._stepped else self.seg_pre)
         for m in range(self.M):
             rec(("attn", m), self.seg_attn, m)
-            if self.fused and not self.has_cpu:
+            if self.fused:
                 rec(("experts", m), self.seg_experts, m)
             else:                                          # eager experts write into this buffer
                 self.t["h"][m] = torch.empty_like(self.t["mid"][m])

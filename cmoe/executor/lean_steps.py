@@ -46,14 +46,14 @@ class HostSteps(HostIO):
         self._span(d, "compute", "route", -1, t_in, t_plan)
         y = self._launch_waves(m, d, st, t_plan, graphs)
         if st["wave_graphs"]:
+            if st["cpu"]:                                  # the waves' fp32 sum, then the CPU experts'
+                self._wave_acc.add_(self._cpu_sum(m, d, st))
             self.graphs[("finish", m)].replay()
         elif not st["one_launch"]:
             if y is None:
                 y = torch.zeros(self.t["x"][m].shape, dtype=torch.float32, device=self.device)
             if st["cpu"]:
-                gpu_done = clock.mark(cs)
-                y = y + self._cpu_acc(m, d, st["cpu"], st["assign"], st["x_host"])
-                self._cpu_waits.append((self.cur.index, gpu_done, clock.host()))
+                y = y + self._cpu_sum(m, d, st)
             self.seg_experts(m, y.to(self.t["x"][m].dtype))
         if self.record_plans:
             self._record_plan(m, st["needed"], st["predicted"], st["plan"], st["plan"].cpu)
@@ -61,6 +61,14 @@ class HostSteps(HostIO):
         # marks where the layer's work ends (as silent's and commit's layers use theirs)
         self.last = st["end"] if st["one_launch"] else clock.mark(cs)
         self.h_last = clock.host()
+
+    def _cpu_sum(self, m: int, d: int, st: dict) -> torch.Tensor:
+        """The layer's CPU experts, summed on the host once its GPU launches are queued (fp32, on
+        the device); how long the host took after the GPU's part was queued is kept."""
+        gpu_done = self.clock.mark(self.cs)
+        back = self._cpu_acc(m, d, st["cpu"], st["assign"], st["x_host"])
+        self._cpu_waits.append((self.cur.index, gpu_done, self.clock.host()))
+        return back
 
     def _loop_layer(self, m: int, graphs: bool) -> None:
         """Experts in another format than the tiled int4: the reference engine's per-expert loop."""
@@ -113,7 +121,7 @@ class HostSteps(HostIO):
             self._span(d, "cpu", "roundtrip", -1, h0, clock.host(), x_host.numel() * x_host.element_size())
         self._span(d, "host", "host_route", -1, self.h_synced, clock.host())
         one_launch = len(waves) <= 1 and not cpu
-        wave_graphs = not one_launch and not cpu and graphs and ("wave", m) in self.graphs
+        wave_graphs = not one_launch and graphs and ("wave", m) in self.graphs
         return {"plan": plan, "needed": needed, "predicted": predicted, "assign": assign, "cpu": cpu,
                 "later": later, "loaded_now": loaded_now, "waves": waves, "x_host": x_host,
                 "one_launch": one_launch, "wave_graphs": wave_graphs}
