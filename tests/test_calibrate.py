@@ -465,10 +465,24 @@ def test_the_lean_engines_gpu_side_steps_run_on_the_cpu(checkpoints, monkeypatch
 
     from cmoe.calibrate import measure_model as mm
     from cmoe.core.checkpoint import check_checkpoint
+    import os
+
+    from cmoe.executor import run
     monkeypatch.setattr(mm._ModelRuns, "lean", property(lambda self: self.w is not None and self.w.store is not None))
+    monkeypatch.delenv("CMOE_HOST_PROGRAM", raising=False)
+    seen, real = [], run.run_policy
+    monkeypatch.setattr(run, "run_policy", lambda w, c, p, *a, **k: seen.append((p, os.environ.get("CMOE_HOST_PROGRAM")))
+                        or real(w, c, p, *a, **k))
     d = checkpoints["mixtral"]
     out = mm.layers(torch.device("cpu"), check_checkpoint(d), "fp32", 2, d, tokens=4)
     lay = out["layer"]
+    # the Python step's host (`_python_step`): two ondemand runs a batch with the program off, nothing else
+    assert [x for x in seen if x[1] is not None] == [("ondemand", "0")] * 4 and "CMOE_HOST_PROGRAM" not in os.environ
+    py = lay["host_python"]
+    assert [b for b, _ in py["layer_points"]] == [b for b, _ in py["route_points"]] == [1, 8]
+    assert py["pass_start_s"] is None and py["sync_s"] >= 0.0 and py["head_s"] > 0.0   # passes not queued on a CPU
+    from cmoe.calibrate.host_fit import python_host
+    assert [b for b, _ in python_host(lay)["host_route_points"]] == [1, 8]
     assert lay["readback_gpu_s"] >= 0.0 and lay["predict_gpu_s"] >= 0.0
     assert lay["host"]["pass_gap_s"] == pytest.approx(lay["host"]["pass_start_s"] - lay["pass_start_s"])
     # queued decode passes: the host's pass start is the runs that read back's (`_host_between`, here

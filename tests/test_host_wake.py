@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cmoe.calibrate.profile_fit import _host_fields
+from cmoe.calibrate.host_fit import host_fields as _host_fields
 from cmoe.calibrate.wake import fit_wake, route_and_wait
 from cmoe.core.errors import CmoeError
 from cmoe.core.hw import H200, HardwareProfile

@@ -17,8 +17,10 @@ spreads over the whole table instead of bending one point of it.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -53,6 +55,7 @@ class _ModelRuns:
                                       "layer_runs": [], "route_runs": [], "expert_runs": [], "gaps": []}
         self.host_runs: dict[int, list[dict]] = {}    # batch -> each eager run's host figures (`_host_run`)
         self.host_work: dict[int, tuple] = {}         # batch -> (workload, config) of its eager runs
+        self.py_runs: dict[int, list[dict]] = {}      # batch -> the Python step's eager runs (`_python_step`)
         self.cpu_pts: list = []
         self.trips: list = []
         self.one: dict[str, float] = {}
@@ -158,6 +161,8 @@ def _measure_batch(r: _ModelRuns, batch: int) -> None:
     gpu["expert"].append((batch, _mean(queued, "expert")))
     runs = r.host_runs.setdefault(batch, [])
     runs += [_host_run(r, e) for e in eager]
+    if r.lean:
+        _python_step(r, w, hc, batch)
     h_start = float(np.mean([x["start"] for x in runs]))
     h_route = float(np.mean([x["route"] for x in runs])) * M * 1e6     # this round's, per pass (us)
     if r.lean:
@@ -182,6 +187,36 @@ def _host_run(r: _ModelRuns, log) -> dict:
             "expert": _mean(log, "host_expert"), "expert_span": _mean(log, "expert"),
             "sync": _mean(log, "host_sync", np.median), "gaps": _gaps(log) if r.lean else [],
             "between": _host_between(log, r.first) if r.queued else None, "head": _mean(log, "host_head")}
+
+
+def _python_step(r: _ModelRuns, w, hc, batch: int) -> None:
+    """The host's side of the executor's Python step, which plans where the compiled host program
+    does not (`cmoe.policy.policies.python_step`: the CPU-expert policies): two more eager
+    `ondemand` runs with the program off (CMOE_HOST_PROGRAM=0), their figures as `_host_run` takes them."""
+    from cmoe.executor.run import run_policy
+    was = os.environ.get("CMOE_HOST_PROGRAM")
+    os.environ["CMOE_HOST_PROGRAM"] = "0"
+    try:
+        r.py_runs[batch] = [_host_run(r, run_policy(w, hc, "ondemand").log) for _ in range(2)]
+    finally:
+        if was is None:
+            del os.environ["CMOE_HOST_PROGRAM"]
+        else:
+            os.environ["CMOE_HOST_PROGRAM"] = was
+
+
+def _python_host(r: _ModelRuns) -> dict:
+    """`_result`'s host figures over the Python step's runs: the table points, the read-back, the
+    pass start (queued passes: the median of `_host_between`; otherwise none, the program's kept)
+    and the LM head."""
+    ph: dict[str, list] = {k: [] for k in r.host}
+    _host_points(SimpleNamespace(host=ph, host_runs=r.py_runs), sorted(r.py_runs))
+    tail = [(b, max(a - s, 0.0)) for (b, a), (_, s) in zip(ph["expert"], ph["expert_span"])]
+    starts = [x["between"] for v in r.py_runs.values() for x in v if x["between"] is not None]
+    return {"layer_points": ph["layer"], "route_points": ph["route"], "expert_points": ph["expert"],
+            "expert_tail_s": float(np.mean([x for _, x in tail])), "sync_s": _sync_s(ph, tail),
+            "pass_start_s": float(np.median(starts)) if starts else None,
+            "head_s": float(np.median([x["head"] for x in r.py_runs[min(r.py_runs)]]))}
 
 
 def _host_round(r: _ModelRuns, batch: int) -> None:
@@ -346,6 +381,8 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
                        # one mean per batch: no spread, but 8 rows may not take less than 1
                        "expert in model": {"unit": "tokens", "grows": True,
                                            "points": [[t, [x]] for t, x in gpu["expert"]]}}}
+    if r.py_runs:
+        out["layer"]["host_python"] = _python_host(r)
     if r.cpu_pts:
         by: dict[int, list] = {}
         for t, x in r.cpu_pts:

@@ -73,6 +73,7 @@ from cmoe.calibrate.noise import (FALL_SLACK, JITTER_S, SPREAD_LIMIT, Noise, noi
 from cmoe.core.errors import CmoeError
 from cmoe.calibrate.link_fit import LINE_FROM, Points, best_per_size, curve, fit_line, queued_fit
 from cmoe.core.hw import GB, HardwareProfile, table_us
+from cmoe.calibrate.host_fit import host_fields, python_host
 from cmoe.calibrate.layer_fit import layer_fit
 
 # the noise verdict lives in cmoe.calibrate.noise, the link's curve and fit_line in cmoe.calibrate.link_fit,
@@ -94,11 +95,12 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     ca, cb = _cpu_expert_fit(m)
     roundtrip = m.get("roundtrip_in_model") or m["roundtrip"]
     src = f"measured by cmoe calibrate on {device}, {date}"
-    host = _host_fields(m["layer"].get("host"))
+    host = host_fields(m["layer"].get("host"))
     if host and (gap := _pass_gap_us(m)):
         host["pass_gap_us"] = gap
     if host and m["layer"].get("commit_start_excess_s"):   # commit's layer 0 over upper's, less its read-back
         host["commit_start_us"] = max(m["layer"]["commit_start_excess_s"] * 1e6 - host["host_sync_us"], 0.0)
+    py = python_host(m["layer"])
     table = _expert_rows_table(m, key)
     waves = _wave_fit(m.get("waves") or [])
     waves |= _owa_fit(m.get("commit_waves") or [], waves)
@@ -124,8 +126,9 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         silent_upper=bool(m.get("silent_upper", False)), commit_ahead=bool(m.get("commit_ahead", False)),
         pass_overlap=bool(m.get("pass_overlap", False)),
         **{per_key_field: per_key * 1e6}, **split,
-        **host, **table, **waves, **queued,
+        **host, **table, **waves, **queued, python_host=py,
         sources={k: src for k in (*_MEASURED, per_key_field, *host, *table)}
+        | ({"python_host": src + " (ondemand with the host program off: the CPU-expert policies' step)"} if py else {})
         | {k: src + f" ({why})" for k, why in slow_src.items()}
         | {k: src + " (ondemand's loads queued back to back, over the curve's last rate)" for k in queued}
         | ({"h2d_pinned": src + f" (from {size_label(LINE_FROM)} up x{link_k:.4f}: as fast as ondemand's queued expert loads ran)"} if link_k != 1 else {})
@@ -242,35 +245,6 @@ def _class(bits: float) -> str:
     return "int4" if bits <= 4 else "int8" if bits <= 8 else "bf16"
 
 
-def _host_fields(h: dict | None) -> dict:
-    """The host thread's costs, from the executor's `host_*` spans: with two or more batch sizes, a
-    table through the points (a cost that falls with batch keeps falling: no line clamped at its
-    one-token value); the line's fields too, for profiles read by older code."""
-    if not h:
-        return {}
-    out = {}
-    for key, pts in (("layer", "layer_points"), ("route", "route_points"), ("expert", "expert_points")):
-        a, b = fit_line([(t - 1, s) for t, s in h[pts]])
-        slope = {"layer": "host_attn_us_per_token", "route": "host_route_us_per_token",
-                 "expert": "host_expert_us_per_token"}[key]
-        out[f"host_{key}_us"], out[slope] = max(a, 0.0) * 1e6, max(b, 0.0) * 1e6
-        mean: dict[int, list[float]] = {}
-        for t, sec in h[pts]:
-            mean.setdefault(int(t), []).append(sec)
-        if len(mean) >= 2:
-            out[f"host_{key}_points"] = tuple((t, max(float(np.mean(v)), 0.0) * 1e6) for t, v in sorted(mean.items()))
-    out["host_expert_tail_us"] = h.get("expert_tail_s", 0.0) * 1e6
-    out["host_load_us"] = h.get("load_s", 0.0) * 1e6
-    out["host_sync_us"] = h["sync_s"] * 1e6
-    out["host_pass_start_us"] = h["pass_start_s"] * 1e6
-    out["host_head_us"] = h["head_s"] * 1e6
-    if h.get("wake_points"):          # the route step after a wait: [wait s, factor] -> (us, factor),
-        out["host_wake_points"] = tuple((w * 1e6, f) for w, f in h["wake_points"])
-        if h.get("route_waits"):      # and the wait each batch's route point followed, (tokens, us)
-            out["host_route_waits"] = tuple((int(t), w * 1e6) for t, w in h["route_waits"])
-    return out
-
-
 def _copy_slowdowns(m: dict) -> tuple[dict, dict]:
     """The profile's two copy slowdowns and where each comes from: the model's own kernels beside
     its loads where calibrate saw enough of them (experts -> `copy_compute_slowdown`, the attention
@@ -346,11 +320,15 @@ def beside(p: HardwareProfile, m: dict) -> str:
         row(f"layer, {round(keys)} keys", sec, p.layer_us(1, rb) + per_key * keys + p.attn_split_us(c))
     if sp := m["layer"].get("split_point"):
         row(f"layer, {round(sp[0])} keys of {sp[2]}", sp[1], p.layer_us(1, rb) + per_key * sp[0] + p.attn_split_us(sp[2]))
-    h = m["layer"].get("host")
+    h, py, q = m["layer"].get("host"), m["layer"].get("host_python"), p.python_step()
     for what, key, fn in (("host, layer", "layer_points", p.host_layer), ("host, route", "route_points", p.host_route),
                           ("host, one expert", "expert_points", p.host_expert)) if h else ():
         for t, s in h[key]:
             row(f"{what}, {t} tokens", s, fn(t))
+    for what, key, fn in (("Python step, route", "route_points", q.host_route),
+                          ("Python step, expert", "expert_points", q.host_expert)) if py and p.python_host else ():
+        for t, s in py[key]:                               # the CPU-expert policies' host (`python_step`)
+            row(f"{what}, {t} tok", s, fn(t))
     for wait, route in _wake_means((h or {}).get("wake_samples") or []):
         row(f"host, route after {wait * 1e6:.0f}us", route, p.host_route(1) * p.host_wake(wait * 1e6))
     cpu = m["cpu_expert"]

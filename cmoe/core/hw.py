@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cmoe.core.errors import CmoeError
 from cmoe.core.hw_checks import NON_NEGATIVE, bad, check_pairs, rule, whole
-from cmoe.core.hw_math import _width, split_plan, split_runs, table_us  # noqa: F401  (re-exported)
+from cmoe.core.hw_math import _width, pairs, split_plan, split_runs, table_us  # noqa: F401  (re-exported)
 
 GB = 1e9
 
@@ -54,23 +54,18 @@ class HardwareProfile:
                                                     # runs; None: copy_compute_slowdown's (`attention_slow`)
     attn_us_per_ctx_token: float = 0.0              # per decoder layer, per key attended (a pass's context)
     readback_gpu_us: float = 0.0                    # per MoE layer, GPU: packing its routing for the read-back
-                                                    # (every policy but a silent upper)
     predict_gpu_us: float = 0.0                     # per MoE layer, GPU: the next layer's router on this layer's
-                                                    # hidden state (the policies that predict; inside a CUDA
-                                                    # graph the host pays nothing for it)
-    attn_us_per_cache_key: float = 0.0              # per decoder layer, per key of the pass's longest row: a
-                                                    # kernel that runs the rows side by side, walking the cache
-                                                    # up to the step's slot (the lean executor's decode); a
-                                                    # prefill (SDPA over the prompt) pays it per key summed
-    attn_us_per_split_run: float = 0.0              # per decoder layer in decode, per run past the first that the
-                                                    # lean engine's attention cuts each head's keys into, the runs
-                                                    # sized by the cache (`attn_split_us`: most of them empty
-                                                    # at short contexts, still launched and merged)
+                                                    # hidden state (the policies that predict; in a graph: no host cost)
+    attn_us_per_cache_key: float = 0.0              # per decoder layer, per key of the pass's longest row: a kernel
+                                                    # running the rows side by side up to the step's slot (the lean
+                                                    # decode); a prefill (SDPA over the prompt) pays it per key summed
+    attn_us_per_split_run: float = 0.0              # per decoder layer in decode, per run past the first the lean
+                                                    # attention cuts each head's keys into, sized by the cache
+                                                    # (`attn_split_us`: mostly empty at short contexts, still merged)
     attn_split_max: int = 0                         # ... at most this many runs (0: the kernel does not split)
     attn_split_block: int = 64                      # ... each a multiple of this many keys
-    h2d_queued_us: float = 0.0                      # a pinned copy that starts on its engine as the one before it
-                                                    # lands pays no start-up: its bytes at the curve's last rate plus
-                                                    # this (`h2d_queued`); 0: every copy as the curve
+    h2d_queued_us: float = 0.0                      # a pinned copy starting on its engine as the one before lands: its
+                                                    # bytes at the curve's last rate plus this (`h2d_queued`); 0: curve
     pass_start_us: float = 0.0                      # per pass, before the first layer: embedding, masks, sync
     head_us: float = 0.0                            # per pass, after the last layer: final norm, LM head
     # The host thread that issues the work (all 0: a host that never holds the GPU back). The
@@ -98,17 +93,13 @@ class HardwareProfile:
     copy_on_host: bool = False                      # the host thread copies (the executor on a CPU): a load costs host time
     dense_rows: int = 0                             # up to this many rows in a pass, every expert runs on all of them
                                                     # (the executor's dense path); above, on its own tokens
-    silent_upper: bool = False                      # upper has no host step between a layer's attention and its
-                                                    # experts (the lean executor's one-launch kernel): no read-back
-                                                    # wait, no planning, no per-expert issue
-    commit_ahead: bool = False                      # commit in decode launches a layer's committed experts before
-                                                    # its read-back and plans the next layer while they run (the
-                                                    # lean executor's one-launch kernel)
-    pass_overlap: bool = False                      # decode passes are queued back to back (the lean executor's
-                                                    # graphs on CUDA): the host neither waits for a decode pass's
-                                                    # end, only for the pass before it, nor syncs the device (copies
-                                                    # included) before the next, whose first mark lands where the
-                                                    # GPU gets to it; the first decode pass (capture) and others sync
+    silent_upper: bool = False                      # upper has no host step between a layer's attention and its experts
+                                                    # (the lean executor's one launch): no read-back, plan or issue
+    commit_ahead: bool = False                      # commit in decode launches a layer's committed experts before its
+                                                    # read-back, plans the next layer while they run (the lean executor)
+    pass_overlap: bool = False                      # decode passes queued back to back (the lean executor's graphs
+                                                    # on CUDA): the host waits only for the pass before, syncs nothing
+                                                    # (copies included) before the next; the first (capture) syncs
     # The lean executor's fused expert launch (calibrate fits it from upper's own layers): with
     # wave_gbps > 0 a layer's GPU experts run in waves (`cmoe.policy.waves`), each one launch that
     # starts once all of its copies have landed and takes wave_us + its experts' bytes at wave_gbps
@@ -145,6 +136,7 @@ class HardwareProfile:
                                                     # long takes factor x its cost (`host_wake`; `cmoe.calibrate.wake`)
     host_route_waits: tuple = ()                    # (tokens, us): the read-back wait of the runs host_route was
                                                     # measured in, whose factor its points hold already
+    python_host: dict = field(default_factory=dict, hash=False)   # host fields of the Python step (`python_step`)
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -178,6 +170,10 @@ class HardwareProfile:
         a = self.copy_attention_slowdown
         if a is not None and not NON_NEGATIVE[0](a):
             raise bad(self.name, "copy_attention_slowdown", a, f"null or {NON_NEGATIVE[1]}")
+        if self.python_host:                                      # its fields checked as the profile's own
+            if not isinstance(self.python_host, dict) or set(self.python_host) - {*HOST_FIELDS, *HOST_POINTS}:
+                raise bad(self.name, "python_host", self.python_host, f"an object of {HOST_FIELDS + HOST_POINTS}")
+            self.python_step()
         if not isinstance(self.sources, dict):
             raise bad(self.name, "sources", self.sources, "an object of field -> where its figure comes from")
 
@@ -203,8 +199,7 @@ class HardwareProfile:
     def h2d_queued(self, nbytes: int) -> float:
         """A pinned copy queued behind another on its engine (the executor's loads, back to back):
         the curve's points time copies alone, each paying the DMA's start-up (on the H200 a 3.3 MB
-        OLMoE expert took 65-67 us queued, 70-75 after an idle engine, 76.5 on the curve); never
-        above `h2d_us`."""
+        OLMoE expert took 65-67 us queued, 70-75 after an idle engine, 76.5 on the curve); <= h2d_us."""
         if not self.h2d_queued_us:
             return self.h2d_us(nbytes)
         return min(nbytes / (self.h2d_pinned[-1][1] * GB) * 1e6 + self.h2d_queued_us, self.h2d_us(nbytes))
@@ -261,9 +256,17 @@ class HardwareProfile:
 
     def host_scaled(self, k: float) -> "HardwareProfile":
         """This profile with every cost of the host thread k times as long (the GPU's, the link's and
-        the CPU experts' unchanged): a host that ran k times slower than when it was calibrated."""
+        the CPU experts' unchanged; the Python step's too): a host k times slower than calibrated."""
         pts = {f: tuple((x, y * k) for x, y in getattr(self, f)) for f in HOST_POINTS}
-        return replace(self, **{f: getattr(self, f) * k for f in HOST_FIELDS}, **pts)
+        py = {f: tuple((x, y * k) for x, y in v) if isinstance(v, (list, tuple)) else v * k
+              for f, v in self.python_host.items()}
+        return replace(self, **{f: getattr(self, f) * k for f in HOST_FIELDS}, **pts, python_host=py)
+
+    def python_step(self) -> "HardwareProfile":
+        """The host where the compiled host program does not plan (the CPU-expert policies: the
+        executor's Python step): this profile with `python_host`'s fields, if calibrate measured them."""
+        return replace(self, python_host={}, **{k: pairs(v) for k, v in self.python_host.items()}) \
+            if self.python_host else self
 
     def link_scaled(self, k: float) -> "HardwareProfile":
         """This profile with pinned host-to-device copies at k times the calibrated bandwidth (every
@@ -326,10 +329,10 @@ class HardwareProfile:
         if missing:
             raise CmoeError(f"hardware profile is missing the fields {missing}: write one with cmoe calibrate")
         for k in _PAIRS:                                          # JSON lists -> tuples, checked later
-            if k in d and d[k] is None:                           # null: none measured (a curve: refused below)
-                d[k] = ()
-            if isinstance(d.get(k), list):
-                d[k] = tuple(tuple(p) if isinstance(p, list) else p for p in d[k])
+            if k in d:                                            # null: none measured (a curve: refused below)
+                d[k] = () if d[k] is None else pairs(d[k])
+        if isinstance(d.get("python_host"), dict):               # its tables too
+            d["python_host"] = {k: pairs(v) for k, v in d["python_host"].items()}
         for f in fields(cls):                                       # 1.41e11 bytes in JSON: a whole number
             if f.type == "int" and isinstance(d.get(f.name), float) and d[f.name].is_integer():
                 d[f.name] = int(d[f.name])

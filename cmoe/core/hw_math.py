@@ -36,3 +36,9 @@ def table_us(points: tuple, x: float) -> float:
 
 def _width(bits: float) -> str:
     return "int4" if bits <= 4 else "int8" if bits <= 8 else "bf16"
+
+
+def pairs(v):
+    """A table read from JSON (a list of [x, y] lists) as the profile holds it: a tuple of tuples;
+    anything else as it is (checked where the profile is made)."""
+    return tuple(tuple(p) if isinstance(p, list) else p for p in v) if isinstance(v, (list, tuple)) else v

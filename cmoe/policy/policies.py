@@ -365,6 +365,12 @@ def trait(name: str, what: str) -> bool:
     return name in _CLASSES and bool(getattr(_CLASSES[name], what))
 
 
+def python_step(name: str) -> bool:
+    """Does the executor plan this policy's layers in its Python step (`HardwareProfile.python_step`'s
+    host costs)? The compiled host program plans no CPU experts, so the CPU-expert policies do."""
+    return trait(name, "cpu_experts")
+
+
 def depth_of(name: str) -> int:
     """How many layers of predictions the policy reads (1: the next layer's only)."""
     return _CLASSES[name].depth if name in _CLASSES else 1

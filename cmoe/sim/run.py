@@ -10,7 +10,7 @@ from cmoe.core.hw import HardwareProfile
 from cmoe.core.metrics import summary
 from cmoe.core.padding import padding_table
 from cmoe.policy.budget import expert_budget
-from cmoe.policy.policies import make_policy
+from cmoe.policy.policies import make_policy, python_step
 from cmoe.policy.pool import PoolLayout, layout_for_policy
 from cmoe.sim.engine import SimRun, Simulation, costs_for
 from cmoe.trace.bundle import Trace, fingerprint
@@ -123,6 +123,8 @@ def simulate(trace: Trace, profile: HardwareProfile, cfg: SimConfig, record_log:
     layout, budget = layout_for(trace, cfg)
     pa = passes_for(trace, cfg)
     pop, costs, _ = _facts(trace)
+    if python_step(cfg.policy):                         # the executor's Python step plans these policies
+        profile = profile.python_step()
     if cfg.engine == "simpy" or not _have_numba():      # the GPU image has no numba: same results, slower
         passes = to_passes(pa)
         policy = make_policy(cfg.policy, layout, trace.spec.num_experts, pop, [p.needed for p in passes])

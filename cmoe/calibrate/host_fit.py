@@ -1,0 +1,56 @@
+"""The host thread's costs from calibration's measurements (`cmoe.calibrate.profile_fit` fits the
+rest): the compiled host program's, from the eager `ondemand` runs, and the executor's Python
+step's, from the same runs with the program off (`cmoe.calibrate.measure_model._python_step`).
+
+Why two: the program plans every policy whose layers hold no CPU experts; the CPU-expert policies
+(`lfu-fallback`, `static`) run the Python step, whose route step and launches cost the host 10-20x
+the program's (an H100, twenty-seventh session: the route 13 us against 0.6). One set of host costs
+predicted those two policies 16-104% fast at pools 16-26 GB.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cmoe.calibrate.link_fit import fit_line
+from cmoe.core.hw import HOST_FIELDS, HOST_POINTS
+
+
+def host_fields(h: dict | None) -> dict:
+    """The host thread's costs, from the executor's `host_*` spans: with two or more batch sizes, a
+    table through the points (a cost that falls with batch keeps falling: no line clamped at its
+    one-token value); the line's fields too, for profiles read by older code."""
+    if not h:
+        return {}
+    out = {}
+    for key, pts in (("layer", "layer_points"), ("route", "route_points"), ("expert", "expert_points")):
+        a, b = fit_line([(t - 1, s) for t, s in h[pts]])
+        slope = {"layer": "host_attn_us_per_token", "route": "host_route_us_per_token",
+                 "expert": "host_expert_us_per_token"}[key]
+        out[f"host_{key}_us"], out[slope] = max(a, 0.0) * 1e6, max(b, 0.0) * 1e6
+        mean: dict[int, list[float]] = {}
+        for t, sec in h[pts]:
+            mean.setdefault(int(t), []).append(sec)
+        if len(mean) >= 2:
+            out[f"host_{key}_points"] = tuple((t, max(float(np.mean(v)), 0.0) * 1e6) for t, v in sorted(mean.items()))
+    out["host_expert_tail_us"] = h.get("expert_tail_s", 0.0) * 1e6
+    out["host_load_us"] = h.get("load_s", 0.0) * 1e6
+    out["host_sync_us"] = h["sync_s"] * 1e6
+    out["host_pass_start_us"] = h["pass_start_s"] * 1e6
+    out["host_head_us"] = h["head_s"] * 1e6
+    if h.get("wake_points"):          # the route step after a wait: [wait s, factor] -> (us, factor),
+        out["host_wake_points"] = tuple((w * 1e6, f) for w, f in h["wake_points"])
+        if h.get("route_waits"):      # and the wait each batch's route point followed, (tokens, us)
+            out["host_route_waits"] = tuple((int(t), w * 1e6) for t, w in h["route_waits"])
+    return out
+
+
+def python_host(layer: dict) -> dict:
+    """`HardwareProfile.python_host`: the host fields the Python step's runs give (`host_python`,
+    over the program's `host` where it measured nothing of its own: the wake, the loads), those
+    the profile's host model holds; {} where it was not measured (a CPU, where nothing else runs)."""
+    py = layer.get("host_python")
+    if not py or not layer.get("host"):
+        return {}
+    got = host_fields(layer["host"] | {k: v for k, v in py.items() if v is not None})
+    return {k: v for k, v in got.items() if k in HOST_FIELDS or k in HOST_POINTS}
