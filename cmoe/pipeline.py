@@ -120,8 +120,10 @@ def host_speed(runs: list[list[dict]], prof, batch: int) -> list[float]:
 
 def host_ratio(v: dict, prof, batch: int) -> float | None:
     """One validation's (`cmoe.analysis.validate.validate`) host time per layer over the
-    profile's `host_layer` at the batch; None where either is missing."""
-    base = prof.host_layer(batch)
+    profile's `host_layer` at the batch (the Python step's for the policies it plans,
+    `cmoe.policy.policies.python_step`); None where either is missing."""
+    from cmoe.policy.policies import python_step
+    base = (prof.python_step() if python_step(v.get("policy", "")) else prof).host_layer(batch)
     return v["host_layer_us"] / base if v.get("host_layer_us") and base > 0 else None
 
 

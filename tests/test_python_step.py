@@ -96,3 +96,28 @@ def test_calibrate_fits_the_python_step_and_shows_it_beside_its_runs():
     rows = {line[:28].strip(): line[28:].split() for line in beside(got, m).splitlines()}
     assert rows["Python step, route, 8 tok"][:2] == ["20.0us", "20.0us"]
     assert rows["Python step, expert, 1 tok"][:2] == ["30.0us", "30.0us"]
+
+
+def test_a_bad_python_host_is_one_line_and_json_lists_compare_as_tuples(tmp_path):
+    """Whatever the JSON holds there: one CmoeError line when the profile is read (never a
+    traceback later, in `host_scaled` or the simulator), and a profile written with list tables
+    equal to its own round trip."""
+    from cmoe.core.hw import load_profile
+    for bad in (None, [], 0, "", [1], {"host_route_points": [[1, -2.0]]}, {"host_sync_us": None}):
+        f = tmp_path / "p.json"
+        f.write_text(json.dumps(H200.to_dict() | {"python_host": bad}))
+        with pytest.raises(CmoeError, match="python_host|host_route_points|host_sync_us"):
+            load_profile(str(f))
+    p = replace(H200, python_host={"host_route_points": [[1, 2.0], [8, 1.0]], "host_expert_points": None})
+    assert p.python_host == {"host_route_points": ((1, 2.0), (8, 1.0)), "host_expert_points": ()}
+    assert HardwareProfile.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+    assert p.host_scaled(2.0).python_step().host_route_points == ((1, 4.0), (8, 2.0))
+
+
+def test_the_host_speed_of_a_python_step_run_is_read_against_the_steps_own_host():
+    """`cmoe.pipeline.host_ratio`: a CPU-expert policy's measured host time per layer over the
+    Python step's calibrated one, every other policy's over the program's."""
+    from cmoe.pipeline import host_ratio
+    p = replace(H200, host_layer_us=10.0, python_host={"host_layer_us": 40.0})
+    assert host_ratio({"policy": "static", "host_layer_us": 40.0}, p, 1) == pytest.approx(1.0)
+    assert host_ratio({"policy": "ondemand", "host_layer_us": 40.0}, p, 1) == pytest.approx(4.0)

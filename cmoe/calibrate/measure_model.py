@@ -190,13 +190,14 @@ def _host_run(r: _ModelRuns, log) -> dict:
 
 
 def _python_step(r: _ModelRuns, w, hc, batch: int) -> None:
-    """The host's side of the executor's Python step, which plans where the compiled host program
-    does not (`cmoe.policy.policies.python_step`: the CPU-expert policies): two more eager
-    `ondemand` runs with the program off (CMOE_HOST_PROGRAM=0), their figures as `_host_run` takes them."""
+    """The host of the executor's Python step, which plans the CPU-expert policies (`policies.python_step`):
+    three eager `ondemand` runs with the program off (CMOE_HOST_PROGRAM=0), the last two as `_host_run`
+    takes them (one round, not the program's `HOST_ROUNDS`: a few seconds more, not twice)."""
     from cmoe.executor.run import run_policy
     was = os.environ.get("CMOE_HOST_PROGRAM")
     os.environ["CMOE_HOST_PROGRAM"] = "0"
     try:
+        run_policy(w, hc, "ondemand")                  # untimed: the step's first run after the program's
         r.py_runs[batch] = [_host_run(r, run_policy(w, hc, "ondemand").log) for _ in range(2)]
     finally:
         if was is None:
@@ -206,17 +207,21 @@ def _python_step(r: _ModelRuns, w, hc, batch: int) -> None:
 
 
 def _python_host(r: _ModelRuns) -> dict:
-    """`_result`'s host figures over the Python step's runs: the table points, the read-back, the
-    pass start (queued passes: the median of `_host_between`; otherwise none, the program's kept)
-    and the LM head."""
+    """`_result`'s host figures over the Python step's runs: the table points, the read-back, the pass
+    start (queued passes: the median of `_host_between`; else none, the program's kept), the head."""
     ph: dict[str, list] = {k: [] for k in r.host}
-    _host_points(SimpleNamespace(host=ph, host_runs=r.py_runs), sorted(r.py_runs))
-    tail = [(b, max(a - s, 0.0)) for (b, a), (_, s) in zip(ph["expert"], ph["expert_span"])]
+    _host_points(SimpleNamespace(host=ph, host_runs=r.py_runs), sorted(r.py_runs)); tail = _tail(ph)  # noqa: E702
     starts = [x["between"] for v in r.py_runs.values() for x in v if x["between"] is not None]
     return {"layer_points": ph["layer"], "route_points": ph["route"], "expert_points": ph["expert"],
             "expert_tail_s": float(np.mean([x for _, x in tail])), "sync_s": _sync_s(ph, tail),
             "pass_start_s": float(np.median(starts)) if starts else None,
             "head_s": float(np.median([x["head"] for x in r.py_runs[min(r.py_runs)]]))}
+
+
+def _tail(host: dict) -> list:
+    """The launch's host tail (after the kernel's end mark) at the table's first two points, as the
+    fit takes it (batches 1 and 8 on a CPU, 1 and 2 on CUDA)."""
+    return [(t, max(a[1] - b[1], 0.0)) for t, a, b in zip((1, 8), host["expert"], host["expert_span"])]
 
 
 def _host_round(r: _ModelRuns, batch: int) -> None:
@@ -346,7 +351,7 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
         one["host_start"] = float(np.median([x for _, v in starts for x in v]))   # (`_host_between`)
     ne_bytes = non_expert_bytes(r.spec, r.rec)
     per_layer = (ne_bytes["attention"] + ne_bytes["norms"]) // r.spec.num_layers
-    tail = [(t, max(a[1] - b[1], 0.0)) for t, a, b in zip((1, 8), host["expert"], host["expert_span"])]
+    tail = _tail(host)
     out = {"layer": {"resident_bytes": int(per_layer), "points": gpu["plain_points"] or gpu["points"],
                      "head_s": one["gpu_head"],
                      "pass_start_s": one["gpu_start"], "expert_in_model_s": gpu["expert"][0][1],

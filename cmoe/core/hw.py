@@ -170,10 +170,10 @@ class HardwareProfile:
         a = self.copy_attention_slowdown
         if a is not None and not NON_NEGATIVE[0](a):
             raise bad(self.name, "copy_attention_slowdown", a, f"null or {NON_NEGATIVE[1]}")
-        if self.python_host:                                      # its fields checked as the profile's own
-            if not isinstance(self.python_host, dict) or set(self.python_host) - {*HOST_FIELDS, *HOST_POINTS}:
-                raise bad(self.name, "python_host", self.python_host, f"an object of {HOST_FIELDS + HOST_POINTS}")
-            self.python_step()
+        if not isinstance(self.python_host, dict) or set(self.python_host) - {*HOST_FIELDS, *HOST_POINTS}:
+            raise bad(self.name, "python_host", self.python_host, f"an object of {HOST_FIELDS + HOST_POINTS}")
+        object.__setattr__(self, "python_host", {k: pairs(v) for k, v in self.python_host.items()})  # JSON's lists
+        self.python_step()                                        # its fields checked as the profile's own
         if not isinstance(self.sources, dict):
             raise bad(self.name, "sources", self.sources, "an object of field -> where its figure comes from")
 
@@ -265,8 +265,7 @@ class HardwareProfile:
     def python_step(self) -> "HardwareProfile":
         """The host where the compiled host program does not plan (the CPU-expert policies: the
         executor's Python step): this profile with `python_host`'s fields, if calibrate measured them."""
-        return replace(self, python_host={}, **{k: pairs(v) for k, v in self.python_host.items()}) \
-            if self.python_host else self
+        return replace(self, python_host={}, **self.python_host) if self.python_host else self
 
     def link_scaled(self, k: float) -> "HardwareProfile":
         """This profile with pinned host-to-device copies at k times the calibrated bandwidth (every
@@ -330,9 +329,7 @@ class HardwareProfile:
             raise CmoeError(f"hardware profile is missing the fields {missing}: write one with cmoe calibrate")
         for k in _PAIRS:                                          # JSON lists -> tuples, checked later
             if k in d:                                            # null: none measured (a curve: refused below)
-                d[k] = () if d[k] is None else pairs(d[k])
-        if isinstance(d.get("python_host"), dict):               # its tables too
-            d["python_host"] = {k: pairs(v) for k, v in d["python_host"].items()}
+                d[k] = pairs(d[k])
         for f in fields(cls):                                       # 1.41e11 bytes in JSON: a whole number
             if f.type == "int" and isinstance(d.get(f.name), float) and d[f.name].is_integer():
                 d[f.name] = int(d[f.name])

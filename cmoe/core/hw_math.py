@@ -40,5 +40,7 @@ def _width(bits: float) -> str:
 
 def pairs(v):
     """A table read from JSON (a list of [x, y] lists) as the profile holds it: a tuple of tuples;
-    anything else as it is (checked where the profile is made)."""
+    null as none (); anything else as it is (checked where the profile is made)."""
+    if v is None:
+        return ()
     return tuple(tuple(p) if isinstance(p, list) else p for p in v) if isinstance(v, (list, tuple)) else v
