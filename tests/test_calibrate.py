@@ -476,8 +476,11 @@ def test_the_lean_engines_gpu_side_steps_run_on_the_cpu(checkpoints, monkeypatch
     d = checkpoints["mixtral"]
     out = mm.layers(torch.device("cpu"), check_checkpoint(d), "fp32", 2, d, tokens=4)
     lay = out["layer"]
-    # the Python step's host (`_python_step`): three ondemand runs a batch with the program off, nothing else
-    assert [x for x in seen if x[1] is not None] == [("ondemand", "0")] * 6 and "CMOE_HOST_PROGRAM" not in os.environ
+    # the Python step's host (`_python_step`): three ondemand runs a batch a round with the program off, two kept
+    assert [x for x in seen if x[1] is not None] == [("ondemand", "0")] * 3 * 2 * HOST_ROUNDS
+    assert "CMOE_HOST_PROGRAM" not in os.environ
+    assert [[b, len(v)] for b, v in out["repeats"]["Py step, route"]["points"]] == [[1, 2 * HOST_ROUNDS], [8, 2 * HOST_ROUNDS]]
+    assert out["repeats"]["Py step, expert"]["judged"] is False
     py = lay["host_python"]
     assert [b for b, _ in py["layer_points"]] == [b for b, _ in py["route_points"]] == [1, 8]
     assert py["pass_start_s"] is None and py["sync_s"] >= 0.0 and py["head_s"] > 0.0   # passes not queued on a CPU

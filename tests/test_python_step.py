@@ -94,8 +94,8 @@ def test_calibrate_fits_the_python_step_and_shows_it_beside_its_runs():
     assert (step.host_pass_start_us, step.host_sync_us) == pytest.approx((300.0, 15.0))
     assert got.host_route_points != step.host_route_points and "host program off" in got.sources["python_host"]
     rows = {line[:28].strip(): line[28:].split() for line in beside(got, m).splitlines()}
-    assert rows["Python step, route, 8 tok"][:2] == ["20.0us", "20.0us"]
-    assert rows["Python step, expert, 1 tok"][:2] == ["30.0us", "30.0us"]
+    assert rows["Py step, route, 8 tokens"][:2] == ["20.0us", "20.0us"]
+    assert rows["Py step, expert, 1 tokens"][:2] == ["30.0us", "30.0us"]
 
 
 def test_a_bad_python_host_is_one_line_and_json_lists_compare_as_tuples(tmp_path):

@@ -190,32 +190,29 @@ def _host_run(r: _ModelRuns, log) -> dict:
 
 
 def _python_step(r: _ModelRuns, w, hc, batch: int) -> None:
-    """The host of the executor's Python step, which plans the CPU-expert policies (`policies.python_step`):
-    three eager `ondemand` runs with the program off (CMOE_HOST_PROGRAM=0), the last two as `_host_run`
-    takes them (one round, not the program's `HOST_ROUNDS`: a few seconds more, not twice)."""
+    """The host of the executor's Python step, which plans the CPU-expert policies (`policies.python_step`): a
+    round of three eager `ondemand` runs, the program off, the last two kept; as many rounds as the program's."""
+    from unittest import mock
+
     from cmoe.executor.run import run_policy
-    was = os.environ.get("CMOE_HOST_PROGRAM")
-    os.environ["CMOE_HOST_PROGRAM"] = "0"
-    try:
+    with mock.patch.dict(os.environ, {"CMOE_HOST_PROGRAM": "0"}):     # restored as it was on the way out
         run_policy(w, hc, "ondemand")                  # untimed: the step's first run after the program's
-        r.py_runs[batch] = [_host_run(r, run_policy(w, hc, "ondemand").log) for _ in range(2)]
-    finally:
-        if was is None:
-            del os.environ["CMOE_HOST_PROGRAM"]
-        else:
-            os.environ["CMOE_HOST_PROGRAM"] = was
+        r.py_runs.setdefault(batch, []).extend(_host_run(r, run_policy(w, hc, "ondemand").log) for _ in range(2))
 
 
-def _python_host(r: _ModelRuns) -> dict:
-    """`_result`'s host figures over the Python step's runs: the table points, the read-back, the pass
-    start (queued passes: the median of `_host_between`; else none, the program's kept), the head."""
+def _python_host(r: _ModelRuns) -> tuple[dict, dict]:
+    """`_result`'s host figures over the Python step's runs (pass start: queued, `_host_between`'s median;
+    else none, the program's kept), and its route and launch runs for `repeats`."""
     ph: dict[str, list] = {k: [] for k in r.host}
     _host_points(SimpleNamespace(host=ph, host_runs=r.py_runs), sorted(r.py_runs)); tail = _tail(ph)  # noqa: E702
     starts = [x["between"] for v in r.py_runs.values() for x in v if x["between"] is not None]
+    rep = {f"Py step, {k}": {"unit": "tokens", "grows": False, "judged": False,
+                             "points": [[b, [x[k] for x in v]] for b, v in sorted(r.py_runs.items())]}
+           for k in ("route", "expert")}
     return {"layer_points": ph["layer"], "route_points": ph["route"], "expert_points": ph["expert"],
             "expert_tail_s": float(np.mean([x for _, x in tail])), "sync_s": _sync_s(ph, tail),
             "pass_start_s": float(np.median(starts)) if starts else None,
-            "head_s": float(np.median([x["head"] for x in r.py_runs[min(r.py_runs)]]))}
+            "head_s": float(np.median([x["head"] for x in r.py_runs[min(r.py_runs)]]))}, rep
 
 
 def _tail(host: dict) -> list:
@@ -231,6 +228,8 @@ def _host_round(r: _ModelRuns, batch: int) -> None:
     w, hc = r.host_work[batch]
     run_policy(w, hc, "ondemand")
     r.host_runs[batch] += [_host_run(r, run_policy(w, hc, "ondemand").log) for _ in range(2)]
+    if batch in r.py_runs:
+        _python_step(r, w, hc, batch)
 
 
 def _host_points(r: _ModelRuns, batches) -> None:
@@ -386,8 +385,9 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
                        # one mean per batch: no spread, but 8 rows may not take less than 1
                        "expert in model": {"unit": "tokens", "grows": True,
                                            "points": [[t, [x]] for t, x in gpu["expert"]]}}}
-    if r.py_runs:
-        out["layer"]["host_python"] = _python_host(r)
+    if r.py_runs:                 # the Python step's, and its runs shown with their spread, not judged
+        out["layer"]["host_python"], rep = _python_host(r)
+        out["repeats"] |= rep
     if r.cpu_pts:
         by: dict[int, list] = {}
         for t, x in r.cpu_pts:

@@ -325,10 +325,10 @@ def beside(p: HardwareProfile, m: dict) -> str:
                           ("host, one expert", "expert_points", p.host_expert)) if h else ():
         for t, s in h[key]:
             row(f"{what}, {t} tokens", s, fn(t))
-    for what, key, fn in (("Python step, route", "route_points", q.host_route),
-                          ("Python step, expert", "expert_points", q.host_expert)) if py and p.python_host else ():
+    for what, key, fn in (("Py step, route", "route_points", q.host_route),
+                          ("Py step, expert", "expert_points", q.host_expert)) if py and p.python_host else ():
         for t, s in py[key]:                               # the CPU-expert policies' host (`python_step`)
-            row(f"{what}, {t} tok", s, fn(t))
+            row(f"{what}, {t} tokens", s, fn(t))
     for wait, route in _wake_means((h or {}).get("wake_samples") or []):
         row(f"host, route after {wait * 1e6:.0f}us", route, p.host_route(1) * p.host_wake(wait * 1e6))
     cpu = m["cpu_expert"]
