@@ -103,10 +103,15 @@ def test_a_bad_python_host_is_one_line_and_json_lists_compare_as_tuples(tmp_path
     traceback later, in `host_scaled` or the simulator), and a profile written with list tables
     equal to its own round trip."""
     from cmoe.core.hw import load_profile
-    for bad in (None, [], 0, "", [1], {"host_route_points": [[1, -2.0]]}, {"host_sync_us": None}):
+    for bad in (None, [], 0, "", [1], {"host_route_points": [[1, -2.0]]}, {"host_sync_us": None},
+                {"host_layer_points": ""}, {"host_route_points": {}}):
         f = tmp_path / "p.json"
         f.write_text(json.dumps(H200.to_dict() | {"python_host": bad}))
-        with pytest.raises(CmoeError, match="python_host|host_route_points|host_sync_us"):
+        with pytest.raises(CmoeError, match="python_host|host_route_points|host_sync_us|host_layer_points"):
+            load_profile(str(f))
+    for field, bad in (("host_layer_points", 0), ("host_wake_points", ""), ("expert_rows_us", {})):
+        f.write_text(json.dumps(H200.to_dict() | {field: bad}))          # the profile's own tables alike
+        with pytest.raises(CmoeError, match=field):
             load_profile(str(f))
     p = replace(H200, python_host={"host_route_points": [[1, 2.0], [8, 1.0]], "host_expert_points": None})
     assert p.python_host == {"host_route_points": ((1, 2.0), (8, 1.0)), "host_expert_points": ()}
@@ -121,3 +126,22 @@ def test_the_host_speed_of_a_python_step_run_is_read_against_the_steps_own_host(
     p = replace(H200, host_layer_us=10.0, python_host={"host_layer_us": 40.0})
     assert host_ratio({"policy": "static", "host_layer_us": 40.0}, p, 1) == pytest.approx(1.0)
     assert host_ratio({"policy": "ondemand", "host_layer_us": 40.0}, p, 1) == pytest.approx(4.0)
+
+
+def test_the_steps_switch_sets_one_variable_and_restores_it(monkeypatch):
+    """`cmoe.core.util.env_var`, which calibrate turns the host program off with: the variable as it
+    was after the block (set or unset), and what the block set besides left alone."""
+    import os
+
+    from cmoe.core.util import env_var
+    monkeypatch.delenv("CMOE_HOST_PROGRAM", raising=False)
+    monkeypatch.delenv("CMOE_TEST_INSIDE", raising=False)
+    with env_var("CMOE_HOST_PROGRAM", "0"):
+        assert os.environ["CMOE_HOST_PROGRAM"] == "0"
+        os.environ["CMOE_TEST_INSIDE"] = "kept"
+    assert "CMOE_HOST_PROGRAM" not in os.environ and os.environ.pop("CMOE_TEST_INSIDE") == "kept"
+    monkeypatch.setenv("CMOE_HOST_PROGRAM", "1")
+    with pytest.raises(RuntimeError), env_var("CMOE_HOST_PROGRAM", "0"):
+        raise RuntimeError
+    assert os.environ["CMOE_HOST_PROGRAM"] == "1"
+

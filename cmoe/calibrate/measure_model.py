@@ -17,7 +17,6 @@ spreads over the whole table instead of bending one point of it.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import replace
 from types import SimpleNamespace
@@ -29,6 +28,7 @@ from cmoe.calibrate import wake
 from cmoe.calibrate.commit_steps import commit_gpu_s, copy_slowdowns, launch_copy_s, readback_copy_s, start_excess_s
 from cmoe.calibrate.log_points import _cpu_points, _load_cost, _wave_points
 from cmoe.core.spec import ModelSpec
+from cmoe.core.util import env_var
 from cmoe.calibrate.spans import _gaps, _host_between, _mean, _pass_overhead, _per_layer, _sync_s, queued_period
 
 
@@ -192,10 +192,8 @@ def _host_run(r: _ModelRuns, log) -> dict:
 def _python_step(r: _ModelRuns, w, hc, batch: int) -> None:
     """The host of the executor's Python step, which plans the CPU-expert policies (`policies.python_step`): a
     round of three eager `ondemand` runs, the program off, the last two kept; as many rounds as the program's."""
-    from unittest import mock
-
     from cmoe.executor.run import run_policy
-    with mock.patch.dict(os.environ, {"CMOE_HOST_PROGRAM": "0"}):     # restored as it was on the way out
+    with env_var("CMOE_HOST_PROGRAM", "0"):            # restored as it was on the way out
         run_policy(w, hc, "ondemand")                  # untimed: the step's first run after the program's
         r.py_runs.setdefault(batch, []).extend(_host_run(r, run_policy(w, hc, "ondemand").log) for _ in range(2))
 

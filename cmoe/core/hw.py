@@ -155,10 +155,10 @@ class HardwareProfile:
         check_pairs(self.name, "expert_gbps", self.expert_gbps, lambda k: k in ("int4", "int8", "bf16"),
                     "[class, GB/s]: class int4, int8 or bf16 (each once), GB/s positive", ascending=False)
         for table in ("expert_rows_us", *HOST_POINTS, "wave_count_us", "host_route_waits"):
-            if getattr(self, table):
+            if getattr(self, table) != ():                         # none measured; anything else is checked
                 check_pairs(self.name, table, getattr(self, table), whole(1)[0], "[rows, us]: a whole number "
                             "of rows >= 1, us >= 0, rows ascending", ascending=True, rate=NON_NEGATIVE[0])
-        if self.host_wake_points:
+        if self.host_wake_points != ():
             check_pairs(self.name, "host_wake_points", self.host_wake_points, NON_NEGATIVE[0],
                         "[wait us, factor]: a wait >= 0, a factor > 0, waits ascending", ascending=True)
         if self.expert_rows_us and not (self.expert_rows_bytes > 0 and self.expert_rows_class in ("int4", "int8", "bf16")):
@@ -172,7 +172,8 @@ class HardwareProfile:
             raise bad(self.name, "copy_attention_slowdown", a, f"null or {NON_NEGATIVE[1]}")
         if not isinstance(self.python_host, dict) or set(self.python_host) - {*HOST_FIELDS, *HOST_POINTS}:
             raise bad(self.name, "python_host", self.python_host, f"an object of {HOST_FIELDS + HOST_POINTS}")
-        object.__setattr__(self, "python_host", {k: pairs(v) for k, v in self.python_host.items()})  # JSON's lists
+        object.__setattr__(self, "python_host", {k: pairs(v) if k in HOST_POINTS else v     # JSON's lists
+                                                 for k, v in self.python_host.items()})
         self.python_step()                                        # its fields checked as the profile's own
         if not isinstance(self.sources, dict):
             raise bad(self.name, "sources", self.sources, "an object of field -> where its figure comes from")

@@ -172,3 +172,18 @@ def percentile(xs: list[float], q: float) -> float:
     """The q-quantile of xs by the nearest rank (nan for none)."""
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+@contextmanager
+def env_var(name: str, value: str):
+    """`name` set to `value` inside the block, then restored (or unset) as it was: that variable
+    alone, where `unittest.mock.patch.dict` puts back the whole environment."""
+    was = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if was is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = was
