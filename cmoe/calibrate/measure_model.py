@@ -199,24 +199,28 @@ def _python_step(r: _ModelRuns, w, hc, batch: int) -> None:
 
 
 def _python_host(r: _ModelRuns) -> tuple[dict, dict]:
-    """`_result`'s host figures over the Python step's runs (pass start: queued, `_host_between`'s median;
-    else none, the program's kept), and its route and launch runs for `repeats`."""
+    """`_host_figures` over the Python step's runs (no pass start where passes are not queued: the
+    program's is kept), and its route and launch runs for `repeats`."""
     ph: dict[str, list] = {k: [] for k in r.host}
-    _host_points(SimpleNamespace(host=ph, host_runs=r.py_runs), sorted(r.py_runs)); tail = _tail(ph)  # noqa: E702
-    starts = [x["between"] for v in r.py_runs.values() for x in v if x["between"] is not None]
+    _host_points(SimpleNamespace(host=ph, host_runs=r.py_runs), sorted(r.py_runs))
     rep = {f"Py step, {k}": {"unit": "tokens", "grows": False, "judged": False,
                              "points": [[b, [x[k] for x in v]] for b, v in sorted(r.py_runs.items())]}
            for k in ("route", "expert")}
-    return {"layer_points": ph["layer"], "route_points": ph["route"], "expert_points": ph["expert"],
-            "expert_tail_s": float(np.mean([x for _, x in tail])), "sync_s": _sync_s(ph, tail),
-            "pass_start_s": float(np.median(starts)) if starts else None,
-            "head_s": float(np.median([x["head"] for x in r.py_runs[min(r.py_runs)]]))}, rep
+    return _host_figures(ph, r.py_runs), rep
 
 
-def _tail(host: dict) -> list:
-    """The launch's host tail (after the kernel's end mark) at the table's first two points, as the
-    fit takes it (batches 1 and 8 on a CPU, 1 and 2 on CUDA)."""
-    return [(t, max(a[1] - b[1], 0.0)) for t, a, b in zip((1, 8), host["expert"], host["expert_span"])]
+def _host_figures(host: dict, runs: dict[int, list[dict]]) -> dict:
+    """What `_result` reports of a host from `_host_points`' tables and each batch's runs: the table
+    points; the launch's tail (after the kernel's end mark) at the table's first two points (batches
+    1 and 8 on a CPU, 1 and 2 on CUDA); the read-back; the LM head, the median of the first batch's
+    runs of every round (one round's pair: 36-103 us, an H100); with queued passes the pass start,
+    the median of every run's `_host_between` (else None)."""
+    tail = [(t, max(a[1] - b[1], 0.0)) for t, a, b in zip((1, 8), host["expert"], host["expert_span"])]
+    starts = [x["between"] for v in runs.values() for x in v if x["between"] is not None]
+    return {"layer_points": host["layer"], "route_points": host["route"], "expert_points": host["expert"],
+            "expert_tail_s": float(np.mean([x for _, x in tail])), "sync_s": _sync_s(host, tail),
+            "head_s": float(np.median([x["head"] for x in runs[min(runs)]])),
+            "pass_start_s": float(np.median(starts)) if starts else None}
 
 
 def _host_round(r: _ModelRuns, batch: int) -> None:
@@ -344,11 +348,10 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
         one["host_start"], one["gpu_start"], one["gpu_head"] = one.pop("plain")
         gap = one["host_start"] - one["gpu_start"]      # the GPU's idle gap between passes, before the first mark
     starts = [[b, [x["between"] for x in runs]] for b, runs in sorted(r.host_runs.items()) if runs[0]["between"] is not None]
-    if starts:     # queued passes: the host's own lane (upper's is ahead, its gap ~0); the median of every run
-        one["host_start"] = float(np.median([x for _, v in starts for x in v]))   # (`_host_between`)
+    fig = _host_figures(host, r.host_runs)   # queued passes: the host's own lane's pass start (upper's is ahead)
+    fig["pass_start_s"] = one["host_start"] if fig["pass_start_s"] is None else fig["pass_start_s"]
     ne_bytes = non_expert_bytes(r.spec, r.rec)
     per_layer = (ne_bytes["attention"] + ne_bytes["norms"]) // r.spec.num_layers
-    tail = _tail(host)
     out = {"layer": {"resident_bytes": int(per_layer), "points": gpu["plain_points"] or gpu["points"],
                      "head_s": one["gpu_head"],
                      "pass_start_s": one["gpu_start"], "expert_in_model_s": gpu["expert"][0][1],
@@ -360,14 +363,7 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
                      "commit_gpu_copy_s": one.get("commit_gpu_copy", 0.0), "readback_copy_s": one.get("readback_copy", 0.0),
                      "launch_copy_s": one.get("launch_copy", 0.0),
                      "commit_start_excess_s": one.get("commit_start", 0.0),
-                     "host": {"layer_points": host["layer"], "route_points": host["route"],
-                              "expert_points": host["expert"], "expert_tail_s": float(np.mean([x for _, x in tail])),
-                              "load_s": one["host_load"],
-                              "sync_s": _sync_s(host, tail),
-                              "pass_start_s": one["host_start"], "route_waits": host["waits"],
-                              # batch 1's runs of every round, the median (one round's pair: 36-103 us, an H100)
-                              "head_s": float(np.median([x["head"] for x in r.host_runs[min(r.host_runs)]])),
-                              **r.wake}
+                     "host": fig | {"load_s": one["host_load"], "route_waits": host["waits"], **r.wake}
                      | ({"pass_gap_s": gap} if gap is not None else {})},
            "waves": gpu["waves"], "commit_waves": r.one.get("commit_waves", []), "seconds": r.seconds,
            "repeats": {"host, layer": {"unit": "tokens", "grows": False, "points": host["layer_runs"]},

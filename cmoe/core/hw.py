@@ -258,10 +258,10 @@ class HardwareProfile:
     def host_scaled(self, k: float) -> "HardwareProfile":
         """This profile with every cost of the host thread k times as long (the GPU's, the link's and
         the CPU experts' unchanged; the Python step's too): a host k times slower than calibrated."""
-        pts = {f: tuple((x, y * k) for x, y in getattr(self, f)) for f in HOST_POINTS}
-        py = {f: tuple((x, y * k) for x, y in v) if isinstance(v, (list, tuple)) else v * k
-              for f, v in self.python_host.items()}
-        return replace(self, **{f: getattr(self, f) * k for f in HOST_FIELDS}, **pts, python_host=py)
+        def scaled(f: str, v):                                   # a table's times, or the time
+            return tuple((x, y * k) for x, y in v) if f in HOST_POINTS else v * k
+        return replace(self, **{f: scaled(f, getattr(self, f)) for f in (*HOST_FIELDS, *HOST_POINTS)},
+                       python_host={f: scaled(f, v) for f, v in self.python_host.items()})
 
     def python_step(self) -> "HardwareProfile":
         """The host where the compiled host program does not plan (the CPU-expert policies: the
