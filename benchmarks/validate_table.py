@@ -31,6 +31,8 @@ from cmoe.core.spec import preset  # noqa: E402
 from cmoe.trace.load import load_trace  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
 from cmoe.analysis.validate import against_repeats, calibrations_agree, link_ratio, read_run, validate  # noqa: E402
+from cmoe.analysis.runfolder import read_metrics  # noqa: E402
+from cmoe.policy.policies import python_step  # noqa: E402
 
 
 def main() -> None:
@@ -63,10 +65,13 @@ def main() -> None:
         here = a.folder / f"pool{pool:g}-b{b}"
         pols = list(c["policies"])
         w = SimpleNamespace(trace=load_trace(trace_src, None, b), spec=spec, fmt=fmt)
+        # the policies whose runs planned in the Python step (the program off, or none yet for them)
+        ran = {m["policy"]: m.get("host_program") for m in read_metrics(here / "measured")}
+        stepped = {p for p in pols if python_step(p, ran.get(p) is not False)}
 
-        def run_sim(policies, profile, folder, pool=pool, b=b, w=w):     # the simulator, this configuration
+        def run_sim(policies, profile, folder, pool=pool, b=b, w=w, stepped=stepped):     # this configuration
             predict(w, SimpleNamespace(policies=policies, pool_gb=pool, batch=b, slots=res.get("slots"), tokens=res["tokens"],
-                                       include_prefill=True), profile, folder)
+                                       include_prefill=True, python_step=stepped), profile, folder)
 
         def held(profile, folder, policies):
             """policy -> its prediction under `profile` held against every measured run of it."""

@@ -10,6 +10,7 @@ into the same slots), the same batch and pool.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -120,10 +121,11 @@ def host_speed(runs: list[list[dict]], prof, batch: int) -> list[float]:
 
 def host_ratio(v: dict, prof, batch: int) -> float | None:
     """One validation's (`cmoe.analysis.validate.validate`) host time per layer over the
-    profile's `host_layer` at the batch (the Python step's for the policies it plans,
-    `cmoe.policy.policies.python_step`); None where either is missing."""
+    profile's `host_layer` at the batch (the Python step's where the run planned in it: its
+    `host_program` false, `cmoe.policy.policies.python_step`); None where either is missing."""
     from cmoe.policy.policies import python_step
-    base = (prof.python_step() if python_step(v.get("policy", "")) else prof).host_layer(batch)
+    stepped = python_step(v.get("policy", ""), v.get("host_program") is not False)
+    base = (prof.python_step() if stepped else prof).host_layer(batch)
     return v["host_layer_us"] / base if v.get("host_layer_us") and base > 0 else None
 
 
@@ -196,12 +198,18 @@ def predict(w, cfg, prof, out: Path) -> list:
     decode steps) under every policy of `cfg`, and write the run folder."""
     from cmoe.executor.run import budget_recipe
     from cmoe.core.quant import expert_bytes
+    from cmoe.policy.policies import python_step
     from cmoe.sim.api import write_outputs as write_sim
     from cmoe.sim.run import SimConfig, simulate
     rec = budget_recipe(w.fmt)
     t = replace(w.trace, recipe=rec, expert_bytes=expert_bytes(w.spec, rec))
+    stepped = getattr(cfg, "python_step", None)     # the policies the runs planned in Python, where known
+    if stepped is None:
+        on = os.environ.get("CMOE_HOST_PROGRAM", "1") != "0"
+        stepped = {p for p in cfg.policies if python_step(p, on)}
     sims = [simulate(t, prof, SimConfig(policy=p, pool_gb=cfg.pool_gb, batch=cfg.batch, slots=cfg.slots,
-                                        include_prefill=cfg.include_prefill, groups=1, decode_steps=cfg.tokens))
+                                        include_prefill=cfg.include_prefill, groups=1, decode_steps=cfg.tokens,
+                                        python_step=p in stepped))
             for p in cfg.policies]
     write_sim(out, t, prof, sims)
     return sims

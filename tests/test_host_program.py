@@ -13,7 +13,7 @@ import pytest
 
 from cmoe.executor import host_program as hp
 from cmoe.executor.host_calls import address
-from cmoe.policy.policies import make_policy
+from cmoe.policy.policies import make_policy, trait
 from cmoe.policy.pool import PoolLayout
 from cmoe.policy.waves import waves as launch_waves
 from cmoe.sim.replay.state import export, pass_data
@@ -23,7 +23,7 @@ from cmoe.trace.passes import popularity
 from tests.test_replay import tiny, tiny_deep
 
 CS, CP, PRE, HEAD, NBYTES, EV0 = 7, 8, 1, 2, 1000, 100_000
-POLICIES = ["ondemand", "lru-prefetch", "oracle", "adaptive", "commit"]
+POLICIES = ["ondemand", "lru-prefetch", "oracle", "adaptive", "commit", "lfu-fallback", "static"]
 RB0 = (4000, 4001, 64, 4002)                              # layer 0's prediction read back: host, device, bytes, event
 
 
@@ -38,9 +38,11 @@ class FakeRuntime:
         cb = lambda fn, *a: ctypes.CFUNCTYPE(i32, *a)(fn)
         self._keep = [cb(self._launch, u64, u64), cb(self._record, u64, u64), cb(self._wait, u64, u64, u32),
                       cb(self._sync, u64), cb(self._copy, u64, u64, ctypes.c_size_t, i32, u64)]
+        self._keep_cpu = cb(self._cpu, ctypes.c_int64, ctypes.c_int64)
         libc = ctypes.CDLL(None)
-        # the program's functions by address (`Prog.fn`), as the runtime's are
-        self.fn = np.array([address(f) for f in self._keep] + [address(libc.clock_gettime)], np.int64)
+        # the program's functions by address (`Prog.fn`), as the runtime's are, the engine's CPU step last
+        self.fn = np.array([address(f) for f in self._keep] + [address(libc.clock_gettime), address(self._keep_cpu)],
+                           np.int64)
 
     def use(self, prog):
         """The program's staging rows: a copy from one of them is logged as what it holds."""
@@ -74,6 +76,10 @@ class FakeRuntime:
 
     def _sync(self, ev):
         self.log.append(("sync", ev))
+        return self._rc()
+
+    def _cpu(self, m, phase):
+        self.log.append(("cpu", m, phase))
         return self._rc()
 
     def _copy(self, dst, src, n, kind, s):
@@ -208,8 +214,11 @@ class Reference:
             for ld in plan.loads:
                 if ld not in later:
                     self.load(out, ld)
+            if plan.cpu:                                  # `_plan_layer`: the input to the host
+                out.append(("cpu", m, 0))
             self.mark(out, CS)
             waves = launch_waves(list(plan.gpu), {ld.expert: ld.victim for ld in later}) or [[]]
+            one = len(waves) == 1 and not plan.cpu
             for k, wave in enumerate(waves):
                 out.append(("table", m, k, {e: plan.slots[e] for e in wave}, CS))
                 for e in wave:
@@ -219,13 +228,15 @@ class Reference:
                         out.append(("wait", CS, self.ready[m, s]))
                         self.pending[m][s] = False
                 self.mark(out, CS)
-                out.append(("launch", (20 if len(waves) == 1 else 30) + m, CS))
+                out.append(("launch", (20 if one else 30) + m, CS))
                 t1 = self.mark(out, CS)
                 for e in wave:
                     self.read[m, plan.slots[e]], self.was_read[m][plan.slots[e]] = t1, True
                 for ld in [x for x in later if x.victim in wave]:
                     self.load(out, ld)
-            if len(waves) > 1:
+            if plan.cpu:                                  # the CPU experts' sum joins the waves'
+                out.append(("cpu", m, 1))
+            if not one:
                 out.append(("launch", 40 + m, CS))
                 self.mark(out, CS)
             logical = [-1] * len(self.expert[m])
@@ -317,7 +328,10 @@ def _run_both(name, **kw):
 @pytest.mark.parametrize("seed", range(3))
 def test_the_program_makes_the_engines_calls_in_its_order(name, seed):
     logs, *_ = _run_both(name, seed=seed)
-    assert any(c[0] == "copy" and c[4] == 1 for log in logs for c in log), "no load was exercised"
+    if name != "static":                                  # static loads nothing after the prefill
+        assert any(c[0] == "copy" and c[4] == 1 for log in logs for c in log), "no load was exercised"
+    on_cpu = [c for log in logs for c in log if c[0] == "cpu"]
+    assert bool(on_cpu) == trait(name, "cpu_experts"), "no CPU expert was exercised"
 
 
 @pytest.mark.parametrize("name", ["adaptive-ahead", "commit-ahead"])
@@ -412,12 +426,16 @@ def test_a_later_process_loads_the_program_from_the_cache():
 
 
 
-@pytest.mark.parametrize("name", ["ondemand", "commit"])
-@pytest.mark.parametrize("kind,nth,err", [("launch", 2, 700), ("sync", 1, 4), ("record", 3, 719), ("copy", 1, 1)])
+CALLS = [("launch", 2, 700), ("sync", 1, 4), ("record", 3, 719), ("copy", 1, 1)]
+
+
+@pytest.mark.parametrize("name,kind,nth,err", [(n, *c) for n in ("ondemand", "commit") for c in CALLS]
+                         + [("static", "cpu", 1, 1), ("static", "cpu", 2, 1)])
 def test_a_failing_call_stops_the_pass(name, kind, nth, err):
     """A runtime call that returns an error (the first attention launch after P, the first read-back
-    wait, a mark, a copy): the program returns -1 at once, issues nothing after it, and keeps the
-    error and which call made it; an error code never passes for a mark id."""
+    wait, a mark, a copy), or the engine's CPU step that failed (its input taken, its sum added):
+    the program returns -1 at once, issues nothing after it, and keeps the error and which call made
+    it; an error code never passes for a mark id."""
     t, pa, lay, make = _setup(name)
     M, E, S = len(lay.slots), t.spec.num_experts, max(lay.slots)
     tw = _prefilled(make, pa, M)
@@ -432,7 +450,7 @@ def test_a_failing_call_stops_the_pass(name, kind, nth, err):
         _FAKE.failing = None
     log = _FAKE.log
     failed = [i for i, c in enumerate(log) if c[0] == kind][nth - 1]
-    calls = {"launch": 0, "record": 1, "wait": 2, "sync": 3, "copy": 4}
+    calls = {"launch": 0, "record": 1, "wait": 2, "sync": 3, "copy": 4, "cpu": 6}
     assert rc == -1 and failed == len(log) - 1, log[failed:]
     assert (b.cnt[hp.C_ERR], b.cnt[hp.C_ERRCALL]) == (err, calls[kind])
 

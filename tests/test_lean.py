@@ -310,3 +310,39 @@ def test_a_spinning_read_back_wait_polls_the_event_until_it_has_happened():
     assert io._read_back_wait((buf, 7)) is buf and calls == [("sync", 7)]
     calls.clear()
     assert io._read_back_wait((buf, None)) is buf and calls == []
+
+
+def test_the_programs_cpu_step_does_the_python_steps_cpu_work(fused_checkpoints, monkeypatch):
+    """`_cpu_step`, which the compiled host program calls back for a layer with CPU experts, at
+    every CPU-expert layer of lfu-fallback and static beside the Python step's own `_cpu_sum`: the
+    same experts, rows, weights and input, the same sum added to the waves' (exactly, on the CPU),
+    the layer's fallbacks counted once; a failure is kept, not raised through the C frames."""
+    from types import SimpleNamespace as NS
+    from cmoe.executor.lean import LeanEngine
+    real, seen = LeanEngine._cpu_sum, []
+
+    def spy(self, m, d, st):
+        if self._hp is not None:                           # called back from `_cpu_step`
+            seen[-1].append(st)
+            return real(self, m, d, st)
+        want = real(self, m, d, st)
+        saved, tally = (self._hp, self._wave_acc), self.log.at(self.cur.index)
+        before = tally.fallbacks
+        self._hp = {"d": NS(c_e=np.array(st["cpu"] + [99], np.int64), c_ptr=np.array([0] * (m + 1) + [0, 9]),
+                            n=np.array([0, len(st["cpu"]), 0, 0]))}
+        self._wave_acc = torch.zeros(want.shape, dtype=torch.float32)
+        seen.append([self.policy.name, st])
+        assert self._cpu_step(m, 0) == 0 and self._cpu_step(m, 1) == 0
+        assert torch.equal(self._wave_acc, want) and tally.fallbacks == before + len(st["cpu"])
+        tally.fallbacks = before
+        self._hp, self._wave_acc = saved
+        return want
+    monkeypatch.setattr(LeanEngine, "_cpu_sum", spy)
+    _, results = run_exec(fused_checkpoints["mixtral"], ["lfu-fallback", "static"], fmt="w4g32", kernel="fused")
+    assert {r.policy for r in results if r.metrics["fallbacks"] > 0} == {"lfu-fallback", "static"}
+    assert {name for name, *_ in seen} == {"lfu-fallback", "static"}
+    for name, st, got in seen:
+        assert (got["cpu"], got["assign"]) == (st["cpu"], st["assign"]) and got["x_host"] is not None, name
+    bad = LeanEngine.__new__(LeanEngine)                  # a step that fails keeps its exception
+    bad._hp, bad.spec, bad.clock = {}, NS(moe_layers=[0], top_k=2), None
+    assert bad._cpu_step(0, 1) == 1 and isinstance(bad._hp_error, KeyError)

@@ -247,9 +247,11 @@ def test_host_program_runs_as_the_python_step(fused_checkpoints, fused_trace, sl
     step (CMOE_HOST_PROGRAM=0): the same plans (needs, loads, GPU experts, skips, the slots after
     each step), the same loads and spans per pass, layer and kind, the same occupancy, no slot
     read with wrong bytes, logits equal up to the kernel's fp32 atomics. Two slots a block at
-    batch 2 and top-2 make layers run in launch waves."""
+    batch 2 and top-2 make layers run in launch waves. The CPU-expert policies too: the program
+    calls back for their CPU work (`_cpu_step`), the same experts falling back."""
     from collections import Counter
-    pols = ("ondemand", "lru-prefetch", "oracle", "adaptive", "commit", "adaptive-ahead", "commit-ahead")
+    pols = ("ondemand", "lru-prefetch", "oracle", "adaptive", "commit", "adaptive-ahead", "commit-ahead",
+            "lfu-fallback", "static")
     runs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("CMOE_HOST_PROGRAM", flag)
@@ -264,14 +266,16 @@ def test_host_program_runs_as_the_python_step(fused_checkpoints, fused_trace, sl
         assert a.log.plans == b.log.plans, a.policy
         assert a.log.slot_mismatches == b.log.slot_mismatches == 0, a.policy
         assert a.log.occupancy == b.log.occupancy, a.policy
-        assert {p: (c.loads, c.bytes_moved, c.skipped) for p, c in a.log.per_pass.items()} == \
-            {p: (c.loads, c.bytes_moved, c.skipped) for p, c in b.log.per_pass.items()}, a.policy
+        assert {p: (c.loads, c.bytes_moved, c.skipped, c.fallbacks) for p, c in a.log.per_pass.items()} == \
+            {p: (c.loads, c.bytes_moved, c.skipped, c.fallbacks) for p, c in b.log.per_pass.items()}, a.policy
         assert kinds(a) == kinds(b), a.policy
         ma, mb = a.metrics, b.metrics                     # hit or late: a matter of timing
         assert (ma["demand"], ma["hits"] + ma["late"]) == (mb["demand"], mb["hits"] + mb["late"]), a.policy
         for x, y in zip(a.logits, b.logits):
             assert _rel(x, y) < 1e-2, a.policy
     assert any(p.layer >= 0 and len(p.loads) for r in runs["1"] for p in r.log.plans)
+    assert all(any(p.cpu for p in r.log.plans if p.pass_index > 0)
+               for r in runs["1"] if r.policy in ("lfu-fallback", "static"))
 
 
 @pytest.mark.parametrize("slots,batch", [(2, 2), (3, 2), (3, 1)])

@@ -1,6 +1,6 @@
-"""The CPU-expert policies' host step: the executor's compiled host program plans no CPU experts,
-so `lfu-fallback` and `static` run its Python step, whose host costs calibrate measures apart
-(`HardwareProfile.python_host`) and the simulator charges those two policies alone."""
+"""The executor's Python step: with the compiled host program off (`CMOE_HOST_PROGRAM=0`) every
+policy that plans runs it, whose host costs calibrate measures apart (`HardwareProfile.python_host`)
+and the simulator charges to the runs that took it (`SimConfig.python_step`)."""
 
 import json
 from dataclasses import replace
@@ -21,9 +21,12 @@ PY = {"host_route_us": 300.0, "host_sync_us": 200.0, "host_expert_us": 90.0,    
       "host_route_points": ((1, 300.0), (8, 230.0)), "host_pass_start_us": 400.0}
 
 
-def test_only_the_cpu_expert_policies_take_the_python_step():
-    assert [p for p in POLICIES if python_step(p)] == ["lfu-fallback", "static"]
-    assert not python_step("no-such-policy")
+def test_the_python_step_plans_where_the_program_is_off():
+    """The program plans every built-in policy (the CPU-expert ones too, since it calls back for
+    their CPU work); off, all but `upper`, which plans nothing, take the Python step."""
+    assert [p for p in POLICIES if python_step(p)] == []
+    assert [p for p in POLICIES if python_step(p, program=False)] == [p for p in POLICIES if p != "upper"]
+    assert not python_step("no-such-policy", program=False)
 
 
 def test_the_python_step_replaces_the_host_fields_it_holds_and_survives_json():
@@ -42,18 +45,16 @@ def test_the_python_step_replaces_the_host_fields_it_holds_and_survives_json():
 
 
 @pytest.mark.parametrize("engine", ["replay", "simpy"])
-def test_the_simulator_charges_the_python_step_to_the_cpu_expert_policies_alone(engine):
+def test_the_simulator_charges_the_python_step_to_the_runs_that_take_it(engine):
     t = generate(preset("mixtral-8x7b"), recipe("w4a16"), SyntheticParams(requests=2, prompt_len=6, decode_len=10))
     prof = replace(LEAN, python_host=PY)
     for policy in ("static", "lfu-fallback", "ondemand", "commit"):
         cfg = SimConfig(policy=policy, pool_gb=12, batch=2, engine=engine)
         got = simulate(t, prof, cfg).metrics
-        plain = simulate(t, LEAN, cfg).metrics
-        if python_step(policy):                            # exactly the profile with the step's fields
-            assert got == simulate(t, replace(LEAN, **{k: v for k, v in PY.items()}), cfg).metrics
-            assert got["tokens_per_s"] < plain["tokens_per_s"]
-        else:
-            assert got == plain
+        assert got == simulate(t, LEAN, cfg).metrics            # the program's host: python_host unread
+        stepped = simulate(t, prof, replace(cfg, python_step=True)).metrics
+        assert stepped == simulate(t, replace(LEAN, **{k: v for k, v in PY.items()}), cfg).metrics, policy
+        assert stepped["tokens_per_s"] < got["tokens_per_s"], policy
 
 
 def test_the_python_steps_fields_come_from_its_own_runs_over_the_programs():
@@ -120,12 +121,15 @@ def test_a_bad_python_host_is_one_line_and_json_lists_compare_as_tuples(tmp_path
 
 
 def test_the_host_speed_of_a_python_step_run_is_read_against_the_steps_own_host():
-    """`cmoe.pipeline.host_ratio`: a CPU-expert policy's measured host time per layer over the
-    Python step's calibrated one, every other policy's over the program's."""
+    """`cmoe.pipeline.host_ratio`: the measured host time per layer of a run its program did not plan
+    (`host_program` false) over the Python step's calibrated one, every other run's over the
+    program's (one that does not say: the program's)."""
     from cmoe.pipeline import host_ratio
     p = replace(H200, host_layer_us=10.0, python_host={"host_layer_us": 40.0})
-    assert host_ratio({"policy": "static", "host_layer_us": 40.0}, p, 1) == pytest.approx(1.0)
-    assert host_ratio({"policy": "ondemand", "host_layer_us": 40.0}, p, 1) == pytest.approx(4.0)
+    for policy in ("static", "ondemand"):
+        assert host_ratio({"policy": policy, "host_layer_us": 40.0, "host_program": False}, p, 1) == pytest.approx(1.0)
+        assert host_ratio({"policy": policy, "host_layer_us": 40.0, "host_program": True}, p, 1) == pytest.approx(4.0)
+        assert host_ratio({"policy": policy, "host_layer_us": 40.0}, p, 1) == pytest.approx(4.0)
 
 
 def test_the_steps_switch_sets_one_variable_and_restores_it(monkeypatch):
@@ -145,3 +149,28 @@ def test_the_steps_switch_sets_one_variable_and_restores_it(monkeypatch):
         raise RuntimeError
     assert os.environ["CMOE_HOST_PROGRAM"] == "1"
 
+
+
+def test_predict_charges_the_python_step_where_the_runs_take_it(monkeypatch):
+    """`cmoe.pipeline.predict`: with the program on, no policy's simulation takes the Python step;
+    with CMOE_HOST_PROGRAM=0, every planning policy's; a caller that knows how its runs went (the
+    measured `host_program`, `benchmarks/validate_table.py`) names them."""
+    from types import SimpleNamespace as NS
+
+    import cmoe.sim.api
+    import cmoe.sim.run
+    from cmoe.pipeline import predict
+    seen = []
+    monkeypatch.setattr(cmoe.sim.run, "simulate", lambda t, prof, cfg: seen.append((cfg.policy, cfg.python_step)))
+    monkeypatch.setattr(cmoe.sim.api, "write_outputs", lambda *a: None)
+    t = generate(preset("mixtral-8x7b"), recipe("w4a16"), SyntheticParams(requests=1, prompt_len=4, decode_len=4))
+    w = NS(trace=t, spec=t.spec, fmt="w4g128")
+    cfg = NS(policies=("upper", "static", "ondemand"), pool_gb=12, batch=1, slots=None, include_prefill=True, tokens=2)
+    for flag, want in (("1", set()), ("0", {"static", "ondemand"})):
+        monkeypatch.setenv("CMOE_HOST_PROGRAM", flag)
+        seen.clear()
+        predict(w, cfg, LEAN, None)
+        assert {p for p, stepped in seen if stepped} == want and len(seen) == 3
+    seen.clear()
+    predict(w, NS(**vars(cfg), python_step={"upper"}), LEAN, None)
+    assert seen == [("upper", True), ("static", False), ("ondemand", False)]

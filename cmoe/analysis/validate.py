@@ -224,6 +224,8 @@ def validate(pred: Run, meas: Run) -> dict:
             "per_layer_mean_error_max_rest": layers[rest]["mean_error"] if rest is not None else float("nan"),
             "components_us": {"predicted": cp, "measured": cm, "difference": diffs}, "error_from": worst,
             "host_layer_us": host_layer_us(meas.spans, steps),
+            # whether the run's host program planned it (None: not recorded), which host costs it ran at
+            "host_program": meas.metrics.get("host_program"),
             "link_gbps": {"predicted": (g := link_gbps(pred.spans, steps)), "measured": link_gbps(meas.spans, steps)},
             "slow_loads": slow_loads(meas.spans, steps, g)}
 

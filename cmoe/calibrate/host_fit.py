@@ -2,10 +2,10 @@
 rest): the compiled host program's, from the eager `ondemand` runs, and the executor's Python
 step's, from the same runs with the program off (`cmoe.calibrate.measure_model._python_step`).
 
-Why two: the program plans every policy whose layers hold no CPU experts; the CPU-expert policies
-(`lfu-fallback`, `static`) run the Python step, whose route step and launches cost the host 10-20x
-the program's (an H100, twenty-seventh session: the route 13 us against 0.6). One set of host costs
-predicted those two policies 16-104% fast at pools 16-26 GB.
+Why two: the Python step's route step and launches cost the host 10-20x the program's (an H100,
+twenty-seventh session: the route 13 us against 0.6), and it plans every run with the program off
+(`CMOE_HOST_PROGRAM=0`). Until the twenty-eighth session it planned the CPU-expert policies too
+(`lfu-fallback`, `static`): one set of host costs predicted them 16-104% fast at pools 16-26 GB.
 """
 
 from __future__ import annotations

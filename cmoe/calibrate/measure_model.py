@@ -190,7 +190,7 @@ def _host_run(r: _ModelRuns, log) -> dict:
 
 
 def _python_step(r: _ModelRuns, w, hc, batch: int) -> None:
-    """The host of the executor's Python step, which plans the CPU-expert policies (`policies.python_step`): a
+    """The host of the executor's Python step, which plans with the program off (`policies.python_step`): a
     round of three eager `ondemand` runs, the program off, the last two kept; as many rounds as the program's."""
     from cmoe.executor.run import run_policy
     with env_var("CMOE_HOST_PROGRAM", "0"):            # restored as it was on the way out

@@ -128,7 +128,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         **{per_key_field: per_key * 1e6}, **split,
         **host, **table, **waves, **queued, python_host=py,
         sources={k: src for k in (*_MEASURED, per_key_field, *host, *table)}
-        | ({"python_host": src + " (ondemand with the host program off: the CPU-expert policies' step)"} if py else {})
+        | ({"python_host": src + " (ondemand with the host program off: the Python step's)"} if py else {})
         | {k: src + f" ({why})" for k, why in slow_src.items()}
         | {k: src + " (ondemand's loads queued back to back, over the curve's last rate)" for k in queued}
         | ({"h2d_pinned": src + f" (from {size_label(LINE_FROM)} up x{link_k:.4f}: as fast as ondemand's queued expert loads ran)"} if link_k != 1 else {})
@@ -327,7 +327,7 @@ def beside(p: HardwareProfile, m: dict) -> str:
             row(f"{what}, {t} tokens", s, fn(t))
     for what, key, fn in (("Py step, route", "route_points", q.host_route),
                           ("Py step, expert", "expert_points", q.host_expert)) if py and p.python_host else ():
-        for t, s in py[key]:                               # the CPU-expert policies' host (`python_step`)
+        for t, s in py[key]:                               # the Python step's host (`python_step`)
             row(f"{what}, {t} tokens", s, fn(t))
     for wait, route in _wake_means((h or {}).get("wake_samples") or []):
         row(f"host, route after {wait * 1e6:.0f}us", route, p.host_route(1) * p.host_wake(wait * 1e6))

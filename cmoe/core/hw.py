@@ -264,7 +264,7 @@ class HardwareProfile:
                        python_host={f: scaled(f, v) for f, v in self.python_host.items()})
 
     def python_step(self) -> "HardwareProfile":
-        """The host where the compiled host program does not plan (the CPU-expert policies: the
+        """The host where the compiled host program does not plan (`CMOE_HOST_PROGRAM=0`: the
         executor's Python step): this profile with `python_host`'s fields, if calibrate measured them."""
         return replace(self, python_host={}, **self.python_host) if self.python_host else self
 

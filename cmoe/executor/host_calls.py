@@ -11,6 +11,9 @@ it (`cache=True`).
 The functions: the CUDA runtime's cudaGraphLaunch(exec, stream), cudaEventRecord(event, stream),
 cudaStreamWaitEvent(stream, event, flags), cudaEventSynchronize(event), cudaMemcpyAsync(dst, src,
 bytes, kind, stream), and libc's clock_gettime(clock, timespec*); each returns an int (0: done).
+Last, the engine's own `cpu(layer, phase)`, a ctypes callback into Python: a CPU-expert policy's
+layer hands its CPU work back to the engine there (`lean_fast.HostProgramSteps._hp_cpu`); 0 where
+the policy computes no expert on the CPU (the program then never calls it).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 # Prog.fn: the functions' addresses
-F_LAUNCH, F_RECORD, F_WAIT, F_SYNC, F_COPY, F_CLOCK = range(6)
+F_LAUNCH, F_RECORD, F_WAIT, F_SYNC, F_COPY, F_CLOCK, F_CPU = range(7)
 CLOCK_MONOTONIC = 1
 
 
@@ -107,13 +110,26 @@ def clock(prog, ts):
     return _c2w(prog.fn[F_CLOCK], CLOCK_MONOTONIC, ts.ctypes.data)
 
 
+@njit(cache=True, _nrt=False)
+def cpu(prog, m, phase):
+    """The engine's CPU work for layer m: phase 0 (its input to the host, before the launches),
+    phase 1 (the CPU experts summed into the waves' sum, after them)."""
+    return _c2(prog.fn[F_CPU], m, phase)
+
+
 def address(f) -> int:
     return int(ctypes.cast(f, ctypes.c_void_p).value)
 
 
-def runtime_addresses(lib) -> np.ndarray:
-    """Prog.fn for the CUDA runtime torch loaded (`cuda_rt.Runtime`'s library) and libc's clock."""
+def cpu_callback(fn):
+    """`fn(layer, phase) -> int` as the C function `Prog.fn[F_CPU]` calls (keep it while it may be)."""
+    return ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int64)(fn)
+
+
+def runtime_addresses(lib, cpu_step: int = 0) -> np.ndarray:
+    """Prog.fn for the CUDA runtime torch loaded (`cuda_rt.Runtime`'s library), libc's clock and the
+    engine's CPU step (its callback's address; 0: none)."""
     libc = ctypes.CDLL(None)
     return np.array([address(lib.cudaGraphLaunch), address(lib.cudaEventRecord), address(lib.cudaStreamWaitEvent),
-                     address(lib.cudaEventSynchronize), address(lib.cudaMemcpyAsync), address(libc.clock_gettime)],
-                    np.int64)
+                     address(lib.cudaEventSynchronize), address(lib.cudaMemcpyAsync), address(libc.clock_gettime),
+                     cpu_step], np.int64)

@@ -12,7 +12,7 @@ from collections import namedtuple
 import numpy as np
 from numba import njit
 
-from cmoe.executor.host_calls import clock, copy, launch, record, sync, wait
+from cmoe.executor.host_calls import clock, copy, cpu, launch, record, sync, wait
 from cmoe.executor.host_live import live_routes
 from cmoe.executor.host_waves import _snapshot
 from cmoe.sim.replay.decide import _plan
@@ -29,7 +29,7 @@ F_IN, F_SYNCED, F_ROUTED, F_LAST, F_RB = range(5)
 C_MARKS, C_WAVES, C_WX, C_LOADS, C_SKIPPED, C_ERR, C_ERRCALL, C_BEGIN_LOADS = range(8)
 # calls, for an error's message
 CALLS = ("cudaGraphLaunch", "cudaEventRecord", "cudaStreamWaitEvent", "cudaEventSynchronize", "cudaMemcpyAsync",
-         "out of timing events")
+         "out of timing events", "the CPU experts' step")
 
 # What a program reads, made once a run (`lean_fast`): graphs' executable handles [M, 4] and scalars
 # (pre, head, the two streams, an expert's bytes, E, the clock's zero in ns); the read-back per
@@ -126,6 +126,13 @@ def launch_ok(prog, b, g, stream):
     """A graph launched on `stream`. 0, or -1."""
     rc = launch(prog, g, stream)
     return fail(b, rc, 0) if rc else 0
+
+
+@njit(cache=True, _nrt=False)
+def cpu_ok(prog, b, m, phase):
+    """The engine's CPU work for layer m (`host_calls.cpu`). 0, or -1."""
+    rc = cpu(prog, m, phase)
+    return fail(b, rc, 6) if rc else 0
 
 
 @njit(cache=True, _nrt=False)

@@ -32,10 +32,10 @@ from cmoe.executor.host_commit import commit_start, committed_layer
 from cmoe.executor.host_live import live_begin
 from cmoe.executor.host_prims import (C_BEGIN_LOADS, C_LOADS, C_WAVES, C_WX, F_ROUTED, F_SYNCED, G_EXPERTS, G_FINISH,
                                       G_WAVE, S_COMMIT, S_CS, S_E, S_HEAD, S_LIVE, S_N, S_PRE, before_read, copy_in,
-                                      evof, fail, launch_ok, layer_done, layer_entry, load, mark, now, read_back,
+                                      cpu_ok, evof, fail, launch_ok, layer_done, layer_entry, load, mark, now, read_back,
                                       sync_ok, twin_step)
 # what the engine reads as hp.X (`lean_fast`): the layout, the runtime's addresses
-from cmoe.executor.host_calls import runtime_addresses  # noqa: F401
+from cmoe.executor.host_calls import address, cpu_callback, runtime_addresses  # noqa: F401
 from cmoe.executor.host_prims import (CALLS, C_ERR, C_ERRCALL, C_MARKS, C_SKIPPED, F_LAST, L_LAST, L_TIN, L_TPLAN,  # noqa: F401
                                       Pool, Prog, books, no_commit, no_live, pool_of)
 from cmoe.executor.host_waves import _deferred, _index, _loads_now, _wave_of
@@ -77,13 +77,18 @@ def run(prog, pool, s, d, pd, b, gbase, p, P, ts, waves):
 
 @njit(cache=True, _nrt=False)
 def _layer(prog, pool, s, d, pd, b, gbase, p, P, m, ts, waves):
-    """MoE layer m: A_m's graph, then `_host_layer`'s calls in its order."""
+    """MoE layer m: A_m's graph, then `_host_layer`'s calls in its order. A layer with CPU experts
+    hands the engine its input before the launches (`cpu` phase 0) and its CPU experts' sum after
+    them (phase 1), and always launches in waves: their fp32 sum takes the CPU's before the finish."""
     cs = prog.scal[S_CS]
     t_in = _enter(prog, b, gbase, m, ts)
     if t_in < 0:
         return -1
     g0, g1, l0, l1, nw = _plan_step(prog, pool, s, d, pd, b, gbase, p, P, m, waves)
     if nw < 0:
+        return -1
+    on_cpu = d.n[1] > d.c_ptr[1 + m]                  # the twin's step 1 + m named CPU experts
+    if on_cpu and cpu_ok(prog, b, m, 0):
         return -1
     b.lay_f[m, F_ROUTED] = now(prog, ts)
     t_plan = mark(prog, b, gbase, cs)
@@ -92,10 +97,12 @@ def _layer(prog, pool, s, d, pd, b, gbase, p, P, m, ts, waves):
     launches = max(nw, 1)                             # no GPU expert: one launch that skips all
     t1 = t_plan
     for k in range(launches):                         # `_launch_waves`
-        t1 = _wave(prog, pool, d, b, gbase, m, k, g0, g1, l0, l1, nw, waves, t1, launches == 1, ts)
+        t1 = _wave(prog, pool, d, b, gbase, m, k, g0, g1, l0, l1, nw, waves, t1, launches == 1 and not on_cpu, ts)
         if t1 < 0:
             return -1
-    if launches > 1:
+    if on_cpu and cpu_ok(prog, b, m, 1):
+        return -1
+    if launches > 1 or on_cpu:
         if launch_ok(prog, b, prog.gr[m, G_FINISH], cs):
             return -1
         t1 = mark(prog, b, gbase, cs)

@@ -31,7 +31,8 @@ from cmoe.executor.cuda_rt import Mark
 from cmoe.executor.host_live import layout, live_pass
 from cmoe.executor.lean_steps import host_profile
 
-FAST_KINDS = ("ondemand", "lru-prefetch", "oracle", "adaptive", "commit", "adaptive-ahead", "commit-ahead")
+FAST_KINDS = ("ondemand", "lru-prefetch", "oracle", "adaptive", "commit", "adaptive-ahead", "commit-ahead",
+              "lfu-fallback", "static")
 LIVE_KINDS = ("ondemand", "lru-prefetch", "adaptive", "commit")   # those that plan from the read-backs alone
 
 
@@ -72,13 +73,13 @@ def replay_arrays(passes, M: int, rows: bool, depth: int = 1) -> tuple:
 
 
 class HostProgramSteps:
-    _hp = _hp_pa = _hp_tp = _hp_rbh = None
+    _hp = _hp_pa = _hp_tp = _hp_rbh = _hp_cb = _hp_x = _hp_error = None
     _hp_live = False
 
     def _hp_allowed(self) -> bool:
         """The run's configuration allows the program (its passes and buffers are checked later)."""
         return (os.environ.get("CMOE_HOST_PROGRAM", "1") != "0" and self.cuda and self.clock.rt is not None
-                and self.fused and not self.silent and not self.has_cpu and (self.owa or not self.commit)
+                and self.fused and not self.silent and (self.owa or not self.commit)
                 and self.policy.name in FAST_KINDS
                 and (self.policy.depth > 1 or not self.policy.name.endswith("-ahead"))   # depth 1: `_ahead` hands none
                 and not self._lead_cycles and hp.perf_counter_is_monotonic()
@@ -144,9 +145,10 @@ class HostProgramSteps:
         a pinned expert is missing."""
         from cmoe.executor.lean_io import _kin_addresses
         g, M, E, pool, k = self.graphs, self.M, self.spec.num_experts, self.pool, self.kin
-        # a layer may run in launch waves (commit's never do: its loads are the next layer's)
-        waves = not self.commit and min(self.policy.layout.slots) <= min(k["N"] * self.spec.top_k, E)
-        if any(("experts", m) not in g or (waves and ("wave", m) not in g) for m in range(M)):
+        # a layer may run in launch waves (commit's never do: its loads are the next layer's); one
+        # with CPU experts always does, their sum joining the waves' before the finish
+        waves = not self.commit and (self.has_cpu or min(self.policy.layout.slots) <= min(k["N"] * self.spec.top_k, E))
+        if any(("experts", m) not in g or (waves and not {("wave", m), ("finish", m)} <= g.keys()) for m in range(M)):
             return None
         try:
             ex = lambda key: int(g[key].raw_cuda_graph_exec()) if key in g else 0
@@ -184,7 +186,8 @@ class HostProgramSteps:
         if live is None:
             return None
         extra.update(live)
-        extra["fn"] = hp.runtime_addresses(self.clock.rt._lib)
+        self._hp_cb = hp.cpu_callback(self._cpu_step) if self.has_cpu else None   # kept while programs run
+        extra["fn"] = hp.runtime_addresses(self.clock.rt._lib, hp.address(self._hp_cb) if self.has_cpu else 0)
         return hp.Prog(gr, scal, rb, np.array([self.table[m].data_ptr() for m in range(M)], np.int64), k["table_np"],
                        np.array([[c[1] for c in row] for row in ptr["table"]], np.int64), slot_ptr, src_ptr, **extra)
 
@@ -259,6 +262,9 @@ class HostProgramSteps:
         self._tick("pass: program (its layers)")
         c = b.cnt
         n = h["spent"] = int(c[hp.C_MARKS])                # b.ev[:n] are the run's marks now; the rest wait
+        if self._hp_error is not None:                     # the CPU experts' step failed (`_cpu_step`)
+            exc, self._hp_error = self._hp_error, None
+            raise exc
         if rc or c[hp.C_ERR]:
             err, what = int(c[hp.C_ERR]), hp.CALLS[c[hp.C_ERRCALL]]
             why = f"{what} failed (error {err})" if err > 0 else what if err == -1 else "plan and pool disagree"
@@ -299,7 +305,7 @@ class HostProgramSteps:
         from cmoe.sim.replay.twin_pool import LOAD_KINDS
         d, pa, M = self._hp["d"], self._hp_pa, self.M
         for j in range(M + 1):
-            g = d.g_e[d.g_ptr[j]:d.g_ptr[j + 1]].tolist()
+            g, c = d.g_e[d.g_ptr[j]:d.g_ptr[j + 1]].tolist(), d.c_e[d.c_ptr[j]:d.c_ptr[j + 1]].tolist()
             lds = tuple((int(d.l_layer[i]), int(d.l_e[i]), int(d.l_slot[i]), None if d.l_victim[i] < 0 else int(d.l_victim[i]),
                          LOAD_KINDS[d.l_kind[i]]) for i in range(d.l_ptr[j], d.l_ptr[j + 1]))
             if j == 0:                                    # commit's begin reads layer 0's prediction
@@ -312,7 +318,8 @@ class HostProgramSteps:
             pred = tuple(pa.pred[pa.pred_ptr[i]:pa.pred_ptr[i + 1]].tolist()) \
                 if self.policy.uses_prediction and m + 1 < M else None
             n = len(self.pool.expert[m])
-            self.log.plans.append(PlanRecord(p, m, needed, pred, lds, tuple(g), (), tuple(e for e in needed if e not in g),
+            self.log.plans.append(PlanRecord(p, m, needed, pred, lds, tuple(g), tuple(c),
+                                             tuple(e for e in needed if e not in g and e not in c),
                                              tuple(b.phys[m, :n].tolist()), tuple(b.logi[m, :n].tolist())))
 
     def _hp_occupancy(self) -> int:

@@ -70,6 +70,35 @@ class HostSteps(HostIO):
         self._cpu_waits.append((self.cur.index, gpu_done, self.clock.host()))
         return back
 
+    def _cpu_step(self, m: int, phase: int) -> int:
+        """A CPU-expert layer's CPU part, which the compiled host program calls back for
+        (`host_program._layer`): phase 0, after the plan and its loads, takes the layer's input to
+        the host (`_plan_layer`'s); phase 1, after the waves' launches, adds the CPU experts' sum to
+        the waves' (`_host_layer`'s). The experts are the twin's (its step 1 + m), their rows the
+        read-back's as the Python step assigns them; spans, fallbacks and the host's wait are kept
+        as it keeps them. 0, or 1 with the exception kept for `_hp_pass` (none crosses C frames)."""
+        try:
+            d, clock = self.spec.moe_layers[m], self.clock
+            if phase == 0:
+                h0 = clock.host()
+                self._hp_x = x = self.t["x"][m].to("cpu")
+                self._span(d, "cpu", "roundtrip", -1, h0, clock.host(), x.numel() * x.element_size())
+                return 0
+            dec, K, live = self._hp["d"], self.spec.top_k, self._live()
+            cpu = dec.c_e[dec.c_ptr[1 + m]:dec.n[1]].tolist()
+            pin = self._rb_pin[m]                           # the program's read-back landed there
+            host = pin[4] if pin is not None else self.t["rb"][m].numpy()
+            rows, wsorted, scores, _, _ = self._parse_routes(m, host, K, 0, live)
+            assign = self._assign(m, None, rows, wsorted, scores, live, K)
+            self.log.at(self.cur.index).fallbacks += len(cpu)
+            st = {"cpu": [e for e in cpu if e in assign], "assign": assign, "x_host": self._hp_x}
+            self._wave_acc.add_(self._cpu_sum(m, d, st))
+            self._hp_x = None
+            return 0
+        except BaseException as exc:                      # noqa: BLE001 (raised again after the pass)
+            self._hp_error = exc
+            return 1
+
     def _loop_layer(self, m: int, graphs: bool) -> None:
         """Experts in another format than the tiled int4: the reference engine's per-expert loop."""
         t = self.t

@@ -365,10 +365,12 @@ def trait(name: str, what: str) -> bool:
     return name in _CLASSES and bool(getattr(_CLASSES[name], what))
 
 
-def python_step(name: str) -> bool:
+def python_step(name: str, program: bool = True) -> bool:
     """Does the executor plan this policy's layers in its Python step (`HardwareProfile.python_step`'s
-    host costs)? The compiled host program plans no CPU experts, so the CPU-expert policies do."""
-    return trait(name, "cpu_experts")
+    host costs)? Every built-in policy that plans has a compiled twin, which the host program runs
+    (the CPU-expert ones handing their CPU work back to Python a layer), so only where the program is
+    off (`program`: `CMOE_HOST_PROGRAM` not "0"); `upper` has no host step to plan either way."""
+    return not program and name in _CLASSES and not trait(name, "holds_all")
 
 
 def depth_of(name: str) -> int:

@@ -10,7 +10,7 @@ from cmoe.core.hw import HardwareProfile
 from cmoe.core.metrics import summary
 from cmoe.core.padding import padding_table
 from cmoe.policy.budget import expert_budget
-from cmoe.policy.policies import make_policy, python_step
+from cmoe.policy.policies import make_policy
 from cmoe.policy.pool import PoolLayout, layout_for_policy
 from cmoe.sim.engine import SimRun, Simulation, costs_for
 from cmoe.trace.bundle import Trace, fingerprint
@@ -30,6 +30,7 @@ class SimConfig:
     groups: int | None = None         # replay only the first groups of `batch` requests ...
     decode_steps: int | None = None   # ... and at most this many decode steps each (what the executor runs)
     engine: str = "replay"            # replay: the same spans and metrics as simpy, ~26x faster (BENCHMARKS.md)
+    python_step: bool = False         # the executor's Python step plans the layers (its host program off)
 
 
 @dataclass
@@ -123,7 +124,7 @@ def simulate(trace: Trace, profile: HardwareProfile, cfg: SimConfig, record_log:
     layout, budget = layout_for(trace, cfg)
     pa = passes_for(trace, cfg)
     pop, costs, _ = _facts(trace)
-    if python_step(cfg.policy):                         # the executor's Python step plans these policies
+    if cfg.python_step:                                 # the Python step's host costs (`python_step`)
         profile = profile.python_step()
     if cfg.engine == "simpy" or not _have_numba():      # the GPU image has no numba: same results, slower
         passes = to_passes(pa)
