@@ -30,7 +30,7 @@ from cmoe.pipeline import host_ratio, host_speed, predict  # noqa: E402
 from cmoe.core.spec import preset  # noqa: E402
 from cmoe.trace.load import load_trace  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
-from cmoe.analysis.validate import against_repeats, calibrations_agree, link_ratio, read_run, validate  # noqa: E402
+from cmoe.analysis.validate import against_repeats, calibrations_agree, cpu_ratio, link_ratio, read_run, validate  # noqa: E402
 from cmoe.analysis.runfolder import read_metrics  # noqa: E402
 from cmoe.policy.policies import python_step  # noqa: E402
 
@@ -50,6 +50,9 @@ def main() -> None:
     ap.add_argument("--link-adjust", action="store_true",
                     help="also predict each policy's run with the profile's link scaled to the rate its loads moved at "
                     "(`cmoe.analysis.validate.link_ratio`, the mean over its runs): how much of an error the link's drift explains")
+    ap.add_argument("--cpu-adjust", action="store_true",
+                    help="also predict each CPU-expert policy's run with its CPU experts as slow as they ran "
+                    "(`cmoe.analysis.validate.cpu_ratio`, the mean over its runs): how much of an error they explain")
     ap.add_argument("--against", type=Path, default=None,
                     help="also predict each configuration with this profile (another session's calibration) and "
                     "count the rows the two predict within 2%% of each other (issue 15's second condition)")
@@ -79,7 +82,7 @@ def main() -> None:
             got = [[validate(read_run(folder, p), ms[pols.index(p)]) for p in policies] for ms in measured]
             return {r["policy"]: r for r in against_repeats(got)}
         pred = a.work / here.name / "predicted"
-        for old in ("predicted", "predicted-host", "predicted-link", "predicted-other"):  # scratch from before
+        for old in ("predicted", "predicted-host", "predicted-link", "predicted-cpu", "predicted-other"):  # scratch
             shutil.rmtree(pred.with_name(old), ignore_errors=True)
         run_sim(pols, prof, pred)
         # each measured run read once, held against the prediction (and under --host-adjust the second)
@@ -95,6 +98,11 @@ def main() -> None:
             ks = [k for r in runs if (k := link_ratio(r[i])) is not None]
             if ks:
                 linked |= held(prof.link_scaled(sum(ks) / len(ks)), a.work / here.name / "predicted-link" / p, [p])
+        cpus = {}
+        for i, p in enumerate(pols if a.cpu_adjust else []):
+            ks = [k for r in runs if (k := cpu_ratio(r[i])) is not None]
+            if ks:
+                cpus |= held(prof.cpu_scaled(sum(ks) / len(ks)), a.work / here.name / "predicted-cpu" / p, [p])
         others = held(other, a.work / here.name / "predicted-other", pols) if other is not None else {}
         for i, agg in enumerate(against_repeats(runs)):
             vs = [r[i] for r in runs]
@@ -110,12 +118,15 @@ def main() -> None:
                          "layer_mape_mean": [v["per_layer_mape_mean"] for v in vs],
                          "error_from": [v["error_from"] for v in vs],
                          "host_speed": [host_ratio(v, prof, b) for v in vs],
-                         "link_speed": [link_ratio(v) for v in vs], "slow_loads": [v.get("slow_loads") for v in vs]}
+                         "link_speed": [link_ratio(v) for v in vs], "slow_loads": [v.get("slow_loads") for v in vs],
+                         "cpu_speed": [cpu_ratio(v) for v in vs]}
                         | ({"layer_repeats": agg["per_layer_repeats"]} if len(vs) > 1 else {})
                         | ({"host_adjusted_tok_s": adjusted[agg["policy"]]["predicted"],
                             "host_adjusted_error": adjusted[agg["policy"]]["error"]} if adjusted else {})
                         | ({"link_adjusted_tok_s": linked[agg["policy"]]["predicted"],
                             "link_adjusted_error": linked[agg["policy"]]["error"]} if agg["policy"] in linked else {})
+                        | ({"cpu_adjusted_tok_s": cpus[agg["policy"]]["predicted"],
+                            "cpu_adjusted_error": cpus[agg["policy"]]["error"]} if agg["policy"] in cpus else {})
                         | ({"other_profile_tok_s": others[agg["policy"]]["predicted"]} if others else {}))
     summary = {k: res[k] for k in ("date", "card", "torch", "commit", "spec", "tokens")} | {
         "profile": prof.name, "rows": rows} | ({"other_profile": str(a.against)} if other else {})
@@ -150,19 +161,24 @@ def counts(rows: list[dict]) -> str:
         linked = lambda t: sum(abs(r.get("link_adjusted_error", r["error"])) <= t for r in rows)  # noqa: E731
         line += (f"; at the runs' link speed (the rows without loads as they are) {linked(.03)} / {linked(.05)}"
                  f" / {linked(.10)}")
+    if any("cpu_adjusted_error" in r for r in rows):
+        cpu = lambda t: sum(abs(r.get("cpu_adjusted_error", r["error"])) <= t for r in rows)  # noqa: E731
+        line += f"; with the CPU experts at their runs' speed (the rest as they are) {cpu(.03)} / {cpu(.05)} / {cpu(.10)}"
     return line
 
 
 def table(rows: list[dict]) -> str:
     adj = any("host_adjusted_tok_s" in r for r in rows)
     ladj = any("link_adjusted_tok_s" in r for r in rows)
+    cadj = any("cpu_adjusted_tok_s" in r for r in rows)
     out = ["| pool GB (experts) | batch | policy | predicted tok/s | measured tok/s | error | runs' spread "
            "| TPOT ms pred / meas | worst layer (mean time) | layer MAPE | host, run / calibration "
            "| link, run / calibration (loads under 80% of it) |"
            + (" predicted at the runs' host speed | error |" if adj else "")
-           + (" predicted at the runs' link speed | error |" if ladj else ""),
+           + (" predicted at the runs' link speed | error |" if ladj else "")
+           + (" CPU experts, run / calibration | predicted at their speed | error |" if cadj else ""),
            "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
-           + (" ---: | ---: |" if adj else "") + (" ---: | ---: |" if ladj else "")]
+           + (" ---: | ---: |" if adj else "") + (" ---: | ---: |" if ladj else "") + (" ---: | ---: | ---: |" if cadj else "")]
     for r in rows:
         meas = " / ".join(f"{x:.1f}" for x in r["measured_tok_s"])
         worst = " / ".join(f"{x * 100:+.0f}%" + (f" (L{w})" if w is not None else "")
@@ -180,6 +196,10 @@ def table(rows: list[dict]) -> str:
         if ladj:
             line += (f" {r['link_adjusted_tok_s']:.1f} | {r['link_adjusted_error'] * 100:+.1f}% |"
                      if "link_adjusted_tok_s" in r else " - | - |")
+        if cadj:
+            cpu = " / ".join(f"{x:.2f}x" for x in r.get("cpu_speed", []) if x)
+            line += (f" {cpu} | {r['cpu_adjusted_tok_s']:.1f} | {r['cpu_adjusted_error'] * 100:+.1f}% |"
+                     if "cpu_adjusted_tok_s" in r else " - | - | - |")
         out.append(line)
     return "\n".join(out)
 

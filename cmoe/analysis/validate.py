@@ -177,6 +177,13 @@ def link_ratio(v: dict) -> float | None:
     return g["measured"] / g["predicted"] if g.get("measured") and g.get("predicted") else None
 
 
+def cpu_ratio(v: dict) -> float | None:
+    """One validation's measured CPU expert time over its predicted one (the mean over the CPU
+    experts both ran); None where none did."""
+    e = (v.get("op_kinds") or {}).get("cpu_expert") or {}
+    return e["meas_mean_us"] / e["pred_mean_us"] if e.get("n") and e.get("pred_mean_us") else None
+
+
 def validate(pred: Run, meas: Run) -> dict:
     check_same_setup(pred, meas)
     dp = {p["pass"]: p for p in pred.passes if p["decode"]}

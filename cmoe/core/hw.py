@@ -268,6 +268,10 @@ class HardwareProfile:
         executor's Python step): this profile with `python_host`'s fields, if calibrate measured them."""
         return replace(self, python_host={}, **self.python_host) if self.python_host else self
 
+    def cpu_scaled(self, k: float) -> "HardwareProfile":
+        """This profile with every CPU expert k times as long (the round trip unchanged)."""
+        return replace(self, cpu_expert_gbps=self.cpu_expert_gbps / k, cpu_expert_us_per_token=self.cpu_expert_us_per_token * k)
+
     def link_scaled(self, k: float) -> "HardwareProfile":
         """This profile with pinned host-to-device copies at k times the calibrated bandwidth (every
         size; the read-backs, the GPU and the host unchanged): a link that ran k times as fast as
@@ -324,9 +328,7 @@ class HardwareProfile:
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise CmoeError(f"hardware profile has unknown fields {sorted(unknown)}")
-        missing = [f.name for f in fields(cls) if f.name not in d and f.default is MISSING
-                   and f.default_factory is MISSING]
-        if missing:
+        if missing := [f.name for f in fields(cls) if f.name not in d and f.default is MISSING is f.default_factory]:
             raise CmoeError(f"hardware profile is missing the fields {missing}: write one with cmoe calibrate")
         for k in _PAIRS:                                          # JSON lists -> tuples, checked later
             if k in d:                                            # null: none measured (a curve: refused below)
