@@ -69,7 +69,8 @@ def main() -> None:
         pols = list(c["policies"])
         w = SimpleNamespace(trace=load_trace(trace_src, None, b), spec=spec, fmt=fmt)
         # the policies whose runs planned in the Python step (the program off, or none yet for them)
-        ran = {m["policy"]: m.get("host_program") for m in read_metrics(here / "measured")}
+        ran = {m["policy"]: m.get("host_program") for x in ("measured", "measured-2") if (here / x).is_dir()
+               for m in read_metrics(here / x)}
         stepped = {p for p in pols if python_step(p, ran.get(p) is not False)}
 
         def run_sim(policies, profile, folder, pool=pool, b=b, w=w, stepped=stepped):     # this configuration

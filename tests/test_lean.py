@@ -328,8 +328,9 @@ def test_the_programs_cpu_step_does_the_python_steps_cpu_work(fused_checkpoints,
         want = real(self, m, d, st)
         saved, tally = (self._hp, self._wave_acc), self.log.at(self.cur.index)
         before = tally.fallbacks
-        self._hp = {"d": NS(c_e=np.array(st["cpu"] + [99], np.int64), c_ptr=np.array([0] * (m + 1) + [0, 9]),
-                            n=np.array([0, len(st["cpu"]), 0, 0]))}
+        # the twin's decisions: step 1 + m's CPU experts after step m's (an expert never routed, 99)
+        self._hp = {"d": NS(c_e=np.array([99] + st["cpu"] + [99], np.int64), c_ptr=np.array([0] * m + [0, 1, 9]),
+                            n=np.array([0, 1 + len(st["cpu"]), 0, 0]))}
         self._wave_acc = torch.zeros(want.shape, dtype=torch.float32)
         seen.append([self.policy.name, st])
         assert self._cpu_step(m, 0) == 0 and self._cpu_step(m, 1) == 0

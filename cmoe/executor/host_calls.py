@@ -12,7 +12,7 @@ The functions: the CUDA runtime's cudaGraphLaunch(exec, stream), cudaEventRecord
 cudaStreamWaitEvent(stream, event, flags), cudaEventSynchronize(event), cudaMemcpyAsync(dst, src,
 bytes, kind, stream), and libc's clock_gettime(clock, timespec*); each returns an int (0: done).
 Last, the engine's own `cpu(layer, phase)`, a ctypes callback into Python: a CPU-expert policy's
-layer hands its CPU work back to the engine there (`lean_fast.HostProgramSteps._hp_cpu`); 0 where
+layer hands its CPU work back to the engine there (`lean_steps.HostSteps._cpu_step`); 0 where
 the policy computes no expert on the CPU (the program then never calls it).
 """
 

@@ -7,12 +7,13 @@ policy object's state written back from its compiled twin (`_hp_finish`). A mixi
 Where it runs: graphed decode passes on CUDA with the runtime found, with the fused layer kernel;
 of a replayed trace for the policies whose plan is exact or skips (`ondemand`, `lru-prefetch`,
 `oracle`, `adaptive`, `commit` in its own order, and the look-ahead `adaptive-ahead` and
-`commit-ahead`, their deeper predictions from the replay's `seen`), and of a live run (no trace)
+`commit-ahead`, their deeper predictions from the replay's `seen`; the CPU-expert ones calling back
+for their CPU work, `HostSteps._cpu_step`), and of a live run (no trace)
 for those that plan from the read-backs alone (`ondemand`, `lru-prefetch`, `adaptive`, `commit`:
 `host_live` ranks each read-back as `routes._parse_routes` does, and commit's candidates are each
 row's prediction by weight, as `_keep_prediction` keeps them). Elsewhere, and with
 CMOE_HOST_PROGRAM=0 (the A/B), the Python step runs as before: `upper` (no host step to speed up),
-CPU experts, the look-ahead policies live, the host-phase profiler (`CMOE_HOST_PROFILE=1`; `=pass`
+the CPU-expert and look-ahead policies live, the host-phase profiler (`CMOE_HOST_PROFILE=1`; `=pass`
 times the pass's boundary with the program running) and the GPU-sleep calibration runs. Recorded plans (`record_plans`) are rebuilt from the twin's decisions and the program's
 per-layer snapshots of the slots. The twin decides from the pass's routes as the replay engine does
 (a replay's ranked needs and predictions from the trace, which the Python step reads too; a live
@@ -23,6 +24,7 @@ nothing of layer m is decided before its routes exist.
 from __future__ import annotations
 
 import os
+import weakref
 
 import numpy as np
 
@@ -186,7 +188,10 @@ class HostProgramSteps:
         if live is None:
             return None
         extra.update(live)
-        self._hp_cb = hp.cpu_callback(self._cpu_step) if self.has_cpu else None   # kept while programs run
+        # kept while programs run; through a weak reference, so the engine (its pool, graphs and
+        # pinned buffers) is not kept alive by its own callback once the run lets it go
+        step = weakref.WeakMethod(self._cpu_step)
+        self._hp_cb = hp.cpu_callback(lambda m, phase: step()(m, phase)) if self.has_cpu else None
         extra["fn"] = hp.runtime_addresses(self.clock.rt._lib, hp.address(self._hp_cb) if self.has_cpu else 0)
         return hp.Prog(gr, scal, rb, np.array([self.table[m].data_ptr() for m in range(M)], np.int64), k["table_np"],
                        np.array([[c[1] for c in row] for row in ptr["table"]], np.int64), slot_ptr, src_ptr, **extra)
