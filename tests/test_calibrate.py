@@ -48,6 +48,7 @@ def _synthetic(p, expert_bytes=93_585_408, params=3 * 4096 * 14336, resident=100
         "cpu_expert": {"bytes": expert_bytes, "points": [(1, 3e-3)]},           # isolated: overruled below
         "cpu_expert_in_model": {"points": [(t, p.cpu_expert_us(expert_bytes, t) / 1e6) for t in (1, 2, 5)]},
         "roundtrip": 1e-6, "roundtrip_in_model": p.roundtrip_us / 1e6,
+        "cpu_step": {"lead": p.cpu_lead_us / 1e6, "gap": p.cpu_gap_us / 1e6, "tail": p.cpu_tail_us / 1e6},
     }
 
 
@@ -66,7 +67,7 @@ def test_fitting_recovers_the_parameters_it_was_made_from():
                     host_layer_us=950.0, host_attn_us_per_token=6.0, host_sync_us=80.0, host_route_us=100.0,
                     host_route_us_per_token=5.0, host_expert_us=170.0, host_expert_us_per_token=0.5,
                     host_expert_tail_us=15.0, host_pass_start_us=700.0, host_head_us=380.0, host_load_us=45.0,
-                    cpu_expert_us_per_token=650.0)
+                    cpu_expert_us_per_token=650.0, cpu_lead_us=75.0, cpu_gap_us=25.0, cpu_tail_us=50.0)
     got = fit_profile("fit", _synthetic(known), known.gpu_mem_bytes, "test", "2026-11-29")
     for (b0, g0), (b1, g1) in zip(known.h2d_pinned, got.h2d_pinned):
         assert b0 == b1 and g1 == pytest.approx(g0)                    # the fast repeat wins
@@ -89,8 +90,10 @@ def test_fitting_recovers_the_parameters_it_was_made_from():
               "roundtrip_us", "h2d_pageable_gbps", "copy_compute_slowdown", "pass_start_us", "head_us",
               "predict_layer_us", "commit_route_us", "attn_us_per_ctx_token", "host_layer_us", "host_attn_us_per_token", "host_sync_us", "host_route_us",
               "host_route_us_per_token", "host_expert_us", "host_expert_us_per_token", "host_expert_tail_us",
-              "host_pass_start_us", "host_head_us", "cpu_expert_us_per_token", "host_load_us"):
+              "host_pass_start_us", "host_head_us", "cpu_expert_us_per_token", "host_load_us", "cpu_lead_us",
+              "cpu_gap_us", "cpu_tail_us"):
         assert getattr(got, f) == pytest.approx(getattr(known, f), rel=1e-6), f
+    assert "around each CPU layer" in got.sources["cpu_gap_us"]
     assert dict(got.expert_gbps)["int4"] == pytest.approx(1500.0, rel=1e-6)
     assert dict(got.expert_gbps)["bf16"] == pytest.approx(3100.0, rel=1e-6)     # the other width, measured too
     assert "measured by cmoe calibrate on test, 2026-11-29" in got.sources["layer_fixed_us"]
@@ -569,3 +572,23 @@ def test_copy_slowdown_times_each_kernel_alone_then_beside_the_copy_in_pairs():
     assert log == (["sync", "timed", "copy", "timed", "sync"] + ["sync", "copy", "timed", "sync", "timed", "sync"]
                    + ["sync", "timed", "copy", "timed", "sync"])
     assert out == pytest.approx([0.10, 200.0 / 204.0 - 1.0, 0.0])   # round 2 timed busy (200) before alone (204)
+
+
+def test_the_host_around_a_layers_cpu_experts_is_read_off_its_spans():
+    """`log_points._cpu_steps`: per decode layer with CPU experts, its last launch's issue to the
+    first expert, the gaps between experts, the results' return to the next layer's start (in the
+    same pass); the prefill and layers without CPU experts give nothing."""
+    from types import SimpleNamespace as NS
+    from cmoe.calibrate.log_points import _cpu_steps
+    from cmoe.core.timeline import Span
+    S = lambda p, d, stream, op, a, b, e=-1: Span("gpu", p, d, stream, op, e, a, b, 0)  # noqa: E731
+    spans = [S(0, 1, "cpu", "cpu_expert", 0.0, 9.0, 3),                                # prefill: left out
+             S(1, 1, "host", "host_expert", 100.0, 110.0), S(1, 1, "host", "host_expert", 112.0, 120.0),
+             S(1, 1, "cpu", "roundtrip", 90.0, 95.0), S(1, 1, "cpu", "cpu_expert", 190.0, 1190.0, 4),
+             S(1, 1, "cpu", "cpu_expert", 1215.0, 2215.0, 5), S(1, 1, "cpu", "roundtrip", 2215.0, 2265.0),
+             S(1, 3, "host", "host_attention", 2315.0, 2320.0), S(1, 3, "host", "host_expert", 2400.0, 2410.0),
+             S(1, 3, "cpu", "cpu_expert", 2480.0, 3480.0, 1), S(1, 3, "cpu", "roundtrip", 3480.0, 3540.0),
+             S(2, 1, "host", "host_attention", 9000.0, 9010.0)]                       # the next pass: no tail
+    got = _cpu_steps(NS(spans=spans, pass_us=[(0, False, 0, 1.0), (1, True, 0, 1.0), (2, True, 0, 1.0)]))
+    assert got == {"lead": pytest.approx([70e-6, 70e-6]), "gap": pytest.approx([25e-6]),
+                   "tail": pytest.approx([50e-6])}

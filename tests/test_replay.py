@@ -26,7 +26,8 @@ from cmoe.trace.synthetic import SyntheticParams, generate
 EAGER = replace(H200, copy_fifo=True, host_layer_us=900.0, host_expert_us=150.0, host_expert_tail_us=10.0,
                 host_route_us=100.0, host_sync_us=80.0, predict_layer_us=150.0, host_head_us=400.0,
                 host_load_us=7.0, commit_route_us=30.0, head_us=50.0, pass_start_us=20.0)
-TWO_ENGINES = replace(H200, copy_engines=2, dense_rows=4, cpu_expert_us_per_token=3.0, readback_copy_us=9.0)
+TWO_ENGINES = replace(H200, copy_engines=2, dense_rows=4, cpu_expert_us_per_token=3.0, readback_copy_us=9.0,
+                      cpu_lead_us=70.0, cpu_gap_us=25.0, cpu_tail_us=50.0)
 ON_HOST = replace(EAGER, copy_on_host=True, copy_engines=2, host_expert_us_per_token=4.0, host_attn_us_per_token=2.0)
 # integer times everywhere: copies and kernels end on the same instants, SimPy's event order decides
 FLAT = HardwareProfile(name="flat", gpu_mem_bytes=10**12, h2d_pinned=((1, 1.0),), d2h_pinned=((1, 1.0),),
@@ -45,7 +46,7 @@ FLAT_WAVE = replace(FLAT_FIFO, wave_gbps=0.5, wave_us=1.0, wave_row_us=1.0, comm
 FLAT_QUEUE = replace(FLAT_WAVE, h2d_pinned=((1000, 1.0), (4000, 2.0)), h2d_queued_us=0.25)
 # the lean executor's graphed decode passes queued back to back, its host a little slower than the GPU
 QUEUED = replace(LEAN, pass_overlap=True, host_layer_us=300.0, host_pass_start_us=250.0, pass_gap_us=120.0,
-                 launch_copy_us=7.0)
+                 launch_copy_us=7.0, cpu_lead_us=80.0, cpu_gap_us=20.0, cpu_tail_us=45.0)
 # ... whose route step runs slower after a long read-back wait (`host_wake`)
 WAKE = replace(QUEUED, host_wake_points=((50.0, 1.0), (400.0, 1.6), (2000.0, 2.4)),
                host_route_waits=((1, 50.0), (2, 120.0), (4, 300.0)))
@@ -636,3 +637,25 @@ def test_a_queued_pass_starts_from_the_hosts_clock_not_a_copys_landing():
         s = att[p]
         assert s[6] == head[p - 1]                     # no gap: the first mark where the GPU got to it
         assert s[7] - s[6] < prof.host_pass_start_us   # and the host's pass start hidden behind the copy
+
+
+def test_a_cpu_layers_host_costs_around_its_experts():
+    """`cpu_lead_us`, `cpu_gap_us`, `cpu_tail_us` in both engines: the first CPU layer's first expert
+    starts the lead later, each further one the gap after the one before, and the GPU's next layer
+    the tail later than with none of them (a host-bound run: the tail holds the next launch)."""
+    t = trace_of("mixtral-8x7b", requests=1, decode=4, seed=3)
+    spans = {}
+    for name, extra in (("none", {}), ("lead", {"cpu_lead_us": 70.0}), ("gap", {"cpu_gap_us": 25.0}),
+                        ("tail", {"cpu_tail_us": 50.0})):
+        a, b, *_ = both(t, "static", replace(EAGER, **extra), 1, slots=2)
+        same_run(a, b)
+        spans[name] = a.spans
+    first = lambda s: min((x for x in s if x[4] == "cpu_expert"), key=lambda x: x[6])   # noqa: E731
+    f0 = first(spans["none"])
+    assert first(spans["lead"])[6] == pytest.approx(f0[6] + 70.0)
+    same_layer = lambda s: sorted((x for x in s if x[4] == "cpu_expert" and x[1:3] == f0[1:3]), key=lambda x: x[6])  # noqa: E731
+    plain, gapped = same_layer(spans["none"]), same_layer(spans["gap"])
+    assert len(plain) >= 2
+    assert [y[6] - x[7] for x, y in zip(gapped, gapped[1:])] == pytest.approx([25.0] * (len(plain) - 1))
+    attn = lambda s: min(x[6] for x in s if x[4] == "attention" and x[1] == f0[1] and x[2] > f0[2])  # noqa: E731
+    assert attn(spans["tail"]) == pytest.approx(attn(spans["none"]) + 50.0)

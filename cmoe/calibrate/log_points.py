@@ -1,6 +1,7 @@
 """What calibrate reads off single runs' timelines, beside `spans` and `commit_steps`: each fused
 expert launch of an `upper` run (`_wave_points`), each CPU expert and round trip (`_cpu_points`),
-and what issuing one load costs the host (`_load_cost`)."""
+the host's own time around a layer's CPU experts (`_cpu_steps`), and what issuing one load costs
+the host (`_load_cost`)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,34 @@ def _cpu_points(log, tr, batch: int, spec: ModelSpec) -> tuple[list, list]:
         elif s[OP] == "roundtrip":
             trips[(s[STEP], s[LAYER])] = trips.get((s[STEP], s[LAYER]), 0.0) + (s[END] - s[START]) / 1e6
     return pts, list(trips.values())
+
+
+def _cpu_steps(log) -> dict[str, list[float]]:
+    """Around each decode layer's CPU experts, on the host (seconds): from its last launch's issue
+    to the first expert (`lead`: the step setting them up), between two experts (`gap`), and from
+    the results' return (the last round trip's end) to the next layer's start (`tail`: their sum
+    added, the finish launched); a layer with no launch or no next layer gives no lead or tail."""
+    dec = decode_passes(log)
+    by: dict[tuple[int, int], list] = {}
+    for s in log.spans:
+        if s[STEP] in dec:
+            by.setdefault((s[STEP], s[LAYER]), []).append(s)
+    out: dict[str, list[float]] = {"lead": [], "gap": [], "tail": []}
+    keys = sorted(by)
+    for i, k in enumerate(keys):
+        cpu = sorted((s for s in by[k] if s[OP] == "cpu_expert"), key=lambda s: s[START])
+        if not cpu:
+            continue
+        issued = [s[END] for s in by[k] if s[OP] == "host_expert"]
+        if issued:
+            out["lead"].append((cpu[0][START] - max(issued)) / 1e6)
+        out["gap"] += [(b[START] - a[END]) / 1e6 for a, b in zip(cpu, cpu[1:])]
+        back = [s[END] for s in by[k] if s[OP] == "roundtrip"]
+        nxt = [s[START] for s in by[keys[i + 1]] if s[OP] == "host_attention"] \
+            if i + 1 < len(keys) and keys[i + 1][0] == k[0] else []
+        if back and nxt:
+            out["tail"].append((min(nxt) - max(back)) / 1e6)
+    return out
 
 
 def _load_cost(log, upper_route_us: float, cuda: bool) -> float:

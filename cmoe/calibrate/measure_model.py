@@ -26,7 +26,7 @@ import torch
 
 from cmoe.calibrate import wake
 from cmoe.calibrate.commit_steps import commit_gpu_s, copy_slowdowns, launch_copy_s, readback_copy_s, start_excess_s
-from cmoe.calibrate.log_points import _cpu_points, _load_cost, _wave_points
+from cmoe.calibrate.log_points import _cpu_points, _cpu_steps, _load_cost, _wave_points
 from cmoe.core.spec import ModelSpec
 from cmoe.core.util import env_var
 from cmoe.calibrate.spans import _gaps, _host_between, _mean, _pass_overhead, _per_layer, _sync_s, queued_period
@@ -58,6 +58,7 @@ class _ModelRuns:
         self.py_runs: dict[int, list[dict]] = {}      # batch -> the Python step's eager runs (`_python_step`)
         self.cpu_pts: list = []
         self.trips: list = []
+        self.cpu_steps: dict = {}
         self.one: dict[str, float] = {}
         self.wake: dict = {}                          # `cmoe.calibrate.wake.measure`'s (CUDA only)
         self.seconds: dict[str, float] = {}     # wall time of each step: what calibrating costs, reported
@@ -174,6 +175,8 @@ def _measure_batch(r: _ModelRuns, batch: int) -> None:
         p, t = _cpu_points(st, w.trace, batch, spec)
         r.cpu_pts += p
         r.trips += t
+        for k, v in _cpu_steps(st).items():
+            r.cpu_steps.setdefault(k, []).extend(v)
 
 
 def _host_run(r: _ModelRuns, log) -> dict:
@@ -391,4 +394,6 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
         out["cpu_expert_in_model"] = {"points": [(t, float(np.mean(v))) for t, v in sorted(by.items())],
                                       "count": [(t, len(v)) for t, v in sorted(by.items())]}
         out["roundtrip_in_model"] = float(np.median(r.trips)) if r.trips else None
+        # the host around a layer's CPU experts: means, as for the experts (`HardwareProfile.cpu_lead_us` ..)
+        out["cpu_step"] = {k: float(np.mean(v)) for k, v in r.cpu_steps.items() if v}
     return out

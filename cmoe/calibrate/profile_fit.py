@@ -45,6 +45,8 @@ Measurements (all times in seconds):
   also "wake_points" [[wait s, factor]], "wake_samples" [[lead us, route s, wait s]]
   (`cmoe.calibrate.wake`) and "route_waits" [(tokens, seconds)], the wait each route point followed;
 - `cpu_expert`: {"bytes", "points": [(tokens, seconds)]}: one expert on the host's CPU;
+- `cpu_step` (optional): {"lead", "gap", "tail"} seconds, the host's own time around a layer's CPU
+  experts (`log_points._cpu_steps`), read into `cpu_lead_us`, `cpu_gap_us`, `cpu_tail_us`;
 - `roundtrip`: seconds to take a pass's hidden states to the host and back, synchronised;
 - `copy_slowdown`: fractional slowdown of an HBM-bound kernel while a side-stream copy runs
   (`copy_slowdown_matmul`: of a matmul, shown; `cmoe.calibrate.measure._copy_slowdowns`); where
@@ -94,6 +96,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     cpu = m["cpu_expert"]
     ca, cb = _cpu_expert_fit(m)
     roundtrip = m.get("roundtrip_in_model") or m["roundtrip"]
+    around = {f"cpu_{k}_us": v * 1e6 for k, v in (m.get("cpu_step") or {}).items()}   # a CPU layer's host
     src = f"measured by cmoe calibrate on {device}, {date}"
     host = host_fields(m["layer"].get("host"))
     if host and (gap := _pass_gap_us(m)):
@@ -126,8 +129,9 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         silent_upper=bool(m.get("silent_upper", False)), commit_ahead=bool(m.get("commit_ahead", False)),
         pass_overlap=bool(m.get("pass_overlap", False)),
         **{per_key_field: per_key * 1e6}, **split,
-        **host, **table, **waves, **queued, python_host=py,
+        **host, **table, **waves, **queued, **around, python_host=py,
         sources={k: src for k in (*_MEASURED, per_key_field, *host, *table)}
+        | {k: src + " (around each CPU layer's experts in static's runs)" for k in around}
         | ({"python_host": src + " (ondemand with the host program off: the Python step's)"} if py else {})
         | {k: src + f" ({why})" for k, why in slow_src.items()}
         | {k: src + " (ondemand's loads queued back to back, over the curve's last rate)" for k in queued}
@@ -339,6 +343,8 @@ def beside(p: HardwareProfile, m: dict) -> str:
     row("round trip", m["roundtrip"], p.roundtrip_us)
     if m.get("roundtrip_in_model"):
         row("round trip in model", m["roundtrip_in_model"], p.roundtrip_us)
+    for k, s in (m.get("cpu_step") or {}).items():                 # the host around a layer's CPU experts
+        row(f"CPU layer, host {k}", s, getattr(p, f"cpu_{k}_us"))
     return "\n".join(rows)
 
 

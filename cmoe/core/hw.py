@@ -27,7 +27,7 @@ GB = 1e9
 HOST_FIELDS = ("host_layer_us", "host_attn_us_per_token", "host_sync_us", "host_route_us", "host_route_us_per_token",
                "host_expert_us", "host_expert_us_per_token", "host_expert_tail_us", "host_load_us",
                "host_pass_start_us", "host_head_us", "pass_gap_us", "predict_layer_us", "commit_route_us",
-               "commit_start_us")
+               "commit_start_us", "cpu_lead_us", "cpu_gap_us", "cpu_tail_us")
 HOST_POINTS = ("host_layer_points", "host_route_points", "host_expert_points")
 _PAIRS = ("h2d_pinned", "d2h_pinned", "expert_gbps", "expert_rows_us", *HOST_POINTS, "wave_count_us",
           "host_wake_points", "host_route_waits")      # the fields that are lists of pairs (JSON <-> tuples)
@@ -79,20 +79,19 @@ class HardwareProfile:
     host_expert_us_per_token: float = 0.0
     host_expert_tail_us: float = 0.0                # ... of which after the kernel's end mark (bookkeeping)
     cpu_expert_us_per_token: float = 0.0            # CPU expert: each extra token (0: the old max(1, tokens/8) scaling)
+    cpu_lead_us: float = 0.0                        # per layer with CPU experts, host: from its last launch to its first
+    cpu_gap_us: float = 0.0                         # ... between two CPU experts
+    cpu_tail_us: float = 0.0                        # ... from the results' return to the layer's end (their sum added)
     host_load_us: float = 0.0                       # issuing one load: planning it, events, the copy call
     host_pass_start_us: float = 0.0                 # per pass, host side of pass_start_us
     host_head_us: float = 0.0
-    pass_gap_us: float = 0.0                        # per synced pass (not a queued one, `pass_overlap`), of
-                                                    # host_pass_start_us: the part before the pass's
-                                                    # first mark (the GPU idle between passes), where layer 0's
-                                                    # span starts; the rest is layer 0's start-up (timeline only)
+    pass_gap_us: float = 0.0                        # per synced pass (`pass_overlap` off), of host_pass_start_us: the part
+                                                    # before its first mark (GPU idle); the rest is layer 0's start-up
     predict_layer_us: float = 0.0                   # per MoE layer, policies that predict, on the host: the early router
     commit_route_us: float = 0.0                    # per MoE layer, commit in decode: its larger read-back and OWA
-    copy_fifo: bool = False                         # loads run in issue order on one copy stream (the executor),
-                                                    # not most-urgent first
+    copy_fifo: bool = False                         # loads run in issue order on one stream, not most-urgent first
     copy_on_host: bool = False                      # the host thread copies (the executor on a CPU): a load costs host time
-    dense_rows: int = 0                             # up to this many rows in a pass, every expert runs on all of them
-                                                    # (the executor's dense path); above, on its own tokens
+    dense_rows: int = 0                             # up to this many rows a pass, every expert runs on all (dense path)
     silent_upper: bool = False                      # upper has no host step between a layer's attention and its experts
                                                     # (the lean executor's one launch): no read-back, plan or issue
     commit_ahead: bool = False                      # commit in decode launches a layer's committed experts before its

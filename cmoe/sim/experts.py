@@ -114,12 +114,14 @@ class ExpertSteps:
         return H, G
 
     def _cpu_experts(self, x: PassCosts, m: int, d: int, plan, votes: dict, H: float, G: float):
-        """The fallback experts: the host runs them one after another once it has issued the GPU
-        experts, then sends the results back (the trip's second half); the GPU waits for them, a
-        stall. Returns (H, G)."""
+        """The fallback experts: once it has issued the GPU experts the host sets them up
+        (`cpu_lead_us`), runs them one after another (`cpu_gap_us` between two), then sends the
+        results back (the trip's second half), which the GPU waits for (a stall), and adds them
+        in (`cpu_tail_us`, the host's alone). Returns (H, G)."""
         hw, c = self.hw, self.c
-        cpu_t = H
-        for e in plan.cpu:
+        cpu_t = H + hw.cpu_lead_us
+        for k, e in enumerate(plan.cpu):
+            cpu_t += hw.cpu_gap_us if k else 0.0
             dur = hw.cpu_expert_us(c.expert_bytes[m][e], votes.get(e, 1))
             self._span(x.p, d, "cpu", "cpu_expert", e, cpu_t, cpu_t + dur, c.expert_bytes[m][e])
             cpu_t += dur
@@ -128,4 +130,4 @@ class ExpertSteps:
         if H > G:                 # the GPU waits for the CPU's results
             x.tally.stall_us += H - G
             G = H
-        return H, G
+        return H + hw.cpu_tail_us, G

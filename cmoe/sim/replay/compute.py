@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from numba import njit
 
-from cmoe.sim.replay.clock import (DRAINED, ENGINES, ERR, FIFO, G_, H_, HALF_RT, HEAD, HEAD_SPAN, HOST_HEAD,
+from cmoe.sim.replay.clock import (CPU_GAP, CPU_LEAD, CPU_TAIL, DRAINED, ENGINES, ERR, FIFO, G_, H_, HALF_RT, HEAD, HEAD_SPAN, HOST_HEAD,
                                    AHEAD, COMMIT_GPU, COMMIT_GPU_COPY, COMMIT_START, HOST_LOAD, HOST_PASS_START, HOST_SYNC,
                                    IN_FLIGHT, NOW, OP_ATTN, SILENT,
                                    OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, OWA_GPU, PASS_GAP,
@@ -248,11 +248,13 @@ def _kernels(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, fifo):
 
 @njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False, inline="always")
 def _cpu(c, x, o, d, p, m, dl, c0, c1, H, G, M, cpu):
-    """`Simulation._cpu_experts`: the host runs the fallbacks, then sends the results back; the
-    GPU waits for them (a stall)."""
+    """`Simulation._cpu_experts`: the host sets the fallbacks up, runs them, sends the results back
+    (the GPU waits for them: a stall) and adds them in."""
     half = x.hwf[HALF_RT]
-    cpu_t = H
+    cpu_t = H + x.hwf[CPU_LEAD]
     for k in range(c0, c1):
+        if k > c0:
+            cpu_t += x.hwf[CPU_GAP]
         e = d.c_e[k]
         rows = _votes(x, p, m, e, M)
         if x.hwf[CPU_TOK]:
@@ -266,7 +268,7 @@ def _cpu(c, x, o, d, p, m, dl, c0, c1, H, G, M, cpu):
     if H > G:                                       # the GPU waits for the CPU's results
         o.stall[p] += H - G
         G = H
-    return H, G
+    return H + x.hwf[CPU_TAIL], G
 
 
 @njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False, inline="always")

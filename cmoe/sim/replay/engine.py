@@ -76,8 +76,8 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
     hwf = np.array([1.0 + hw.copy_compute_slowdown, hw.host_load_us, hw.host_expert_us, hw.host_expert_us_per_token,
                     hw.host_expert_tail_us, hw.roundtrip_us / 2, hw.cpu_expert_us_per_token, hw.matmul_tflops * 1e12,
                     hw.host_sync_us, hw.pass_start_us, hw.host_pass_start_us, hw.head_us, hw.host_head_us,
-                    float(hw.wave_gbps > 0), hw.wave_row_us, hw.owa_gpu_us,
-                    hw.pass_gap, hw.commit_gpu_us, hw.commit_gpu_copy_us, hw.commit_start_us, hw.attention_slow, hw.readback_copy_us, hw.launch_copy_us])
+                    float(hw.wave_gbps > 0), hw.wave_row_us, hw.owa_gpu_us, hw.pass_gap, hw.commit_gpu_us, hw.commit_gpu_copy_us,
+                    hw.commit_start_us, hw.attention_slow, hw.readback_copy_us, hw.launch_copy_us, hw.cpu_lead_us, hw.cpu_gap_us, hw.cpu_tail_us])
     hwi = np.array([hw.copy_engines, hw.copy_fifo, hw.copy_on_host, c.expert_params, keep_spans,
                     bool(hw.head_us or hw.host_head_us), silent(hw, policy),
                     hw.commit_ahead and policy.commits and hw.copy_fifo], np.int64)
