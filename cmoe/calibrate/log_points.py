@@ -34,23 +34,66 @@ def _wave_points(log, tr, batch: int, spec: ModelSpec) -> list[list[float]]:
 
 
 def _cpu_points(log, tr, batch: int, spec: ModelSpec) -> tuple[list, list]:
-    """(tokens, seconds) of every CPU expert of the decode passes, its tokens from the trace's
-    votes, and the round trip's two halves added up per layer (seconds)."""
+    """(tokens, seconds, idle seconds) of every CPU expert of the decode passes, its tokens from the
+    trace's votes, its idle the CPU's since the run's CPU expert before it ended (inf: none before);
+    and the round trip's two halves added up per layer (seconds)."""
     from cmoe.trace.passes import make_passes
     passes = make_passes(tr, batch)
     moe = {d: m for m, d in enumerate(spec.moe_layers)}
     dec = decode_passes(log)
-    pts, trips = [], {}
-    for s in log.spans:
-        if s[STEP] not in dec:
-            continue
-        if s[OP] == "cpu_expert":
+    pts, trips, end = [], {}, float("-inf")
+    for s in sorted((s for s in log.spans if s[OP] == "cpu_expert"), key=lambda s: s[START]):
+        if s[STEP] in dec:
             ps, m = passes[s[STEP]], moe[s[LAYER]]
             votes = dict(zip(ps.needed[m], ps.votes[m]))
-            pts.append((votes.get(s[EXPERT], 1), (s[END] - s[START]) / 1e6))
-        elif s[OP] == "roundtrip":
+            pts.append((votes.get(s[EXPERT], 1), (s[END] - s[START]) / 1e6, (s[START] - end) / 1e6))
+        end = s[END]
+    for s in log.spans:
+        if s[STEP] in dec and s[OP] == "roundtrip":
             trips[(s[STEP], s[LAYER])] = trips.get((s[STEP], s[LAYER]), 0.0) + (s[END] - s[START]) / 1e6
     return pts, list(trips.values())
+
+
+IDLE_BINS_US = (0.0, 100.0, 300.0, 1000.0, 3000.0)      # a CPU expert's idle before it, binned (`cpu_in_model`)
+
+
+def cpu_runs(r, w, cfg, batch: int) -> None:
+    """calibrate's `static` runs, whose CPU experts, round trips and host around them it keeps (in
+    `r`): dense (slots = top-k: a CPU expert in nearly every layer, at batch 8 several in a row) and,
+    at batch 1, sparse (every expert but one resident: CPU experts far apart, so the CPU has idled
+    between them as in a pool that holds most experts, `cpu_wake_points`)."""
+    from dataclasses import replace
+    from cmoe.executor.run import run_policy
+    spec = r.spec
+    for slots in [spec.top_k] + ([spec.num_experts - 1] if batch == 1 and spec.num_experts - 1 > spec.top_k else []):
+        tokens = min(r.tokens, 8) if slots == spec.top_k else r.tokens
+        st = run_policy(w, replace(cfg, policies=("static",), slots=slots, tokens=tokens), "static").log
+        p, t = _cpu_points(st, w.trace, batch, spec)
+        r.cpu_pts += p
+        r.trips += t
+        for k, v in _cpu_steps(st).items():
+            r.cpu_steps.setdefault(k, []).extend(v)
+
+
+def cpu_in_model(pts: list, trips: list, steps: dict) -> dict:
+    """The measurements of the CPU experts inside the running model: per token count the mean and
+    the count (means, not medians: CPU experts have a long tail, on the H200's host 2-9% took over
+    9 ms against a 1.8 ms median, and throughput pays for it); the same by idle before them
+    (`IDLE_BINS_US`: [tokens, bin's lower edge us, mean idle us, mean seconds, count]); the round
+    trip's median; the host around a CPU layer's experts, means (`HardwareProfile.cpu_lead_us` ..)."""
+    by: dict[int, list] = {}
+    idle: dict[tuple[int, float], list] = {}
+    for t, x, gap in pts:
+        by.setdefault(int(t), []).append(x)
+        lo = max(b for b in IDLE_BINS_US if gap * 1e6 >= b) if gap >= 0 else 0.0
+        idle.setdefault((int(t), lo), []).append((min(gap, 1.0), x))   # inf (the first) counted as 1 s
+    return {"cpu_expert_in_model": {"points": [(t, float(np.mean(v))) for t, v in sorted(by.items())],
+                                    "count": [(t, len(v)) for t, v in sorted(by.items())],
+                                    "idle": [[t, lo, float(np.mean([g for g, _ in v])) * 1e6,
+                                              float(np.mean([x for _, x in v])), len(v)]
+                                             for (t, lo), v in sorted(idle.items())]},
+            "roundtrip_in_model": float(np.median(trips)) if trips else None,
+            "cpu_step": {k: float(np.mean(v)) for k, v in steps.items() if v}}
 
 
 def _cpu_steps(log) -> dict[str, list[float]]:

@@ -26,7 +26,7 @@ import torch
 
 from cmoe.calibrate import wake
 from cmoe.calibrate.commit_steps import commit_gpu_s, copy_slowdowns, launch_copy_s, readback_copy_s, start_excess_s
-from cmoe.calibrate.log_points import _cpu_points, _cpu_steps, _load_cost, _wave_points
+from cmoe.calibrate.log_points import _load_cost, _wave_points, cpu_in_model, cpu_runs
 from cmoe.core.spec import ModelSpec
 from cmoe.core.util import env_var
 from cmoe.calibrate.spans import _gaps, _host_between, _mean, _pass_overhead, _per_layer, _sync_s, queued_period
@@ -171,12 +171,7 @@ def _measure_batch(r: _ModelRuns, batch: int) -> None:
     if batch == 1:
         _batch_one(r, cfg, start, h_start, eager, queued, h_route)
     if batch in (1, 8) and (not r.cuda or w.store.cpu_twins is not None):
-        st = run_policy(w, replace(cfg, policies=("static",), slots=spec.top_k, tokens=min(r.tokens, 8)), "static").log
-        p, t = _cpu_points(st, w.trace, batch, spec)
-        r.cpu_pts += p
-        r.trips += t
-        for k, v in _cpu_steps(st).items():
-            r.cpu_steps.setdefault(k, []).extend(v)
+        cpu_runs(r, w, cfg, batch)
 
 
 def _host_run(r: _ModelRuns, log) -> dict:
@@ -386,14 +381,5 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
         out["layer"]["host_python"], rep = _python_host(r)
         out["repeats"] |= rep
     if r.cpu_pts:
-        by: dict[int, list] = {}
-        for t, x in r.cpu_pts:
-            by.setdefault(int(t), []).append(x)
-        # means, not medians: CPU experts have a long tail (on the H200's host 2-9% of them took
-        # over 9 ms against a 1.8 ms median), and throughput pays for it
-        out["cpu_expert_in_model"] = {"points": [(t, float(np.mean(v))) for t, v in sorted(by.items())],
-                                      "count": [(t, len(v)) for t, v in sorted(by.items())]}
-        out["roundtrip_in_model"] = float(np.median(r.trips)) if r.trips else None
-        # the host around a layer's CPU experts: means, as for the experts (`HardwareProfile.cpu_lead_us` ..)
-        out["cpu_step"] = {k: float(np.mean(v)) for k, v in r.cpu_steps.items() if v}
+        out |= cpu_in_model(r.cpu_pts, r.trips, r.cpu_steps)
     return out

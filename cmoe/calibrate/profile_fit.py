@@ -77,6 +77,7 @@ from cmoe.calibrate.link_fit import LINE_FROM, Points, best_per_size, curve, fit
 from cmoe.core.hw import GB, HardwareProfile, table_us
 from cmoe.calibrate.host_fit import host_fields, python_host
 from cmoe.calibrate.layer_fit import layer_fit
+from cmoe.calibrate.cpu_fit import cpu_expert_fit, cpu_rows
 
 # the noise verdict lives in cmoe.calibrate.noise, the link's curve and fit_line in cmoe.calibrate.link_fit,
 # the layer's non-expert time in cmoe.calibrate.layer_fit
@@ -94,7 +95,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     hbm = m["hbm"][0] / m["hbm"][1] / GB
     la, lb, per_key, split = layer_fit(m, hbm)
     cpu = m["cpu_expert"]
-    ca, cb = _cpu_expert_fit(m)
+    ca, cb, wake = cpu_expert_fit(m)
     roundtrip = m.get("roundtrip_in_model") or m["roundtrip"]
     around = {f"cpu_{k}_us": v * 1e6 for k, v in (m.get("cpu_step") or {}).items()}   # a CPU layer's host
     src = f"measured by cmoe calibrate on {device}, {date}"
@@ -129,9 +130,11 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         silent_upper=bool(m.get("silent_upper", False)), commit_ahead=bool(m.get("commit_ahead", False)),
         pass_overlap=bool(m.get("pass_overlap", False)),
         **{per_key_field: per_key * 1e6}, **split,
-        **host, **table, **waves, **queued, **around, python_host=py,
+        **host, **table, **waves, **queued, **around, python_host=py, cpu_wake_points=wake,
         sources={k: src for k in (*_MEASURED, per_key_field, *host, *table)}
         | {k: src + " (around each CPU layer's experts in static's runs)" for k in around}
+        | ({"cpu_wake_points": src + " (static's CPU experts by the CPU's idle before them, over the back-to-back ones)"}
+           if wake else {})
         | ({"python_host": src + " (ondemand with the host program off: the Python step's)"} if py else {})
         | {k: src + f" ({why})" for k, why in slow_src.items()}
         | {k: src + " (ondemand's loads queued back to back, over the curve's last rate)" for k in queued}
@@ -220,16 +223,6 @@ def _expert_fit(m: dict, launch_s: float) -> tuple[str, list[tuple[str, float]],
         if _class(oc["bits"]) != key:
             classes.append((_class(oc["bits"]), oc["bytes"] / max(oa - 3 * launch_s, 1e-9) / GB))
     return key, classes, rate
-
-
-def _cpu_expert_fit(m: dict) -> tuple[float, float]:
-    """A CPU expert's (seconds at one token, per extra token): inside the running model where
-    measured (each point counted as often as it was seen), else the isolated loop's."""
-    ca, cb = fit_line([(t - 1, s) for t, s in m["cpu_expert"]["points"]])
-    if m.get("cpu_expert_in_model"):                                # inside the running model, if measured
-        inm = m["cpu_expert_in_model"]
-        ca, cb = fit_line([(t - 1, s) for t, s in inm["points"]], [n for _, n in inm.get("count", [])] or None)
-    return ca, cb
 
 
 def _expert_rows_table(m: dict, key: str) -> dict:
@@ -335,16 +328,7 @@ def beside(p: HardwareProfile, m: dict) -> str:
             row(f"{what}, {t} tokens", s, fn(t))
     for wait, route in _wake_means((h or {}).get("wake_samples") or []):
         row(f"host, route after {wait * 1e6:.0f}us", route, p.host_route(1) * p.host_wake(wait * 1e6))
-    cpu = m["cpu_expert"]
-    for t, s in cpu["points"]:
-        row(f"CPU expert, {t} tokens", s, p.cpu_expert_us(cpu["bytes"], t))
-    for t, s in (m.get("cpu_expert_in_model") or {}).get("points", []):
-        row(f"CPU expert in model, {t} tok", s, p.cpu_expert_us(cpu["bytes"], t))
-    row("round trip", m["roundtrip"], p.roundtrip_us)
-    if m.get("roundtrip_in_model"):
-        row("round trip in model", m["roundtrip_in_model"], p.roundtrip_us)
-    for k, s in (m.get("cpu_step") or {}).items():                 # the host around a layer's CPU experts
-        row(f"CPU layer, host {k}", s, getattr(p, f"cpu_{k}_us"))
+    cpu_rows(row, m, p)
     return "\n".join(rows)
 
 

@@ -19,22 +19,17 @@ from pathlib import Path
 from cmoe.core.errors import CmoeError
 from cmoe.core.hw_checks import NON_NEGATIVE, bad, check_pairs, rule, whole
 from cmoe.core.hw_math import _width, pairs, split_plan, split_runs, table_us  # noqa: F401  (re-exported)
+from cmoe.core.hw_variants import HOST_FIELDS, HOST_POINTS, Variants  # noqa: F401  (re-exported)
 
 GB = 1e9
 
 
-# the profile's costs that are the host thread's (`HardwareProfile.host_scaled`)
-HOST_FIELDS = ("host_layer_us", "host_attn_us_per_token", "host_sync_us", "host_route_us", "host_route_us_per_token",
-               "host_expert_us", "host_expert_us_per_token", "host_expert_tail_us", "host_load_us",
-               "host_pass_start_us", "host_head_us", "pass_gap_us", "predict_layer_us", "commit_route_us",
-               "commit_start_us", "cpu_lead_us", "cpu_gap_us", "cpu_tail_us")
-HOST_POINTS = ("host_layer_points", "host_route_points", "host_expert_points")
 _PAIRS = ("h2d_pinned", "d2h_pinned", "expert_gbps", "expert_rows_us", *HOST_POINTS, "wave_count_us",
-          "host_wake_points", "host_route_waits")      # the fields that are lists of pairs (JSON <-> tuples)
+          "host_wake_points", "host_route_waits", "cpu_wake_points")      # the fields that are lists of pairs (JSON <-> tuples)
 
 
 @dataclass(frozen=True)
-class HardwareProfile:
+class HardwareProfile(Variants):
     name: str
     gpu_mem_bytes: int
     h2d_pinned: tuple[tuple[int, float], ...]       # (copy bytes, GB/s), ascending sizes
@@ -135,6 +130,7 @@ class HardwareProfile:
                                                     # long takes factor x its cost (`host_wake`; `cmoe.calibrate.wake`)
     host_route_waits: tuple = ()                    # (tokens, us): the read-back wait of the runs host_route was
                                                     # measured in, whose factor its points hold already
+    cpu_wake_points: tuple = ()                     # (idle us, factor): a CPU expert after the CPU idled that long
     python_host: dict = field(default_factory=dict, hash=False)   # host fields of the Python step (`python_step`)
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -157,9 +153,10 @@ class HardwareProfile:
             if getattr(self, table) != ():                         # none measured; anything else is checked
                 check_pairs(self.name, table, getattr(self, table), whole(1)[0], "[rows, us]: a whole number "
                             "of rows >= 1, us >= 0, rows ascending", ascending=True, rate=NON_NEGATIVE[0])
-        if self.host_wake_points != ():
-            check_pairs(self.name, "host_wake_points", self.host_wake_points, NON_NEGATIVE[0],
-                        "[wait us, factor]: a wait >= 0, a factor > 0, waits ascending", ascending=True)
+        for table in ("host_wake_points", "cpu_wake_points"):
+            if getattr(self, table) != ():
+                check_pairs(self.name, table, getattr(self, table), NON_NEGATIVE[0],
+                            "[wait us, factor]: a wait >= 0, a factor > 0, waits ascending", ascending=True)
         if self.expert_rows_us and not (self.expert_rows_bytes > 0 and self.expert_rows_class in ("int4", "int8", "bf16")):
             raise bad(self.name, "expert_rows_bytes", self.expert_rows_bytes,
                       "above 0, with expert_rows_class int4, int8 or bf16, when expert_rows_us is given")
@@ -254,29 +251,6 @@ class HardwareProfile:
         start it is a part of."""
         return min(self.pass_gap_us, self.host_pass_start_us)
 
-    def host_scaled(self, k: float) -> "HardwareProfile":
-        """This profile with every cost of the host thread k times as long (the GPU's, the link's and
-        the CPU experts' unchanged; the Python step's too): a host k times slower than calibrated."""
-        def scaled(f: str, v):                                   # a table's times, or the time
-            return tuple((x, y * k) for x, y in v) if f in HOST_POINTS else v * k
-        return replace(self, **{f: scaled(f, getattr(self, f)) for f in (*HOST_FIELDS, *HOST_POINTS)},
-                       python_host={f: scaled(f, v) for f, v in self.python_host.items()})
-
-    def python_step(self) -> "HardwareProfile":
-        """The host where the compiled host program does not plan (`CMOE_HOST_PROGRAM=0`: the
-        executor's Python step): this profile with `python_host`'s fields, if calibrate measured them."""
-        return replace(self, python_host={}, **self.python_host) if self.python_host else self
-
-    def cpu_scaled(self, k: float) -> "HardwareProfile":
-        """This profile with every CPU expert k times as long (the round trip unchanged)."""
-        return replace(self, cpu_expert_gbps=self.cpu_expert_gbps / k, cpu_expert_us_per_token=self.cpu_expert_us_per_token * k)
-
-    def link_scaled(self, k: float) -> "HardwareProfile":
-        """This profile with pinned host-to-device copies at k times the calibrated bandwidth (every
-        size; the read-backs, the GPU and the host unchanged): a link that ran k times as fast as
-        when it was calibrated (the H200's drifted between 49 and 55.4 GB/s within a session)."""
-        return replace(self, h2d_pinned=tuple((b, g * k) for b, g in self.h2d_pinned))
-
     def host_layer(self, tokens: int) -> float:
         if self.host_layer_points:
             return table_us(self.host_layer_points, tokens)
@@ -286,19 +260,6 @@ class HardwareProfile:
         if self.host_route_points:
             return table_us(self.host_route_points, tokens)
         return self.host_route_us + self.host_route_us_per_token * max(tokens - 1, 0)
-
-    def host_wake(self, wait_us: float) -> float:
-        """How much slower the route step runs after a read-back wait of `wait_us`: the measured
-        factors read piecewise-linearly, held flat outside them (1 with none measured)."""
-        pts = self.host_wake_points
-        return table_us(pts, min(wait_us, pts[-1][0])) if pts else 1.0
-
-    def host_wake_base(self, tokens: int) -> float:
-        """`host_wake` at the wait `host_route(tokens)` was measured after: the simulator scales the
-        route step by host_wake(wait) / this, so a point measured after a longer wait is not
-        slowed twice (1 without `host_route_waits`; past its last batch, that batch's wait)."""
-        w = self.host_route_waits
-        return self.host_wake(table_us(w, min(tokens, w[-1][0]))) if w else 1.0
 
     def host_expert(self, tokens: int) -> float:
         if self.host_expert_points:

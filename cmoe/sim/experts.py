@@ -123,8 +123,10 @@ class ExpertSteps:
         for k, e in enumerate(plan.cpu):
             cpu_t += hw.cpu_gap_us if k else 0.0
             dur = hw.cpu_expert_us(c.expert_bytes[m][e], votes.get(e, 1))
+            dur = dur * hw.cpu_wake(cpu_t - self._cpu_end)          # slower after the CPU idled
             self._span(x.p, d, "cpu", "cpu_expert", e, cpu_t, cpu_t + dur, c.expert_bytes[m][e])
             cpu_t += dur
+            self._cpu_end = cpu_t
         self._span(x.p, d, "cpu", "roundtrip", -1, cpu_t, cpu_t + hw.roundtrip_us / 2)
         H = cpu_t + hw.roundtrip_us / 2
         if H > G:                 # the GPU waits for the CPU's results

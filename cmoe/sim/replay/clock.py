@@ -32,8 +32,8 @@ EV_COMPUTE, EV_INIT, EV_SLOT, EV_COPY, EV_PUT, EV_GET, EV_READY, EV_DRAINED = ra
 URGENT, NORMAL = 0, 1
 W_TIMEOUT, W_READY, W_DRAINED, W_NONE = range(4)
 # Clock.F: now, the compute process's two clocks and last pass end, the link time of loads no
-# engine has started, when the copies now moving will have landed
-NOW, H_, G_, PREV_END, QUEUED, BUSY_UNTIL = range(6)
+# engine has started, when the copies now moving will have landed, when the last CPU expert ended
+NOW, H_, G_, PREV_END, QUEUED, BUSY_UNTIL, CPU_END = range(7)
 # Clock.I
 EID, IN_FLIGHT, DRAINED, PASS_INDEX, SEQ, NLOAD, NHEAP, NQ, QHEAD, NGETQ, ERR, NSPAN = range(12)
 # span codes (streams: 0 compute, 1 + i copy engine i, 1 + engines cpu; ops below)
@@ -64,6 +64,7 @@ Costs = namedtuple("Costs", [
     "wcnt",                                                # a fused launch's own cost by its expert count [0..E]
     "wake",                                                # [K, 2] (wait us, factor): `HardwareProfile.host_wake`
     "route_wake", "wake_base",                             # per pass: the route step a wait slows, its factor as measured
+    "cpu_wake",                                            # [K, 2] (idle us, factor): `HardwareProfile.cpu_wake`
 ])
 # Costs.hwf
 (SLOW, HOST_LOAD, HX0, HX1, TAIL, HALF_RT, CPU_TOK, TFLOPS, HOST_SYNC, PASS_START, HOST_PASS_START, HEAD, HOST_HEAD,
@@ -81,7 +82,9 @@ def new_clock(M: int, E: int, S: int, engines: int, ring: int) -> Clock:
     L = 1 << max(4, int(ring - 1).bit_length())
     hcap = 2 * L + 4 * engines + 16
     zi, zf = (lambda *s: np.zeros(s, np.int64)), (lambda *s: np.zeros(s, np.float64))
-    return Clock(zf(6), zi(12), zf(hcap), zi(hcap), zi(hcap), zi(hcap), zi(hcap), zi(L), zi(L), zi(L), zi(engines + 1),
+    F = zf(7)
+    F[CPU_END] = -np.inf                                   # no CPU expert yet: as long idle as can be
+    return Clock(F, zi(12), zf(hcap), zi(hcap), zi(hcap), zi(hcap), zi(hcap), zi(L), zi(L), zi(L), zi(engines + 1),
                  zi(L), zi(L), zi(L), zi(L), zi(L), np.full((M, E), -1, np.int64), np.zeros((M, E), np.bool_), zf(M, E),
                  zi(M, S), zi(M, S), zf(M, S), np.full((M, S), -1, np.int64), np.full((M, S), -1, np.int64),
                  zi(engines), zf(engines), np.full(engines, -1.0), zi(E))

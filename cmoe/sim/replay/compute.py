@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from numba import njit
 
-from cmoe.sim.replay.clock import (CPU_GAP, CPU_LEAD, CPU_TAIL, DRAINED, ENGINES, ERR, FIFO, G_, H_, HALF_RT, HEAD, HEAD_SPAN, HOST_HEAD,
+from cmoe.sim.replay.clock import (CPU_END, CPU_GAP, CPU_LEAD, CPU_TAIL, DRAINED, ENGINES, ERR, FIFO, G_, H_, HALF_RT, HEAD, HEAD_SPAN, HOST_HEAD,
                                    AHEAD, COMMIT_GPU, COMMIT_GPU_COPY, COMMIT_START, HOST_LOAD, HOST_PASS_START, HOST_SYNC,
                                    IN_FLIGHT, NOW, OP_ATTN, SILENT,
                                    OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, OWA_GPU, PASS_GAP,
@@ -28,18 +28,23 @@ def _votes(x, p, m, e, M):
 
 
 @njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False)
-def _wake(x, w):
-    """`HardwareProfile.host_wake(w)`: `table_us` over x.wake with the wait held at its last point
-    (one point (0, 1) where the profile has none)."""
-    k = x.wake.shape[0]
-    w = min(w, x.wake[k - 1, 0])
-    if w <= x.wake[0, 0] or k == 1:
-        return x.wake[0, 1]
+def _flat(t, w):
+    """`HardwareProfile.host_wake(w)` and `cpu_wake(w)`: `table_us` over a factor table t with the
+    wait held at its last point (one point (0, 1) where the profile has none)."""
+    k = t.shape[0]
+    w = min(w, t[k - 1, 0])
+    if w <= t[0, 0] or k == 1:
+        return t[0, 1]
     for i in range(k - 1):
-        x0, y0, x1, y1 = x.wake[i, 0], x.wake[i, 1], x.wake[i + 1, 0], x.wake[i + 1, 1]
+        x0, y0, x1, y1 = t[i, 0], t[i, 1], t[i + 1, 0], t[i + 1, 1]
         if w <= x1:
             return y0 + (y1 - y0) * (w - x0) / (x1 - x0)
-    return x.wake[k - 1, 1]
+    return t[k - 1, 1]
+
+
+@njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False)
+def _wake(x, w):
+    return _flat(x.wake, w)
 
 
 @njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False)
@@ -261,8 +266,10 @@ def _cpu(c, x, o, d, p, m, dl, c0, c1, H, G, M, cpu):
             dur = x.cpu1[m, e] + x.hwf[CPU_TOK] * (rows - 1 if rows > 1 else 0)
         else:
             dur = x.cpu1[m, e] * pmax(1.0, rows / 8)
+        dur = dur * _flat(x.cpu_wake, cpu_t - c.F[CPU_END])   # slower after the CPU idled (`cpu_wake`)
         _span(c, o, x, p, dl, cpu, OP_CPU, e, cpu_t, cpu_t + dur, x.ebytes[m, e], -1, -1)
         cpu_t += dur
+        c.F[CPU_END] = cpu_t
     _span(c, o, x, p, dl, cpu, OP_RT, -1, cpu_t, cpu_t + half, 0, -1, -1)
     H = cpu_t + half
     if H > G:                                       # the GPU waits for the CPU's results

@@ -1,0 +1,66 @@
+"""What a `HardwareProfile` derives from itself: the same profile with part of the machine faster
+or slower (`host_scaled`, `cpu_scaled`, `link_scaled`, `python_step`: the diagnoses of
+`benchmarks/validate_table.py` and the Python step's host), and the measured slow-down factors
+read off its tables (`host_wake`, `cpu_wake`). A mixin of `cmoe.core.hw.HardwareProfile`, apart so
+that the profile's fields and checks read in one file."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from cmoe.core.hw_math import table_us
+
+if TYPE_CHECKING:
+    from cmoe.core.hw import HardwareProfile
+
+# the profile's costs that are the host thread's (`HardwareProfile.host_scaled`)
+HOST_FIELDS = ("host_layer_us", "host_attn_us_per_token", "host_sync_us", "host_route_us", "host_route_us_per_token",
+               "host_expert_us", "host_expert_us_per_token", "host_expert_tail_us", "host_load_us",
+               "host_pass_start_us", "host_head_us", "pass_gap_us", "predict_layer_us", "commit_route_us",
+               "commit_start_us", "cpu_lead_us", "cpu_gap_us", "cpu_tail_us")
+HOST_POINTS = ("host_layer_points", "host_route_points", "host_expert_points")
+
+
+class Variants:
+    def host_scaled(self, k: float) -> "HardwareProfile":
+        """This profile with every cost of the host thread k times as long (the GPU's, the link's and
+        the CPU experts' unchanged; the Python step's too): a host k times slower than calibrated."""
+        def scaled(f: str, v):                                   # a table's times, or the time
+            return tuple((x, y * k) for x, y in v) if f in HOST_POINTS else v * k
+        return replace(self, **{f: scaled(f, getattr(self, f)) for f in (*HOST_FIELDS, *HOST_POINTS)},
+                       python_host={f: scaled(f, v) for f, v in self.python_host.items()})
+
+    def python_step(self) -> "HardwareProfile":
+        """The host where the compiled host program does not plan (`CMOE_HOST_PROGRAM=0`: the
+        executor's Python step): this profile with `python_host`'s fields, if calibrate measured them."""
+        return replace(self, python_host={}, **self.python_host) if self.python_host else self
+
+    def cpu_scaled(self, k: float) -> "HardwareProfile":
+        """This profile with every CPU expert k times as long (the round trip unchanged)."""
+        return replace(self, cpu_expert_gbps=self.cpu_expert_gbps / k, cpu_expert_us_per_token=self.cpu_expert_us_per_token * k)
+
+    def link_scaled(self, k: float) -> "HardwareProfile":
+        """This profile with pinned host-to-device copies at k times the calibrated bandwidth (every
+        size; the read-backs, the GPU and the host unchanged): a link that ran k times as fast as
+        when it was calibrated (the H200's drifted between 49 and 55.4 GB/s within a session)."""
+        return replace(self, h2d_pinned=tuple((b, g * k) for b, g in self.h2d_pinned))
+
+    def host_wake(self, wait_us: float) -> float:
+        """How much slower the route step runs after a read-back wait of `wait_us`: the measured
+        factors read piecewise-linearly, held flat outside them (1 with none measured)."""
+        pts = self.host_wake_points
+        return table_us(pts, min(wait_us, pts[-1][0])) if pts else 1.0
+
+    def cpu_wake(self, idle_us: float) -> float:
+        """How much slower a CPU expert runs after the CPU idled `idle_us` since the last one ended
+        (`cpu_wake_points`, read as `host_wake`'s)."""
+        pts = self.cpu_wake_points
+        return table_us(pts, min(idle_us, pts[-1][0])) if pts else 1.0
+
+    def host_wake_base(self, tokens: int) -> float:
+        """`host_wake` at the wait `host_route(tokens)` was measured after: the simulator scales the
+        route step by host_wake(wait) / this, so a point measured after a longer wait is not
+        slowed twice (1 without `host_route_waits`; past its last batch, that batch's wait)."""
+        w = self.host_route_waits
+        return self.host_wake(table_us(w, min(tokens, w[-1][0]))) if w else 1.0
