@@ -596,12 +596,12 @@ def test_the_host_around_a_layers_cpu_experts_is_read_off_its_spans():
 
 def test_a_cpu_experts_wake_after_idle_is_fitted_over_the_back_to_back_ones():
     """`cpu_fit.cpu_expert_fit`: the base line from the experts that followed another within 0.1 ms,
-    each idle bin's factor its experts' time over that base; `log_points.cpu_in_model` bins them."""
+    each idle bin's extra its experts' time over that base; `log_points.cpu_in_model` bins them."""
     from cmoe.calibrate.log_points import cpu_in_model
     known = replace(H200, cpu_expert_gbps=60.0, cpu_expert_us_per_token=400.0,
-                    cpu_wake_points=((25.0, 1.0), (600.0, 1.2), (5000.0, 1.5)))
+                    cpu_wake_points=((25.0, 0.0), (600.0, 300.0), (5000.0, 500.0)))
     nb = 93_585_408
-    pts = [(t, known.cpu_expert_us(nb, t) * known.cpu_wake(idle) / 1e6, idle / 1e6)
+    pts = [(t, (known.cpu_expert_us(nb, t) + known.cpu_wake_us(idle)) / 1e6, idle / 1e6)
            for t in (1, 2) for idle in (25.0, 600.0, 5000.0) for _ in range(6)]
     pts.append((1, 9.9e-3, float("inf")))                            # the run's first: one, under LEAST
     got = cpu_in_model(pts, [1e-4, 2e-4, 3e-4], {"lead": [7e-5], "gap": []})
@@ -613,7 +613,7 @@ def test_a_cpu_experts_wake_after_idle_is_fitted_over_the_back_to_back_ones():
     assert p.cpu_expert_us(nb, 1) == pytest.approx(known.cpu_expert_us(nb, 1))
     assert p.cpu_expert_us_per_token == pytest.approx(400.0)
     assert [x for x, _ in p.cpu_wake_points] == pytest.approx([25.0, 600.0, 5000.0 * 12 / 13 + 1e6 / 13])
-    assert [f for _, f in p.cpu_wake_points[:2]] == pytest.approx([1.0, 1.2])
+    assert [f for _, f in p.cpu_wake_points[:2]] == pytest.approx([0.0, 300.0], abs=1e-6)
     assert "idle" in p.sources["cpu_wake_points"] and "CPU expert 1 tok, 600us idle" in beside(p, m)
     m["cpu_expert_in_model"]["idle"] = [r for r in m["cpu_expert_in_model"]["idle"] if r[1] == 0.0]
-    assert fit_profile("fit", m, known.gpu_mem_bytes, "t", "d").cpu_wake_points == ()     # one bin: no factors
+    assert fit_profile("fit", m, known.gpu_mem_bytes, "t", "d").cpu_wake_points == ()     # one bin: no extras

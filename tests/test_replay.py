@@ -28,7 +28,7 @@ EAGER = replace(H200, copy_fifo=True, host_layer_us=900.0, host_expert_us=150.0,
                 host_load_us=7.0, commit_route_us=30.0, head_us=50.0, pass_start_us=20.0)
 TWO_ENGINES = replace(H200, copy_engines=2, dense_rows=4, cpu_expert_us_per_token=3.0, readback_copy_us=9.0,
                       cpu_lead_us=70.0, cpu_gap_us=25.0, cpu_tail_us=50.0,
-                      cpu_wake_points=((50.0, 1.0), (600.0, 1.2), (3000.0, 1.5)))
+                      cpu_wake_points=((50.0, 0.0), (600.0, 200.0), (3000.0, 500.0)))
 ON_HOST = replace(EAGER, copy_on_host=True, copy_engines=2, host_expert_us_per_token=4.0, host_attn_us_per_token=2.0)
 # integer times everywhere: copies and kernels end on the same instants, SimPy's event order decides
 FLAT = HardwareProfile(name="flat", gpu_mem_bytes=10**12, h2d_pinned=((1, 1.0),), d2h_pinned=((1, 1.0),),
@@ -663,23 +663,24 @@ def test_a_cpu_layers_host_costs_around_its_experts():
 
 
 @pytest.mark.parametrize("engine", ["simpy", "replay"])
-def test_a_cpu_expert_after_the_cpu_idled_runs_slower(engine):
-    """`cpu_wake_points`: each CPU expert's time is its calibrated one times the factor at the CPU's
+def test_a_cpu_expert_after_the_cpu_idled_runs_longer(engine):
+    """`cpu_wake_points`: each CPU expert's time is its calibrated one plus the extra at the CPU's
     idle time since the last CPU expert ended (the run's first: past the last point), read
     piecewise-linearly and held flat outside the points."""
     from cmoe.sim.run import SimConfig, simulate
     t = trace_of("mixtral-8x7b", requests=1, decode=6, seed=3)
-    pts = ((50.0, 1.0), (600.0, 1.2), (3000.0, 1.5))
-    prof = replace(EAGER, cpu_wake_points=pts, cpu_gap_us=10.0)
+    prof = replace(EAGER, cpu_wake_points=((50.0, 0.0), (600.0, 200.0), (3000.0, 500.0)), cpu_gap_us=10.0)
     cfg = SimConfig(policy="static", pool_gb=20, batch=1, slots=2, engine=engine)
     plain = [s for s in simulate(t, EAGER, cfg).run.spans if s[4] == "cpu_expert"]
     woken = sorted((s for s in simulate(t, prof, cfg).run.spans if s[4] == "cpu_expert"), key=lambda s: s[6])
     base = {(s[1], s[2], s[5]): s[7] - s[6] for s in plain}
-    factor = lambda idle: prof.cpu_wake(idle)  # noqa: E731
-    assert factor(10.0) == 1.0 and factor(325.0) == pytest.approx(1.1) and factor(1e9) == 1.5
-    end = float("-inf")
+    assert prof.cpu_wake_us(10.0) == 0.0 and prof.cpu_wake_us(325.0) == pytest.approx(100.0)
+    assert prof.cpu_wake_us(1e9) == 500.0 and EAGER.cpu_wake_us(1e9) == 0.0
+    end, extras = float("-inf"), set()
     for s in woken:
-        assert s[7] - s[6] == pytest.approx(base[(s[1], s[2], s[5])] * factor(s[6] - end)), s
+        extra = prof.cpu_wake_us(s[6] - end)
+        assert s[7] - s[6] == pytest.approx(base[(s[1], s[2], s[5])] + extra), s
         end = s[7]
-    assert woken[0][7] - woken[0][6] == pytest.approx(1.5 * base[woken[0][1], woken[0][2], woken[0][5]])
-    assert len({round((s[7] - s[6]) / base[(s[1], s[2], s[5])], 6) for s in woken}) >= 3   # short, mid and long idles
+        extras.add(round(extra, 6))
+    assert woken[0][7] - woken[0][6] == pytest.approx(base[woken[0][1], woken[0][2], woken[0][5]] + 500.0)
+    assert len(extras) >= 3                                  # short, mid and long idles

@@ -1,12 +1,13 @@
 """A CPU expert's costs from calibrate's `static` runs (`log_points.cpu_in_model`): its time at one
-token and per further token, and how much slower it runs after the CPU idled (`cpu_wake_points`).
+token and per further token, and how much longer it takes after the CPU idled (`cpu_wake_points`).
 
 Why the idle: on an H100's host (twenty-eighth session) a one-token Mixtral expert took 1.32-1.50
 ms when it followed another within 0.1 ms and 1.9-2.0 ms after more than 2 ms of idle; a model
 that held one mean predicted the pools that keep most experts resident (CPU experts far apart)
 up to 39% fast, and batch 8's back-to-back experts 16% slow. So the base is the back-to-back
-experts' (idle under `IDLE_BINS_US[1]`), and each idle bin's factor is its experts' time over
-that base, pooled over token counts.
+experts' (idle under `IDLE_BINS_US[1]`), and each idle bin's extra is its experts' time over
+that base, pooled over token counts: an extra time, not a factor (there the extra was ~0.2-0.5
+ms at 1 to 4 tokens alike, where a factor would have charged 4 tokens twice what it charged one).
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ from __future__ import annotations
 from cmoe.calibrate.link_fit import fit_line
 from cmoe.calibrate.log_points import IDLE_BINS_US
 
-LEAST = 5                                  # experts an idle bin needs to give a factor
+LEAST = 5                                  # experts an idle bin needs to give its extra
 
 
 def cpu_expert_fit(m: dict) -> tuple[float, float, tuple]:
     """(seconds at one token, per extra token, cpu_wake_points): inside the running model where
-    measured (each point counted as often as it was seen), from the back-to-back experts with the
-    idle factors where two idle bins or more were measured, else the isolated loop's line."""
+    measured (each point counted as often as it was seen), from the back-to-back experts with each
+    idle bin's extra (us) where two idle bins or more were measured, else the isolated loop's line."""
     ca, cb = fit_line([(t - 1, s) for t, s in m["cpu_expert"]["points"]])
     inm = m.get("cpu_expert_in_model")
     if not inm:
@@ -41,7 +42,7 @@ def cpu_expert_fit(m: dict) -> tuple[float, float, tuple]:
         got = [r for r in rows if r[1] == lo and base(r[0]) > 0]
         n = sum(r[4] for r in got)
         if n >= LEAST:
-            wake.append((sum(r[2] * r[4] for r in got) / n, sum(r[3] / base(r[0]) * r[4] for r in got) / n))
+            wake.append((sum(r[2] * r[4] for r in got) / n, max(sum((r[3] - base(r[0])) * r[4] for r in got) / n * 1e6, 0.0)))
     return (ca, cb, tuple(wake)) if len(wake) > 1 else (ca, cb, ())
 
 
@@ -55,7 +56,7 @@ def cpu_rows(row, m: dict, p) -> None:
         row(f"CPU expert in model, {t} tok", s, p.cpu_expert_us(cpu["bytes"], t))
     for t, _, idle, s, n in (m.get("cpu_expert_in_model") or {}).get("idle", []) if p.cpu_wake_points else ():
         if n >= LEAST:
-            row(f"CPU expert {t} tok, {idle:.0f}us idle", s, p.cpu_expert_us(cpu["bytes"], t) * p.cpu_wake(idle))
+            row(f"CPU expert {t} tok, {idle:.0f}us idle", s, p.cpu_expert_us(cpu["bytes"], t) + p.cpu_wake_us(idle))
     row("round trip", m["roundtrip"], p.roundtrip_us)
     if m.get("roundtrip_in_model"):
         row("round trip in model", m["roundtrip_in_model"], p.roundtrip_us)

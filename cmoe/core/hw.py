@@ -130,7 +130,7 @@ class HardwareProfile(Variants):
                                                     # long takes factor x its cost (`host_wake`; `cmoe.calibrate.wake`)
     host_route_waits: tuple = ()                    # (tokens, us): the read-back wait of the runs host_route was
                                                     # measured in, whose factor its points hold already
-    cpu_wake_points: tuple = ()                     # (idle us, factor): a CPU expert after the CPU idled that long
+    cpu_wake_points: tuple = ()                     # (idle us, extra us): a CPU expert after the CPU idled that long
     python_host: dict = field(default_factory=dict, hash=False)   # host fields of the Python step (`python_step`)
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -153,10 +153,11 @@ class HardwareProfile(Variants):
             if getattr(self, table) != ():                         # none measured; anything else is checked
                 check_pairs(self.name, table, getattr(self, table), whole(1)[0], "[rows, us]: a whole number "
                             "of rows >= 1, us >= 0, rows ascending", ascending=True, rate=NON_NEGATIVE[0])
-        for table in ("host_wake_points", "cpu_wake_points"):
+        for table, what, y_ok in (("host_wake_points", "[wait us, factor]: a wait >= 0, a factor > 0", None),
+                                  ("cpu_wake_points", "[idle us, extra us]: both >= 0", NON_NEGATIVE[0])):
             if getattr(self, table) != ():
-                check_pairs(self.name, table, getattr(self, table), NON_NEGATIVE[0],
-                            "[wait us, factor]: a wait >= 0, a factor > 0, waits ascending", ascending=True)
+                check_pairs(self.name, table, getattr(self, table), NON_NEGATIVE[0], what + ", ascending",
+                            ascending=True, rate=y_ok)
         if self.expert_rows_us and not (self.expert_rows_bytes > 0 and self.expert_rows_class in ("int4", "int8", "bf16")):
             raise bad(self.name, "expert_rows_bytes", self.expert_rows_bytes,
                       "above 0, with expert_rows_class int4, int8 or bf16, when expert_rows_us is given")

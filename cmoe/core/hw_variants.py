@@ -1,7 +1,7 @@
 """What a `HardwareProfile` derives from itself: the same profile with part of the machine faster
 or slower (`host_scaled`, `cpu_scaled`, `link_scaled`, `python_step`: the diagnoses of
 `benchmarks/validate_table.py` and the Python step's host), and the measured slow-down factors
-read off its tables (`host_wake`, `cpu_wake`). A mixin of `cmoe.core.hw.HardwareProfile`, apart so
+read off its tables (`host_wake`, `cpu_wake_us`). A mixin of `cmoe.core.hw.HardwareProfile`, apart so
 that the profile's fields and checks read in one file."""
 
 from __future__ import annotations
@@ -52,11 +52,12 @@ class Variants:
         pts = self.host_wake_points
         return table_us(pts, min(wait_us, pts[-1][0])) if pts else 1.0
 
-    def cpu_wake(self, idle_us: float) -> float:
-        """How much slower a CPU expert runs after the CPU idled `idle_us` since the last one ended
-        (`cpu_wake_points`, read as `host_wake`'s)."""
+    def cpu_wake_us(self, idle_us: float) -> float:
+        """How much longer a CPU expert takes after the CPU idled `idle_us` since the last one ended:
+        `cpu_wake_points` (idle us, extra us) read as `host_wake`'s, 0 with none measured. Added, not
+        a factor: on an H100's host the extra was ~0.2-0.5 ms at 1-4 tokens alike."""
         pts = self.cpu_wake_points
-        return table_us(pts, min(idle_us, pts[-1][0])) if pts else 1.0
+        return table_us(pts, min(idle_us, pts[-1][0])) if pts else 0.0
 
     def host_wake_base(self, tokens: int) -> float:
         """`host_wake` at the wait `host_route(tokens)` was measured after: the simulator scales the

@@ -97,7 +97,7 @@ class Simulation(ExpertSteps):
         self.record_log = record_log
         self.seq = 0
         self.landed_at: dict = {}                         # (layer, expert) -> when its latest copy landed
-        self._cpu_end = float("-inf")                     # when the last CPU expert ended (`cpu_wake`)
+        self._cpu_end = float("-inf")                     # when the last CPU expert ended (`cpu_wake_us`)
         self._copy_us: dict[int, tuple[float, float]] = {}  # bytes -> (alone, queued) us (`_link_us`)
         for i in range(profile.copy_engines):
             self.env.process(self._copy_engine(f"copy{i}"))

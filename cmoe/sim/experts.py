@@ -123,7 +123,7 @@ class ExpertSteps:
         for k, e in enumerate(plan.cpu):
             cpu_t += hw.cpu_gap_us if k else 0.0
             dur = hw.cpu_expert_us(c.expert_bytes[m][e], votes.get(e, 1))
-            dur = dur * hw.cpu_wake(cpu_t - self._cpu_end)          # slower after the CPU idled
+            dur = dur + hw.cpu_wake_us(cpu_t - self._cpu_end)       # longer after the CPU idled
             self._span(x.p, d, "cpu", "cpu_expert", e, cpu_t, cpu_t + dur, c.expert_bytes[m][e])
             cpu_t += dur
             self._cpu_end = cpu_t

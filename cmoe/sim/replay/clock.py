@@ -64,7 +64,7 @@ Costs = namedtuple("Costs", [
     "wcnt",                                                # a fused launch's own cost by its expert count [0..E]
     "wake",                                                # [K, 2] (wait us, factor): `HardwareProfile.host_wake`
     "route_wake", "wake_base",                             # per pass: the route step a wait slows, its factor as measured
-    "cpu_wake",                                            # [K, 2] (idle us, factor): `HardwareProfile.cpu_wake`
+    "cpu_wake",                                            # [K, 2] (idle us, extra us): `HardwareProfile.cpu_wake_us`
 ])
 # Costs.hwf
 (SLOW, HOST_LOAD, HX0, HX1, TAIL, HALF_RT, CPU_TOK, TFLOPS, HOST_SYNC, PASS_START, HOST_PASS_START, HEAD, HOST_HEAD,

@@ -29,8 +29,8 @@ def _votes(x, p, m, e, M):
 
 @njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False)
 def _flat(t, w):
-    """`HardwareProfile.host_wake(w)` and `cpu_wake(w)`: `table_us` over a factor table t with the
-    wait held at its last point (one point (0, 1) where the profile has none)."""
+    """`HardwareProfile.host_wake(w)` and `cpu_wake_us(w)`: `table_us` over a table t with the wait
+    held at its last point (one point, (0, 1) or (0, 0), where the profile has none)."""
     k = t.shape[0]
     w = min(w, t[k - 1, 0])
     if w <= t[0, 0] or k == 1:
@@ -266,7 +266,7 @@ def _cpu(c, x, o, d, p, m, dl, c0, c1, H, G, M, cpu):
             dur = x.cpu1[m, e] + x.hwf[CPU_TOK] * (rows - 1 if rows > 1 else 0)
         else:
             dur = x.cpu1[m, e] * pmax(1.0, rows / 8)
-        dur = dur * _flat(x.cpu_wake, cpu_t - c.F[CPU_END])   # slower after the CPU idled (`cpu_wake`)
+        dur = dur + _flat(x.cpu_wake, cpu_t - c.F[CPU_END])   # longer after the CPU idled (`cpu_wake_us`)
         _span(c, o, x, p, dl, cpu, OP_CPU, e, cpu_t, cpu_t + dur, x.ebytes[m, e], -1, -1)
         cpu_t += dur
         c.F[CPU_END] = cpu_t

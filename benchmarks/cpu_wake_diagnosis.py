@@ -1,0 +1,73 @@
+"""A diagnosis of a validation's CPU-expert rows (issue 15), from its measured runs: each decode
+CPU expert's time by its tokens and by the CPU's idle before it, and the host around each CPU
+layer's experts, read off the runs' timelines as calibrate reads its own `static` runs
+(`log_points._cpu_points`, `_cpu_steps`, `cpu_in_model`, `cpu_fit.cpu_expert_fit`); then the
+folder's profile with those fitted in, for `validate_table.py --profile` to predict with.
+
+In sample by construction (fitted over the very runs it predicts): it says how much of a miss the
+model's shape explains once its terms are right, not what a calibration would predict.
+
+    python benchmarks/cpu_wake_diagnosis.py FOLDER OUT.json   # FOLDER: validate_h200's, untarred
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import polars as pl  # noqa: E402
+
+from cmoe.calibrate.cpu_fit import cpu_expert_fit  # noqa: E402
+from cmoe.calibrate.log_points import _cpu_points, _cpu_steps, cpu_in_model  # noqa: E402
+from cmoe.core.spec import preset  # noqa: E402
+from cmoe.core.util import write_text_atomic  # noqa: E402
+from cmoe.trace.load import load_trace  # noqa: E402
+
+
+def run_log(path: Path) -> SimpleNamespace:
+    """A measured timeline as the run log calibrate reads: its spans, and every pass but the
+    first (the prefill) a decode pass."""
+    t = pl.read_parquet(path)
+    spans = [tuple(r) for r in t.select("source", "step", "layer", "stream", "op", "expert", "start_us", "end_us",
+                                        "bytes").iter_rows()]
+    return SimpleNamespace(spans=spans, pass_us=[(p, p > 0, 0, 0.0) for p in sorted(set(t["step"].to_list()))])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("folder", type=Path)
+    ap.add_argument("out", type=Path)
+    a = ap.parse_args()
+    res = json.loads((a.folder / "results.json").read_text())
+    spec = preset(res["spec"])
+    pts, trips, steps = [], [], {}
+    for c in res["configs"]:
+        b = c["batch"]
+        tr = load_trace(res.get("trace") or f"synthetic:{res['spec']}", None, b)
+        for f in sorted((a.folder / f"pool{c['pool_gb']:g}-b{b}" / "measured").glob("timeline-*.parquet")):
+            log = run_log(f)
+            p, t = _cpu_points(log, tr, b, spec)
+            pts, trips = pts + p, trips + t
+            for k, v in _cpu_steps(log).items():
+                steps.setdefault(k, []).extend(v)
+    meas = json.loads((a.folder / "profile.measurements.json").read_text())
+    m = {"cpu_expert": meas["cpu_expert"]} | cpu_in_model(pts, trips, steps)
+    for t, lo, idle, s, n in m["cpu_expert_in_model"]["idle"]:
+        print(f"{t} tokens, idle from {lo / 1e3:g} ms (mean {idle / 1e3:.2f}): {s * 1e3:.2f} ms over {n}")
+    ca, cb, wake = cpu_expert_fit(m)
+    prof = json.loads((a.folder / "profile.json").read_text())
+    prof |= {"name": prof["name"] + "-cpu-diagnosis", "cpu_expert_gbps": meas["cpu_expert"]["bytes"] / ca / 1e9,
+             "cpu_expert_us_per_token": cb * 1e6, "cpu_wake_points": [list(w) for w in wake],
+             **{f"cpu_{k}_us": v * 1e6 for k, v in m["cpu_step"].items()}}
+    print(f"base {ca * 1e6:.0f} us + {cb * 1e6:.0f} a token; wake {[(round(x), round(y)) for x, y in wake]}; "
+          + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in m["cpu_step"].items()))
+    write_text_atomic(a.out, json.dumps(prof, indent=1))
+
+
+if __name__ == "__main__":
+    main()
