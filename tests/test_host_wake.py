@@ -147,3 +147,17 @@ def test_calibrate_fits_the_samples_into_the_profile_and_shows_them_beside_it():
     rows = {line[:28].strip(): line[28:].split() for line in beside(got, m).splitlines()}
     assert rows["host, route after 100us"][:2] == ["20.0us", f"{got.host_route(1):.1f}us"]
     assert rows["host, route after 1100us"][:2] == ["30.0us", f"{got.host_route(1) * 1.5:.1f}us"]
+
+
+@pytest.mark.parametrize("pts,says", [
+    ([[1100.0, 200.0], [100.0, 0.0]], "idles ascending"),
+    ([[100.0, -1.0]], "extra us >= 0"),
+    ([[-5.0, 1.0]], "an idle >= 0"),
+])
+def test_a_bad_cpu_wake_table_is_one_line_naming_it(pts, says):
+    """`cpu_wake_points` (idle us, extra us): an extra of 0 is allowed (the back-to-back experts')."""
+    with pytest.raises(CmoeError, match="cpu_wake_points") as e:
+        HardwareProfile.from_dict(H200.to_dict() | {"cpu_wake_points": pts})
+    assert says in str(e.value) and "\n" not in str(e.value)
+    ok = HardwareProfile.from_dict(H200.to_dict() | {"cpu_wake_points": [[25.0, 0.0], [600.0, 300.0]]})
+    assert ok.cpu_wake_points == ((25.0, 0.0), (600.0, 300.0)) and ok.cpu_wake_us(312.5) == pytest.approx(150.0)
