@@ -27,15 +27,17 @@ from cmoe.calibrate.log_points import _cpu_points, _cpu_steps, cpu_in_model  # n
 from cmoe.core.spec import preset  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
 from cmoe.trace.load import load_trace  # noqa: E402
+from cmoe.trace.passes import make_passes  # noqa: E402
 
 
-def run_log(path: Path) -> SimpleNamespace:
-    """A measured timeline as the run log calibrate reads: its spans, and every pass but the
-    first (the prefill) a decode pass."""
+def run_log(path: Path, passes) -> SimpleNamespace:
+    """A measured timeline as the run log calibrate reads: its spans, and its passes as decode or
+    not by the trace's own passes (`make_passes`)."""
     t = pl.read_parquet(path)
     spans = [tuple(r) for r in t.select("source", "step", "layer", "stream", "op", "expert", "start_us", "end_us",
                                         "bytes").iter_rows()]
-    return SimpleNamespace(spans=spans, pass_us=[(p, p > 0, 0, 0.0) for p in sorted(set(t["step"].to_list()))])
+    return SimpleNamespace(spans=spans, pass_us=[(p, bool(passes[p].decode), 0, 0.0)
+                                                 for p in sorted(set(t["step"].to_list()))])
 
 
 def main() -> None:
@@ -49,8 +51,9 @@ def main() -> None:
     for c in res["configs"]:
         b = c["batch"]
         tr = load_trace(res.get("trace") or f"synthetic:{res['spec']}", None, b)
+        passes = make_passes(tr, b)
         for f in sorted((a.folder / f"pool{c['pool_gb']:g}-b{b}" / "measured").glob("timeline-*.parquet")):
-            log = run_log(f)
+            log = run_log(f, passes)
             p, t = _cpu_points(log, tr, b, spec)
             pts, trips = pts + p, trips + t
             for k, v in _cpu_steps(log).items():
@@ -62,7 +65,7 @@ def main() -> None:
     ca, cb, wake = cpu_expert_fit(m)
     prof = json.loads((a.folder / "profile.json").read_text())
     prof |= {"name": prof["name"] + "-cpu-diagnosis", "cpu_expert_gbps": meas["cpu_expert"]["bytes"] / ca / 1e9,
-             "cpu_expert_us_per_token": cb * 1e6, "cpu_wake_points": [list(w) for w in wake],
+             "cpu_expert_us_per_token": max(cb, 0.0) * 1e6, "cpu_wake_points": [list(w) for w in wake],
              **{f"cpu_{k}_us": v * 1e6 for k, v in m["cpu_step"].items()}}
     print(f"base {ca * 1e6:.0f} us + {cb * 1e6:.0f} a token; wake {[(round(x), round(y)) for x, y in wake]}; "
           + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in m["cpu_step"].items()))

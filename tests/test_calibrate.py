@@ -603,17 +603,46 @@ def test_a_cpu_experts_wake_after_idle_is_fitted_over_the_back_to_back_ones():
     nb = 93_585_408
     pts = [(t, (known.cpu_expert_us(nb, t) + known.cpu_wake_us(idle)) / 1e6, idle / 1e6)
            for t in (1, 2) for idle in (25.0, 600.0, 5000.0) for _ in range(6)]
-    pts.append((1, 9.9e-3, float("inf")))                            # the run's first: one, under LEAST
+    pts.append((1, 9.9e-3, float("inf")))                            # the run's first: its points, no idle bin
     got = cpu_in_model(pts, [1e-4, 2e-4, 3e-4], {"lead": [7e-5], "gap": []})
     assert [r[:2] + [r[4]] for r in got["cpu_expert_in_model"]["idle"]] == \
-        [[1, 0.0, 6], [1, 300.0, 6], [1, 3000.0, 7], [2, 0.0, 6], [2, 300.0, 6], [2, 3000.0, 6]]
+        [[1, 0.0, 6], [1, 300.0, 6], [1, 3000.0, 6], [2, 0.0, 6], [2, 300.0, 6], [2, 3000.0, 6]]
+    assert got["cpu_expert_in_model"]["count"] == [(1, 19), (2, 18)]
     assert got["roundtrip_in_model"] == pytest.approx(2e-4) and got["cpu_step"] == {"lead": pytest.approx(7e-5)}
     m = _synthetic(known) | got
     p = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-06")
     assert p.cpu_expert_us(nb, 1) == pytest.approx(known.cpu_expert_us(nb, 1))
     assert p.cpu_expert_us_per_token == pytest.approx(400.0)
-    assert [x for x, _ in p.cpu_wake_points] == pytest.approx([25.0, 600.0, 5000.0 * 12 / 13 + 1e6 / 13])
-    assert [f for _, f in p.cpu_wake_points[:2]] == pytest.approx([0.0, 300.0], abs=1e-6)
+    assert [v for pt in p.cpu_wake_points for v in pt] == pytest.approx([25.0, 0.0, 600.0, 300.0, 5000.0, 500.0],
+                                                                        abs=1e-6)
     assert "idle" in p.sources["cpu_wake_points"] and "CPU expert 1 tok, 600us idle" in beside(p, m)
     m["cpu_expert_in_model"]["idle"] = [r for r in m["cpu_expert_in_model"]["idle"] if r[1] == 0.0]
-    assert fit_profile("fit", m, known.gpu_mem_bytes, "t", "d").cpu_wake_points == ()     # one bin: no extras
+    one = fit_profile("fit", m, known.gpu_mem_bytes, "t", "d")            # one bin: no extras, and
+    assert one.cpu_wake_points == ()                                      # every expert's mean, not the
+    pooled = fit_profile("fit", _synthetic(known), known.gpu_mem_bytes, "t", "d")    # back-to-back ones'
+    assert one.cpu_expert_us(nb, 1) > known.cpu_expert_us(nb, 1) and pooled.cpu_expert_us(nb, 1) == \
+        pytest.approx(known.cpu_expert_us(nb, 1))
+
+
+def test_each_cpu_experts_idle_is_read_after_the_one_before_it_ended():
+    """`log_points._cpu_points`: the spans in start order, whatever their order in the log; the
+    prefill's experts count as the ones before (their own points are left out); the run's first
+    expert follows none (inf); tokens from the trace's votes."""
+    from types import SimpleNamespace as NS
+    from cmoe.calibrate.log_points import _cpu_points
+    from cmoe.core.timeline import Span
+    from cmoe.core.quant import recipe
+    from cmoe.core.spec import preset
+    from cmoe.trace.passes import make_passes
+    from cmoe.trace.synthetic import SyntheticParams, generate
+    t = generate(preset("mixtral-8x7b"), recipe("w4a16"), SyntheticParams(requests=1, prompt_len=4, decode_len=4))
+    ps = make_passes(t, 1)
+    d0, d1 = preset("mixtral-8x7b").moe_layers[:2]
+    e0, e1 = int(ps[1].needed[0][0]), int(ps[1].needed[1][0])
+    S = lambda p, d, e, a, b: Span("gpu", p, d, "cpu", "cpu_expert", e, a, b, 0)  # noqa: E731
+    spans = [S(1, d1, e1, 5000.0, 6000.0), S(1, d0, e0, 1500.0, 3000.0), S(0, d0, e0, 0.0, 1000.0)]
+    pts, _ = _cpu_points(NS(spans=spans, pass_us=[(0, False, 4, 1.0), (1, True, 1, 1.0)]), t, 1, preset("mixtral-8x7b"))
+    assert pts == [(1, pytest.approx(1.5e-3), pytest.approx(5e-4)), (1, pytest.approx(1e-3), pytest.approx(2e-3))]
+    first, _ = _cpu_points(NS(spans=spans[:2], pass_us=[(0, False, 4, 1.0), (1, True, 1, 1.0)]), t, 1,
+                           preset("mixtral-8x7b"))
+    assert first[0][2] == float("inf") and first[1][2] == pytest.approx(2e-3)

@@ -223,12 +223,13 @@ def test_cpu_experts_k_times_as_slow_scale_their_time_and_nothing_else():
     from dataclasses import fields, replace
     from cmoe.core.hw import H200
     from cmoe.analysis.validate import cpu_ratio
-    p = replace(H200, cpu_expert_us_per_token=300.0)
+    p = replace(H200, cpu_expert_us_per_token=300.0, cpu_wake_points=((25.0, 0.0), (600.0, 400.0)))
     q = p.cpu_scaled(1.25)
     for t in (1, 2, 8):
         assert q.cpu_expert_us(93_585_408, t) == pytest.approx(p.cpu_expert_us(93_585_408, t) * 1.25)
+    assert q.cpu_wake_points == ((25.0, 0.0), (600.0, 500.0))
     for f in fields(H200):
-        if f.name not in ("cpu_expert_gbps", "cpu_expert_us_per_token"):
+        if f.name not in ("cpu_expert_gbps", "cpu_expert_us_per_token", "cpu_wake_points"):
             assert getattr(q, f.name) == getattr(p, f.name), f.name
     assert cpu_ratio({"op_kinds": {"cpu_expert": {"n": 4, "pred_mean_us": 1000.0, "meas_mean_us": 1250.0}}}) == 1.25
     assert cpu_ratio({"op_kinds": {"cpu_expert": {"n": 0}}}) is None and cpu_ratio({"op_kinds": {}}) is None

@@ -26,11 +26,11 @@ def cpu_expert_fit(m: dict) -> tuple[float, float, tuple]:
     inm = m.get("cpu_expert_in_model")
     if not inm:
         return ca, cb, ()
-    ca, cb = fit_line([(t - 1, s) for t, s in inm["points"]], [n for _, n in inm.get("count", [])] or None)
+    pooled = ca, cb = fit_line([(t - 1, s) for t, s in inm["points"]], [n for _, n in inm.get("count", [])] or None)
     rows = inm.get("idle") or []
     short = [r for r in rows if r[1] < IDLE_BINS_US[1]]
     if sum(r[4] for r in short) < LEAST:
-        return ca, cb, ()
+        return (*pooled, ())
     if len({r[0] for r in short}) > 1:
         ca, cb = fit_line([(r[0] - 1, r[3]) for r in short], [r[4] for r in short])
     else:                                  # one token count back to back: its level, the slope of all
@@ -43,7 +43,7 @@ def cpu_expert_fit(m: dict) -> tuple[float, float, tuple]:
         n = sum(r[4] for r in got)
         if n >= LEAST:
             wake.append((sum(r[2] * r[4] for r in got) / n, max(sum((r[3] - base(r[0])) * r[4] for r in got) / n * 1e6, 0.0)))
-    return (ca, cb, tuple(wake)) if len(wake) > 1 else (ca, cb, ())
+    return (ca, cb, tuple(wake)) if len(wake) > 1 else (*pooled, ())   # no idle measured: every expert's mean
 
 
 def cpu_rows(row, m: dict, p) -> None:

@@ -5,6 +5,8 @@ the host (`_load_cost`)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from cmoe.calibrate.spans import _per_layer, decode_passes
@@ -79,14 +81,16 @@ def cpu_in_model(pts: list, trips: list, steps: dict) -> dict:
     """The measurements of the CPU experts inside the running model: per token count the mean and
     the count (means, not medians: CPU experts have a long tail, on the H200's host 2-9% took over
     9 ms against a 1.8 ms median, and throughput pays for it); the same by idle before them
-    (`IDLE_BINS_US`: [tokens, bin's lower edge us, mean idle us, mean seconds, count]); the round
+    (`IDLE_BINS_US`: [tokens, bin's lower edge us, mean idle us, mean seconds, count]; a run's first
+    expert, which follows none, in none); the round
     trip's median; the host around a CPU layer's experts, means (`HardwareProfile.cpu_lead_us` ..)."""
     by: dict[int, list] = {}
     idle: dict[tuple[int, float], list] = {}
     for t, x, gap in pts:
         by.setdefault(int(t), []).append(x)
-        lo = max(b for b in IDLE_BINS_US if gap * 1e6 >= b) if gap >= 0 else 0.0
-        idle.setdefault((int(t), lo), []).append((min(gap, 1.0), x))   # inf (the first) counted as 1 s
+        if math.isfinite(gap):                             # a run's first: no idle it follows, in no bin
+            lo = max(b for b in IDLE_BINS_US if gap * 1e6 >= b) if gap >= 0 else 0.0
+            idle.setdefault((int(t), lo), []).append((gap, x))
     return {"cpu_expert_in_model": {"points": [(t, float(np.mean(v))) for t, v in sorted(by.items())],
                                     "count": [(t, len(v)) for t, v in sorted(by.items())],
                                     "idle": [[t, lo, float(np.mean([g for g, _ in v])) * 1e6,

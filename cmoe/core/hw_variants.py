@@ -38,7 +38,8 @@ class Variants:
 
     def cpu_scaled(self, k: float) -> "HardwareProfile":
         """This profile with every CPU expert k times as long (the round trip unchanged)."""
-        return replace(self, cpu_expert_gbps=self.cpu_expert_gbps / k, cpu_expert_us_per_token=self.cpu_expert_us_per_token * k)
+        return replace(self, cpu_expert_gbps=self.cpu_expert_gbps / k, cpu_expert_us_per_token=self.cpu_expert_us_per_token * k,
+                       cpu_wake_points=tuple((i, y * k) for i, y in self.cpu_wake_points))
 
     def link_scaled(self, k: float) -> "HardwareProfile":
         """This profile with pinned host-to-device copies at k times the calibrated bandwidth (every
