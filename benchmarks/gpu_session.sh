@@ -23,7 +23,9 @@
 #                                             # Python step calibrated (970abb6), pools 16/20/26, batches 1/8 (~7 min)
 #   bash benchmarks/gpu_session.sh cpu-program  # issue 13/15: the host program planning lfu-fallback and static (their
 #                                             # CPU work called back, twenty-eighth session): the GPU test against the
-#                                             # Python step, then the same validation as cpu-experts (~9 min)
+#                                             # Python step, then the same validation as cpu-experts (496 s on an H100
+#                                             # at f25c18e; calibrate's sparse static run since adds a little); its
+#                                             # folder also goes to benchmarks/cpu_wake_diagnosis.py (in sample)
 #   bash benchmarks/gpu_session.sh host-ab    # issue 13: the host's step by phase, batch 1, pool 20, in four
 #                                             # processes alternating .before/ (a tree to compare against,
 #                                             # carried) and this tree; logs and JSON under $OUT/host-ab/
