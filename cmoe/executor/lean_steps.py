@@ -72,17 +72,18 @@ class HostSteps(HostIO):
 
     def _cpu_step(self, m: int, phase: int) -> int:
         """A CPU-expert layer's CPU part, which the compiled host program calls back for
-        (`host_program._layer`): phase 0, after the plan and its loads, takes the layer's input to
-        the host (`_plan_layer`'s); phase 1, after the waves' launches, adds the CPU experts' sum to
-        the waves' (`_host_layer`'s). The experts are the twin's (its step 1 + m), their rows the
-        read-back's as the Python step assigns them; spans, fallbacks and the host's wait are kept
-        as it keeps them. 0, or 1 with the exception kept for `_hp_pass` (none crosses C frames)."""
+        (`host_program._layer`): phase 0, after the plan and its loads, assigns the CPU experts'
+        rows and takes the layer's input to the host (`_plan_layer`'s, before the launches: the
+        GPU's part is short beside the CPU's, whose path this keeps short); phase 1, after the
+        waves' launches, adds the CPU experts' sum to the waves' (`_host_layer`'s). The experts are
+        the twin's (its step 1 + m), their rows the read-back's as the Python step assigns them;
+        spans, fallbacks and the host's wait are kept as it keeps them. 0, or 1 with the exception
+        kept for `_hp_pass` (none crosses C frames)."""
         try:
             d, clock = self.spec.moe_layers[m], self.clock
-            if phase == 0:
-                h0 = clock.host()
-                self._hp_x = x = self.t["x"][m].to("cpu")
-                self._span(d, "cpu", "roundtrip", -1, h0, clock.host(), x.numel() * x.element_size())
+            if phase == 1:
+                st, self._hp_x = self._hp_x, None
+                self._wave_acc.add_(self._cpu_sum(m, d, st))
                 return 0
             dec, K, live = self._hp["d"], self.spec.top_k, self._live()
             cpu = dec.c_e[dec.c_ptr[1 + m]:dec.n[1]].tolist()
@@ -91,9 +92,10 @@ class HostSteps(HostIO):
             rows, wsorted, scores, _, _ = self._parse_routes(m, host, K, 0, live)
             assign = self._assign(m, None, rows, wsorted, scores, live, K)
             self.log.at(self.cur.index).fallbacks += len(cpu)
-            st = {"cpu": [e for e in cpu if e in assign], "assign": assign, "x_host": self._hp_x}
-            self._wave_acc.add_(self._cpu_sum(m, d, st))
-            self._hp_x = None
+            h0 = clock.host()
+            x = self.t["x"][m].to("cpu")
+            self._span(d, "cpu", "roundtrip", -1, h0, clock.host(), x.numel() * x.element_size())
+            self._hp_x = {"cpu": [e for e in cpu if e in assign], "assign": assign, "x_host": x}
             return 0
         except BaseException as exc:                      # noqa: BLE001 (raised again after the pass)
             self._hp_error = exc
