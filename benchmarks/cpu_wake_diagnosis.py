@@ -55,7 +55,7 @@ def main() -> None:
         for f in sorted((a.folder / f"pool{c['pool_gb']:g}-b{b}" / "measured").glob("timeline-*.parquet")):
             log = run_log(f, passes)
             p, t = _cpu_points(log, tr, b, spec)
-            pts, trips = pts + p, trips + t
+            pts, trips = pts + p, trips + [(b, x) for x in t]
             for k, v in _cpu_steps(log).items():
                 steps.setdefault(k, []).extend(v)
     meas = json.loads((a.folder / "profile.measurements.json").read_text())
@@ -66,7 +66,8 @@ def main() -> None:
     prof = json.loads((a.folder / "profile.json").read_text())
     prof |= {"name": prof["name"] + "-cpu-diagnosis", "cpu_expert_gbps": meas["cpu_expert"]["bytes"] / ca / 1e9,
              "cpu_expert_us_per_token": max(cb, 0.0) * 1e6, "cpu_wake_points": [list(w) for w in wake],
-             **{f"cpu_{k}_us": v * 1e6 for k, v in m["cpu_step"].items()}}
+             **{f"cpu_{k}_us": v * 1e6 for k, v in m["cpu_step"].items()},
+             "roundtrip_points": [[b, s * 1e6] for b, s in m["roundtrip_points"]] if len(m["roundtrip_points"]) > 1 else []}
     print(f"base {ca * 1e6:.0f} us + {cb * 1e6:.0f} a token; wake {[(round(x), round(y)) for x, y in wake]}; "
           + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in m["cpu_step"].items()))
     write_text_atomic(a.out, json.dumps(prof, indent=1))

@@ -604,11 +604,12 @@ def test_a_cpu_experts_wake_after_idle_is_fitted_over_the_back_to_back_ones():
     pts = [(t, (known.cpu_expert_us(nb, t) + known.cpu_wake_us(idle)) / 1e6, idle / 1e6)
            for t in (1, 2) for idle in (25.0, 600.0, 5000.0) for _ in range(6)]
     pts.append((1, 9.9e-3, float("inf")))                            # the run's first: its points, no idle bin
-    got = cpu_in_model(pts, [1e-4, 2e-4, 3e-4], {"lead": [7e-5], "gap": []})
+    got = cpu_in_model(pts, [(1, 1e-4), (1, 2e-4), (8, 3e-4)], {"lead": [7e-5], "gap": []})
     assert [r[:2] + [r[4]] for r in got["cpu_expert_in_model"]["idle"]] == \
         [[1, 0.0, 6], [1, 300.0, 6], [1, 3000.0, 6], [2, 0.0, 6], [2, 300.0, 6], [2, 3000.0, 6]]
     assert got["cpu_expert_in_model"]["count"] == [(1, 19), (2, 18)]
     assert got["roundtrip_in_model"] == pytest.approx(2e-4) and got["cpu_step"] == {"lead": pytest.approx(7e-5)}
+    assert got["roundtrip_points"] == [(1, pytest.approx(1.5e-4)), (8, pytest.approx(3e-4))]
     m = _synthetic(known) | got
     p = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-06")
     assert p.cpu_expert_us(nb, 1) == pytest.approx(known.cpu_expert_us(nb, 1))
@@ -616,6 +617,8 @@ def test_a_cpu_experts_wake_after_idle_is_fitted_over_the_back_to_back_ones():
     assert [v for pt in p.cpu_wake_points for v in pt] == pytest.approx([25.0, 0.0, 600.0, 300.0, 5000.0, 500.0],
                                                                         abs=1e-6)
     assert "idle" in p.sources["cpu_wake_points"] and "CPU expert 1 tok, 600us idle" in beside(p, m)
+    assert p.roundtrip_points == ((1, pytest.approx(150.0)), (8, pytest.approx(300.0)))
+    assert p.roundtrip(4) == pytest.approx(150.0 + 150.0 * 3 / 7) and "round trip in model, 8 rows" in beside(p, m)
     m["cpu_expert_in_model"]["idle"] = [r for r in m["cpu_expert_in_model"]["idle"] if r[1] == 0.0]
     one = fit_profile("fit", m, known.gpu_mem_bytes, "t", "d")            # one bin: no extras, and
     assert one.cpu_wake_points == ()                                      # every expert's mean, not the

@@ -28,7 +28,8 @@ EAGER = replace(H200, copy_fifo=True, host_layer_us=900.0, host_expert_us=150.0,
                 host_load_us=7.0, commit_route_us=30.0, head_us=50.0, pass_start_us=20.0)
 TWO_ENGINES = replace(H200, copy_engines=2, dense_rows=4, cpu_expert_us_per_token=3.0, readback_copy_us=9.0,
                       cpu_lead_us=70.0, cpu_gap_us=25.0, cpu_tail_us=50.0,
-                      cpu_wake_points=((50.0, 0.0), (600.0, 200.0), (3000.0, 500.0)))
+                      cpu_wake_points=((50.0, 0.0), (600.0, 200.0), (3000.0, 500.0)),
+                      roundtrip_points=((1, 80.0), (8, 130.0)))
 ON_HOST = replace(EAGER, copy_on_host=True, copy_engines=2, host_expert_us_per_token=4.0, host_attn_us_per_token=2.0)
 # integer times everywhere: copies and kernels end on the same instants, SimPy's event order decides
 FLAT = HardwareProfile(name="flat", gpu_mem_bytes=10**12, h2d_pinned=((1, 1.0),), d2h_pinned=((1, 1.0),),

@@ -46,6 +46,15 @@ def cpu_expert_fit(m: dict) -> tuple[float, float, tuple]:
     return (ca, cb, tuple(wake)) if len(wake) > 1 else (*pooled, ())   # no idle measured: every expert's mean
 
 
+def cpu_layer_fields(m: dict) -> dict:
+    """The host around a CPU layer's experts (`cpu_lead_us`, `cpu_gap_us`, `cpu_tail_us`) and the
+    round trip by batch (`roundtrip_points`, where two batches or more were measured)."""
+    got = {f"cpu_{k}_us": v * 1e6 for k, v in (m.get("cpu_step") or {}).items()}
+    if len(m.get("roundtrip_points") or []) > 1:
+        got["roundtrip_points"] = tuple((int(b), s * 1e6) for b, s in m["roundtrip_points"])
+    return got
+
+
 def cpu_rows(row, m: dict, p) -> None:
     """`profile_fit.beside`'s CPU rows: the isolated experts, the in-model ones by tokens and (with
     `cpu_wake_points`) by idle, the round trip and the host around a CPU layer's experts."""
@@ -60,5 +69,7 @@ def cpu_rows(row, m: dict, p) -> None:
     row("round trip", m["roundtrip"], p.roundtrip_us)
     if m.get("roundtrip_in_model"):
         row("round trip in model", m["roundtrip_in_model"], p.roundtrip_us)
+    for b, s in m.get("roundtrip_points") or [] if p.roundtrip_points else ():
+        row(f"round trip in model, {b} rows", s, p.roundtrip(b))
     for k, s in (m.get("cpu_step") or {}).items():
         row(f"CPU layer, host {k}", s, getattr(p, f"cpu_{k}_us"))

@@ -72,7 +72,7 @@ def cpu_runs(r, w, cfg, batch: int) -> None:
         st = run_policy(w, replace(cfg, policies=("static",), slots=slots, tokens=tokens), "static").log
         p, t = _cpu_points(st, w.trace, batch, spec)
         r.cpu_pts += p
-        r.trips += t
+        r.trips += [(batch, x) for x in t]
         for k, v in _cpu_steps(st).items():
             r.cpu_steps.setdefault(k, []).extend(v)
 
@@ -82,8 +82,8 @@ def cpu_in_model(pts: list, trips: list, steps: dict) -> dict:
     the count (means, not medians: CPU experts have a long tail, on the H200's host 2-9% took over
     9 ms against a 1.8 ms median, and throughput pays for it); the same by idle before them
     (`IDLE_BINS_US`: [tokens, bin's lower edge us, mean idle us, mean seconds, count]; a run's first
-    expert, which follows none, in none); the round
-    trip's median; the host around a CPU layer's experts, means (`HardwareProfile.cpu_lead_us` ..)."""
+    expert, which follows none, in none); the round trip's median, over all and per batch (`trips`:
+    (batch, seconds) per layer); the host around a CPU layer's experts, means (`cpu_lead_us` ..)."""
     by: dict[int, list] = {}
     idle: dict[tuple[int, float], list] = {}
     for t, x, gap in pts:
@@ -96,7 +96,8 @@ def cpu_in_model(pts: list, trips: list, steps: dict) -> dict:
                                     "idle": [[t, lo, float(np.mean([g for g, _ in v])) * 1e6,
                                               float(np.mean([x for _, x in v])), len(v)]
                                              for (t, lo), v in sorted(idle.items())]},
-            "roundtrip_in_model": float(np.median(trips)) if trips else None,
+            "roundtrip_in_model": float(np.median([s for _, s in trips])) if trips else None,
+            "roundtrip_points": [(b, float(np.median([s for x, s in trips if x == b]))) for b in sorted({b for b, _ in trips})],
             "cpu_step": {k: float(np.mean(v)) for k, v in steps.items() if v}}
 
 

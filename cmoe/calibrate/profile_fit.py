@@ -77,7 +77,7 @@ from cmoe.calibrate.link_fit import LINE_FROM, Points, best_per_size, curve, fit
 from cmoe.core.hw import GB, HardwareProfile, table_us
 from cmoe.calibrate.host_fit import host_fields, python_host
 from cmoe.calibrate.layer_fit import layer_fit
-from cmoe.calibrate.cpu_fit import cpu_expert_fit, cpu_rows
+from cmoe.calibrate.cpu_fit import cpu_expert_fit, cpu_layer_fields, cpu_rows
 
 # the noise verdict lives in cmoe.calibrate.noise, the link's curve and fit_line in cmoe.calibrate.link_fit,
 # the layer's non-expert time in cmoe.calibrate.layer_fit
@@ -97,7 +97,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     cpu = m["cpu_expert"]
     ca, cb, wake = cpu_expert_fit(m)
     roundtrip = m.get("roundtrip_in_model") or m["roundtrip"]
-    around = {f"cpu_{k}_us": v * 1e6 for k, v in (m.get("cpu_step") or {}).items()}   # a CPU layer's host
+    around = cpu_layer_fields(m)
     src = f"measured by cmoe calibrate on {device}, {date}"
     host = host_fields(m["layer"].get("host"))
     if host and (gap := _pass_gap_us(m)):

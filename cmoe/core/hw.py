@@ -25,7 +25,7 @@ GB = 1e9
 
 
 _PAIRS = ("h2d_pinned", "d2h_pinned", "expert_gbps", "expert_rows_us", *HOST_POINTS, "wave_count_us",
-          "host_wake_points", "host_route_waits", "cpu_wake_points")      # the fields that are lists of pairs (JSON <-> tuples)
+          "host_wake_points", "host_route_waits", "cpu_wake_points", "roundtrip_points")      # the fields that are lists of pairs (JSON <-> tuples)
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,7 @@ class HardwareProfile(Variants):
     host_route_waits: tuple = ()                    # (tokens, us): the read-back wait of the runs host_route was
                                                     # measured in, whose factor its points hold already
     cpu_wake_points: tuple = ()                     # (idle us, extra us): a CPU expert after the CPU idled that long
+    roundtrip_points: tuple = ()                    # (rows, us): roundtrip_us by the pass's rows (`roundtrip`)
     python_host: dict = field(default_factory=dict, hash=False)   # host fields of the Python step (`python_step`)
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -149,7 +150,7 @@ class HardwareProfile(Variants):
                         "of bytes > 0, GB/s positive, sizes ascending", ascending=True)
         check_pairs(self.name, "expert_gbps", self.expert_gbps, lambda k: k in ("int4", "int8", "bf16"),
                     "[class, GB/s]: class int4, int8 or bf16 (each once), GB/s positive", ascending=False)
-        for table in ("expert_rows_us", *HOST_POINTS, "wave_count_us", "host_route_waits"):
+        for table in ("expert_rows_us", *HOST_POINTS, "wave_count_us", "host_route_waits", "roundtrip_points"):
             if getattr(self, table) != ():                         # none measured; anything else is checked
                 check_pairs(self.name, table, getattr(self, table), whole(1)[0], "[rows, us]: a whole number "
                             "of rows >= 1, us >= 0, rows ascending", ascending=True, rate=NON_NEGATIVE[0])

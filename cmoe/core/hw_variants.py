@@ -53,6 +53,12 @@ class Variants:
         pts = self.host_wake_points
         return table_us(pts, min(wait_us, pts[-1][0])) if pts else 1.0
 
+    def roundtrip(self, rows: int) -> float:
+        """A CPU layer's round trip (its input to the host and the CPU experts' sum back) at a
+        pass of `rows` rows: `roundtrip_points` where measured (batch 1's was 77-97 us on an
+        H100's host, batch 8's 106-140), else `roundtrip_us`."""
+        return table_us(self.roundtrip_points, rows) if self.roundtrip_points else self.roundtrip_us
+
     def cpu_wake_us(self, idle_us: float) -> float:
         """How much longer a CPU expert takes after the CPU idled `idle_us` since the last one ended:
         `cpu_wake_points` (idle us, extra us) read as `host_wake`'s, 0 with none measured. Added, not

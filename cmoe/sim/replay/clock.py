@@ -65,11 +65,12 @@ Costs = namedtuple("Costs", [
     "wake",                                                # [K, 2] (wait us, factor): `HardwareProfile.host_wake`
     "route_wake", "wake_base",                             # per pass: the route step a wait slows, its factor as measured
     "cpu_wake",                                            # [K, 2] (idle us, extra us): `HardwareProfile.cpu_wake_us`
+    "half_rt",                                             # per pass: half its round trip (`HardwareProfile.roundtrip`)
 ])
 # Costs.hwf
-(SLOW, HOST_LOAD, HX0, HX1, TAIL, HALF_RT, CPU_TOK, TFLOPS, HOST_SYNC, PASS_START, HOST_PASS_START, HEAD, HOST_HEAD,
+(SLOW, HOST_LOAD, HX0, HX1, TAIL, CPU_TOK, TFLOPS, HOST_SYNC, PASS_START, HOST_PASS_START, HEAD, HOST_HEAD,
  WAVE, WAVE_ROW, OWA_GPU, PASS_GAP, COMMIT_GPU, COMMIT_GPU_COPY, COMMIT_START, ATTN_SLOW, RB_COPY, LAUNCH_COPY,
- CPU_LEAD, CPU_GAP, CPU_TAIL) = range(26)
+ CPU_LEAD, CPU_GAP, CPU_TAIL) = range(25)
 # Costs.hwi
 ENGINES, FIFO, ON_HOST, PARAMS, KEEP, HEAD_SPAN, SILENT, AHEAD = range(8)
 Out = namedtuple("Out", [

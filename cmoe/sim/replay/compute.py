@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from numba import njit
 
-from cmoe.sim.replay.clock import (CPU_END, CPU_GAP, CPU_LEAD, CPU_TAIL, DRAINED, ENGINES, ERR, FIFO, G_, H_, HALF_RT, HEAD, HEAD_SPAN, HOST_HEAD,
+from cmoe.sim.replay.clock import (CPU_END, CPU_GAP, CPU_LEAD, CPU_TAIL, DRAINED, ENGINES, ERR, FIFO, G_, H_, HEAD, HEAD_SPAN, HOST_HEAD,
                                    AHEAD, COMMIT_GPU, COMMIT_GPU_COPY, COMMIT_START, HOST_LOAD, HOST_PASS_START, HOST_SYNC,
                                    IN_FLIGHT, NOW, OP_ATTN, SILENT,
                                    OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, OWA_GPU, PASS_GAP,
@@ -255,7 +255,7 @@ def _kernels(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, fifo):
 def _cpu(c, x, o, d, p, m, dl, c0, c1, H, G, M, cpu):
     """`Simulation._cpu_experts`: the host sets the fallbacks up, runs them, sends the results back
     (the GPU waits for them: a stall) and adds them in."""
-    half = x.hwf[HALF_RT]
+    half = x.half_rt[p]
     cpu_t = H + x.hwf[CPU_LEAD]
     for k in range(c0, c1):
         if k > c0:
@@ -302,8 +302,8 @@ def _layer(c, x, o, d, p, m, dl, j, H, G, t_in, n, slow, M, fifo, cpu):
             _sync(c, x, o, H)
         H += _issue(c, x, o, d.l_layer[i], d.l_e[i], d.l_slot[i], d.l_kind[i], p, M, True)
     if c1 > c0:                                     # the hidden states go to the host first
-        _span(c, o, x, p, dl, cpu, OP_RT, -1, H, H + x.hwf[HALF_RT], 0, -1, -1)
-        H += x.hwf[HALF_RT]
+        _span(c, o, x, p, dl, cpu, OP_RT, -1, H, H + x.half_rt[p], 0, -1, -1)
+        H += x.half_rt[p]
     if H > t_in:
         _span(c, o, x, p, dl, 0, OP_ROUTE, -1, t_in, H, 0, -1, -1)
     if x.hwf[WAVE]:

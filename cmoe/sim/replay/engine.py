@@ -60,8 +60,8 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
                        hw.host_expert(n),
                        hw.expert_us(c.dense_bytes, c.dense_bits, n, c.dense_bytes) if c.dense_bytes else 0.0,
                        hw.expert_us(c.shared_bytes, c.dense_bits, n, c.shared_bytes) if c.shared_bytes else 0.0,
-                       hw.host_route(n), hw.host_wake_base(n)]
-                      for n in ns.tolist()]).reshape(-1, 8)[inv]
+                       hw.host_route(n), hw.host_wake_base(n), hw.roundtrip(n) / 2]
+                      for n in ns.tolist()]).reshape(-1, 9)[inv]
     layer_gpu = per_n[:, 0] + hw.attn_us_per_ctx_token * pa.context + hw.attn_us_per_cache_key * np.where(pa.decode, pa.keys, pa.context) \
         + np.where(pa.decode, hw.attn_split_us(c.cache_len), 0.0)
     layer_host = per_n[:, 1]
@@ -74,7 +74,7 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
         attn_gpu = attn_gpu + per_n[:, 5]
     attn_host = layer_host + per_n[:, 3] if c.shared_bytes else layer_host
     hwf = np.array([1.0 + hw.copy_compute_slowdown, hw.host_load_us, hw.host_expert_us, hw.host_expert_us_per_token,
-                    hw.host_expert_tail_us, hw.roundtrip_us / 2, hw.cpu_expert_us_per_token, hw.matmul_tflops * 1e12,
+                    hw.host_expert_tail_us, hw.cpu_expert_us_per_token, hw.matmul_tflops * 1e12,
                     hw.host_sync_us, hw.pass_start_us, hw.host_pass_start_us, hw.head_us, hw.host_head_us,
                     float(hw.wave_gbps > 0), hw.wave_row_us, hw.owa_gpu_us, hw.pass_gap, hw.commit_gpu_us, hw.commit_gpu_copy_us,
                     hw.commit_start_us, hw.attention_slow, hw.readback_copy_us, hw.launch_copy_us, hw.cpu_lead_us, hw.cpu_gap_us, hw.cpu_tail_us])
@@ -87,8 +87,8 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
                     c_(commit_decode), c_(pa.decode & bool(hw.pass_overlap)), c_(pa.ntok <= hw.dense_rows),
                     c_(pa.need_ptr), c_(pa.need), c_(pa.votes),
                     c_(xtab), c_(xcls), c_(htab), c_(wfix), c_(wcnt),
-                    np.array(hw.host_wake_points or ((0.0, 1.0),), np.float64).reshape(-1, 2),
-                    c_(per_n[:, 6]), c_(per_n[:, 7]), np.array(hw.cpu_wake_points or ((0.0, 0.0),), np.float64).reshape(-1, 2))
+                    np.array(hw.host_wake_points or ((0.0, 1.0),), np.float64).reshape(-1, 2), c_(per_n[:, 6]),
+                    c_(per_n[:, 7]), np.array(hw.cpu_wake_points or ((0.0, 0.0),), np.float64).reshape(-1, 2), c_(per_n[:, 8]))
 
 
 class Replay:
