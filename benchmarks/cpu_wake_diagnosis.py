@@ -7,6 +7,10 @@ folder's profile with those fitted in, for `validate_table.py --profile` to pred
 In sample by construction (fitted over the very runs it predicts): it says how much of a miss the
 model's shape explains once its terms are right, not what a calibration would predict.
 
+It also prints each run's host time per MoE layer in its decode passes (issue 13's figure):
+`host_attention` + `host_route` + `host_expert`, and the same less the first round trip of each
+CPU layer (its input's copy to the host, inside the route step: CPU work).
+
     python benchmarks/cpu_wake_diagnosis.py FOLDER OUT.json   # FOLDER: validate_h200's, untarred
 """
 
@@ -40,6 +44,18 @@ def run_log(path: Path, passes) -> SimpleNamespace:
                                                  for p in sorted(set(t["step"].to_list()))])
 
 
+def host_lane(log, moe_layers: int) -> tuple[float, float]:
+    """(host us per MoE layer, the same less each CPU layer's first round trip) over decode passes."""
+    dec = {p for p, d, _, _ in log.pass_us if d}
+    work = sum(s[7] - s[6] for s in log.spans if s[1] in dec and s[4] in ("host_attention", "host_route", "host_expert"))
+    first: dict = {}
+    for s in log.spans:
+        if s[1] in dec and s[4] == "roundtrip" and ((s[1], s[2]) not in first or s[6] < first[s[1], s[2]][0]):
+            first[s[1], s[2]] = (s[6], s[7] - s[6])
+    n = max(len(dec), 1) * moe_layers
+    return work / n, (work - sum(d for _, d in first.values())) / n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("folder", type=Path)
@@ -54,6 +70,8 @@ def main() -> None:
         passes = make_passes(tr, b)
         for f in sorted((a.folder / f"pool{c['pool_gb']:g}-b{b}" / "measured").glob("timeline-*.parquet")):
             log = run_log(f, passes)
+            w, own = host_lane(log, spec.num_moe_layers)
+            print(f"pool {c['pool_gb']:g} batch {b} {f.stem[9:]}: host {w:.1f} us a MoE layer, {own:.1f} less the copy to the host")
             p, t = _cpu_points(log, tr, b, spec)
             pts, trips = pts + p, trips + [(b, x) for x in t]
             for k, v in _cpu_steps(log).items():
