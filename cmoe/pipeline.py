@@ -10,11 +10,10 @@ into the same slots), the same batch and pool.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import replace
 from pathlib import Path
 
-from cmoe.core.util import atomic_dir, check_output, write_text_atomic
+from cmoe.core.util import atomic_dir, check_output, host_program_on, write_text_atomic
 
 # What marks a folder as one `cmoe run` wrote (--force replaces only those).
 RUN_ALL_FOLDER = ("validation.json", "predicted", "measured", "profile.json")
@@ -205,8 +204,7 @@ def predict(w, cfg, prof, out: Path) -> list:
     t = replace(w.trace, recipe=rec, expert_bytes=expert_bytes(w.spec, rec))
     stepped = getattr(cfg, "python_step", None)     # the policies the runs planned in Python, where known
     if stepped is None:
-        on = os.environ.get("CMOE_HOST_PROGRAM", "1") != "0"
-        stepped = {p for p in cfg.policies if python_step(p, on)}
+        stepped = {p for p in cfg.policies if python_step(p, host_program_on())}
     sims = [simulate(t, prof, SimConfig(policy=p, pool_gb=cfg.pool_gb, batch=cfg.batch, slots=cfg.slots,
                                         include_prefill=cfg.include_prefill, groups=1, decode_steps=cfg.tokens,
                                         python_step=p in stepped))

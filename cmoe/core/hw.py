@@ -154,12 +154,12 @@ class HardwareProfile(Variants):
             if getattr(self, table) != ():                         # none measured; anything else is checked
                 check_pairs(self.name, table, getattr(self, table), whole(1)[0], "[rows, us]: a whole number "
                             "of rows >= 1, us >= 0, rows ascending", ascending=True, rate=NON_NEGATIVE[0])
-        for table, what, y_ok in (("host_wake_points", "a wait >= 0, a factor > 0, waits ascending", None),
-                                  ("cpu_wake_points", "an idle >= 0, extra us >= 0, idles ascending", NON_NEGATIVE[0])):
+        for table, what, y_ok in (("host_wake_points", "[wait us, factor]: a wait >= 0, a factor > 0, waits ascending",
+                                   None),
+                                  ("cpu_wake_points", "[idle us, extra us]: an idle >= 0, extra us >= 0, idles ascending",
+                                   NON_NEGATIVE[0])):
             if getattr(self, table) != ():
-                check_pairs(self.name, table, getattr(self, table), NON_NEGATIVE[0],
-                            f"[{'wait us, factor' if y_ok is None else 'idle us, extra us'}]: {what}",
-                            ascending=True, rate=y_ok)
+                check_pairs(self.name, table, getattr(self, table), NON_NEGATIVE[0], what, ascending=True, rate=y_ok)
         if self.expert_rows_us and not (self.expert_rows_bytes > 0 and self.expert_rows_class in ("int4", "int8", "bf16")):
             raise bad(self.name, "expert_rows_bytes", self.expert_rows_bytes,
                       "above 0, with expert_rows_class int4, int8 or bf16, when expert_rows_us is given")

@@ -34,6 +34,12 @@ def table_us(points: tuple, x: float) -> float:
     return y1 + max(y1 - y0, 0.0) * (x - x1) / (x1 - x0)
 
 
+def held(points: tuple, x: float, none: float) -> float:
+    """A factor or extra table (`host_wake`, `cpu_wake_us`) read at x: `table_us` with x held at
+    the last point (flat past it, where a cost table would extend); `none` where nothing was measured."""
+    return table_us(points, min(x, points[-1][0])) if points else none
+
+
 def _width(bits: float) -> str:
     return "int4" if bits <= 4 else "int8" if bits <= 8 else "bf16"
 

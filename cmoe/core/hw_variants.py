@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from cmoe.core.hw_math import table_us
+from cmoe.core.hw_math import held, table_us
 
 if TYPE_CHECKING:
     from cmoe.core.hw import HardwareProfile
@@ -50,8 +50,7 @@ class Variants:
     def host_wake(self, wait_us: float) -> float:
         """How much slower the route step runs after a read-back wait of `wait_us`: the measured
         factors read piecewise-linearly, held flat outside them (1 with none measured)."""
-        pts = self.host_wake_points
-        return table_us(pts, min(wait_us, pts[-1][0])) if pts else 1.0
+        return held(self.host_wake_points, wait_us, 1.0)
 
     def roundtrip(self, rows: int) -> float:
         """A CPU layer's round trip (its input to the host and the CPU experts' sum back) at a
@@ -63,8 +62,7 @@ class Variants:
         """How much longer a CPU expert takes after the CPU idled `idle_us` since the last one ended:
         `cpu_wake_points` (idle us, extra us) read as `host_wake`'s, 0 with none measured. Added, not
         a factor: on an H100's host the extra was ~0.2-0.5 ms at 1-4 tokens alike."""
-        pts = self.cpu_wake_points
-        return table_us(pts, min(idle_us, pts[-1][0])) if pts else 0.0
+        return held(self.cpu_wake_points, idle_us, 0.0)
 
     def host_wake_base(self, tokens: int) -> float:
         """`host_wake` at the wait `host_route(tokens)` was measured after: the simulator scales the

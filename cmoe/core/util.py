@@ -174,6 +174,12 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
+def host_program_on() -> bool:
+    """`CMOE_HOST_PROGRAM` is not "0": the lean engine may plan in its compiled host program (the
+    executor's switch, which `cmoe.pipeline.predict` reads to price the same host)."""
+    return os.environ.get("CMOE_HOST_PROGRAM", "1") != "0"
+
+
 @contextmanager
 def env_var(name: str, value: str):
     """`name` set to `value` inside the block, then restored (or unset) as it was: that variable

@@ -23,7 +23,6 @@ nothing of layer m is decided before its routes exist.
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import numpy as np
@@ -32,6 +31,7 @@ from cmoe.executor import host_program as hp
 from cmoe.executor.cuda_rt import Mark
 from cmoe.executor.host_live import layout, live_pass
 from cmoe.executor.lean_steps import host_profile
+from cmoe.core.util import host_program_on
 
 FAST_KINDS = ("ondemand", "lru-prefetch", "oracle", "adaptive", "commit", "adaptive-ahead", "commit-ahead",
               "lfu-fallback", "static")
@@ -80,7 +80,7 @@ class HostProgramSteps:
 
     def _hp_allowed(self) -> bool:
         """The run's configuration allows the program (its passes and buffers are checked later)."""
-        return (os.environ.get("CMOE_HOST_PROGRAM", "1") != "0" and self.cuda and self.clock.rt is not None
+        return (host_program_on() and self.cuda and self.clock.rt is not None
                 and self.fused and not self.silent and (self.owa or not self.commit)
                 and self.policy.name in FAST_KINDS
                 and (self.policy.depth > 1 or not self.policy.name.endswith("-ahead"))   # depth 1: `_ahead` hands none

@@ -70,6 +70,13 @@ class HostSteps(HostIO):
         self._cpu_waits.append((self.cur.index, gpu_done, self.clock.host()))
         return back
 
+    def _input_to_host(self, m: int, d: int) -> torch.Tensor:
+        """Layer m's input taken to the host for its CPU experts (the round trip's first half)."""
+        h0 = self.clock.host()
+        x = self.t["x"][m].to("cpu")
+        self._span(d, "cpu", "roundtrip", -1, h0, self.clock.host(), x.numel() * x.element_size())
+        return x
+
     def _cpu_step(self, m: int, phase: int) -> int:
         """A CPU-expert layer's CPU part, which the compiled host program calls back for
         (`host_program._layer`): phase 0, after the plan and its loads, assigns the CPU experts'
@@ -80,7 +87,7 @@ class HostSteps(HostIO):
         spans, fallbacks and the host's wait are kept as it keeps them. 0, or 1 with the exception
         kept for `_hp_pass` (none crosses C frames)."""
         try:
-            d, clock = self.spec.moe_layers[m], self.clock
+            d = self.spec.moe_layers[m]
             if phase == 1:
                 st, self._hp_x = self._hp_x, None
                 self._wave_acc.add_(self._cpu_sum(m, d, st))
@@ -92,10 +99,7 @@ class HostSteps(HostIO):
             rows, wsorted, scores, _, _ = self._parse_routes(m, host, K, 0, live)
             assign = self._assign(m, None, rows, wsorted, scores, live, K)
             self.log.at(self.cur.index).fallbacks += len(cpu)
-            h0 = clock.host()
-            x = self.t["x"][m].to("cpu")
-            self._span(d, "cpu", "roundtrip", -1, h0, clock.host(), x.numel() * x.element_size())
-            self._hp_x = {"cpu": [e for e in cpu if e in assign], "assign": assign, "x_host": x}
+            self._hp_x = {"cpu": [e for e in cpu if e in assign], "assign": assign, "x_host": self._input_to_host(m, d)}
             return 0
         except BaseException as exc:                      # noqa: BLE001 (raised again after the pass)
             self._hp_error = exc
@@ -145,11 +149,7 @@ class HostSteps(HostIO):
         if self.commit and self.cur.decode:
             self._write_assignment(m, assign, len(rows))
         self._tick("write ids")
-        x_host = None
-        if cpu and self.cuda:
-            h0 = clock.host()
-            x_host = self.t["x"][m].to("cpu")
-            self._span(d, "cpu", "roundtrip", -1, h0, clock.host(), x_host.numel() * x_host.element_size())
+        x_host = self._input_to_host(m, d) if cpu and self.cuda else None
         self._span(d, "host", "host_route", -1, self.h_synced, clock.host())
         one_launch = len(waves) <= 1 and not cpu
         wave_graphs = not one_launch and graphs and ("wave", m) in self.graphs

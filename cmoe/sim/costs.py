@@ -68,7 +68,7 @@ class PassCosts:
     """What every layer of one pass costs or needs (op times, the host's costs, which path commit
     takes), worked out once per pass; `tally` is the pass's counts in the run record."""
     __slots__ = ("ps", "p", "n", "tally", "slow", "attn_slow", "layer_gpu", "layer_host", "route_host", "route_wake", "wake_base",
-                 "commit_decode", "all_rows", "fifo", "ahead")
+                 "half_rt", "commit_decode", "all_rows", "fifo", "ahead")
 
     def __init__(self, ps: Pass, tally, hw: HardwareProfile, c: Costs, commits: bool, predict_us: float):
         n = ps.num_tokens
@@ -81,6 +81,7 @@ class PassCosts:
         self.route_host = hw.host_sync_us + hw.host_route(n) + predict_us
         # the part a long wait slows (`wake_extra`): the route step as calibrate measured it
         self.route_wake, self.wake_base = hw.host_route(n), hw.host_wake_base(n)
+        self.half_rt = hw.roundtrip(n) / 2                         # a CPU layer's round trip, each half
         self.commit_decode = ps.decode and commits
         if self.commit_decode:
             self.route_host += hw.commit_route_us

@@ -330,8 +330,8 @@ class Simulation(ExpertSteps):
                 yield env.timeout(H - env.now)
             H += self._issue(ld, x.p, planned=True)
         if plan.cpu:                  # the hidden states go to the host first (first half of the trip)
-            self._span(x.p, d, "cpu", "roundtrip", -1, H, H + hw.roundtrip(x.n) / 2)
-            H += hw.roundtrip(x.n) / 2
+            self._span(x.p, d, "cpu", "roundtrip", -1, H, H + x.half_rt)
+            H += x.half_rt
         if H > t_in:
             self._span(x.p, d, "compute", "route", -1, t_in, H)
         H, G = yield from self._gpu_experts(x, m, d, plan, votes, loaded, later, H, G, self._silent,

@@ -127,8 +127,8 @@ class ExpertSteps:
             self._span(x.p, d, "cpu", "cpu_expert", e, cpu_t, cpu_t + dur, c.expert_bytes[m][e])
             cpu_t += dur
             self._cpu_end = cpu_t
-        self._span(x.p, d, "cpu", "roundtrip", -1, cpu_t, cpu_t + hw.roundtrip(x.n) / 2)
-        H = cpu_t + hw.roundtrip(x.n) / 2
+        self._span(x.p, d, "cpu", "roundtrip", -1, cpu_t, cpu_t + x.half_rt)
+        H = cpu_t + x.half_rt
         if H > G:                 # the GPU waits for the CPU's results
             x.tally.stall_us += H - G
             G = H
