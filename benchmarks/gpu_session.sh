@@ -18,6 +18,9 @@
 #                                             # benchmarks/results/validate-lean-h100-fa7b3d0/profile.json
 #                                             # (VT=SECONDS bounds the validation, for a call that runs tests first;
 #                                             # POLS=upper,lfu-fallback,static the CPU-expert policies, twins built)
+#   bash benchmarks/gpu_session.sh cpu-threads  # issue 15: why CPU experts' speed moves between runs: the host's facts,
+#                                             # isolated CPU experts and static/lfu-fallback at batch 8 at each torch
+#                                             # thread count of THREADS (16,15,14,8), the link busy or not (~6 min)
 #   bash benchmarks/gpu_session.sh cpu-experts  # issue 15: the lean GPU tests over the CPU-expert policies' graphs
 #                                             # (7267969), then POLS=upper,lfu-fallback,static validate with the
 #                                             # Python step calibrated (970abb6), pools 16/20/26, batches 1/8 (~7 min)
@@ -187,6 +190,9 @@ case "${1:-}" in
                  -k "host_program_runs_as_the_python_step or (replay_equals_eager and mixtral)" > "$OUT/tests.log" 2>&1 || true
                tail -15 "$OUT/tests.log"
                VT=${VT:-420} POLS=upper,lfu-fallback,static BATCHES=${BATCHES:-1,8} CAL=built bash "$0" validate ;;
+  cpu-threads) timeout 560 python3 benchmarks/cpu_threads_h200.py --out "$OUT/cpu_threads.json" --threads "${THREADS:-16,15,14,8}" \
+                 > "$OUT/cpu_threads.log" 2>&1 || true
+               grep -E "^(isolated|executor|built)|rror" "$OUT/cpu_threads.log" | tail -60 ;;
   cpu-experts) timeout 60 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider \
                  -k "(match_transformers and (mixtral or qwen2_moe)) or (replay_equals_eager and mixtral)" 2>&1 | tail -4 || true
                VT=${VT:-440} POLS=upper,lfu-fallback,static BATCHES=${BATCHES:-1,8} CAL=built bash "$0" validate ;;
@@ -205,5 +211,5 @@ case "${1:-}" in
                 | grep -E "^lean|host phases|Error|error" > "$OUT/host-ab/$t$i.log") || true
            done; done
            grep -h "^lean" "$OUT"/host-ab/*.log | cut -c1-150 || true ;;
-  *) echo "usage: $0 cpu-program|cpu-experts|step-ab|boundary|check|fuse-ab|gemv|attn|tests|host-tests|wait|ncu|variants|kernel-ab|ncu-variants|gptq|b1|b48|cpu48|validate|validate-r BATCHES|host-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 cpu-program|cpu-threads|cpu-experts|step-ab|boundary|check|fuse-ab|gemv|attn|tests|host-tests|wait|ncu|variants|kernel-ab|ncu-variants|gptq|b1|b48|cpu48|validate|validate-r BATCHES|host-ab" >&2; exit 2 ;;
 esac

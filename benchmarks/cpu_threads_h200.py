@@ -1,0 +1,145 @@
+"""Why a CPU expert's speed moves from run to run on the GPU machine's host (issue 15), and whether
+the CPU's thread count steadies it.
+
+The twenty-ninth session's validation (H100, c212d9a) saw each run's CPU experts at one speed of
+its own: fitted as run effect x expert effect over 236 (layer, expert) pairs seen in several runs,
+the run effects spread 0.68-1.33x while the experts' own spread was 7.5% (log sd), and one-token
+experts ran 1.10 ms in one run and 1.76 ms in the next of the same batch. A per-run state, not the
+memory an expert sits in. Candidates: how torch's intra-op threads (one per core by default) land
+on cores beside the engine's own threads and the CUDA driver's (one busy core slows a parallel
+region to its slowest thread), the link's copies reading the same DRAM, the VM's neighbours.
+
+This measures, in one process over one built store (Mixtral-8x7B shapes, W4A16 g128, CPU twins):
+- the machine's facts (cores, NUMA nodes, the kernel's NUMA balancing, transparent huge pages);
+- isolated CPU experts (the executor's own `ffn` over the store's twins, 32 experts of different
+  layers back to back, 1 and 4 tokens), at each thread count of --threads, with and without the
+  link busy (host-to-device copies of pinned experts queued on a side stream), over --rounds
+  rounds whose arms' order turns each round (the host drifts over minutes);
+- inside the executor: `static` (pool 16) and `lfu-fallback` (pool 20) at batch 8, each thread
+  count per round, the order turned each round: tokens/s and the CPU experts' mean and median.
+Everything is written to --out as JSON; one line per measurement is printed.
+
+    python benchmarks/cpu_threads_h200.py --out $OUT/cpu_threads.json --threads 16,15,14,8 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cmoe.core.timeline import END, OP, START  # noqa: E402
+from cmoe.core.util import write_text_atomic  # noqa: E402
+from cmoe.executor.kernels import ExpertViews, ffn  # noqa: E402
+from cmoe.executor.run import ExecConfig, build, prepare, run_policy  # noqa: E402
+
+
+def facts() -> dict:
+    """What the host is: cores, NUMA nodes and their CPUs, NUMA balancing, huge pages, torch's threads."""
+    def read(p: str) -> str:
+        try:
+            return Path(p).read_text().strip()
+        except OSError as e:
+            return f"unreadable ({e.strerror})"
+    nodes = {n.name: read(f"{n}/cpulist") for n in sorted(Path("/sys/devices/system/node").glob("node[0-9]*"))}
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+    keep = ("Model name", "Socket", "Core", "Thread", "NUMA", "L3", "CPU(s)", "MHz")
+    return {"cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),
+            "torch_interop": torch.get_num_interop_threads(), "nodes": nodes,
+            "numa_balancing": read("/proc/sys/kernel/numa_balancing"),
+            "thp": read("/sys/kernel/mm/transparent_hugepage/enabled"),
+            "lscpu": [ln for ln in lscpu if ln.strip().startswith(keep)],
+            "parallel_info": torch.__config__.parallel_info().splitlines()}
+
+
+def isolated(store, spec, threads: list[int], rounds: int, out: list) -> None:
+    """32 CPU experts (layer m, expert m % E) back to back per arm; the link busy or not."""
+    views = [ExpertViews(store.layout, store.cpu_expert(m, m % spec.num_experts), "cpu") for m in range(32)]
+    dst = torch.empty(store.slot, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    arms = [(th, tok, busy) for th in threads for tok in (1, 4) for busy in (False, True)]
+    for rnd in range(rounds):
+        for th, tok, busy in (arms if rnd % 2 == 0 else arms[::-1]):
+            torch.set_num_threads(th)
+            x = torch.randn(tok, spec.hidden, dtype=torch.bfloat16)
+            ffn(x, views[0])                                      # the pool at this size, once
+            if busy:                                              # ~60 loads: longer than the 32 experts
+                with torch.cuda.stream(side):
+                    for i in range(60):
+                        dst.copy_(store.expert(i % 32, (i + 1) % spec.num_experts), non_blocking=True)
+            ts = []
+            for v in views:
+                t0 = time.perf_counter()
+                ffn(x, v)
+                ts.append((time.perf_counter() - t0) * 1e3)
+            done = side.query() if busy else None
+            torch.cuda.synchronize()
+            rec = {"part": "isolated", "round": rnd, "threads": th, "tokens": tok, "link_busy": busy,
+                   "copies_outlasted": (not done) if busy else None,
+                   "mean_ms": float(np.mean(ts)), "median_ms": float(np.median(ts)), "min_ms": float(np.min(ts))}
+            out.append(rec)
+            print(f"isolated r{rnd} threads {th:2d} tokens {tok} link {'busy' if busy else 'idle'}: "
+                  f"mean {rec['mean_ms']:.3f} median {rec['median_ms']:.3f} min {rec['min_ms']:.3f} ms", flush=True)
+
+
+def in_executor(where: dict, built, threads: list[int], rounds: int, tokens: int, out: list) -> None:
+    """`static` pool 16 and `lfu-fallback` pool 20 at batch 8, every thread count each round."""
+    arms = [(th, pol, pool) for th in threads for pol, pool in (("static", 16.0), ("lfu-fallback", 20.0))]
+    for rnd in range(rounds):
+        for th, pol, pool in (arms if rnd % 2 == 0 else arms[::-1]):
+            torch.set_num_threads(th)
+            cfg = ExecConfig(policies=(pol,), pool_gb=pool, batch=8, tokens=tokens, device="cuda")
+            w, cfg = prepare(cfg=cfg, **where)
+            w.store, w.model, w.shims = built
+            r = run_policy(w, cfg, pol)
+            cpu = [(s[END] - s[START]) / 1e3 for s in r.log.spans if s[OP] == "cpu_expert"]
+            rec = {"part": "executor", "round": rnd, "threads": th, "policy": pol, "pool_gb": pool,
+                   "tok_s": r.metrics["tokens_per_s"], "cpu_experts": len(cpu),
+                   "cpu_mean_ms": float(np.mean(cpu)) if cpu else None, "cpu_median_ms": float(np.median(cpu)) if cpu else None}
+            out.append(rec)
+            print(f"executor r{rnd} threads {th:2d} {pol:<12} pool {pool:g}: {rec['tok_s']:.2f} tok/s, "
+                  f"{len(cpu)} CPU experts mean {rec['cpu_mean_ms']:.3f} median {rec['cpu_median_ms']:.3f} ms", flush=True)
+            del r
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--threads", default="16,15,14,8")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of the executor's runs")
+    ap.add_argument("--iso-rounds", type=int, default=4, help="rounds of the isolated experts (cheap)")
+    ap.add_argument("--tokens", type=int, default=16, help="decode tokens of each executor run")
+    ap.add_argument("--spec", default="mixtral-8x7b")
+    ap.add_argument("--skip-executor", action="store_true")
+    a = ap.parse_args()
+    threads = [int(t) for t in a.threads.split(",")]
+    res = {"date": time.strftime("%Y-%m-%d"), "card": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "facts": facts(), "runs": []}
+    print(json.dumps(res["facts"], indent=1), flush=True)
+    where = {"spec_name": a.spec, "model_dir": None, "trace_src": f"synthetic:{a.spec}", "data": None}
+    first = ExecConfig(policies=("static", "lfu-fallback"), pool_gb=16.0, batch=8, tokens=a.tokens, device="cuda")
+    w, _ = prepare(cfg=first, **where)
+    t0 = time.perf_counter()
+    build(w, first)
+    print(f"built store and model in {time.perf_counter() - t0:.0f} s", flush=True)
+    isolated(w.store, w.spec, threads, a.iso_rounds, res["runs"])
+    write_text_atomic(a.out, json.dumps(res, indent=1))
+    if not a.skip_executor:
+        built = (w.store, w.model, w.shims)
+        run_policy(w, first, "upper")                              # untimed warm-up
+        in_executor(where, built, threads, a.rounds, a.tokens, res["runs"])
+    write_text_atomic(a.out, json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
