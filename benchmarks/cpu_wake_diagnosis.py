@@ -7,7 +7,9 @@ folder's profile with those fitted in, for `validate_table.py --profile` to pred
 In sample by construction (fitted over the very runs it predicts): it says how much of a miss the
 model's shape explains once its terms are right, not what a calibration would predict.
 
-It also prints each run's host time per MoE layer in its decode passes (issue 13's figure):
+It also splits the one-token CPU experts' times into a run's effect and an expert's (`run_effects`):
+whether a run's CPU experts are slow because of the run (a state of the host) or because of which
+experts it put there (where their bytes sit). And it prints each run's host time per MoE layer in its decode passes (issue 13's figure):
 `host_attention` + `host_route` + `host_expert`, and the same less the first round trip of each
 CPU layer (its input's copy to the host, inside the route step: CPU work).
 
@@ -24,11 +26,13 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
 
 from cmoe.calibrate.cpu_fit import cpu_expert_fit  # noqa: E402
 from cmoe.calibrate.log_points import _cpu_points, _cpu_steps, cpu_in_model  # noqa: E402
 from cmoe.core.spec import preset  # noqa: E402
+from cmoe.core.timeline import END, EXPERT, LAYER, OP, START, STEP  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
 from cmoe.trace.load import load_trace  # noqa: E402
 from cmoe.trace.passes import make_passes  # noqa: E402
@@ -56,6 +60,40 @@ def host_lane(log, moe_layers: int) -> tuple[float, float]:
     return work / n, (work - sum(d for _, d in first.values())) / n
 
 
+def one_token(log, tr, batch: int, spec) -> list[tuple[tuple[int, int], float]]:
+    """((layer, expert), seconds) of every decode CPU expert that had one token."""
+    passes, moe = make_passes(tr, batch), {d: m for m, d in enumerate(spec.moe_layers)}
+    dec = {p for p, d, _, _ in log.pass_us if d}
+    out = []
+    for s in log.spans:
+        if s[OP] == "cpu_expert" and s[STEP] in dec:
+            ps, m = passes[s[STEP]], moe[s[LAYER]]
+            if dict(zip(ps.needed[m], ps.votes[m])).get(s[EXPERT], 1) == 1:
+                out.append(((s[LAYER], s[EXPERT]), (s[END] - s[START]) / 1e6))
+    return out
+
+
+def run_effects(seen: dict[str, list]) -> dict:
+    """log(median seconds of expert k in run r) = run effect + expert effect, least squares over
+    every (run, expert) pair measured: each run's factor (geometric mean 1), the experts' factors'
+    spread (sd of the log) and what neither explains (the residual's sd of the log)."""
+    runs = [r for r, v in seen.items() if v]
+    by = {(r, k): [] for r in runs for k, _ in seen[r]}
+    for r in runs:
+        for k, x in seen[r]:
+            by[r, k].append(x)
+    keys = sorted({k for _, k in by})
+    ri, ki = {r: i for i, r in enumerate(runs)}, {k: i for i, k in enumerate(keys)}
+    a = np.zeros((len(by), len(runs) + len(keys)))
+    y = np.log([float(np.median(v)) for v in by.values()])
+    for i, (r, k) in enumerate(by):
+        a[i, ri[r]] = a[i, len(runs) + ki[k]] = 1.0
+    sol = np.linalg.lstsq(a, y, rcond=None)[0]
+    run, exp = sol[:len(runs)] - sol[:len(runs)].mean(), sol[len(runs):] - sol[len(runs):].mean()
+    return {"runs": {r: float(np.exp(e)) for r, e in zip(runs, run)}, "expert_log_sd": float(exp.std()),
+            "residual_log_sd": float((y - a @ sol).std()), "pairs": len(by), "experts": len(keys)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("folder", type=Path)
@@ -63,7 +101,7 @@ def main() -> None:
     a = ap.parse_args()
     res = json.loads((a.folder / "results.json").read_text())
     spec = preset(res["spec"])
-    pts, trips, steps = [], [], {}
+    pts, trips, steps, seen = [], [], {}, {}
     for c in res["configs"]:
         b = c["batch"]
         tr = load_trace(res.get("trace") or f"synthetic:{res['spec']}", None, b)
@@ -73,9 +111,15 @@ def main() -> None:
             w, own = host_lane(log, spec.num_moe_layers)
             print(f"pool {c['pool_gb']:g} batch {b} {f.stem[9:]}: host {w:.1f} us a MoE layer, {own:.1f} less the copy to the host")
             p, t = _cpu_points(log, tr, b, spec)
+            seen[f"pool {c['pool_gb']:g} batch {b} {f.stem[9:]}"] = one_token(log, tr, b, spec)
             pts, trips = pts + p, trips + [(b, x) for x in t]
             for k, v in _cpu_steps(log).items():
                 steps.setdefault(k, []).extend(v)
+    if sum(1 for v in seen.values() if v) > 1:
+        fx = run_effects(seen)
+        print(f"one-token CPU experts over {fx['pairs']} (run, expert) pairs of {fx['experts']} experts: each run's factor "
+              + ", ".join(f"{r} {x:.2f}" for r, x in fx["runs"].items())
+              + f"; experts' own spread {fx['expert_log_sd']:.3f}, unexplained {fx['residual_log_sd']:.3f} (sd of the log)")
     meas = json.loads((a.folder / "profile.measurements.json").read_text())
     m = {"cpu_expert": meas["cpu_expert"]} | cpu_in_model(pts, trips, steps)
     for t, lo, idle, s, n in m["cpu_expert_in_model"]["idle"]:

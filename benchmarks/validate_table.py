@@ -182,6 +182,7 @@ def table(rows: list[dict]) -> str:
            + (" ---: | ---: |" if adj else "") + (" ---: | ---: |" if ladj else "") + (" ---: | ---: | ---: |" if cadj else "")]
     for r in rows:
         meas = " / ".join(f"{x:.1f}" for x in r["measured_tok_s"])
+        spread = f"{r['spread'] * 100:.0f}%" if len(r["measured_tok_s"]) > 1 else "- (one run)"
         worst = " / ".join(f"{x * 100:+.0f}%" + (f" (L{w})" if w is not None else "")
                            for x, w in zip(r["layer_mean_error_worst"], r["layer_worst"]))
         mape = " / ".join(f"{x * 100:.0f}%" for x in r["layer_mape_mean"])
@@ -189,7 +190,7 @@ def table(rows: list[dict]) -> str:
         link = " / ".join(f"{x:.3f}x" + (f" ({w:.0%} slow)" if w is not None else "") if x else "-"
                           for x, w in zip_longest(r.get("link_speed", []), r.get("slow_loads", [])))
         line = (f"| {r['pool_gb']:g} ({r['experts_fit']}) | {r['batch']} | {r['policy']} | {r['predicted_tok_s']:.1f} "
-                f"| {meas} | {r['error'] * 100:+.1f}% | {r['spread'] * 100:.0f}% "
+                f"| {meas} | {r['error'] * 100:+.1f}% | {spread} "
                 f"| {r['predicted_tpot_ms']:.1f} / {r['measured_tpot_ms']:.1f} | {worst} | {mape} | {host} | {link or '-'} |")
         if adj:
             line += (f" {r['host_adjusted_tok_s']:.1f} | {r['host_adjusted_error'] * 100:+.1f}% |"
