@@ -124,13 +124,16 @@ def main() -> None:
     m = {"cpu_expert": meas["cpu_expert"]} | cpu_in_model(pts, trips, steps)
     for t, lo, idle, s, n in m["cpu_expert_in_model"]["idle"]:
         print(f"{t} tokens, idle from {lo / 1e3:g} ms (mean {idle / 1e3:.2f}): {s * 1e3:.2f} ms over {n}")
-    ca, cb, wake = cpu_expert_fit(m)
+    ca, cb, fields = cpu_expert_fit(m)
+    wake = fields.get("cpu_wake_points", ())
     prof = json.loads((a.folder / "profile.json").read_text())
     prof |= {"name": prof["name"] + "-cpu-diagnosis", "cpu_expert_gbps": meas["cpu_expert"]["bytes"] / ca / 1e9,
              "cpu_expert_us_per_token": max(cb, 0.0) * 1e6, "cpu_wake_points": [list(w) for w in wake],
+             "cpu_expert_points": [list(x) for x in fields.get("cpu_expert_points", ())],
              **{f"cpu_{k}_us": v * 1e6 for k, v in m["cpu_step"].items()},
              "roundtrip_points": [[b, s * 1e6] for b, s in m["roundtrip_points"]] if len(m["roundtrip_points"]) > 1 else []}
-    print(f"base {ca * 1e6:.0f} us + {cb * 1e6:.0f} a token; wake {[(round(x), round(y)) for x, y in wake]}; "
+    print(f"base {ca * 1e6:.0f} us + {cb * 1e6:.0f} a token (by tokens: "
+          + ", ".join(f"{t} {x:.2f}x" for t, x in fields.get("cpu_expert_points", ())) + f"); wake {[(round(x), round(y)) for x, y in wake]}; "
           + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in m["cpu_step"].items()))
     write_text_atomic(a.out, json.dumps(prof, indent=1))
 

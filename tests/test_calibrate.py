@@ -649,3 +649,31 @@ def test_each_cpu_experts_idle_is_read_after_the_one_before_it_ended():
     first, _ = _cpu_points(NS(spans=spans[:2], pass_us=[(0, False, 4, 1.0), (1, True, 1, 1.0)]), t, 1,
                            preset("mixtral-8x7b"))
     assert first[0][2] == float("inf") and first[1][2] == pytest.approx(2e-3)
+
+
+def test_a_cpu_experts_time_by_tokens_is_a_table_fitted_with_the_idle_extras():
+    """`cpu_fit.cpu_expert_fit`: the time by tokens and each idle bin's extra fitted together, so a
+    token count seen only after idle (batch 8's 5-token experts follow a layer's GPU part) keeps
+    its own level and does not pull the bin's extra; the kernel's step at 5 tokens is a table's
+    point (`cpu_expert_points`), and past the model's token counts the isolated loop's shape
+    carries it on (`_extend`)."""
+    from cmoe.calibrate.log_points import cpu_in_model
+    known = replace(H200, cpu_expert_gbps=60.0, cpu_expert_points=((1, 1.0), (2, 1.25), (3, 1.5), (4, 1.75), (5, 2.75)),
+                    cpu_wake_points=((25.0, 0.0), (600.0, 300.0), (5000.0, 500.0)))
+    nb = 93_585_408
+    one = known.cpu_expert_us(nb, 1)
+    cells = [(t, idle) for t in (1, 2, 3, 4) for idle in (25.0, 600.0)] + [(5, 600.0), (1, 5000.0)]
+    pts = [(t, (known.cpu_expert_us(nb, t) + known.cpu_wake_us(idle)) / 1e6, idle / 1e6) for t, idle in cells
+           for _ in range(6)]
+    m = _synthetic(known) | cpu_in_model(pts, [(1, 1e-4)], {})
+    m["cpu_expert"] = {"bytes": nb, "points": [(1, 1e-3), (4, 2e-3), (8, 3e-3)]}      # isolated: its shape only
+    p = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-06")
+    assert p.cpu_expert_us(nb, 1) == pytest.approx(one)
+    assert [t for t, _ in p.cpu_expert_points] == [1, 2, 3, 4, 5, 8]
+    assert [k for _, k in p.cpu_expert_points][:5] == pytest.approx([1.0, 1.25, 1.5, 1.75, 2.75])
+    # at 5 tokens the loop reads 2e-3 + 1e-3 / 4 = 2.25e-3; at 8 tokens 3e-3: 2.75 x 3 / 2.25
+    assert p.cpu_expert_points[-1][1] == pytest.approx(2.75 * 3e-3 / 2.25e-3)
+    assert [v for pt in p.cpu_wake_points for v in pt] == pytest.approx([25.0, 0.0, 600.0, 300.0, 5000.0, 500.0],
+                                                                        abs=1e-6)
+    assert "tokens" in p.sources["cpu_expert_points"] and "CPU expert in model, 5 tok" in beside(p, m)
+    assert p.cpu_scaled(2.0).cpu_expert_us(nb, 5) == pytest.approx(2 * p.cpu_expert_us(nb, 5))

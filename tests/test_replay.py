@@ -30,6 +30,7 @@ TWO_ENGINES = replace(H200, copy_engines=2, dense_rows=4, cpu_expert_us_per_toke
                       cpu_lead_us=70.0, cpu_gap_us=25.0, cpu_tail_us=50.0,
                       cpu_wake_points=((50.0, 0.0), (600.0, 200.0), (3000.0, 500.0)),
                       roundtrip_points=((1, 80.0), (8, 130.0)))
+CPU_TABLE = replace(TWO_ENGINES, name="cpu-table", cpu_expert_points=((1, 1.0), (2, 1.3), (4, 1.9), (5, 2.8)))
 ON_HOST = replace(EAGER, copy_on_host=True, copy_engines=2, host_expert_us_per_token=4.0, host_attn_us_per_token=2.0)
 # integer times everywhere: copies and kernels end on the same instants, SimPy's event order decides
 FLAT = HardwareProfile(name="flat", gpu_mem_bytes=10**12, h2d_pinned=((1, 1.0),), d2h_pinned=((1, 1.0),),
@@ -86,6 +87,7 @@ CASES = [  # model, pool GB, batch, profile
     ("deepseek-v2-lite", 6, 1, H200), ("deepseek-v2-lite", 6, 3, ON_HOST), ("qwen1.5-moe-a2.7b", 6, 2, EAGER),
     ("olmoe-1b-7b", 3, 4, TWO_ENGINES), ("mixtral-8x7b", 16, 4, LEAN), ("deepseek-v2-lite", 6, 3, LEAN),
     ("mixtral-8x7b", 16, 1, QUEUED), ("deepseek-v2-lite", 6, 3, QUEUED), ("mixtral-8x7b", 16, 2, WAKE),
+    ("mixtral-8x7b", 14, 4, CPU_TABLE),
 ]
 
 
@@ -685,3 +687,23 @@ def test_a_cpu_expert_after_the_cpu_idled_runs_longer(engine):
         extras.add(round(extra, 6))
     assert woken[0][7] - woken[0][6] == pytest.approx(base[woken[0][1], woken[0][2], woken[0][5]] + 500.0)
     assert len(extras) >= 3                                  # short, mid and long idles
+
+
+@pytest.mark.parametrize("engine", ["simpy", "replay"])
+def test_a_cpu_experts_time_by_tokens_reads_the_table(engine):
+    """`cpu_expert_points`: each CPU expert takes its one-token time times the table's factor at its
+    tokens (the trace's votes), read piecewise-linearly and past 5 tokens (the prefill's) along the
+    last piece, in both engines (no wake table here)."""
+    from cmoe.sim.run import SimConfig, simulate
+    t = trace_of("mixtral-8x7b", requests=8, decode=6, seed=4)
+    prof = replace(EAGER, cpu_expert_points=((1, 1.0), (2, 1.3), (4, 1.9), (5, 2.8)))
+    run = simulate(t, prof, SimConfig(policy="static", pool_gb=20, batch=8, slots=2, engine=engine)).run
+    passes, moe = make_passes(t, 8), {d: m for m, d in enumerate(preset("mixtral-8x7b").moe_layers)}
+    seen = set()
+    for s in (s for s in run.spans if s[4] == "cpu_expert"):
+        p, m = passes[s[1]], moe[s[2]]
+        tok = dict(zip(p.needed[m], p.votes[m]))[s[5]]
+        want = prof.cpu_expert_us(s[8], 1) * ({1: 1.0, 2: 1.3, 3: 1.6, 4: 1.9}.get(tok) or 2.8 + 0.9 * (tok - 5))
+        assert s[7] - s[6] == pytest.approx(want), s
+        seen.add(tok)
+    assert {1, 2, 3} <= seen and max(seen) > 5

@@ -77,7 +77,7 @@ from cmoe.calibrate.link_fit import LINE_FROM, Points, best_per_size, curve, fit
 from cmoe.core.hw import GB, HardwareProfile, table_us
 from cmoe.calibrate.host_fit import host_fields, python_host
 from cmoe.calibrate.layer_fit import layer_fit
-from cmoe.calibrate.cpu_fit import cpu_expert_fit, cpu_layer_fields, cpu_rows
+from cmoe.calibrate.cpu_fit import SOURCES as CPU_SOURCES, cpu_expert_fit, cpu_layer_fields, cpu_rows
 
 # the noise verdict lives in cmoe.calibrate.noise, the link's curve and fit_line in cmoe.calibrate.link_fit,
 # the layer's non-expert time in cmoe.calibrate.layer_fit
@@ -95,7 +95,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     hbm = m["hbm"][0] / m["hbm"][1] / GB
     la, lb, per_key, split = layer_fit(m, hbm)
     cpu = m["cpu_expert"]
-    ca, cb, wake = cpu_expert_fit(m)
+    ca, cb, cpu_fields = cpu_expert_fit(m)
     roundtrip = m.get("roundtrip_in_model") or m["roundtrip"]
     around = cpu_layer_fields(m)
     src = f"measured by cmoe calibrate on {device}, {date}"
@@ -130,11 +130,10 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         silent_upper=bool(m.get("silent_upper", False)), commit_ahead=bool(m.get("commit_ahead", False)),
         pass_overlap=bool(m.get("pass_overlap", False)),
         **{per_key_field: per_key * 1e6}, **split,
-        **host, **table, **waves, **queued, **around, python_host=py, cpu_wake_points=wake,
+        **host, **table, **waves, **queued, **around, **cpu_fields, python_host=py,
         sources={k: src for k in (*_MEASURED, per_key_field, *host, *table)}
         | {k: src + " (around each CPU layer's experts in static's runs)" for k in around}
-        | ({"cpu_wake_points": src + " (static's CPU experts by the CPU's idle before them, over the back-to-back ones)"}
-           if wake else {})
+        | {k: src + f" ({CPU_SOURCES[k]})" for k in cpu_fields}
         | ({"python_host": src + " (ondemand with the host program off: the Python step's)"} if py else {})
         | {k: src + f" ({why})" for k, why in slow_src.items()}
         | {k: src + " (ondemand's loads queued back to back, over the curve's last rate)" for k in queued}

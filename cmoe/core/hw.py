@@ -25,7 +25,8 @@ GB = 1e9
 
 
 _PAIRS = ("h2d_pinned", "d2h_pinned", "expert_gbps", "expert_rows_us", *HOST_POINTS, "wave_count_us",
-          "host_wake_points", "host_route_waits", "cpu_wake_points", "roundtrip_points")      # the fields that are lists of pairs (JSON <-> tuples)
+          "host_wake_points", "host_route_waits", "cpu_wake_points", "roundtrip_points",
+          "cpu_expert_points")      # the fields that are lists of pairs (JSON <-> tuples)
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,7 @@ class HardwareProfile(Variants):
                                                     # measured in, whose factor its points hold already
     cpu_wake_points: tuple = ()                     # (idle us, extra us): a CPU expert after the CPU idled that long
     roundtrip_points: tuple = ()                    # (rows, us): roundtrip_us by the pass's rows (`roundtrip`)
+    cpu_expert_points: tuple = ()                   # (tokens, factor): a CPU expert's time over its time at one token
     python_host: dict = field(default_factory=dict, hash=False)   # host fields of the Python step (`python_step`)
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -160,6 +162,9 @@ class HardwareProfile(Variants):
                                    NON_NEGATIVE[0])):
             if getattr(self, table) != ():
                 check_pairs(self.name, table, getattr(self, table), NON_NEGATIVE[0], what, ascending=True, rate=y_ok)
+        if self.cpu_expert_points != ():
+            check_pairs(self.name, "cpu_expert_points", self.cpu_expert_points, whole(1)[0],
+                        "[tokens, factor]: a whole number of tokens >= 1, a factor > 0, tokens ascending", ascending=True)
         if self.expert_rows_us and not (self.expert_rows_bytes > 0 and self.expert_rows_class in ("int4", "int8", "bf16")):
             raise bad(self.name, "expert_rows_bytes", self.expert_rows_bytes,
                       "above 0, with expert_rows_class int4, int8 or bf16, when expert_rows_us is given")
@@ -270,7 +275,13 @@ class HardwareProfile(Variants):
         return self.host_expert_us + self.host_expert_us_per_token * max(tokens - 1, 0)
 
     def cpu_expert_us(self, nbytes: int, tokens: int) -> float:
+        """A CPU expert of `nbytes` on `tokens` rows: its one-token time by `cpu_expert_gbps`, times
+        the measured factor by tokens where `cpu_expert_points` holds one (a table: the torch CPU
+        kernel steps, e.g. 2.45 to 4.04 ms from 4 to 5 tokens on an H100's host, twenty-ninth
+        session, which a line through all the token counts misses), else the line."""
         one = nbytes / (self.cpu_expert_gbps * GB) * 1e6
+        if self.cpu_expert_points:
+            return one * table_us(self.cpu_expert_points, tokens)
         if self.cpu_expert_us_per_token:
             return one + self.cpu_expert_us_per_token * max(tokens - 1, 0)
         return one * max(1.0, tokens / 8)

@@ -53,8 +53,8 @@ Clock = namedtuple("Clock", [
     "wv",                                                  # [E] scratch: the wave of each GPU expert of a layer
 ])
 Costs = namedtuple("Costs", [
-    "h2d", "h2dq", "xfix", "ebytes", "cpu1", "moe_layers", # [M, E] copy us alone, queued, expert us at one row, bytes,
-    #                                                        CPU us at one row; [M]
+    "h2d", "h2dq", "xfix", "ebytes", "ctab", "moe_layers", # [M, E] copy us alone, queued, expert us at one row, bytes;
+    #                                                        CPU expert us [class (xcls), rows]; [M]
     "hwf", "hwi",                                          # profile scalars (below)
     "layer_gpu", "layer_host", "route_host", "dense_gpu", "dense_host", "attn_gpu", "attn_host",
     "ntok", "commit_decode", "queued", "all_rows", "votes_ptr", "votes_e", "votes_n",   # per pass (queued:
@@ -68,9 +68,9 @@ Costs = namedtuple("Costs", [
     "half_rt",                                             # per pass: half its round trip (`HardwareProfile.roundtrip`)
 ])
 # Costs.hwf
-(SLOW, HOST_LOAD, HX0, HX1, TAIL, CPU_TOK, TFLOPS, HOST_SYNC, PASS_START, HOST_PASS_START, HEAD, HOST_HEAD,
+(SLOW, HOST_LOAD, HX0, HX1, TAIL, TFLOPS, HOST_SYNC, PASS_START, HOST_PASS_START, HEAD, HOST_HEAD,
  WAVE, WAVE_ROW, OWA_GPU, PASS_GAP, COMMIT_GPU, COMMIT_GPU_COPY, COMMIT_START, ATTN_SLOW, RB_COPY, LAUNCH_COPY,
- CPU_LEAD, CPU_GAP, CPU_TAIL) = range(25)
+ CPU_LEAD, CPU_GAP, CPU_TAIL) = range(24)
 # Costs.hwi
 ENGINES, FIFO, ON_HOST, PARAMS, KEEP, HEAD_SPAN, SILENT, AHEAD = range(8)
 Out = namedtuple("Out", [

@@ -13,7 +13,7 @@ from cmoe.sim.replay.clock import (CPU_END, CPU_GAP, CPU_LEAD, CPU_TAIL, DRAINED
                                    AHEAD, COMMIT_GPU, COMMIT_GPU_COPY, COMMIT_START, HOST_LOAD, HOST_PASS_START, HOST_SYNC,
                                    IN_FLIGHT, NOW, OP_ATTN, SILENT,
                                    OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, OWA_GPU, PASS_GAP,
-                                   PASS_INDEX, PASS_START, PREV_END, CPU_TOK, SLOW, ATTN_SLOW, RB_COPY, LAUNCH_COPY, TAIL, WAVE, WAVE_ROW,
+                                   PASS_INDEX, PASS_START, PREV_END, SLOW, ATTN_SLOW, RB_COPY, LAUNCH_COPY, TAIL, WAVE, WAVE_ROW,
                                    W_DRAINED, W_READY, _advance, copying, _issue, _release, _span, _sync, pmax)
 
 
@@ -262,11 +262,7 @@ def _cpu(c, x, o, d, p, m, dl, c0, c1, H, G, M, cpu):
             cpu_t += x.hwf[CPU_GAP]
         e = d.c_e[k]
         rows = _votes(x, p, m, e, M)
-        if x.hwf[CPU_TOK]:
-            dur = x.cpu1[m, e] + x.hwf[CPU_TOK] * (rows - 1 if rows > 1 else 0)
-        else:
-            dur = x.cpu1[m, e] * pmax(1.0, rows / 8)
-        dur = dur + _flat(x.cpu_wake, cpu_t - c.F[CPU_END])   # longer after the CPU idled (`cpu_wake_us`)
+        dur = x.ctab[x.xcls[m, e], rows] + _flat(x.cpu_wake, cpu_t - c.F[CPU_END])   # longer after the CPU idled (`cpu_wake_us`)
         _span(c, o, x, p, dl, cpu, OP_CPU, e, cpu_t, cpu_t + dur, x.ebytes[m, e], -1, -1)
         cpu_t += dur
         c.F[CPU_END] = cpu_t

@@ -33,17 +33,17 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
     """Every cost the clock reads, computed with the profile's own methods (per distinct size and
     token count), so the arithmetic is the SimPy model's."""
     M, E = len(c.moe_layers), policy.E
-    h2d, h2dq, xfix, cpu1, eb = *(np.zeros((M, E)) for _ in range(4)), np.zeros((M, E), np.int64)
+    h2d, h2dq, xfix, eb = *(np.zeros((M, E)) for _ in range(3)), np.zeros((M, E), np.int64)
     memo: dict = {}
     for m in range(M):
         for e in range(E):
             b, bits = c.expert_bytes[m][e], c.expert_bits[m][e]
             if (b, bits) not in memo:
-                memo[b, bits] = (hw.h2d_us(b), hw.h2d_queued(b), hw.expert_us(b, bits, 1, c.expert_params), hw.cpu_expert_us(b, 1))
-            h2d[m, e], h2dq[m, e], xfix[m, e], cpu1[m, e] = memo[b, bits]
+                memo[b, bits] = (hw.h2d_us(b), hw.h2d_queued(b), hw.expert_us(b, bits, 1, c.expert_params))
+            h2d[m, e], h2dq[m, e], xfix[m, e] = memo[b, bits]
             eb[m, e] = b
-    # an expert's kernel and its issue by rows, from the profile's own methods (lines or measured
-    # tables alike), for every row count a pass can give an expert
+    # an expert's kernel, a CPU expert and the issue by rows, from the profile's own methods (lines
+    # or measured tables alike), for every row count a pass can give an expert
     R = int(pa.ntok.max()) if pa.ntok.size else 1
     keys = sorted(memo)
     xcls = np.array([[keys.index((c.expert_bytes[m][e], c.expert_bits[m][e])) for e in range(E)] for m in range(M)],
@@ -74,7 +74,7 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
         attn_gpu = attn_gpu + per_n[:, 5]
     attn_host = layer_host + per_n[:, 3] if c.shared_bytes else layer_host
     hwf = np.array([1.0 + hw.copy_compute_slowdown, hw.host_load_us, hw.host_expert_us, hw.host_expert_us_per_token,
-                    hw.host_expert_tail_us, hw.cpu_expert_us_per_token, hw.matmul_tflops * 1e12,
+                    hw.host_expert_tail_us, hw.matmul_tflops * 1e12,
                     hw.host_sync_us, hw.pass_start_us, hw.host_pass_start_us, hw.head_us, hw.host_head_us,
                     float(hw.wave_gbps > 0), hw.wave_row_us, hw.owa_gpu_us, hw.pass_gap, hw.commit_gpu_us, hw.commit_gpu_copy_us,
                     hw.commit_start_us, hw.attention_slow, hw.readback_copy_us, hw.launch_copy_us, hw.cpu_lead_us, hw.cpu_gap_us, hw.cpu_tail_us])
@@ -82,11 +82,11 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
                     bool(hw.head_us or hw.host_head_us), silent(hw, policy),
                     hw.commit_ahead and policy.commits and hw.copy_fifo], np.int64)
     c_ = np.ascontiguousarray                    # one array type everywhere: numba compiles once
-    return ck.Costs(h2d, h2dq, xfix, eb, cpu1, np.array(c.moe_layers, np.int64), hwf, hwi, c_(layer_gpu), c_(layer_host),
-                    c_(route_host), c_(dense_gpu), c_(dense_host), c_(attn_gpu), c_(attn_host), c_(pa.ntok),
-                    c_(commit_decode), c_(pa.decode & bool(hw.pass_overlap)), c_(pa.ntok <= hw.dense_rows),
-                    c_(pa.need_ptr), c_(pa.need), c_(pa.votes),
-                    c_(xtab), c_(xcls), c_(htab), c_(wfix), c_(wcnt),
+    return ck.Costs(h2d, h2dq, xfix, eb, c_([[hw.cpu_expert_us(b, max(r, 1)) for r in range(R + 1)] for b, _ in keys]),
+                    np.array(c.moe_layers, np.int64), hwf, hwi, c_(layer_gpu), c_(layer_host), c_(route_host), c_(dense_gpu),
+                    c_(dense_host), c_(attn_gpu), c_(attn_host), c_(pa.ntok), c_(commit_decode),
+                    c_(pa.decode & bool(hw.pass_overlap)), c_(pa.ntok <= hw.dense_rows), c_(pa.need_ptr), c_(pa.need),
+                    c_(pa.votes), c_(xtab), c_(xcls), c_(htab), c_(wfix), c_(wcnt),
                     np.array(hw.host_wake_points or ((0.0, 1.0),), np.float64).reshape(-1, 2), c_(per_n[:, 6]),
                     c_(per_n[:, 7]), np.array(hw.cpu_wake_points or ((0.0, 0.0),), np.float64).reshape(-1, 2), c_(per_n[:, 8]))
 
