@@ -346,4 +346,4 @@ def test_the_programs_cpu_step_does_the_python_steps_cpu_work(fused_checkpoints,
         assert (got["cpu"], got["assign"]) == (st["cpu"], st["assign"]) and got["x_host"] is not None, name
     bad = LeanEngine.__new__(LeanEngine)                  # a step that fails keeps its exception
     bad._hp, bad.spec, bad.clock = {}, NS(moe_layers=[0], top_k=2), None
-    assert bad._cpu_step(0, 0) == 1 and isinstance(bad._hp_error, KeyError)
+    assert bad._cpu_step(0, 1) == 1 and isinstance(bad._hp_error, KeyError)

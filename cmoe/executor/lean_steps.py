@@ -79,18 +79,23 @@ class HostSteps(HostIO):
 
     def _cpu_step(self, m: int, phase: int) -> int:
         """A CPU-expert layer's CPU part, which the compiled host program calls back for
-        (`host_program._layer`): phase 0, after the plan and its loads, assigns the CPU experts'
-        rows and takes the layer's input to the host (`_plan_layer`'s, before the launches: the
-        GPU's part is short beside the CPU's, whose path this keeps short); phase 1, after the
-        waves' launches, adds the CPU experts' sum to the waves' (`_host_layer`'s). The experts are
-        the twin's (its step 1 + m), their rows the read-back's as the Python step assigns them;
-        spans, fallbacks and the host's wait are kept as it keeps them. 0, or 1 with the exception
-        kept for `_hp_pass` (none crosses C frames)."""
+        (`host_program._layer`): phase 0, after the plan and its loads, takes the layer's input to
+        the host (`_plan_layer`'s); phase 1, after the waves' launches, assigns the CPU experts' rows
+        and adds their sum to the waves' (`_host_layer`'s). The experts are the twin's (its step
+        1 + m), their rows the read-back's as the Python step assigns them; spans, fallbacks and
+        the host's wait are kept as it keeps them. 0, or 1 with the exception kept for `_hp_pass`
+        (none crosses C frames).
+
+        Why the rows are assigned after the launches: assigned before them (c6d297e, as the Python
+        step does), the H100 runs of the twenty-ninth session took 5-97 us longer from a CPU layer's
+        route to its first CPU expert than the twenty-eighth session's with them after, in all six
+        rows at batch 1: the route step that follows the read-back's wait grew by 30-70 us, and the
+        set-up after the launches shrank by 24 us at most. Python run right after a wait runs cold
+        (`host_wake`)."""
         try:
             d = self.spec.moe_layers[m]
-            if phase == 1:
-                st, self._hp_x = self._hp_x, None
-                self._wave_acc.add_(self._cpu_sum(m, d, st))
+            if phase == 0:
+                self._hp_x = self._input_to_host(m, d)
                 return 0
             dec, K, live = self._hp["d"], self.spec.top_k, self._live()
             cpu = dec.c_e[dec.c_ptr[1 + m]:dec.n[1]].tolist()
@@ -99,7 +104,8 @@ class HostSteps(HostIO):
             rows, wsorted, scores, _, _ = self._parse_routes(m, host, K, 0, live)
             assign = self._assign(m, None, rows, wsorted, scores, live, K)
             self.log.at(self.cur.index).fallbacks += len(cpu)
-            self._hp_x = {"cpu": [e for e in cpu if e in assign], "assign": assign, "x_host": self._input_to_host(m, d)}
+            x, self._hp_x = self._hp_x, None
+            self._wave_acc.add_(self._cpu_sum(m, d, {"cpu": [e for e in cpu if e in assign], "assign": assign, "x_host": x}))
             return 0
         except BaseException as exc:                      # noqa: BLE001 (raised again after the pass)
             self._hp_error = exc
