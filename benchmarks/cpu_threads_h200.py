@@ -17,6 +17,8 @@ This measures, in one process over one built store (Mixtral-8x7B shapes, W4A16 g
   rounds whose arms' order turns each round (the host drifts over minutes);
 - inside the executor: `static` (pool 16) and `lfu-fallback` (pool 20) at batch 8, each thread
   count per round, the order turned each round: tokens/s and the CPU experts' mean and median.
+Beside each isolated arm, one core's Python speed (a fixed loop), to tell the whole CPU slowing
+from the experts' threads slowing.
 Everything is written to --out as JSON; one line per measurement is printed.
 
     python benchmarks/cpu_threads_h200.py --out $OUT/cpu_threads.json --threads 16,15,14,8 --rounds 2
@@ -83,12 +85,17 @@ def isolated(store, spec, threads: list[int], rounds: int, out: list) -> None:
                 ts.append((time.perf_counter() - t0) * 1e3)
             done = side.query() if busy else None
             torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            sum(range(200_000))                                   # one core's Python speed now
+            py_ms = (time.perf_counter() - t0) * 1e3
             rec = {"part": "isolated", "round": rnd, "threads": th, "tokens": tok, "link_busy": busy,
                    "copies_outlasted": (not done) if busy else None,
-                   "mean_ms": float(np.mean(ts)), "median_ms": float(np.median(ts)), "min_ms": float(np.min(ts))}
+                   "mean_ms": float(np.mean(ts)), "median_ms": float(np.median(ts)), "min_ms": float(np.min(ts)),
+                   "python_ms": py_ms}
             out.append(rec)
             print(f"isolated r{rnd} threads {th:2d} tokens {tok} link {'busy' if busy else 'idle'}: "
-                  f"mean {rec['mean_ms']:.3f} median {rec['median_ms']:.3f} min {rec['min_ms']:.3f} ms", flush=True)
+                  f"mean {rec['mean_ms']:.3f} median {rec['median_ms']:.3f} min {rec['min_ms']:.3f} ms; python {py_ms:.2f} ms",
+                  flush=True)
 
 
 def in_executor(where: dict, built, threads: list[int], rounds: int, tokens: int, out: list) -> None:
