@@ -11,10 +11,11 @@ region to its slowest thread), the link's copies reading the same DRAM, the VM's
 
 This measures, in one process over one built store (Mixtral-8x7B shapes, W4A16 g128, CPU twins):
 - the machine's facts (cores, NUMA nodes, the kernel's NUMA balancing, transparent huge pages);
-- isolated CPU experts (the executor's own `ffn` over the store's twins, 32 experts of different
-  layers back to back, 1 and 4 tokens), at each thread count of --threads, with and without the
-  link busy (host-to-device copies of pinned experts queued on a side stream), over --rounds
-  rounds whose arms' order turns each round (the host drifts over minutes);
+- isolated CPU experts (the executor's own `ffn` over 8 random experts in the CPU layout, 32
+  back to back, 1 and 4 tokens), at each thread count of --threads, with and without the link
+  busy (host-to-device copies of pinned experts queued on a side stream), over --iso-rounds
+  rounds whose arms' order turns each round (the host drifts over minutes); with
+  --isolated-only nothing else, so other processes can repeat it under other OpenMP settings;
 - inside the executor: `static` (pool 16) and `lfu-fallback` (pool 20) at batch 8, each thread
   count per round, the order turned each round: tokens/s and the CPU experts' mean and median.
 Beside each isolated arm, one core's Python speed (a fixed loop), to tell the whole CPU slowing
@@ -41,8 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cmoe.core.timeline import END, OP, START  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
+from cmoe.core.spec import preset  # noqa: E402
 from cmoe.executor.kernels import ExpertViews, ffn  # noqa: E402
+from cmoe.executor.layout import expert_layout, slot_size  # noqa: E402
 from cmoe.executor.run import ExecConfig, build, prepare, run_policy  # noqa: E402
+from cmoe.executor.store import random_expert  # noqa: E402
 
 
 def facts() -> dict:
@@ -63,25 +67,39 @@ def facts() -> dict:
             "parallel_info": torch.__config__.parallel_info().splitlines()}
 
 
-def isolated(store, spec, threads: list[int], rounds: int, out: list) -> None:
-    """32 CPU experts (layer m, expert m % E) back to back per arm; the link busy or not."""
-    views = [ExpertViews(store.layout, store.cpu_expert(m, m % spec.num_experts), "cpu") for m in range(32)]
-    dst = torch.empty(store.slot, dtype=torch.uint8, device="cuda")
+def cpu_experts(spec, n: int) -> tuple[list, list]:
+    """n random experts of the spec's shapes in this CPU's layout (`random_expert`), and each one's
+    bytes in the GPU kernel's layout in pinned memory (what the link copies): built here, without
+    the whole store, so another process (other OpenMP settings) measures the same in seconds."""
+    lay = expert_layout("w4g128", spec.hidden, spec.expert_ffn)
+    cpu, pinned = [], []
+    for i in range(n):
+        buf = torch.zeros(slot_size(lay), dtype=torch.uint8)
+        random_expert(lay, 1 + i, torch.device("cpu"), "cpu", buf)
+        cpu.append(ExpertViews(lay, buf, "cpu"))
+        pinned.append(torch.empty(slot_size(lay), dtype=torch.uint8, pin_memory=True))
+    return cpu, pinned
+
+
+def isolated(views: list, pinned: list, hidden: int, threads: list[int], rounds: int, out: list) -> None:
+    """32 CPU experts back to back per arm (cycling over `views`, each larger than the L3 cache);
+    the link busy (host-to-device copies of `pinned` queued on a side stream) or not."""
+    dst = torch.empty(pinned[0].numel(), dtype=torch.uint8, device="cuda")
     side = torch.cuda.Stream()
     arms = [(th, tok, busy) for th in threads for tok in (1, 4) for busy in (False, True)]
     for rnd in range(rounds):
         for th, tok, busy in (arms if rnd % 2 == 0 else arms[::-1]):
             torch.set_num_threads(th)
-            x = torch.randn(tok, spec.hidden, dtype=torch.bfloat16)
+            x = torch.randn(tok, hidden, dtype=torch.bfloat16)
             ffn(x, views[0])                                      # the pool at this size, once
             if busy:                                              # ~60 loads: longer than the 32 experts
                 with torch.cuda.stream(side):
                     for i in range(60):
-                        dst.copy_(store.expert(i % 32, (i + 1) % spec.num_experts), non_blocking=True)
+                        dst.copy_(pinned[i % len(pinned)], non_blocking=True)
             ts = []
-            for v in views:
+            for i in range(32):
                 t0 = time.perf_counter()
-                ffn(x, v)
+                ffn(x, views[i % len(views)])
                 ts.append((time.perf_counter() - t0) * 1e3)
             done = side.query() if busy else None
             torch.cuda.synchronize()
@@ -127,26 +145,29 @@ def main() -> None:
     ap.add_argument("--iso-rounds", type=int, default=4, help="rounds of the isolated experts (cheap)")
     ap.add_argument("--tokens", type=int, default=16, help="decode tokens of each executor run")
     ap.add_argument("--spec", default="mixtral-8x7b")
-    ap.add_argument("--skip-executor", action="store_true")
+    ap.add_argument("--isolated-only", action="store_true", help="8 experts built here, no store, no executor runs")
     a = ap.parse_args()
     threads = [int(t) for t in a.threads.split(",")]
     res = {"date": time.strftime("%Y-%m-%d"), "card": torch.cuda.get_device_name(), "torch": torch.__version__,
            "facts": facts(), "runs": []}
-    print(json.dumps(res["facts"], indent=1), flush=True)
+    res["env"] = {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_", "MKL_"))}
+    print(json.dumps(res["facts"] | {"env": res["env"]}, indent=1), flush=True)
+    spec = preset(a.spec)
+    views, pinned = cpu_experts(spec, 8)
+    isolated(views, pinned, spec.hidden, threads, a.iso_rounds, res["runs"])
+    write_text_atomic(a.out, json.dumps(res, indent=1))
+    if a.isolated_only:
+        return
+    del views, pinned
     where = {"spec_name": a.spec, "model_dir": None, "trace_src": f"synthetic:{a.spec}", "data": None}
     first = ExecConfig(policies=("static", "lfu-fallback"), pool_gb=16.0, batch=8, tokens=a.tokens, device="cuda")
     w, _ = prepare(cfg=first, **where)
     t0 = time.perf_counter()
     build(w, first)
     print(f"built store and model in {time.perf_counter() - t0:.0f} s", flush=True)
-    isolated(w.store, w.spec, threads, a.iso_rounds, res["runs"])
+    run_policy(w, first, "upper")                                  # untimed warm-up
+    in_executor(where, (w.store, w.model, w.shims), threads, a.rounds, a.tokens, res["runs"])
     write_text_atomic(a.out, json.dumps(res, indent=1))
-    if not a.skip_executor:
-        built = (w.store, w.model, w.shims)
-        run_policy(w, first, "upper")                              # untimed warm-up
-        in_executor(where, built, threads, a.rounds, a.tokens, res["runs"])
-    write_text_atomic(a.out, json.dumps(res, indent=1))
-
 
 if __name__ == "__main__":
     main()

@@ -20,7 +20,9 @@
 #                                             # POLS=upper,lfu-fallback,static the CPU-expert policies, twins built)
 #   bash benchmarks/gpu_session.sh cpu-threads  # issue 15: why CPU experts' speed moves between runs: the host's facts,
 #                                             # isolated CPU experts and static/lfu-fallback at batch 8 at each torch
-#                                             # thread count of THREADS (16,15,14,8), the link busy or not (~6 min)
+#                                             # thread count of THREADS (16,15,14,8), the link busy or not; the
+#                                             # isolated part also under OMP_PROC_BIND=close and OMP_WAIT_POLICY=PASSIVE
+#                                             # in processes of their own (~6 min)
 #   bash benchmarks/gpu_session.sh cpu-experts  # issue 15: the lean GPU tests over the CPU-expert policies' graphs
 #                                             # (7267969), then POLS=upper,lfu-fallback,static validate with the
 #                                             # Python step calibrated (970abb6), pools 16/20/26, batches 1/8 (~7 min)
@@ -190,9 +192,15 @@ case "${1:-}" in
                  -k "host_program_runs_as_the_python_step or (replay_equals_eager and mixtral)" > "$OUT/tests.log" 2>&1 || true
                tail -15 "$OUT/tests.log"
                VT=${VT:-420} POLS=upper,lfu-fallback,static BATCHES=${BATCHES:-1,8} CAL=built bash "$0" validate ;;
-  cpu-threads) timeout 560 python3 benchmarks/cpu_threads_h200.py --out "$OUT/cpu_threads.json" --threads "${THREADS:-16,15,14,8}" \
+  cpu-threads) for v in "OMP_PROC_BIND=close OMP_PLACES=cores" "OMP_WAIT_POLICY=PASSIVE"; do
+                 n=$(echo "$v" | cut -d' ' -f1 | tr '=' '-')
+                 env $v timeout 90 python3 benchmarks/cpu_threads_h200.py --out "$OUT/cpu_threads-$n.json" --isolated-only \
+                   --threads "${THREADS:-16,15,14,8}" > "$OUT/cpu_threads-$n.log" 2>&1 || true
+                 echo "== $v"; grep -E "^isolated|rror" "$OUT/cpu_threads-$n.log" | tail -40
+               done
+               timeout 420 python3 benchmarks/cpu_threads_h200.py --out "$OUT/cpu_threads.json" --threads "${THREADS:-16,15,14,8}" \
                  > "$OUT/cpu_threads.log" 2>&1 || true
-               grep -E "^(isolated|executor|built)|rror" "$OUT/cpu_threads.log" | tail -60 ;;
+               echo "== default"; grep -E "^(isolated|executor|built)|rror" "$OUT/cpu_threads.log" | tail -60 ;;
   cpu-experts) timeout 60 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider \
                  -k "(match_transformers and (mixtral or qwen2_moe)) or (replay_equals_eager and mixtral)" 2>&1 | tail -4 || true
                VT=${VT:-440} POLS=upper,lfu-fallback,static BATCHES=${BATCHES:-1,8} CAL=built bash "$0" validate ;;
