@@ -665,7 +665,7 @@ def test_a_cpu_experts_time_by_tokens_is_a_table_fitted_with_the_idle_extras():
     cells = [(t, idle) for t in (1, 2, 3, 4) for idle in (25.0, 600.0)] + [(5, 600.0), (1, 5000.0)]
     pts = [(t, (known.cpu_expert_us(nb, t) + known.cpu_wake_us(idle)) / 1e6, idle / 1e6) for t, idle in cells
            for _ in range(6)]
-    m = _synthetic(known) | cpu_in_model(pts, [(1, 1e-4)], {})
+    m = _synthetic(known) | cpu_in_model(pts, [(1, 1e-4)], {}, [[1, "dense", 1.5e-3, 40], [8, "dense", 1.2e-3, 9]])
     m["cpu_expert"] = {"bytes": nb, "points": [(1, 1e-3), (4, 2e-3), (8, 3e-3)]}      # isolated: its shape only
     p = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-06")
     assert p.cpu_expert_us(nb, 1) == pytest.approx(one)
@@ -676,4 +676,6 @@ def test_a_cpu_experts_time_by_tokens_is_a_table_fitted_with_the_idle_extras():
     assert [v for pt in p.cpu_wake_points for v in pt] == pytest.approx([25.0, 0.0, 600.0, 300.0, 5000.0, 500.0],
                                                                         abs=1e-6)
     assert "tokens" in p.sources["cpu_expert_points"] and "CPU expert in model, 5 tok" in beside(p, m)
+    rows = {ln[:28].strip(): ln[28:].split() for ln in beside(p, m).splitlines()}     # each run, as measured
+    assert rows["CPU 1 tok, b1 dense run"][:2] == ["1500.0us", f"{one:.1f}us"] and "CPU 1 tok, b8 dense run" in rows
     assert p.cpu_scaled(2.0).cpu_expert_us(nb, 5) == pytest.approx(2 * p.cpu_expert_us(nb, 5))

@@ -120,6 +120,8 @@ def cpu_rows(row, m: dict, p) -> None:
         row(f"CPU expert, {t} tokens", s, p.cpu_expert_us(cpu["bytes"], t))
     for t, s in (m.get("cpu_expert_in_model") or {}).get("points", []):
         row(f"CPU expert in model, {t} tok", s, p.cpu_expert_us(cpu["bytes"], t))
+    for b, kind, s, n in (m.get("cpu_expert_in_model") or {}).get("runs", []):
+        row(f"CPU 1 tok, b{b} {kind} run", s, p.cpu_expert_us(cpu["bytes"], 1))
     for t, _, idle, s, n in (m.get("cpu_expert_in_model") or {}).get("idle", []) if p.cpu_wake_points else ():
         if n >= LEAST:
             row(f"CPU expert {t} tok, {idle:.0f}us idle", s, p.cpu_expert_us(cpu["bytes"], t) + p.cpu_wake_us(idle))

@@ -71,19 +71,24 @@ def cpu_runs(r, w, cfg, batch: int) -> None:
         tokens = min(r.tokens, 8) if slots == spec.top_k else r.tokens
         st = run_policy(w, replace(cfg, policies=("static",), slots=slots, tokens=tokens), "static").log
         p, t = _cpu_points(st, w.trace, batch, spec)
+        one = [x for k, x, gap in p if k == 1 and gap < IDLE_BINS_US[1] / 1e6]
+        if one:                                # the run's one-token experts back to back: how runs differ
+            r.cpu_runs.append([batch, "dense" if slots == spec.top_k else "sparse", float(np.mean(one)), len(one)])
         r.cpu_pts += p
         r.trips += [(batch, x) for x in t]
         for k, v in _cpu_steps(st).items():
             r.cpu_steps.setdefault(k, []).extend(v)
 
 
-def cpu_in_model(pts: list, trips: list, steps: dict) -> dict:
+def cpu_in_model(pts: list, trips: list, steps: dict, runs: list | None = None) -> dict:
     """The measurements of the CPU experts inside the running model: per token count the mean and
     the count (means, not medians: CPU experts have a long tail, on the H200's host 2-9% took over
     9 ms against a 1.8 ms median, and throughput pays for it); the same by idle before them
     (`IDLE_BINS_US`: [tokens, bin's lower edge us, mean idle us, mean seconds, count]; a run's first
     expert, which follows none, in none); the round trip's median, over all and per batch (`trips`:
-    (batch, seconds) per layer); the host around a CPU layer's experts, means (`cpu_lead_us` ..)."""
+    (batch, seconds) per layer); the host around a CPU layer's experts, means (`cpu_lead_us` ..);
+    and each run's one-token experts back to back (`runs`: [batch, dense or sparse, mean seconds,
+    count]), where runs on one machine minutes apart differed 0.7-1.5x (twenty-ninth session)."""
     by: dict[int, list] = {}
     idle: dict[tuple[int, float], list] = {}
     for t, x, gap in pts:
@@ -95,7 +100,8 @@ def cpu_in_model(pts: list, trips: list, steps: dict) -> dict:
                                     "count": [(t, len(v)) for t, v in sorted(by.items())],
                                     "idle": [[t, lo, float(np.mean([g for g, _ in v])) * 1e6,
                                               float(np.mean([x for _, x in v])), len(v)]
-                                             for (t, lo), v in sorted(idle.items())]},
+                                             for (t, lo), v in sorted(idle.items())],
+                                    "runs": list(runs or [])},
             "roundtrip_in_model": float(np.median([s for _, s in trips])) if trips else None,
             "roundtrip_points": [(b, float(np.median([s for x, s in trips if x == b]))) for b in sorted({b for b, _ in trips})],
             "cpu_step": {k: float(np.mean(v)) for k, v in steps.items() if v}}
