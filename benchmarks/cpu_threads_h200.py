@@ -57,7 +57,10 @@ def facts() -> dict:
         except OSError as e:
             return f"unreadable ({e.strerror})"
     nodes = {n.name: read(f"{n}/cpulist") for n in sorted(Path("/sys/devices/system/node").glob("node[0-9]*"))}
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+    except OSError:
+        lscpu = []
     keep = ("Model name", "Socket", "Core", "Thread", "NUMA", "L3", "CPU(s)", "MHz")
     return {"cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),
             "torch_interop": torch.get_num_interop_threads(), "nodes": nodes,
@@ -116,7 +119,7 @@ def isolated(views: list, pinned: list, hidden: int, threads: list[int], rounds:
                   flush=True)
 
 
-def in_executor(where: dict, built, threads: list[int], rounds: int, tokens: int, out: list) -> None:
+def in_executor(where: dict, built, threads: list[int], rounds: int, tokens: int, out: list, save=None) -> None:
     """`static` pool 16 and `lfu-fallback` pool 20 at batch 8, every thread count each round."""
     arms = [(th, pol, pool) for th in threads for pol, pool in (("static", 16.0), ("lfu-fallback", 20.0))]
     for rnd in range(rounds):
@@ -131,8 +134,11 @@ def in_executor(where: dict, built, threads: list[int], rounds: int, tokens: int
                    "tok_s": r.metrics["tokens_per_s"], "cpu_experts": len(cpu),
                    "cpu_mean_ms": float(np.mean(cpu)) if cpu else None, "cpu_median_ms": float(np.median(cpu)) if cpu else None}
             out.append(rec)
+            got = f"mean {rec['cpu_mean_ms']:.3f} median {rec['cpu_median_ms']:.3f} ms" if cpu else "-"
             print(f"executor r{rnd} threads {th:2d} {pol:<12} pool {pool:g}: {rec['tok_s']:.2f} tok/s, "
-                  f"{len(cpu)} CPU experts mean {rec['cpu_mean_ms']:.3f} median {rec['cpu_median_ms']:.3f} ms", flush=True)
+                  f"{len(cpu)} CPU experts {got}", flush=True)
+            if save is not None:
+                save()                                            # a run cut short keeps what it measured
             del r
             torch.cuda.empty_cache()
 
@@ -166,7 +172,8 @@ def main() -> None:
     build(w, first)
     print(f"built store and model in {time.perf_counter() - t0:.0f} s", flush=True)
     run_policy(w, first, "upper")                                  # untimed warm-up
-    in_executor(where, (w.store, w.model, w.shims), threads, a.rounds, a.tokens, res["runs"])
+    in_executor(where, (w.store, w.model, w.shims), threads, a.rounds, a.tokens, res["runs"],
+                lambda: write_text_atomic(a.out, json.dumps(res, indent=1)))
     write_text_atomic(a.out, json.dumps(res, indent=1))
 
 if __name__ == "__main__":

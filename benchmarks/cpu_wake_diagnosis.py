@@ -120,6 +120,8 @@ def main() -> None:
         print(f"one-token CPU experts over {fx['pairs']} (run, expert) pairs of {fx['experts']} experts: each run's factor "
               + ", ".join(f"{r} {x:.2f}" for r, x in fx["runs"].items())
               + f"; experts' own spread {fx['expert_log_sd']:.3f}, unexplained {fx['residual_log_sd']:.3f} (sd of the log)")
+    if not pts:
+        sys.exit("no CPU experts in this folder's decode passes: give a validation that ran lfu-fallback or static")
     meas = json.loads((a.folder / "profile.measurements.json").read_text())
     m = {"cpu_expert": meas["cpu_expert"]} | cpu_in_model(pts, trips, steps)
     for t, lo, idle, s, n in m["cpu_expert_in_model"]["idle"]:

@@ -196,11 +196,11 @@ case "${1:-}" in
                  n=$(echo "$v" | cut -d' ' -f1 | tr '=' '-')
                  env $v timeout 90 python3 benchmarks/cpu_threads_h200.py --out "$OUT/cpu_threads-$n.json" --isolated-only \
                    --threads "${THREADS:-16,15,14,8}" > "$OUT/cpu_threads-$n.log" 2>&1 || true
-                 echo "== $v"; grep -E "^isolated|rror" "$OUT/cpu_threads-$n.log" | tail -40
+                 echo "== $v"; grep -E "^isolated|rror" "$OUT/cpu_threads-$n.log" | tail -40 || true
                done
                timeout 420 python3 benchmarks/cpu_threads_h200.py --out "$OUT/cpu_threads.json" --threads "${THREADS:-16,15,14,8}" \
                  > "$OUT/cpu_threads.log" 2>&1 || true
-               echo "== default"; grep -E "^(isolated|executor|built)|rror" "$OUT/cpu_threads.log" | tail -60 ;;
+               echo "== default"; grep -E "^(isolated|executor|built)|rror" "$OUT/cpu_threads.log" | tail -60 || true ;;
   cpu-experts) timeout 60 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider \
                  -k "(match_transformers and (mixtral or qwen2_moe)) or (replay_equals_eager and mixtral)" 2>&1 | tail -4 || true
                VT=${VT:-440} POLS=upper,lfu-fallback,static BATCHES=${BATCHES:-1,8} CAL=built bash "$0" validate ;;

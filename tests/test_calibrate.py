@@ -679,3 +679,31 @@ def test_a_cpu_experts_time_by_tokens_is_a_table_fitted_with_the_idle_extras():
     rows = {ln[:28].strip(): ln[28:].split() for ln in beside(p, m).splitlines()}     # each run, as measured
     assert rows["CPU 1 tok, b1 dense run"][:2] == ["1500.0us", f"{one:.1f}us"] and "CPU 1 tok, b8 dense run" in rows
     assert p.cpu_scaled(2.0).cpu_expert_us(nb, 5) == pytest.approx(2 * p.cpu_expert_us(nb, 5))
+
+
+@pytest.mark.parametrize("cells,why", [
+    ([(2, 0.0, 6), (1, 300.0, 6)], "one token only after idle: base(1) and the extra cannot be told apart"),
+    ([(6, 0.0, 3), (1, 300.0, 6), (2, 300.0, 6)], "back-to-back experts only at a rare token count"),
+])
+def test_a_cpu_fit_the_cells_cannot_separate_keeps_every_experts_mean(cells, why):
+    """`cpu_fit._joint` gives nothing (the fit falls back to every expert's mean by tokens, no wake
+    table) where its terms are not all determined, instead of a minimum-norm split or a division
+    by zero."""
+    from cmoe.calibrate.cpu_fit import _joint, cpu_expert_fit
+    rows = [[t, lo, lo + 25.0, 1.5e-3 * t + (3e-4 if lo else 0.0), n] for t, lo, n in cells]
+    assert _joint(rows) == ({}, {}, {}), why
+    pts = sorted({t: 1.5e-3 * t for t, _, _ in cells}.items())
+    m = {"cpu_expert": {"bytes": 1, "points": [(1, 1e-3), (8, 5e-3)]},
+         "cpu_expert_in_model": {"points": pts, "count": [(t, 6) for t, _ in pts], "idle": rows}}
+    ca, _, fields = cpu_expert_fit(m)
+    assert "cpu_wake_points" not in fields and ca > 0, why
+
+
+def test_a_bin_seen_only_at_rare_token_counts_is_left_out_of_the_cpu_fit():
+    """A bin whose experts all have token counts seen fewer than `LEAST` times has no extra of its
+    own (it had divided by zero); the rest fits as usual."""
+    from cmoe.calibrate.cpu_fit import _joint
+    rows = [[1, 0.0, 25.0, 1.5e-3, 6], [1, 300.0, 400.0, 1.8e-3, 6], [6, 3000.0, 4000.0, 9e-3, 3], [7, 3000.0, 5000.0, 9e-3, 2]]
+    base, extra, idle = _joint(rows)
+    assert base == {1: pytest.approx(1.5e-3)} and extra == {300.0: pytest.approx(3e-4)}
+    assert idle == {0.0: 25.0, 300.0: 400.0}

@@ -1,12 +1,13 @@
 """A CPU expert's costs from calibrate's `static` runs (`log_points.cpu_in_model`): its time at one
-token and per further token, and how much longer it takes after the CPU idled (`cpu_wake_points`).
+token and by tokens (`cpu_expert_points`), and how much longer it takes after the CPU idled
+(`cpu_wake_points`).
 
 Why the idle: on an H100's host (twenty-eighth session) a one-token Mixtral expert took 1.32-1.50
 ms when it followed another within 0.1 ms and 1.9-2.0 ms after more than 2 ms of idle; a model
 that held one mean predicted the pools that keep most experts resident (CPU experts far apart)
-up to 39% fast, and batch 8's back-to-back experts 16% slow. So the base is the back-to-back
-experts' (idle under `IDLE_BINS_US[1]`), and each idle bin's extra is its experts' time over
-that base, pooled over token counts: an extra time, not a factor (there the extra was ~0.2-0.5
+up to 39% fast, and batch 8's back-to-back experts 16% slow. So the time by tokens is the back-to-
+back experts' (idle in the first of `IDLE_BINS_US`), and each later idle bin adds an extra over it,
+the same at every token count (`_joint` fits both at once): an extra time, not a factor (there the extra was ~0.2-0.5
 ms at 1 to 4 tokens alike, where a factor would have charged 4 tokens twice what it charged one).
 """
 
@@ -50,15 +51,13 @@ def cpu_expert_fit(m: dict) -> tuple[float, float, dict]:
     pooled = ca, cb = fit_line([(t - 1, s) for t, s in inm["points"]], [counts[t] for t, _ in inm["points"]] if counts else None)
     every = by_tokens([(t, s, counts.get(t, LEAST)) for t, s in inm["points"]])
     rows = inm.get("idle") or []
-    if sum(r[4] for r in rows if r[1] < IDLE_BINS_US[1]) < LEAST:
-        return (*pooled, _fields((), _extend(every, m["cpu_expert"]["points"])))
     base, extra, idle = _joint(rows)
     if not extra or 1 not in base:
         return (*pooled, _fields((), _extend(every, m["cpu_expert"]["points"])))
     n = {t: sum(r[4] for r in rows if r[0] == t) for t in base}
     tab = tuple((t, s / base[1]) for t, s in sorted(base.items())) if len(base) > 1 else ()
     slope = fit_line([(t - 1, s) for t, s in sorted(base.items())], [n[t] for t in sorted(base)])[1] if tab else cb
-    wake = ((idle[0.0], 0.0),) + tuple((idle[lo], max(x, 0.0) * 1e6) for lo, x in sorted(extra.items()))
+    wake = ((idle[IDLE_BINS_US[0]], 0.0),) + tuple((idle[lo], max(x, 0.0) * 1e6) for lo, x in sorted(extra.items()))
     return base[1], slope, _fields(wake, _extend(tab, m["cpu_expert"]["points"]))
 
 
@@ -69,20 +68,29 @@ def _joint(rows: list) -> tuple[dict, dict, dict]:
     idle us}). Fitted together because the counts are not spread alike over the bins: at batch 8
     the back-to-back experts are a layer's second and rarely have 5 tokens, which follow the idle
     of a layer's GPU part (~0.5 ms on an H100); an extra read off one-token experts alone, or a
-    factor by tokens read off the back-to-back ones alone, misses that."""
-    tot = lambda i, v: sum(r[4] for r in rows if r[i] == v)    # noqa: E731
-    ts = sorted(t for t in {r[0] for r in rows} if tot(0, t) >= LEAST)
-    bins = sorted(lo for lo in {r[1] for r in rows} if lo > 0 and tot(1, lo) >= LEAST)
-    use = [r for r in rows if r[0] in ts and (r[1] == 0.0 or r[1] in bins)]
+    factor by tokens read off the back-to-back ones alone, misses that. ({}, {}, {}) where the back-to-
+    back experts are fewer than `LEAST`, where the cells cannot separate every term (a token count
+    seen only in a bin that nothing else ties to the back-to-back ones) or where a time comes out
+    at 0 or less: the caller then keeps every expert's mean."""
+    ts = sorted(t for t in {r[0] for r in rows} if sum(r[4] for r in rows if r[0] == t) >= LEAST)
+    kept = [r for r in rows if r[0] in ts]
+    bins = sorted(lo for lo in {r[1] for r in kept} if lo > IDLE_BINS_US[0] and sum(r[4] for r in kept if r[1] == lo) >= LEAST)
+    use = [r for r in kept if r[1] == IDLE_BINS_US[0] or r[1] in bins]
+    if sum(r[4] for r in use if r[1] == IDLE_BINS_US[0]) < LEAST:
+        return {}, {}, {}
     a = np.zeros((len(use), len(ts) + len(bins)))
     for i, r in enumerate(use):
         a[i, ts.index(r[0])] = 1.0
-        if r[1] > 0:
+        if r[1] > IDLE_BINS_US[0]:
             a[i, len(ts) + bins.index(r[1])] = 1.0
     w = np.sqrt([r[4] for r in use])
+    if np.linalg.matrix_rank(a * w[:, None]) < a.shape[1]:
+        return {}, {}, {}
     sol = np.linalg.lstsq(a * w[:, None], np.array([r[3] for r in use]) * w, rcond=None)[0]
+    if (sol[:len(ts)] <= 0).any():
+        return {}, {}, {}
     idle = {lo: sum(r[2] * r[4] for r in use if r[1] == lo) / sum(r[4] for r in use if r[1] == lo)
-            for lo in [0.0, *bins]}
+            for lo in [IDLE_BINS_US[0], *bins]}
     return dict(zip(ts, sol[:len(ts)].tolist())), dict(zip(bins, sol[len(ts):].tolist())), idle
 
 
