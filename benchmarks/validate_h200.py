@@ -69,7 +69,8 @@ def main() -> None:
     dirty = "" if a.commit else subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
                                                capture_output=True, text=True).stdout.strip()
     card = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
-    res = {"date": time.strftime("%Y-%m-%d"), "card": card, "torch": torch.__version__,
+    from cmoe.calibrate.measure import host_cpu
+    res = {"date": time.strftime("%Y-%m-%d"), "card": card, "host": host_cpu(), "torch": torch.__version__,
            "commit": commit + ("+dirty" if dirty else ""), "spec": a.spec, "tokens": a.tokens, "configs": []}
     import importlib.util
     can_predict = importlib.util.find_spec("simpy") is not None and not a.measure_only

@@ -4,6 +4,7 @@ CPU calibration writes a profile the simulator accepts."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 
 import numpy as np
@@ -212,6 +213,8 @@ def test_cpu_calibration_gives_a_profile_the_simulator_runs(checkpoints, tiny_tr
     assert "measured" in r.output and "fitted" in r.output
     assert "H2D pageable 16 MiB" in r.output and "D2H pageable 64 KiB" in r.output      # curves across sizes
     m = json.loads(out.with_suffix(".measurements.json").read_text())
+    cpu_name = [ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")][0]
+    assert m["device"]["host"] == f"{cpu_name}, {len(os.sched_getaffinity(0))} cores"    # which host measured it
     runs = ("host, layer", "host, route", "host, one expert")                # the eager runs' means
     assert {"H2D pinned", "D2H pinned", "expert", "CPU expert", "round trip", *runs} <= set(m["repeats"])
     micro = {k: c for k, c in m["repeats"].items() if k not in ("expert in model", *runs)}

@@ -277,6 +277,19 @@ def measure(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4
     return out
 
 
+def host_cpu() -> str:
+    """The host CPU's model name and its cores, as Linux names them ("" where it does not say). A CPU
+    expert's time and the host's costs move with the host, and a lent GPU's host differs between
+    loans: in the twenty-ninth session's probe it was a 16-core Xeon whose 300 MiB L3 holds a whole
+    Mixtral expert (calibrate's isolated loop, one expert over and over, reads it from cache)."""
+    import os
+    try:
+        names = [ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{names[0]}, {len(os.sched_getaffinity(0))} cores" if names else ""
+
+
 def device_label_and_memory(device: torch.device) -> tuple[str, int]:
     """The device's name (what profiles are named after) and its memory in bytes."""
     if device.type == "cuda":
@@ -294,7 +307,7 @@ def calibrate(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int =
     from cmoe.calibrate.profile_fit import fit_profile, noise, with_expert_classes
     m = measure(device, spec, fmt, num_layers, model_dir, progress=progress, built=built)
     label, mem = device_label_and_memory(device)
-    m["device"] = {"label": label, "memory_bytes": mem, "date": time.strftime("%Y-%m-%d")}
+    m["device"] = {"label": label, "memory_bytes": mem, "date": time.strftime("%Y-%m-%d"), "host": host_cpu()}
     m["noise"] = noise(m["repeats"]).to_dict()
     prof = fit_profile(name or label.lower().replace(" ", "-"), m, mem, label, m["device"]["date"])
     return with_expert_classes(prof, H200), m
