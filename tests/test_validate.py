@@ -298,3 +298,15 @@ def test_calibrations_agree_counts_rows_within_two_percent_and_lists_the_rest():
     assert [(p, b, pol) for p, b, pol, _ in beyond] == [(26.0, 1, "oracle"), (26.0, 2, "ondemand")]
     assert [round(d, 6) for *_, d in beyond] == [-0.08, 0.03]
     assert calibrations_agree(rows, tol=0.1) == (4, [])
+
+
+def test_cpu_experts_off_their_calibration_get_a_line(runs):
+    """`format_validation` names CPU experts that ran over 5% off their predicted time (a run's CPU
+    speed moves between runs), and says nothing where they ran as predicted or where none ran."""
+    v = validate(read_run(runs[0], "commit"), read_run(runs[1], "commit"))
+    assert "CPU experts" not in format_validation(v)                     # none ran
+    v["op_kinds"]["cpu_expert"] = {"n": 4, "pred_mean_us": 1000.0, "meas_mean_us": 1340.0, "mape": 0.34,
+                                   "signed": 0.34, "only_predicted": 0, "only_measured": 0}
+    assert "CPU experts ran 1.34x their calibrated time" in format_validation(v)
+    v["op_kinds"]["cpu_expert"]["meas_mean_us"] = 1040.0
+    assert "CPU experts ran" not in format_validation(v)

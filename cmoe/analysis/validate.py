@@ -177,6 +177,9 @@ def link_ratio(v: dict) -> float | None:
     return g["measured"] / g["predicted"] if g.get("measured") and g.get("predicted") else None
 
 
+CPU_NOTE = 0.05     # CPU experts this far off their calibration get a line of their own
+
+
 def cpu_ratio(v: dict) -> float | None:
     """One validation's measured CPU expert time over its predicted one (the mean over the CPU
     experts both ran); None where none did."""
@@ -264,6 +267,9 @@ def format_validation(v: dict) -> str:
         lines.append(f"  loads moved at {g['measured']:.1f} GB/s measured, {g['predicted']:.1f} predicted "
                      f"(the link at {k:.3f}x its calibration; {v.get('slow_loads') or 0.0:.0%} of the loads "
                      f"under {SLOW_LOAD:.0%} of its rate)")
+    if (k := cpu_ratio(v)) is not None and abs(k - 1) > CPU_NOTE:
+        lines.append(f"  CPU experts ran {k:.2f}x their calibrated time: a run's CPU speed moved 0.7-1.5x between "
+                     "runs minutes apart on a lent GPU's host; repeat the runs (cmoe run --repeat N) to see it")
     return "\n".join(lines)
 
 
