@@ -215,6 +215,8 @@ def test_cpu_calibration_gives_a_profile_the_simulator_runs(checkpoints, tiny_tr
     m = json.loads(out.with_suffix(".measurements.json").read_text())
     cpu_name = [ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")][0]
     assert m["device"]["host"] == f"{cpu_name}, {len(os.sched_getaffinity(0))} cores"    # which host measured it
+    from cmoe.calibrate.measure import CPU_TOKENS
+    assert [t for t, _ in m["cpu_expert"]["points"]] == list(CPU_TOKENS)          # the isolated loop's shape
     runs = ("host, layer", "host, route", "host, one expert")                # the eager runs' means
     assert {"H2D pinned", "D2H pinned", "expert", "CPU expert", "round trip", *runs} <= set(m["repeats"])
     micro = {k: c for k, c in m["repeats"].items() if k not in ("expert in model", *runs)}
@@ -710,3 +712,23 @@ def test_a_bin_seen_only_at_rare_token_counts_is_left_out_of_the_cpu_fit():
     base, extra, idle = _joint(rows)
     assert base == {1: pytest.approx(1.5e-3)} and extra == {300.0: pytest.approx(3e-4)}
     assert idle == {0.0: 25.0, 300.0: 400.0}
+
+
+def test_the_isolated_cpu_loop_cycles_over_experts_past_the_cache(monkeypatch):
+    """`measure._cpu_views`: distinct random experts (other seeds, other bytes), twice the last-level
+    cache together, 1 to 8 of them."""
+    import builtins
+    import io
+    from cmoe.calibrate.measure import _cpu_views
+    from cmoe.executor.layout import expert_layout
+    lay = expert_layout("w4g128", 256, 512)
+    real = builtins.open
+
+    def fake(path, *a, **k):
+        return io.StringIO(f"{3 * lay.nbytes // 1024}K") if "index3/size" in str(path) else real(path, *a, **k)
+    monkeypatch.setattr(builtins, "open", fake)
+    views = _cpu_views(lay)
+    assert len(views) == 6                                      # 2 x 3 expert sizes of cache
+    assert not views[0].w13.equal(views[1].w13)
+    monkeypatch.setattr(builtins, "open", lambda *a, **k: (_ for _ in ()).throw(OSError("no sysfs")))
+    assert len(_cpu_views(lay)) == 8                            # unknown: 64 MiB assumed, capped at 8
