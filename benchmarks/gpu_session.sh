@@ -80,6 +80,9 @@
 #                                             # (CMOE_HOST_PROFILE=pass), pools 16 and 26, batches 1 and 8, timelines kept (~5 min)
 #   bash benchmarks/gpu_session.sh calib      # issue 15: `cmoe calibrate` alone on the 4-layer cut (~1-2 min), its profile
 #                                             # and measurements into $OUT and the terms that moved between calibrations
+#   POLS=upper,lfu-fallback,static bash benchmarks/gpu_session.sh validate-r 1,8   # the CPU-expert policies run
+#                                             # twice each (twenty-ninth session: a run's CPU speed moves 0.7-1.5x
+#                                             # between runs, so their error reads against the runs' spread; ~520 s)
 #   bash benchmarks/gpu_session.sh validate-r 1,2,4   # the same with every configuration run twice (--repeat),
 #   bash benchmarks/gpu_session.sh validate-r 8       # in two calls: all four batches took over 450 s of runs
 #                                             # on the H200 (sixth session); each call calibrates again
@@ -205,7 +208,7 @@ case "${1:-}" in
                  -k "(match_transformers and (mixtral or qwen2_moe)) or (replay_equals_eager and mixtral)" 2>&1 | tail -4 || true
                VT=${VT:-440} POLS=upper,lfu-fallback,static BATCHES=${BATCHES:-1,8} CAL=built bash "$0" validate ;;
   validate-r) rm -rf /tmp/v; timeout 560 python3 benchmarks/validate_h200.py --out /tmp/v --pools "${POOLS:-16,20,26}" --batches "${2:?batches}" \
-                --tokens 32 --policies upper,ondemand,lru-prefetch,commit,oracle --measure-only --repeat --spec "${SPEC:-mixtral-8x7b}" \
+                --tokens 32 --policies "${POLS:-upper,ondemand,lru-prefetch,commit,oracle}" --measure-only --repeat --spec "${SPEC:-mixtral-8x7b}" \
                 --calibrate-on "${CAL:-both}" --commit "${COMMIT:-unknown}" 2>&1 | tee "$OUT/validate.log" | grep -v "^  " || true
               (cd /tmp/v && tar czf "$OUT/head.tgz" results.json profile*.json \
                 && for b in 1 2 4 8; do ls -d pool*-b$b >/dev/null 2>&1 && tar czf "$OUT/meas-b$b.tgz" pool*-b$b; done; true); terms ;;
