@@ -80,7 +80,7 @@
 #                                             # (CMOE_HOST_PROFILE=pass), pools 16 and 26, batches 1 and 8, timelines kept (~5 min)
 #   bash benchmarks/gpu_session.sh calib      # issue 15: `cmoe calibrate` alone on the 4-layer cut (~1-2 min), its profile
 #                                             # and measurements into $OUT and the terms that moved between calibrations
-#   POLS=upper,lfu-fallback,static bash benchmarks/gpu_session.sh validate-r 1,8   # the CPU-expert policies run
+#   POLS=upper,lfu-fallback,static CAL=built bash benchmarks/gpu_session.sh validate-r 1,8  # CPU-expert policies run
 #                                             # twice each (twenty-ninth session: a run's CPU speed moves 0.7-1.5x
 #                                             # between runs, so their error reads against the runs' spread; ~520 s)
 #   bash benchmarks/gpu_session.sh validate-r 1,2,4   # the same with every configuration run twice (--repeat),
