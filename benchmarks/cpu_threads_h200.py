@@ -17,7 +17,8 @@ This measures, in one process over one built store (Mixtral-8x7B shapes, W4A16 g
   rounds whose arms' order turns each round (the host drifts over minutes); with
   --isolated-only nothing else, so other processes can repeat it under other OpenMP settings;
 - inside the executor: `static` (pool 16) and `lfu-fallback` (pool 20) at batch 8, each thread
-  count per round, the order turned each round: tokens/s and the CPU experts' mean and median.
+  count per round, the order turned each round: tokens/s and the decode CPU experts' mean and
+  median (--batch and --pools set others: batch 1 at pool 26 puts CPU experts far apart).
 Beside each isolated arm, one core's Python speed (a fixed loop), to tell the whole CPU slowing
 from the experts' threads slowing.
 Everything is written to --out as JSON; one line per measurement is printed.
@@ -40,7 +41,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cmoe.core.timeline import END, OP, START  # noqa: E402
+from cmoe.calibrate.spans import decode_passes  # noqa: E402
+from cmoe.core.timeline import END, OP, START, STEP  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
 from cmoe.core.spec import preset  # noqa: E402
 from cmoe.executor.kernels import ExpertViews, ffn  # noqa: E402
@@ -119,18 +121,21 @@ def isolated(views: list, pinned: list, hidden: int, threads: list[int], rounds:
                   flush=True)
 
 
-def in_executor(where: dict, built, threads: list[int], rounds: int, tokens: int, out: list, save=None) -> None:
-    """`static` pool 16 and `lfu-fallback` pool 20 at batch 8, every thread count each round."""
-    arms = [(th, pol, pool) for th in threads for pol, pool in (("static", 16.0), ("lfu-fallback", 20.0))]
+def in_executor(where: dict, built, threads: list[int], rounds: int, tokens: int, out: list, save=None,
+                batch: int = 8, pools: tuple = (16.0, 20.0)) -> None:
+    """`static` and `lfu-fallback` at their pools (`pools`) and `batch`, every thread count each
+    round; the CPU experts' figures over the decode passes (the prefill's have many tokens)."""
+    arms = [(th, pol, pool) for th in threads for pol, pool in zip(("static", "lfu-fallback"), pools)]
     for rnd in range(rounds):
         for th, pol, pool in (arms if rnd % 2 == 0 else arms[::-1]):
             torch.set_num_threads(th)
-            cfg = ExecConfig(policies=(pol,), pool_gb=pool, batch=8, tokens=tokens, device="cuda")
+            cfg = ExecConfig(policies=(pol,), pool_gb=pool, batch=batch, tokens=tokens, device="cuda")
             w, cfg = prepare(cfg=cfg, **where)
             w.store, w.model, w.shims = built
             r = run_policy(w, cfg, pol)
-            cpu = [(s[END] - s[START]) / 1e3 for s in r.log.spans if s[OP] == "cpu_expert"]
-            rec = {"part": "executor", "round": rnd, "threads": th, "policy": pol, "pool_gb": pool,
+            dec = decode_passes(r.log)
+            cpu = [(s[END] - s[START]) / 1e3 for s in r.log.spans if s[OP] == "cpu_expert" and s[STEP] in dec]
+            rec = {"part": "executor", "round": rnd, "threads": th, "policy": pol, "pool_gb": pool, "batch": batch,
                    "tok_s": r.metrics["tokens_per_s"], "cpu_experts": len(cpu),
                    "cpu_mean_ms": float(np.mean(cpu)) if cpu else None, "cpu_median_ms": float(np.median(cpu)) if cpu else None}
             out.append(rec)
@@ -151,6 +156,8 @@ def main() -> None:
     ap.add_argument("--iso-rounds", type=int, default=4, help="rounds of the isolated experts (cheap)")
     ap.add_argument("--tokens", type=int, default=16, help="decode tokens of each executor run")
     ap.add_argument("--spec", default="mixtral-8x7b")
+    ap.add_argument("--batch", type=int, default=8, help="the executor runs' batch")
+    ap.add_argument("--pools", default="16,20", help="the executor runs' pools (GB): static's, lfu-fallback's")
     ap.add_argument("--isolated-only", action="store_true", help="8 experts built here, no store, no executor runs")
     a = ap.parse_args()
     threads = [int(t) for t in a.threads.split(",")]
@@ -166,14 +173,15 @@ def main() -> None:
         return
     del views, pinned
     where = {"spec_name": a.spec, "model_dir": None, "trace_src": f"synthetic:{a.spec}", "data": None}
-    first = ExecConfig(policies=("static", "lfu-fallback"), pool_gb=16.0, batch=8, tokens=a.tokens, device="cuda")
+    pools = tuple(float(x) for x in a.pools.split(","))
+    first = ExecConfig(policies=("static", "lfu-fallback"), pool_gb=pools[0], batch=a.batch, tokens=a.tokens, device="cuda")
     w, _ = prepare(cfg=first, **where)
     t0 = time.perf_counter()
     build(w, first)
     print(f"built store and model in {time.perf_counter() - t0:.0f} s", flush=True)
     run_policy(w, first, "upper")                                  # untimed warm-up
     in_executor(where, (w.store, w.model, w.shims), threads, a.rounds, a.tokens, res["runs"],
-                lambda: write_text_atomic(a.out, json.dumps(res, indent=1)))
+                lambda: write_text_atomic(a.out, json.dumps(res, indent=1)), a.batch, pools)
     write_text_atomic(a.out, json.dumps(res, indent=1))
 
 if __name__ == "__main__":

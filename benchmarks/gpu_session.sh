@@ -23,6 +23,10 @@
 #                                             # thread count of THREADS (16,15,14,8), the link busy or not; the
 #                                             # isolated part also under OMP_PROC_BIND=close and OMP_WAIT_POLICY=PASSIVE
 #                                             # in processes of their own (~6 min)
+#   bash benchmarks/gpu_session.sh cpu-wait   # issue 15: does OpenMP spinning without end (OMP_WAIT_POLICY=ACTIVE)
+#                                             # remove the CPU experts' wake-up after idle? static and lfu-fallback at
+#                                             # batch 1, pool 26 (CPU experts far apart), in a process with it and one
+#                                             # without (~9 min: each builds its store)
 #   bash benchmarks/gpu_session.sh cpu-experts  # issue 15: the lean GPU tests over the CPU-expert policies' graphs
 #                                             # (7267969), then POLS=upper,lfu-fallback,static validate with the
 #                                             # Python step calibrated (970abb6), pools 16/20/26, batches 1/8 (~7 min)
@@ -204,6 +208,12 @@ case "${1:-}" in
                timeout 420 python3 benchmarks/cpu_threads_h200.py --out "$OUT/cpu_threads.json" --threads "${THREADS:-16,15,14,8}" \
                  > "$OUT/cpu_threads.log" 2>&1 || true
                echo "== default"; grep -E "^(isolated|executor|built)|rror" "$OUT/cpu_threads.log" | tail -60 || true ;;
+  cpu-wait) for v in "OMP_WAIT_POLICY=ACTIVE" "CMOE_NOTHING=1"; do      # each process: its own store (~130 s)
+              n=$(echo "$v" | cut -d= -f1)
+              env $v timeout 260 python3 benchmarks/cpu_threads_h200.py --out "$OUT/cpu_wait-$n.json" --threads 16 \
+                --iso-rounds 2 --rounds 2 --batch 1 --pools 26,26 --tokens 32 > "$OUT/cpu_wait-$n.log" 2>&1 || true
+              echo "== $v"; grep -E "^(isolated|executor|built)|rror" "$OUT/cpu_wait-$n.log" | tail -12 || true
+            done ;;
   cpu-experts) timeout 60 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider \
                  -k "(match_transformers and (mixtral or qwen2_moe)) or (replay_equals_eager and mixtral)" 2>&1 | tail -4 || true
                VT=${VT:-440} POLS=upper,lfu-fallback,static BATCHES=${BATCHES:-1,8} CAL=built bash "$0" validate ;;
@@ -222,5 +232,5 @@ case "${1:-}" in
                 | grep -E "^lean|host phases|Error|error" > "$OUT/host-ab/$t$i.log") || true
            done; done
            grep -h "^lean" "$OUT"/host-ab/*.log | cut -c1-150 || true ;;
-  *) echo "usage: $0 cpu-program|cpu-threads|cpu-experts|step-ab|boundary|check|fuse-ab|gemv|attn|tests|host-tests|wait|ncu|variants|kernel-ab|ncu-variants|gptq|b1|b48|cpu48|validate|validate-r BATCHES|host-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 cpu-program|cpu-threads|cpu-wait|cpu-experts|step-ab|boundary|check|fuse-ab|gemv|attn|tests|host-tests|wait|ncu|variants|kernel-ab|ncu-variants|gptq|b1|b48|cpu48|validate|validate-r BATCHES|host-ab" >&2; exit 2 ;;
 esac
