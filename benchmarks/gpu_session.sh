@@ -26,7 +26,7 @@
 #   bash benchmarks/gpu_session.sh cpu-wait   # issue 15: does OpenMP spinning without end (OMP_WAIT_POLICY=ACTIVE)
 #                                             # remove the CPU experts' wake-up after idle? static and lfu-fallback at
 #                                             # batch 1, pool 26 (CPU experts far apart), in a process with it and one
-#                                             # without (~9 min: each builds its store)
+#                                             # without (~5-6 min: each builds its store)
 #   bash benchmarks/gpu_session.sh cpu-experts  # issue 15: the lean GPU tests over the CPU-expert policies' graphs
 #                                             # (7267969), then POLS=upper,lfu-fallback,static validate with the
 #                                             # Python step calibrated (970abb6), pools 16/20/26, batches 1/8 (~7 min)
@@ -208,11 +208,11 @@ case "${1:-}" in
                timeout 420 python3 benchmarks/cpu_threads_h200.py --out "$OUT/cpu_threads.json" --threads "${THREADS:-16,15,14,8}" \
                  > "$OUT/cpu_threads.log" 2>&1 || true
                echo "== default"; grep -E "^(isolated|executor|built)|rror" "$OUT/cpu_threads.log" | tail -60 || true ;;
-  cpu-wait) for v in "OMP_WAIT_POLICY=ACTIVE" "CMOE_NOTHING=1"; do      # each process: its own store (~130 s)
-              n=$(echo "$v" | cut -d= -f1)
-              env $v timeout 260 python3 benchmarks/cpu_threads_h200.py --out "$OUT/cpu_wait-$n.json" --threads 16 \
+  cpu-wait) for n in active default; do                          # each process: its own store (~130 s)
+              e=""; [ "$n" = active ] && e="OMP_WAIT_POLICY=ACTIVE"
+              env $e timeout 260 python3 benchmarks/cpu_threads_h200.py --out "$OUT/cpu_wait-$n.json" --threads 16 \
                 --iso-rounds 2 --rounds 2 --batch 1 --pools 26,26 --tokens 32 > "$OUT/cpu_wait-$n.log" 2>&1 || true
-              echo "== $v"; grep -E "^(isolated|executor|built)|rror" "$OUT/cpu_wait-$n.log" | tail -12 || true
+              echo "== $n"; grep -E "^(isolated|executor|built)|rror" "$OUT/cpu_wait-$n.log" | tail -12 || true
             done ;;
   cpu-experts) timeout 60 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider \
                  -k "(match_transformers and (mixtral or qwen2_moe)) or (replay_equals_eager and mixtral)" 2>&1 | tail -4 || true
