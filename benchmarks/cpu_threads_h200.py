@@ -136,6 +136,7 @@ def in_executor(where: dict, built, threads: list[int], rounds: int, tokens: int
             dec = decode_passes(r.log)
             cpu = [(s[END] - s[START]) / 1e3 for s in r.log.spans if s[OP] == "cpu_expert" and s[STEP] in dec]
             rec = {"part": "executor", "round": rnd, "threads": th, "policy": pol, "pool_gb": pool, "batch": batch,
+                   "passes": "decode",
                    "tok_s": r.metrics["tokens_per_s"], "cpu_experts": len(cpu),
                    "cpu_mean_ms": float(np.mean(cpu)) if cpu else None, "cpu_median_ms": float(np.median(cpu)) if cpu else None}
             out.append(rec)
@@ -174,6 +175,8 @@ def main() -> None:
     del views, pinned
     where = {"spec_name": a.spec, "model_dir": None, "trace_src": f"synthetic:{a.spec}", "data": None}
     pools = tuple(float(x) for x in a.pools.split(","))
+    if len(pools) != 2:
+        sys.exit(f"--pools takes two sizes (static's, lfu-fallback's), not {a.pools!r}")
     first = ExecConfig(policies=("static", "lfu-fallback"), pool_gb=pools[0], batch=a.batch, tokens=a.tokens, device="cuda")
     w, _ = prepare(cfg=first, **where)
     t0 = time.perf_counter()

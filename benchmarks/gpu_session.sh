@@ -96,6 +96,7 @@ cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site
 OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
 B="python3 benchmarks/lean_h200.py --tokens 256 --policy-tokens 128 --repeats 3 --hf-tokens 64 --budget-s 520"
 # upper at batches 1/4/8, pool 20, two runs each: upper SECONDS BUDGET [lean_h200.py options]
 upper() { timeout "$1" python3 benchmarks/lean_h200.py --out "$OUT/lean" --tokens 128 --batches 1,4,8 --pools 20 \
@@ -210,9 +211,9 @@ case "${1:-}" in
                echo "== default"; grep -E "^(isolated|executor|built)|rror" "$OUT/cpu_threads.log" | tail -60 || true ;;
   cpu-wait) for n in active default; do                          # each process: its own store (~130 s)
               e=""; [ "$n" = active ] && e="OMP_WAIT_POLICY=ACTIVE"
-              env $e timeout 260 python3 benchmarks/cpu_threads_h200.py --out "$OUT/cpu_wait-$n.json" --threads 16 \
+              env -u OMP_WAIT_POLICY $e timeout 280 python3 benchmarks/cpu_threads_h200.py --out "$OUT/cpu_wait-$n.json" --threads 16 \
                 --iso-rounds 2 --rounds 2 --batch 1 --pools 26,26 --tokens 32 > "$OUT/cpu_wait-$n.log" 2>&1 || true
-              echo "== $n"; grep -E "^(isolated|executor|built)|rror" "$OUT/cpu_wait-$n.log" | tail -12 || true
+              echo "== $n"; grep -E "^(isolated|executor|built)|rror" "$OUT/cpu_wait-$n.log" | tail -16 || true
             done ;;
   cpu-experts) timeout 60 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider \
                  -k "(match_transformers and (mixtral or qwen2_moe)) or (replay_equals_eager and mixtral)" 2>&1 | tail -4 || true
