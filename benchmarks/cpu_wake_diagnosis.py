@@ -30,9 +30,9 @@ import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
 
 from cmoe.calibrate.cpu_fit import cpu_expert_fit  # noqa: E402
-from cmoe.calibrate.log_points import _cpu_points, _cpu_steps, cpu_in_model  # noqa: E402
+from cmoe.calibrate.log_points import _cpu_points, _cpu_steps, cpu_experts, cpu_in_model  # noqa: E402
 from cmoe.core.spec import preset  # noqa: E402
-from cmoe.core.timeline import END, EXPERT, LAYER, OP, START, STEP  # noqa: E402
+from cmoe.core.timeline import END, EXPERT, LAYER, START  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
 from cmoe.trace.load import load_trace  # noqa: E402
 from cmoe.trace.passes import make_passes  # noqa: E402
@@ -62,15 +62,7 @@ def host_lane(log, moe_layers: int) -> tuple[float, float]:
 
 def one_token(log, tr, batch: int, spec) -> list[tuple[tuple[int, int], float]]:
     """((layer, expert), seconds) of every decode CPU expert that had one token."""
-    passes, moe = make_passes(tr, batch), {d: m for m, d in enumerate(spec.moe_layers)}
-    dec = {p for p, d, _, _ in log.pass_us if d}
-    out = []
-    for s in log.spans:
-        if s[OP] == "cpu_expert" and s[STEP] in dec:
-            ps, m = passes[s[STEP]], moe[s[LAYER]]
-            if dict(zip(ps.needed[m], ps.votes[m])).get(s[EXPERT], 1) == 1:
-                out.append(((s[LAYER], s[EXPERT]), (s[END] - s[START]) / 1e6))
-    return out
+    return [((s[LAYER], s[EXPERT]), (s[END] - s[START]) / 1e6) for s, t in cpu_experts(log, tr, batch, spec) if t == 1]
 
 
 def run_effects(seen: dict[str, list]) -> dict:

@@ -94,16 +94,16 @@ def main() -> None:
         adjusted = {}
         if a.host_adjust and speed:
             adjusted = held(prof.host_scaled(speed), a.work / here.name / "predicted-host", pols)
-        linked = {}
-        for i, p in enumerate(pols if a.link_adjust else []):
-            ks = [k for r in runs if (k := link_ratio(r[i])) is not None]
-            if ks:
-                linked |= held(prof.link_scaled(sum(ks) / len(ks)), a.work / here.name / "predicted-link" / p, [p])
-        cpus = {}
-        for i, p in enumerate(pols if a.cpu_adjust else []):
-            ks = [k for r in runs if (k := cpu_ratio(r[i])) is not None]
-            if ks:
-                cpus |= held(prof.cpu_scaled(sum(ks) / len(ks)), a.work / here.name / "predicted-cpu" / p, [p])
+        def at_runs_speed(on: bool, ratio, scaled, name: str) -> dict:
+            """Each policy predicted with one part of the machine as fast as its runs found it (the
+            mean of `ratio` over its runs; `scaled` the profile so changed)."""
+            got = {}
+            for i, p in enumerate(pols if on else []):
+                if ks := [k for r in runs if (k := ratio(r[i])) is not None]:
+                    got |= held(scaled(sum(ks) / len(ks)), a.work / here.name / f"predicted-{name}" / p, [p])
+            return got
+        linked = at_runs_speed(a.link_adjust, link_ratio, prof.link_scaled, "link")
+        cpus = at_runs_speed(a.cpu_adjust, cpu_ratio, prof.cpu_scaled, "cpu")
         others = held(other, a.work / here.name / "predicted-other", pols) if other is not None else {}
         for i, agg in enumerate(against_repeats(runs)):
             vs = [r[i] for r in runs]

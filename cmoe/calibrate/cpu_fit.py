@@ -6,9 +6,10 @@ Why the idle: on an H100's host (twenty-eighth session) a one-token Mixtral expe
 ms when it followed another within 0.1 ms and 1.9-2.0 ms after more than 2 ms of idle; a model
 that held one mean predicted the pools that keep most experts resident (CPU experts far apart)
 up to 39% fast, and batch 8's back-to-back experts 16% slow. So the time by tokens is the back-to-
-back experts' (idle in the first of `IDLE_BINS_US`), and each later idle bin adds an extra over it,
-the same at every token count (`_joint` fits both at once): an extra time, not a factor (there the extra was ~0.2-0.5
-ms at 1 to 4 tokens alike, where a factor would have charged 4 tokens twice what it charged one).
+back experts' (idle in the first of `IDLE_BINS_US`), and each later idle bin adds an extra over
+it, the same at every token count (`_joint` fits both at once): an extra time, not a factor
+(there the extra was ~0.2-0.5 ms at 1 to 4 tokens alike, where a factor would have charged 4
+tokens twice what it charged one).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from cmoe.calibrate.link_fit import fit_line
 from cmoe.calibrate.log_points import IDLE_BINS_US
 from cmoe.core.hw_math import table_us
 
-LEAST = 5                                  # experts an idle bin needs to give its extra
+LEAST = 5                                  # experts a token count or an idle bin needs to be fitted
 
 
 SOURCES = {"cpu_wake_points": "static's CPU experts by the CPU's idle before them, over the back-to-back ones",
-           "cpu_expert_points": "static's back-to-back CPU experts by their tokens, over one token's"}
+           "cpu_expert_points": "static's CPU experts by their tokens, fitted beside the idle's extras, over one "
+                                "token's; past the model's token counts the isolated loop's shape"}
 
 
 def by_tokens(rows: list) -> tuple:

@@ -35,20 +35,30 @@ def _wave_points(log, tr, batch: int, spec: ModelSpec) -> list[list[float]]:
     return out
 
 
-def _cpu_points(log, tr, batch: int, spec: ModelSpec) -> tuple[list, list]:
-    """(tokens, seconds, idle seconds) of every CPU expert of the decode passes, its tokens from the
-    trace's votes, its idle the CPU's since the run's CPU expert before it ended (inf: none before);
-    and the round trip's two halves added up per layer (seconds)."""
+def cpu_experts(log, tr, batch: int, spec: ModelSpec):
+    """Every CPU expert span of the run in start order, each with its tokens from the trace's votes
+    in a decode pass (None in the prefill, whose experts are not measured but end an idle)."""
     from cmoe.trace.passes import make_passes
     passes = make_passes(tr, batch)
     moe = {d: m for m, d in enumerate(spec.moe_layers)}
     dec = decode_passes(log)
-    pts, trips, end = [], {}, float("-inf")
     for s in sorted((s for s in log.spans if s[OP] == "cpu_expert"), key=lambda s: s[START]):
         if s[STEP] in dec:
             ps, m = passes[s[STEP]], moe[s[LAYER]]
-            votes = dict(zip(ps.needed[m], ps.votes[m]))
-            pts.append((votes.get(s[EXPERT], 1), (s[END] - s[START]) / 1e6, (s[START] - end) / 1e6))
+            yield s, dict(zip(ps.needed[m], ps.votes[m])).get(s[EXPERT], 1)
+        else:
+            yield s, None
+
+
+def _cpu_points(log, tr, batch: int, spec: ModelSpec) -> tuple[list, list]:
+    """(tokens, seconds, idle seconds) of every CPU expert of the decode passes (`cpu_experts`), its
+    idle the CPU's since the run's CPU expert before it ended (inf: none before); and the round
+    trip's two halves added up per layer (seconds)."""
+    dec = decode_passes(log)
+    pts, trips, end = [], {}, float("-inf")
+    for s, tokens in cpu_experts(log, tr, batch, spec):
+        if tokens is not None:
+            pts.append((tokens, (s[END] - s[START]) / 1e6, (s[START] - end) / 1e6))
         end = s[END]
     for s in log.spans:
         if s[STEP] in dec and s[OP] == "roundtrip":
