@@ -11,7 +11,9 @@ It also splits the one-token CPU experts' times into a run's effect and an exper
 whether a run's CPU experts are slow because of the run (a state of the host) or because of which
 experts it put there (where their bytes sit). And it prints each run's host time per MoE layer in its decode passes (issue 13's figure):
 `host_attention` + `host_route` + `host_expert`, and the same less the first round trip of each
-CPU layer (its input's copy to the host, inside the route step: CPU work).
+CPU layer (its input's copy to the host, inside the route step: CPU work). Where the folder has
+host-load.json (validate_h200's sampler, `cmoe.calibrate.host_load`) and its runs their clock's
+epoch, the one-token experts by the host's other load and steal in their window (`load_effects`).
 
     python benchmarks/cpu_wake_diagnosis.py FOLDER OUT.json   # FOLDER: validate_h200's, untarred
 """
@@ -31,6 +33,7 @@ import polars as pl  # noqa: E402
 
 from cmoe.calibrate.cpu_fit import cpu_expert_fit  # noqa: E402
 from cmoe.calibrate.log_points import _cpu_points, _cpu_steps, cpu_experts, cpu_in_model  # noqa: E402
+from cmoe.core.checkpoint import check_checkpoint  # noqa: E402
 from cmoe.core.spec import preset  # noqa: E402
 from cmoe.core.timeline import END, EXPERT, LAYER, START  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
@@ -65,6 +68,37 @@ def one_token(log, tr, batch: int, spec) -> list[tuple[tuple[int, int], float]]:
     return [((s[LAYER], s[EXPERT]), (s[END] - s[START]) / 1e6) for s, t in cpu_experts(log, tr, batch, spec) if t == 1]
 
 
+def load_effects(timed: dict[str, list[tuple[float, float]]], rows: list[dict]) -> list[str]:
+    """Lines: the one-token CPU experts (epoch start, ms) of every run by the host's other load and
+    steal in the 0.1 s window they started in (`host_load.at`), median ms per bin of cores; then
+    each run's experts in sixths of its time, median ms beside the mean other load and steal."""
+    from cmoe.calibrate.host_load import at
+    out, bins = [], {}
+    for what in ("other", "steal"):
+        edges = (0.0, 0.25, 0.75, 1.5, 3.0, float("inf"))
+        by = {}
+        for xs in timed.values():
+            for t, ms in xs:
+                r = at(rows, t)
+                if r is not None:
+                    k = next(i for i in range(len(edges) - 1) if r[what] < edges[i + 1])
+                    by.setdefault(k, []).append(ms)
+        out.append(f"one-token CPU experts by the host's {what} cores in their window: " + ", ".join(
+            f"{edges[k]:g}-{edges[k + 1]:g}: {np.median(v):.2f} ms over {len(v)}" for k, v in sorted(by.items())))
+        bins[what] = by
+    for run, xs in timed.items():
+        if len(xs) < 6:
+            continue
+        parts = []
+        for part in np.array_split(np.array(xs), 6):
+            ws = [r for r in rows if part[0, 0] <= r["t0"] < part[-1, 0]] or [at(rows, part[0, 0])]
+            ws = [w for w in ws if w is not None]
+            load = (f" ({np.mean([w['other'] for w in ws]):.2f}/{np.mean([w['steal'] for w in ws]):.2f})" if ws else "")
+            parts.append(f"{np.median(part[:, 1]):.2f}{load}")
+        out.append(f"{run}: sixths, median ms (other/steal cores) " + " ".join(parts))
+    return out
+
+
 def run_effects(seen: dict[str, list]) -> dict:
     """log(median seconds of expert k in run r) = run effect + expert effect, least squares over
     every (run, expert) pair measured: each run's factor (geometric mean 1), the experts' factors'
@@ -92,18 +126,23 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     a = ap.parse_args()
     res = json.loads((a.folder / "results.json").read_text())
-    spec = preset(res["spec"])
-    pts, trips, steps, seen = [], [], {}, {}
+    spec = check_checkpoint(Path(res["model"]), float_experts=True) if res.get("model") else preset(res["spec"])
+    pts, trips, steps, seen, timed = [], [], {}, {}, {}
     for c in res["configs"]:
         b = c["batch"]
         tr = load_trace(res.get("trace") or f"synthetic:{res['spec']}", None, b)
         passes = make_passes(tr, b)
-        for f in sorted((a.folder / f"pool{c['pool_gb']:g}-b{b}" / "measured").glob("timeline-*.parquet")):
+        here = a.folder / f"pool{c['pool_gb']:g}-b{b}" / "measured"
+        zero = {m["policy"]: m.get("clock_epoch") for m in json.loads((here / "metrics.json").read_text())}
+        for f in sorted(here.glob("timeline-*.parquet")):
             log = run_log(f, passes)
             w, own = host_lane(log, spec.num_moe_layers)
             print(f"pool {c['pool_gb']:g} batch {b} {f.stem[9:]}: host {w:.1f} us a MoE layer, {own:.1f} less the copy to the host")
             p, t = _cpu_points(log, tr, b, spec)
             seen[f"pool {c['pool_gb']:g} batch {b} {f.stem[9:]}"] = one_token(log, tr, b, spec)
+            if zero.get(f.stem[9:]):
+                timed[f"pool {c['pool_gb']:g} batch {b} {f.stem[9:]}"] = [
+                    (zero[f.stem[9:]] + s[START] / 1e6, (s[END] - s[START]) / 1e3) for s, t in cpu_experts(log, tr, b, spec) if t == 1]
             pts, trips = pts + p, trips + [(b, x) for x in t]
             for k, v in _cpu_steps(log).items():
                 steps.setdefault(k, []).extend(v)
@@ -112,6 +151,9 @@ def main() -> None:
         print(f"one-token CPU experts over {fx['pairs']} (run, expert) pairs of {fx['experts']} experts: each run's factor "
               + ", ".join(f"{r} {x:.2f}" for r, x in fx["runs"].items())
               + f"; experts' own spread {fx['expert_log_sd']:.3f}, unexplained {fx['residual_log_sd']:.3f} (sd of the log)")
+    if (a.folder / "host-load.json").exists() and any(timed.values()):
+        for line in load_effects(timed, json.loads((a.folder / "host-load.json").read_text())["windows"]):
+            print(line)
     if not pts:
         sys.exit("no CPU experts in this folder's decode passes: give a validation that ran lfu-fallback or static")
     meas = json.loads((a.folder / "profile.measurements.json").read_text())

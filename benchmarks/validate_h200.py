@@ -9,7 +9,9 @@ only in pool and batch). Writes, under --out:
 - pool{GB}-b{B}/predicted, .../measured (run folders as cmoe simulate/execute write them, without
   the Chrome traces), .../validation.json;
 - results.json: per configuration and policy, predicted and measured tokens/s and mean time per
-  token with the errors; rewritten after every configuration, so a run cut short keeps its figures.
+  token with the errors; rewritten after every configuration, so a run cut short keeps its figures;
+- host-load.json: the host's other load and steal every 0.1 s from the store's build on
+  (`cmoe.calibrate.host_load`), rewritten with results.json.
 With --profile PATH it measures nothing and uses that profile (e.g. a second pass with the
 same calibration). Needs simpy for the predictions (without it only the measured side is written).
 
@@ -88,6 +90,8 @@ def main() -> None:
     # what validate_table.py replays: the model's shapes and trace as run (the embedded model is no preset)
     res |= {"spec": w.spec.name, "trace": where["trace_src"], "model": where["model_dir"] and str(where["model_dir"]),
             "expert_format": w.fmt, "slots": a.slots}
+    from cmoe.calibrate.host_load import LoadSampler
+    load = LoadSampler(0.1).start()
     t0 = time.perf_counter()
     build(w, first)
     res["build_s"] = time.perf_counter() - t0
@@ -147,6 +151,7 @@ def main() -> None:
                              layer_mape_max=v["per_layer_mape_max"], error_from=v["error_from"])
             res["configs"].append(entry)
             write_text_atomic(a.out / "results.json", json.dumps(res, indent=1))
+            _write_load(a.out, load)
             del results
             if w.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -187,10 +192,17 @@ def _calibrate(a, w, where: dict, card: str, res: dict):
     return prof
 
 
+def _write_load(out: Path, load) -> None:
+    """host-load.json: the sampler's windows so far, figures to 4 places."""
+    rows = [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in load.windows()]
+    write_text_atomic(out / "host-load.json", json.dumps({"interval_s": load.interval, "windows": rows}))
+
+
 def _timed(w, cfg, policy: str, what: str):
     t0, w0 = time.perf_counter(), time.time()
     r = run_policy(w, cfg, policy)
     r.metrics["wall"] = (w0, time.time())         # epoch seconds: lines up with a clock log taken beside
+    r.metrics["clock_epoch"] = r.log.clock_epoch   # the timeline's zero on the same clock (host-load.json's)
     print(f"{what} {policy:<13} {r.metrics['tokens_per_s']:8.2f} tok/s ({time.perf_counter() - t0:.0f} s)", flush=True)
     return r
 

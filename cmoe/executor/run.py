@@ -286,6 +286,7 @@ def run_policy(w: Workload, cfg: ExecConfig, policy_name: str) -> ExecResult:
             gc.unfreeze()
             eng.close()
         log = eng.finish()
+        log.clock_epoch = eng.clock.epoch0
         finished = True
     finally:
         if not finished:

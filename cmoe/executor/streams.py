@@ -78,6 +78,7 @@ class Clock:
                 self.ref.record(stream)
             torch.cuda.synchronize(device)
         self.host0 = time.perf_counter()
+        self.epoch0 = time.time()            # host0 on the wall clock: lines the timeline up with other logs
 
     @property
     def calls(self) -> str:

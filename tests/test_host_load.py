@@ -1,0 +1,59 @@
+"""The host-load sampler (`cmoe.calibrate.host_load`): /proc's text read exactly, windows as cores."""
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cmoe.calibrate import host_load
+from cmoe.calibrate.host_load import LoadSampler, at, parse_self, parse_stat, windows
+
+STAT = """cpu  100 10 50 1000 20 3 7 40 5 0
+cpu0 60 5 30 500 10 2 4 20 5 0
+cpu1 40 5 20 500 10 1 3 20 0 0
+intr 1 2 3
+ctxt 99
+"""
+
+
+def test_stat_counts_busy_without_idle_iowait_or_steal_and_guest_once():
+    # busy = user 100 + nice 10 + system 50 + irq 3 + softirq 7 (guest 5 is inside user already)
+    assert parse_stat(STAT) == (170, 40, 2)
+
+
+def test_stat_with_too_few_fields_is_refused():
+    with pytest.raises(ValueError, match="fewer than 8"):
+        parse_stat("cpu 1 2 3\n")
+
+
+def test_self_reads_user_and_system_past_a_name_with_spaces():
+    text = "4242 (python foo) bar) R 1 2 3 4 5 6 7 8 9 10 123 45 0 0 20 0 1 0"
+    assert parse_self(text) == 168
+
+
+def test_windows_split_busy_into_ours_and_others_per_second_of_ticks():
+    samples = [(0.0, 1000, 10, 300, 4), (0.5, 1150, 20, 350, 4), (1.0, 1150, 20, 350, 4), (1.0, 1160, 20, 350, 4)]
+    rows = windows(samples, 100)
+    # 0.5 s = 50 ticks: 150 busy of which ours 50 -> 1.0 core ours, 2.0 others, 10 steal -> 0.2
+    assert rows == [{"t0": 0.0, "t1": 0.5, "cpus": 4, "ours": 1.0, "other": 2.0, "steal": 0.2},
+                    {"t0": 0.5, "t1": 1.0, "cpus": 4, "ours": 0.0, "other": 0.0, "steal": 0.0}]
+    assert at(rows, 0.25) is rows[0] and at(rows, 0.5) is rows[1] and at(rows, 1.0) is None and at(rows, -1) is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_sampler_sees_this_process_spin():
+    with LoadSampler(0.05) as s:
+        end = time.perf_counter() + 0.4
+        while time.perf_counter() < end:
+            pass
+    rows = s.windows()
+    assert len(rows) >= 4 and all(r["t1"] > r["t0"] for r in rows)
+    assert sum(r["ours"] * (r["t1"] - r["t0"]) for r in rows) > 0.2       # ~0.4 core-seconds, at 100 Hz ticks
+
+
+def test_without_proc_the_sampler_records_nothing(monkeypatch):
+    monkeypatch.setattr(host_load, "STAT", Path("/nonexistent/stat"))
+    with LoadSampler(0.01) as s:
+        time.sleep(0.03)
+    assert s.samples == [] and s.windows() == []
