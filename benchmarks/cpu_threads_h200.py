@@ -21,6 +21,8 @@ This measures, in one process over one built store (Mixtral-8x7B shapes, W4A16 g
   median (--batch and --pools set others: batch 1 at pool 26 puts CPU experts far apart).
 Beside each isolated arm, one core's Python speed (a fixed loop), to tell the whole CPU slowing
 from the experts' threads slowing.
+Beside each arm also the host's other load and steal while it ran (`cmoe.calibrate.host_load`:
+cores busy with work not this process's, cores stolen), the slow stretches' suspects.
 Everything is written to --out as JSON; one line per measurement is printed.
 
     python benchmarks/cpu_threads_h200.py --out $OUT/cpu_threads.json --threads 16,15,14,8 --rounds 2
@@ -41,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cmoe.calibrate.host_load import LoadSampler, mean_over  # noqa: E402
 from cmoe.calibrate.spans import decode_passes  # noqa: E402
 from cmoe.core.timeline import END, OP, START, STEP  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
@@ -86,6 +89,16 @@ def cpu_experts(spec, n: int) -> tuple[list, list]:
     return cpu, pinned
 
 
+LOAD = LoadSampler(0.1)
+
+
+def load_line(rec: dict, t0: float) -> str:
+    """rec gets the host's other load and steal since epoch t0 (`mean_over`); the line's words."""
+    m = mean_over(LOAD.windows(), t0, time.time())
+    rec["host_load"] = m
+    return f"; host other {m['other']:.2f} steal {m['steal']:.2f} cores" if m else ""
+
+
 def isolated(views: list, pinned: list, hidden: int, threads: list[int], rounds: int, out: list) -> None:
     """32 CPU experts back to back per arm (cycling over `views`, each larger than the L3 cache);
     the link busy (host-to-device copies of `pinned` queued on a side stream) or not."""
@@ -101,7 +114,7 @@ def isolated(views: list, pinned: list, hidden: int, threads: list[int], rounds:
                 with torch.cuda.stream(side):
                     for i in range(60):
                         dst.copy_(pinned[i % len(pinned)], non_blocking=True)
-            ts = []
+            ts, e0 = [], time.time()
             for i in range(32):
                 t0 = time.perf_counter()
                 ffn(x, views[i % len(views)])
@@ -117,8 +130,8 @@ def isolated(views: list, pinned: list, hidden: int, threads: list[int], rounds:
                    "python_ms": py_ms}
             out.append(rec)
             print(f"isolated r{rnd} threads {th:2d} tokens {tok} link {'busy' if busy else 'idle'}: "
-                  f"mean {rec['mean_ms']:.3f} median {rec['median_ms']:.3f} min {rec['min_ms']:.3f} ms; python {py_ms:.2f} ms",
-                  flush=True)
+                  f"mean {rec['mean_ms']:.3f} median {rec['median_ms']:.3f} min {rec['min_ms']:.3f} ms; python {py_ms:.2f} ms"
+                  + load_line(rec, e0), flush=True)
 
 
 def in_executor(where: dict, built, threads: list[int], rounds: int, tokens: int, out: list, save=None,
@@ -132,6 +145,7 @@ def in_executor(where: dict, built, threads: list[int], rounds: int, tokens: int
             cfg = ExecConfig(policies=(pol,), pool_gb=pool, batch=batch, tokens=tokens, device="cuda")
             w, cfg = prepare(cfg=cfg, **where)
             w.store, w.model, w.shims = built
+            e0 = time.time()
             r = run_policy(w, cfg, pol)
             dec = decode_passes(r.log)
             cpu = [(s[END] - s[START]) / 1e3 for s in r.log.spans if s[OP] == "cpu_expert" and s[STEP] in dec]
@@ -142,7 +156,7 @@ def in_executor(where: dict, built, threads: list[int], rounds: int, tokens: int
             out.append(rec)
             got = f"mean {rec['cpu_mean_ms']:.3f} median {rec['cpu_median_ms']:.3f} ms" if cpu else "-"
             print(f"executor r{rnd} threads {th:2d} {pol:<12} pool {pool:g}: {rec['tok_s']:.2f} tok/s, "
-                  f"{len(cpu)} CPU experts {got}", flush=True)
+                  f"{len(cpu)} CPU experts {got}" + load_line(rec, e0), flush=True)
             if save is not None:
                 save()                                            # a run cut short keeps what it measured
             del r
@@ -167,6 +181,7 @@ def main() -> None:
     res["env"] = {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_", "MKL_"))}
     print(json.dumps(res["facts"] | {"env": res["env"]}, indent=1), flush=True)
     spec = preset(a.spec)
+    LOAD.start()
     views, pinned = cpu_experts(spec, 8)
     isolated(views, pinned, spec.hidden, threads, a.iso_rounds, res["runs"])
     write_text_atomic(a.out, json.dumps(res, indent=1))

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from cmoe.calibrate import host_load
-from cmoe.calibrate.host_load import LoadSampler, at, parse_self, parse_stat, windows
+from cmoe.calibrate.host_load import LoadSampler, at, mean_over, parse_self, parse_stat, windows
 
 STAT = """cpu  100 10 50 1000 20 3 7 40 5 0
 cpu0 60 5 30 500 10 2 4 20 5 0
@@ -57,3 +57,10 @@ def test_without_proc_the_sampler_records_nothing(monkeypatch):
     with LoadSampler(0.01) as s:
         time.sleep(0.03)
     assert s.samples == [] and s.windows() == []
+
+
+def test_a_span_s_load_weights_each_window_by_its_overlap():
+    rows = [{"t0": 0.0, "t1": 1.0, "ours": 1.0, "other": 2.0, "steal": 0.0},
+            {"t0": 1.0, "t1": 2.0, "ours": 0.0, "other": 0.0, "steal": 1.0}]
+    assert mean_over(rows, 0.5, 2.0) == {"other": 2.0 / 3, "ours": 1.0 / 3, "steal": 2.0 / 3}
+    assert mean_over(rows, 2.0, 3.0) is None

@@ -66,6 +66,15 @@ def at(rows: list[dict], t: float) -> dict | None:
     return rows[i] if i >= 0 and t < rows[i]["t1"] else None
 
 
+def mean_over(rows: list[dict], t0: float, t1: float) -> dict | None:
+    """`other`, `ours` and `steal` over epoch [t0, t1], each window weighted by its overlap; None
+    where no window overlaps."""
+    w = [(min(r["t1"], t1) - max(r["t0"], t0), r) for r in rows]
+    w = [(d, r) for d, r in w if d > 0]
+    tot = sum(d for d, _ in w)
+    return {k: sum(d * r[k] for d, r in w) / tot for k in ("other", "ours", "steal")} if tot else None
+
+
 class LoadSampler:
     """`with LoadSampler() as s:` (or `start()` ... `stop()`) samples every `interval` seconds until
     the block ends; `s.windows()` gives the intervals so far (`windows`), also while it samples.
