@@ -120,7 +120,7 @@ def main() -> None:
                          "error_from": [v["error_from"] for v in vs],
                          "host_speed": [host_ratio(v, prof, b) for v in vs],
                          "link_speed": [link_ratio(v) for v in vs], "slow_loads": [v.get("slow_loads") for v in vs],
-                         "cpu_speed": [cpu_ratio(v) for v in vs]}
+                         "cpu_speed": [cpu_ratio(v) for v in vs], "slow_cpu": [v.get("slow_cpu") for v in vs]}
                         | ({"layer_repeats": agg["per_layer_repeats"]} if len(vs) > 1 else {})
                         | ({"host_adjusted_tok_s": adjusted[agg["policy"]]["predicted"],
                             "host_adjusted_error": adjusted[agg["policy"]]["error"]} if adjusted else {})
@@ -177,7 +177,7 @@ def table(rows: list[dict]) -> str:
            "| link, run / calibration (loads under 80% of it) |"
            + (" predicted at the runs' host speed | error |" if adj else "")
            + (" predicted at the runs' link speed | error |" if ladj else "")
-           + (" CPU experts, run / calibration | predicted at their speed | error |" if cadj else ""),
+           + (" CPU experts, run / calibration (share slow at its factor) | predicted at their speed | error |" if cadj else ""),
            "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
            + (" ---: | ---: |" if adj else "") + (" ---: | ---: |" if ladj else "") + (" ---: | ---: | ---: |" if cadj else "")]
     for r in rows:
@@ -199,7 +199,8 @@ def table(rows: list[dict]) -> str:
             line += (f" {r['link_adjusted_tok_s']:.1f} | {r['link_adjusted_error'] * 100:+.1f}% |"
                      if "link_adjusted_tok_s" in r else " - | - |")
         if cadj:
-            cpu = " / ".join(f"{x:.2f}x" for x in r.get("cpu_speed", []) if x)
+            cpu = " / ".join(f"{x:.2f}x" + (f" ({w['share']:.0%} at {w['factor']:.2f}x)" if w else "")
+                             for x, w in zip_longest(r.get("cpu_speed", []), r.get("slow_cpu", [])) if x)
             line += (f" {cpu} | {r['cpu_adjusted_tok_s']:.1f} | {r['cpu_adjusted_error'] * 100:+.1f}% |"
                      if "cpu_adjusted_tok_s" in r else " - | - | - |")
         out.append(line)

@@ -8,7 +8,7 @@ import pytest
 
 from cmoe.core.errors import CmoeError
 from cmoe.core.timeline import write_parquet
-from cmoe.analysis.validate import format_validation, read_run, validate, validate_folders
+from cmoe.analysis.validate import format_validation, read_run, slow_cpu, validate, validate_folders
 
 BASE = {"policy": "commit", "model": "m", "trace_id": "abc", "batch": 1, "experts_fit": 4, "tokens_per_s": 1.0,
         "tpot_ms_mean": 1.0}
@@ -309,4 +309,23 @@ def test_cpu_experts_off_their_calibration_get_a_line(runs):
                                    "signed": 0.34, "only_predicted": 0, "only_measured": 0}
     assert "CPU experts ran 1.34x their calibrated time" in format_validation(v)
     v["op_kinds"]["cpu_expert"]["meas_mean_us"] = 1040.0
+    assert "CPU experts ran" not in format_validation(v)
+
+
+def test_a_run_whose_cpu_ran_in_two_states_says_so(runs):
+    """`slow_cpu` finds the share of CPU experts that ran over 1.3x the run's fast quarter, measured
+    over predicted each (tokens and idle cancel), and `format_validation` names it even where the
+    mean is within 5% of the calibration."""
+    pred = {(s, 0, e): 1000.0 * (1 + e) for s in range(2) for e in range(5)}           # 10 experts, unequal
+    meas = {k: v * (1.7 if k[0] == 0 and k[2] < 4 else 1.0) for k, v in pred.items()}  # 4 of them 1.7x slow
+    assert slow_cpu(pred, meas) == {"share": 0.4, "factor": 1.7}
+    assert slow_cpu(pred, {k: v * 1.02 for k, v in pred.items()})["share"] == 0.0
+    assert slow_cpu(dict(list(pred.items())[:7]), meas) is None                        # too few to say
+    v = validate(read_run(runs[0], "commit"), read_run(runs[1], "commit"))
+    v["op_kinds"]["cpu_expert"] = {"n": 10, "pred_mean_us": 1000.0, "meas_mean_us": 1030.0, "mape": 0.03,
+                                   "signed": 0.03, "only_predicted": 0, "only_measured": 0}
+    v["slow_cpu"] = {"share": 0.4, "factor": 1.7}
+    assert ("CPU experts ran 1.03x their calibrated time; 40% of them ran 1.70x slower than the rest"
+            in format_validation(v))
+    v["slow_cpu"] = {"share": 0.05, "factor": 1.5}
     assert "CPU experts ran" not in format_validation(v)
