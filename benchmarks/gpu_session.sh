@@ -86,7 +86,10 @@
 #                                             # and measurements into $OUT and the terms that moved between calibrations
 #   POLS=upper,lfu-fallback,static CAL=built bash benchmarks/gpu_session.sh validate-r 1,8  # CPU-expert policies run
 #                                             # twice each (twenty-ninth session: a run's CPU speed moves 0.7-1.5x
-#                                             # between runs, so their error reads against the runs' spread; ~520 s)
+#                                             # between runs, so their error reads against the runs' spread; 454 s
+#                                             # on an H100, thirtieth session); with OMP_WAIT_POLICY=ACTIVE before it,
+#                                             # calibration and runs with threads that spin (call 3 of the thirtieth
+#                                             # session: isolated CPU experts held one fast speed); results.json records it (omp_env)
 #   bash benchmarks/gpu_session.sh validate-r 1,2,4   # the same with every configuration run twice (--repeat),
 #   bash benchmarks/gpu_session.sh validate-r 8       # in two calls: all four batches took over 450 s of runs
 #                                             # on the H200 (sixth session); each call calibrates again

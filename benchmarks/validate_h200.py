@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -73,7 +74,9 @@ def main() -> None:
     card = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
     from cmoe.calibrate.measure import host_cpu
     res = {"date": time.strftime("%Y-%m-%d"), "card": card, "host": host_cpu(), "torch": torch.__version__,
-           "commit": commit + ("+dirty" if dirty else ""), "spec": a.spec, "tokens": a.tokens, "configs": []}
+           "commit": commit + ("+dirty" if dirty else ""), "spec": a.spec, "tokens": a.tokens, "configs": [],
+           # the OpenMP settings the CPU experts ran under (OMP_WAIT_POLICY moves them 1.5-1.9x: BENCHMARKS.md)
+           "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_"))}}
     import importlib.util
     can_predict = importlib.util.find_spec("simpy") is not None and not a.measure_only
     if not can_predict:

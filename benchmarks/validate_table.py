@@ -130,10 +130,12 @@ def main() -> None:
                             "cpu_adjusted_error": cpus[agg["policy"]]["error"]} if agg["policy"] in cpus else {})
                         | ({"other_profile_tok_s": others[agg["policy"]]["predicted"]} if others else {}))
     summary = {k: res[k] for k in ("date", "card", "torch", "commit", "spec", "tokens")} | {
-        "profile": prof.name, "rows": rows} | ({"other_profile": str(a.against)} if other else {})
+        "profile": prof.name, "rows": rows, "omp_env": res.get("omp_env")} | ({"other_profile": str(a.against)} if other else {})
     write_text_atomic(a.out or a.folder / "summary.json", json.dumps(summary, indent=1))
     print(table(rows))
     print(counts(rows))
+    if "omp_env" in res:                  # validate_h200 records it from the thirtieth session on
+        print("OpenMP settings of the runs: " + (", ".join(f"{k}={v}" for k, v in res["omp_env"].items()) or "the defaults"))
     if other is not None:
         n, beyond = calibrations_agree(rows)
         print(f"the two calibrations predict {n} of {len(rows)} within 2% of each other; beyond: "
