@@ -21,8 +21,9 @@ This measures, in one process over one built store (Mixtral-8x7B shapes, W4A16 g
   median (--batch and --pools set others: batch 1 at pool 26 puts CPU experts far apart).
 Beside each isolated arm, one core's Python speed (a fixed loop), to tell the whole CPU slowing
 from the experts' threads slowing.
-Beside each arm also the host's other load and steal while it ran (`cmoe.calibrate.host_load`:
-cores busy with work not this process's, cores stolen), the slow stretches' suspects.
+Beside each arm also the host's load while it ran (`cmoe.calibrate.host_load`, a snapshot before
+and after: cores busy with other processes' work, with interrupts, stolen), the slow stretches'
+suspects.
 Everything is written to --out as JSON; one line per measurement is printed.
 
     python benchmarks/cpu_threads_h200.py --out $OUT/cpu_threads.json --threads 16,15,14,8 --rounds 2
@@ -43,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cmoe.calibrate.host_load import LoadSampler, mean_over  # noqa: E402
+from cmoe.calibrate.host_load import available, snapshot, windows  # noqa: E402
 from cmoe.calibrate.spans import decode_passes  # noqa: E402
 from cmoe.core.timeline import END, OP, START, STEP  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
@@ -89,14 +90,19 @@ def cpu_experts(spec, n: int) -> tuple[list, list]:
     return cpu, pinned
 
 
-LOAD = LoadSampler(0.1)
+def load_line(rec: dict, before) -> str:
+    """rec gets the host's load from the `snapshot` `before` to now (`host_load.windows`: cores
+    busy with other processes, interrupts, stolen; two snapshots, not the sampler, whose 0.1 s
+    windows an isolated arm is shorter than); the line's words."""
+    if before is None:
+        return ""
+    (m,) = windows([before, snapshot()], os.sysconf("SC_CLK_TCK"))
+    rec["host_load"] = m | {"other": max(m["other"], 0.0)}
+    return f"; host other {rec['host_load']['other']:.2f} irq {m['irq']:.2f} steal {m['steal']:.2f} cores"
 
 
-def load_line(rec: dict, t0: float) -> str:
-    """rec gets the host's other load and steal since epoch t0 (`mean_over`); the line's words."""
-    m = mean_over(LOAD.windows(), t0, time.time())
-    rec["host_load"] = m
-    return f"; host other {m['other']:.2f} steal {m['steal']:.2f} cores" if m else ""
+def _snap():
+    return snapshot() if available() else None
 
 
 def isolated(views: list, pinned: list, hidden: int, threads: list[int], rounds: int, out: list) -> None:
@@ -114,7 +120,7 @@ def isolated(views: list, pinned: list, hidden: int, threads: list[int], rounds:
                 with torch.cuda.stream(side):
                     for i in range(60):
                         dst.copy_(pinned[i % len(pinned)], non_blocking=True)
-            ts, e0 = [], time.time()
+            ts, e0 = [], _snap()
             for i in range(32):
                 t0 = time.perf_counter()
                 ffn(x, views[i % len(views)])
@@ -145,7 +151,7 @@ def in_executor(where: dict, built, threads: list[int], rounds: int, tokens: int
             cfg = ExecConfig(policies=(pol,), pool_gb=pool, batch=batch, tokens=tokens, device="cuda")
             w, cfg = prepare(cfg=cfg, **where)
             w.store, w.model, w.shims = built
-            e0 = time.time()
+            e0 = _snap()
             r = run_policy(w, cfg, pol)
             dec = decode_passes(r.log)
             cpu = [(s[END] - s[START]) / 1e3 for s in r.log.spans if s[OP] == "cpu_expert" and s[STEP] in dec]
@@ -181,7 +187,6 @@ def main() -> None:
     res["env"] = {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_", "MKL_"))}
     print(json.dumps(res["facts"] | {"env": res["env"]}, indent=1), flush=True)
     spec = preset(a.spec)
-    LOAD.start()
     views, pinned = cpu_experts(spec, 8)
     isolated(views, pinned, spec.hidden, threads, a.iso_rounds, res["runs"])
     write_text_atomic(a.out, json.dumps(res, indent=1))

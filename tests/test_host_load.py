@@ -1,5 +1,6 @@
 """The host-load sampler (`cmoe.calibrate.host_load`): /proc's text read exactly, windows as cores."""
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -17,9 +18,9 @@ ctxt 99
 """
 
 
-def test_stat_counts_busy_without_idle_iowait_or_steal_and_guest_once():
-    # busy = user 100 + nice 10 + system 50 + irq 3 + softirq 7 (guest 5 is inside user already)
-    assert parse_stat(STAT) == (170, 40, 2)
+def test_stat_splits_process_interrupt_and_steal_ticks_and_counts_guest_once():
+    # processes: user 100 + nice 10 + system 50 (guest 5 is inside user already); irq 3 + softirq 7
+    assert parse_stat(STAT) == (160, 10, 40, 2)
 
 
 def test_stat_with_too_few_fields_is_refused():
@@ -32,24 +33,42 @@ def test_self_reads_user_and_system_past_a_name_with_spaces():
     assert parse_self(text) == 168
 
 
-def test_windows_split_busy_into_ours_and_others_per_second_of_ticks():
-    samples = [(0.0, 1000, 10, 300, 4), (0.5, 1150, 20, 350, 4), (1.0, 1150, 20, 350, 4), (1.0, 1160, 20, 350, 4)]
+def test_windows_split_processes_into_ours_and_others_signed():
+    samples = [(0.0, 1000, 50, 10, 300, 4), (0.5, 1150, 55, 20, 350, 4), (1.0, 1150, 55, 20, 352, 4),
+               (1.0, 1160, 55, 20, 352, 4)]
     rows = windows(samples, 100)
-    # 0.5 s = 50 ticks: 150 busy of which ours 50 -> 1.0 core ours, 2.0 others, 10 steal -> 0.2
-    assert rows == [{"t0": 0.0, "t1": 0.5, "cpus": 4, "ours": 1.0, "other": 2.0, "steal": 0.2},
-                    {"t0": 0.5, "t1": 1.0, "cpus": 4, "ours": 0.0, "other": 0.0, "steal": 0.0}]
+    # 0.5 s = 50 ticks: 150 process ticks of which ours 50 -> 1.0 core ours, 2.0 others; irq 5 -> 0.1;
+    # steal 10 -> 0.2; then ours counted 2 ticks the all-CPU count missed: -0.04 others, kept signed
+    assert rows == [{"t0": 0.0, "t1": 0.5, "cpus": 4, "ours": 1.0, "other": 2.0, "irq": 0.1, "steal": 0.2},
+                    {"t0": 0.5, "t1": 1.0, "cpus": 4, "ours": 0.04, "other": -0.04, "irq": 0.0, "steal": 0.0}]
     assert at(rows, 0.25) is rows[0] and at(rows, 0.5) is rows[1] and at(rows, 1.0) is None and at(rows, -1) is None
+    assert at(rows, 0.75, [0.0, 0.5]) is rows[1]
+    assert mean_over(rows[1:], 0.5, 1.0)["other"] == 0.0                   # clamped after averaging
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_the_sampler_sees_this_process_spin():
-    with LoadSampler(0.05) as s:
-        end = time.perf_counter() + 0.4
-        while time.perf_counter() < end:
-            pass
-    rows = s.windows()
-    assert len(rows) >= 4 and all(r["t1"] > r["t0"] for r in rows)
-    assert sum(r["ours"] * (r["t1"] - r["t0"]) for r in rows) > 0.2       # ~0.4 core-seconds, at 100 Hz ticks
+def test_the_sampler_sees_this_process_spin_and_restarts():
+    s = LoadSampler(0.05)
+    for _ in range(2):                                  # a second start samples again
+        n = len(s.samples)
+        with s:
+            c0, w0 = time.process_time(), time.perf_counter()
+            while time.process_time() - c0 < 0.4 and time.perf_counter() - w0 < 20:
+                pass                                    # 0.4 s of this process's CPU, however busy the host
+            time.sleep(0.12)                            # the thread's next sample falls after the spin
+        rows = windows(s.samples[n:], s.hz)
+        assert len(rows) >= 4 and all(r["t1"] > r["t0"] for r in rows)
+        # ~0.4 core-seconds, counted in 10 ms ticks
+        assert sum(r["ours"] * (r["t1"] - r["t0"]) for r in rows) == pytest.approx(0.4, abs=0.06)
+    assert not s._thread
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_span_is_timed_by_two_snapshots():
+    a = host_load.snapshot()
+    time.sleep(0.02)
+    (row,) = windows([a, host_load.snapshot()], os.sysconf("SC_CLK_TCK"))
+    assert row["t1"] - row["t0"] >= 0.02 and row["cpus"] >= 1
 
 
 def test_without_proc_the_sampler_records_nothing(monkeypatch):
@@ -60,7 +79,7 @@ def test_without_proc_the_sampler_records_nothing(monkeypatch):
 
 
 def test_a_span_s_load_weights_each_window_by_its_overlap():
-    rows = [{"t0": 0.0, "t1": 1.0, "ours": 1.0, "other": 2.0, "steal": 0.0},
-            {"t0": 1.0, "t1": 2.0, "ours": 0.0, "other": 0.0, "steal": 1.0}]
-    assert mean_over(rows, 0.5, 2.0) == {"other": 2.0 / 3, "ours": 1.0 / 3, "steal": 2.0 / 3}
+    rows = [{"t0": 0.0, "t1": 1.0, "ours": 1.0, "other": 2.0, "irq": 0.0, "steal": 0.0},
+            {"t0": 1.0, "t1": 2.0, "ours": 0.0, "other": 0.0, "irq": 0.5, "steal": 1.0}]
+    assert mean_over(rows, 0.5, 2.0) == {"ours": 1.0 / 3, "other": 2.0 / 3, "irq": 1.0 / 3, "steal": 2.0 / 3}
     assert mean_over(rows, 2.0, 3.0) is None

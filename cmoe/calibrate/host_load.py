@@ -9,7 +9,9 @@ costs it nearly 2x. The sampler says whether that is what the slow stretches are
 load and steal per window, lined up with the run's timelines by epoch time.
 
 Linux only (elsewhere `available()` is False and the sampler records nothing). One daemon thread
-wakes every `interval` seconds for a read of two small files (~0.1 ms, holding the GIL that long).
+wakes every `interval` seconds for a read of two small files (~60 us on a 2-core host, holding the
+GIL that long): a 17th runnable thread beside 16 OpenMP ones for that long, ten times a second, at
+most ~0.1% of a parallel region's time.
 """
 
 from __future__ import annotations
@@ -21,22 +23,22 @@ import time
 from pathlib import Path
 
 STAT, SELF = Path("/proc/stat"), Path("/proc/self/stat")
-IDLE, IOWAIT, STEAL = 3, 4, 7          # /proc/stat's cpu line fields after the name (user nice system idle ...)
+IRQ, SOFTIRQ, STEAL = 5, 6, 7     # /proc/stat's cpu line fields after the name (user nice system idle iowait ...)
 
 
 def available() -> bool:
     return STAT.exists() and SELF.exists()
 
 
-def parse_stat(text: str) -> tuple[int, int, int]:
-    """(busy ticks, steal ticks, online CPUs) from /proc/stat's text: busy is every field but idle,
-    iowait and steal (guest time is already inside user), over all CPUs."""
+def parse_stat(text: str) -> tuple[int, int, int, int]:
+    """(process ticks, interrupt ticks, steal ticks, online CPUs) from /proc/stat's text, over all
+    CPUs: process ticks are user + nice + system (guest time is already inside user), interrupt
+    ticks irq + softirq (charged to a CPU, not to a process: a GPU's interrupts among them)."""
     f = [int(x) for x in text.split("\n", 1)[0].split()[1:]]
     if len(f) < STEAL + 1:
         raise ValueError("/proc/stat's first line has fewer than 8 fields")
     cpus = sum(1 for ln in text.splitlines() if ln.startswith("cpu") and ln[3:4].isdigit())
-    busy = sum(f[:8]) - f[IDLE] - f[IOWAIT] - f[STEAL]
-    return busy, f[STEAL], cpus
+    return f[0] + f[1] + f[2], f[IRQ] + f[SOFTIRQ], f[STEAL], cpus
 
 
 def parse_self(text: str) -> int:
@@ -46,33 +48,49 @@ def parse_self(text: str) -> int:
     return int(rest[11]) + int(rest[12])
 
 
-def windows(samples: list[tuple[float, int, int, int, int]], hz: int) -> list[dict]:
-    """Per interval between consecutive samples (epoch, busy, steal, ours, cpus): its start and end
-    (epoch seconds), the cores busy with work not this process's (`other`), this process's cores
-    (`ours`) and the cores stolen (`steal`), each averaged over the interval."""
+def snapshot() -> tuple[float, int, int, int, int, int]:
+    """One sample now: (epoch, process ticks, interrupt ticks, steal ticks, this process's ticks, CPUs)."""
+    proc, irq, steal, cpus = parse_stat(STAT.read_text())
+    return time.time(), proc, irq, steal, parse_self(SELF.read_text()), cpus
+
+
+def windows(samples: list[tuple], hz: int) -> list[dict]:
+    """Per interval between consecutive samples (`snapshot`'s): its start and end (epoch seconds),
+    and in cores averaged over it: this process's (`ours`), other processes' (`other`: all
+    processes' less ours, signed, since /proc/stat counts timer ticks while this process's time is
+    the scheduler's exact runtime rounded to ticks, a few ticks of noise either way per window:
+    clamp after averaging, `mean_over`), interrupts (`irq`) and the hypervisor's (`steal`)."""
     out = []
-    for (t0, b0, s0, o0, n), (t1, b1, s1, o1, _) in zip(samples, samples[1:]):
+    for (t0, p0, i0, s0, o0, n), (t1, p1, i1, s1, o1, _) in zip(samples, samples[1:]):
         dt = (t1 - t0) * hz
         if dt <= 0:
             continue
-        out.append({"t0": t0, "t1": t1, "cpus": n, "ours": (o1 - o0) / dt,
-                    "other": max(b1 - b0 - (o1 - o0), 0) / dt, "steal": (s1 - s0) / dt})
+        out.append({"t0": t0, "t1": t1, "cpus": n, "ours": (o1 - o0) / dt, "other": (p1 - p0 - (o1 - o0)) / dt,
+                    "irq": (i1 - i0) / dt, "steal": (s1 - s0) / dt})
     return out
 
 
-def at(rows: list[dict], t: float) -> dict | None:
-    """The window (`windows`' rows, in time order) that holds epoch time t, or None."""
-    i = bisect.bisect_right([r["t0"] for r in rows], t) - 1
+def at(rows: list[dict], t: float, starts: list[float] | None = None) -> dict | None:
+    """The window (`windows`' rows, in time order) that holds epoch time t, or None; `starts`: the
+    rows' `t0`s, for a caller that asks many times."""
+    i = bisect.bisect_right(starts if starts is not None else [r["t0"] for r in rows], t) - 1
     return rows[i] if i >= 0 and t < rows[i]["t1"] else None
 
 
+KEYS = ("ours", "other", "irq", "steal")
+
+
 def mean_over(rows: list[dict], t0: float, t1: float) -> dict | None:
-    """`other`, `ours` and `steal` over epoch [t0, t1], each window weighted by its overlap; None
-    where no window overlaps."""
+    """`KEYS` over epoch [t0, t1], each window weighted by its overlap, `other` clamped at 0 after
+    averaging; None where no window overlaps (a span shorter than the sampling interval may see
+    only part of one: time such a span with two `snapshot`s instead)."""
     w = [(min(r["t1"], t1) - max(r["t0"], t0), r) for r in rows]
     w = [(d, r) for d, r in w if d > 0]
     tot = sum(d for d, _ in w)
-    return {k: sum(d * r[k] for d, r in w) / tot for k in ("other", "ours", "steal")} if tot else None
+    if not tot:
+        return None
+    m = {k: sum(d * r.get(k, 0.0) for d, r in w) / tot for k in KEYS}
+    return m | {"other": max(m["other"], 0.0)}
 
 
 class LoadSampler:
@@ -87,8 +105,7 @@ class LoadSampler:
         self._thread = None
 
     def sample(self) -> None:
-        busy, steal, cpus = parse_stat(STAT.read_text())
-        self.samples.append((time.time(), busy, steal, parse_self(SELF.read_text()), cpus))
+        self.samples.append(snapshot())
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -96,6 +113,7 @@ class LoadSampler:
 
     def start(self) -> LoadSampler:
         if available() and self._thread is None:
+            self._stop.clear()
             self.sample()
             self._thread = threading.Thread(target=self._loop, name="cmoe-host-load", daemon=True)
             self._thread.start()
