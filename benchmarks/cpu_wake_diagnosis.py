@@ -70,32 +70,31 @@ def one_token(log, tr, batch: int, spec) -> list[tuple[tuple[int, int], float]]:
 
 def load_effects(timed: dict[str, list[tuple[float, float]]], rows: list[dict]) -> list[str]:
     """Lines: the one-token CPU experts (epoch start, ms) of every run by the host's other load and
-    steal in the 0.1 s window they started in (`host_load.at`), median ms per bin of cores; then
-    each run's experts in sixths of its time, median ms beside the mean other load and steal."""
-    from cmoe.calibrate.host_load import at
-    out, bins = [], {}
+    steal in the 0.1 s window they started in (`host_load.at`), median ms per bin of cores, beside
+    the mean of our own cores there (`other` is all processes' less ours, a few ticks of noise a
+    window either way, which grows with our own load: read a bin beside its `ours`); then each run's
+    experts in six parts of equal count, median ms beside the load over the part's time
+    (`host_load.mean_over`)."""
+    from cmoe.calibrate.host_load import at, mean_over
+    out, starts = [], [r["t0"] for r in rows]
+    edges = (float("-inf"), 0.25, 0.75, 1.5, 3.0, float("inf"))
     for what in ("other", "steal"):
-        edges = (0.0, 0.25, 0.75, 1.5, 3.0, float("inf"))
-        by = {}
+        by: dict[int, list] = {}
         for xs in timed.values():
             for t, ms in xs:
-                r = at(rows, t)
-                if r is not None:
-                    k = next(i for i in range(len(edges) - 1) if r[what] < edges[i + 1])
-                    by.setdefault(k, []).append(ms)
+                if (r := at(rows, t, starts)) is not None:
+                    by.setdefault(next(i for i in range(len(edges) - 1) if r[what] < edges[i + 1]), []).append((ms, r["ours"]))
         out.append(f"one-token CPU experts by the host's {what} cores in their window: " + ", ".join(
-            f"{edges[k]:g}-{edges[k + 1]:g}: {np.median(v):.2f} ms over {len(v)}" for k, v in sorted(by.items())))
-        bins[what] = by
+            f"{max(edges[k], 0):g}-{edges[k + 1]:g}: {np.median([m for m, _ in v]):.2f} ms over {len(v)} "
+            f"(ours {np.mean([o for _, o in v]):.1f})" for k, v in sorted(by.items())))
     for run, xs in timed.items():
         if len(xs) < 6:
             continue
         parts = []
         for part in np.array_split(np.array(xs), 6):
-            ws = [r for r in rows if part[0, 0] <= r["t0"] < part[-1, 0]] or [at(rows, part[0, 0])]
-            ws = [w for w in ws if w is not None]
-            load = (f" ({np.mean([w['other'] for w in ws]):.2f}/{np.mean([w['steal'] for w in ws]):.2f})" if ws else "")
-            parts.append(f"{np.median(part[:, 1]):.2f}{load}")
-        out.append(f"{run}: sixths, median ms (other/steal cores) " + " ".join(parts))
+            m = mean_over(rows, part[0, 0], part[-1, 0] + part[-1, 1] / 1e3)
+            parts.append(f"{np.median(part[:, 1]):.2f}" + (f" ({m['other']:.2f}/{m['steal']:.2f})" if m else ""))
+        out.append(f"{run}: six parts of equal count, median ms (other/steal cores) " + " ".join(parts))
     return out
 
 
@@ -132,20 +131,24 @@ def main() -> None:
         b = c["batch"]
         tr = load_trace(res.get("trace") or f"synthetic:{res['spec']}", None, b)
         passes = make_passes(tr, b)
-        here = a.folder / f"pool{c['pool_gb']:g}-b{b}" / "measured"
-        zero = {m["policy"]: m.get("clock_epoch") for m in json.loads((here / "metrics.json").read_text())}
-        for f in sorted(here.glob("timeline-*.parquet")):
-            log = run_log(f, passes)
-            w, own = host_lane(log, spec.num_moe_layers)
-            print(f"pool {c['pool_gb']:g} batch {b} {f.stem[9:]}: host {w:.1f} us a MoE layer, {own:.1f} less the copy to the host")
-            p, t = _cpu_points(log, tr, b, spec)
-            seen[f"pool {c['pool_gb']:g} batch {b} {f.stem[9:]}"] = one_token(log, tr, b, spec)
-            if zero.get(f.stem[9:]):
-                timed[f"pool {c['pool_gb']:g} batch {b} {f.stem[9:]}"] = [
-                    (zero[f.stem[9:]] + s[START] / 1e6, (s[END] - s[START]) / 1e3) for s, t in cpu_experts(log, tr, b, spec) if t == 1]
-            pts, trips = pts + p, trips + [(b, x) for x in t]
-            for k, v in _cpu_steps(log).items():
-                steps.setdefault(k, []).extend(v)
+        for x in ("measured", "measured-2"):               # validate-r's second runs too
+            here = a.folder / f"pool{c['pool_gb']:g}-b{b}" / x
+            if not here.is_dir():
+                continue
+            zero = {m["policy"]: m.get("clock_epoch") for m in json.loads((here / "metrics.json").read_text())}
+            for f in sorted(here.glob("timeline-*.parquet")):
+                run = f"pool {c['pool_gb']:g} batch {b} {f.stem[9:]}" + (" again" if x == "measured-2" else "")
+                log = run_log(f, passes)
+                w, own = host_lane(log, spec.num_moe_layers)
+                print(f"{run}: host {w:.1f} us a MoE layer, {own:.1f} less the copy to the host")
+                p, t = _cpu_points(log, tr, b, spec)
+                seen[run] = one_token(log, tr, b, spec)
+                if zero.get(f.stem[9:]):
+                    timed[run] = [(zero[f.stem[9:]] + s[START] / 1e6, (s[END] - s[START]) / 1e3)
+                                  for s, k in cpu_experts(log, tr, b, spec) if k == 1]
+                pts, trips = pts + p, trips + [(b, y) for y in t]
+                for k, v in _cpu_steps(log).items():
+                    steps.setdefault(k, []).extend(v)
     if sum(1 for v in seen.values() if v) > 1:
         fx = run_effects(seen)
         print(f"one-token CPU experts over {fx['pairs']} (run, expert) pairs of {fx['experts']} experts: each run's factor "

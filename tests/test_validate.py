@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from cmoe.core.errors import CmoeError
@@ -312,19 +313,35 @@ def test_cpu_experts_off_their_calibration_get_a_line(runs):
     assert "CPU experts ran" not in format_validation(v)
 
 
-def test_a_run_whose_cpu_ran_in_two_states_says_so(runs):
-    """`slow_cpu` finds the share of CPU experts that ran over 1.3x the run's fast quarter, measured
-    over predicted each (tokens and idle cancel), and `format_validation` names it even where the
-    mean is within 5% of the calibration."""
+def test_a_run_whose_cpu_ran_in_two_states_says_so(tmp_path):
+    """`slow_cpu` splits the CPU experts' measured-over-predicted times in two groups (tokens and
+    idle cancel in the ratio) and names the slower group's share where the groups are 1.4x apart;
+    `validate` reads it off the runs' `cpu_expert` spans, and `format_validation` names it even
+    where the mean is within 5% of the calibration."""
     pred = {(s, 0, e): 1000.0 * (1 + e) for s in range(2) for e in range(5)}           # 10 experts, unequal
     meas = {k: v * (1.7 if k[0] == 0 and k[2] < 4 else 1.0) for k, v in pred.items()}  # 4 of them 1.7x slow
-    assert slow_cpu(pred, meas) == {"share": 0.4, "factor": 1.7}
-    assert slow_cpu(pred, {k: v * 1.02 for k, v in pred.items()})["share"] == 0.0
+    assert slow_cpu(pred, meas) == {"share": 0.4, "factor": pytest.approx(1.7)}
+    rng = np.random.default_rng(0)
+    many = {(s, 0, e): 1000.0 for s in range(40) for e in range(5)}
+    one = {k: v * float(np.exp(rng.normal(0, 0.1))) for k, v in many.items()}          # one state, its noise
+    assert slow_cpu(many, one)["share"] == 0.0
+    two = {k: v * (1.6 if k[0] < 10 else 1.0) * float(np.exp(rng.normal(0, 0.05))) for k, v in many.items()}
+    two[(0, 0, 0)] *= 30.0                                                              # an outlier makes no group
+    assert slow_cpu(many, two)["share"] == 0.25 and slow_cpu(many, two)["factor"] == pytest.approx(1.6, rel=0.05)
+    assert slow_cpu(pred, {k: v * 1.7 for k, v in pred.items()}) == {"share": 0.0, "factor": 1.0}  # slow throughout
     assert slow_cpu(dict(list(pred.items())[:7]), meas) is None                        # too few to say
-    v = validate(read_run(runs[0], "commit"), read_run(runs[1], "commit"))
+    assert slow_cpu({k: 0.0 for k in pred}, meas) is None                              # nothing predicted
+    # the same through validate(): CPU expert spans in pass 1 of both runs
+    cpu = [(1, 0, e, 100 + 10 * e) for e in range(10)]
+    spans_p = PRED + [("sim", s, l, "cpu", "cpu_expert", e, t, t + 1000 * (1 + e % 5), 0) for s, l, e, t in cpu]
+    spans_m = MEAS + [("gpu", s, l, "cpu", "cpu_expert", e, t, t + 1000 * (1 + e % 5) * (1.7 if e < 4 else 1.0), 0)
+                      for s, l, e, t in cpu]
+    passes_p = [{"pass": 0, "decode": False, "tokens": 8, "us": 900}, {"pass": 1, "decode": True, "tokens": 1, "us": 380}]
+    v = validate(read_run(_folder(tmp_path / "p", spans_p, passes_p), "commit"),
+                 read_run(_folder(tmp_path / "m", spans_m, [{"pass": 1, "decode": True, "tokens": 1, "us": 440}]), "commit"))
+    assert v["slow_cpu"] == {"share": 0.4, "factor": pytest.approx(1.7)}
     v["op_kinds"]["cpu_expert"] = {"n": 10, "pred_mean_us": 1000.0, "meas_mean_us": 1030.0, "mape": 0.03,
                                    "signed": 0.03, "only_predicted": 0, "only_measured": 0}
-    v["slow_cpu"] = {"share": 0.4, "factor": 1.7}
     assert ("CPU experts ran 1.03x their calibrated time; 40% of them ran 1.70x slower than the rest"
             in format_validation(v))
     v["slow_cpu"] = {"share": 0.05, "factor": 1.5}
