@@ -582,7 +582,8 @@ def test_copy_slowdown_times_each_kernel_alone_then_beside_the_copy_in_pairs():
 def test_the_host_around_a_layers_cpu_experts_is_read_off_its_spans():
     """`log_points._cpu_steps`: per decode layer with CPU experts, its last launch's issue to the
     first expert, the gaps between experts, the results' return to the next layer's start (in the
-    same pass); the prefill and layers without CPU experts give nothing."""
+    same pass), and per pair of decode passes the host's pass start; the prefill and layers without
+    CPU experts give nothing."""
     from types import SimpleNamespace as NS
     from cmoe.calibrate.log_points import _cpu_steps
     from cmoe.core.timeline import Span
@@ -593,10 +594,15 @@ def test_the_host_around_a_layers_cpu_experts_is_read_off_its_spans():
              S(1, 1, "cpu", "cpu_expert", 1215.0, 2215.0, 5), S(1, 1, "cpu", "roundtrip", 2215.0, 2265.0),
              S(1, 3, "host", "host_attention", 2315.0, 2320.0), S(1, 3, "host", "host_expert", 2400.0, 2410.0),
              S(1, 3, "cpu", "cpu_expert", 2480.0, 3480.0, 1), S(1, 3, "cpu", "roundtrip", 3480.0, 3540.0),
-             S(2, 1, "host", "host_attention", 9000.0, 9010.0)]                       # the next pass: no tail
+             S(1, -1, "host", "host_head", 3600.0, 3620.0),
+             S(2, 1, "host", "host_attention", 9000.0, 9010.0),                        # the next pass: no tail
+             S(2, 3, "host", "host_attention", 9100.0, 9104.0)]
     got = _cpu_steps(NS(spans=spans, pass_us=[(0, False, 0, 1.0), (1, True, 0, 1.0), (2, True, 0, 1.0)]))
+    # the pass start: pass 1's head issued at 3620, pass 2 entered at 9000, its first layer 6 us
+    # over the others' (10 against 4)
     assert got == {"lead": pytest.approx([70e-6, 70e-6]), "gap": pytest.approx([25e-6]),
-                   "tail": pytest.approx([50e-6])}
+                   "tail": pytest.approx([50e-6]), "pass_start": pytest.approx([5386e-6]),
+                   "pass_gap": pytest.approx([5380e-6])}
 
 
 def test_a_cpu_experts_wake_after_idle_is_fitted_over_the_back_to_back_ones():

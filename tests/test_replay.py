@@ -49,7 +49,8 @@ FLAT_WAVE = replace(FLAT_FIFO, wave_gbps=0.5, wave_us=1.0, wave_row_us=1.0, comm
 FLAT_QUEUE = replace(FLAT_WAVE, h2d_pinned=((1000, 1.0), (4000, 2.0)), h2d_queued_us=0.25)
 # the lean executor's graphed decode passes queued back to back, its host a little slower than the GPU
 QUEUED = replace(LEAN, pass_overlap=True, host_layer_us=300.0, host_pass_start_us=250.0, pass_gap_us=120.0,
-                 launch_copy_us=7.0, cpu_lead_us=80.0, cpu_gap_us=20.0, cpu_tail_us=45.0)
+                 launch_copy_us=7.0, cpu_lead_us=80.0, cpu_gap_us=20.0, cpu_tail_us=45.0, cpu_pass_start_us=480.0,
+                 cpu_pass_gap_us=150.0)
 # ... whose route step runs slower after a long read-back wait (`host_wake`)
 WAKE = replace(QUEUED, host_wake_points=((50.0, 1.0), (400.0, 1.6), (2000.0, 2.4)),
                host_route_waits=((1, 50.0), (2, 120.0), (4, 300.0)))
@@ -707,3 +708,26 @@ def test_a_cpu_experts_time_by_tokens_reads_the_table(engine):
         assert s[7] - s[6] == pytest.approx(want), s
         seen.add(tok)
     assert {1, 2, 3} <= seen and max(seen) > 5
+
+
+def test_a_cpu_expert_policys_pass_start_is_its_own_in_both_engines():
+    """`cpu_pass_start_us`: the CPU-expert policies' host pays its own pass start (calibrate reads it
+    off its `static` runs), in SimPy and in the replay alike; `upper` and `ondemand` pay
+    `host_pass_start_us` as before. static's host holds its GPU back at every pass boundary, so every
+    pass grows by the difference (480 - 250 us)."""
+    t = generate(preset("mixtral-8x7b"), recipe("w4a16"), SyntheticParams(requests=1, prompt_len=8, decode_len=12))
+    plain = replace(QUEUED, cpu_pass_start_us=0.0)
+    for pol in ("upper", "ondemand"):
+        a, b, _, _ = both(t, pol, QUEUED, 1, pool_gb=16)
+        same_run(a, b)
+        assert a.pass_us == both(t, pol, plain, 1, pool_gb=16)[0].pass_us
+    a, b, _, _ = both(t, "static", QUEUED, 1, pool_gb=16)
+    same_run(a, b)
+    before = both(t, "static", plain, 1, pool_gb=16)[0]
+    assert [x[3] - y[3] for x, y in zip(a.pass_us, before.pass_us)] == [230.0] * len(a.pass_us)
+    # a queued pass's layer 0 starts past the host's books (150 us after the last pass's host), and
+    # its span holds the rest of the start-up: 150 us less than before in every queued pass
+    att0 = lambda r: [s[6] for s in r.spans if s[4] == "attention" and s[2] == 0]  # noqa: E731
+    ends = lambda r: [s[7] - s[6] for s in r.spans if s[4] == "attention" and s[2] == 0]  # noqa: E731
+    assert [x - y for x, y in zip(ends(a)[2:], ends(before)[2:])] == [230.0 - 150.0] * (len(a.pass_us) - 2)
+    assert len(att0(a)) == len(a.pass_us)

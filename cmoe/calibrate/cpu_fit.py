@@ -114,8 +114,10 @@ def _fields(wake: tuple, points: tuple) -> dict:
 
 
 def cpu_layer_fields(m: dict) -> dict:
-    """The host around a CPU layer's experts (`cpu_lead_us`, `cpu_gap_us`, `cpu_tail_us`) and the
-    round trip by batch (`roundtrip_points`, where two batches or more were measured)."""
+    """The host around a CPU layer's experts (`cpu_lead_us`, `cpu_gap_us`, `cpu_tail_us`), a
+    CPU-expert policy's pass start and its part before the first mark (`cpu_pass_start_us`,
+    `cpu_pass_gap_us`) and the round trip by batch
+    (`roundtrip_points`, where two batches or more were measured)."""
     got = {f"cpu_{k}_us": v * 1e6 for k, v in (m.get("cpu_step") or {}).items()}
     if len(m.get("roundtrip_points") or []) > 1:
         got["roundtrip_points"] = tuple((int(b), s * 1e6) for b, s in m["roundtrip_points"])
@@ -141,4 +143,5 @@ def cpu_rows(row, m: dict, p) -> None:
     for b, s in m.get("roundtrip_points") or [] if p.roundtrip_points else ():
         row(f"round trip in model, {b} rows", s, p.roundtrip(b))
     for k, s in (m.get("cpu_step") or {}).items():
-        row(f"CPU layer, host {k}", s, getattr(p, f"cpu_{k}_us"))
+        name = {"pass_start": "CPU policy, pass start", "pass_gap": "CPU policy, pass gap"}.get(k, f"CPU layer, host {k}")
+        row(name, s, getattr(p, f"cpu_{k}_us"))

@@ -121,7 +121,9 @@ def _cpu_steps(log) -> dict[str, list[float]]:
     """Around each decode layer's CPU experts, on the host (seconds): from its last launch's issue
     to the first expert (`lead`: the step setting them up), between two experts (`gap`), and from
     the results' return (the last round trip's end) to the next layer's start (`tail`: their sum
-    added, the finish launched); a layer with no launch or no next layer gives no lead or tail."""
+    added, the finish launched); a layer with no launch or no next layer gives no lead or tail.
+    And per pair of decode passes, the pass start a CPU-expert policy's host pays and the part of it
+    before the pass's first mark (`pass_start`, `pass_gap`: `_pass_starts`)."""
     dec = decode_passes(log)
     by: dict[tuple[int, int], list] = {}
     for s in log.spans:
@@ -142,6 +144,36 @@ def _cpu_steps(log) -> dict[str, list[float]]:
             if i + 1 < len(keys) and keys[i + 1][0] == k[0] else []
         if back and nxt:
             out["tail"].append((min(nxt) - max(back)) / 1e6)
+    if any(s[OP] == "cpu_expert" for ss in by.values() for s in ss):
+        starts = _pass_starts(log, sorted(dec))
+        out["pass_start"], out["pass_gap"] = [g + e for g, e in starts], [g for g, _ in starts]
+    return out
+
+
+def _pass_starts(log, dec: list[int]) -> list[tuple[float, float]]:
+    """Per pair of consecutive decode passes (seconds): the host's gap from one's `host_head` to the
+    next one's first `host_attention` (its books and the caller's loop, before the pass's first
+    mark), and that first layer's excess over the pass's other layers (`host_attention` each): their
+    sum is what `host_pass_start_us` measures (`spans._host_between`), here pass by pass in a run
+    whose host the CPU experts hold back, so both fall in the GPU's idle. An H100's CPU-expert runs
+    (thirtieth session) paid 208-392 us a pass, 92-176 of it the gap, where the eager GPU-only runs
+    calibrate's pass start comes from paid 146-164."""
+    head: dict[int, float] = {}
+    att: dict[int, dict[int, float]] = {}
+    enter: dict[int, float] = {}
+    for s in log.spans:
+        if s[STEP] in dec and s[OP] == "host_head":
+            head[s[STEP]] = s[END]
+        elif s[STEP] in dec and s[OP] == "host_attention":
+            a = att.setdefault(s[STEP], {})
+            a[s[LAYER]] = a.get(s[LAYER], 0.0) + s[END] - s[START]
+            enter[s[STEP]] = min(enter.get(s[STEP], s[START]), s[START])
+    out = []
+    for p, q in zip(dec, dec[1:]):
+        if p in head and q in enter:
+            first, *rest = sorted(att[q].items())
+            excess = max(first[1] - (float(np.mean([v for _, v in rest])) if rest else 0.0), 0.0)
+            out.append(((enter[q] - head[p]) / 1e6, excess / 1e6))
     return out
 
 

@@ -45,8 +45,9 @@ Measurements (all times in seconds):
   also "wake_points" [[wait s, factor]], "wake_samples" [[lead us, route s, wait s]]
   (`cmoe.calibrate.wake`) and "route_waits" [(tokens, seconds)], the wait each route point followed;
 - `cpu_expert`: {"bytes", "points": [(tokens, seconds)]}: one expert on the host's CPU;
-- `cpu_step` (optional): {"lead", "gap", "tail"} seconds, the host's own time around a layer's CPU
-  experts (`log_points._cpu_steps`), read into `cpu_lead_us`, `cpu_gap_us`, `cpu_tail_us`;
+- `cpu_step` (optional): {"lead", "gap", "tail", "pass_start", "pass_gap"} seconds, the host's own
+  time around a layer's CPU experts and a CPU-expert policy's pass start (`log_points._cpu_steps`),
+  read into `cpu_lead_us`, `cpu_gap_us`, `cpu_tail_us`, `cpu_pass_start_us`, `cpu_pass_gap_us`;
 - `roundtrip`: seconds to take a pass's hidden states to the host and back, synchronised;
 - `copy_slowdown`: fractional slowdown of an HBM-bound kernel while a side-stream copy runs
   (`copy_slowdown_matmul`: of a matmul, shown; `cmoe.calibrate.measure._copy_slowdowns`); where

@@ -78,6 +78,8 @@ class HardwareProfile(Variants):
     cpu_lead_us: float = 0.0                        # per layer with CPU experts, host: from its last launch to its first
     cpu_gap_us: float = 0.0                         # ... between two CPU experts
     cpu_tail_us: float = 0.0                        # ... from the results' return to the layer's end (their sum added)
+    cpu_pass_start_us: float = 0.0                  # per pass, a CPU-expert policy's host_pass_start_us (0: that one)
+    cpu_pass_gap_us: float = 0.0                    # ... of it, the part before a queued pass's first mark
     host_load_us: float = 0.0                       # issuing one load: planning it, events, the copy call
     host_pass_start_us: float = 0.0                 # per pass, host side of pass_start_us
     host_head_us: float = 0.0
@@ -258,6 +260,19 @@ class HardwareProfile(Variants):
         """`pass_gap_us` as both simulator engines read it: never more than the host's whole pass
         start it is a part of."""
         return min(self.pass_gap_us, self.host_pass_start_us)
+
+    def host_pass_start(self, cpu_experts: bool) -> float:
+        """The host's pass start under a policy: a CPU-expert policy's own where calibrate measured it
+        on its `static` runs (`cpu_pass_start_us`: their host's books and start-up fall in the GPU's
+        idle, 208-392 us a pass on an H100 where the eager GPU-only runs paid 146-164, thirtieth
+        session), else `host_pass_start_us`."""
+        return self.cpu_pass_start_us if cpu_experts and self.cpu_pass_start_us else self.host_pass_start_us
+
+    def chained_gap(self, cpu_experts: bool) -> float:
+        """Of a queued (chained) pass's host pass start, the part before its first mark: a CPU-expert
+        policy's host, which the GPU waits for, does its books there (`cpu_pass_gap_us`), so layer 0's
+        span starts past them; 0 for the others, whose host runs ahead of the GPU."""
+        return min(self.cpu_pass_gap_us, self.host_pass_start(True)) if cpu_experts and self.cpu_pass_start_us else 0.0
 
     def host_layer(self, tokens: int) -> float:
         if self.host_layer_points:

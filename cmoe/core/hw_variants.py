@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 HOST_FIELDS = ("host_layer_us", "host_attn_us_per_token", "host_sync_us", "host_route_us", "host_route_us_per_token",
                "host_expert_us", "host_expert_us_per_token", "host_expert_tail_us", "host_load_us",
                "host_pass_start_us", "host_head_us", "pass_gap_us", "predict_layer_us", "commit_route_us",
-               "commit_start_us", "cpu_lead_us", "cpu_gap_us", "cpu_tail_us")
+               "commit_start_us", "cpu_lead_us", "cpu_gap_us", "cpu_tail_us", "cpu_pass_start_us",
+               "cpu_pass_gap_us")
 HOST_POINTS = ("host_layer_points", "host_route_points", "host_expert_points")
 
 

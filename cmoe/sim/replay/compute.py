@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from numba import njit
 
-from cmoe.sim.replay.clock import (CPU_END, CPU_GAP, CPU_LEAD, CPU_TAIL, DRAINED, ENGINES, ERR, FIFO, G_, H_, HEAD, HEAD_SPAN, HOST_HEAD,
+from cmoe.sim.replay.clock import (CHAINED_GAP, CPU_END, CPU_GAP, CPU_LEAD, CPU_TAIL, DRAINED, ENGINES, ERR, FIFO, G_, H_, HEAD, HEAD_SPAN, HOST_HEAD,
                                    AHEAD, COMMIT_GPU, COMMIT_GPU_COPY, COMMIT_START, HOST_LOAD, HOST_PASS_START, HOST_SYNC,
                                    IN_FLIGHT, NOW, OP_ATTN, SILENT,
                                    OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, OWA_GPU, PASS_GAP,
@@ -205,7 +205,7 @@ def _begin(c, x, o, d, p, j0, H, G, M, chained):
     _sync(c, x, o, H)
     c.I[PASS_INDEX] = p
     if chained:
-        last = pmax(G, H)                           # the first mark lands when the GPU gets to it
+        last = pmax(G, H + x.hwf[CHAINED_GAP])      # the first mark lands when the GPU gets to it
     else:
         last = H + x.hwf[PASS_GAP]                  # the pass's first mark, past the gap
     H2 = H + x.hwf[HOST_PASS_START]

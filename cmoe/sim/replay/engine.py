@@ -29,6 +29,18 @@ from cmoe.trace.pass_arrays import PassArrays, from_passes
 CHUNK_CELLS = 1 << 16          # (pass, layer, expert) cells of decisions held at once (~7 MB of buffers)
 
 
+def _scalars(policy: Policy, hw: HardwareProfile) -> np.ndarray:
+    """`Costs.hwf`: the profile's scalars the clock reads, in `clock`'s order (SLOW .. CHAINED_GAP),
+    the pass start the policy's own (`HardwareProfile.host_pass_start`, `chained_gap`)."""
+    cpu = policy.cpu_experts
+    return np.array([1.0 + hw.copy_compute_slowdown, hw.host_load_us, hw.host_expert_us, hw.host_expert_us_per_token,
+                     hw.host_expert_tail_us, hw.matmul_tflops * 1e12, hw.host_sync_us, hw.pass_start_us,
+                     hw.host_pass_start(cpu), hw.head_us, hw.host_head_us, float(hw.wave_gbps > 0), hw.wave_row_us,
+                     hw.owa_gpu_us, hw.pass_gap, hw.commit_gpu_us, hw.commit_gpu_copy_us, hw.commit_start_us,
+                     hw.attention_slow, hw.readback_copy_us, hw.launch_copy_us, hw.cpu_lead_us, hw.cpu_gap_us,
+                     hw.cpu_tail_us, hw.chained_gap(cpu)])
+
+
 def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, keep_spans: bool) -> ck.Costs:
     """Every cost the clock reads, computed with the profile's own methods (per distinct size and
     token count), so the arithmetic is the SimPy model's."""
@@ -73,11 +85,7 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
     if c.shared_bytes:
         attn_gpu = attn_gpu + per_n[:, 5]
     attn_host = layer_host + per_n[:, 3] if c.shared_bytes else layer_host
-    hwf = np.array([1.0 + hw.copy_compute_slowdown, hw.host_load_us, hw.host_expert_us, hw.host_expert_us_per_token,
-                    hw.host_expert_tail_us, hw.matmul_tflops * 1e12,
-                    hw.host_sync_us, hw.pass_start_us, hw.host_pass_start_us, hw.head_us, hw.host_head_us,
-                    float(hw.wave_gbps > 0), hw.wave_row_us, hw.owa_gpu_us, hw.pass_gap, hw.commit_gpu_us, hw.commit_gpu_copy_us,
-                    hw.commit_start_us, hw.attention_slow, hw.readback_copy_us, hw.launch_copy_us, hw.cpu_lead_us, hw.cpu_gap_us, hw.cpu_tail_us])
+    hwf = _scalars(policy, hw)
     hwi = np.array([hw.copy_engines, hw.copy_fifo, hw.copy_on_host, c.expert_params, keep_spans,
                     bool(hw.head_us or hw.host_head_us), silent(hw, policy),
                     hw.commit_ahead and policy.commits and hw.copy_fifo], np.int64)
