@@ -317,7 +317,8 @@ class HardwareProfile(Variants):
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise CmoeError(f"hardware profile has unknown fields {sorted(unknown)}")
-        if missing := [f.name for f in fields(cls) if f.name not in d and f.default is MISSING is f.default_factory]:
+        if missing := [f.name for f in fields(cls)
+                       if f.name not in d and f.default is MISSING and f.default_factory is MISSING]:
             raise CmoeError(f"hardware profile is missing the fields {missing}: write one with cmoe calibrate")
         for k in _PAIRS:                                          # JSON lists -> tuples, checked later
             if k in d:                                            # null: none measured (a curve: refused below)
