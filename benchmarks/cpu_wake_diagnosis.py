@@ -5,7 +5,9 @@ layer's experts, read off the runs' timelines as calibrate reads its own `static
 folder's profile with those fitted in, for `validate_table.py --profile` to predict with.
 
 In sample by construction (fitted over the very runs it predicts): it says how much of a miss the
-model's shape explains once its terms are right, not what a calibration would predict.
+model's shape explains once its terms are right, not what a calibration would predict. Its profile
+carries every `_cpu_steps` term, a CPU-expert policy's pass start and gap among them since the
+thirtieth session (`cpu_pass_start_us`, `cpu_pass_gap_us`), so it predicts layer 0 from the runs too.
 
 It also splits the one-token CPU experts' times into a run's effect and an expert's (`run_effects`):
 whether a run's CPU experts are slow because of the run (a state of the host) or because of which

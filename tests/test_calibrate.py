@@ -49,7 +49,8 @@ def _synthetic(p, expert_bytes=93_585_408, params=3 * 4096 * 14336, resident=100
         "cpu_expert": {"bytes": expert_bytes, "points": [(1, 3e-3)]},           # isolated: overruled below
         "cpu_expert_in_model": {"points": [(t, p.cpu_expert_us(expert_bytes, t) / 1e6) for t in (1, 2, 5)]},
         "roundtrip": 1e-6, "roundtrip_in_model": p.roundtrip_us / 1e6,
-        "cpu_step": {"lead": p.cpu_lead_us / 1e6, "gap": p.cpu_gap_us / 1e6, "tail": p.cpu_tail_us / 1e6},
+        "cpu_step": {"lead": p.cpu_lead_us / 1e6, "gap": p.cpu_gap_us / 1e6, "tail": p.cpu_tail_us / 1e6,
+                     "pass_start": p.cpu_pass_start_us / 1e6, "pass_gap": p.cpu_pass_gap_us / 1e6},
     }
 
 
@@ -68,7 +69,8 @@ def test_fitting_recovers_the_parameters_it_was_made_from():
                     host_layer_us=950.0, host_attn_us_per_token=6.0, host_sync_us=80.0, host_route_us=100.0,
                     host_route_us_per_token=5.0, host_expert_us=170.0, host_expert_us_per_token=0.5,
                     host_expert_tail_us=15.0, host_pass_start_us=700.0, host_head_us=380.0, host_load_us=45.0,
-                    cpu_expert_us_per_token=650.0, cpu_lead_us=75.0, cpu_gap_us=25.0, cpu_tail_us=50.0)
+                    cpu_expert_us_per_token=650.0, cpu_lead_us=75.0, cpu_gap_us=25.0, cpu_tail_us=50.0,
+                    cpu_pass_start_us=320.0, cpu_pass_gap_us=150.0)
     got = fit_profile("fit", _synthetic(known), known.gpu_mem_bytes, "test", "2026-11-29")
     for (b0, g0), (b1, g1) in zip(known.h2d_pinned, got.h2d_pinned):
         assert b0 == b1 and g1 == pytest.approx(g0)                    # the fast repeat wins
@@ -92,7 +94,7 @@ def test_fitting_recovers_the_parameters_it_was_made_from():
               "predict_layer_us", "commit_route_us", "attn_us_per_ctx_token", "host_layer_us", "host_attn_us_per_token", "host_sync_us", "host_route_us",
               "host_route_us_per_token", "host_expert_us", "host_expert_us_per_token", "host_expert_tail_us",
               "host_pass_start_us", "host_head_us", "cpu_expert_us_per_token", "host_load_us", "cpu_lead_us",
-              "cpu_gap_us", "cpu_tail_us"):
+              "cpu_gap_us", "cpu_tail_us", "cpu_pass_start_us", "cpu_pass_gap_us"):
         assert getattr(got, f) == pytest.approx(getattr(known, f), rel=1e-6), f
     assert "around each CPU layer" in got.sources["cpu_gap_us"]
     assert dict(got.expert_gbps)["int4"] == pytest.approx(1500.0, rel=1e-6)
@@ -597,12 +599,15 @@ def test_the_host_around_a_layers_cpu_experts_is_read_off_its_spans():
              S(1, -1, "host", "host_head", 3600.0, 3620.0),
              S(2, 1, "host", "host_attention", 9000.0, 9010.0),                        # the next pass: no tail
              S(2, 3, "host", "host_attention", 9100.0, 9104.0)]
-    got = _cpu_steps(NS(spans=spans, pass_us=[(0, False, 0, 1.0), (1, True, 0, 1.0), (2, True, 0, 1.0)]))
+    log = NS(spans=spans, pass_us=[(0, False, 0, 1.0), (1, True, 0, 1.0), (2, True, 0, 1.0)])
+    got = _cpu_steps(log)
     # the pass start: pass 1's head issued at 3620, pass 2 entered at 9000, its first layer 6 us
     # over the others' (10 against 4)
     assert got == {"lead": pytest.approx([70e-6, 70e-6]), "gap": pytest.approx([25e-6]),
                    "tail": pytest.approx([50e-6]), "pass_start": pytest.approx([5386e-6]),
                    "pass_gap": pytest.approx([5380e-6])}
+    # synced passes (no `pass_overlap`): the gap would hold the wait for the head; no pass start read
+    assert set(_cpu_steps(log, passes=False)) == {"lead", "gap", "tail"}
 
 
 def test_a_cpu_experts_wake_after_idle_is_fitted_over_the_back_to_back_ones():

@@ -86,7 +86,7 @@ def cpu_runs(r, w, cfg, batch: int) -> None:
             r.cpu_runs.append([batch, "dense" if slots == spec.top_k else "sparse", float(np.mean(one)), len(one)])
         r.cpu_pts += p
         r.trips += [(batch, x) for x in t]
-        for k, v in _cpu_steps(st).items():
+        for k, v in _cpu_steps(st, passes=r.queued).items():
             r.cpu_steps.setdefault(k, []).extend(v)
 
 
@@ -117,13 +117,15 @@ def cpu_in_model(pts: list, trips: list, steps: dict, runs: list | None = None) 
             "cpu_step": {k: float(np.mean(v)) for k, v in steps.items() if v}}
 
 
-def _cpu_steps(log) -> dict[str, list[float]]:
+def _cpu_steps(log, passes: bool = True) -> dict[str, list[float]]:
     """Around each decode layer's CPU experts, on the host (seconds): from its last launch's issue
     to the first expert (`lead`: the step setting them up), between two experts (`gap`), and from
     the results' return (the last round trip's end) to the next layer's start (`tail`: their sum
     added, the finish launched); a layer with no launch or no next layer gives no lead or tail.
-    And per pair of decode passes, the pass start a CPU-expert policy's host pays and the part of it
-    before the pass's first mark (`pass_start`, `pass_gap`: `_pass_starts`)."""
+    And with `passes` (a run whose decode passes were queued, `pass_overlap`: a synced pass's gap
+    would hold its wait for the GPU's head, which the simulator charges apart) per pair of decode
+    passes the pass start a CPU-expert policy's host pays and the part of it before the pass's first
+    mark (`pass_start`, `pass_gap`: `_pass_starts`)."""
     dec = decode_passes(log)
     by: dict[tuple[int, int], list] = {}
     for s in log.spans:
@@ -144,7 +146,7 @@ def _cpu_steps(log) -> dict[str, list[float]]:
             if i + 1 < len(keys) and keys[i + 1][0] == k[0] else []
         if back and nxt:
             out["tail"].append((min(nxt) - max(back)) / 1e6)
-    if any(s[OP] == "cpu_expert" for ss in by.values() for s in ss):
+    if passes and any(s[OP] == "cpu_expert" for ss in by.values() for s in ss):
         starts = _pass_starts(log, sorted(dec))
         out["pass_start"], out["pass_gap"] = [g + e for g, e in starts], [g for g, _ in starts]
     return out
@@ -157,7 +159,9 @@ def _pass_starts(log, dec: list[int]) -> list[tuple[float, float]]:
     sum is what `host_pass_start_us` measures (`spans._host_between`), here pass by pass in a run
     whose host the CPU experts hold back, so both fall in the GPU's idle. An H100's CPU-expert runs
     (thirtieth session) paid 208-392 us a pass, 92-176 of it the gap, where the eager GPU-only runs
-    calibrate's pass start comes from paid 146-164."""
+    calibrate's pass start comes from paid 146-164; over those runs it grew by ~3.4 us for each
+    layer with CPU experts in the pass before (252 us + 3.4 a layer, residual sd 36 us), which one
+    figure a profile holds averages over the calibration's `static` runs."""
     head: dict[int, float] = {}
     att: dict[int, dict[int, float]] = {}
     enter: dict[int, float] = {}

@@ -133,7 +133,8 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         **{per_key_field: per_key * 1e6}, **split,
         **host, **table, **waves, **queued, **around, **cpu_fields, python_host=py,
         sources={k: src for k in (*_MEASURED, per_key_field, *host, *table)}
-        | {k: src + " (around each CPU layer's experts in static's runs)" for k in around}
+        | {k: src + (" (static's queued passes: one head to the next pass's first layer)" if "pass" in k
+                     else " (around each CPU layer's experts in static's runs)") for k in around}
         | {k: src + f" ({CPU_SOURCES[k]})" for k in cpu_fields}
         | ({"python_host": src + " (ondemand with the host program off: the Python step's)"} if py else {})
         | {k: src + f" ({why})" for k, why in slow_src.items()}

@@ -265,14 +265,16 @@ class HardwareProfile(Variants):
         """The host's pass start under a policy: a CPU-expert policy's own where calibrate measured it
         on its `static` runs (`cpu_pass_start_us`: their host's books and start-up fall in the GPU's
         idle, 208-392 us a pass on an H100 where the eager GPU-only runs paid 146-164, thirtieth
-        session), else `host_pass_start_us`."""
+        session), else `host_pass_start_us`. Measured with the host program on: a Python-step
+        profile (`python_step`) keeps it, the one pass-start figure it has for these policies."""
         return self.cpu_pass_start_us if cpu_experts and self.cpu_pass_start_us else self.host_pass_start_us
 
-    def chained_gap(self, cpu_experts: bool) -> float:
-        """Of a queued (chained) pass's host pass start, the part before its first mark: a CPU-expert
-        policy's host, which the GPU waits for, does its books there (`cpu_pass_gap_us`), so layer 0's
-        span starts past them; 0 for the others, whose host runs ahead of the GPU."""
-        return min(self.cpu_pass_gap_us, self.host_pass_start(True)) if cpu_experts and self.cpu_pass_start_us else 0.0
+    def first_mark(self, cpu_experts: bool, chained: bool) -> float:
+        """Of a pass's host pass start, the part before its first mark, where layer 0's span starts:
+        a CPU-expert policy's books (`cpu_pass_gap_us`, its host the GPU waits for); a synced pass's
+        `pass_gap` at the least; a queued pass of another policy's nothing (its host runs ahead)."""
+        own = min(self.cpu_pass_gap_us, self.host_pass_start(True)) if cpu_experts and self.cpu_pass_start_us else 0.0
+        return own if chained else max(own, self.pass_gap)
 
     def host_layer(self, tokens: int) -> float:
         if self.host_layer_points:

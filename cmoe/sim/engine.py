@@ -270,7 +270,8 @@ class Simulation(ExpertSteps):
         yield from self._sync(H)
         self.pass_index = ps.index
         x = PassCosts(ps, self.run.at(ps.index), hw, self.c, pol.commits, self._predict_us)
-        last = max(G, H + hw.chained_gap(pol.cpu_experts)) if chained else H + hw.pass_gap   # its first mark
+        gap = hw.first_mark(pol.cpu_experts, chained)   # the pass's first mark, past the host's books
+        last = max(G, H + gap) if chained else H + gap
         H, G = self._op(H, G, hw.host_pass_start(pol.cpu_experts), hw.pass_start_us)
         if x.commit_decode:                        # layer 0's prediction is read back and planned before it runs
             H = max(H, G) + hw.host_sync_us + hw.commit_start_us

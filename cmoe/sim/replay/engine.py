@@ -31,14 +31,15 @@ CHUNK_CELLS = 1 << 16          # (pass, layer, expert) cells of decisions held a
 
 def _scalars(policy: Policy, hw: HardwareProfile) -> np.ndarray:
     """`Costs.hwf`: the profile's scalars the clock reads, in `clock`'s order (SLOW .. CHAINED_GAP),
-    the pass start the policy's own (`HardwareProfile.host_pass_start`, `chained_gap`)."""
+    the pass start and its first mark the policy's own (`HardwareProfile.host_pass_start`,
+    `first_mark`: PASS_GAP a synced pass's, CHAINED_GAP a queued one's)."""
     cpu = policy.cpu_experts
     return np.array([1.0 + hw.copy_compute_slowdown, hw.host_load_us, hw.host_expert_us, hw.host_expert_us_per_token,
                      hw.host_expert_tail_us, hw.matmul_tflops * 1e12, hw.host_sync_us, hw.pass_start_us,
                      hw.host_pass_start(cpu), hw.head_us, hw.host_head_us, float(hw.wave_gbps > 0), hw.wave_row_us,
-                     hw.owa_gpu_us, hw.pass_gap, hw.commit_gpu_us, hw.commit_gpu_copy_us, hw.commit_start_us,
-                     hw.attention_slow, hw.readback_copy_us, hw.launch_copy_us, hw.cpu_lead_us, hw.cpu_gap_us,
-                     hw.cpu_tail_us, hw.chained_gap(cpu)])
+                     hw.owa_gpu_us, hw.first_mark(cpu, False), hw.commit_gpu_us, hw.commit_gpu_copy_us,
+                     hw.commit_start_us, hw.attention_slow, hw.readback_copy_us, hw.launch_copy_us, hw.cpu_lead_us,
+                     hw.cpu_gap_us, hw.cpu_tail_us, hw.first_mark(cpu, True)])
 
 
 def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, keep_spans: bool) -> ck.Costs:
