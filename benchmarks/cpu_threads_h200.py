@@ -90,13 +90,14 @@ def cpu_experts(spec, n: int) -> tuple[list, list]:
     return cpu, pinned
 
 
-def load_line(rec: dict, before) -> str:
-    """rec gets the host's load from the `snapshot` `before` to now (`host_load.windows`: cores
-    busy with other processes, interrupts, stolen; two snapshots, not the sampler, whose 0.1 s
-    windows an isolated arm is shorter than); the line's words."""
+def load_line(rec: dict, before, after=None) -> str:
+    """rec gets the host's load from the `snapshot` `before` to `after` (default: now)
+    (`host_load.windows`: cores busy with other processes, interrupts, stolen; two snapshots, not
+    the sampler, whose 0.1 s windows an isolated arm is shorter than; over an arm of ~30 ms, 100 Hz
+    ticks resolve `other` to about a third of a core); the line's words."""
     if before is None:
         return ""
-    (m,) = windows([before, snapshot()], os.sysconf("SC_CLK_TCK"))
+    (m,) = windows([before, after or snapshot()], os.sysconf("SC_CLK_TCK"))
     rec["host_load"] = m | {"other": max(m["other"], 0.0)}
     return f"; host other {rec['host_load']['other']:.2f} irq {m['irq']:.2f} steal {m['steal']:.2f} cores"
 
@@ -125,6 +126,7 @@ def isolated(views: list, pinned: list, hidden: int, threads: list[int], rounds:
                 t0 = time.perf_counter()
                 ffn(x, views[i % len(views)])
                 ts.append((time.perf_counter() - t0) * 1e3)
+            e1 = _snap()                                           # the arm's end, before the sync
             done = side.query() if busy else None
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -137,7 +139,7 @@ def isolated(views: list, pinned: list, hidden: int, threads: list[int], rounds:
             out.append(rec)
             print(f"isolated r{rnd} threads {th:2d} tokens {tok} link {'busy' if busy else 'idle'}: "
                   f"mean {rec['mean_ms']:.3f} median {rec['median_ms']:.3f} min {rec['min_ms']:.3f} ms; python {py_ms:.2f} ms"
-                  + load_line(rec, e0), flush=True)
+                  + load_line(rec, e0, e1), flush=True)
 
 
 def in_executor(where: dict, built, threads: list[int], rounds: int, tokens: int, out: list, save=None,

@@ -315,7 +315,7 @@ def test_cpu_experts_off_their_calibration_get_a_line(runs):
 
 def test_a_run_whose_cpu_ran_in_two_states_says_so(tmp_path):
     """`slow_cpu` splits the CPU experts' measured-over-predicted times in two groups (tokens and
-    idle cancel in the ratio) and names the slower group's share where the groups are 1.4x apart;
+    idle cancel in the ratio) and names the slower group's share where the groups are 1.3x apart;
     `validate` reads it off the runs' `cpu_expert` spans, and `format_validation` names it even
     where the mean is within 5% of the calibration."""
     pred = {(s, 0, e): 1000.0 * (1 + e) for s in range(2) for e in range(5)}           # 10 experts, unequal
@@ -328,6 +328,11 @@ def test_a_run_whose_cpu_ran_in_two_states_says_so(tmp_path):
     two = {k: v * (1.6 if k[0] < 10 else 1.0) * float(np.exp(rng.normal(0, 0.05))) for k, v in many.items()}
     two[(0, 0, 0)] *= 30.0                                                              # an outlier makes no group
     assert slow_cpu(many, two)["share"] == 0.25 and slow_cpu(many, two)["factor"] == pytest.approx(1.6, rel=0.05)
+    # mostly slow (85%), with a 3% tail that woke after long idle: the tail makes no group of its own
+    most = {k: v * (1.3 if k[0] < 34 else 0.95) * (2.0 if k[0] == 0 and k[2] < 3 else 1.0)
+            * float(np.exp(rng.normal(0, 0.03))) for k, v in many.items()}
+    got = slow_cpu(many, most)
+    assert got["share"] == 0.85 and got["factor"] == pytest.approx(1.3 / 0.95, rel=0.03)
     assert slow_cpu(pred, {k: v * 1.7 for k, v in pred.items()}) == {"share": 0.0, "factor": 1.0}  # slow throughout
     assert slow_cpu(dict(list(pred.items())[:7]), meas) is None                        # too few to say
     assert slow_cpu({k: 0.0 for k in pred}, meas) is None                              # nothing predicted

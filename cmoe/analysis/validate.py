@@ -25,6 +25,7 @@ Numpy and pyarrow only, so it runs anywhere the timelines can be read.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,17 +186,17 @@ SLOW_SHARE = 0.1    # ... with this share of them slow, named by `format_validat
 def slow_cpu(pred: dict, meas: dict) -> dict | None:
     """The CPU experts both runs ran (`_keyed`'s, by pass, layer and expert), each one's measured
     over predicted time, split in two groups where the log of it splits best (Otsu's threshold: the
-    most variance between the groups, the outer 2% at each end pulled in first so that a few
-    outliers cannot make a group): the slower group's share and its median over the faster's
+    most variance between the groups, each at least `SLOW_SHARE` of them and the outer 2% at each
+    end pulled in first, so that a tail of outliers cannot make a group): the slower group's share
+    and its median over the faster's
     (`factor`), the share 0 where the groups are under `SLOW_CPU` apart; None under 8 experts.
 
-    Why: on the lent GPUs' hosts a run's CPU experts ran in two states, ~1.0-1.2 and ~1.7-2.0 ms a
+    Why: on the lent GPUs' hosts a run's CPU experts ran in two states, ~1.0-1.2 and ~1.6-2.0 ms a
     one-token expert, switching within a run (often slow at its start) while other processes and
     the hypervisor took next to no cores (thirtieth session, `cmoe.calibrate.host_load`). A
-    calibration prices one state; a miss from this reads as the host's, not the model's. On that
-    session's 36 runs, runs in one state split 1.10-1.24x apart and most runs with a slow stretch
-    1.42-1.66x; a drift over the run (1.25 ms down to 1.02) reads as one state, and a run slow
-    throughout shows in its mean (`cpu_ratio`), not here. Measured over
+    calibration prices one state; a miss from this reads as the host's, not the model's. A drift
+    over the run (1.25 ms down to 1.02) reads as one state, and a run slow throughout shows in its
+    mean (`cpu_ratio`), not here. Measured over
     predicted, not raw times, so an expert's tokens and its idle before it, which the prediction
     prices, cancel out."""
     r = np.array([meas[k] / pred[k] for k in sorted(set(pred) & set(meas)) if pred[k] > 0 and meas[k] > 0])
@@ -204,9 +205,9 @@ def slow_cpu(pred: dict, meas: dict) -> dict | None:
     x = np.sort(np.log(r))
     x = np.clip(x, *np.percentile(x, [2, 98]))
     n, c = x.size, np.cumsum(x)
-    i = np.arange(1, n)                                       # the first i in the faster group
-    lo, hi = c[:-1] / i, (c[-1] - c[:-1]) / (n - i)
-    k = int(np.argmax(i * (n - i) * (hi - lo) ** 2)) + 1
+    i = np.arange(max(math.ceil(SLOW_SHARE * n), 1), min(math.floor((1 - SLOW_SHARE) * n), n - 1) + 1)
+    lo, hi = c[i - 1] / i, (c[-1] - c[i - 1]) / (n - i)      # the first i in the faster group, each group
+    k = int(i[np.argmax(i * (n - i) * (hi - lo) ** 2)])       # SLOW_SHARE of them at least
     factor = float(np.exp(np.median(x[k:]) - np.median(x[:k])))
     return {"share": (n - k) / n if factor >= SLOW_CPU else 0.0, "factor": factor}
 

@@ -2,7 +2,7 @@
 process's own CPU time, read as cores busy with other work and cores stolen by the hypervisor.
 
 Why: a CPU expert's speed on the lent GPU hosts moves between two states within one run (one-token
-experts at ~1.0-1.2 ms and at ~1.7-2.0 ms, switching once or twice a run, BENCHMARKS.md "thirtieth
+experts at ~1.0-1.2 ms and at ~1.6-2.0 ms, switching once or twice a run, BENCHMARKS.md "thirtieth
 session"), which no calibration can predict. A 16-thread OpenMP loop over 16 cores runs at the
 pace of its slowest thread, so one core taken by anything else (another process, the hypervisor)
 costs it nearly 2x. The sampler says whether that is what the slow stretches are: other cores'

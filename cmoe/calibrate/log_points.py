@@ -158,7 +158,7 @@ def _pass_starts(log, dec: list[int]) -> list[tuple[float, float]]:
     mark), and that first layer's excess over the pass's other layers (`host_attention` each): their
     sum is what `host_pass_start_us` measures (`spans._host_between`), here pass by pass in a run
     whose host the CPU experts hold back, so both fall in the GPU's idle. An H100's CPU-expert runs
-    (thirtieth session) paid 208-392 us a pass, 92-176 of it the gap, where the eager GPU-only runs
+    (thirtieth session) paid 205-387 us a pass, 89-174 of it the gap, where the eager GPU-only runs
     calibrate's pass start comes from paid 146-164; over those runs it grew by ~3.4 us for each
     layer with CPU experts in the pass before (252 us + 3.4 a layer, residual sd 36 us), which one
     figure a profile holds averages over the calibration's `static` runs."""

@@ -264,7 +264,7 @@ class HardwareProfile(Variants):
     def host_pass_start(self, cpu_experts: bool) -> float:
         """The host's pass start under a policy: a CPU-expert policy's own where calibrate measured it
         on its `static` runs (`cpu_pass_start_us`: their host's books and start-up fall in the GPU's
-        idle, 208-392 us a pass on an H100 where the eager GPU-only runs paid 146-164, thirtieth
+        idle, 205-387 us a pass on an H100 where the eager GPU-only runs paid 146-164, thirtieth
         session), else `host_pass_start_us`. Measured with the host program on: a Python-step
         profile (`python_step`) keeps it, the one pass-start figure it has for these policies."""
         return self.cpu_pass_start_us if cpu_experts and self.cpu_pass_start_us else self.host_pass_start_us
