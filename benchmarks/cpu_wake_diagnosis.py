@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
 
 from cmoe.calibrate.cpu_fit import cpu_expert_fit  # noqa: E402
-from cmoe.calibrate.log_points import _cpu_points, _cpu_steps, cpu_experts, cpu_in_model  # noqa: E402
+from cmoe.calibrate.log_points import _cpu_points, _cpu_steps, _pass_starts, cpu_experts, cpu_in_model  # noqa: E402
 from cmoe.core.checkpoint import check_checkpoint  # noqa: E402
 from cmoe.core.spec import preset  # noqa: E402
 from cmoe.core.timeline import END, EXPERT, LAYER, START  # noqa: E402
@@ -100,6 +100,18 @@ def load_effects(timed: dict[str, list[tuple[float, float]]], rows: list[dict]) 
     return out
 
 
+def pass_start_by_layers(log) -> list[tuple[int, float]]:
+    """(layers with CPU experts in the pass before, the host's pass start in us) per pair of decode
+    passes (`log_points._pass_starts`): the thirtieth session's runs grew ~3.4 us a layer, which the
+    profile's one `cpu_pass_start_us` averages."""
+    dec = sorted(p for p, d, _, _ in log.pass_us if d)
+    lay: dict[int, set] = {}
+    for s in log.spans:
+        if s[4] == "cpu_expert":
+            lay.setdefault(s[1], set()).add(s[2])
+    return [(len(lay.get(p, ())), (g + e) * 1e6) for p, (g, e) in zip(dec, _pass_starts(log, dec))]
+
+
 def run_effects(seen: dict[str, list]) -> dict:
     """log(median seconds of expert k in run r) = run effect + expert effect, least squares over
     every (run, expert) pair measured: each run's factor (geometric mean 1), the experts' factors'
@@ -128,7 +140,7 @@ def main() -> None:
     a = ap.parse_args()
     res = json.loads((a.folder / "results.json").read_text())
     spec = check_checkpoint(Path(res["model"]), float_experts=True) if res.get("model") else preset(res["spec"])
-    pts, trips, steps, seen, timed = [], [], {}, {}, {}
+    pts, trips, steps, seen, timed, starts = [], [], {}, {}, {}, []
     for c in res["configs"]:
         b = c["batch"]
         tr = load_trace(res.get("trace") or f"synthetic:{res['spec']}", None, b)
@@ -151,6 +163,8 @@ def main() -> None:
                 pts, trips = pts + p, trips + [(b, y) for y in t]
                 for k, v in _cpu_steps(log).items():
                     steps.setdefault(k, []).extend(v)
+                if p:
+                    starts += pass_start_by_layers(log)
     if sum(1 for v in seen.values() if v) > 1:
         fx = run_effects(seen)
         print(f"one-token CPU experts over {fx['pairs']} (run, expert) pairs of {fx['experts']} experts: each run's factor "
@@ -159,6 +173,12 @@ def main() -> None:
     if (a.folder / "host-load.json").exists() and any(timed.values()):
         for line in load_effects(timed, json.loads((a.folder / "host-load.json").read_text())["windows"]):
             print(line)
+    if len({n for n, _ in starts}) > 1:
+        x, y = np.array(starts, float).T
+        (a0, a1), *_ = np.linalg.lstsq(np.c_[np.ones_like(x), x], y, rcond=None)
+        print(f"CPU-expert pass start: {a0:.0f} us + {a1:.2f} a layer with CPU experts in the pass before "
+              f"({x.min():.0f}-{x.max():.0f} layers), residual sd {np.std(y - a0 - a1 * x):.0f} us over {len(y)} pairs; "
+              f"mean {y.mean():.0f} us")
     if not pts:
         sys.exit("no CPU experts in this folder's decode passes: give a validation that ran lfu-fallback or static")
     meas = json.loads((a.folder / "profile.measurements.json").read_text())
