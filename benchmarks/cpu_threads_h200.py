@@ -44,15 +44,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cmoe.calibrate.host_load import available, snapshot, windows  # noqa: E402
+from cmoe.calibrate.host_load import HZ, available, snapshot, windows  # noqa: E402
 from cmoe.calibrate.spans import decode_passes  # noqa: E402
 from cmoe.core.timeline import END, OP, START, STEP  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
 from cmoe.core.spec import preset  # noqa: E402
-from cmoe.executor.kernels import ExpertViews, ffn  # noqa: E402
+from cmoe.calibrate.measure import random_cpu_experts  # noqa: E402
+from cmoe.executor.kernels import ffn  # noqa: E402
 from cmoe.executor.layout import expert_layout, slot_size  # noqa: E402
 from cmoe.executor.run import ExecConfig, build, prepare, run_policy  # noqa: E402
-from cmoe.executor.store import random_expert  # noqa: E402
 
 
 def facts() -> dict:
@@ -81,13 +81,7 @@ def cpu_experts(spec, n: int) -> tuple[list, list]:
     bytes in the GPU kernel's layout in pinned memory (what the link copies): built here, without
     the whole store, so another process (other OpenMP settings) measures the same in seconds."""
     lay = expert_layout("w4g128", spec.hidden, spec.expert_ffn)
-    cpu, pinned = [], []
-    for i in range(n):
-        buf = torch.zeros(slot_size(lay), dtype=torch.uint8)
-        random_expert(lay, 1 + i, torch.device("cpu"), "cpu", buf)
-        cpu.append(ExpertViews(lay, buf, "cpu"))
-        pinned.append(torch.empty(slot_size(lay), dtype=torch.uint8, pin_memory=True))
-    return cpu, pinned
+    return random_cpu_experts(lay, n), [torch.empty(slot_size(lay), dtype=torch.uint8, pin_memory=True) for _ in range(n)]
 
 
 def load_line(rec: dict, before, after=None) -> str:
@@ -97,7 +91,7 @@ def load_line(rec: dict, before, after=None) -> str:
     ticks resolve `other` to about a third of a core); the line's words."""
     if before is None:
         return ""
-    (m,) = windows([before, after or snapshot()], os.sysconf("SC_CLK_TCK"))
+    (m,) = windows([before, after or snapshot()], HZ)
     rec["host_load"] = m | {"other": max(m["other"], 0.0)}
     return f"; host other {rec['host_load']['other']:.2f} irq {m['irq']:.2f} steal {m['steal']:.2f} cores"
 

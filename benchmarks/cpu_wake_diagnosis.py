@@ -37,7 +37,7 @@ from cmoe.calibrate.cpu_fit import cpu_expert_fit  # noqa: E402
 from cmoe.calibrate.log_points import _cpu_points, _cpu_steps, _pass_starts, cpu_experts, cpu_in_model  # noqa: E402
 from cmoe.core.checkpoint import check_checkpoint  # noqa: E402
 from cmoe.core.spec import preset  # noqa: E402
-from cmoe.core.timeline import END, EXPERT, LAYER, START  # noqa: E402
+from cmoe.core.timeline import END, EXPERT, LAYER, OP, START, STEP  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
 from cmoe.trace.load import load_trace  # noqa: E402
 from cmoe.trace.passes import make_passes  # noqa: E402
@@ -65,9 +65,10 @@ def host_lane(log, moe_layers: int) -> tuple[float, float]:
     return work / n, (work - sum(d for _, d in first.values())) / n
 
 
-def one_token(log, tr, batch: int, spec) -> list[tuple[tuple[int, int], float]]:
-    """((layer, expert), seconds) of every decode CPU expert that had one token."""
-    return [((s[LAYER], s[EXPERT]), (s[END] - s[START]) / 1e6) for s, t in cpu_experts(log, tr, batch, spec) if t == 1]
+def one_token(ce: list) -> list[tuple[tuple[int, int], float]]:
+    """((layer, expert), seconds) of every decode CPU expert that had one token (`ce`: the run's
+    `cpu_experts`)."""
+    return [((s[LAYER], s[EXPERT]), (s[END] - s[START]) / 1e6) for s, t in ce if t == 1]
 
 
 def load_effects(timed: dict[str, list[tuple[float, float]]], rows: list[dict]) -> list[str]:
@@ -107,8 +108,8 @@ def pass_start_by_layers(log) -> list[tuple[int, float]]:
     dec = sorted(p for p, d, _, _ in log.pass_us if d)
     lay: dict[int, set] = {}
     for s in log.spans:
-        if s[4] == "cpu_expert":
-            lay.setdefault(s[1], set()).add(s[2])
+        if s[OP] == "cpu_expert":
+            lay.setdefault(s[STEP], set()).add(s[LAYER])
     return [(len(lay.get(p, ())), (g + e) * 1e6) for p, (g, e) in zip(dec, _pass_starts(log, dec))]
 
 
@@ -156,10 +157,10 @@ def main() -> None:
                 w, own = host_lane(log, spec.num_moe_layers)
                 print(f"{run}: host {w:.1f} us a MoE layer, {own:.1f} less the copy to the host")
                 p, t = _cpu_points(log, tr, b, spec)
-                seen[run] = one_token(log, tr, b, spec)
+                ce = list(cpu_experts(log, tr, b, spec))
+                seen[run] = one_token(ce)
                 if zero.get(f.stem[9:]):
-                    timed[run] = [(zero[f.stem[9:]] + s[START] / 1e6, (s[END] - s[START]) / 1e3)
-                                  for s, k in cpu_experts(log, tr, b, spec) if k == 1]
+                    timed[run] = [(zero[f.stem[9:]] + s[START] / 1e6, (s[END] - s[START]) / 1e3) for s, k in ce if k == 1]
                 pts, trips = pts + p, trips + [(b, y) for y in t]
                 for k, v in _cpu_steps(log).items():
                     steps.setdefault(k, []).extend(v)

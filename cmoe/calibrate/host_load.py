@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 STAT, SELF = Path("/proc/stat"), Path("/proc/self/stat")
+HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100     # the ticks /proc counts in
 IRQ, SOFTIRQ, STEAL = 5, 6, 7     # /proc/stat's cpu line fields after the name (user nice system idle iowait ...)
 
 
@@ -100,7 +101,7 @@ class LoadSampler:
 
     def __init__(self, interval: float = 0.1):
         self.interval, self.samples = interval, []
-        self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.hz = HZ
         self._stop = threading.Event()
         self._thread = None
 

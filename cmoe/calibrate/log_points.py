@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from cmoe.calibrate.spans import _per_layer, decode_passes
+from cmoe.calibrate.spans import _per_layer, decode_passes, host_gaps
 from cmoe.core.spec import ModelSpec
 from cmoe.core.timeline import END, EXPERT, LAYER, OP, START, STEP
 
@@ -162,22 +162,16 @@ def _pass_starts(log, dec: list[int]) -> list[tuple[float, float]]:
     calibrate's pass start comes from paid 146-164; over those runs it grew by ~3.4 us for each
     layer with CPU experts in the pass before (252 us + 3.4 a layer, residual sd 36 us), which one
     figure a profile holds averages over the calibration's `static` runs."""
-    head: dict[int, float] = {}
     att: dict[int, dict[int, float]] = {}
-    enter: dict[int, float] = {}
     for s in log.spans:
-        if s[STEP] in dec and s[OP] == "host_head":
-            head[s[STEP]] = s[END]
-        elif s[STEP] in dec and s[OP] == "host_attention":
+        if s[STEP] in dec and s[OP] == "host_attention":
             a = att.setdefault(s[STEP], {})
             a[s[LAYER]] = a.get(s[LAYER], 0.0) + s[END] - s[START]
-            enter[s[STEP]] = min(enter.get(s[STEP], s[START]), s[START])
     out = []
-    for p, q in zip(dec, dec[1:]):
-        if p in head and q in enter:
-            first, *rest = sorted(att[q].items())
-            excess = max(first[1] - (float(np.mean([v for _, v in rest])) if rest else 0.0), 0.0)
-            out.append(((enter[q] - head[p]) / 1e6, excess / 1e6))
+    for _, q, gap in host_gaps(log, dec):
+        first, *rest = sorted(att[q].items())
+        excess = max(first[1] - (float(np.mean([v for _, v in rest])) if rest else 0.0), 0.0)
+        out.append((gap / 1e6, excess / 1e6))
     return out
 
 

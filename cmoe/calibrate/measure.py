@@ -10,6 +10,7 @@ reads; every microbenchmark time is the best of several repeats, and every repea
 from __future__ import annotations
 
 import itertools
+import os
 import time
 
 import numpy as np
@@ -201,21 +202,28 @@ def _bits(fmt: str, lay) -> int:
 CPU_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 
 
+def random_cpu_experts(lay, n: int) -> list:
+    """n random experts (seeds 1..n, `random_expert`) in this CPU's layout, as the executor's CPU
+    path reads them."""
+    out = []
+    for i in range(n):
+        buf = torch.zeros(slot_size(lay), dtype=torch.uint8)
+        random_expert(lay, 1 + i, torch.device("cpu"), "cpu", buf)
+        out.append(ExpertViews(lay, buf, "cpu"))
+    return out
+
+
 def _cpu_views(lay) -> list:
     """Random experts in this CPU's layout, together twice its last-level cache (1 to 8 of them):
     one expert timed over and over stays in cache where it fits (a Mixtral expert's 89 MB in the
     300 MiB L3 of the H100 host of the twenty-ninth session), which a run's CPU experts never are."""
     try:
-        raw = open("/sys/devices/system/cpu/cpu0/cache/index3/size").read().strip()
+        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
+            raw = f.read().strip()
         llc = int(raw[:-1]) * {"K": 2**10, "M": 2**20}[raw[-1]] if raw[-1] in "KM" else int(raw)
     except (OSError, ValueError):
         llc = 64 * 2**20
-    out = []
-    for i in range(min(8, max(1, -(-2 * llc // lay.nbytes)))):
-        buf = torch.zeros(slot_size(lay), dtype=torch.uint8)
-        random_expert(lay, 1 + i, torch.device("cpu"), "cpu", buf)
-        out.append(ExpertViews(lay, buf, "cpu"))
-    return out
+    return random_cpu_experts(lay, min(8, max(1, -(-2 * llc // lay.nbytes))))
 
 
 def expert(device: torch.device, spec: ModelSpec, fmt: str, tokens=(1, 2, 4, 8, 16, 32, 64)) -> dict:
@@ -298,7 +306,6 @@ def host_cpu() -> str:
     expert's time and the host's costs move with the host, and a lent GPU's host differs between
     loans: in the twenty-ninth session's probe it was a 16-core Xeon whose 300 MiB L3 holds a whole
     Mixtral expert (calibrate's isolated loop, one expert over and over, reads it from cache)."""
-    import os
     try:
         names = [ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")]
     except OSError:
@@ -310,7 +317,6 @@ def device_label_and_memory(device: torch.device) -> tuple[str, int]:
     """The device's name (what profiles are named after) and its memory in bytes."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory
-    import os
     return "cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 

@@ -79,6 +79,18 @@ def _sync_s(host: dict, tail: list) -> float:
     return max(float(np.median(host["gaps"])) + float(np.mean([x for _, x in tail])), 0.0)
 
 
+def host_gaps(log, dec: list[int]) -> list[tuple[int, int, float]]:
+    """(pass, next pass, us) for each pair of consecutive passes of `dec` (sorted) with both spans:
+    the host lane's gap from the pass's `host_head` end to the next pass's first `host_attention`."""
+    ds = set(dec)
+    head = {s[STEP]: s[END] for s in log.spans if s[OP] == "host_head" and s[STEP] in ds}
+    enter: dict[int, float] = {}
+    for s in log.spans:
+        if s[OP] == "host_attention" and s[STEP] in ds:
+            enter[s[STEP]] = min(enter.get(s[STEP], s[START]), s[START])
+    return [(p, q, enter[q] - head[p]) for p, q in zip(dec, dec[1:]) if p in head and q in enter]
+
+
 def _host_between(log, first: int) -> float:
     """The host's own time from one decode pass's head to the next pass's first layer issued, less
     a layer's (seconds): the gap on the host lane between a `host_head` span and the next pass's
@@ -93,12 +105,7 @@ def _host_between(log, first: int) -> float:
     and 251 us, all twenty 329 and 332; the first round's two batch-1 runs alone (the profile's
     figure before) had read 414, 331 and 289 in three calibrations, against 285-303 in the runs."""
     dec = sorted(p for p, d, _, _ in log.pass_us if d)
-    head = {s[STEP]: s[END] for s in log.spans if s[OP] == "host_head" and s[STEP] in dec}
-    enter: dict[int, float] = {}
-    for s in log.spans:
-        if s[OP] == "host_attention" and s[STEP] in dec:
-            enter[s[STEP]] = min(enter.get(s[STEP], s[START]), s[START])
-    gaps = [enter[q] - head[p] for p, q in zip(dec, dec[1:]) if p in head and q in enter]
+    gaps = [g for _, _, g in host_gaps(log, dec)]
     _, start = _per_layer(log, ("host_attention",), first)
     return (max(float(np.mean(gaps)), 0.0) if gaps else 0.0) / 1e6 + start / 1e6
 

@@ -273,7 +273,7 @@ class HardwareProfile(Variants):
         """Of a pass's host pass start, the part before its first mark, where layer 0's span starts:
         a CPU-expert policy's books (`cpu_pass_gap_us`, its host the GPU waits for); a synced pass's
         `pass_gap` at the least; a queued pass of another policy's nothing (its host runs ahead)."""
-        own = min(self.cpu_pass_gap_us, self.host_pass_start(True)) if cpu_experts and self.cpu_pass_start_us else 0.0
+        own = min(self.cpu_pass_gap_us, self.cpu_pass_start_us) if cpu_experts and self.cpu_pass_start_us else 0.0
         return own if chained else max(own, self.pass_gap)
 
     def host_layer(self, tokens: int) -> float:
