@@ -103,14 +103,9 @@ def load_effects(timed: dict[str, list[tuple[float, float]]], rows: list[dict]) 
 
 def pass_start_by_layers(log) -> list[tuple[int, float]]:
     """(layers with CPU experts in the pass before, the host's pass start in us) per pair of decode
-    passes (`log_points._pass_starts`): the thirtieth session's runs grew ~3.4 us a layer, which the
-    profile's one `cpu_pass_start_us` averages."""
+    passes (`log_points._pass_starts`), which calibrate fits (`cpu_pass_points`)."""
     dec = sorted(p for p, d, _, _ in log.pass_us if d)
-    lay: dict[int, set] = {}
-    for s in log.spans:
-        if s[OP] == "cpu_expert":
-            lay.setdefault(s[STEP], set()).add(s[LAYER])
-    return [(len(lay.get(p, ())), (g + e) * 1e6) for p, (g, e) in zip(dec, _pass_starts(log, dec))]
+    return [(n, (g + e) * 1e6) for n, _, g, e in _pass_starts(log, dec)]
 
 
 def run_effects(seen: dict[str, list]) -> dict:

@@ -28,9 +28,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cmoe.executor.omp_wait import spin_threads  # noqa: E402  (before torch: libgomp reads it on load)
+
+SPIN = spin_threads("auto", True)     # calibrate measures CPU experts: as `cmoe calibrate` and `cmoe run` set it
+
+import torch  # noqa: E402
 
 from cmoe.executor.run import ExecConfig, build, prepare, run_policy  # noqa: E402
 from cmoe.executor.run import write_outputs as write_exec  # noqa: E402
@@ -76,7 +80,8 @@ def main() -> None:
     res = {"date": time.strftime("%Y-%m-%d"), "card": card, "host": host_cpu(), "torch": torch.__version__,
            "commit": commit + ("+dirty" if dirty else ""), "spec": a.spec, "tokens": a.tokens, "configs": [],
            # the OpenMP settings the CPU experts ran under (OMP_WAIT_POLICY moves them 1.5-1.9x: BENCHMARKS.md)
-           "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_"))}}
+           "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_"))},
+           "omp_wait": SPIN}
     import importlib.util
     can_predict = importlib.util.find_spec("simpy") is not None and not a.measure_only
     if not can_predict:
@@ -99,6 +104,7 @@ def main() -> None:
     build(w, first)
     res["build_s"] = time.perf_counter() - t0
     print(f"built store ({w.store.nbytes / 1e9:.1f} GB pinned) and model in {res['build_s']:.0f} s", flush=True)
+    print(SPIN, flush=True)
     if a.profile:
         from cmoe.core.hw import load_profile
         prof = load_profile(a.profile)

@@ -599,13 +599,14 @@ def test_the_host_around_a_layers_cpu_experts_is_read_off_its_spans():
              S(1, -1, "host", "host_head", 3600.0, 3620.0),
              S(2, 1, "host", "host_attention", 9000.0, 9010.0),                        # the next pass: no tail
              S(2, 3, "host", "host_attention", 9100.0, 9104.0)]
-    log = NS(spans=spans, pass_us=[(0, False, 0, 1.0), (1, True, 0, 1.0), (2, True, 0, 1.0)])
+    log = NS(spans=spans, pass_us=[(0, False, 64, 1.0), (1, True, 3, 1.0), (2, True, 2, 1.0)])
     got = _cpu_steps(log)
     # the pass start: pass 1's head issued at 3620, pass 2 entered at 9000, its first layer 6 us
-    # over the others' (10 against 4)
+    # over the others' (10 against 4); pass 1 ran CPU experts in 2 layers, pass 2 has 2 rows
     assert got == {"lead": pytest.approx([70e-6, 70e-6]), "gap": pytest.approx([25e-6]),
                    "tail": pytest.approx([50e-6]), "pass_start": pytest.approx([5386e-6]),
-                   "pass_gap": pytest.approx([5380e-6])}
+                   "pass_gap": pytest.approx([5380e-6]), "pass_points": [[2, 2, pytest.approx(5386e-6),
+                                                                          pytest.approx(5380e-6)]]}
     # synced passes (no `pass_overlap`): the gap would hold the wait for the head; no pass start read
     assert set(_cpu_steps(log, passes=False)) == {"lead", "gap", "tail"}
 
@@ -625,6 +626,7 @@ def test_a_cpu_experts_wake_after_idle_is_fitted_over_the_back_to_back_ones():
         [[1, 0.0, 6], [1, 300.0, 6], [1, 3000.0, 6], [2, 0.0, 6], [2, 300.0, 6], [2, 3000.0, 6]]
     assert got["cpu_expert_in_model"]["count"] == [(1, 19), (2, 18)]
     assert got["roundtrip_in_model"] == pytest.approx(2e-4) and got["cpu_step"] == {"lead": pytest.approx(7e-5)}
+    assert got["cpu_pass_points"] == []
     assert got["roundtrip_points"] == [(1, pytest.approx(1.5e-4)), (8, pytest.approx(3e-4))]
     m = _synthetic(known) | got
     p = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-06")

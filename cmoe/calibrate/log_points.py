@@ -114,7 +114,9 @@ def cpu_in_model(pts: list, trips: list, steps: dict, runs: list | None = None) 
                                     "runs": list(runs or [])},
             "roundtrip_in_model": float(np.median([s for _, s in trips])) if trips else None,
             "roundtrip_points": [(b, float(np.median([s for x, s in trips if x == b]))) for b in sorted({b for b, _ in trips})],
-            "cpu_step": {k: float(np.mean(v)) for k, v in steps.items() if v}}
+            "cpu_step": {k: float(np.mean(v)) for k, v in steps.items() if v and k != "pass_points"},
+            # per pair of queued decode passes: [CPU layers of the first, the second's rows, pass start s, gap s]
+            "cpu_pass_points": list(steps.get("pass_points", []))}
 
 
 def _cpu_steps(log, passes: bool = True) -> dict[str, list[float]]:
@@ -148,30 +150,36 @@ def _cpu_steps(log, passes: bool = True) -> dict[str, list[float]]:
             out["tail"].append((min(nxt) - max(back)) / 1e6)
     if passes and any(s[OP] == "cpu_expert" for ss in by.values() for s in ss):
         starts = _pass_starts(log, sorted(dec))
-        out["pass_start"], out["pass_gap"] = [g + e for g, e in starts], [g for g, _ in starts]
+        out["pass_start"], out["pass_gap"] = [g + e for _, _, g, e in starts], [g for _, _, g, _ in starts]
+        out["pass_points"] = [[n, rows, g + e, g] for n, rows, g, e in starts]
     return out
 
 
-def _pass_starts(log, dec: list[int]) -> list[tuple[float, float]]:
-    """Per pair of consecutive decode passes (seconds): the host's gap from one's `host_head` to the
-    next one's first `host_attention` (its books and the caller's loop, before the pass's first
-    mark), and that first layer's excess over the pass's other layers (`host_attention` each): their
-    sum is what `host_pass_start_us` measures (`spans._host_between`), here pass by pass in a run
-    whose host the CPU experts hold back, so both fall in the GPU's idle. An H100's CPU-expert runs
-    (thirtieth session) paid 205-387 us a pass, 89-174 of it the gap, where the eager GPU-only runs
-    calibrate's pass start comes from paid 146-164; over those runs it grew by ~3.4 us for each
-    layer with CPU experts in the pass before (252 us + 3.4 a layer, residual sd 36 us), which one
-    figure a profile holds averages over the calibration's `static` runs."""
+def _pass_starts(log, dec: list[int]) -> list[tuple[int, int, float, float]]:
+    """Per pair of consecutive decode passes: the layers with CPU experts in the first, the second's
+    rows, and (seconds) the host's gap from the first's `host_head` to the second's first
+    `host_attention` (its books and the caller's loop, before the pass's first mark) and that first
+    layer's excess over the pass's other layers (`host_attention` each). The last two's sum is what
+    `host_pass_start_us` measures (`spans._host_between`), here pass by pass in a run whose host the
+    CPU experts hold back, so both fall in the GPU's idle. An H100's CPU-expert runs (thirtieth
+    session) paid 205-387 us a pass, 89-174 of it the gap, where the eager GPU-only runs calibrate's
+    pass start comes from paid 146-164; it grew with the CPU layers of the pass before (~3.3 us a
+    layer) and with the rows (thirty-first session, under `OMP_WAIT_POLICY=ACTIVE`: 154 us + 2.1 a
+    layer + 5.5 a row past the first, residual sd 18 us), which calibrate fits (`cpu_pass_points`)."""
     att: dict[int, dict[int, float]] = {}
+    cpu: dict[int, set] = {}
     for s in log.spans:
         if s[STEP] in dec and s[OP] == "host_attention":
             a = att.setdefault(s[STEP], {})
             a[s[LAYER]] = a.get(s[LAYER], 0.0) + s[END] - s[START]
+        elif s[OP] == "cpu_expert":
+            cpu.setdefault(s[STEP], set()).add(s[LAYER])
+    rows = {p: n for p, _, n, _ in log.pass_us}
     out = []
-    for _, q, gap in host_gaps(log, dec):
+    for p, q, gap in host_gaps(log, dec):
         first, *rest = sorted(att[q].items())
         excess = max(first[1] - (float(np.mean([v for _, v in rest])) if rest else 0.0), 0.0)
-        out.append((gap / 1e6, excess / 1e6))
+        out.append((len(cpu.get(p, ())), rows[q], gap / 1e6, excess / 1e6))
     return out
 
 

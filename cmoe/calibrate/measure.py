@@ -329,7 +329,9 @@ def calibrate(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int =
     from cmoe.calibrate.profile_fit import fit_profile, noise, with_expert_classes
     m = measure(device, spec, fmt, num_layers, model_dir, progress=progress, built=built)
     label, mem = device_label_and_memory(device)
-    m["device"] = {"label": label, "memory_bytes": mem, "date": time.strftime("%Y-%m-%d"), "host": host_cpu()}
+    from cmoe.executor.omp_wait import in_force
+    m["device"] = {"label": label, "memory_bytes": mem, "date": time.strftime("%Y-%m-%d"), "host": host_cpu(),
+                   "omp_wait_policy": in_force()}         # the CPU experts' speed depends on it (`omp_wait`)
     m["noise"] = noise(m["repeats"]).to_dict()
     prof = fit_profile(name or label.lower().replace(" ", "-"), m, mem, label, m["device"]["date"])
     return with_expert_classes(prof, H200), m

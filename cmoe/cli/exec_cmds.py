@@ -13,6 +13,21 @@ from cmoe.cli.common import gigabytes, one_line_errors, positive
 from cmoe.analysis.runfolder import MARKER as RUN_FOLDER
 
 
+def _spin(device: str, names, policy_json: Path | None, say) -> None:
+    """OpenMP threads that spin for a run with CPU experts on a GPU (`cmoe.executor.omp_wait`), set
+    before anything loads torch; said where cmoe set it or could not."""
+    from cmoe.executor.omp_wait import on_gpu, spin_threads
+    from cmoe.policy.policies import trait
+    cpu = any(trait(n, "cpu_experts") for n in names)
+    if policy_json is not None:                 # the file's policy decides; an unreadable file is refused later
+        try:
+            cpu = trait(str(json.loads(policy_json.read_text()).get("policy")), "cpu_experts")
+        except (OSError, ValueError, AttributeError):
+            cpu = False
+    if cpu and on_gpu(device):
+        say(spin_threads(device, cpu))
+
+
 @one_line_errors
 def execute(
     *,
@@ -39,6 +54,7 @@ def execute(
     if out:
         check_output(out, force, folder=True, marker=RUN_FOLDER)
     names = policy_names(policy, "--policy")
+    _spin(device, names, policy_json, typer.echo)
     from cmoe.executor.run import ExecConfig, execute as run_execute, prepare, table, write_outputs
     cfg = ExecConfig(policies=tuple(names), pool_gb=pool_gb, batch=batch, tokens=tokens, device=device,
                      quant=quant, seed=seed, slots=slots, progress=True, engine=engine)
@@ -79,6 +95,7 @@ def calibrate(
         from cmoe.calibrate.profile_fit import refit_profile
         prof, m = refit_profile(refit, name)
     else:
+        _spin(device, ("static",), None, typer.echo)     # it measures CPU experts
         from cmoe.calibrate.measure import calibrate as measure_and_fit
         from cmoe.executor.run import resolve_device
         from cmoe.core.checkpoint import check_checkpoint
@@ -122,10 +139,11 @@ def run_cmd(
     from cmoe.cli.common import policy_names
     from cmoe.pipeline import run_all
     names = policy_names(policy, "--policy")
-    from cmoe.cli.common import device_name
-    device = device_name(device)
     silent = quiet or json_out
     say = (lambda *_: None) if silent else typer.echo
+    _spin(device, names, None, say)
+    from cmoe.cli.common import device_name
+    device = device_name(device)
     doc = run_all(out, spec_name=spec, model_dir=model, trace_src=trace, policies=tuple(names), pool_gb=pool_gb,
                   batch=batch, tokens=tokens, quant=quant, device=device, profile=profile, slots=slots, repeat=repeat,
                   echo=say, force=force, detail=typer.echo if verbose and not silent else (lambda *_: None),

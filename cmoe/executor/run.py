@@ -21,6 +21,7 @@ import torch
 from cmoe.core.checkpoint import check_checkpoint
 from cmoe.core.errors import CmoeError
 from cmoe.executor.checks import check_gpu_fits, check_trace_matches, mem_available, read_policy_json, resolve_device
+from cmoe.executor.omp_wait import in_force
 from cmoe.executor.engine import Engine
 from cmoe.executor.records import PassInput, RunLog
 from cmoe.executor.replay_rows import replay_passes
@@ -361,6 +362,7 @@ def metrics(log: RunLog, w: Workload, cfg: ExecConfig, policy: str, layout: Pool
         "host_calls": log.host_calls, "late_events": log.late_events,
         # whether its graphed decode passes ran the compiled host program (`cmoe.executor.lean_fast`)
         "host_program": log.host_program,
+        "omp_wait_policy": in_force(),      # the CPU experts' speed depends on it (`cmoe.executor.omp_wait`)
         # first-request cost: warm-up and CUDA-graph capture on the first decode pass (lean, CUDA)
         "capture_ms": (getattr(log, "capture_us", None) or 0.0) / 1e3,
         "expert_ms_per_pass": by_op.get("expert", 0.0) / n_dec / 1e3,

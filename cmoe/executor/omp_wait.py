@@ -1,0 +1,52 @@
+"""OpenMP threads that spin between parallel regions (`OMP_WAIT_POLICY=ACTIVE`) in a process that
+runs CPU experts beside a GPU.
+
+Why: torch's CPU kernels run on an OpenMP team (libgomp on Linux builds). By default its threads
+sleep soon after a parallel region ends, and a CPU expert is one short region after a wait for the
+GPU. On the lent H100's 16-core host the one-token CPU experts then ran in two states, ~1.0-1.2 ms
+or ~1.6-2.0 ms, switching within a run (sessions 28-30). Under `ACTIVE` the threads spin instead:
+isolated experts held 0.89-0.95 ms where the default process ran 7 of 8 arms 1.45-1.91x slower
+(thirtieth session), and a whole validation's CPU experts sat at 0.86-1.06 ms in every part of
+every run, its predictions within 3% in 14 of 18 configurations against 9 (thirty-first session;
+BENCHMARKS.md). GPU-only policies ran at the same speed either way (`upper` 221 tok/s).
+
+The price is CPU time: the team's threads keep their cores busy while the process lives. So the
+CLI sets it only for a process that will run CPU experts (a CPU-expert policy, or calibrate, which
+measures them) on a GPU machine, never over the user's own `OMP_WAIT_POLICY`. libgomp reads the
+variable once, when torch loads it: set later it does nothing, so this refuses then and says so.
+Code that imports cmoe as a library sets the variable itself before importing torch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+VAR = "OMP_WAIT_POLICY"
+NVIDIA_DEVICE = "/dev/nvidiactl"        # the driver's control node: a GPU machine, told without torch
+
+
+def on_gpu(device: str) -> bool:
+    """Will `--device` run on a GPU? `auto` is told by the NVIDIA driver's device node, since torch,
+    which `resolve_device` asks, must not be loaded yet."""
+    if device == "auto":
+        return os.path.exists(NVIDIA_DEVICE)
+    return device.startswith("cuda")
+
+
+def spin_threads(device: str, cpu_experts: bool) -> str:
+    """Set `OMP_WAIT_POLICY=ACTIVE` for this process where it will run CPU experts on a GPU machine
+    and nothing has decided otherwise. Returns what holds, in words (for the run's output)."""
+    if VAR in os.environ:
+        return f"{VAR}={os.environ[VAR]} as given"
+    if not cpu_experts or not on_gpu(device):
+        return "OpenMP's default wait policy (no CPU experts beside a GPU)"
+    if "torch" in sys.modules:
+        return f"OpenMP's default wait policy (torch was loaded before cmoe could set {VAR})"
+    os.environ[VAR] = "ACTIVE"
+    return f"{VAR}=ACTIVE (set by cmoe: CPU experts beside a GPU)"
+
+
+def in_force() -> str:
+    """The wait policy this process's runs record: the variable as it is, or `default`."""
+    return os.environ.get(VAR) or "default"
