@@ -87,9 +87,10 @@
 #   POLS=upper,lfu-fallback,static CAL=built bash benchmarks/gpu_session.sh validate-r 1,8  # CPU-expert policies run
 #                                             # twice each (twenty-ninth session: a run's CPU speed moves 0.7-1.5x
 #                                             # between runs, so their error reads against the runs' spread; 454 s
-#                                             # on an H100, thirtieth session); with OMP_WAIT_POLICY=ACTIVE before it,
-#                                             # calibration and runs with threads that spin (call 3 of the thirtieth
-#                                             # session: isolated CPU experts held one fast speed); results.json records it (omp_env)
+#                                             # on an H100, thirtieth session); validate_h200.py sets OMP_WAIT_POLICY=ACTIVE
+#                                             # itself unless it is given (1216acc: threads that spin, as the CLI sets it
+#                                             # for CPU experts; 448-452 s, thirty-first session); results.json records it
+#                                             # (omp_env, omp_wait); OMP_WAIT_POLICY=PASSIVE before it for threads that sleep
 #   bash benchmarks/gpu_session.sh validate-r 1,2,4   # the same with every configuration run twice (--repeat),
 #   bash benchmarks/gpu_session.sh validate-r 8       # in two calls: all four batches took over 450 s of runs
 #                                             # on the H200 (sixth session); each call calibrates again
