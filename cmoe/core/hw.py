@@ -269,6 +269,12 @@ class HardwareProfile(Variants):
         profile (`python_step`) keeps it, the one pass-start figure it has for these policies."""
         return self.cpu_pass_start_us if cpu_experts and self.cpu_pass_start_us else self.host_pass_start_us
 
+    def startup_after_host(self, cpu_experts: bool) -> bool:
+        """Does the GPU's pass start-up (`pass_start_us`) wait for the host's whole pass start? A
+        CPU-expert policy's host launches it at the end of its own (calibrated apart,
+        `cpu_pass_start_us`), where another policy's host has long launched it (runs ahead)."""
+        return bool(cpu_experts and self.cpu_pass_start_us)
+
     def first_mark(self, cpu_experts: bool, chained: bool) -> float:
         """Of a pass's host pass start, the part before its first mark, where layer 0's span starts:
         a CPU-expert policy's books (`cpu_pass_gap_us`, its host the GPU waits for); a synced pass's

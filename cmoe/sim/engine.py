@@ -256,7 +256,8 @@ class Simulation(ExpertSteps):
         """A pass's start: wait for every copy to land (the device is synchronised between
         passes), work out the pass's per-layer costs, run its start-up (embedding, masks, its first
         sync: counted with layer 0's attention, whose span starts after the host's `pass_gap_us`, where
-        the executor's first mark lands) and issue the policy's loads for the pass. A `chained`
+        the executor's first mark lands; a CPU-expert policy's GPU start-up after its host's whole
+        pass start, `startup_after_host`) and issue the policy's loads for the pass. A `chained`
         pass (`pass_overlap`) waits for nothing: the host goes on from its own clock (not from
         `env.now`, where this process last waited to learn when a copy lands: the executor's host
         had issued that kernel and the head long before), copies stay in flight, and its first mark
@@ -272,7 +273,11 @@ class Simulation(ExpertSteps):
         x = PassCosts(ps, self.run.at(ps.index), hw, self.c, pol.commits, self._predict_us)
         gap = hw.first_mark(pol.cpu_experts, chained)   # the pass's first mark, past the host's books
         last = max(G, H + gap) if chained else H + gap
-        H, G = self._op(H, G, hw.host_pass_start(pol.cpu_experts), hw.pass_start_us)
+        if hw.startup_after_host(pol.cpu_experts):
+            H += hw.host_pass_start(pol.cpu_experts)
+            G = max(G, H) + hw.pass_start_us
+        else:
+            H, G = self._op(H, G, hw.host_pass_start(pol.cpu_experts), hw.pass_start_us)
         if x.commit_decode:                        # layer 0's prediction is read back and planned before it runs
             H = max(H, G) + hw.host_sync_us + hw.commit_start_us
             yield from self._sync(H)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from numba import njit
 
-from cmoe.sim.replay.clock import (CHAINED_GAP, CPU_END, CPU_GAP, CPU_LEAD, CPU_TAIL, DRAINED, ENGINES, ERR, FIFO, G_, H_, HEAD, HEAD_SPAN, HOST_HEAD,
+from cmoe.sim.replay.clock import (CHAINED_GAP, STARTUP_AFTER, CPU_END, CPU_GAP, CPU_LEAD, CPU_TAIL, DRAINED, ENGINES, ERR, FIFO, G_, H_, HEAD, HEAD_SPAN, HOST_HEAD,
                                    AHEAD, COMMIT_GPU, COMMIT_GPU_COPY, COMMIT_START, HOST_LOAD, HOST_PASS_START, HOST_SYNC,
                                    IN_FLIGHT, NOW, OP_ATTN, SILENT,
                                    OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, OWA_GPU, PASS_GAP,
@@ -209,7 +209,10 @@ def _begin(c, x, o, d, p, j0, H, G, M, chained):
     else:
         last = H + x.hwf[PASS_GAP]                  # the pass's first mark, past the gap
     H2 = H + x.hwf[HOST_PASS_START]
-    G = pmax(pmax(G, H) + x.hwf[PASS_START], H2)
+    if x.hwf[STARTUP_AFTER]:                        # its host launches the start-up at its end
+        G = pmax(G, H2) + x.hwf[PASS_START]
+    else:
+        G = pmax(pmax(G, H) + x.hwf[PASS_START], H2)
     H = H2
     if x.commit_decode[p]:
         H = pmax(H, G) + x.hwf[HOST_SYNC] + x.hwf[COMMIT_START]

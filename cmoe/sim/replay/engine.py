@@ -39,7 +39,7 @@ def _scalars(policy: Policy, hw: HardwareProfile) -> np.ndarray:
                      hw.host_pass_start(cpu), hw.head_us, hw.host_head_us, float(hw.wave_gbps > 0), hw.wave_row_us,
                      hw.owa_gpu_us, hw.first_mark(cpu, False), hw.commit_gpu_us, hw.commit_gpu_copy_us,
                      hw.commit_start_us, hw.attention_slow, hw.readback_copy_us, hw.launch_copy_us, hw.cpu_lead_us,
-                     hw.cpu_gap_us, hw.cpu_tail_us, hw.first_mark(cpu, True)])
+                     hw.cpu_gap_us, hw.cpu_tail_us, hw.first_mark(cpu, True), float(hw.startup_after_host(cpu))])
 
 
 def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, keep_spans: bool) -> ck.Costs:
