@@ -49,7 +49,7 @@ def run_log(path: Path, passes) -> SimpleNamespace:
     t = pl.read_parquet(path)
     spans = [tuple(r) for r in t.select("source", "step", "layer", "stream", "op", "expert", "start_us", "end_us",
                                         "bytes").iter_rows()]
-    return SimpleNamespace(spans=spans, pass_us=[(p, bool(passes[p].decode), 0, 0.0)
+    return SimpleNamespace(spans=spans, pass_us=[(p, bool(passes[p].decode), passes[p].num_tokens, 0.0)
                                                  for p in sorted(set(t["step"].to_list()))])
 
 
@@ -101,11 +101,12 @@ def load_effects(timed: dict[str, list[tuple[float, float]]], rows: list[dict]) 
     return out
 
 
-def pass_start_by_layers(log) -> list[tuple[int, float]]:
-    """(layers with CPU experts in the pass before, the host's pass start in us) per pair of decode
-    passes (`log_points._pass_starts`), which calibrate fits (`cpu_pass_points`)."""
+def pass_start_by_layers(log) -> list[tuple[int, int, float]]:
+    """(layers with CPU experts in the pass before, the pass's rows, the host's pass start in us)
+    per pair of decode passes (`log_points._pass_starts`), which calibrate records
+    (`cpu_pass_points`)."""
     dec = sorted(p for p, d, _, _ in log.pass_us if d)
-    return [(n, (g + e) * 1e6) for n, _, g, e in _pass_starts(log, dec)]
+    return [(n, rows, (g + e) * 1e6) for n, rows, g, e in _pass_starts(log, dec)]
 
 
 def run_effects(seen: dict[str, list]) -> dict:
@@ -169,12 +170,17 @@ def main() -> None:
     if (a.folder / "host-load.json").exists() and any(timed.values()):
         for line in load_effects(timed, json.loads((a.folder / "host-load.json").read_text())["windows"]):
             print(line)
-    if len({n for n, _ in starts}) > 1:
-        x, y = np.array(starts, float).T
+    if len({n for n, _, _ in starts}) > 1:
+        x, r, y = np.array(starts, float).T
         (a0, a1), *_ = np.linalg.lstsq(np.c_[np.ones_like(x), x], y, rcond=None)
         print(f"CPU-expert pass start: {a0:.0f} us + {a1:.2f} a layer with CPU experts in the pass before "
               f"({x.min():.0f}-{x.max():.0f} layers), residual sd {np.std(y - a0 - a1 * x):.0f} us over {len(y)} pairs; "
               f"mean {y.mean():.0f} us")
+        if len(set(r)) > 1:                                # the rows too, where the folder has two batches
+            X = np.c_[np.ones_like(x), x, r - 1]
+            b, *_ = np.linalg.lstsq(X, y, rcond=None)
+            print(f"  with the rows: {b[0]:.0f} us + {b[1]:.2f} a layer + {b[2]:.2f} a row past the first, "
+                  f"residual sd {np.std(y - X @ b):.0f} us")
     if not pts:
         sys.exit("no CPU experts in this folder's decode passes: give a validation that ran lfu-fallback or static")
     meas = json.loads((a.folder / "profile.measurements.json").read_text())

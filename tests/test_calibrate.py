@@ -745,3 +745,12 @@ def test_the_isolated_cpu_loop_cycles_over_experts_past_the_cache(monkeypatch):
     assert not views[0].w13.equal(views[1].w13)
     monkeypatch.setattr(builtins, "open", lambda *a, **k: (_ for _ in ()).throw(OSError("no sysfs")))
     assert len(_cpu_views(lay)) == 8                            # unknown: 64 MiB assumed, capped at 8
+
+
+def test_a_fitted_profile_keeps_the_openmp_wait_policy_its_cpu_experts_ran_under():
+    """`device.omp_wait_policy` (what `cmoe.executor.omp_wait.in_force` recorded as calibrate
+    measured) becomes the profile's `omp_wait_policy`; measurements from before it give ""."""
+    m = _synthetic(H200)
+    assert fit_profile("fit", m, H200.gpu_mem_bytes, "test", "d").omp_wait_policy == ""
+    m["device"] = {"label": "test", "omp_wait_policy": "ACTIVE"}
+    assert fit_profile("fit", m, H200.gpu_mem_bytes, "test", "d").omp_wait_policy == "ACTIVE"

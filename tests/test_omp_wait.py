@@ -3,6 +3,7 @@ torch loads, never over the user's own, and what a run records."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,24 +14,28 @@ import pytest
 from cmoe.executor import omp_wait
 
 CMOE = Path(sys.executable).with_name("cmoe")
+SET = "OMP_WAIT_POLICY=ACTIVE (set by cmoe: CPU experts beside a GPU)"
+LEFT = "OpenMP's default wait policy (no CPU experts beside a GPU)"
 
 
 @pytest.fixture
 def clean(monkeypatch):
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "x")        # so that its absence is restored afterwards
+    monkeypatch.delenv("OMP_WAIT_POLICY")
     monkeypatch.delitem(sys.modules, "torch", raising=False)   # as in a fresh CLI process
+    monkeypatch.setattr(omp_wait, "_READ", None)
     return monkeypatch
 
 
 def test_sets_active_for_cpu_experts_on_a_gpu(clean):
-    assert omp_wait.spin_threads("cuda", True) == "OMP_WAIT_POLICY=ACTIVE (set by cmoe: CPU experts beside a GPU)"
+    assert omp_wait.spin_threads("cuda", True) == SET
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
     assert omp_wait.in_force() == "ACTIVE"
 
 
 @pytest.mark.parametrize("device,cpu", [("cpu", True), ("cuda:0", False), ("cpu", False)])
 def test_leaves_the_default_without_cpu_experts_beside_a_gpu(clean, device, cpu):
-    assert omp_wait.spin_threads(device, cpu) == "OpenMP's default wait policy (no CPU experts beside a GPU)"
+    assert omp_wait.spin_threads(device, cpu) == LEFT
     assert "OMP_WAIT_POLICY" not in os.environ
     assert omp_wait.in_force() == "default"
 
@@ -48,26 +53,63 @@ def test_refuses_once_torch_is_loaded(clean):
     assert "OMP_WAIT_POLICY" not in os.environ
 
 
+def test_a_run_records_the_policy_libgomp_read_not_a_later_change(clean):
+    clean.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert omp_wait.in_force() == "ACTIVE"                 # first asked once torch is loaded
+    clean.setenv("OMP_WAIT_POLICY", "PASSIVE")             # too late for libgomp
+    assert omp_wait.in_force() == "ACTIVE"
+
+
 def test_auto_is_told_by_the_driver_node(clean, tmp_path):
     clean.setattr(omp_wait, "NVIDIA_DEVICE", str(tmp_path / "nvidiactl"))
     assert not omp_wait.on_gpu("auto")
-    assert omp_wait.spin_threads("auto", True).startswith("OpenMP's default")
+    assert omp_wait.spin_threads("auto", True) == LEFT
     (tmp_path / "nvidiactl").touch()
     assert omp_wait.on_gpu("auto") and omp_wait.on_gpu("cuda:1") and not omp_wait.on_gpu("cpu")
-    assert omp_wait.spin_threads("auto", True).startswith("OMP_WAIT_POLICY=ACTIVE")
+    for hidden in ("", "-1"):                              # every GPU hidden: auto runs on the CPU
+        clean.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert not omp_wait.on_gpu("auto")
+    clean.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert omp_wait.spin_threads("auto", True) == SET
+
+
+def _cli(args: list[str], env: dict) -> list[str]:
+    e = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | env
+    r = subprocess.run([str(CMOE), *args], capture_output=True, text=True, env=e, timeout=120, cwd=e.get("CWD"))
+    assert r.returncode != 0
+    return (r.stdout + r.stderr).splitlines()
+
+
+NO_INPUT = "error: pass exactly one of --spec PRESET (random weights at its shapes) or --model DIR (a checkpoint)"
+NO_GPU = "error: no CUDA GPU is visible here: pass --device cpu to run the same engine on the CPU"
+EMBEDDED = "the embedded model (8 experts per layer) with 4 expert slots per layer (--slots to change)"
 
 
 @pytest.mark.parametrize("policy,env,want", [
-    ("static,upper", {}, "OMP_WAIT_POLICY=ACTIVE (set by cmoe: CPU experts beside a GPU)"),
-    ("lfu-fallback", {"OMP_WAIT_POLICY": "PASSIVE"}, "OMP_WAIT_POLICY=PASSIVE as given"),
-    ("upper", {}, None),
+    ("static,upper", {}, [SET]),
+    ("lfu-fallback", {"OMP_WAIT_POLICY": "PASSIVE"}, ["OMP_WAIT_POLICY=PASSIVE as given"]),
+    ("upper", {}, []),
 ])
-def test_the_cli_says_it_before_anything_else(policy, env, want):
+def test_cmoe_execute_says_it_before_anything_else(policy, env, want):
     """A fresh `cmoe execute` process: the line comes before the input's own error (no --spec)."""
-    e = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | env
-    r = subprocess.run([str(CMOE), "execute", "--device", "cuda", "--policy", policy], capture_output=True,
-                       text=True, env=e, timeout=120)
-    lines = (r.stdout + r.stderr).splitlines()
-    assert r.returncode != 0
-    assert lines[-1] == "error: pass exactly one of --spec PRESET (random weights at its shapes) or --model DIR (a checkpoint)"
-    assert lines[:-1] == ([want] if want else [])
+    assert _cli(["execute", "--device", "cuda", "--policy", policy], env) == want + [NO_INPUT]
+
+
+def test_a_policy_file_decides_for_cmoe_execute(tmp_path):
+    pj = tmp_path / "p.json"
+    for pol, want in (("static", [SET]), ("ondemand", [])):
+        pj.write_text(json.dumps({"format": "cmoe-policy", "policy": pol}))
+        assert _cli(["execute", "--device", "cuda", "--policy-json", str(pj)], {}) == want + [NO_INPUT]
+    pj.write_text("not json")                              # refused later, by the executor's own check
+    assert _cli(["execute", "--device", "cuda", "--policy-json", str(pj)], {}) == [NO_INPUT]
+
+
+def test_calibrate_and_a_calibrating_cmoe_run_spin_for_any_policy(tmp_path):
+    """`cmoe calibrate` measures CPU experts; so does `cmoe run` without --profile, whatever it
+    executes. With --profile, `cmoe run` calibrates nothing: the policies decide."""
+    env = {"CWD": str(tmp_path)}
+    assert _cli(["calibrate", "--device", "cuda", "--out", str(tmp_path / "p.json")], env) == [SET, NO_GPU]
+    assert _cli(["run", "--device", "cuda", "--policy", "upper"], env) == [SET, EMBEDDED, NO_GPU]
+    assert _cli(["run", "--device", "cuda", "--policy", "upper", "--profile", "h200"], env) == [EMBEDDED, NO_GPU]
+    assert _cli(["run", "--device", "cuda", "--policy", "static", "--profile", "h200"], env) == [SET, EMBEDDED, NO_GPU]
+    assert not (tmp_path / "cmoe-run").exists()            # nothing written by a run refused

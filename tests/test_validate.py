@@ -351,3 +351,46 @@ def test_a_run_whose_cpu_ran_in_two_states_says_so(tmp_path):
             in format_validation(v))
     v["slow_cpu"] = {"share": 0.05, "factor": 1.5}
     assert "CPU experts ran" not in format_validation(v)
+
+
+def test_a_profile_measured_under_another_openmp_wait_policy_gets_a_line(runs):
+    """`omp_note`: the runs' CPU experts under another OpenMP wait policy than the profile's were
+    measured under (spinning threads ran them 1.45-1.91x faster on the lent H100s) get a line; so
+    do runs that spun against a profile that does not say. Nothing where they agree, where the
+    profile does not say and the runs kept the default, or where no CPU expert ran."""
+    from cmoe.analysis.validate import omp_note
+    v = validate(read_run(runs[0], "commit"), read_run(runs[1], "commit"))
+    assert v["omp_wait"] == {"profile": None, "runs": None}                  # folders from before it
+    v["op_kinds"]["cpu_expert"] = {"n": 4, "pred_mean_us": 1000.0, "meas_mean_us": 1000.0, "mape": 0.0,
+                                   "signed": 0.0, "only_predicted": 0, "only_measured": 0}
+    tail = (", the runs' ran under ACTIVE: threads that spin or sleep between them moved them 1.45-1.91x on "
+            "the lent H100s; calibrate under the runs' policy")
+    for prof, runs_, want in (("default", "ACTIVE", "  the profile's CPU experts were measured under "
+                                                    "OMP_WAIT_POLICY default" + tail),
+                              (None, "ACTIVE", "  the profile's CPU experts were measured under an OpenMP wait "
+                                               "policy it does not record" + tail),
+                              ("ACTIVE", "ACTIVE", None), (None, "default", None), ("ACTIVE", None, None)):
+        v["omp_wait"] = {"profile": prof, "runs": runs_}
+        assert omp_note(v) == want
+        assert (want in format_validation(v).splitlines()) if want else "OMP" not in format_validation(v)
+    v["op_kinds"]["cpu_expert"]["n"] = 0
+    v["omp_wait"] = {"profile": "default", "runs": "ACTIVE"}
+    assert omp_note(v) is None
+
+
+def test_the_profiles_wait_policy_reaches_the_simulators_metrics():
+    """A calibration's `device.omp_wait_policy` becomes the profile's, and `simulate` writes it into
+    the predicted metrics beside the runs' own (`omp_wait_policy`), None where unrecorded; a profile
+    JSON with another type there is refused in one line."""
+    from dataclasses import replace
+    from cmoe.core.hw import H200, HardwareProfile
+    from cmoe.sim.run import SimConfig, simulate
+    from cmoe.core.spec import preset
+    from cmoe.core.quant import recipe
+    from cmoe.trace.synthetic import SyntheticParams, generate
+    t = generate(preset("mixtral-8x7b"), recipe("w4a16"), SyntheticParams(requests=1, prompt_len=8, decode_len=4))
+    for prof, want in ((H200, None), (replace(H200, omp_wait_policy="ACTIVE"), "ACTIVE")):
+        assert simulate(t, prof, SimConfig(policy="static", pool_gb=20, batch=1)).metrics["omp_wait_policy"] == want
+    d = json.loads(json.dumps(H200.to_dict())) | {"omp_wait_policy": 3}
+    with pytest.raises(CmoeError, match=r"^hardware profile 'h200': omp_wait_policy is 3, but it must be a string;"):
+        HardwareProfile.from_dict(d)

@@ -269,7 +269,9 @@ def validate(pred: Run, meas: Run) -> dict:
             # whether the run's host program planned it (None: not recorded), which host costs it ran at
             "host_program": meas.metrics.get("host_program"),
             "link_gbps": {"predicted": (g := link_gbps(pred.spans, steps)), "measured": link_gbps(meas.spans, steps)},
-            "slow_loads": slow_loads(meas.spans, steps, g), "slow_cpu": slow_cpu(kp["cpu_expert"], km["cpu_expert"])}
+            "slow_loads": slow_loads(meas.spans, steps, g), "slow_cpu": slow_cpu(kp["cpu_expert"], km["cpu_expert"]),
+            # OpenMP's wait policy of the profile's CPU experts and of the runs' (None: not recorded)
+            "omp_wait": {"profile": pred.metrics.get("omp_wait_policy"), "runs": meas.metrics.get("omp_wait_policy")}}
 
 
 def format_validation(v: dict) -> str:
@@ -305,7 +307,22 @@ def format_validation(v: dict) -> str:
                "a slow state for part of the run" if sc["share"] >= SLOW_SHARE else "")
         lines.append(f"  CPU experts ran {k:.2f}x their calibrated time{two}: a lent GPU's host ran them in two "
                      "states, switching within runs; repeat the runs (cmoe run --repeat N) to see it")
+    if (note := omp_note(v)):
+        lines.append(note)
     return "\n".join(lines)
+
+
+def omp_note(v: dict) -> str | None:
+    """A line where a run's CPU experts ran under another OpenMP wait policy than the profile's were
+    measured under (`cmoe.executor.omp_wait`: 1.45-1.91x apart on the lent H100s), or under one
+    other than the default where the profile does not say (calibrated before cmoe recorded it)."""
+    w, cpu = v.get("omp_wait") or {}, v["op_kinds"].get("cpu_expert", {}).get("n", 0)
+    prof, runs = w.get("profile"), w.get("runs")
+    if not cpu or runs is None or prof == runs or (prof is None and runs == "default"):
+        return None
+    said = f"under OMP_WAIT_POLICY {prof}" if prof else "under an OpenMP wait policy it does not record"
+    return (f"  the profile's CPU experts were measured {said}, the runs' ran under {runs}: threads that "
+            "spin or sleep between them moved them 1.45-1.91x on the lent H100s; calibrate under the runs' policy")
 
 
 def validate_folders(predicted: Path, measured: Path, policies: list[str] | None = None) -> list[dict]:

@@ -48,6 +48,11 @@ Measurements (all times in seconds):
 - `cpu_step` (optional): {"lead", "gap", "tail", "pass_start", "pass_gap"} seconds, the host's own
   time around a layer's CPU experts and a CPU-expert policy's pass start (`log_points._cpu_steps`),
   read into `cpu_lead_us`, `cpu_gap_us`, `cpu_tail_us`, `cpu_pass_start_us`, `cpu_pass_gap_us`;
+- `cpu_pass_points` (optional): [[CPU layers of the pass before, rows, pass start s, gap s]] per
+  pair of queued decode passes of the same runs, recorded, not fitted (the slope moved 1.0-3.3 us a
+  layer between hosts);
+- `device`: {"label", "memory_bytes", "date", "host", "omp_wait_policy"}: the machine, and the
+  OpenMP wait policy the CPU experts ran under (`cmoe.executor.omp_wait`), kept as the profile's;
 - `roundtrip`: seconds to take a pass's hidden states to the host and back, synchronised;
 - `copy_slowdown`: fractional slowdown of an HBM-bound kernel while a side-stream copy runs
   (`copy_slowdown_matmul`: of a matmul, shown; `cmoe.calibrate.measure._copy_slowdowns`); where
@@ -115,7 +120,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     slows, slow_src = _copy_slowdowns(m)
     return HardwareProfile(
         name=name, gpu_mem_bytes=gpu_mem_bytes, h2d_pinned=h2d,
-        d2h_pinned=curve(m["d2h"]),
+        d2h_pinned=curve(m["d2h"]), omp_wait_policy=(m.get("device") or {}).get("omp_wait_policy", ""),
         h2d_pageable_gbps=m["h2d_pageable"][0] / m["h2d_pageable"][1] / GB, copy_engines=1,
         hbm_gbps=hbm, matmul_tflops=rate,
         expert_gbps=tuple(classes), launch_us=launch_s * 1e6, layer_fixed_us=max(la, 0.0) * 1e6,

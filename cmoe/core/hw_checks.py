@@ -30,6 +30,8 @@ def rule(name: str, type_: str):
         return POSITIVE if name in RATES else NON_NEGATIVE
     if type_ == "int":
         return whole(LEAST.get(name, 0))
+    if type_ == "str":
+        return (lambda v: isinstance(v, str), "a string")
     return FLAG if type_ == "bool" else None
 
 

@@ -6,7 +6,7 @@ sleep soon after a parallel region ends, and a CPU expert is one short region af
 GPU. On the lent H100's 16-core host the one-token CPU experts then ran in two states, ~1.0-1.2 ms
 or ~1.6-2.0 ms, switching within a run (sessions 28-30). Under `ACTIVE` the threads spin instead:
 isolated experts held 0.89-0.95 ms where the default process ran 7 of 8 arms 1.45-1.91x slower
-(thirtieth session), and a whole validation's CPU experts sat at 0.86-1.06 ms in every part of
+(thirtieth session), and a whole validation's CPU experts sat at 0.86-1.11 ms in every part of
 every run, its predictions within 3% in 14 of 18 configurations against 9 (thirty-first session;
 BENCHMARKS.md). GPU-only policies ran at the same speed either way (`upper` 221 tok/s).
 
@@ -16,6 +16,9 @@ CLI sets it only for a process that will run CPU experts (a CPU-expert policy, o
 measures them) on a GPU machine, never over the user's own `OMP_WAIT_POLICY`. libgomp reads the
 variable once, when torch loads it: set later it does nothing, so this refuses then and says so.
 Code that imports cmoe as a library sets the variable itself before importing torch.
+A run's metrics and a calibration record the policy in force (`in_force`); a fitted profile keeps
+it (`HardwareProfile.omp_wait_policy`), the simulator's metrics carry the profile's, and
+`cmoe validate` names a CPU-expert run whose policy differs from its profile's (`omp_note`).
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ NVIDIA_DEVICE = "/dev/nvidiactl"        # the driver's control node: a GPU machi
 
 
 def on_gpu(device: str) -> bool:
-    """Will `--device` run on a GPU? `auto` is told by the NVIDIA driver's device node, since torch,
-    which `resolve_device` asks, must not be loaded yet."""
+    """Will `--device` run on a GPU? `auto` is told by the NVIDIA driver's device node (and no
+    `CUDA_VISIBLE_DEVICES` that hides every GPU), since torch, which `resolve_device` asks, must not
+    be loaded yet."""
     if device == "auto":
-        return os.path.exists(NVIDIA_DEVICE)
+        hidden = os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1")
+        return os.path.exists(NVIDIA_DEVICE) and not hidden
     return device.startswith("cuda")
 
 
@@ -48,6 +53,16 @@ def spin_threads(device: str, cpu_experts: bool) -> str:
     return f"{VAR}=ACTIVE (set by cmoe: CPU experts beside a GPU)"
 
 
+# the variable as libgomp read it: taken where this module first sees torch loaded (at import, as
+# `cmoe.executor.run` imports it after torch, or at the first `in_force`), so that a later change
+# of the environment, which libgomp never sees, is not recorded as the runs'
+_READ: str | None = os.environ.get(VAR, "") if "torch" in sys.modules else None
+
+
 def in_force() -> str:
-    """The wait policy this process's runs record: the variable as it is, or `default`."""
-    return os.environ.get(VAR) or "default"
+    """The wait policy this process's runs record: the variable as it stood when torch was loaded,
+    or `default`."""
+    global _READ
+    if _READ is None:
+        _READ = os.environ.get(VAR, "")
+    return _READ or "default"

@@ -134,7 +134,9 @@ def simulate(trace: Trace, profile: HardwareProfile, cfg: SimConfig, record_log:
         from cmoe.sim.replay import Replay
         policy = make_policy(cfg.policy, layout, trace.spec.num_experts, pop, Future(pa))
         run = Replay(policy, profile, costs, pa, record_log, keep_spans=timeline).simulate()
-    return SimResult(cfg, layout, budget, run, metrics(trace, layout, run, cfg))
+    return SimResult(cfg, layout, budget, run, metrics(trace, layout, run, cfg) | {
+        # where its CPU experts were priced (`cmoe.executor.omp_wait`; validate holds it to the runs')
+        "omp_wait_policy": profile.omp_wait_policy or None})
 
 
 def metrics(trace: Trace, layout: PoolLayout, run: SimRun, cfg: SimConfig) -> dict:
