@@ -194,7 +194,8 @@ def main() -> None:
              "cpu_expert_us_per_token": max(cb, 0.0) * 1e6, "cpu_wake_points": [list(w) for w in wake],
              "cpu_expert_points": [list(x) for x in fields.get("cpu_expert_points", ())],
              **{f"cpu_{k}_us": v * 1e6 for k, v in m["cpu_step"].items()},
-             "roundtrip_points": [[b, s * 1e6] for b, s in m["roundtrip_points"]] if len(m["roundtrip_points"]) > 1 else []}
+             "roundtrip_points": [[b, s * 1e6] for b, s in m["roundtrip_points"]] if len(m["roundtrip_points"]) > 1 else [],
+             "omp_wait_policy": (res.get("omp_env") or {}).get("OMP_WAIT_POLICY", "").upper()}   # the runs' own
     print(f"base {ca * 1e6:.0f} us + {cb * 1e6:.0f} a token (by tokens: "
           + ", ".join(f"{t} {x:.2f}x" for t, x in fields.get("cpu_expert_points", ())) + f"); wake {[(round(x), round(y)) for x, y in wake]}; "
           + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in m["cpu_step"].items()))

@@ -103,7 +103,10 @@ def _run_into(out: Path, final: Path, w, cfg, profile: str | None, model_dir: Pa
     from cmoe.calibrate.profile_fit import run_verdict
     write_text_atomic(out / "validation.json", json.dumps(doc, indent=1))
     host, link = host_speed(runs, prof, cfg.batch), link_speed(runs)
-    return summary_doc(w, cfg, sims, results, errors, run_verdict(cal, errors, spreads, host or None, link or None))
+    from cmoe.analysis.validate import omp_note
+    notes = sorted({n.strip() for r in runs for v in r if (n := omp_note(v))})   # said without -v too
+    noise = run_verdict(cal, errors, spreads, host or None, link or None)
+    return summary_doc(w, cfg, sims, results, errors, "; ".join([noise, *notes]))
 
 
 def host_speed(runs: list[list[dict]], prof, batch: int) -> list[float]:

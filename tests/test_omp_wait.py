@@ -22,6 +22,7 @@ LEFT = "OpenMP's default wait policy (no CPU experts beside a GPU)"
 def clean(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "x")        # so that its absence is restored afterwards
     monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delitem(sys.modules, "torch", raising=False)   # as in a fresh CLI process
     monkeypatch.setattr(omp_wait, "_READ", None)
     return monkeypatch
@@ -54,10 +55,25 @@ def test_refuses_once_torch_is_loaded(clean):
 
 
 def test_a_run_records_the_policy_libgomp_read_not_a_later_change(clean):
-    clean.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert omp_wait.in_force() == "ACTIVE"                 # first asked once torch is loaded
+    clean.setenv("OMP_WAIT_POLICY", " active")             # libgomp reads it case aside
+    assert omp_wait.in_force() == "ACTIVE"                 # the first ask fixes it
     clean.setenv("OMP_WAIT_POLICY", "PASSIVE")             # too late for libgomp
     assert omp_wait.in_force() == "ACTIVE"
+
+
+def test_imported_after_torch_it_reads_the_variable_at_once(clean):
+    """`cmoe.executor.run` imports the module after torch: the variable is taken then."""
+    import importlib
+    clean.setitem(sys.modules, "torch", object())
+    clean.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        fresh = importlib.reload(omp_wait)
+        clean.setenv("OMP_WAIT_POLICY", "ACTIVE")
+        assert fresh.in_force() == "PASSIVE"
+    finally:
+        clean.delitem(sys.modules, "torch")
+        clean.delenv("OMP_WAIT_POLICY")
+        importlib.reload(omp_wait)
 
 
 def test_auto_is_told_by_the_driver_node(clean, tmp_path):
@@ -66,15 +82,18 @@ def test_auto_is_told_by_the_driver_node(clean, tmp_path):
     assert omp_wait.spin_threads("auto", True) == LEFT
     (tmp_path / "nvidiactl").touch()
     assert omp_wait.on_gpu("auto") and omp_wait.on_gpu("cuda:1") and not omp_wait.on_gpu("cpu")
-    for hidden in ("", "-1"):                              # every GPU hidden: auto runs on the CPU
+    for hidden in ("", "-1", " -1,0", "none", "x,1"):     # every GPU hidden: auto runs on the CPU
         clean.setenv("CUDA_VISIBLE_DEVICES", hidden)
-        assert not omp_wait.on_gpu("auto")
-    clean.setenv("CUDA_VISIBLE_DEVICES", "0")
+        assert not omp_wait.on_gpu("auto"), hidden
+    for shown in ("0", "1,0", "GPU-8a3e", "MIG-1f2c,0", "0,-1"):
+        clean.setenv("CUDA_VISIBLE_DEVICES", shown)
+        assert omp_wait.on_gpu("auto"), shown
     assert omp_wait.spin_threads("auto", True) == SET
 
 
 def _cli(args: list[str], env: dict) -> list[str]:
-    e = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | env
+    """A fresh cmoe process that finds no GPU (hidden where there is one), so it stops with one line."""
+    e = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | {"CUDA_VISIBLE_DEVICES": ""} | env
     r = subprocess.run([str(CMOE), *args], capture_output=True, text=True, env=e, timeout=120, cwd=e.get("CWD"))
     assert r.returncode != 0
     return (r.stdout + r.stderr).splitlines()

@@ -120,7 +120,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     slows, slow_src = _copy_slowdowns(m)
     return HardwareProfile(
         name=name, gpu_mem_bytes=gpu_mem_bytes, h2d_pinned=h2d,
-        d2h_pinned=curve(m["d2h"]), omp_wait_policy=(m.get("device") or {}).get("omp_wait_policy", ""),
+        d2h_pinned=curve(m["d2h"]), omp_wait_policy=(m.get("device") or {}).get("omp_wait_policy") or "",
         h2d_pageable_gbps=m["h2d_pageable"][0] / m["h2d_pageable"][1] / GB, copy_engines=1,
         hbm_gbps=hbm, matmul_tflops=rate,
         expert_gbps=tuple(classes), launch_us=launch_s * 1e6, layer_fixed_us=max(la, 0.0) * 1e6,

@@ -273,7 +273,8 @@ class HardwareProfile(Variants):
     def startup_after_host(self, cpu_experts: bool) -> bool:
         """Does the GPU's pass start-up (`pass_start_us`) wait for the host's whole pass start? A
         CPU-expert policy's host launches it at the end of its own (calibrated apart,
-        `cpu_pass_start_us`), where another policy's host has long launched it (runs ahead)."""
+        `cpu_pass_start_us`), where another policy's host has long launched it (runs ahead). Seen
+        with the host program on; a Python-step profile keeps it, unverified there."""
         return bool(cpu_experts and self.cpu_pass_start_us)
 
     def first_mark(self, cpu_experts: bool, chained: bool) -> float:

@@ -35,9 +35,17 @@ def on_gpu(device: str) -> bool:
     `CUDA_VISIBLE_DEVICES` that hides every GPU), since torch, which `resolve_device` asks, must not
     be loaded yet."""
     if device == "auto":
-        hidden = os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1")
-        return os.path.exists(NVIDIA_DEVICE) and not hidden
+        return os.path.exists(NVIDIA_DEVICE) and not _all_hidden(os.environ.get("CUDA_VISIBLE_DEVICES"))
     return device.startswith("cuda")
+
+
+def _all_hidden(visible: str | None) -> bool:
+    """Does `CUDA_VISIBLE_DEVICES` hide every GPU? CUDA reads its list up to the first entry that
+    names no device (an index, a GPU- or MIG- UUID), so an empty list or a bad first entry does."""
+    if visible is None:
+        return False
+    first = visible.split(",")[0].strip()
+    return not (first.isdigit() or first.startswith(("GPU-", "MIG-")))
 
 
 def spin_threads(device: str, cpu_experts: bool) -> str:
@@ -53,16 +61,17 @@ def spin_threads(device: str, cpu_experts: bool) -> str:
     return f"{VAR}=ACTIVE (set by cmoe: CPU experts beside a GPU)"
 
 
-# the variable as libgomp read it: taken where this module first sees torch loaded (at import, as
-# `cmoe.executor.run` imports it after torch, or at the first `in_force`), so that a later change
-# of the environment, which libgomp never sees, is not recorded as the runs'
+# the variable once torch is loaded: read at import where torch already is (`cmoe.executor.run`
+# imports this after torch), else at the first `in_force` (the CLI imports this first, and only
+# `spin_threads`, before torch, changes it there), so that a later change of the environment,
+# which libgomp never sees, is not recorded as the runs'
 _READ: str | None = os.environ.get(VAR, "") if "torch" in sys.modules else None
 
 
 def in_force() -> str:
-    """The wait policy this process's runs record: the variable as it stood when torch was loaded,
-    or `default`."""
+    """The wait policy this process's runs record, as libgomp spells it (case aside): the variable
+    once torch was loaded, upper-cased, or `default`."""
     global _READ
     if _READ is None:
         _READ = os.environ.get(VAR, "")
-    return _READ or "default"
+    return _READ.strip().upper() or "default"

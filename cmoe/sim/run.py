@@ -134,12 +134,10 @@ def simulate(trace: Trace, profile: HardwareProfile, cfg: SimConfig, record_log:
         from cmoe.sim.replay import Replay
         policy = make_policy(cfg.policy, layout, trace.spec.num_experts, pop, Future(pa))
         run = Replay(policy, profile, costs, pa, record_log, keep_spans=timeline).simulate()
-    return SimResult(cfg, layout, budget, run, metrics(trace, layout, run, cfg) | {
-        # where its CPU experts were priced (`cmoe.executor.omp_wait`; validate holds it to the runs')
-        "omp_wait_policy": profile.omp_wait_policy or None})
+    return SimResult(cfg, layout, budget, run, metrics(trace, layout, run, cfg, profile))
 
 
-def metrics(trace: Trace, layout: PoolLayout, run: SimRun, cfg: SimConfig) -> dict:
+def metrics(trace: Trace, layout: PoolLayout, run: SimRun, cfg: SimConfig, profile: HardwareProfile) -> dict:
     pads = _facts(trace)[2]
     waste = sum(p.waste_bytes * n / p.num_experts for p, n in zip(pads, layout.slots))
     return {
@@ -147,4 +145,7 @@ def metrics(trace: Trace, layout: PoolLayout, run: SimRun, cfg: SimConfig) -> di
         "trace_id": fingerprint(trace), **summary(run),
         "experts_fit": layout.total_slots, "padding_waste_bytes": int(waste),
         "pool_expert_bytes": layout.used_bytes,
+        # the OpenMP wait policy its CPU experts were priced under (`cmoe.executor.omp_wait`; None:
+        # unrecorded), which validate holds to the runs'
+        "omp_wait_policy": profile.omp_wait_policy or None,
     }

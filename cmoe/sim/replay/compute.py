@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from numba import njit
 
-from cmoe.sim.replay.clock import (CHAINED_GAP, STARTUP_AFTER, CPU_END, CPU_GAP, CPU_LEAD, CPU_TAIL, DRAINED, ENGINES, ERR, FIFO, G_, H_, HEAD, HEAD_SPAN, HOST_HEAD,
+from cmoe.sim.replay.clock import (CHAINED_GAP, CPU_END, CPU_GAP, CPU_LEAD, CPU_TAIL, DRAINED, ENGINES, ERR, FIFO, G_, H_, HEAD, HEAD_SPAN, HOST_HEAD,
                                    AHEAD, COMMIT_GPU, COMMIT_GPU_COPY, COMMIT_START, HOST_LOAD, HOST_PASS_START, HOST_SYNC,
                                    IN_FLIGHT, NOW, OP_ATTN, SILENT,
                                    OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, OWA_GPU, PASS_GAP,
-                                   PASS_INDEX, PASS_START, PREV_END, SLOW, ATTN_SLOW, RB_COPY, LAUNCH_COPY, TAIL, WAVE, WAVE_ROW,
+                                   PASS_INDEX, PASS_START, PREV_END, SLOW, STARTUP_AFTER, ATTN_SLOW, RB_COPY, LAUNCH_COPY, TAIL, WAVE, WAVE_ROW,
                                    W_DRAINED, W_READY, _advance, copying, _issue, _release, _span, _sync, pmax)
 
 

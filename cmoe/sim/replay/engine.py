@@ -30,7 +30,7 @@ CHUNK_CELLS = 1 << 16          # (pass, layer, expert) cells of decisions held a
 
 
 def _scalars(policy: Policy, hw: HardwareProfile) -> np.ndarray:
-    """`Costs.hwf`: the profile's scalars the clock reads, in `clock`'s order (SLOW .. CHAINED_GAP),
+    """`Costs.hwf`: the profile's scalars the clock reads, in `clock`'s order (SLOW .. STARTUP_AFTER),
     the pass start and its first mark the policy's own (`HardwareProfile.host_pass_start`,
     `first_mark`: PASS_GAP a synced pass's, CHAINED_GAP a queued one's)."""
     cpu = policy.cpu_experts
