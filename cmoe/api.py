@@ -49,7 +49,13 @@ def execute(*, spec: str | None = None, model: str | Path | None = None, trace: 
             device: str = "cuda", quant: str | None = None, slots: int | None = None) -> list:
     """Run policies for real (torch): random weights at a preset's shapes (`spec`, with `trace`)
     or a local checkpoint (`model`, live routing unless `trace`). Returns one
-    `cmoe.executor.run.ExecResult` per policy with `.metrics` and `.log` (the measured timeline)."""
+    `cmoe.executor.run.ExecResult` per policy with `.metrics` and `.log` (the measured timeline).
+    OpenMP's threads spin for CPU experts on a GPU as the CLI sets it, where torch is not loaded yet
+    (`cmoe.executor.omp_wait`; `.metrics["omp_wait_policy"]` says which held)."""
+    from cmoe.executor.omp_wait import spin_threads
+    from cmoe.policy.policies import trait
+    names = _policies(policies)
+    spin_threads(device, any(trait(n, "cpu_experts") for n in names))
     try:
         from cmoe.executor.run import ExecConfig
         from cmoe.executor.run import execute as run
@@ -57,7 +63,7 @@ def execute(*, spec: str | None = None, model: str | Path | None = None, trace: 
     except ImportError as e:
         raise CmoeError(f"cmoe.execute needs torch and transformers ({e.name} is missing): "
                         f"pip install 'cmoe[torch]'") from None
-    cfg = ExecConfig(policies=tuple(_policies(policies)), pool_gb=pool_gb, batch=batch, tokens=tokens,
+    cfg = ExecConfig(policies=tuple(names), pool_gb=pool_gb, batch=batch, tokens=tokens,
                      device=device, quant=quant, slots=slots)
     w, cfg = prepare(spec_name=spec, model_dir=Path(model) if model is not None else None, trace_src=trace,
                      data=None, cfg=cfg)

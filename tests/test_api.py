@@ -37,3 +37,23 @@ def test_execute_on_the_cpu_and_bad_names():
         cmoe.simulate("embedded", policies="fastest")
     with pytest.raises(AttributeError):
         cmoe.nothing_here
+
+
+def test_execute_spins_openmp_threads_for_cpu_experts_before_torch_as_the_cli_does():
+    """In a fresh process, `cmoe.execute` with a CPU-expert policy on a GPU device sets
+    OMP_WAIT_POLICY=ACTIVE before it loads torch (here it then finds no GPU: one CmoeError); with
+    GPU-only policies, or where the user set it, it leaves it."""
+    import os
+    code = ("import os, cmoe\n"
+            "try:\n"
+            "    cmoe.execute(spec='mixtral-8x7b', trace='synthetic:mixtral-8x7b', policies=%r, device='cuda')\n"
+            "except cmoe.CmoeError as e:\n"
+            "    print(os.environ.get('OMP_WAIT_POLICY'), '|', e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | {"CUDA_VISIBLE_DEVICES": ""}
+    no_gpu = "no CUDA GPU is visible here: pass --device cpu to run the same engine on the CPU"
+    for pols, given, want in ((["static"], None, "ACTIVE"), (["upper", "ondemand"], None, "None"),
+                              ("all", "PASSIVE", "PASSIVE")):
+        e = env | ({"OMP_WAIT_POLICY": given} if given else {})
+        out = subprocess.run([sys.executable, "-c", code % (pols,)], capture_output=True, text=True, env=e,
+                             timeout=120).stdout
+        assert out.strip() == f"{want} | {no_gpu}", out
