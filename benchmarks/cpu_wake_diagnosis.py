@@ -65,6 +65,20 @@ def host_lane(log, moe_layers: int) -> tuple[float, float]:
     return work / n, (work - sum(d for _, d in first.values())) / n
 
 
+def layer0_after_host(log, first: int) -> float | None:
+    """The median over decode passes of how long the GPU's layer-0 `attention` ran on past the end
+    of the host's layer-0 `host_attention` (us): a CPU-expert policy's host launches the pass's
+    start-up at the end of its own pass start (`HardwareProfile.startup_after_host`)."""
+    dec = {p for p, d, _, _ in log.pass_us if d}
+    ends: dict[int, dict[str, float]] = {}
+    for s in log.spans:
+        if s[STEP] in dec and s[LAYER] == first and s[OP] in ("attention", "host_attention"):
+            e = ends.setdefault(s[STEP], {})
+            e[s[OP]] = max(e.get(s[OP], s[END]), s[END])
+    gaps = [e["attention"] - e["host_attention"] for e in ends.values() if len(e) == 2]
+    return float(np.median(gaps)) if gaps else None
+
+
 def one_token(ce: list) -> list[tuple[tuple[int, int], float]]:
     """((layer, expert), seconds) of every decode CPU expert that had one token (`ce`: the run's
     `cpu_experts`)."""
@@ -151,7 +165,9 @@ def main() -> None:
                 run = f"pool {c['pool_gb']:g} batch {b} {f.stem[9:]}" + (" again" if x == "measured-2" else "")
                 log = run_log(f, passes)
                 w, own = host_lane(log, spec.num_moe_layers)
-                print(f"{run}: host {w:.1f} us a MoE layer, {own:.1f} less the copy to the host")
+                after = layer0_after_host(log, spec.moe_layers[0])
+                print(f"{run}: host {w:.1f} us a MoE layer, {own:.1f} less the copy to the host"
+                      + (f"; layer 0's attention ends {after:.1f} us after the host's (median)" if after is not None else ""))
                 p, t = _cpu_points(log, tr, b, spec)
                 ce = list(cpu_experts(log, tr, b, spec))
                 seen[run] = one_token(ce)

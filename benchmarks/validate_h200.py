@@ -14,9 +14,10 @@ only in pool and batch). Writes, under --out:
   (`cmoe.calibrate.host_load`), rewritten with results.json.
 With --profile PATH it measures nothing and uses that profile (e.g. a second pass with the
 same calibration). Needs simpy for the predictions (without it only the measured side is written).
-It sets OMP_WAIT_POLICY=ACTIVE before torch loads unless the variable is given (its calibration
-measures CPU experts, as `cmoe calibrate` does; `cmoe.executor.omp_wait`), so its GPU-only runs
-too run beside spinning threads; results.json records it (`omp_env`, `omp_wait`).
+On a GPU machine it sets OMP_WAIT_POLICY=ACTIVE before torch loads unless the variable is given
+(its calibration measures CPU experts, as `cmoe calibrate` does; `cmoe.executor.omp_wait`), even
+under --profile, which calibrates nothing, so its GPU-only runs too run beside spinning threads;
+results.json records it (`omp_env`, `omp_wait`).
 
     python benchmarks/validate_h200.py --out $OUT --pools 20,26 --batches 1,8 --tokens 64
 """

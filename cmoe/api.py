@@ -55,7 +55,10 @@ def execute(*, spec: str | None = None, model: str | Path | None = None, trace: 
     from cmoe.executor.omp_wait import spin_threads
     from cmoe.policy.policies import trait
     names = _policies(policies)
-    spin_threads(device, any(trait(n, "cpu_experts") for n in names))
+    said = spin_threads(device, any(trait(n, "cpu_experts") for n in names))
+    if "torch was loaded" in said:                          # the CLI prints it; a library warns
+        import warnings
+        warnings.warn(f"cmoe.execute: {said}; set OMP_WAIT_POLICY=ACTIVE before importing torch", stacklevel=2)
     try:
         from cmoe.executor.run import ExecConfig
         from cmoe.executor.run import execute as run

@@ -41,19 +41,37 @@ def test_execute_on_the_cpu_and_bad_names():
 
 def test_execute_spins_openmp_threads_for_cpu_experts_before_torch_as_the_cli_does():
     """In a fresh process, `cmoe.execute` with a CPU-expert policy on a GPU device sets
-    OMP_WAIT_POLICY=ACTIVE before it loads torch (here it then finds no GPU: one CmoeError); with
-    GPU-only policies, or where the user set it, it leaves it."""
+    OMP_WAIT_POLICY=ACTIVE while torch is not loaded yet (here it then finds no GPU: one
+    CmoeError); with GPU-only policies, or where the user set it, it leaves it; with torch loaded
+    first it warns; a bad policy name is the same one-line error as before."""
     import os
-    code = ("import os, cmoe\n"
-            "try:\n"
-            "    cmoe.execute(spec='mixtral-8x7b', trace='synthetic:mixtral-8x7b', policies=%r, device='cuda')\n"
-            "except cmoe.CmoeError as e:\n"
-            "    print(os.environ.get('OMP_WAIT_POLICY'), '|', e)\n")
+    pytest.importorskip("torch")
+    code = ("import os, sys, warnings, cmoe\n"
+            "from cmoe.executor import omp_wait\n"
+            "spin = omp_wait.spin_threads\n"
+            "def watched(*a):\n"
+            "    print('torch loaded' if 'torch' in sys.modules else 'no torch', end=' | ')\n"
+            "    return spin(*a)\n"
+            "omp_wait.spin_threads = watched\n"
+            "if %r:\n"
+            "    import torch\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    try:\n"
+            "        cmoe.execute(spec='mixtral-8x7b', trace='synthetic:mixtral-8x7b', policies=%r, device='cuda')\n"
+            "    except cmoe.CmoeError as e:\n"
+            "        print(os.environ.get('OMP_WAIT_POLICY'), '|', e, '|', [str(x.message) for x in w])\n")
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | {"CUDA_VISIBLE_DEVICES": ""}
     no_gpu = "no CUDA GPU is visible here: pass --device cpu to run the same engine on the CPU"
-    for pols, given, want in ((["static"], None, "ACTIVE"), (["upper", "ondemand"], None, "None"),
-                              ("all", "PASSIVE", "PASSIVE")):
+    late = ("cmoe.execute: OpenMP's default wait policy (torch was loaded before cmoe could set OMP_WAIT_POLICY); "
+            "set OMP_WAIT_POLICY=ACTIVE before importing torch")
+    for first, pols, given, want in ((False, ["static"], None, f"no torch | ACTIVE | {no_gpu} | []"),
+                                     (False, ["upper", "ondemand"], None, f"no torch | None | {no_gpu} | []"),
+                                     (False, "all", "PASSIVE", f"no torch | PASSIVE | {no_gpu} | []"),
+                                     (True, ["static"], None, f"torch loaded | None | {no_gpu} | [{late!r}]")):
         e = env | ({"OMP_WAIT_POLICY": given} if given else {})
-        out = subprocess.run([sys.executable, "-c", code % (pols,)], capture_output=True, text=True, env=e,
+        out = subprocess.run([sys.executable, "-c", code % (first, pols)], capture_output=True, text=True, env=e,
                              timeout=120).stdout
-        assert out.strip() == f"{want} | {no_gpu}", out
+        assert out.strip() == want, out
+    with pytest.raises(cmoe.CmoeError, match="^unknown policy 'fastest': choose from upper, "):
+        cmoe.execute(spec="mixtral-8x7b", trace="synthetic:mixtral-8x7b", policies="fastest", device="cpu")

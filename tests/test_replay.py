@@ -738,8 +738,8 @@ def test_a_cpu_expert_policys_gpu_start_up_waits_for_its_hosts_pass_start():
     (its GPU was idle, waiting for that host); before, it hid inside the host's 480 us, as it still
     does where no CPU-expert pass start was calibrated (the last two runs: the eager rule, whose host
     may have launched it early). Both engines alike. (Thirty-first session, an H100: each
-    validation's own calibration then put every layer within 8% in 12 and 10 of 18 CPU-expert
-    configurations, against 7 and 6.)"""
+    validation of the CPU-expert policies (18 rows each, `upper` among them) then had every layer
+    within 8% in 12 and 10 rows with its own calibration, against 7 and 6.)"""
     t = generate(preset("mixtral-8x7b"), recipe("w4a16"), SyntheticParams(requests=1, prompt_len=8, decode_len=12))
     fast = replace(QUEUED, host_layer_us=5.0)               # a host that keeps up with the GPU's layers
     assert fast.startup_after_host(True) and not fast.startup_after_host(False)

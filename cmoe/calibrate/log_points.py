@@ -163,8 +163,8 @@ def _pass_starts(log, dec: list[int]) -> list[tuple[int, int, float, float]]:
     `host_pass_start_us` measures (`spans._host_between`), here pass by pass in a run whose host the
     CPU experts hold back, so both fall in the GPU's idle. An H100's CPU-expert runs (thirtieth
     session) paid 205-387 us a pass, 89-174 of it the gap, where the eager GPU-only runs calibrate's
-    pass start comes from paid 146-164; it grew with the CPU layers of the pass before, by 1.0-3.3
-    us a layer on three hosts (thirty-first session, `cpu_wake_diagnosis.py`), too unsteady a
+    pass start comes from paid 146-164; it grew with the CPU layers of the pass before, by 1.0-3.9
+    us a layer from validation to validation (sessions 30-31, `cpu_wake_diagnosis.py`), too unsteady a
     slope to model, so calibrate records the pairs (`cpu_pass_points`) and fits none."""
     att: dict[int, dict[int, float]] = {}
     cpu: dict[int, set] = {}

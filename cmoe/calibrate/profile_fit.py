@@ -49,7 +49,7 @@ Measurements (all times in seconds):
   time around a layer's CPU experts and a CPU-expert policy's pass start (`log_points._cpu_steps`),
   read into `cpu_lead_us`, `cpu_gap_us`, `cpu_tail_us`, `cpu_pass_start_us`, `cpu_pass_gap_us`;
 - `cpu_pass_points` (optional): [[CPU layers of the pass before, rows, pass start s, gap s]] per
-  pair of queued decode passes of the same runs, recorded, not fitted (the slope moved 1.0-3.3 us a
+  pair of queued decode passes of the same runs, recorded, not fitted (the slope moved 1.0-3.9 us a
   layer between hosts);
 - `device`: {"label", "memory_bytes", "date", "host", "omp_wait_policy"}: the machine, and the
   OpenMP wait policy the CPU experts ran under (`cmoe.executor.omp_wait`), kept as the profile's;

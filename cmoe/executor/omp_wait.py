@@ -12,10 +12,11 @@ BENCHMARKS.md). GPU-only policies ran at the same speed either way (`upper` 221 
 
 The price is CPU time: the team's threads keep their cores busy while the process lives (16 of
 the H100 host's 16 through each validation, against a median of 1.1 under the default). So the
-CLI sets it only for a process that will run CPU experts (a CPU-expert policy, or calibrate, which
-measures them) on a GPU machine, never over the user's own `OMP_WAIT_POLICY`. libgomp reads the
-variable once, when torch loads it: set later it does nothing, so this refuses then and says so.
-Code that imports cmoe as a library sets the variable itself before importing torch.
+CLI and `cmoe.execute` set it only for a process that will run CPU experts (a CPU-expert policy,
+or a calibration, which measures them) on a GPU machine, never over the user's own
+`OMP_WAIT_POLICY`. libgomp reads the variable once, when torch loads it: set later it does
+nothing, so this refuses then and says so. A program that loads torch before calling cmoe sets
+the variable itself before that import.
 A run's metrics and a calibration record the policy in force (`in_force`); a fitted profile keeps
 it (`HardwareProfile.omp_wait_policy`), the simulator's metrics carry the profile's, and
 `cmoe validate` names a CPU-expert run whose policy differs from its profile's (`omp_note`).
