@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
 
 from cmoe.calibrate.cpu_fit import cpu_expert_fit  # noqa: E402
-from cmoe.calibrate.log_points import _cpu_points, _cpu_steps, _pass_starts, cpu_experts, cpu_in_model  # noqa: E402
+from cmoe.calibrate.log_points import _cpu_points, _cpu_steps, cpu_experts, cpu_in_model  # noqa: E402
 from cmoe.core.checkpoint import check_checkpoint  # noqa: E402
 from cmoe.core.spec import preset  # noqa: E402
 from cmoe.core.timeline import END, EXPERT, LAYER, OP, START, STEP  # noqa: E402
@@ -115,14 +115,6 @@ def load_effects(timed: dict[str, list[tuple[float, float]]], rows: list[dict]) 
     return out
 
 
-def pass_start_by_layers(log) -> list[tuple[int, int, float]]:
-    """(layers with CPU experts in the pass before, the pass's rows, the host's pass start in us)
-    per pair of decode passes (`log_points._pass_starts`), which calibrate records
-    (`cpu_pass_points`)."""
-    dec = sorted(p for p, d, _, _ in log.pass_us if d)
-    return [(n, rows, (g + e) * 1e6) for n, rows, g, e in _pass_starts(log, dec)]
-
-
 def run_effects(seen: dict[str, list]) -> dict:
     """log(median seconds of expert k in run r) = run effect + expert effect, least squares over
     every (run, expert) pair measured: each run's factor (geometric mean 1), the experts' factors'
@@ -151,7 +143,7 @@ def main() -> None:
     a = ap.parse_args()
     res = json.loads((a.folder / "results.json").read_text())
     spec = check_checkpoint(Path(res["model"]), float_experts=True) if res.get("model") else preset(res["spec"])
-    pts, trips, steps, seen, timed, starts = [], [], {}, {}, {}, []
+    pts, trips, steps, seen, timed = [], [], {}, {}, {}
     for c in res["configs"]:
         b = c["batch"]
         tr = load_trace(res.get("trace") or f"synthetic:{res['spec']}", None, b)
@@ -174,10 +166,8 @@ def main() -> None:
                 if zero.get(f.stem[9:]):
                     timed[run] = [(zero[f.stem[9:]] + s[START] / 1e6, (s[END] - s[START]) / 1e3) for s, k in ce if k == 1]
                 pts, trips = pts + p, trips + [(b, y) for y in t]
-                for k, v in _cpu_steps(log).items():
-                    steps.setdefault(k, []).extend(v)
-                if p:
-                    starts += pass_start_by_layers(log)
+                for k, v in _cpu_steps(log).items():                # pass_points: each pair of passes'
+                    steps.setdefault(k, []).extend(v)                 # CPU layers before, rows, start, gap
     if sum(1 for v in seen.values() if v) > 1:
         fx = run_effects(seen)
         print(f"one-token CPU experts over {fx['pairs']} (run, expert) pairs of {fx['experts']} experts: each run's factor "
@@ -186,6 +176,7 @@ def main() -> None:
     if (a.folder / "host-load.json").exists() and any(timed.values()):
         for line in load_effects(timed, json.loads((a.folder / "host-load.json").read_text())["windows"]):
             print(line)
+    starts = [(n, rows, s * 1e6) for n, rows, s, _ in steps.get("pass_points", [])]
     if len({n for n, _, _ in starts}) > 1:
         x, r, y = np.array(starts, float).T
         (a0, a1), *_ = np.linalg.lstsq(np.c_[np.ones_like(x), x], y, rcond=None)

@@ -52,11 +52,9 @@ def execute(*, spec: str | None = None, model: str | Path | None = None, trace: 
     `cmoe.executor.run.ExecResult` per policy with `.metrics` and `.log` (the measured timeline).
     OpenMP's threads spin for CPU experts on a GPU as the CLI sets it, where torch is not loaded yet
     (`cmoe.executor.omp_wait`; `.metrics["omp_wait_policy"]` says which held)."""
-    from cmoe.executor.omp_wait import spin_threads
-    from cmoe.policy.policies import trait
+    from cmoe.executor.omp_wait import TOO_LATE, for_policies
     names = _policies(policies)
-    said = spin_threads(device, any(trait(n, "cpu_experts") for n in names))
-    if "torch was loaded" in said:                          # the CLI prints it; a library warns
+    if (said := for_policies(device, names)) == TOO_LATE:   # the CLI prints it; a library warns
         import warnings
         warnings.warn(f"cmoe.execute: {said}; set OMP_WAIT_POLICY=ACTIVE before importing torch", stacklevel=2)
     try:

@@ -48,11 +48,11 @@ def test_execute_spins_openmp_threads_for_cpu_experts_before_torch_as_the_cli_do
     pytest.importorskip("torch")
     code = ("import os, sys, warnings, cmoe\n"
             "from cmoe.executor import omp_wait\n"
-            "spin = omp_wait.spin_threads\n"
+            "spin = omp_wait.for_policies\n"
             "def watched(*a):\n"
             "    print('torch loaded' if 'torch' in sys.modules else 'no torch', end=' | ')\n"
             "    return spin(*a)\n"
-            "omp_wait.spin_threads = watched\n"
+            "omp_wait.for_policies = watched\n"
             "if %r:\n"
             "    import torch\n"
             "with warnings.catch_warnings(record=True) as w:\n"

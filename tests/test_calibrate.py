@@ -587,7 +587,7 @@ def test_the_host_around_a_layers_cpu_experts_is_read_off_its_spans():
     same pass), and per pair of decode passes the host's pass start; the prefill and layers without
     CPU experts give nothing."""
     from types import SimpleNamespace as NS
-    from cmoe.calibrate.log_points import _cpu_steps
+    from cmoe.calibrate.log_points import _cpu_steps, cpu_in_model
     from cmoe.core.timeline import Span
     S = lambda p, d, stream, op, a, b, e=-1: Span("gpu", p, d, stream, op, e, a, b, 0)  # noqa: E731
     spans = [S(0, 1, "cpu", "cpu_expert", 0.0, 9.0, 3),                                # prefill: left out
@@ -604,9 +604,12 @@ def test_the_host_around_a_layers_cpu_experts_is_read_off_its_spans():
     # the pass start: pass 1's head issued at 3620, pass 2 entered at 9000, its first layer 6 us
     # over the others' (10 against 4); pass 1 ran CPU experts in 2 layers, pass 2 has 2 rows
     assert got == {"lead": pytest.approx([70e-6, 70e-6]), "gap": pytest.approx([25e-6]),
-                   "tail": pytest.approx([50e-6]), "pass_start": pytest.approx([5386e-6]),
-                   "pass_gap": pytest.approx([5380e-6]), "pass_points": [[2, 2, pytest.approx(5386e-6),
-                                                                          pytest.approx(5380e-6)]]}
+                   "tail": pytest.approx([50e-6]), "pass_points": [[2, 2, pytest.approx(5386e-6),
+                                                                    pytest.approx(5380e-6)]]}
+    # the profile's pass start and gap are the points' means (`cpu_in_model`)
+    step = cpu_in_model([], [], got)["cpu_step"]
+    assert list(step) == ["lead", "gap", "tail", "pass_start", "pass_gap"]
+    assert (step["pass_start"], step["pass_gap"]) == (pytest.approx(5386e-6), pytest.approx(5380e-6))
     # synced passes (no `pass_overlap`): the gap would hold the wait for the head; no pass start read
     assert set(_cpu_steps(log, passes=False)) == {"lead", "gap", "tail"}
 

@@ -47,10 +47,19 @@ def test_never_over_the_users_own(clean):
     assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
 
 
+def test_for_policies_speaks_only_for_cpu_experts_beside_a_gpu(clean):
+    """`for_policies`: what the CLI and `cmoe.execute` say, None where there is nothing to say."""
+    assert omp_wait.for_policies("cuda", ["upper", "ondemand"]) is None
+    assert omp_wait.for_policies("cpu", ["static"]) is None
+    assert omp_wait.for_policies("cuda", []) is None and "OMP_WAIT_POLICY" not in os.environ
+    assert omp_wait.for_policies("cuda:1", ["upper", "lfu-fallback"]) == SET
+    assert omp_wait.for_policies("cuda", ["static"]) == "OMP_WAIT_POLICY=ACTIVE as given"
+
+
 def test_refuses_once_torch_is_loaded(clean):
     clean.setitem(sys.modules, "torch", object())
     got = omp_wait.spin_threads("cuda", True)
-    assert got == "OpenMP's default wait policy (torch was loaded before cmoe could set OMP_WAIT_POLICY)"
+    assert got == omp_wait.TOO_LATE == "OpenMP's default wait policy (torch was loaded before cmoe could set OMP_WAIT_POLICY)"
     assert "OMP_WAIT_POLICY" not in os.environ
 
 

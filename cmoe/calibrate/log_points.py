@@ -114,9 +114,17 @@ def cpu_in_model(pts: list, trips: list, steps: dict, runs: list | None = None) 
                                     "runs": list(runs or [])},
             "roundtrip_in_model": float(np.median([s for _, s in trips])) if trips else None,
             "roundtrip_points": [(b, float(np.median([s for x, s in trips if x == b]))) for b in sorted({b for b, _ in trips})],
-            "cpu_step": {k: float(np.mean(v)) for k, v in steps.items() if v and k != "pass_points"},
+            "cpu_step": {k: float(np.mean(v)) for k, v in _with_pass_means(steps).items() if v},
             # per pair of queued decode passes: [CPU layers of the first, the second's rows, pass start s, gap s]
             "cpu_pass_points": list(steps.get("pass_points", []))}
+
+
+def _with_pass_means(steps: dict) -> dict[str, list[float]]:
+    """`_cpu_steps`' lists with the pass points' starts and gaps (`pass_start`, `pass_gap`) in place
+    of the points themselves."""
+    pp = steps.get("pass_points") or []
+    return {k: v for k, v in steps.items() if k != "pass_points"} | (
+        {"pass_start": [p[2] for p in pp], "pass_gap": [p[3] for p in pp]} if pp else {})
 
 
 def _cpu_steps(log, passes: bool = True) -> dict[str, list[float]]:
@@ -126,8 +134,9 @@ def _cpu_steps(log, passes: bool = True) -> dict[str, list[float]]:
     added, the finish launched); a layer with no launch or no next layer gives no lead or tail.
     And with `passes` (a run whose decode passes were queued, `pass_overlap`: a synced pass's gap
     would hold its wait for the GPU's head, which the simulator charges apart) per pair of decode
-    passes the pass start a CPU-expert policy's host pays and the part of it before the pass's first
-    mark (`pass_start`, `pass_gap`: `_pass_starts`)."""
+    passes the CPU layers of the first, the second's rows, the pass start a CPU-expert policy's host
+    pays and the part of it before the pass's first mark (`pass_points`: `_pass_starts`), whose
+    means `cpu_in_model` takes."""
     dec = decode_passes(log)
     by: dict[tuple[int, int], list] = {}
     for s in log.spans:
@@ -149,9 +158,7 @@ def _cpu_steps(log, passes: bool = True) -> dict[str, list[float]]:
         if back and nxt:
             out["tail"].append((min(nxt) - max(back)) / 1e6)
     if passes and any(s[OP] == "cpu_expert" for ss in by.values() for s in ss):
-        starts = _pass_starts(log, sorted(dec))
-        out["pass_start"], out["pass_gap"] = [g + e for _, _, g, e in starts], [g for _, _, g, _ in starts]
-        out["pass_points"] = [[n, rows, g + e, g] for n, rows, g, e in starts]
+        out["pass_points"] = [[n, rows, g + e, g] for n, rows, g, e in _pass_starts(log, sorted(dec))]
     return out
 
 

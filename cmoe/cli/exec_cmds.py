@@ -16,16 +16,14 @@ from cmoe.analysis.runfolder import MARKER as RUN_FOLDER
 def _spin(device: str, names, policy_json: Path | None, say) -> None:
     """OpenMP threads that spin for a run with CPU experts on a GPU (`cmoe.executor.omp_wait`), set
     before anything loads torch; said where cmoe set it or could not."""
-    from cmoe.executor.omp_wait import on_gpu, spin_threads
-    from cmoe.policy.policies import trait
-    cpu = any(trait(n, "cpu_experts") for n in names)
+    from cmoe.executor.omp_wait import for_policies
     if policy_json is not None:                 # the file's policy decides; an unreadable file is refused later
         try:
-            cpu = trait(str(json.loads(policy_json.read_text()).get("policy")), "cpu_experts")
+            names = (str(json.loads(policy_json.read_text()).get("policy")),)
         except (OSError, ValueError, AttributeError):
-            cpu = False
-    if cpu and on_gpu(device):
-        say(spin_threads(device, cpu))
+            names = ()
+    if (said := for_policies(device, names)) is not None:
+        say(said)
 
 
 @one_line_errors

@@ -268,20 +268,20 @@ class HardwareProfile(Variants):
         idle, 205-387 us a pass on an H100 where the eager GPU-only runs paid 146-164, thirtieth
         session), else `host_pass_start_us`. Measured with the host program on: a Python-step
         profile (`python_step`) keeps it, the one pass-start figure it has for these policies."""
-        return self.cpu_pass_start_us if cpu_experts and self.cpu_pass_start_us else self.host_pass_start_us
+        return self.cpu_pass_start_us if self.startup_after_host(cpu_experts) else self.host_pass_start_us
 
     def startup_after_host(self, cpu_experts: bool) -> bool:
-        """Does the GPU's pass start-up (`pass_start_us`) wait for the host's whole pass start? A
-        CPU-expert policy's host launches it at the end of its own (calibrated apart,
-        `cpu_pass_start_us`), where another policy's host has long launched it (runs ahead). Seen
-        with the host program on; a Python-step profile keeps it, unverified there."""
+        """Does the policy pay a CPU-expert pass start of its own (`cpu_pass_start_us`, calibrated)?
+        Then the GPU's pass start-up (`pass_start_us`) waits for that host's whole pass start: it
+        launches the start-up at its end, where another policy's host has long launched it (runs
+        ahead). Seen with the host program on; a Python-step profile keeps it, unverified there."""
         return bool(cpu_experts and self.cpu_pass_start_us)
 
     def first_mark(self, cpu_experts: bool, chained: bool) -> float:
         """Of a pass's host pass start, the part before its first mark, where layer 0's span starts:
         a CPU-expert policy's books (`cpu_pass_gap_us`, its host the GPU waits for); a synced pass's
         `pass_gap` at the least; a queued pass of another policy's nothing (its host runs ahead)."""
-        own = min(self.cpu_pass_gap_us, self.cpu_pass_start_us) if cpu_experts and self.cpu_pass_start_us else 0.0
+        own = min(self.cpu_pass_gap_us, self.cpu_pass_start_us) if self.startup_after_host(cpu_experts) else 0.0
         return own if chained else max(own, self.pass_gap)
 
     def host_layer(self, tokens: int) -> float:

@@ -49,6 +49,9 @@ def _all_hidden(visible: str | None) -> bool:
     return not (first.isdigit() or first.startswith(("GPU-", "MIG-")))
 
 
+TOO_LATE = f"OpenMP's default wait policy (torch was loaded before cmoe could set {VAR})"
+
+
 def spin_threads(device: str, cpu_experts: bool) -> str:
     """Set `OMP_WAIT_POLICY=ACTIVE` for this process where it will run CPU experts on a GPU machine
     and nothing has decided otherwise. Returns what holds, in words (for the run's output)."""
@@ -57,9 +60,19 @@ def spin_threads(device: str, cpu_experts: bool) -> str:
     if not cpu_experts or not on_gpu(device):
         return "OpenMP's default wait policy (no CPU experts beside a GPU)"
     if "torch" in sys.modules:
-        return f"OpenMP's default wait policy (torch was loaded before cmoe could set {VAR})"
+        return TOO_LATE
     os.environ[VAR] = "ACTIVE"
     return f"{VAR}=ACTIVE (set by cmoe: CPU experts beside a GPU)"
+
+
+def for_policies(device: str, policies) -> str | None:
+    """`spin_threads` for a run of these policies (names): what holds, or None where none of them
+    runs CPU experts beside a GPU (nothing to set, nothing to say). The CLI's commands and
+    `cmoe.execute` call it before they load torch."""
+    from cmoe.policy.policies import trait
+    if not (any(trait(n, "cpu_experts") for n in policies) and on_gpu(device)):
+        return None
+    return spin_threads(device, True)
 
 
 # the variable once torch is loaded: read at import where torch already is (`cmoe.executor.run`
