@@ -54,6 +54,15 @@ VARIANTS: dict[str, dict] = {
     "cuda-f-x13-pdl": dict(cu13=4, cu2=4, cut2=4, cus2=4, cux13=True, cux2=True, cupdl=True),
     "cuda-d-pdl": dict(cu13=1, cu2=2, cut2=2, cus2=4, cux13=False, cux2=True, cupdl=True),
     "cuda-f-x13-pdl-s8": dict(cu13=4, cu2=4, cut2=4, cus2=8, cux13=True, cux2=True, cupdl=True),
+    # thirty-second session: w13 and w2 in one launch (`moe_fused`, cufuse warps a CTA, w2 in steps of
+    # cut2 tiles; x with the unit as cux13 says, h as cufx2 says); its "w13" column is that launch
+    "fuse8": dict(cufuse=8, cut2=2, cux13=True, cufx2=False),
+    "fuse8-t1": dict(cufuse=8, cut2=1, cux13=True, cufx2=False),
+    "fuse8-x0": dict(cufuse=8, cut2=2, cux13=False, cufx2=False),
+    "fuse8-fx2": dict(cufuse=8, cut2=2, cux13=True, cufx2=True),
+    "fuse16": dict(cufuse=16, cut2=2, cux13=True, cufx2=False),
+    "fuse16-x0": dict(cufuse=16, cut2=2, cux13=False, cufx2=False),
+    "fuse16-t4": dict(cufuse=16, cut2=4, cux13=True, cufx2=False),
 }
 # measured in the eighth session at 0569aec, and removed after (slower at every M): the (scale, zero)
 # pairs loaded in their own unit and streamed by the pipeliner (spd13 = spd2 = 0 with stg13 = stg2 =
@@ -105,6 +114,7 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--launch-only", action="store_true", help="launch w13 and w2 of each variant twice (ncu)")
     args = ap.parse_args()
+    from cmoe.executor.kernels_triton import moe as K
     from cmoe.executor.kernels_triton import moe_triton, pick_config
 
     t0 = time.time()
@@ -149,20 +159,27 @@ def main() -> None:
                                  out_dtype=torch.float32), ref2)
             row = {"M": M, "variant": n, "config": asdict(c), "expert_rel_err": e1, "layer_rel_err": e2,
                    "ok": max(e1, e2) < (1e-2 if (c.deq or c.deq2) else 5e-3)}
-            if row["ok"]:
+            fused = bool(c.cufuse)
+            if row["ok"] and fused:        # one launch: w13 and w2 together ("w13"), nothing apart
+                row["w13_us"] = graph_us([lambda t=t: K.launch_fused(ws, x, wts, t, pool, lay, 1, c) for t in tables])
+                row["w2_us"] = 0.0
+                row["fused_tbps"] = (b13 + b2) / row["w13_us"] / 1e6
+            elif row["ok"]:
                 row["w13_us"] = graph_us([lambda t=t: w13(M, c, t) for t in tables])
                 row["w2_us"] = graph_us([lambda t=t: w2(M, c, t) for t in tables])
+            if row["ok"]:
                 row["expert_us"] = graph_us([lambda t=t: moe_triton(x, ids1, wts, t, pool, lay, workspace=ws, config=c)
                                              for t in tables])
                 row["layer_us"] = graph_us([lambda t=t: moe_triton(x, ids2, w2t, t, pool, lay, workspace=wsl,
                                                                    config=c) for t in lay_tables])
                 row["w13_tbps"] = b13 / row["w13_us"] / 1e6
-                row["w2_tbps"] = b2 / row["w2_us"] / 1e6
+                row["w2_tbps"] = b2 / row["w2_us"] / 1e6 if row["w2_us"] else None
                 row["expert_tbps"] = lay.nbytes / row["expert_us"] / 1e6
                 row["layer_tbps"] = nexp * lay.nbytes / row["layer_us"] / 1e6
             res["rows"].append(row)
             print(f"M={M:<3} {n:18} err {e1:.1e}/{e2:.1e} "
-                  + (f"w13 {row['w13_us']:6.1f} us ({row['w13_tbps']:.2f}) w2 {row['w2_us']:5.1f} ({row['w2_tbps']:.2f}) "
+                  + (f"w13 {row['w13_us']:6.1f} us ({row.get('fused_tbps') or row['w13_tbps']:.2f}) "
+                     f"w2 {row['w2_us']:5.1f} ({row['w2_tbps'] or 0:.2f}) "
                      f"expert {row['expert_us']:6.1f} ({row['expert_tbps']:.2f}) layer {row['layer_us']:6.1f} "
                      f"({row['layer_tbps']:.2f} TB/s)" if row["ok"] else "WRONG"), flush=True)
             _write(res, Path(args.out), t0)               # after every row: a run cut short keeps its rows

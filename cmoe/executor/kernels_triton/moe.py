@@ -95,6 +95,10 @@ class KernelConfig:
     cux13: bool = False  # the CUDA w13 loads x with its unit's weights (else when its block is computed)
     cux2: bool = True    # the same for the CUDA w2
     cupdl: bool = False  # the CUDA w2 a programmatic dependent of the CUDA w13 (sm_90+): its first loads early
+    cufuse: int = 0      # w13 and w2 in one CUDA launch (`moe_fused`) on this many warps a CTA, w2 in steps
+    #                      of cut2 tiles, x with the unit as cux13 says; 0 (or a layout it does not
+    #                      take): the two launches above
+    cufx2: bool = False  # the fused launch's w2 loads h with its unit's weights (else when computed)
 
 
 # by batch rows M (the smallest bucket >= M): the configurations benchmarks/expert_kernel_h200.py
@@ -282,6 +286,17 @@ def launch_w2(ws: Workspace, topk_weights, slot_table, pool, layout, topk: int, 
     return _run(_expert_mm, (triton.cdiv(H, cfg.bn2), ws.A * nch, split), args, kw, warmup)
 
 
+def launch_fused(ws: Workspace, x, topk_weights, slot_table, pool, layout, topk: int, cfg: KernelConfig,
+                 warmup=False):
+    """w13 and w2 in one CUDA launch (`kernels_cuda.moe.launch_fused`) where cfg.cufuse names its
+    warps and the kernel takes the tensors and layout; else None, nothing launched (the caller runs
+    `launch_w13` and `launch_w2`)."""
+    if not cfg.cufuse or (C := _cuda(layout, x, pool, cfg.cut2)) is None:
+        return None
+    return C.launch_fused(ws, x, topk_weights, slot_table, pool, layout, topk, cfg.cufuse, cfg.cut2, cfg.cux13,
+                          cfg.cufx2, warmup)
+
+
 def moe_triton(x, topk_ids, topk_weights, slot_table, pool, layout, workspace=None, config=None, out_dtype=None):
     """See cmoe.executor.moe_kernel.moe_forward."""
     M, H = x.shape
@@ -299,8 +314,9 @@ def moe_triton(x, topk_ids, topk_weights, slot_table, pool, layout, workspace=No
             ws = _WS[key] = Workspace(M, topk, H, layout.ffn, E, x.device, x.dtype)
     cfg = config or pick_config(M)
     launch_route(ws, topk_ids)
-    launch_w13(ws, x, slot_table, pool, layout, topk, cfg)
-    launch_w2(ws, topk_weights, slot_table, pool, layout, topk, M, cfg)
+    if not (cfg.cufuse and launch_fused(ws, x, topk_weights, slot_table, pool, layout, topk, cfg)):
+        launch_w13(ws, x, slot_table, pool, layout, topk, cfg)
+        launch_w2(ws, topk_weights, slot_table, pool, layout, topk, M, cfg)
     if out_dtype == torch.float32:
         return ws.acc
     ws.out.copy_(ws.acc)
