@@ -27,6 +27,10 @@
 #                                             # remove the CPU experts' wake-up after idle? static and lfu-fallback at
 #                                             # batch 1, pool 26 (CPU experts far apart), in a process with it and one
 #                                             # without (~5-6 min: each builds its store)
+#   bash benchmarks/gpu_session.sh cpu-nt     # issues 13, 15: under OMP_WAIT_POLICY=ACTIVE, a process with 16 OpenMP
+#                                             # threads and one with 14 (THREADS), each: isolated CPU experts, then
+#                                             # static (pool 16) and lfu-fallback (pool 20) at batch 8, three rounds
+#                                             # (the runs' spread at each thread count; ~8 min)
 #   bash benchmarks/gpu_session.sh cpu-experts  # issue 15: the lean GPU tests over the CPU-expert policies' graphs
 #                                             # (7267969), then POLS=upper,lfu-fallback,static validate with the
 #                                             # Python step calibrated (970abb6), pools 16/20/26, batches 1/8 (~7 min)
@@ -228,6 +232,11 @@ case "${1:-}" in
                 --iso-rounds 2 --rounds 2 --batch 1 --pools 26,26 --tokens 32 > "$OUT/cpu_wait-$n.log" 2>&1 || true
               echo "== $n"; grep -E "^(isolated|executor|built)|rror" "$OUT/cpu_wait-$n.log" | tail -16 || true
             done ;;
+  cpu-nt) for n in ${THREADS:-16 14}; do                     # each process: its own store (~130 s)
+            env OMP_WAIT_POLICY=ACTIVE OMP_NUM_THREADS=$n timeout 270 python3 benchmarks/cpu_threads_h200.py \
+              --out "$OUT/cpu_nt-$n.json" --threads $n --iso-rounds 2 --rounds 3 --tokens 32 > "$OUT/cpu_nt-$n.log" 2>&1 || true
+            echo "== $n threads"; grep -E "^(isolated|executor|built)|rror" "$OUT/cpu_nt-$n.log" | tail -16 || true
+          done ;;
   cpu-experts) timeout 60 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider \
                  -k "(match_transformers and (mixtral or qwen2_moe)) or (replay_equals_eager and mixtral)" 2>&1 | tail -4 || true
                VT=${VT:-440} POLS=upper,lfu-fallback,static BATCHES=${BATCHES:-1,8} CAL=built bash "$0" validate ;;

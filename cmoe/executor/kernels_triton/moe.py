@@ -19,6 +19,10 @@ Workspace per batch size):
    weight and adds into acc [M, H] fp32 with atomics (split-K and the sum over the k experts).
 4. acc -> out dtype (a torch copy).
 
+With `KernelConfig.cufuse` (the CUDA kernel's fused role, `launch_fused`), 2 and 3 are one launch:
+each CTA computes one k-unit of h and at once that unit's share of w2 into acc (no CTA waits for
+another); where the layout or dtypes do not allow it, 2 and 3 run as above.
+
 Both split-Ks cut K the same way (`k_split`): into whole k-units of max(128, g) (whole tiled
 blocks and whole groups), ceil(units / S) units a split, the k tail (K % 128, g = 32/64) in the
 last split; an uneven split is fine (the last one has fewer units), and S is capped so that no
