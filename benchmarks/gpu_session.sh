@@ -32,7 +32,8 @@
 #                                             # static (pool 16) and lfu-fallback (pool 20) at batch 8, three rounds
 #                                             # (the runs' spread at each thread count; ~8 min)
 #   bash benchmarks/gpu_session.sh cpu-nt-iso # the same question without a store: isolated CPU experts only, processes
-#                                             # alternating 16/14/15/12 threads (THREADS) under ACTIVE, two cycles (~4 min)
+#                                             # alternating 16/14/15/12 threads (THREADS) under ACTIVE, CYCLES (2) cycles
+#                                             # (~2 min), XENV more settings (XENV="OMP_PROC_BIND=close OMP_PLACES=cores")
 #   bash benchmarks/gpu_session.sh cpu-experts  # issue 15: the lean GPU tests over the CPU-expert policies' graphs
 #                                             # (7267969), then POLS=upper,lfu-fallback,static validate with the
 #                                             # Python step calibrated (970abb6), pools 16/20/26, batches 1/8 (~7 min)
@@ -239,8 +240,8 @@ case "${1:-}" in
               --out "$OUT/cpu_nt-$n.json" --threads $n --iso-rounds 2 --rounds 3 --tokens 32 > "$OUT/cpu_nt-$n.log" 2>&1 || true
             echo "== $n threads"; grep -E "^(isolated|executor|built)|rror" "$OUT/cpu_nt-$n.log" | tail -16 || true
           done ;;
-  cpu-nt-iso) for c in 1 2; do for n in ${THREADS:-16 14 15 12}; do   # processes alternating, no store
-                env OMP_WAIT_POLICY=ACTIVE OMP_NUM_THREADS=$n timeout 60 python3 benchmarks/cpu_threads_h200.py \
+  cpu-nt-iso) for c in $(seq ${CYCLES:-2}); do for n in ${THREADS:-16 14 15 12}; do   # processes alternating, no store
+                env OMP_WAIT_POLICY=ACTIVE OMP_NUM_THREADS=$n ${XENV:-} timeout 60 python3 benchmarks/cpu_threads_h200.py \
                   --out "$OUT/cpu_nt_iso-$c-$n.json" --isolated-only --threads $n --iso-rounds 2 > "$OUT/cpu_nt_iso-$c-$n.log" 2>&1 || true
                 echo "== cycle $c, $n threads"; grep -E "^isolated|rror" "$OUT/cpu_nt_iso-$c-$n.log" | tail -8 || true
               done; done ;;
