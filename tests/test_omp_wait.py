@@ -14,14 +14,16 @@ import pytest
 from cmoe.executor import omp_wait
 
 CMOE = Path(sys.executable).with_name("cmoe")
-SET = "OMP_WAIT_POLICY=ACTIVE (set by cmoe: CPU experts beside a GPU)"
+SET = "OMP_WAIT_POLICY=ACTIVE OMP_PROC_BIND=close OMP_PLACES=cores (set by cmoe: CPU experts beside a GPU)"
+BOUND = "ACTIVE bind=close places=cores"
 LEFT = "OpenMP's default wait policy (no CPU experts beside a GPU)"
 
 
 @pytest.fixture
 def clean(monkeypatch):
-    monkeypatch.setenv("OMP_WAIT_POLICY", "x")        # so that its absence is restored afterwards
-    monkeypatch.delenv("OMP_WAIT_POLICY")
+    for k in ("OMP_WAIT_POLICY", "OMP_PROC_BIND", "OMP_PLACES"):
+        monkeypatch.setenv(k, "x")                      # so that its absence is restored afterwards
+        monkeypatch.delenv(k)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delitem(sys.modules, "torch", raising=False)   # as in a fresh CLI process
     monkeypatch.setattr(omp_wait, "_READ", None)
@@ -30,21 +32,33 @@ def clean(monkeypatch):
 
 def test_sets_active_for_cpu_experts_on_a_gpu(clean):
     assert omp_wait.spin_threads("cuda", True) == SET
-    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
-    assert omp_wait.in_force() == "ACTIVE"
+    assert (os.environ["OMP_WAIT_POLICY"], os.environ["OMP_PROC_BIND"], os.environ["OMP_PLACES"]) == (
+        "ACTIVE", "close", "cores")
+    assert omp_wait.in_force() == BOUND
 
 
 @pytest.mark.parametrize("device,cpu", [("cpu", True), ("cuda:0", False), ("cpu", False)])
 def test_leaves_the_default_without_cpu_experts_beside_a_gpu(clean, device, cpu):
     assert omp_wait.spin_threads(device, cpu) == LEFT
-    assert "OMP_WAIT_POLICY" not in os.environ
+    assert not {"OMP_WAIT_POLICY", "OMP_PROC_BIND", "OMP_PLACES"} & set(os.environ)
     assert omp_wait.in_force() == "default"
 
 
 def test_never_over_the_users_own(clean):
+    """The user's wait policy stays and the binding is still set; the user's binding (either
+    variable) stays and the wait policy is still set; the user's own of all three, nothing set."""
     clean.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    assert omp_wait.spin_threads("cuda", True) == "OMP_WAIT_POLICY=PASSIVE as given"
-    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert omp_wait.spin_threads("cuda", True) == ("OMP_WAIT_POLICY=PASSIVE as given; OMP_PROC_BIND=close "
+                                                   "OMP_PLACES=cores (set by cmoe: CPU experts beside a GPU)")
+    assert (os.environ["OMP_WAIT_POLICY"], os.environ["OMP_PROC_BIND"]) == ("PASSIVE", "close")
+    assert omp_wait.in_force() == "PASSIVE bind=close places=cores"
+    for k in ("OMP_WAIT_POLICY", "OMP_PROC_BIND", "OMP_PLACES"):
+        clean.delenv(k)
+    clean.setenv("OMP_PLACES", "threads")
+    assert omp_wait.spin_threads("cuda", True) == ("OMP_PLACES=threads as given; OMP_WAIT_POLICY=ACTIVE "
+                                                   "(set by cmoe: CPU experts beside a GPU)")
+    assert "OMP_PROC_BIND" not in os.environ and os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert omp_wait.spin_threads("cuda", True) == "OMP_WAIT_POLICY=ACTIVE, OMP_PLACES=threads as given"
 
 
 def test_for_policies_speaks_only_for_cpu_experts_beside_a_gpu(clean):
@@ -53,21 +67,29 @@ def test_for_policies_speaks_only_for_cpu_experts_beside_a_gpu(clean):
     assert omp_wait.for_policies("cpu", ["static"]) is None
     assert omp_wait.for_policies("cuda", []) is None and "OMP_WAIT_POLICY" not in os.environ
     assert omp_wait.for_policies("cuda:1", ["upper", "lfu-fallback"]) == SET
-    assert omp_wait.for_policies("cuda", ["static"]) == "OMP_WAIT_POLICY=ACTIVE as given"
+    assert omp_wait.for_policies("cuda", ["static"]) == ("OMP_WAIT_POLICY=ACTIVE, OMP_PROC_BIND=close, "
+                                                          "OMP_PLACES=cores as given")
 
 
 def test_refuses_once_torch_is_loaded(clean):
     clean.setitem(sys.modules, "torch", object())
     got = omp_wait.spin_threads("cuda", True)
     assert got == omp_wait.TOO_LATE == "OpenMP's default wait policy (torch was loaded before cmoe could set OMP_WAIT_POLICY)"
-    assert "OMP_WAIT_POLICY" not in os.environ
+    assert not {"OMP_WAIT_POLICY", "OMP_PROC_BIND", "OMP_PLACES"} & set(os.environ)
 
 
 def test_a_run_records_the_policy_libgomp_read_not_a_later_change(clean):
     clean.setenv("OMP_WAIT_POLICY", " active")             # libgomp reads it case aside
-    assert omp_wait.in_force() == "ACTIVE"                 # the first ask fixes it
+    clean.setenv("OMP_PROC_BIND", "Spread ")
+    assert omp_wait.in_force() == "ACTIVE bind=spread"     # the first ask fixes it
     clean.setenv("OMP_WAIT_POLICY", "PASSIVE")             # too late for libgomp
-    assert omp_wait.in_force() == "ACTIVE"
+    clean.setenv("OMP_PLACES", "cores")
+    assert omp_wait.in_force() == "ACTIVE bind=spread"
+
+
+def test_a_binding_without_a_policy_records_the_default_policy(clean):
+    clean.setenv("OMP_PLACES", "cores")
+    assert omp_wait.in_force() == "default places=cores"
 
 
 def test_imported_after_torch_it_reads_the_variable_at_once(clean):
@@ -102,7 +124,8 @@ def test_auto_is_told_by_the_driver_node(clean, tmp_path):
 
 def _cli(args: list[str], env: dict) -> list[str]:
     """A fresh cmoe process that finds no GPU (hidden where there is one), so it stops with one line."""
-    e = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | {"CUDA_VISIBLE_DEVICES": ""} | env
+    e = ({k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_PROC_BIND", "OMP_PLACES")}
+         | {"CUDA_VISIBLE_DEVICES": ""} | env)
     r = subprocess.run([str(CMOE), *args], capture_output=True, text=True, env=e, timeout=120, cwd=e.get("CWD"))
     assert r.returncode != 0
     return (r.stdout + r.stderr).splitlines()
@@ -115,7 +138,8 @@ EMBEDDED = "the embedded model (8 experts per layer) with 4 expert slots per lay
 
 @pytest.mark.parametrize("policy,env,want", [
     ("static,upper", {}, [SET]),
-    ("lfu-fallback", {"OMP_WAIT_POLICY": "PASSIVE"}, ["OMP_WAIT_POLICY=PASSIVE as given"]),
+    ("lfu-fallback", {"OMP_WAIT_POLICY": "PASSIVE", "OMP_PROC_BIND": "false"},
+     ["OMP_WAIT_POLICY=PASSIVE, OMP_PROC_BIND=false as given"]),
     ("upper", {}, []),
 ])
 def test_cmoe_execute_says_it_before_anything_else(policy, env, want):

@@ -354,8 +354,9 @@ def test_a_run_whose_cpu_ran_in_two_states_says_so(tmp_path):
 
 
 def test_a_profile_measured_under_another_openmp_wait_policy_gets_a_line(runs):
-    """`omp_note`: the runs' CPU experts under another OpenMP wait policy than the profile's were
-    measured under (spinning threads ran them 1.45-1.91x faster on the lent H100s) get a line; so
+    """`omp_note`: the runs' CPU experts under other OpenMP settings than the profile's were measured
+    under (spinning threads ran them 1.45-1.91x faster on the lent H100s, bound ones up to 2.5x) get a line
+    (a binding the profile lacks too); so
     do runs that spun against a profile that does not say. Nothing where they agree, where the
     profile does not say and the runs kept the default, or where no CPU expert ran."""
     from cmoe.analysis.validate import omp_note
@@ -363,13 +364,17 @@ def test_a_profile_measured_under_another_openmp_wait_policy_gets_a_line(runs):
     assert v["omp_wait"] == {"profile": None, "runs": None}                  # folders from before it
     v["op_kinds"]["cpu_expert"] = {"n": 4, "pred_mean_us": 1000.0, "meas_mean_us": 1000.0, "mape": 0.0,
                                    "signed": 0.0, "only_predicted": 0, "only_measured": 0}
-    tail = (", the runs' ran under ACTIVE: threads that spin or sleep between them moved them 1.45-1.91x on "
-            "the lent H100s; calibrate under the runs' policy")
+    tail = (", the runs' ran under ACTIVE: threads that spin or sleep between them, bound to cores or not, "
+            "moved them 1.45-2.5x on the lent H100s; calibrate under the runs' settings")
+    bound = "ACTIVE bind=close places=cores"
     for prof, runs_, want in (("default", "ACTIVE", "  the profile's CPU experts were measured under "
-                                                    "OMP_WAIT_POLICY default" + tail),
-                              (None, "ACTIVE", "  the profile's CPU experts were measured under an OpenMP wait "
-                                               "policy it does not record" + tail),
-                              ("ACTIVE", "ACTIVE", None), (None, "default", None), ("ACTIVE", None, None)):
+                                                    "OpenMP default" + tail),
+                              (None, "ACTIVE", "  the profile's CPU experts were measured under OpenMP settings "
+                                               "it does not record" + tail),
+                              (bound, "ACTIVE", f"  the profile's CPU experts were measured under OpenMP {bound}"
+                                                + tail),
+                              ("ACTIVE", "ACTIVE", None), (bound, bound, None), (None, "default", None),
+                              ("ACTIVE", None, None)):
         v["omp_wait"] = {"profile": prof, "runs": runs_}
         assert omp_note(v) == want
         assert (want in format_validation(v).splitlines()) if want else "OMP" not in format_validation(v)

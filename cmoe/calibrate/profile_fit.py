@@ -52,7 +52,8 @@ Measurements (all times in seconds):
   pair of queued decode passes of the same runs, recorded, not fitted (the slope moved 1.0-3.9 us a
   layer between hosts);
 - `device`: {"label", "memory_bytes", "date", "host", "omp_wait_policy"}: the machine, and the
-  OpenMP wait policy the CPU experts ran under (`cmoe.executor.omp_wait`), kept as the profile's;
+  OpenMP settings the CPU experts ran under (wait policy and binding, `cmoe.executor.omp_wait`),
+  kept as the profile's;
 - `roundtrip`: seconds to take a pass's hidden states to the host and back, synchronised;
 - `copy_slowdown`: fractional slowdown of an HBM-bound kernel while a side-stream copy runs
   (`copy_slowdown_matmul`: of a matmul, shown; `cmoe.calibrate.measure._copy_slowdowns`); where
