@@ -52,10 +52,6 @@
 #                                             # M in MS (1,2,4,8,16) for VARIANTS (all), then upper at batches
 #                                             # 1/4/8 as committed and with TWIN's configurations (default: the
 #                                             # variants' fastest per M), then the expert kernels' GPU tests
-#   bash benchmarks/gpu_session.sh fuse       # issue 14: the fused launch's GPU tests, then kernel_variants_h200.py
-#                                             # (M in MS, default 1,2,4,8,16) for committed and the fuse* variants
-#                                             # (VARS), then upper at batches 1/4/8 as committed and with the
-#                                             # variants' fastest layer per M (~8 min)
 #   bash benchmarks/gpu_session.sh check      # a session's first call: the expert kernels', lean and executor GPU
 #                                             # tests, then expert_kernel_h200.py --no-sweep (CONFIGS, torch int4 and
 #                                             # bf16 in one run, M 1-64), then upper at batches 1/4/8 as committed
@@ -162,11 +158,6 @@ case "${1:-}" in
        "$N" -i /tmp/ncu/k.ncu-rep --page raw --csv > /tmp/ncu/raw.csv 2>&1 || true
        (cd /tmp && tar czf "$OUT/ncu.tgz" ncu); ls -la /tmp/ncu ;;
   variants) timeout 300 python3 benchmarks/kernel_variants_h200.py --out "$OUT/variants" 2>&1 | grep -v Warning ;;
-  fuse) timeout 150 python3 -m pytest -q -m gpu tests/test_moe_fused_gpu.py -p no:cacheprovider 2>&1 | tail -8 || true
-        timeout 200 python3 benchmarks/kernel_variants_h200.py --out "$OUT/variants" --ms "${MS:-1,2,4,8,16}" \
-          --variants "${VARS:-committed,fuse8,fuse8-t1,fuse8-x0,fuse8-fx2,fuse16,fuse16-x0,fuse16-t4}" 2>&1 \
-          | grep -v Warning || true
-        upper 170 110 --kernel-configs "$OUT/variants/kernel_variants.json" ;;
   kernel-ab) timeout 240 python3 benchmarks/kernel_variants_h200.py --out "$OUT/variants" --ms "${2:-1,2,4,8,16}" \
           ${3:+--variants $3} 2>&1 | grep -v Warning
         upper 170 110 --kernel-configs "${4:-$OUT/variants/kernel_variants.json}"

@@ -54,15 +54,6 @@ VARIANTS: dict[str, dict] = {
     "cuda-f-x13-pdl": dict(cu13=4, cu2=4, cut2=4, cus2=4, cux13=True, cux2=True, cupdl=True),
     "cuda-d-pdl": dict(cu13=1, cu2=2, cut2=2, cus2=4, cux13=False, cux2=True, cupdl=True),
     "cuda-f-x13-pdl-s8": dict(cu13=4, cu2=4, cut2=4, cus2=8, cux13=True, cux2=True, cupdl=True),
-    # thirty-second session: w13 and w2 in one launch (`moe_fused`, cufuse warps a CTA, w2 in steps of
-    # cut2 tiles; x with the unit as cux13 says, h as cufx2 says); its "w13" column is that launch
-    "fuse8": dict(cufuse=8, cut2=2, cux13=True, cufx2=False),
-    "fuse8-t1": dict(cufuse=8, cut2=1, cux13=True, cufx2=False),
-    "fuse8-x0": dict(cufuse=8, cut2=2, cux13=False, cufx2=False),
-    "fuse8-fx2": dict(cufuse=8, cut2=2, cux13=True, cufx2=True),
-    "fuse16": dict(cufuse=16, cut2=2, cux13=True, cufx2=False),
-    "fuse16-x0": dict(cufuse=16, cut2=2, cux13=False, cufx2=False),
-    "fuse16-t4": dict(cufuse=16, cut2=4, cux13=True, cufx2=False),
 }
 # measured in the eighth session at 0569aec, and removed after (slower at every M): the (scale, zero)
 # pairs loaded in their own unit and streamed by the pipeliner (spd13 = spd2 = 0 with stg13 = stg2 =
@@ -88,6 +79,16 @@ VARIANTS: dict[str, dict] = {
 # the route inside both CUDA launches (curt, 27518bf: each CTA sorts the <= 128 pairs in shared memory,
 # w13 zeroes acc, no route launch): one expert at M = 1 35.4 us against 35.7, but every layer slower
 # (M = 1-16: 65.3/97.7/166.7/228.4/257.6 us against 64.1/92.9/150.4/221.4/235.2)
+# measured in the thirty-second session on an H100 (results/lean-h100-32/call1-kernel_variants.json)
+# and removed after: w13 and w2 in one launch (`moe_fused`, d3ed554: a CTA computes one 128-column
+# unit of h, K split over its warps, then adds w2's matching unit times it into acc by atomics; no
+# grid dependency, fuse8/fuse16 = 8 or 16 warps a CTA, w2 steps of 1, 2 or 4 tiles): right, and the
+# one launch streamed the expert at 2.39 TB/s (39.2 us, 79% of the card's 3.04 TB/s copy) against
+# w13 alone's 2.16, but one expert (route, launch, copy) took 42.1 us against 41.2 for the
+# committed pair, whose dependent w2 already hides w13's tail, and every layer was slower at M = 1-16
+# (best fused 74.6/120.8/200.2/277.7/294.8 us against 73.1/107.0/171.0/264.5/270.6): its 112 CTAs
+# an expert leave 20 of the 132 multiprocessors idle, and at 16 warps a CTA a layer's second
+# expert waits for a second wave
 
 
 def _write(res: dict, out: Path, t0: float) -> None:
@@ -114,7 +115,6 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--launch-only", action="store_true", help="launch w13 and w2 of each variant twice (ncu)")
     args = ap.parse_args()
-    from cmoe.executor.kernels_triton import moe as K
     from cmoe.executor.kernels_triton import moe_triton, pick_config
 
     t0 = time.time()
@@ -159,27 +159,20 @@ def main() -> None:
                                  out_dtype=torch.float32), ref2)
             row = {"M": M, "variant": n, "config": asdict(c), "expert_rel_err": e1, "layer_rel_err": e2,
                    "ok": max(e1, e2) < (1e-2 if (c.deq or c.deq2) else 5e-3)}
-            fused = bool(c.cufuse)
-            if row["ok"] and fused:        # one launch: w13 and w2 together ("w13"), nothing apart
-                row["w13_us"] = graph_us([lambda t=t: K.launch_fused(ws, x, wts, t, pool, lay, 1, c) for t in tables])
-                row["w2_us"] = 0.0
-                row["fused_tbps"] = (b13 + b2) / row["w13_us"] / 1e6
-            elif row["ok"]:
+            if row["ok"]:
                 row["w13_us"] = graph_us([lambda t=t: w13(M, c, t) for t in tables])
                 row["w2_us"] = graph_us([lambda t=t: w2(M, c, t) for t in tables])
-            if row["ok"]:
                 row["expert_us"] = graph_us([lambda t=t: moe_triton(x, ids1, wts, t, pool, lay, workspace=ws, config=c)
                                              for t in tables])
                 row["layer_us"] = graph_us([lambda t=t: moe_triton(x, ids2, w2t, t, pool, lay, workspace=wsl,
                                                                    config=c) for t in lay_tables])
                 row["w13_tbps"] = b13 / row["w13_us"] / 1e6
-                row["w2_tbps"] = b2 / row["w2_us"] / 1e6 if row["w2_us"] else None
+                row["w2_tbps"] = b2 / row["w2_us"] / 1e6
                 row["expert_tbps"] = lay.nbytes / row["expert_us"] / 1e6
                 row["layer_tbps"] = nexp * lay.nbytes / row["layer_us"] / 1e6
             res["rows"].append(row)
             print(f"M={M:<3} {n:18} err {e1:.1e}/{e2:.1e} "
-                  + (f"w13 {row['w13_us']:6.1f} us ({row.get('fused_tbps') or row['w13_tbps']:.2f}) "
-                     f"w2 {row['w2_us']:5.1f} ({row['w2_tbps'] or 0:.2f}) "
+                  + (f"w13 {row['w13_us']:6.1f} us ({row['w13_tbps']:.2f}) w2 {row['w2_us']:5.1f} ({row['w2_tbps']:.2f}) "
                      f"expert {row['expert_us']:6.1f} ({row['expert_tbps']:.2f}) layer {row['layer_us']:6.1f} "
                      f"({row['layer_tbps']:.2f} TB/s)" if row["ok"] else "WRONG"), flush=True)
             _write(res, Path(args.out), t0)               # after every row: a run cut short keeps its rows

@@ -51,11 +51,9 @@ def available(device: int = 0) -> bool:
 
 
 def defines(is_w13: bool, group: int, warps: int, tiles: int, zp: bool, wt_bf16: bool, xpf: bool = True,
-            pdl: bool = False, fused: bool = False, xpf2: bool = False) -> str:
+            pdl: bool = False) -> str:
     vals = dict(IS_W13=int(is_w13), G=group, NW=warps, MT=tiles, ZP=int(zp), WT_BF16=int(wt_bf16), XPF=int(xpf),
                 PDL=int(pdl))
-    if fused:        # the fused role: 16 warps a multiprocessor (<= 128 registers a thread), phase 2's x
-        vals.update(FUSED=1, MINB=max(1, 16 // warps), XPF2=int(xpf2))
     return "".join(f"#define {k} {v}\n" for k, v in vals.items())
 
 
@@ -69,8 +67,7 @@ def kernel(device: int, *macros):
     if key not in _KERNELS:
         try:
             with torch.cuda.device(device):
-                name = "moe_fused" if len(macros) > 8 and macros[8] else "moe_mma"
-                _KERNELS[key] = torch.cuda._compile_kernel(defines(*macros) + source(), name,
+                _KERNELS[key] = torch.cuda._compile_kernel(defines(*macros) + source(), "moe_mma",
                                                            nvcc_options=["-std=c++17"])
         except Exception as e:                                           # noqa: BLE001
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -178,38 +175,4 @@ def launch_w2(ws, topk_weights, slot_table, pool, layout, topk: int, M: int, war
         _launch_dependent(k, grid, block, args)
     else:
         k(grid=grid, block=block, args=args)
-    return k
-
-
-def fused_fits(layout, warps: int, tiles: int) -> bool:
-    """Whether the fused launch (`moe_fused`) takes this layout on `warps` warps a CTA: a CTA owns one
-    k-unit U = max(128, group) of the intermediate size (F % U == 0, and H % U == 0 for its phase-1
-    units), its U / 16 gate/up tile pairs share the warps evenly, and phase 2's steps are whole
-    (H % (16 * tiles) == 0); at most 16 warps (16 a multiprocessor at <= 128 registers a thread,
-    the kernel's need without spills). `fits` says the rest (alignment, dtypes)."""
-    U = max(128, layout.group)
-    return (0 < warps <= 16 and warps % (U // 16) == 0 and layout.ffn % U == 0 and layout.hidden % U == 0
-            and layout.hidden % (16 * tiles) == 0)
-
-
-def launch_fused(ws, x, topk_weights, slot_table, pool, layout, topk: int, warps: int, tiles: int,
-                 xpf: bool = True, xpf2: bool = False, warmup: bool = False):
-    """w13 with SiLU and w2 with the routing weights in one launch (`moe_fused`): h written to ws.h
-    as `launch_w13` writes it, the products added into ws.acc (zeroed by the route kernel) by
-    atomics, split by w2's k-units. Returns the kernel, or None (nothing launched: the caller runs
-    w13 and w2 apart) for a layout `fused_fits` refuses, routing weights neither fp32 nor bf16, or
-    a kernel that did not compile."""
-    if topk_weights.dtype not in (torch.float32, torch.bfloat16) or not fused_fits(layout, warps, tiles):
-        return None
-    dev = x.device.index or 0
-    k = kernel(dev, False, layout.group, warps, tiles, bool(layout.zero_point),
-               topk_weights.dtype == torch.bfloat16, xpf, False, True, xpf2)
-    if k is None or warmup:
-        return k
-    nch = -(-x.shape[0] // BM)
-    k(grid=(layout.ffn // max(128, layout.group), ws.A * nch, 1), block=(32 * warps, 1, 1),
-      args=[x, x.stride(0), pool, pool.stride(0), slot_table, slot_table.numel(), ws.seg_e, ws.seg_s, ws.seg_end,
-            ws.order, topk_weights, ws.h, ws.h.stride(0), ws.acc, ws.acc.stride(0), layout.part("w13").offset,
-            layout.part("w13_sz").offset, layout.part("w2").offset, layout.part("w2_sz").offset, layout.ffn,
-            layout.hidden, topk, nch])
     return k

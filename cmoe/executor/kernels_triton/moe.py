@@ -19,10 +19,6 @@ Workspace per batch size):
    weight and adds into acc [M, H] fp32 with atomics (split-K and the sum over the k experts).
 4. acc -> out dtype (a torch copy).
 
-With `KernelConfig.cufuse` (the CUDA kernel's fused role, `launch_fused`), 2 and 3 are one launch:
-each CTA computes one k-unit of h and at once that unit's share of w2 into acc (no CTA waits for
-another); where the layout or dtypes do not allow it, 2 and 3 run as above.
-
 Both split-Ks cut K the same way (`k_split`): into whole k-units of max(128, g) (whole tiled
 blocks and whole groups), ceil(units / S) units a split, the k tail (K % 128, g = 32/64) in the
 last split; an uneven split is fine (the last one has fewer units), and S is capped so that no
@@ -99,10 +95,6 @@ class KernelConfig:
     cux13: bool = False  # the CUDA w13 loads x with its unit's weights (else when its block is computed)
     cux2: bool = True    # the same for the CUDA w2
     cupdl: bool = False  # the CUDA w2 a programmatic dependent of the CUDA w13 (sm_90+): its first loads early
-    cufuse: int = 0      # w13 and w2 in one CUDA launch (`moe_fused`) on this many warps a CTA, w2 in steps
-    #                      of cut2 tiles, x with the unit as cux13 says; 0 (or a layout it does not
-    #                      take): the two launches above
-    cufx2: bool = False  # the fused launch's w2 loads h with its unit's weights (else when computed)
 
 
 # by batch rows M (the smallest bucket >= M): the configurations benchmarks/expert_kernel_h200.py
@@ -290,17 +282,6 @@ def launch_w2(ws: Workspace, topk_weights, slot_table, pool, layout, topk: int, 
     return _run(_expert_mm, (triton.cdiv(H, cfg.bn2), ws.A * nch, split), args, kw, warmup)
 
 
-def launch_fused(ws: Workspace, x, topk_weights, slot_table, pool, layout, topk: int, cfg: KernelConfig,
-                 warmup=False):
-    """w13 and w2 in one CUDA launch (`kernels_cuda.moe.launch_fused`) where cfg.cufuse names its
-    warps and the kernel takes the tensors and layout; else None, nothing launched (the caller runs
-    `launch_w13` and `launch_w2`)."""
-    if not cfg.cufuse or (C := _cuda(layout, x, pool, cfg.cut2)) is None:
-        return None
-    return C.launch_fused(ws, x, topk_weights, slot_table, pool, layout, topk, cfg.cufuse, cfg.cut2, cfg.cux13,
-                          cfg.cufx2, warmup)
-
-
 def moe_triton(x, topk_ids, topk_weights, slot_table, pool, layout, workspace=None, config=None, out_dtype=None):
     """See cmoe.executor.moe_kernel.moe_forward."""
     M, H = x.shape
@@ -318,9 +299,8 @@ def moe_triton(x, topk_ids, topk_weights, slot_table, pool, layout, workspace=No
             ws = _WS[key] = Workspace(M, topk, H, layout.ffn, E, x.device, x.dtype)
     cfg = config or pick_config(M)
     launch_route(ws, topk_ids)
-    if not (cfg.cufuse and launch_fused(ws, x, topk_weights, slot_table, pool, layout, topk, cfg)):
-        launch_w13(ws, x, slot_table, pool, layout, topk, cfg)
-        launch_w2(ws, topk_weights, slot_table, pool, layout, topk, M, cfg)
+    launch_w13(ws, x, slot_table, pool, layout, topk, cfg)
+    launch_w2(ws, topk_weights, slot_table, pool, layout, topk, M, cfg)
     if out_dtype == torch.float32:
         return ws.acc
     ws.out.copy_(ws.acc)
