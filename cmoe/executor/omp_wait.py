@@ -25,8 +25,8 @@ The same process also binds the team's threads to cores (`OMP_PROC_BIND=close OM
 unless the user set either. Thirty-second session, one lent H100 host (16-core Xeon), under
 `ACTIVE`, isolated experts in processes that alternated: unbound, the 1-token experts' medians ran
 1.25-2.55 ms and the 4-token ones 2.29-4.49 ms, from process to process (12-16 threads); bound,
-0.80-0.98 (0.84-1.52 with the link's copies running) and 1.43-1.72 in all six processes, 16 threads
-and 14 alike. In the executor, bound, `static` at batch
+0.80-0.98 (0.84-1.52 with the link's copies running) and 1.43-1.72 in all seven processes, 16
+threads and 14 alike. In the executor, bound, `static` at batch
 8 ran 50.7-53.5 tok/s against 33.5 unbound (14 threads) earlier on the same loan. The thirtieth
 session's host ran unbound as fast as bound (0.776 against 0.774 ms): binding cost nothing there.
 Recorded with the policy: `in_force` gives e.g. `ACTIVE bind=close places=cores` (a profile from
