@@ -136,6 +136,17 @@ def run_effects(seen: dict[str, list]) -> dict:
             "residual_log_sd": float((y - a @ sol).std()), "pairs": len(by), "experts": len(keys)}
 
 
+def runs_omp(folder: Path) -> str:
+    """The OpenMP settings the measured runs recorded (`omp_wait_policy` in their metrics.json: wait
+    policy and binding, as `cmoe.executor.omp_wait.in_force` gives them), the first CPU-expert run's;
+    "" where none recorded them."""
+    for f in sorted(folder.glob("pool*-b*/measured*/metrics.json")):
+        for m in json.loads(f.read_text()):
+            if m.get("omp_wait_policy"):
+                return m["omp_wait_policy"]
+    return ""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("folder", type=Path)
@@ -202,7 +213,7 @@ def main() -> None:
              "cpu_expert_points": [list(x) for x in fields.get("cpu_expert_points", ())],
              **{f"cpu_{k}_us": v * 1e6 for k, v in m["cpu_step"].items()},
              "roundtrip_points": [[b, s * 1e6] for b, s in m["roundtrip_points"]] if len(m["roundtrip_points"]) > 1 else [],
-             "omp_wait_policy": (res.get("omp_env") or {}).get("OMP_WAIT_POLICY", "").upper()}   # the runs' own
+             "omp_wait_policy": runs_omp(a.folder)}     # the runs' own, as they recorded it
     print(f"base {ca * 1e6:.0f} us + {cb * 1e6:.0f} a token (by tokens: "
           + ", ".join(f"{t} {x:.2f}x" for t, x in fields.get("cpu_expert_points", ())) + f"); wake {[(round(x), round(y)) for x, y in wake]}; "
           + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in m["cpu_step"].items()))

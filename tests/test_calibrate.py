@@ -757,3 +757,15 @@ def test_a_fitted_profile_keeps_the_openmp_wait_policy_its_cpu_experts_ran_under
     assert fit_profile("fit", m, H200.gpu_mem_bytes, "test", "d").omp_wait_policy == ""
     m["device"] = {"label": "test", "omp_wait_policy": "ACTIVE"}
     assert fit_profile("fit", m, H200.gpu_mem_bytes, "test", "d").omp_wait_policy == "ACTIVE"
+
+
+def test_the_host_counts_cores_from_before_libgomp_binds(monkeypatch):
+    """Under a binding libgomp pins the first thread to one core when torch loads it; the host's
+    record (`host_cpu`) counts the mask `omp_wait` took at import, before that."""
+    from cmoe.calibrate.measure import host_cpu
+    from cmoe.executor import omp_wait
+    monkeypatch.setattr(omp_wait, "_CORES", 7)
+    assert omp_wait.cores() == 7
+    assert host_cpu() == "" or host_cpu().endswith(", 7 cores")
+    monkeypatch.setattr(omp_wait, "_CORES", None)             # torch came first: the mask now
+    assert omp_wait.cores() == len(os.sched_getaffinity(0))

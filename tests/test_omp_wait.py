@@ -21,7 +21,7 @@ LEFT = "OpenMP's default wait policy (no CPU experts beside a GPU)"
 
 @pytest.fixture
 def clean(monkeypatch):
-    for k in ("OMP_WAIT_POLICY", "OMP_PROC_BIND", "OMP_PLACES"):
+    for k in ("OMP_WAIT_POLICY", *omp_wait.USER_BIND):
         monkeypatch.setenv(k, "x")                      # so that its absence is restored afterwards
         monkeypatch.delenv(k)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -74,8 +74,14 @@ def test_for_policies_speaks_only_for_cpu_experts_beside_a_gpu(clean):
 def test_refuses_once_torch_is_loaded(clean):
     clean.setitem(sys.modules, "torch", object())
     got = omp_wait.spin_threads("cuda", True)
-    assert got == omp_wait.TOO_LATE == "OpenMP's default wait policy (torch was loaded before cmoe could set OMP_WAIT_POLICY)"
+    assert got == "torch was loaded before cmoe could set OMP_WAIT_POLICY=ACTIVE OMP_PROC_BIND=close OMP_PLACES=cores"
     assert not {"OMP_WAIT_POLICY", "OMP_PROC_BIND", "OMP_PLACES"} & set(os.environ)
+    clean.setenv("OMP_WAIT_POLICY", "PASSIVE")             # the user's policy, and still the binding is late
+    assert omp_wait.spin_threads("cuda", True) == ("OMP_WAIT_POLICY=PASSIVE as given; torch was loaded before "
+                                                   "cmoe could set OMP_PROC_BIND=close OMP_PLACES=cores")
+    clean.setenv("OMP_PLACES", "cores")                    # nothing left for cmoe to set: nothing late
+    assert omp_wait.spin_threads("cuda", True) == "OMP_WAIT_POLICY=PASSIVE, OMP_PLACES=cores as given"
+    assert omp_wait.LATE not in omp_wait.spin_threads("cuda", True)
 
 
 def test_a_run_records_the_policy_libgomp_read_not_a_later_change(clean):
@@ -93,14 +99,16 @@ def test_a_binding_without_a_policy_records_the_default_policy(clean):
 
 
 def test_imported_after_torch_it_reads_the_variable_at_once(clean):
-    """`cmoe.executor.run` imports the module after torch: the variable is taken then."""
+    """`cmoe.executor.run` imports the module after torch: the variables are taken then."""
     import importlib
     clean.setitem(sys.modules, "torch", object())
     clean.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    clean.setenv("OMP_PROC_BIND", "close")
     try:
         fresh = importlib.reload(omp_wait)
         clean.setenv("OMP_WAIT_POLICY", "ACTIVE")
-        assert fresh.in_force() == "PASSIVE"
+        clean.delenv("OMP_PROC_BIND")
+        assert fresh.in_force() == "PASSIVE bind=close"
     finally:
         clean.delitem(sys.modules, "torch")
         clean.delenv("OMP_WAIT_POLICY")
@@ -165,3 +173,30 @@ def test_calibrate_and_a_calibrating_cmoe_run_spin_for_any_policy(tmp_path):
     assert _cli(["run", "--device", "cuda", "--policy", "upper", "--profile", "h200"], env) == [EMBEDDED, NO_GPU]
     assert _cli(["run", "--device", "cuda", "--policy", "static", "--profile", "h200"], env) == [SET, EMBEDDED, NO_GPU]
     assert not (tmp_path / "cmoe-run").exists()            # nothing written by a run refused
+
+
+def test_blank_variables_are_unset_and_any_binding_of_the_users_keeps_cmoe_off_binding(clean):
+    """libgomp takes an empty variable as unset, and so does cmoe; GOMP_CPU_AFFINITY (or
+    KMP_AFFINITY) is a binding of the user's too (OMP_PROC_BIND would override it)."""
+    clean.setenv("OMP_PROC_BIND", " ")
+    assert omp_wait.spin_threads("cuda", True) == SET
+    assert omp_wait.in_force() == BOUND
+    for k in ("OMP_WAIT_POLICY", "OMP_PROC_BIND", "OMP_PLACES"):
+        clean.delenv(k)
+    clean.setattr(omp_wait, "_READ", None)
+    clean.setenv("GOMP_CPU_AFFINITY", "0-3")
+    assert omp_wait.spin_threads("cuda", True) == ("GOMP_CPU_AFFINITY=0-3 as given; OMP_WAIT_POLICY=ACTIVE "
+                                                   "(set by cmoe: CPU experts beside a GPU)")
+    assert "OMP_PROC_BIND" not in os.environ and omp_wait.in_force() == "ACTIVE affinity=0-3"
+
+
+@pytest.mark.parametrize("env,want", [
+    ({"OMP_WAIT_POLICY": "fast"}, "default"),                                 # libgomp: default, with a warning
+    ({"OMP_WAIT_POLICY": "passive", "OMP_PROC_BIND": "FALSE", "OMP_PLACES": "cores"}, "PASSIVE"),   # no binding
+    ({"OMP_PROC_BIND": "spread,close", "GOMP_CPU_AFFINITY": "0-3"}, "default bind=spread,close"),  # it overrides
+    ({"OMP_PLACES": "{0:4}"}, "default places={0:4}"),
+])
+def test_the_record_is_what_libgomp_makes_of_the_variables(clean, env, want):
+    for k, v in env.items():
+        clean.setenv(k, v)
+    assert omp_wait.in_force() == want

@@ -306,11 +306,12 @@ def host_cpu() -> str:
     expert's time and the host's costs move with the host, and a lent GPU's host differs between
     loans: in the twenty-ninth session's probe it was a 16-core Xeon whose 300 MiB L3 holds a whole
     Mixtral expert (calibrate's isolated loop, one expert over and over, reads it from cache)."""
+    from cmoe.executor.omp_wait import cores              # the mask from before libgomp bound the thread
     try:
         names = [ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")]
     except OSError:
         names = []
-    return f"{names[0]}, {len(os.sched_getaffinity(0))} cores" if names else ""
+    return f"{names[0]}, {cores()} cores" if names else ""
 
 
 def device_label_and_memory(device: torch.device) -> tuple[str, int]:

@@ -14,9 +14,9 @@ The price is CPU time: the team's threads keep their cores busy while the proces
 the H100 host's 16 through each validation, against a median of 1.1 under the default). So the
 CLI and `cmoe.execute` set it only for a process that will run CPU experts (a CPU-expert policy,
 or a calibration, which measures them) on a GPU machine, never over the user's own
-`OMP_WAIT_POLICY`. libgomp reads the variable once, when torch loads it: set later it does
+`OMP_WAIT_POLICY`. libgomp reads the variables once, when torch loads it: set later they do
 nothing, so this refuses then and says so. A program that loads torch before calling cmoe sets
-the variable itself before that import.
+them itself before that import.
 A run's metrics and a calibration record the policy in force (`in_force`); a fitted profile keeps
 it (`HardwareProfile.omp_wait_policy`), the simulator's metrics carry the profile's, and
 `cmoe validate` names a CPU-expert run whose policy differs from its profile's (`omp_note`).
@@ -31,6 +31,14 @@ threads and 14 alike. In the executor, bound, `static` at batch
 session's host ran unbound as fast as bound (0.776 against 0.774 ms): binding cost nothing there.
 Recorded with the policy: `in_force` gives e.g. `ACTIVE bind=close places=cores` (a profile from
 before says `ACTIVE` alone, and `omp_note` then names the difference, as it should: 2x on that host).
+A binding of the user's own (`USER_BIND`: `OMP_PROC_BIND`, `OMP_PLACES`, `GOMP_CPU_AFFINITY`,
+`KMP_AFFINITY`) keeps cmoe off binding; set too late (torch loaded first), nothing is set and the
+answer says what was not (`LATE`).
+What binding costs: libgomp pins the process's first thread (the engine's, and OpenMP's master) to
+the first core when torch loads it, and threads and processes started after inherit that core:
+cmoe's host-load sampler (asleep but for a /proc read every 0.1 s) and CUDA's helper threads share
+it. `sched_getaffinity` then says 1, so the host's record counts the cores from before (`cores`).
+Two such processes on one host would bind to the same cores: give each its own `OMP_PLACES`.
 """
 
 from __future__ import annotations
@@ -60,28 +68,33 @@ def _all_hidden(visible: str | None) -> bool:
     return not (first.isdigit() or first.startswith(("GPU-", "MIG-")))
 
 
-TOO_LATE = f"OpenMP's default wait policy (torch was loaded before cmoe could set {VAR})"
-BIND = (("OMP_PROC_BIND", "close"), ("OMP_PLACES", "cores"))   # one decision: a user's either one keeps it
+LATE = "torch was loaded before cmoe could set"      # in `spin_threads`' answer: nothing set, too late
+BIND = (("OMP_PROC_BIND", "close"), ("OMP_PLACES", "cores"))
+USER_BIND = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")   # any one: the user binds
+
+
+def _given(k: str) -> bool:
+    """Set to something (libgomp takes an empty variable as unset)."""
+    return bool(os.environ.get(k, "").strip())
 
 
 def spin_threads(device: str, cpu_experts: bool) -> str:
     """Set `OMP_WAIT_POLICY=ACTIVE`, and bind the threads to cores (`BIND`), for this process where
-    it will run CPU experts on a GPU machine; never over a variable the user set. Returns what
-    holds, in words (for the run's output)."""
-    if not cpu_experts or not on_gpu(device):
-        return f"{VAR}={os.environ[VAR]} as given" if VAR in os.environ else \
-            "OpenMP's default wait policy (no CPU experts beside a GPU)"
-    if "torch" in sys.modules:
-        return f"{VAR}={os.environ[VAR]} as given" if VAR in os.environ else TOO_LATE
-    given = [f"{k}={os.environ[k]}" for k in (VAR, *(b for b, _ in BIND)) if k in os.environ]
-    mine = [] if VAR in os.environ else [(VAR, "ACTIVE")]
-    if not any(b in os.environ for b, _ in BIND):
-        mine += BIND
-    os.environ.update(mine)
+    it will run CPU experts on a GPU machine; never over the user's own (a wait policy; any binding
+    variable of `USER_BIND` keeps binding theirs). Returns what holds, in words (for the run's
+    output); it contains `LATE` where torch was loaded first and something was left unset."""
+    given = [f"{k}={os.environ[k]}" for k in (VAR, *USER_BIND) if _given(k)]
     said = [", ".join(given) + " as given"] if given else []
-    if mine:
-        said.append(" ".join(f"{k}={v}" for k, v in mine) + " (set by cmoe: CPU experts beside a GPU)")
-    return "; ".join(said)
+    if not cpu_experts or not on_gpu(device):
+        return said[0] if said else "OpenMP's default wait policy (no CPU experts beside a GPU)"
+    mine = ([] if _given(VAR) else [(VAR, "ACTIVE")]) + ([] if any(map(_given, USER_BIND)) else list(BIND))
+    if not mine:
+        return said[0]
+    them = " ".join(f"{k}={v}" for k, v in mine)
+    if "torch" in sys.modules:
+        return "; ".join(said + [f"{LATE} {them}"])
+    os.environ.update(mine)
+    return "; ".join(said + [f"{them} (set by cmoe: CPU experts beside a GPU)"])
 
 
 def for_policies(device: str, policies) -> str | None:
@@ -95,10 +108,19 @@ def for_policies(device: str, policies) -> str | None:
 
 
 def _settings() -> str:
-    """The wait policy (upper-cased, or empty), then ` bind=...` and ` places=...` where set."""
-    bind = "".join(f" {k.split('_')[-1].lower()}={os.environ[k].strip().lower()}" for k, _ in BIND
-                   if os.environ.get(k, "").strip())
-    return os.environ.get(VAR, "").strip().upper() + bind
+    """What libgomp makes of the variables: the wait policy (`ACTIVE` or `PASSIVE`, upper-cased; empty
+    for the default, which any other value also gets), then ` bind=...`, ` places=...` and
+    ` affinity=...` (GOMP_CPU_AFFINITY, which OMP_PROC_BIND overrides) where they bind, nothing
+    under `OMP_PROC_BIND=false`."""
+    wait = os.environ.get(VAR, "").strip().upper()
+    bind = os.environ.get("OMP_PROC_BIND", "").strip().lower()
+    if bind == "false":
+        return wait if wait in ("ACTIVE", "PASSIVE") else ""
+    parts = [f"{n}={os.environ[k].strip().lower()}" for n, k in (("bind", "OMP_PROC_BIND"), ("places", "OMP_PLACES"))
+             if _given(k)]
+    if _given("GOMP_CPU_AFFINITY") and not bind:
+        parts.append(f"affinity={os.environ['GOMP_CPU_AFFINITY'].strip()}")
+    return " ".join([wait if wait in ("ACTIVE", "PASSIVE") else "", *parts])
 
 
 # the variable once torch is loaded: read at import where torch already is (`cmoe.executor.run`
@@ -117,3 +139,22 @@ def in_force() -> str:
         _READ = _settings()
     wait, _, bind = _READ.partition(" ")
     return f"{wait or 'default'}{' ' + bind if bind else ''}"
+
+
+def _mask() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):                  # not Linux
+        return os.cpu_count() or 1
+
+
+# the CPUs this process may use, taken before torch loads libgomp: under OMP_PROC_BIND libgomp pins
+# the first thread to the first place then, and `sched_getaffinity` answers 1 after that
+_CORES: int | None = None if "torch" in sys.modules else _mask()
+
+
+def cores() -> int:
+    """The CPUs this process may use, as its mask was before libgomp bound its first thread (read at
+    import where torch was not loaded yet, which is so for the CLI, `cmoe.execute` and the
+    benchmarks; else now, which under a binding of the user's own may say 1)."""
+    return _CORES if _CORES is not None else _mask()

@@ -145,7 +145,7 @@ def metrics(trace: Trace, layout: PoolLayout, run: SimRun, cfg: SimConfig, profi
         "trace_id": fingerprint(trace), **summary(run),
         "experts_fit": layout.total_slots, "padding_waste_bytes": int(waste),
         "pool_expert_bytes": layout.used_bytes,
-        # the OpenMP wait policy its CPU experts were priced under (`cmoe.executor.omp_wait`; None:
-        # unrecorded), which validate holds to the runs'
+        # the OpenMP settings (wait policy, binding) its CPU experts were priced under
+        # (`cmoe.executor.omp_wait`; None: unrecorded), which validate holds to the runs'
         "omp_wait_policy": profile.omp_wait_policy or None,
     }
