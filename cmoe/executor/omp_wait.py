@@ -27,7 +27,7 @@ unless the user set either. Thirty-second session, one lent H100 host (16-core X
 1.25-2.55 ms and the 4-token ones 2.29-4.49 ms, from process to process (12-16 threads); bound,
 0.80-0.98 (0.84-1.52 with the link's copies running) and 1.43-1.72 in all seven processes, 16
 threads and 14 alike. In the executor, bound, `static` at batch
-8 ran 50.7-53.5 tok/s against 33.5 unbound (14 threads) earlier on the same loan. The thirtieth
+8 ran 50.7-53.5 tok/s against 33.5 unbound (14 threads) earlier on the same loan. The twenty-ninth
 session's host ran unbound as fast as bound (0.776 against 0.774 ms): binding cost nothing there.
 Recorded with the policy: `in_force` gives e.g. `ACTIVE bind=close places=cores` (a profile from
 before says `ACTIVE` alone, and `omp_note` then names the difference, as it should: 2x on that host).
