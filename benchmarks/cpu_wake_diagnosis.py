@@ -136,15 +136,19 @@ def run_effects(seen: dict[str, list]) -> dict:
             "residual_log_sd": float((y - a @ sol).std()), "pairs": len(by), "experts": len(keys)}
 
 
-def runs_omp(folder: Path) -> str:
+def runs_omp(folder: Path, res: dict) -> str:
     """The OpenMP settings the measured runs recorded (`omp_wait_policy` in their metrics.json: wait
-    policy and binding, as `cmoe.executor.omp_wait.in_force` gives them), the first CPU-expert run's;
-    "" where none recorded them."""
-    for f in sorted(folder.glob("pool*-b*/measured*/metrics.json")):
-        for m in json.loads(f.read_text()):
-            if m.get("omp_wait_policy"):
-                return m["omp_wait_policy"]
-    return ""
+    policy and binding, as `cmoe.executor.omp_wait.in_force` gives them; one process records one
+    value for all its runs); for folders from before runs recorded it, what libgomp made of the
+    variables results.json kept (`omp_env`); "" where neither says."""
+    from cmoe.executor.omp_wait import describe
+    for c in res["configs"]:
+        for x in ("measured", "measured-2"):
+            f = folder / f"pool{c['pool_gb']:g}-b{c['batch']}" / x / "metrics.json"
+            for m in json.loads(f.read_text()) if f.is_file() else []:
+                if m.get("omp_wait_policy"):
+                    return m["omp_wait_policy"]
+    return describe(res["omp_env"]) if res.get("omp_env") is not None else ""
 
 
 def main() -> None:
@@ -213,7 +217,7 @@ def main() -> None:
              "cpu_expert_points": [list(x) for x in fields.get("cpu_expert_points", ())],
              **{f"cpu_{k}_us": v * 1e6 for k, v in m["cpu_step"].items()},
              "roundtrip_points": [[b, s * 1e6] for b, s in m["roundtrip_points"]] if len(m["roundtrip_points"]) > 1 else [],
-             "omp_wait_policy": runs_omp(a.folder)}     # the runs' own, as they recorded it
+             "omp_wait_policy": runs_omp(a.folder, res)}     # the runs' own, as they recorded it
     print(f"base {ca * 1e6:.0f} us + {cb * 1e6:.0f} a token (by tokens: "
           + ", ".join(f"{t} {x:.2f}x" for t, x in fields.get("cpu_expert_points", ())) + f"); wake {[(round(x), round(y)) for x, y in wake]}; "
           + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in m["cpu_step"].items()))

@@ -63,7 +63,8 @@ def test_execute_spins_openmp_threads_for_cpu_experts_before_torch_as_the_cli_do
             "    except cmoe.CmoeError as e:\n"
             "        print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('OMP_PROC_BIND'), '|', e, '|',\n"
             "              [str(x.message) for x in w])\n")
-    env = ({k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_PROC_BIND", "OMP_PLACES")}
+    from cmoe.executor.omp_wait import USER_BIND
+    env = ({k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", *USER_BIND)}
            | {"CUDA_VISIBLE_DEVICES": ""})
     no_gpu = "no CUDA GPU is visible here: pass --device cpu to run the same engine on the CPU"
     late = ("cmoe.execute: torch was loaded before cmoe could set OMP_WAIT_POLICY=ACTIVE OMP_PROC_BIND=close "

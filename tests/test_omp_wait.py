@@ -21,7 +21,7 @@ LEFT = "OpenMP's default wait policy (no CPU experts beside a GPU)"
 
 @pytest.fixture
 def clean(monkeypatch):
-    for k in ("OMP_WAIT_POLICY", *omp_wait.USER_BIND):
+    for k in ("OMP_WAIT_POLICY", *omp_wait.USER_BIND, "KMP_AFFINITY"):
         monkeypatch.setenv(k, "x")                      # so that its absence is restored afterwards
         monkeypatch.delenv(k)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -132,7 +132,7 @@ def test_auto_is_told_by_the_driver_node(clean, tmp_path):
 
 def _cli(args: list[str], env: dict) -> list[str]:
     """A fresh cmoe process that finds no GPU (hidden where there is one), so it stops with one line."""
-    e = ({k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_PROC_BIND", "OMP_PLACES")}
+    e = ({k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", *omp_wait.USER_BIND)}
          | {"CUDA_VISIBLE_DEVICES": ""} | env)
     r = subprocess.run([str(CMOE), *args], capture_output=True, text=True, env=e, timeout=120, cwd=e.get("CWD"))
     assert r.returncode != 0
@@ -176,27 +176,49 @@ def test_calibrate_and_a_calibrating_cmoe_run_spin_for_any_policy(tmp_path):
 
 
 def test_blank_variables_are_unset_and_any_binding_of_the_users_keeps_cmoe_off_binding(clean):
-    """libgomp takes an empty variable as unset, and so does cmoe; GOMP_CPU_AFFINITY (or
-    KMP_AFFINITY) is a binding of the user's too (OMP_PROC_BIND would override it)."""
+    """libgomp takes an empty variable as unset, and so does cmoe; GOMP_CPU_AFFINITY is a binding of
+    the user's too (its CPU list becomes the places); a value's whitespace and line breaks do not
+    reach the one-line answer."""
     clean.setenv("OMP_PROC_BIND", " ")
     assert omp_wait.spin_threads("cuda", True) == SET
     assert omp_wait.in_force() == BOUND
     for k in ("OMP_WAIT_POLICY", "OMP_PROC_BIND", "OMP_PLACES"):
         clean.delenv(k)
     clean.setattr(omp_wait, "_READ", None)
-    clean.setenv("GOMP_CPU_AFFINITY", "0-3")
+    clean.setenv("GOMP_CPU_AFFINITY", "0-3\n")
     assert omp_wait.spin_threads("cuda", True) == ("GOMP_CPU_AFFINITY=0-3 as given; OMP_WAIT_POLICY=ACTIVE "
                                                    "(set by cmoe: CPU experts beside a GPU)")
     assert "OMP_PROC_BIND" not in os.environ and omp_wait.in_force() == "ACTIVE affinity=0-3"
+    clean.setenv("OMP_WAIT_POLICY", "active\nx")
+    assert "\n" not in omp_wait.spin_threads("cuda", True)
 
 
 @pytest.mark.parametrize("env,want", [
     ({"OMP_WAIT_POLICY": "fast"}, "default"),                                 # libgomp: default, with a warning
-    ({"OMP_WAIT_POLICY": "passive", "OMP_PROC_BIND": "FALSE", "OMP_PLACES": "cores"}, "PASSIVE"),   # no binding
-    ({"OMP_PROC_BIND": "spread,close", "GOMP_CPU_AFFINITY": "0-3"}, "default bind=spread,close"),  # it overrides
+    ({"OMP_WAIT_POLICY": "passive", "OMP_PROC_BIND": "FALSE ", "OMP_PLACES": "cores"}, "PASSIVE"),   # unbound
+    ({"OMP_PROC_BIND": "spread, close", "GOMP_CPU_AFFINITY": "0-3"}, "default bind=spread,close affinity=0-3"),
+    ({"OMP_PLACES": "Cores", "GOMP_CPU_AFFINITY": "1"}, "default places=cores"),   # places win over the list
+    ({"OMP_PROC_BIND": "true", "OMP_PLACES": "cores"}, "default places=cores"),    # true beside places: the same
+    ({"OMP_PROC_BIND": "true"}, "default bind=true"),
+    ({"OMP_PROC_BIND": "master,close"}, "default bind=primary,close"),            # master: primary's old name
+    ({"OMP_PROC_BIND": "false,close", "OMP_PLACES": "cores"}, "default places=cores"),   # refused: unset, places bind
+    ({"OMP_PROC_BIND": "yes", "OMP_WAIT_POLICY": "Active"}, "ACTIVE"),             # refused: unset
     ({"OMP_PLACES": "{0:4}"}, "default places={0:4}"),
 ])
 def test_the_record_is_what_libgomp_makes_of_the_variables(clean, env, want):
     for k, v in env.items():
         clean.setenv(k, v)
-    assert omp_wait.in_force() == want
+    assert omp_wait.in_force() == want == omp_wait.describe(env)
+
+
+def test_a_bound_process_counts_its_cpus_from_before_libgomp_pins_its_first_thread():
+    """Under OMP_PROC_BIND libgomp pins the first thread to the first place when torch loads it;
+    `cores` (what the host's record counts) holds the mask from before, taken at import."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs to see the mask narrow")
+    code = ("import os\nfrom cmoe.executor import omp_wait\nimport torch\ntorch.ones(4).sum()\n"
+            "print(len(os.sched_getaffinity(0)), omp_wait.cores(), omp_wait.in_force())\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", *omp_wait.USER_BIND)}
+    env |= {"OMP_PROC_BIND": "close", "OMP_PLACES": "threads"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.split() == ["1", str(len(os.sched_getaffinity(0))), "default", "bind=close", "places=threads"]

@@ -121,7 +121,7 @@ def test_cmoe_run_says_when_the_profiles_openmp_wait_policy_is_not_the_runs(tmp_
 
     from cmoe.cli.app import app
     from cmoe.executor import omp_wait
-    monkeypatch.setattr(omp_wait, "_READ", "")             # the runs: libgomp's default
+    monkeypatch.setattr(omp_wait, "_READ", "default")      # the runs: libgomp's default
     want = ("the profile's CPU experts were measured under OpenMP ACTIVE, the runs' ran under default: "
             "threads that spin or sleep between them, bound to cores or not, moved them 1.45-2.5x on the lent "
             "H100s; calibrate under the runs' settings")

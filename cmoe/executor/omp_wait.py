@@ -31,13 +31,14 @@ threads and 14 alike. In the executor, bound, `static` at batch
 session's host ran unbound as fast as bound (0.776 against 0.774 ms): binding cost nothing there.
 Recorded with the policy: `in_force` gives e.g. `ACTIVE bind=close places=cores` (a profile from
 before says `ACTIVE` alone, and `omp_note` then names the difference, as it should: 2x on that host).
-A binding of the user's own (`USER_BIND`: `OMP_PROC_BIND`, `OMP_PLACES`, `GOMP_CPU_AFFINITY`,
-`KMP_AFFINITY`) keeps cmoe off binding; set too late (torch loaded first), nothing is set and the
+A binding of the user's own (`USER_BIND`: `OMP_PROC_BIND`, `OMP_PLACES` or `GOMP_CPU_AFFINITY`;
+libgomp reads no `KMP_` variable) keeps cmoe off binding; set too late (torch loaded first), nothing is set and the
 answer says what was not (`LATE`).
 What binding costs: libgomp pins the process's first thread (the engine's, and OpenMP's master) to
 the first core when torch loads it, and threads and processes started after inherit that core:
 cmoe's host-load sampler (asleep but for a /proc read every 0.1 s) and CUDA's helper threads share
-it. `sched_getaffinity` then says 1, so the host's record counts the cores from before (`cores`).
+it. `sched_getaffinity` then gives that core's CPUs (1 without SMT), so the host's record counts
+the CPUs from before (`cores`).
 Two such processes on one host would bind to the same cores: give each its own `OMP_PLACES`.
 """
 
@@ -70,12 +71,12 @@ def _all_hidden(visible: str | None) -> bool:
 
 LATE = "torch was loaded before cmoe could set"      # in `spin_threads`' answer: nothing set, too late
 BIND = (("OMP_PROC_BIND", "close"), ("OMP_PLACES", "cores"))
-USER_BIND = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")   # any one: the user binds
+USER_BIND = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY")   # any one: the user binds (libgomp's own)
 
 
-def _given(k: str) -> bool:
+def _given(k: str, env=os.environ) -> bool:
     """Set to something (libgomp takes an empty variable as unset)."""
-    return bool(os.environ.get(k, "").strip())
+    return bool(env.get(k, "").strip())
 
 
 def spin_threads(device: str, cpu_experts: bool) -> str:
@@ -83,7 +84,7 @@ def spin_threads(device: str, cpu_experts: bool) -> str:
     it will run CPU experts on a GPU machine; never over the user's own (a wait policy; any binding
     variable of `USER_BIND` keeps binding theirs). Returns what holds, in words (for the run's
     output); it contains `LATE` where torch was loaded first and something was left unset."""
-    given = [f"{k}={os.environ[k]}" for k in (VAR, *USER_BIND) if _given(k)]
+    given = [f"{k}={os.environ[k].strip()!s}".replace("\n", " ") for k in (VAR, *USER_BIND) if _given(k)]
     said = [", ".join(given) + " as given"] if given else []
     if not cpu_experts or not on_gpu(device):
         return said[0] if said else "OpenMP's default wait policy (no CPU experts beside a GPU)"
@@ -107,38 +108,50 @@ def for_policies(device: str, policies) -> str | None:
     return spin_threads(device, True)
 
 
-def _settings() -> str:
-    """What libgomp makes of the variables: the wait policy (`ACTIVE` or `PASSIVE`, upper-cased; empty
-    for the default, which any other value also gets), then ` bind=...`, ` places=...` and
-    ` affinity=...` (GOMP_CPU_AFFINITY, which OMP_PROC_BIND overrides) where they bind, nothing
-    under `OMP_PROC_BIND=false`."""
-    wait = os.environ.get(VAR, "").strip().upper()
-    bind = os.environ.get("OMP_PROC_BIND", "").strip().lower()
-    if bind == "false":
-        return wait if wait in ("ACTIVE", "PASSIVE") else ""
-    parts = [f"{n}={os.environ[k].strip().lower()}" for n, k in (("bind", "OMP_PROC_BIND"), ("places", "OMP_PLACES"))
-             if _given(k)]
-    if _given("GOMP_CPU_AFFINITY") and not bind:
-        parts.append(f"affinity={os.environ['GOMP_CPU_AFFINITY'].strip()}")
-    return " ".join([wait if wait in ("ACTIVE", "PASSIVE") else "", *parts])
+_POLICIES = ("primary", "close", "spread")           # OMP_PROC_BIND's list items after the first
+
+
+def _bind_list(v: str) -> list[str] | None:
+    """OMP_PROC_BIND as libgomp parses it: `false` or `true` alone, or a list of primary (`master`,
+    its old name), close and spread; None for anything else (libgomp warns and takes it as unset)."""
+    items = ["primary" if x == "master" else x for x in (y.strip().lower() for y in v.split(","))]
+    if items in (["false"], ["true"]) or (items and all(x in _POLICIES for x in items)):
+        return items
+    return None
+
+
+def describe(env) -> str:
+    """What libgomp makes of these variables (a mapping: the environment, or a run's record of it),
+    as runs record it: the wait policy (`ACTIVE` or `PASSIVE`; `default` for anything else), then
+    where the threads are bound ` bind=...` (the policy list, left out where it is just `true`
+    beside places), ` places=...`, and ` affinity=...` (GOMP_CPU_AFFINITY: the places, unless
+    OMP_PLACES is set). Unbound (`OMP_PROC_BIND=false`, or nothing set) the policy alone."""
+    wait = env.get(VAR, "").strip().upper()
+    wait = wait if wait in ("ACTIVE", "PASSIVE") else "default"
+    bind = _bind_list(env.get("OMP_PROC_BIND", "")) if _given("OMP_PROC_BIND", env) else None
+    if bind == ["false"]:
+        return wait
+    places = env["OMP_PLACES"].strip().lower() if _given("OMP_PLACES", env) else ""
+    affinity = env["GOMP_CPU_AFFINITY"].strip() if _given("GOMP_CPU_AFFINITY", env) and not places else ""
+    parts = [f"bind={','.join(bind)}"] if bind and not (bind == ["true"] and (places or affinity)) else []
+    parts += [f"places={places}"] * bool(places) + [f"affinity={affinity}"] * bool(affinity)
+    return " ".join([wait, *parts])
 
 
 # the variable once torch is loaded: read at import where torch already is (`cmoe.executor.run`
 # imports this after torch), else at the first `in_force` (the CLI imports this first, and only
 # `spin_threads`, before torch, changes it there), so that a later change of the environment,
 # which libgomp never sees, is not recorded as the runs'
-_READ: str | None = _settings() if "torch" in sys.modules else None
+_READ: str | None = describe(os.environ) if "torch" in sys.modules else None
 
 
 def in_force() -> str:
-    """The OpenMP settings this process's runs record, as libgomp read them (case aside) once torch
-    was loaded: the wait policy or `default`, then the binding where set (`ACTIVE bind=close
-    places=cores`)."""
+    """The OpenMP settings this process's runs record, as libgomp read them once torch was loaded
+    (`describe`): e.g. `ACTIVE bind=close places=cores`, or `default`."""
     global _READ
     if _READ is None:
-        _READ = _settings()
-    wait, _, bind = _READ.partition(" ")
-    return f"{wait or 'default'}{' ' + bind if bind else ''}"
+        _READ = describe(os.environ)
+    return _READ
 
 
 def _mask() -> int:
