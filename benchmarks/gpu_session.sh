@@ -34,6 +34,8 @@
 #   bash benchmarks/gpu_session.sh cpu-nt-iso # the same question without a store: isolated CPU experts only, processes
 #                                             # alternating 16/14/15/12 threads (THREADS) under ACTIVE, CYCLES (2) cycles
 #                                             # (~2 min), XENV more settings (XENV="OMP_PROC_BIND=close OMP_PLACES=cores")
+#   bash benchmarks/gpu_session.sh cpu-bind-ab  # the binding's A/B in one call: isolated CPU experts at 16 threads under
+#                                             # ACTIVE, processes alternating unbound and bound, CYCLES (2) cycles (~1 min)
 #   bash benchmarks/gpu_session.sh cpu-experts  # issue 15: the lean GPU tests over the CPU-expert policies' graphs
 #                                             # (7267969), then POLS=upper,lfu-fallback,static validate with the
 #                                             # Python step calibrated (970abb6), pools 16/20/26, batches 1/8 (~7 min)
@@ -236,6 +238,12 @@ case "${1:-}" in
                   --out "$OUT/cpu_nt_iso-$c-$n.json" --isolated-only --threads $n --iso-rounds 2 > "$OUT/cpu_nt_iso-$c-$n.log" 2>&1 || true
                 echo "== cycle $c, $n threads"; grep -E "^isolated|rror" "$OUT/cpu_nt_iso-$c-$n.log" | tail -8 || true
               done; done ;;
+  cpu-bind-ab) for c in $(seq ${CYCLES:-2}); do for x in unbound bound; do   # processes alternating, no store
+                 e=""; [ "$x" = bound ] && e="OMP_PROC_BIND=close OMP_PLACES=cores"
+                 env -u OMP_PROC_BIND -u OMP_PLACES OMP_WAIT_POLICY=ACTIVE $e timeout 45 python3 benchmarks/cpu_threads_h200.py \
+                   --out "$OUT/bind_ab-$c-$x.json" --isolated-only --threads 16 --iso-rounds 1 > "$OUT/bind_ab-$c-$x.log" 2>&1 || true
+                 echo "== cycle $c, $x"; grep -E "^isolated|rror" "$OUT/bind_ab-$c-$x.log" | sed 's/; python.*//' || true
+               done; done ;;
   cpu-experts) timeout 60 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider \
                  -k "(match_transformers and (mixtral or qwen2_moe)) or (replay_equals_eager and mixtral)" 2>&1 | tail -4 || true
                VT=${VT:-440} POLS=upper,lfu-fallback,static BATCHES=${BATCHES:-1,8} CAL=built bash "$0" validate ;;
