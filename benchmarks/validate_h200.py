@@ -14,9 +14,8 @@ only in pool and batch). Writes, under --out:
   (`cmoe.calibrate.host_load`), rewritten with results.json.
 With --profile PATH it measures nothing and uses that profile (e.g. a second pass with the
 same calibration). Needs simpy for the predictions (without it only the measured side is written).
-On a GPU machine it sets OMP_WAIT_POLICY=ACTIVE and binds OpenMP's threads to cores before torch
-loads, unless the variables are given (its calibration measures CPU experts, as `cmoe calibrate`
-does; `cmoe.executor.omp_wait`), even
+On a GPU machine it sets OMP_WAIT_POLICY=ACTIVE before torch loads unless the variable is given
+(its calibration measures CPU experts, as `cmoe calibrate` does; `cmoe.executor.omp_wait`), even
 under --profile, which calibrates nothing, so its GPU-only runs too run beside spinning threads;
 results.json records it (`omp_env`, `omp_wait`).
 
@@ -84,7 +83,7 @@ def main() -> None:
     from cmoe.calibrate.measure import host_cpu
     res = {"date": time.strftime("%Y-%m-%d"), "card": card, "host": host_cpu(), "torch": torch.__version__,
            "commit": commit + ("+dirty" if dirty else ""), "spec": a.spec, "tokens": a.tokens, "configs": [],
-           # the OpenMP settings the CPU experts ran under (wait policy and binding: 1.5-2.5x, BENCHMARKS.md)
+           # the OpenMP settings the CPU experts ran under (the wait policy moves them 1.5-1.9x: BENCHMARKS.md)
            "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_"))},
            "omp_wait": SPIN}
     import importlib.util

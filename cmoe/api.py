@@ -50,13 +50,13 @@ def execute(*, spec: str | None = None, model: str | Path | None = None, trace: 
     """Run policies for real (torch): random weights at a preset's shapes (`spec`, with `trace`)
     or a local checkpoint (`model`, live routing unless `trace`). Returns one
     `cmoe.executor.run.ExecResult` per policy with `.metrics` and `.log` (the measured timeline).
-    OpenMP's threads spin, bound to cores, for CPU experts on a GPU as the CLI sets them, where torch
-    is not loaded yet (`cmoe.executor.omp_wait`; `.metrics["omp_wait_policy"]` says what held)."""
+    OpenMP's threads spin for CPU experts on a GPU as the CLI sets it, where torch is not loaded yet
+    (`cmoe.executor.omp_wait`; `.metrics["omp_wait_policy"]` says what held, with any binding)."""
     from cmoe.executor.omp_wait import LATE, for_policies
     names = _policies(policies)
     if LATE in (said := for_policies(device, names) or ""):   # the CLI prints it; a library warns
         import warnings
-        warnings.warn(f"cmoe.execute: {said}: set them before importing torch", stacklevel=2)
+        warnings.warn(f"cmoe.execute: {said}: set it before importing torch", stacklevel=2)
     try:
         from cmoe.executor.run import ExecConfig
         from cmoe.executor.run import execute as run

@@ -14,8 +14,7 @@ import pytest
 from cmoe.executor import omp_wait
 
 CMOE = Path(sys.executable).with_name("cmoe")
-SET = "OMP_WAIT_POLICY=ACTIVE OMP_PROC_BIND=close OMP_PLACES=cores (set by cmoe: CPU experts beside a GPU)"
-BOUND = "ACTIVE bind=close places=cores"
+SET = "OMP_WAIT_POLICY=ACTIVE (set by cmoe: CPU experts beside a GPU)"
 LEFT = "OpenMP's default wait policy (no CPU experts beside a GPU)"
 
 
@@ -32,9 +31,9 @@ def clean(monkeypatch):
 
 def test_sets_active_for_cpu_experts_on_a_gpu(clean):
     assert omp_wait.spin_threads("cuda", True) == SET
-    assert (os.environ["OMP_WAIT_POLICY"], os.environ["OMP_PROC_BIND"], os.environ["OMP_PLACES"]) == (
-        "ACTIVE", "close", "cores")
-    assert omp_wait.in_force() == BOUND
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert not {"OMP_PROC_BIND", "OMP_PLACES"} & set(os.environ)          # binding is the user's
+    assert omp_wait.in_force() == "ACTIVE"
 
 
 @pytest.mark.parametrize("device,cpu", [("cpu", True), ("cuda:0", False), ("cpu", False)])
@@ -45,20 +44,18 @@ def test_leaves_the_default_without_cpu_experts_beside_a_gpu(clean, device, cpu)
 
 
 def test_never_over_the_users_own(clean):
-    """The user's wait policy stays and the binding is still set; the user's binding (either
-    variable) stays and the wait policy is still set; the user's own of all three, nothing set."""
+    """The user's wait policy stays; a binding of the user's is said and recorded, never set or
+    changed by cmoe."""
     clean.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    assert omp_wait.spin_threads("cuda", True) == ("OMP_WAIT_POLICY=PASSIVE as given; OMP_PROC_BIND=close "
-                                                   "OMP_PLACES=cores (set by cmoe: CPU experts beside a GPU)")
-    assert (os.environ["OMP_WAIT_POLICY"], os.environ["OMP_PROC_BIND"]) == ("PASSIVE", "close")
-    assert omp_wait.in_force() == "PASSIVE bind=close places=cores"
-    for k in ("OMP_WAIT_POLICY", "OMP_PROC_BIND", "OMP_PLACES"):
-        clean.delenv(k)
+    assert omp_wait.spin_threads("cuda", True) == "OMP_WAIT_POLICY=PASSIVE as given"
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE" and "OMP_PROC_BIND" not in os.environ
+    clean.delenv("OMP_WAIT_POLICY")
     clean.setenv("OMP_PLACES", "threads")
     assert omp_wait.spin_threads("cuda", True) == ("OMP_PLACES=threads as given; OMP_WAIT_POLICY=ACTIVE "
                                                    "(set by cmoe: CPU experts beside a GPU)")
     assert "OMP_PROC_BIND" not in os.environ and os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
     assert omp_wait.spin_threads("cuda", True) == "OMP_WAIT_POLICY=ACTIVE, OMP_PLACES=threads as given"
+    assert omp_wait.in_force() == "ACTIVE places=threads"
 
 
 def test_for_policies_speaks_only_for_cpu_experts_beside_a_gpu(clean):
@@ -67,21 +64,19 @@ def test_for_policies_speaks_only_for_cpu_experts_beside_a_gpu(clean):
     assert omp_wait.for_policies("cpu", ["static"]) is None
     assert omp_wait.for_policies("cuda", []) is None and "OMP_WAIT_POLICY" not in os.environ
     assert omp_wait.for_policies("cuda:1", ["upper", "lfu-fallback"]) == SET
-    assert omp_wait.for_policies("cuda", ["static"]) == ("OMP_WAIT_POLICY=ACTIVE, OMP_PROC_BIND=close, "
-                                                          "OMP_PLACES=cores as given")
+    assert omp_wait.for_policies("cuda", ["static"]) == "OMP_WAIT_POLICY=ACTIVE as given"
 
 
 def test_refuses_once_torch_is_loaded(clean):
     clean.setitem(sys.modules, "torch", object())
     got = omp_wait.spin_threads("cuda", True)
-    assert got == "torch was loaded before cmoe could set OMP_WAIT_POLICY=ACTIVE OMP_PROC_BIND=close OMP_PLACES=cores"
-    assert not {"OMP_WAIT_POLICY", "OMP_PROC_BIND", "OMP_PLACES"} & set(os.environ)
-    clean.setenv("OMP_WAIT_POLICY", "PASSIVE")             # the user's policy, and still the binding is late
-    assert omp_wait.spin_threads("cuda", True) == ("OMP_WAIT_POLICY=PASSIVE as given; torch was loaded before "
-                                                   "cmoe could set OMP_PROC_BIND=close OMP_PLACES=cores")
-    clean.setenv("OMP_PLACES", "cores")                    # nothing left for cmoe to set: nothing late
-    assert omp_wait.spin_threads("cuda", True) == "OMP_WAIT_POLICY=PASSIVE, OMP_PLACES=cores as given"
-    assert omp_wait.LATE not in omp_wait.spin_threads("cuda", True)
+    assert got == "torch was loaded before cmoe could set OMP_WAIT_POLICY=ACTIVE" and omp_wait.LATE in got
+    assert "OMP_WAIT_POLICY" not in os.environ
+    clean.setenv("OMP_PROC_BIND", "close")                 # the user's binding is said beside it
+    assert omp_wait.spin_threads("cuda", True) == ("OMP_PROC_BIND=close as given; torch was loaded before "
+                                                   "cmoe could set OMP_WAIT_POLICY=ACTIVE")
+    clean.setenv("OMP_WAIT_POLICY", "PASSIVE")             # nothing left for cmoe to set: nothing late
+    assert omp_wait.spin_threads("cuda", True) == "OMP_WAIT_POLICY=PASSIVE, OMP_PROC_BIND=close as given"
 
 
 def test_a_run_records_the_policy_libgomp_read_not_a_later_change(clean):
@@ -175,22 +170,18 @@ def test_calibrate_and_a_calibrating_cmoe_run_spin_for_any_policy(tmp_path):
     assert not (tmp_path / "cmoe-run").exists()            # nothing written by a run refused
 
 
-def test_blank_variables_are_unset_and_any_binding_of_the_users_keeps_cmoe_off_binding(clean):
-    """libgomp takes an empty variable as unset, and so does cmoe; GOMP_CPU_AFFINITY is a binding of
-    the user's too (its CPU list becomes the places); a value's whitespace and line breaks do not
-    reach the one-line answer."""
-    clean.setenv("OMP_PROC_BIND", " ")
+def test_blank_variables_are_unset_and_values_stay_on_one_line(clean):
+    """libgomp takes an empty variable as unset, and so does cmoe; a value's whitespace and line
+    breaks do not reach the one-line answer."""
+    clean.setenv("OMP_WAIT_POLICY", " ")
+    clean.setenv("OMP_PROC_BIND", "")
     assert omp_wait.spin_threads("cuda", True) == SET
-    assert omp_wait.in_force() == BOUND
-    for k in ("OMP_WAIT_POLICY", "OMP_PROC_BIND", "OMP_PLACES"):
-        clean.delenv(k)
+    assert omp_wait.in_force() == "ACTIVE"
     clean.setattr(omp_wait, "_READ", None)
     clean.setenv("GOMP_CPU_AFFINITY", "0-3\n")
-    assert omp_wait.spin_threads("cuda", True) == ("GOMP_CPU_AFFINITY=0-3 as given; OMP_WAIT_POLICY=ACTIVE "
-                                                   "(set by cmoe: CPU experts beside a GPU)")
-    assert "OMP_PROC_BIND" not in os.environ and omp_wait.in_force() == "ACTIVE affinity=0-3"
     clean.setenv("OMP_WAIT_POLICY", "active\nx")
-    assert "\n" not in omp_wait.spin_threads("cuda", True)
+    assert omp_wait.spin_threads("cuda", True) == "OMP_WAIT_POLICY=active x, GOMP_CPU_AFFINITY=0-3 as given"
+    assert omp_wait.in_force() == "default affinity=0-3"       # libgomp: an unknown policy is the default
 
 
 @pytest.mark.parametrize("env,want", [

@@ -313,18 +313,18 @@ def format_validation(v: dict) -> str:
 
 
 def omp_note(v: dict) -> str | None:
-    """A line where a run's CPU experts ran under other OpenMP settings (wait policy, binding) than
-    the profile's were measured under (`cmoe.executor.omp_wait`: 1.45-2.5x apart on the lent H100s),
-    or under settings other than the default where the profile does not say (calibrated before
-    cmoe recorded them)."""
+    """A line where a run's CPU experts ran under other OpenMP settings (wait policy, and a binding
+    of the user's) than the profile's were measured under (`cmoe.executor.omp_wait`: the wait
+    policy moved them 1.45-1.91x on the lent H100s), or under settings other than the default where
+    the profile does not say (calibrated before cmoe recorded them)."""
     w, cpu = v.get("omp_wait") or {}, v["op_kinds"].get("cpu_expert", {}).get("n", 0)
     prof, runs = w.get("profile"), w.get("runs")
     if not cpu or runs is None or prof == runs or (prof is None and runs == "default"):
         return None
     said = f"under OpenMP {prof}" if prof else "under OpenMP settings it does not record"
     return (f"  the profile's CPU experts were measured {said}, the runs' ran under {runs}: threads that "
-            "spin or sleep between them, bound to cores or not, moved them 1.45-2.5x on the lent H100s; "
-            "calibrate under the runs' settings")
+            "spin or sleep between them moved them 1.45-1.91x on the lent H100s; calibrate under the runs' "
+            "settings")
 
 
 def validate_folders(predicted: Path, measured: Path, policies: list[str] | None = None) -> list[dict]:

@@ -21,25 +21,19 @@ A run's metrics and a calibration record the policy in force (`in_force`); a fit
 it (`HardwareProfile.omp_wait_policy`), the simulator's metrics carry the profile's, and
 `cmoe validate` names a CPU-expert run whose policy differs from its profile's (`omp_note`).
 
-The same process also binds the team's threads to cores (`OMP_PROC_BIND=close OMP_PLACES=cores`),
-unless the user set either. Thirty-second session, one lent H100 host (16-core Xeon), under
-`ACTIVE`, isolated experts in processes that alternated: unbound, the 1-token experts' medians ran
-1.25-2.55 ms and the 4-token ones 2.29-4.49 ms, from process to process (12-16 threads); bound,
-0.80-0.98 (0.84-1.52 with the link's copies running) and 1.43-1.72 in all seven processes, 16
-threads and 14 alike. In the executor, bound, `static` at batch
-8 ran 50.7-53.5 tok/s against 33.5 unbound (14 threads) earlier on the same loan. The twenty-ninth
-session's host ran unbound as fast as bound (0.776 against 0.774 ms): binding cost nothing there.
-Recorded with the policy: `in_force` gives e.g. `ACTIVE bind=close places=cores` (a profile from
-before says `ACTIVE` alone, and `omp_note` then names the difference, as it should: 2x on that host).
-A binding of the user's own (`USER_BIND`: `OMP_PROC_BIND`, `OMP_PLACES` or `GOMP_CPU_AFFINITY`;
-libgomp reads no `KMP_` variable) keeps cmoe off binding; set too late (torch loaded first), nothing is set and the
-answer says what was not (`LATE`).
-What binding costs: libgomp pins the process's first thread (the engine's, and OpenMP's master) to
-the first core when torch loads it, and threads and processes started after inherit that core:
-cmoe's host-load sampler (asleep but for a /proc read every 0.1 s) and CUDA's helper threads share
-it. `sched_getaffinity` then gives that core's CPUs (1 without SMT), so the host's record counts
-the CPUs from before (`cores`).
-Two such processes on one host would bind to the same cores: give each its own `OMP_PLACES`.
+Binding the team's threads to cores (`OMP_PROC_BIND`, `OMP_PLACES`, `GOMP_CPU_AFFINITY`) is the
+user's to set; cmoe records it. Thirty-second session, lent H100 hosts (16-core Xeon), under
+`ACTIVE`: unbound processes ran the 1-token experts in 1.25-2.55 ms and the 4-token ones in
+2.29-4.49 (calls 2-3), bound ones 0.80-1.52 and 1.43-1.72 (calls 4-5, later), but in one call
+whose processes alternated (call 6) neither was fast and bound was no better (4 tokens 2.24-3.44
+bound against 2.01-2.58 unbound); on the twenty-ninth session's host binding changed nothing
+(0.774 against 0.776 ms). So binding is not set by default: what held in calls 2-5 was the host
+over time, as far as one controlled call can say. `in_force` records it after the policy, as
+libgomp parses it (`describe`: e.g. `ACTIVE bind=close places=cores`), and `omp_note` names a
+profile and runs that differ in it.
+Under a binding libgomp pins the process's first thread (the engine's, and OpenMP's master) to the
+first place when torch loads it, and threads started after inherit it; `sched_getaffinity` then
+gives that place's CPUs, so the host's record counts the CPUs from before (`cores`).
 """
 
 from __future__ import annotations
@@ -70,8 +64,7 @@ def _all_hidden(visible: str | None) -> bool:
 
 
 LATE = "torch was loaded before cmoe could set"      # in `spin_threads`' answer: nothing set, too late
-BIND = (("OMP_PROC_BIND", "close"), ("OMP_PLACES", "cores"))
-USER_BIND = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY")   # any one: the user binds (libgomp's own)
+USER_BIND = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY")   # what binds libgomp's threads (the user's)
 
 
 def _given(k: str, env=os.environ) -> bool:
@@ -80,22 +73,18 @@ def _given(k: str, env=os.environ) -> bool:
 
 
 def spin_threads(device: str, cpu_experts: bool) -> str:
-    """Set `OMP_WAIT_POLICY=ACTIVE`, and bind the threads to cores (`BIND`), for this process where
-    it will run CPU experts on a GPU machine; never over the user's own (a wait policy; any binding
-    variable of `USER_BIND` keeps binding theirs). Returns what holds, in words (for the run's
-    output); it contains `LATE` where torch was loaded first and something was left unset."""
-    given = [f"{k}={os.environ[k].strip()!s}".replace("\n", " ") for k in (VAR, *USER_BIND) if _given(k)]
+    """Set `OMP_WAIT_POLICY=ACTIVE` for this process where it will run CPU experts on a GPU machine
+    and the user has not set it. Returns what holds, in one line for the run's output (with any
+    binding variable of the user's, `USER_BIND`); it contains `LATE` where torch was loaded first
+    and the policy was left unset."""
+    given = [f"{k}={os.environ[k].strip()}".replace("\n", " ") for k in (VAR, *USER_BIND) if _given(k)]
     said = [", ".join(given) + " as given"] if given else []
-    if not cpu_experts or not on_gpu(device):
+    if not cpu_experts or not on_gpu(device) or _given(VAR):
         return said[0] if said else "OpenMP's default wait policy (no CPU experts beside a GPU)"
-    mine = ([] if _given(VAR) else [(VAR, "ACTIVE")]) + ([] if any(map(_given, USER_BIND)) else list(BIND))
-    if not mine:
-        return said[0]
-    them = " ".join(f"{k}={v}" for k, v in mine)
     if "torch" in sys.modules:
-        return "; ".join(said + [f"{LATE} {them}"])
-    os.environ.update(mine)
-    return "; ".join(said + [f"{them} (set by cmoe: CPU experts beside a GPU)"])
+        return "; ".join(said + [f"{LATE} {VAR}=ACTIVE"])
+    os.environ[VAR] = "ACTIVE"
+    return "; ".join(said + [f"{VAR}=ACTIVE (set by cmoe: CPU experts beside a GPU)"])
 
 
 def for_policies(device: str, policies) -> str | None:
