@@ -39,10 +39,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cmoe.executor.omp_wait import cores  # noqa: E402  (before torch: the CPU mask before libgomp binds)
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 from cmoe.calibrate.host_load import HZ, available, snapshot, windows  # noqa: E402
 from cmoe.calibrate.spans import decode_passes  # noqa: E402
@@ -68,7 +69,8 @@ def facts() -> dict:
     except OSError:
         lscpu = []
     keep = ("Model name", "Socket", "Core", "Thread", "NUMA", "L3", "CPU(s)", "MHz")
-    return {"cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),
+    return {"cpu_count": os.cpu_count(), "affinity": cores(), "affinity_now": len(os.sched_getaffinity(0)),
+            "torch_threads": torch.get_num_threads(),
             "torch_interop": torch.get_num_interop_threads(), "nodes": nodes,
             "numa_balancing": read("/proc/sys/kernel/numa_balancing"),
             "thp": read("/sys/kernel/mm/transparent_hugepage/enabled"),

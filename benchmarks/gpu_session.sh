@@ -30,7 +30,8 @@
 #   bash benchmarks/gpu_session.sh cpu-nt     # issues 13, 15: under OMP_WAIT_POLICY=ACTIVE, a process with 16 OpenMP
 #                                             # threads and one with 14 (THREADS), each: isolated CPU experts, then
 #                                             # static (pool 16) and lfu-fallback (pool 20) at batch 8, three rounds
-#                                             # (the runs' spread at each thread count; ~8 min)
+#                                             # (the runs' spread at each thread count; ~8 min: each process's store
+#                                             # takes ~130-180 s of its 270, so two processes got 0 and 1 rounds)
 #   bash benchmarks/gpu_session.sh cpu-nt-iso # the same question without a store: isolated CPU experts only, processes
 #                                             # alternating 16/14/15/12 threads (THREADS) under ACTIVE, CYCLES (2) cycles
 #                                             # (~2 min), XENV more settings (XENV="OMP_PROC_BIND=close OMP_PLACES=cores")
@@ -262,5 +263,5 @@ case "${1:-}" in
                 | grep -E "^lean|host phases|Error|error" > "$OUT/host-ab/$t$i.log") || true
            done; done
            grep -h "^lean" "$OUT"/host-ab/*.log | cut -c1-150 || true ;;
-  *) echo "usage: $0 cpu-program|cpu-threads|cpu-wait|cpu-experts|step-ab|boundary|check|fuse-ab|gemv|attn|tests|host-tests|wait|ncu|variants|kernel-ab|ncu-variants|gptq|b1|b48|cpu48|validate|validate-r BATCHES|host-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 program|live|ahead|tests|b1|b48|cpu48|host-wake|wait|host-tests|ncu|variants|kernel-ab|check|fuse-ab|attn|gemv|ncu-variants|gptq|step-ab|boundary|calib|validate|cpu-program|cpu-threads|cpu-wait|cpu-nt|cpu-nt-iso|cpu-bind-ab|cpu-experts|validate-r BATCHES|host-ab" >&2; exit 2 ;;
 esac

@@ -20,7 +20,7 @@ LEFT = "OpenMP's default wait policy (no CPU experts beside a GPU)"
 
 @pytest.fixture
 def clean(monkeypatch):
-    for k in ("OMP_WAIT_POLICY", *omp_wait.USER_BIND, "KMP_AFFINITY"):
+    for k in ("OMP_WAIT_POLICY", *omp_wait.USER_BIND):
         monkeypatch.setenv(k, "x")                      # so that its absence is restored afterwards
         monkeypatch.delenv(k)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

@@ -355,8 +355,8 @@ def test_a_run_whose_cpu_ran_in_two_states_says_so(tmp_path):
 
 def test_a_profile_measured_under_another_openmp_wait_policy_gets_a_line(runs):
     """`omp_note`: the runs' CPU experts under other OpenMP settings than the profile's were measured
-    under (spinning threads ran them 1.45-1.91x faster on the lent H100s, bound ones up to 2.5x) get a line
-    (a binding the profile lacks too); so
+    under (spinning threads ran them 1.45-1.91x faster on the lent H100s) get a line, and so does a
+    binding one side has and the other lacks (bound processes ran faster in some calls); so
     do runs that spun against a profile that does not say. Nothing where they agree, where the
     profile does not say and the runs kept the default, or where no CPU expert ran."""
     from cmoe.analysis.validate import omp_note
@@ -365,14 +365,18 @@ def test_a_profile_measured_under_another_openmp_wait_policy_gets_a_line(runs):
     v["op_kinds"]["cpu_expert"] = {"n": 4, "pred_mean_us": 1000.0, "meas_mean_us": 1000.0, "mape": 0.0,
                                    "signed": 0.0, "only_predicted": 0, "only_measured": 0}
     tail = (", the runs' ran under ACTIVE: threads that spin or sleep between them moved them 1.45-1.91x on "
-            "the lent H100s; calibrate under the runs' settings")
+            "the lent H100s; calibrate under them")
     bound = "ACTIVE bind=close places=cores"
+    tail_bound = (", the runs' ran under ACTIVE: threads bound to cores or not ran them at other speeds in some "
+                  "calls on the lent H100s; calibrate under them")
     for prof, runs_, want in (("default", "ACTIVE", "  the profile's CPU experts were measured under "
                                                     "OpenMP default" + tail),
                               (None, "ACTIVE", "  the profile's CPU experts were measured under OpenMP settings "
                                                "it does not record" + tail),
                               (bound, "ACTIVE", f"  the profile's CPU experts were measured under OpenMP {bound}"
-                                                + tail),
+                                                + tail_bound),
+                              ("PASSIVE bind=close", "ACTIVE", "  the profile's CPU experts were measured under "
+                                                               "OpenMP PASSIVE bind=close" + tail),
                               ("ACTIVE", "ACTIVE", None), (bound, bound, None), (None, "default", None),
                               ("ACTIVE", None, None)):
         v["omp_wait"] = {"profile": prof, "runs": runs_}

@@ -270,7 +270,7 @@ def validate(pred: Run, meas: Run) -> dict:
             "host_program": meas.metrics.get("host_program"),
             "link_gbps": {"predicted": (g := link_gbps(pred.spans, steps)), "measured": link_gbps(meas.spans, steps)},
             "slow_loads": slow_loads(meas.spans, steps, g), "slow_cpu": slow_cpu(kp["cpu_expert"], km["cpu_expert"]),
-            # OpenMP's wait policy of the profile's CPU experts and of the runs' (None: not recorded)
+            # OpenMP settings (wait policy, a binding) of the profile's CPU experts and the runs' (None: unrecorded)
             "omp_wait": {"profile": pred.metrics.get("omp_wait_policy"), "runs": meas.metrics.get("omp_wait_policy")}}
 
 
@@ -322,9 +322,10 @@ def omp_note(v: dict) -> str | None:
     if not cpu or runs is None or prof == runs or (prof is None and runs == "default"):
         return None
     said = f"under OpenMP {prof}" if prof else "under OpenMP settings it does not record"
-    return (f"  the profile's CPU experts were measured {said}, the runs' ran under {runs}: threads that "
-            "spin or sleep between them moved them 1.45-1.91x on the lent H100s; calibrate under the runs' "
-            "settings")
+    why = ("threads bound to cores or not ran them at other speeds in some calls on the lent H100s"
+           if prof and prof.split()[0] == runs.split()[0] else
+           "threads that spin or sleep between them moved them 1.45-1.91x on the lent H100s")
+    return f"  the profile's CPU experts were measured {said}, the runs' ran under {runs}: {why}; calibrate under them"
 
 
 def validate_folders(predicted: Path, measured: Path, policies: list[str] | None = None) -> list[dict]:

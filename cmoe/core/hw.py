@@ -136,7 +136,7 @@ class HardwareProfile(Variants):
     cpu_wake_points: tuple = ()                     # (idle us, extra us): a CPU expert after the CPU idled that long
     roundtrip_points: tuple = ()                    # (rows, us): roundtrip_us by the pass's rows (`roundtrip`)
     cpu_expert_points: tuple = ()                   # (tokens, factor): a CPU expert's time over its time at one token
-    omp_wait_policy: str = ""                       # OpenMP's (and binding), as calibrate measured the CPU experts
+    omp_wait_policy: str = ""                       # OpenMP settings of calibrate's CPU experts ("": unrecorded)
     python_host: dict = field(default_factory=dict, hash=False)   # host fields of the Python step (`python_step`)
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 

@@ -24,7 +24,7 @@ it (`HardwareProfile.omp_wait_policy`), the simulator's metrics carry the profil
 Binding the team's threads to cores (`OMP_PROC_BIND`, `OMP_PLACES`, `GOMP_CPU_AFFINITY`) is the
 user's to set; cmoe records it. Thirty-second session, lent H100 hosts (16-core Xeon), under
 `ACTIVE`: unbound processes ran the 1-token experts in 1.25-2.55 ms and the 4-token ones in
-2.29-4.49 (calls 2-3), bound ones 0.80-1.52 and 1.43-1.72 (calls 4-5, later), but in one call
+2.28-4.49 (calls 2-3), bound ones 0.80-1.51 and 1.43-1.72 (calls 4-5, later), but in one call
 whose processes alternated (call 6) neither was fast and bound was no better (4 tokens 2.24-3.44
 bound against 2.01-2.58 unbound); on the twenty-ninth session's host binding changed nothing
 (0.774 against 0.776 ms). So binding is not set by default: what held in calls 2-5 was the host
@@ -127,7 +127,7 @@ def describe(env) -> str:
     return " ".join([wait, *parts])
 
 
-# the variable once torch is loaded: read at import where torch already is (`cmoe.executor.run`
+# the variables once torch is loaded: read at import where torch already is (`cmoe.executor.run`
 # imports this after torch), else at the first `in_force` (the CLI imports this first, and only
 # `spin_threads`, before torch, changes it there), so that a later change of the environment,
 # which libgomp never sees, is not recorded as the runs'
