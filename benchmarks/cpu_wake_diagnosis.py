@@ -136,19 +136,14 @@ def run_effects(seen: dict[str, list]) -> dict:
             "residual_log_sd": float((y - a @ sol).std()), "pairs": len(by), "experts": len(keys)}
 
 
-def runs_omp(folder: Path, res: dict) -> str:
-    """The OpenMP settings the measured runs recorded (`omp_wait_policy` in their metrics.json: wait
-    policy and binding, as `cmoe.executor.omp_wait.in_force` gives them; one process records one
-    value for all its runs); for folders from before runs recorded it, what libgomp made of the
+def runs_omp(rows: list[dict], res: dict) -> str:
+    """The OpenMP settings the measured runs recorded (`omp_wait_policy` in their metrics.json rows:
+    wait policy and binding, as `cmoe.executor.omp_wait.in_force` gives them; one process records
+    one value for all its runs); for folders from before runs recorded it, what libgomp made of the
     variables results.json kept (`omp_env`); "" where neither says."""
     from cmoe.executor.omp_wait import describe
-    for c in res["configs"]:
-        for x in ("measured", "measured-2"):
-            f = folder / f"pool{c['pool_gb']:g}-b{c['batch']}" / x / "metrics.json"
-            for m in json.loads(f.read_text()) if f.is_file() else []:
-                if m.get("omp_wait_policy"):
-                    return m["omp_wait_policy"]
-    return describe(res["omp_env"]) if res.get("omp_env") is not None else ""
+    said = next((m["omp_wait_policy"] for m in rows if m.get("omp_wait_policy")), "")
+    return said or (describe(res["omp_env"]) if res.get("omp_env") is not None else "")
 
 
 def main() -> None:
@@ -158,7 +153,7 @@ def main() -> None:
     a = ap.parse_args()
     res = json.loads((a.folder / "results.json").read_text())
     spec = check_checkpoint(Path(res["model"]), float_experts=True) if res.get("model") else preset(res["spec"])
-    pts, trips, steps, seen, timed = [], [], {}, {}, {}
+    pts, trips, steps, seen, timed, metrics_rows = [], [], {}, {}, {}, []
     for c in res["configs"]:
         b = c["batch"]
         tr = load_trace(res.get("trace") or f"synthetic:{res['spec']}", None, b)
@@ -167,7 +162,9 @@ def main() -> None:
             here = a.folder / f"pool{c['pool_gb']:g}-b{b}" / x
             if not here.is_dir():
                 continue
-            zero = {m["policy"]: m.get("clock_epoch") for m in json.loads((here / "metrics.json").read_text())}
+            rows = json.loads((here / "metrics.json").read_text())
+            metrics_rows += rows
+            zero = {m["policy"]: m.get("clock_epoch") for m in rows}
             for f in sorted(here.glob("timeline-*.parquet")):
                 run = f"pool {c['pool_gb']:g} batch {b} {f.stem[9:]}" + (" again" if x == "measured-2" else "")
                 log = run_log(f, passes)
@@ -217,7 +214,7 @@ def main() -> None:
              "cpu_expert_points": [list(x) for x in fields.get("cpu_expert_points", ())],
              **{f"cpu_{k}_us": v * 1e6 for k, v in m["cpu_step"].items()},
              "roundtrip_points": [[b, s * 1e6] for b, s in m["roundtrip_points"]] if len(m["roundtrip_points"]) > 1 else [],
-             "omp_wait_policy": runs_omp(a.folder, res)}     # the runs' own, as they recorded it
+             "omp_wait_policy": runs_omp(metrics_rows, res)}     # the runs' own, as they recorded it
     print(f"base {ca * 1e6:.0f} us + {cb * 1e6:.0f} a token (by tokens: "
           + ", ".join(f"{t} {x:.2f}x" for t, x in fields.get("cpu_expert_points", ())) + f"); wake {[(round(x), round(y)) for x, y in wake]}; "
           + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in m["cpu_step"].items()))

@@ -55,7 +55,7 @@ def test_the_sampler_sees_this_process_spin_and_restarts():
             while time.process_time() - c0 < 0.4 and time.perf_counter() - w0 < 20:
                 pass                                    # 0.4 s of this process's CPU, however busy the host
             time.sleep(0.12)                            # the thread's next sample falls after the spin
-        rows = windows(s.samples[n:], s.hz)
+        rows = windows(s.samples[n:], host_load.HZ)
         assert len(rows) >= 4 and all(r["t1"] > r["t0"] for r in rows)
         # ~0.4 core-seconds, counted in 10 ms ticks
         assert sum(r["ours"] * (r["t1"] - r["t0"]) for r in rows) == pytest.approx(0.4, abs=0.06)

@@ -63,8 +63,11 @@ def test_for_policies_speaks_only_for_cpu_experts_beside_a_gpu(clean):
     assert omp_wait.for_policies("cuda", ["upper", "ondemand"]) is None
     assert omp_wait.for_policies("cpu", ["static"]) is None
     assert omp_wait.for_policies("cuda", []) is None and "OMP_WAIT_POLICY" not in os.environ
+    assert omp_wait.for_policies("cpu", ["upper"], calibrates=True) is None    # a calibration on the CPU
     assert omp_wait.for_policies("cuda:1", ["upper", "lfu-fallback"]) == SET
     assert omp_wait.for_policies("cuda", ["static"]) == "OMP_WAIT_POLICY=ACTIVE as given"
+    assert omp_wait.for_policies("cuda", ["upper"], calibrates=True) == "OMP_WAIT_POLICY=ACTIVE as given"
+    assert omp_wait.for_policies("cuda", ["upper"]) is None
 
 
 def test_refuses_once_torch_is_loaded(clean):

@@ -101,7 +101,6 @@ class LoadSampler:
 
     def __init__(self, interval: float = 0.1):
         self.interval, self.samples = interval, []
-        self.hz = HZ
         self._stop = threading.Event()
         self._thread = None
 
@@ -134,4 +133,4 @@ class LoadSampler:
         self.stop()
 
     def windows(self) -> list[dict]:
-        return windows(list(self.samples), self.hz)
+        return windows(list(self.samples), HZ)

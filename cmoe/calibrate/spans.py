@@ -83,10 +83,14 @@ def host_gaps(log, dec: list[int]) -> list[tuple[int, int, float]]:
     """(pass, next pass, us) for each pair of consecutive passes of `dec` (sorted) with both spans:
     the host lane's gap from the pass's `host_head` end to the next pass's first `host_attention`."""
     ds = set(dec)
-    head = {s[STEP]: s[END] for s in log.spans if s[OP] == "host_head" and s[STEP] in ds}
+    head: dict[int, float] = {}
     enter: dict[int, float] = {}
     for s in log.spans:
-        if s[OP] == "host_attention" and s[STEP] in ds:
+        if s[STEP] not in ds:
+            continue
+        if s[OP] == "host_head":
+            head[s[STEP]] = s[END]
+        elif s[OP] == "host_attention":
             enter[s[STEP]] = min(enter.get(s[STEP], s[START]), s[START])
     return [(p, q, enter[q] - head[p]) for p, q in zip(dec, dec[1:]) if p in head and q in enter]
 

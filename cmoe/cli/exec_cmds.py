@@ -13,16 +13,17 @@ from cmoe.cli.common import gigabytes, one_line_errors, positive
 from cmoe.analysis.runfolder import MARKER as RUN_FOLDER
 
 
-def _spin(device: str, names, policy_json: Path | None, say) -> None:
-    """OpenMP threads that spin for a run with CPU experts on a GPU (`cmoe.executor.omp_wait`), set
-    before anything loads torch; said where cmoe set it or could not."""
+def _spin(device: str, names, policy_json: Path | None, say, calibrates: bool = False) -> None:
+    """OpenMP threads that spin for a run with CPU experts (or a calibration, which measures them)
+    on a GPU (`cmoe.executor.omp_wait`), set before anything loads torch; said where cmoe set it or
+    could not."""
     from cmoe.executor.omp_wait import for_policies
     if policy_json is not None:                 # the file's policy decides; an unreadable file is refused later
         try:
             names = (str(json.loads(policy_json.read_text()).get("policy")),)
         except (OSError, ValueError, AttributeError):
             names = ()
-    if (said := for_policies(device, names)) is not None:
+    if (said := for_policies(device, names, calibrates)) is not None:
         say(said)
 
 
@@ -93,7 +94,7 @@ def calibrate(
         from cmoe.calibrate.profile_fit import refit_profile
         prof, m = refit_profile(refit, name)
     else:
-        _spin(device, ("static",), None, typer.echo)     # it measures CPU experts
+        _spin(device, (), None, typer.echo, calibrates=True)
         from cmoe.calibrate.measure import calibrate as measure_and_fit
         from cmoe.executor.run import resolve_device
         from cmoe.core.checkpoint import check_checkpoint
@@ -139,7 +140,7 @@ def run_cmd(
     names = policy_names(policy, "--policy")
     silent = quiet or json_out
     say = (lambda *_: None) if silent else typer.echo
-    _spin(device, names if profile else (*names, "static"), None, say)   # calibrating measures CPU experts
+    _spin(device, names, None, say, calibrates=not profile)
     from cmoe.cli.common import device_name
     device = device_name(device)
     doc = run_all(out, spec_name=spec, model_dir=model, trace_src=trace, policies=tuple(names), pool_gb=pool_gb,

@@ -87,12 +87,12 @@ def spin_threads(device: str, cpu_experts: bool) -> str:
     return "; ".join(said + [f"{VAR}=ACTIVE (set by cmoe: CPU experts beside a GPU)"])
 
 
-def for_policies(device: str, policies) -> str | None:
-    """`spin_threads` for a run of these policies (names): what holds, or None where none of them
-    runs CPU experts beside a GPU (nothing to set, nothing to say). The CLI's commands and
-    `cmoe.execute` call it before they load torch."""
+def for_policies(device: str, policies, calibrates: bool = False) -> str | None:
+    """`spin_threads` for a run of these policies (names), or for one that calibrates (which
+    measures CPU experts): what holds, or None where no CPU experts run beside a GPU (nothing to
+    set, nothing to say). The CLI's commands and `cmoe.execute` call it before they load torch."""
     from cmoe.policy.policies import trait
-    if not (any(trait(n, "cpu_experts") for n in policies) and on_gpu(device)):
+    if not ((calibrates or any(trait(n, "cpu_experts") for n in policies)) and on_gpu(device)):
         return None
     return spin_threads(device, True)
 
