@@ -37,6 +37,10 @@
 #                                             # (~2 min), XENV more settings (XENV="OMP_PROC_BIND=close OMP_PLACES=cores")
 #   bash benchmarks/gpu_session.sh cpu-bind-ab  # the binding's A/B in one call: isolated CPU experts at 16 threads under
 #                                             # ACTIVE, processes alternating unbound and bound, CYCLES (2) cycles (~1 min)
+#   bash benchmarks/gpu_session.sh cpu-pages  # issues 13, 15: the CPU experts' bytes on 4 KiB pages against the same bytes on
+#                                             # 2 MiB pages (cpu_pages_h200.py), under ACTIVE: isolated experts in two
+#                                             # processes, then one store's static/lfu-fallback runs with each copy of its
+#                                             # twins, ROUNDS (2) rounds (~7 min)
 #   bash benchmarks/gpu_session.sh cpu-experts  # issue 15: the lean GPU tests over the CPU-expert policies' graphs
 #                                             # (7267969), then POLS=upper,lfu-fallback,static validate with the
 #                                             # Python step calibrated (970abb6), pools 16/20/26, batches 1/8 (~7 min)
@@ -245,6 +249,14 @@ case "${1:-}" in
                    --out "$OUT/bind_ab-$c-$x.json" --isolated-only --threads 16 --iso-rounds 1 > "$OUT/bind_ab-$c-$x.log" 2>&1 || true
                  echo "== cycle $c, $x"; grep -E "^isolated|rror" "$OUT/bind_ab-$c-$x.log" | sed 's/; python.*//' || true
                done; done ;;
+  cpu-pages) for c in 1 2; do                                # in-process A/B; a process of its own each
+               OMP_WAIT_POLICY=ACTIVE timeout 60 python3 benchmarks/cpu_pages_h200.py --out "$OUT/pages-iso-$c.json" \
+                 > "$OUT/pages-iso-$c.log" 2>&1 || true
+               echo "== process $c"; grep -E "^isolated|rror" "$OUT/pages-iso-$c.log" | sed 's/; python.*//' || true
+             done
+             OMP_WAIT_POLICY=ACTIVE timeout ${PT:-420} python3 benchmarks/cpu_pages_h200.py --out "$OUT/pages-exec.json" --iso-rounds 2 \
+               --executor --rounds ${ROUNDS:-2} > "$OUT/pages-exec.log" 2>&1 || true
+             echo "== executor"; grep -E "^(isolated|executor|built)|rror" "$OUT/pages-exec.log" | tail -30 || true ;;
   cpu-experts) timeout 60 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider \
                  -k "(match_transformers and (mixtral or qwen2_moe)) or (replay_equals_eager and mixtral)" 2>&1 | tail -4 || true
                VT=${VT:-440} POLS=upper,lfu-fallback,static BATCHES=${BATCHES:-1,8} CAL=built bash "$0" validate ;;
@@ -263,5 +275,5 @@ case "${1:-}" in
                 | grep -E "^lean|host phases|Error|error" > "$OUT/host-ab/$t$i.log") || true
            done; done
            grep -h "^lean" "$OUT"/host-ab/*.log | cut -c1-150 || true ;;
-  *) echo "usage: $0 program|live|ahead|tests|b1|b48|cpu48|host-wake|wait|host-tests|ncu|variants|kernel-ab|check|fuse-ab|attn|gemv|ncu-variants|gptq|step-ab|boundary|calib|validate|cpu-program|cpu-threads|cpu-wait|cpu-nt|cpu-nt-iso|cpu-bind-ab|cpu-experts|validate-r BATCHES|host-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 program|live|ahead|tests|b1|b48|cpu48|host-wake|wait|host-tests|ncu|variants|kernel-ab|check|fuse-ab|attn|gemv|ncu-variants|gptq|step-ab|boundary|calib|validate|cpu-program|cpu-threads|cpu-wait|cpu-nt|cpu-nt-iso|cpu-bind-ab|cpu-pages|cpu-experts|validate-r BATCHES|host-ab" >&2; exit 2 ;;
 esac
