@@ -13,7 +13,8 @@ miss walks the guest's and the host's tables. This measures, with the expert's b
   round; beside each arm one core's Python speed (a fixed loop);
 - with --executor, inside the executor on one built store: `static` at pool 26 batch 1 and pool 16
   batch 8, and `lfu-fallback` at pool 20 batch 8, each run once with the store's twins and once with
-  a copy of them on huge pages, the order turned each round: tokens/s and the decode CPU experts'
+  a copy of them on huge pages, the order turned each round (c62ba87; since the store's twins ask
+  for huge pages themselves, the copy is the small-page one): tokens/s and the decode CPU experts'
   median, and the median of each sixth of a run's CPU experts in time order (the slow starts).
 The bytes each set has on huge pages (`huge_bytes`, from /proc/self/smaps) are recorded, so an arm
 the kernel refused huge pages reads as such. Everything goes to --out as JSON; a line per figure.
@@ -97,13 +98,13 @@ def in_executor(spec_name: str, rounds: int, tokens: int, out: list, res: dict, 
     w, _ = prepare(cfg=first, **where)
     t0 = time.perf_counter()
     build(w, first)
-    small = w.store.cpu_twins
+    huge = w.store.cpu_twins                       # the store's own: on huge pages since 33rd session's change
     t1 = time.perf_counter()
-    huge = [huge_zeros(tuple(t.shape)).copy_(t) for t in small]
-    res["twins"] = {"build_s": t1 - t0, "copy_s": time.perf_counter() - t1,
+    small = [torch.zeros(tuple(t.shape), dtype=t.dtype).copy_(t) for t in huge]   # fresh mappings: 4 KiB pages
+    res["twins"] = {"build_s": t1 - t0, "small_copy_s": time.perf_counter() - t1,
                     "bytes": sum(t.numel() for t in small),
                     "huge_bytes": {"small": huge_bytes(small), "huge": huge_bytes(huge)}}
-    print(f"built store and model in {t1 - t0:.0f} s, huge twins in {res['twins']['copy_s']:.0f} s; "
+    print(f"built store and model in {t1 - t0:.0f} s, small-page twins in {res['twins']['small_copy_s']:.0f} s; "
           f"on huge pages: {res['twins']['huge_bytes']}", flush=True)
     run_policy(w, first, "upper")                                  # untimed warm-up
     arms = [(pol, pool, b, mem) for pol, pool, b in ARMS for mem in ("small", "huge")]
@@ -126,7 +127,7 @@ def in_executor(spec_name: str, rounds: int, tokens: int, out: list, res: dict, 
             save()
             del r
             torch.cuda.empty_cache()
-    w.store.cpu_twins = small
+    w.store.cpu_twins = huge
 
 
 def main() -> None:

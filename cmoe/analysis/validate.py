@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from cmoe.core.errors import CmoeError
+from cmoe.analysis.cpu_settings import cpu_notes, omp_note  # noqa: F401  (omp_note re-exported)
 from cmoe.analysis.runfolder import read_metrics, read_passes, read_timeline
 from cmoe.core.timeline import STEP, LAYER, STREAM, OP, EXPERT, START, END, BYTES
 
@@ -271,7 +272,8 @@ def validate(pred: Run, meas: Run) -> dict:
             "link_gbps": {"predicted": (g := link_gbps(pred.spans, steps)), "measured": link_gbps(meas.spans, steps)},
             "slow_loads": slow_loads(meas.spans, steps, g), "slow_cpu": slow_cpu(kp["cpu_expert"], km["cpu_expert"]),
             # OpenMP settings (wait policy, a binding) of the profile's CPU experts and the runs' (None: unrecorded)
-            "omp_wait": {"profile": pred.metrics.get("omp_wait_policy"), "runs": meas.metrics.get("omp_wait_policy")}}
+            "omp_wait": {"profile": pred.metrics.get("omp_wait_policy"), "runs": meas.metrics.get("omp_wait_policy")},
+            "cpu_pages": {"profile": pred.metrics.get("cpu_pages"), "runs": meas.metrics.get("cpu_pages")}}
 
 
 def format_validation(v: dict) -> str:
@@ -307,25 +309,7 @@ def format_validation(v: dict) -> str:
                "a slow state for part of the run" if sc["share"] >= SLOW_SHARE else "")
         lines.append(f"  CPU experts ran {k:.2f}x their calibrated time{two}: a lent GPU's host ran them in two "
                      "states, switching within runs; repeat the runs (cmoe run --repeat N) to see it")
-    if (note := omp_note(v)):
-        lines.append(note)
-    return "\n".join(lines)
-
-
-def omp_note(v: dict) -> str | None:
-    """A line where a run's CPU experts ran under other OpenMP settings (wait policy, and a binding
-    of the user's) than the profile's were measured under (`cmoe.executor.omp_wait`: the wait
-    policy moved them 1.45-1.91x on the lent H100s), or under settings other than the default where
-    the profile does not say (calibrated before cmoe recorded them)."""
-    w, cpu = v.get("omp_wait") or {}, v["op_kinds"].get("cpu_expert", {}).get("n", 0)
-    prof, runs = w.get("profile"), w.get("runs")
-    if not cpu or runs is None or prof == runs or (prof is None and runs == "default"):
-        return None
-    said = f"under OpenMP {prof}" if prof else "under OpenMP settings it does not record"
-    why = ("threads bound to cores or not ran them at other speeds in some calls on the lent H100s"
-           if prof and prof.split()[0] == runs.split()[0] else
-           "threads that spin or sleep between them moved them 1.45-1.91x on the lent H100s")
-    return f"  the profile's CPU experts were measured {said}, the runs' ran under {runs}: {why}; calibrate under them"
+    return "\n".join(lines + cpu_notes(v))
 
 
 def validate_folders(predicted: Path, measured: Path, policies: list[str] | None = None) -> list[dict]:

@@ -77,6 +77,7 @@ def cpu_runs(r, w, cfg, batch: int) -> None:
     from dataclasses import replace
     from cmoe.executor.run import run_policy
     spec = r.spec
+    r.cpu_pages = w.store.cpu_huge_share()          # the pages its CPU experts sit on (`cmoe.core.hugepages`)
     for slots in [spec.top_k] + ([spec.num_experts - 1] if batch == 1 and spec.num_experts - 1 > spec.top_k else []):
         tokens = min(r.tokens, 8) if slots == spec.top_k else r.tokens
         st = run_policy(w, replace(cfg, policies=("static",), slots=slots, tokens=tokens), "static").log

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from cmoe.core.errors import CmoeError
+from cmoe.core.hugepages import huge_zeros
 from cmoe.executor.kernels import ExpertViews, ffn
 from cmoe.executor.layout import expert_layout, slot_size
 from cmoe.executor.store import random_expert
@@ -207,7 +208,7 @@ def random_cpu_experts(lay, n: int) -> list:
     path reads them."""
     out = []
     for i in range(n):
-        buf = torch.zeros(slot_size(lay), dtype=torch.uint8)
+        buf = huge_zeros(slot_size(lay))                 # as the store's CPU experts (`cmoe.core.hugepages`)
         random_expert(lay, 1 + i, torch.device("cpu"), "cpu", buf)
         out.append(ExpertViews(lay, buf, "cpu"))
     return out

@@ -60,6 +60,7 @@ class _ModelRuns:
         self.trips: list = []
         self.cpu_steps: dict = {}
         self.cpu_runs: list = []
+        self.cpu_pages: float | None = None           # share of the CPU experts' bytes on huge pages
         self.one: dict[str, float] = {}
         self.wake: dict = {}                          # `cmoe.calibrate.wake.measure`'s (CUDA only)
         self.seconds: dict[str, float] = {}     # wall time of each step: what calibrating costs, reported
@@ -382,5 +383,5 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
         out["layer"]["host_python"], rep = _python_host(r)
         out["repeats"] |= rep
     if r.cpu_pts:
-        out |= cpu_in_model(r.cpu_pts, r.trips, r.cpu_steps, r.cpu_runs)
+        out |= cpu_in_model(r.cpu_pts, r.trips, r.cpu_steps, r.cpu_runs) | {"cpu_huge_pages": r.cpu_pages}
     return out

@@ -54,6 +54,8 @@ Measurements (all times in seconds):
 - `device`: {"label", "memory_bytes", "date", "host", "omp_wait_policy"}: the machine, and the
   OpenMP settings the CPU experts ran under (wait policy and binding, `cmoe.executor.omp_wait`),
   kept as the profile's;
+- `cpu_huge_pages` (optional): the share of the in-model CPU experts' bytes on 2 MiB pages, kept as
+  `cpu_pages` ("2 MiB pages" or "4 KiB pages", `cmoe.core.hugepages.pages_word`);
 - `roundtrip`: seconds to take a pass's hidden states to the host and back, synchronised;
 - `copy_slowdown`: fractional slowdown of an HBM-bound kernel while a side-stream copy runs
   (`copy_slowdown_matmul`: of a matmul, shown; `cmoe.calibrate.measure._copy_slowdowns`); where
@@ -82,6 +84,7 @@ from cmoe.calibrate.noise import (FALL_SLACK, JITTER_S, SPREAD_LIMIT, Noise, noi
 from cmoe.core.errors import CmoeError
 from cmoe.calibrate.link_fit import LINE_FROM, Points, best_per_size, curve, fit_line, queued_fit
 from cmoe.core.hw import GB, HardwareProfile, table_us
+from cmoe.core.hugepages import pages_word
 from cmoe.calibrate.host_fit import host_fields, python_host
 from cmoe.calibrate.layer_fit import layer_fit
 from cmoe.calibrate.cpu_fit import SOURCES as CPU_SOURCES, cpu_expert_fit, cpu_layer_fields, cpu_rows
@@ -122,9 +125,9 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     return HardwareProfile(
         name=name, gpu_mem_bytes=gpu_mem_bytes, h2d_pinned=h2d,
         d2h_pinned=curve(m["d2h"]), omp_wait_policy=(m.get("device") or {}).get("omp_wait_policy") or "",
-        h2d_pageable_gbps=m["h2d_pageable"][0] / m["h2d_pageable"][1] / GB, copy_engines=1,
-        hbm_gbps=hbm, matmul_tflops=rate,
-        expert_gbps=tuple(classes), launch_us=launch_s * 1e6, layer_fixed_us=max(la, 0.0) * 1e6,
+        cpu_pages=pages_word(m.get("cpu_huge_pages")) or "",
+        h2d_pageable_gbps=m["h2d_pageable"][0] / m["h2d_pageable"][1] / GB, copy_engines=1, hbm_gbps=hbm,
+        matmul_tflops=rate, expert_gbps=tuple(classes), launch_us=launch_s * 1e6, layer_fixed_us=max(la, 0.0) * 1e6,
         attn_us_per_token=max(lb, 0.0) * 1e6, cpu_expert_gbps=cpu["bytes"] / max(ca, 1e-9) / GB,
         cpu_expert_us_per_token=max(cb, 0.0) * 1e6, roundtrip_us=roundtrip * 1e6, **slows,
         pass_start_us=m["layer"].get("pass_start_s", 0.0) * 1e6, head_us=m["layer"].get("head_s", 0.0) * 1e6,

@@ -4,10 +4,10 @@ The CPU experts stream their whole expert (89 MB for Mixtral-8x7B at W4A16) on e
 pages that is ~22,000 pages a call, each a TLB miss and, on a virtual machine, a walk of two page
 tables; hardware prefetchers stop at every page's edge. Where the kernel runs transparent huge
 pages in `madvise` mode (the lent GPU hosts, and most distributions' default), a buffer gets 2 MiB
-pages only if it asks, before its pages are touched: `huge_zeros` asks (an aligned region of a
-fresh, untouched allocation, `madvise(MADV_HUGEPAGE)`, then zeroed, which faults it in). Where huge
-pages are `never`, or the kernel has none to give, the buffer is an ordinary one: the request is a
-hint, the bytes are the same, and `huge_bytes` says what was granted.
+pages only if it asks, before its pages are touched: `huge_zeros` asks (a 2 MiB-aligned region of
+a fresh anonymous mapping, `madvise(MADV_HUGEPAGE)`, then one touch per 2 MiB, which faults each in
+whole). Where huge pages are `never`, or the kernel has none to give, the buffer is an ordinary one:
+the request is a hint, the bytes are the same, and `huge_bytes` says what was granted.
 
 torch's own switch (`THP_MEM_ALLOC_ENABLE=1`, read once per process) does the same for every large
 CPU tensor; a per-buffer request keeps the choice local to the buffers that are streamed.
@@ -15,12 +15,12 @@ CPU tensor; a per-buffer request keeps the choice local to the buffers that are 
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import math
-import sys
+import mmap
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:                     # torch is imported where a buffer is made: profiles read the words alone
+    import torch
 
 HUGE = 2 << 20
 MADV_HUGEPAGE = 14
@@ -37,31 +37,28 @@ def thp_mode(path: str = _THP) -> str:
     return next((w[1:-1] for w in words if w.startswith("[") and w.endswith("]")), "")
 
 
-def _madvise(addr: int, n: int) -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return False
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(n), MADV_HUGEPAGE) == 0
-
-
-def huge_zeros(shape: tuple[int, ...] | int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """A zeroed CPU tensor whose bytes start on a 2 MiB boundary and were asked for huge pages
-    before first touch. Below 2 MiB, or where the request cannot be made, `torch.zeros`."""
+def huge_zeros(shape: tuple[int, ...] | int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A zeroed CPU tensor (uint8 unless `dtype`) whose bytes start on a 2 MiB boundary of a fresh
+    anonymous mapping that asked for huge pages before first touch. Fresh, because an allocator may
+    hand back memory already touched on small pages (glibc serves sizes below its moving mmap
+    threshold, up to 32 MiB, from its heap), which the request no longer changes. Below 2 MiB, where
+    huge pages are off, or where the request cannot be made: `torch.zeros`."""
+    import torch
+    dtype = dtype or torch.uint8
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    size = torch.empty((), dtype=dtype).element_size()
-    n = math.prod(shape) * size
-    if n < HUGE or thp_mode() in ("", "never"):
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if n < HUGE or thp_mode() in ("", "never") or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype)
-    raw = torch.empty(n + HUGE, dtype=torch.uint8)         # untouched: torch.empty writes nothing
+    m = mmap.mmap(-1, n + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # zero-filled, untouched
+    raw = torch.frombuffer(m, dtype=torch.uint8)           # holds `m` while any view of it lives
     off = (-raw.data_ptr()) % HUGE
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE, off, n)              # a hint: refused, the pages stay small
+    except OSError:
+        pass
     body = raw[off:off + n]
-    _madvise(body.data_ptr(), n)                           # a hint: refused, the pages are small ones
-    body.zero_()                                           # first touch: the faults take huge pages
-    return body.view(dtype).view(shape)                    # the view keeps `raw` alive
+    body[::HUGE].zero_()                                   # first touch of each 2 MiB: its fault takes a huge page
+    return body.view(dtype).view(shape)
 
 
 def _smaps(path: str) -> list[tuple[int, int, int]]:
@@ -93,3 +90,15 @@ def huge_bytes(tensors: list[torch.Tensor], path: str = "/proc/self/smaps") -> i
         if over:
             total += min(huge, over)
     return total
+
+
+def huge_share(tensors: list[torch.Tensor]) -> float | None:
+    """The share of the tensors' bytes on huge pages (0 to 1); None where unknown or no bytes."""
+    n = sum(t.numel() * t.element_size() for t in tensors)
+    got = huge_bytes(tensors) if n else None
+    return None if got is None else got / n
+
+
+def pages_word(share: float | None) -> str | None:
+    """How a record names a share: "2 MiB pages" where most bytes are, else "4 KiB pages"."""
+    return None if share is None else ("2 MiB pages" if share >= 0.5 else "4 KiB pages")

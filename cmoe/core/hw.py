@@ -23,7 +23,6 @@ from cmoe.core.hw_variants import HOST_FIELDS, HOST_POINTS, Variants  # noqa: F4
 
 GB = 1e9
 
-
 _PAIRS = ("h2d_pinned", "d2h_pinned", "expert_gbps", "expert_rows_us", *HOST_POINTS, "wave_count_us",
           "host_wake_points", "host_route_waits", "cpu_wake_points", "roundtrip_points",
           "cpu_expert_points")      # the fields that are lists of pairs (JSON <-> tuples)
@@ -137,6 +136,7 @@ class HardwareProfile(Variants):
     roundtrip_points: tuple = ()                    # (rows, us): roundtrip_us by the pass's rows (`roundtrip`)
     cpu_expert_points: tuple = ()                   # (tokens, factor): a CPU expert's time over its time at one token
     omp_wait_policy: str = ""                       # OpenMP settings of calibrate's CPU experts ("": unrecorded)
+    cpu_pages: str = ""                             # the pages they sat on ("2 MiB pages"; "": unrecorded)
     python_host: dict = field(default_factory=dict, hash=False)   # host fields of the Python step (`python_step`)
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 

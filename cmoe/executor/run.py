@@ -339,8 +339,7 @@ def _live(eng: Engine, w: Workload, cfg: ExecConfig, cache) -> list:
 # --- metrics ------------------------------------------------------------------------------------
 
 def metrics(log: RunLog, w: Workload, cfg: ExecConfig, policy: str, layout: PoolLayout) -> dict:
-    """`cmoe.core.metrics.summary`'s figures, plus what only a measured run has: the copies' achieved
-    bandwidth and where a decode pass's time went, by op."""
+    """`summary`'s figures, plus a measured run's own: the copies' bandwidth, a decode pass's time by op."""
     dec_passes = {p for p, d, _, _ in log.pass_us if d}
     by_op: dict[str, float] = {}
     for s in log.spans:
@@ -362,7 +361,8 @@ def metrics(log: RunLog, w: Workload, cfg: ExecConfig, policy: str, layout: Pool
         "host_calls": log.host_calls, "late_events": log.late_events,
         # whether its graphed decode passes ran the compiled host program (`cmoe.executor.lean_fast`)
         "host_program": log.host_program,
-        "omp_wait_policy": in_force(),      # the CPU experts' speed depends on it (`cmoe.executor.omp_wait`)
+        # the CPU experts' speed depends on their OpenMP settings and pages (`omp_wait`, `cmoe.core.hugepages`)
+        "omp_wait_policy": in_force(), "cpu_pages": w.store.cpu_pages(),
         # first-request cost: warm-up and CUDA-graph capture on the first decode pass (lean, CUDA)
         "capture_ms": (getattr(log, "capture_us", None) or 0.0) / 1e3,
         "expert_ms_per_pass": by_op.get("expert", 0.0) / n_dec / 1e3,

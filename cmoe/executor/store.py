@@ -11,7 +11,10 @@ Two sources:
 
 A run whose policy computes missed experts on the CPU also needs a CPU twin of each expert
 (the CPU kernel reads another int4 layout). `cpu_twins` holds the same codes and scales in that
-layout, in pageable memory; on a CPU run the main store already is the CPU layout.
+layout, in pageable memory; on a CPU run the main store already is the CPU layout. Pageable
+buffers ask for 2 MiB pages (`cmoe.core.hugepages`): the CPU kernel streams a whole expert a call,
+and on the lent H100 host the same bytes on huge pages ran `static` at batch 8 11-17% faster
+(BENCHMARKS.md, thirty-third session).
 Legend: M MoE layers, E experts per layer.
 """
 
@@ -23,6 +26,7 @@ import torch
 
 from cmoe.core.checkpoint import PackedExperts
 from cmoe.core.errors import CmoeError
+from cmoe.core.hugepages import huge_share, huge_zeros, pages_word
 from cmoe.executor.kernels import cuda_refusal, expert_bytes_of, write_dense, write_int4
 from cmoe.executor.layout import ExpertLayout, expert_layout, slot_size
 from cmoe.core.spec import ModelSpec
@@ -52,7 +56,18 @@ class HostStore:
         self.seed: int | None = None          # set for random stores
 
     def _empty(self, pin: bool) -> torch.Tensor:
-        return torch.zeros((self.spec.num_experts, self.slot), dtype=torch.uint8, pin_memory=pin)
+        if pin:
+            return torch.zeros((self.spec.num_experts, self.slot), dtype=torch.uint8, pin_memory=True)
+        return huge_zeros((self.spec.num_experts, self.slot))
+
+    def cpu_huge_share(self) -> float | None:
+        """The share of the CPU experts' bytes on huge pages (None: no CPU layout here, or unknown)."""
+        held = self.blocks if self.packing == "cpu" else self.cpu_twins
+        return huge_share(held) if held else None
+
+    def cpu_pages(self) -> str | None:
+        """The record's word for them: "2 MiB pages", "4 KiB pages" or None (`pages_word`)."""
+        return pages_word(self.cpu_huge_share())
 
     @property
     def slot_bytes(self) -> list[int]:

@@ -148,4 +148,5 @@ def metrics(trace: Trace, layout: PoolLayout, run: SimRun, cfg: SimConfig, profi
         # the OpenMP settings (wait policy, binding) its CPU experts were priced under
         # (`cmoe.executor.omp_wait`; None: unrecorded), which validate holds to the runs'
         "omp_wait_policy": profile.omp_wait_policy or None,
+        "cpu_pages": profile.cpu_pages or None,        # and the pages they sat on (`cmoe.core.hugepages`)
     }

@@ -1,0 +1,45 @@
+"""The lines `cmoe validate` and `cmoe run` add where the runs' CPU experts ran under other host
+settings than the profile's were measured under: settings that move a CPU expert's speed on the
+lent GPUs' hosts, which the profile's figures carry (a validation's `omp_wait` and `cpu_pages`,
+each {"profile", "runs"}; None: unrecorded).
+"""
+
+from __future__ import annotations
+
+
+def _cpu(v: dict) -> int:
+    return v["op_kinds"].get("cpu_expert", {}).get("n", 0)
+
+
+def omp_note(v: dict) -> str | None:
+    """A line where a run's CPU experts ran under other OpenMP settings (wait policy, and a binding
+    of the user's) than the profile's were measured under (`cmoe.executor.omp_wait`: the wait
+    policy moved them 1.45-1.91x on the lent H100s), or under settings other than the default where
+    the profile does not say (calibrated before cmoe recorded them)."""
+    w = v.get("omp_wait") or {}
+    prof, runs = w.get("profile"), w.get("runs")
+    if not _cpu(v) or runs is None or prof == runs or (prof is None and runs == "default"):
+        return None
+    said = f"under OpenMP {prof}" if prof else "under OpenMP settings it does not record"
+    why = ("threads bound to cores or not ran them at other speeds in some calls on the lent H100s"
+           if prof and prof.split()[0] == runs.split()[0] else
+           "threads that spin or sleep between them moved them 1.45-1.91x on the lent H100s")
+    return f"  the profile's CPU experts were measured {said}, the runs' ran under {runs}: {why}; calibrate under them"
+
+
+def pages_note(v: dict) -> str | None:
+    """A line where a run's CPU experts sat on other pages than the profile's (`cmoe.core.hugepages`:
+    on the lent H100 host `static` at batch 8 ran 11-17% faster on 2 MiB pages), or on huge pages
+    where the profile does not say (calibrated before cmoe asked for them: its experts sat on 4 KiB)."""
+    p = v.get("cpu_pages") or {}
+    prof, runs = p.get("profile"), p.get("runs")
+    if not _cpu(v) or runs is None or prof == runs or (prof is None and runs == "4 KiB pages"):
+        return None
+    said = f"on {prof}" if prof else "on pages it does not record (4 KiB before cmoe asked for huge ones)"
+    return (f"  the profile's CPU experts were measured {said}, the runs' sat on {runs}: the same bytes on 2 MiB "
+            "pages ran static at batch 8 11-17% faster on a lent H100's host; calibrate again")
+
+
+def cpu_notes(v: dict) -> list[str]:
+    """Every such line of one validation, OpenMP's first."""
+    return [n for n in (omp_note(v), pages_note(v)) if n]

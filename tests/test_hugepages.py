@@ -1,0 +1,143 @@
+"""`cmoe.core.hugepages`: buffers that ask for 2 MiB pages, what the kernel granted, and the record's
+word; the CPU-expert stores and calibrate's experts use them; `pages_note` names a mismatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cmoe.analysis.cpu_settings import cpu_notes, pages_note
+from cmoe.core import hugepages
+from cmoe.core.hugepages import HUGE, huge_bytes, huge_share, huge_zeros, pages_word, thp_mode
+
+
+def test_thp_mode_reads_the_bracketed_word(tmp_path):
+    for text, want in (("always [madvise] never\n", "madvise"), ("[always] madvise never", "always"),
+                       ("always madvise [never]", "never"), ("always madvise never", "")):
+        (tmp_path / "enabled").write_text(text)
+        assert thp_mode(str(tmp_path / "enabled")) == want
+    assert thp_mode(str(tmp_path / "absent")) == ""
+
+
+def test_huge_zeros_is_zeroed_aligned_and_shaped():
+    t = huge_zeros((3, HUGE // 2 + 5))
+    assert t.shape == (3, HUGE // 2 + 5) and t.dtype == torch.uint8 and t.is_contiguous()
+    assert int(t.count_nonzero()) == 0
+    if thp_mode() not in ("", "never"):
+        assert t.data_ptr() % HUGE == 0
+    f = huge_zeros(HUGE, torch.float32)
+    assert f.shape == (HUGE,) and f.dtype == torch.float32 and float(f.abs().sum()) == 0.0
+    small = huge_zeros(1000)                                      # below 2 MiB: torch.zeros
+    assert small.shape == (1000,) and int(small.count_nonzero()) == 0
+
+
+def test_huge_zeros_falls_back_where_huge_pages_are_off(monkeypatch):
+    monkeypatch.setattr(hugepages, "thp_mode", lambda: "never")
+    t = huge_zeros(3 * HUGE)
+    assert t.shape == (3 * HUGE,) and int(t.count_nonzero()) == 0
+    t[0] = 7                                                      # writable, its own storage
+    assert t.untyped_storage().nbytes() == 3 * HUGE
+
+
+SMAPS = """\
+7f0000000000-7f0000600000 rw-p 00000000 00:00 0
+Size:               6144 kB
+AnonHugePages:      4096 kB
+Locked:                0 kB
+7f0000600000-7f0000800000 rw-p 00000000 00:00 0
+Size:               2048 kB
+AnonHugePages:         0 kB
+7f1000000000-7f1000200000 r-xp 00000000 08:01 1234   /usr/lib/libc.so.6
+AnonHugePages:      2048 kB
+"""
+
+
+class _Fake:
+    """The two numbers huge_bytes reads of a tensor: where it starts and how many bytes."""
+    def __init__(self, ptr: int, n: int):
+        self.ptr, self.n = ptr, n
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def numel(self) -> int:
+        return self.n
+
+    def element_size(self) -> int:
+        return 1
+
+
+def test_huge_bytes_counts_the_mappings_a_tensor_overlaps(tmp_path):
+    (tmp_path / "smaps").write_text(SMAPS)
+    p = str(tmp_path / "smaps")
+    base = 0x7F0000000000
+    assert huge_bytes([_Fake(base, 6 << 20)], p) == 4 << 20             # the mapping's huge bytes
+    assert huge_bytes([_Fake(base, 1 << 20)], p) == 1 << 20             # at most the bytes overlapped
+    assert huge_bytes([_Fake(base + (6 << 20), 2 << 20)], p) == 0        # a mapping without any
+    assert huge_bytes([_Fake(base, 1 << 20), _Fake(base + (2 << 20), 3 << 20)], p) == 4 << 20
+    assert huge_bytes([_Fake(0x1000, 4096)], p) == 0                     # in no mapping
+    assert huge_bytes([_Fake(base, 1)], str(tmp_path / "absent")) is None
+
+
+def test_pages_word():
+    assert (pages_word(None), pages_word(0.0), pages_word(0.49), pages_word(0.5), pages_word(1.0)) == \
+        (None, "4 KiB pages", "4 KiB pages", "2 MiB pages", "2 MiB pages")
+
+
+@pytest.mark.skipif(thp_mode() in ("", "never"), reason="this kernel gives no transparent huge pages")
+def test_a_huge_buffer_gets_huge_pages_and_a_plain_one_does_not():
+    """On this machine: the kernel grants what was asked (nearly all: it may keep a few small pages
+    where memory is short, so the bound is a half), and a plain `torch.zeros` stays on small pages
+    unless the kernel's mode is `always`."""
+    big = huge_zeros((4, HUGE))
+    assert huge_share([big]) >= 0.5
+    plain = torch.zeros(4 * HUGE, dtype=torch.uint8)
+    if thp_mode() == "madvise":
+        assert huge_share([plain]) == 0.0
+
+
+def test_the_cpu_store_and_calibrates_experts_ask_for_huge_pages(monkeypatch):
+    """A CPU store's blocks, a GPU store's twins and calibrate's random CPU experts go through
+    `huge_zeros`; the store reports the share and the record's word."""
+    from cmoe.calibrate import measure
+    from cmoe.core.spec import ModelSpec
+    from cmoe.executor import store as store_mod
+    made = []
+
+    def spy(shape, dtype=None):
+        made.append(shape)
+        return torch.zeros(shape, dtype=dtype or torch.uint8)
+    monkeypatch.setattr(store_mod, "huge_zeros", spy)
+    monkeypatch.setattr(measure, "huge_zeros", spy)
+    spec = ModelSpec(name="tiny", family="mixtral", num_layers=2, hidden=128, expert_ffn=128, num_experts=4, top_k=2,
+                     num_heads=1, num_kv_heads=1, head_dim=128, vocab=8, moe_layers=(0, 1))
+    s = store_mod.HostStore(spec, "w4g32", torch.device("cpu"))
+    assert made == [(spec.num_experts, s.slot)] * spec.num_moe_layers
+    monkeypatch.setattr(store_mod, "huge_share", lambda ts: 0.75 if ts is s.blocks else None)
+    assert (s.cpu_huge_share(), s.cpu_pages()) == (0.75, "2 MiB pages")
+    made.clear()
+    lay = store_mod.expert_layout("w4g32", spec.hidden, spec.expert_ffn)
+    measure.random_cpu_experts(lay, 2)
+    assert made == [store_mod.slot_size(lay)] * 2
+
+
+def _v(prof, runs, n=3):
+    return {"op_kinds": {"cpu_expert": {"n": n}}, "cpu_pages": {"profile": prof, "runs": runs}}
+
+
+def test_pages_note_names_a_profile_on_other_pages():
+    tail = (", the runs' sat on 2 MiB pages: the same bytes on 2 MiB pages ran static at batch 8 11-17% faster "
+            "on a lent H100's host; calibrate again")
+    assert pages_note(_v("4 KiB pages", "2 MiB pages")) == \
+        "  the profile's CPU experts were measured on 4 KiB pages" + tail
+    assert pages_note(_v(None, "2 MiB pages")) == ("  the profile's CPU experts were measured on pages it does "
+                                                   "not record (4 KiB before cmoe asked for huge ones)" + tail)
+    assert pages_note(_v("2 MiB pages", "4 KiB pages")).startswith(
+        "  the profile's CPU experts were measured on 2 MiB pages, the runs' sat on 4 KiB pages: ")
+    for prof, runs, n in (("2 MiB pages", "2 MiB pages", 3), (None, "4 KiB pages", 3), ("4 KiB pages", None, 3),
+                          ("4 KiB pages", "2 MiB pages", 0)):
+        assert pages_note(_v(prof, runs, n)) is None
+    both = _v("4 KiB pages", "2 MiB pages") | {"omp_wait": {"profile": "default", "runs": "ACTIVE"}}
+    notes = cpu_notes(both)
+    assert len(notes) == 2 and "OpenMP default" in notes[0] and "4 KiB pages" in notes[1]
+    assert cpu_notes({"op_kinds": {}}) == []
