@@ -126,8 +126,8 @@ def _v(prof, runs, n=3):
 
 
 def test_pages_note_names_a_profile_on_other_pages():
-    tail = (", the runs' sat on 2 MiB pages: the same bytes on 2 MiB pages ran static at batch 8 11-17% faster "
-            "on a lent H100's host; calibrate again")
+    tail = (", the runs' sat on 2 MiB pages: the same bytes on 2 MiB pages moved the CPU-expert runs -7% to +17% "
+            "on the lent H100s' hosts; calibrate again")
     assert pages_note(_v("4 KiB pages", "2 MiB pages")) == \
         "  the profile's CPU experts were measured on 4 KiB pages" + tail
     assert pages_note(_v(None, "2 MiB pages")) == ("  the profile's CPU experts were measured on pages it does "

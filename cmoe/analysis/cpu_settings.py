@@ -29,7 +29,7 @@ def omp_note(v: dict) -> str | None:
 
 def pages_note(v: dict) -> str | None:
     """A line where a run's CPU experts sat on other pages than the profile's (`cmoe.core.hugepages`:
-    on the lent H100 host `static` at batch 8 ran 11-17% faster on 2 MiB pages), or on huge pages
+    on the lent H100s' hosts 2 MiB pages moved the CPU-expert runs -7% to +17%), or on huge pages
     where the profile does not say (calibrated before cmoe asked for them: its experts sat on 4 KiB)."""
     p = v.get("cpu_pages") or {}
     prof, runs = p.get("profile"), p.get("runs")
@@ -37,7 +37,7 @@ def pages_note(v: dict) -> str | None:
         return None
     said = f"on {prof}" if prof else "on pages it does not record (4 KiB before cmoe asked for huge ones)"
     return (f"  the profile's CPU experts were measured {said}, the runs' sat on {runs}: the same bytes on 2 MiB "
-            "pages ran static at batch 8 11-17% faster on a lent H100's host; calibrate again")
+            "pages moved the CPU-expert runs -7% to +17% on the lent H100s' hosts; calibrate again")
 
 
 def cpu_notes(v: dict) -> list[str]:

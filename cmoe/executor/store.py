@@ -13,8 +13,10 @@ A run whose policy computes missed experts on the CPU also needs a CPU twin of e
 (the CPU kernel reads another int4 layout). `cpu_twins` holds the same codes and scales in that
 layout, in pageable memory; on a CPU run the main store already is the CPU layout. Pageable
 buffers ask for 2 MiB pages (`cmoe.core.hugepages`): the CPU kernel streams a whole expert a call,
-and on the lent H100 host the same bytes on huge pages ran `static` at batch 8 11-17% faster
-(BENCHMARKS.md, thirty-third session).
+a TLB miss every 4 KiB on small pages. On the lent H100s' hosts (thirty-third session, same bytes,
+one process, alternating) that was no worse on average and sometimes much better: `static` at batch
+8 ran 11-17% faster in one call and 1.5-2.5% slower in the next; over twelve such pairs of runs the
+CPU-expert policies moved -7% to +17%, +2.4% on average (BENCHMARKS.md).
 Legend: M MoE layers, E experts per layer.
 """
 
