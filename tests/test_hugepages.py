@@ -44,11 +44,19 @@ SMAPS = """\
 Size:               6144 kB
 AnonHugePages:      4096 kB
 Locked:                0 kB
+THPeligible:    1
+VmFlags: rd wr mr mw me ac sd hg
 7f0000600000-7f0000800000 rw-p 00000000 00:00 0
 Size:               2048 kB
 AnonHugePages:         0 kB
+VmFlags: rd wr mr mw me ac sd hg
+7f0000800000-7f0000c00000 rw-p 00000000 00:00 0
+AnonHugePages:      2048 kB
+VmFlags: rd wr mr mw me ac sd
+
 7f1000000000-7f1000200000 r-xp 00000000 08:01 1234   /usr/lib/libc.so.6
 AnonHugePages:      2048 kB
+VmFlags: rd ex mr mw me sd hg
 """
 
 
@@ -67,14 +75,18 @@ class _Fake:
         return 1
 
 
-def test_huge_bytes_counts_the_mappings_a_tensor_overlaps(tmp_path):
+def test_huge_bytes_counts_the_mappings_that_asked_by_their_share(tmp_path):
+    """Of a mapping flagged `hg` (it asked for huge pages) the bytes overlapped times its share on
+    huge pages; of any other mapping nothing, whatever its AnonHugePages (a heap under `always`
+    cannot say which of its bytes have them); a blank line is skipped."""
     (tmp_path / "smaps").write_text(SMAPS)
     p = str(tmp_path / "smaps")
     base = 0x7F0000000000
     assert huge_bytes([_Fake(base, 6 << 20)], p) == 4 << 20             # the mapping's huge bytes
-    assert huge_bytes([_Fake(base, 1 << 20)], p) == 1 << 20             # at most the bytes overlapped
-    assert huge_bytes([_Fake(base + (6 << 20), 2 << 20)], p) == 0        # a mapping without any
-    assert huge_bytes([_Fake(base, 1 << 20), _Fake(base + (2 << 20), 3 << 20)], p) == 4 << 20
+    assert huge_bytes([_Fake(base, 3 << 20)], p) == 2 << 20             # half of it: half its share
+    assert huge_bytes([_Fake(base + (6 << 20), 2 << 20)], p) == 0        # asked, got none
+    assert huge_bytes([_Fake(base + (8 << 20), 4 << 20)], p) == 0        # huge pages, never asked
+    assert huge_bytes([_Fake(base, 3 << 20), _Fake(base + (3 << 20), 5 << 20)], p) == 4 << 20
     assert huge_bytes([_Fake(0x1000, 4096)], p) == 0                     # in no mapping
     assert huge_bytes([_Fake(base, 1)], str(tmp_path / "absent")) is None
 
@@ -84,15 +96,25 @@ def test_pages_word():
         (None, "4 KiB pages", "4 KiB pages", "2 MiB pages", "2 MiB pages")
 
 
-@pytest.mark.skipif(thp_mode() in ("", "never"), reason="this kernel gives no transparent huge pages")
+def _thp_off_here() -> bool:
+    """This process may not have huge pages (`prctl(PR_SET_THP_DISABLE)`, inherited from a runner)."""
+    try:
+        with open("/proc/self/status") as f:
+            return any(ln.split() == ["THP_enabled:", "0"] for ln in f)
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(thp_mode() in ("", "never") or _thp_off_here(), reason="no transparent huge pages here")
 def test_a_huge_buffer_gets_huge_pages_and_a_plain_one_does_not():
     """On this machine: the kernel grants what was asked (nearly all: it may keep a few small pages
-    where memory is short, so the bound is a half), and a plain `torch.zeros` stays on small pages
-    unless the kernel's mode is `always`."""
+    where memory is short, so the bound is a half), and a plain `torch.zeros` counts nothing, having
+    asked for nothing (unless torch's own `THP_MEM_ALLOC_ENABLE` asked for it)."""
+    import os
     big = huge_zeros((4, HUGE))
-    assert huge_share([big]) >= 0.5
+    assert huge_share([big]) >= 0.5 and huge_share([big[1:3]]) >= 0.5
     plain = torch.zeros(4 * HUGE, dtype=torch.uint8)
-    if thp_mode() == "madvise":
+    if not os.environ.get("THP_MEM_ALLOC_ENABLE"):
         assert huge_share([plain]) == 0.0
 
 
@@ -113,8 +135,12 @@ def test_the_cpu_store_and_calibrates_experts_ask_for_huge_pages(monkeypatch):
                      num_heads=1, num_kv_heads=1, head_dim=128, vocab=8, moe_layers=(0, 1))
     s = store_mod.HostStore(spec, "w4g32", torch.device("cpu"))
     assert made == [(spec.num_experts, s.slot)] * spec.num_moe_layers
-    monkeypatch.setattr(store_mod, "huge_share", lambda ts: 0.75 if ts is s.blocks else None)
+    asked = []
+    monkeypatch.setattr(store_mod, "huge_share", lambda ts: asked.append(ts) or (0.75 if ts is s.blocks else 0.25))
     assert (s.cpu_huge_share(), s.cpu_pages()) == (0.75, "2 MiB pages")
+    assert asked == [s.blocks]                                    # read once for the same buffers
+    s.blocks = [b.clone() for b in s.blocks]                      # other buffers: read again
+    assert (s.cpu_huge_share(), len(asked)) == (0.75, 2)
     made.clear()
     lay = store_mod.expert_layout("w4g32", spec.hidden, spec.expert_ffn)
     measure.random_cpu_experts(lay, 2)
@@ -141,3 +167,22 @@ def test_pages_note_names_a_profile_on_other_pages():
     notes = cpu_notes(both)
     assert len(notes) == 2 and "OpenMP default" in notes[0] and "4 KiB pages" in notes[1]
     assert cpu_notes({"op_kinds": {}}) == []
+
+
+def test_an_expert_on_huge_pages_computes_as_on_small_ones():
+    """The same random expert's bytes in a `huge_zeros` buffer and a `torch.zeros` one: identical
+    bytes, identical `ffn` output through the CPU kernel; the huge one asked for 2 MiB pages."""
+    from cmoe.calibrate.measure import random_expert
+    from cmoe.executor.kernels import ExpertViews, ffn
+    from cmoe.executor.layout import expert_layout, slot_size
+    lay = expert_layout("w4g128", 1024, 2048)
+    n = slot_size(lay)
+    assert n > HUGE                                               # big enough to ask
+    small, huge = torch.zeros(n, dtype=torch.uint8), huge_zeros(n)
+    for b in (small, huge):
+        random_expert(lay, 3, torch.device("cpu"), "cpu", b)
+    assert torch.equal(small, huge)
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    assert torch.equal(ffn(x, ExpertViews(lay, small, "cpu")), ffn(x, ExpertViews(lay, huge, "cpu")))
+    if thp_mode() not in ("", "never") and not _thp_off_here():
+        assert huge_share([huge]) >= 0.5

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from cmoe.core.errors import CmoeError
-from cmoe.core.hugepages import huge_zeros
+from cmoe.core.hugepages import huge_share, huge_zeros
 from cmoe.executor.kernels import ExpertViews, ffn
 from cmoe.executor.layout import expert_layout, slot_size
 from cmoe.executor.store import random_expert
@@ -242,7 +242,8 @@ def expert(device: torch.device, spec: ModelSpec, fmt: str, tokens=(1, 2, 4, 8, 
         except (CmoeError, RuntimeError) as e:    # shapes the int4 kernel cannot take: keep the h200 figure
             others.append({"format": other, "error": str(e).splitlines()[0]})
     crec = Timings(torch.device("cpu"))
-    nxt = itertools.cycle(_cpu_views(lay)).__next__     # each call the next expert: read from memory, as in a run
+    views = _cpu_views(lay)
+    nxt = itertools.cycle(views).__next__                # each call the next expert: read from memory, as in a run
     cpts = [(t, crec.best("CPU expert", "tokens", t, lambda x=torch.randn(t, spec.hidden).to(dt): ffn(x, nxt()), repeats=3))
             for t in CPU_TOKENS]
     h = torch.randn(8, spec.hidden, device=device).to(dt)
@@ -255,6 +256,8 @@ def expert(device: torch.device, spec: ModelSpec, fmt: str, tokens=(1, 2, 4, 8, 
     return {"expert": {"bytes": lay.nbytes, "params": 3 * spec.hidden * spec.expert_ffn, "bits": _bits(fmt, lay),
                        "points": pts},
             "expert_classes": others, "cpu_expert": {"bytes": lay.nbytes, "points": cpts},
+            # the pages they sat on; the in-model CPU runs' share replaces it (`measure_model`)
+            "cpu_huge_pages": huge_share([t for v in views for t in (v.w13, v.w2)]),
             "roundtrip": rec.best("round trip", None, None, roundtrip, grows=False),
             "repeats": rec.curves | crec.curves}
 

@@ -54,7 +54,8 @@ Measurements (all times in seconds):
 - `device`: {"label", "memory_bytes", "date", "host", "omp_wait_policy"}: the machine, and the
   OpenMP settings the CPU experts ran under (wait policy and binding, `cmoe.executor.omp_wait`),
   kept as the profile's;
-- `cpu_huge_pages` (optional): the share of the in-model CPU experts' bytes on 2 MiB pages, kept as
+- `cpu_huge_pages` (optional): the share of the CPU experts' bytes on 2 MiB pages (the in-model
+  runs', else the isolated ones' of `cpu_expert`), kept as
   `cpu_pages` ("2 MiB pages" or "4 KiB pages", `cmoe.core.hugepages.pages_word`);
 - `roundtrip`: seconds to take a pass's hidden states to the host and back, synchronised;
 - `copy_slowdown`: fractional slowdown of an HBM-bound kernel while a side-stream copy runs

@@ -1,7 +1,7 @@
 """Host buffers on transparent huge pages (2 MiB), and how much of a buffer the kernel backed so.
 
-The CPU experts stream their whole expert (89 MB for Mixtral-8x7B at W4A16) on every call. On 4 KiB
-pages that is ~22,000 pages a call, each a TLB miss and, on a virtual machine, a walk of two page
+The CPU experts stream their whole expert (93.6 MB for Mixtral-8x7B at W4A16) on every call. On
+4 KiB pages that is ~23,000 pages a call, each a TLB miss and, on a virtual machine, a walk of two page
 tables; hardware prefetchers stop at every page's edge. Where the kernel runs transparent huge
 pages in `madvise` mode (the lent GPU hosts, and most distributions' default), a buffer gets 2 MiB
 pages only if it asks, before its pages are touched: `huge_zeros` asks (a 2 MiB-aligned region of
@@ -23,7 +23,6 @@ if TYPE_CHECKING:                     # torch is imported where a buffer is made
     import torch
 
 HUGE = 2 << 20
-MADV_HUGEPAGE = 14
 _THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -61,35 +60,44 @@ def huge_zeros(shape: tuple[int, ...] | int, dtype: torch.dtype | None = None) -
     return body.view(dtype).view(shape)
 
 
-def _smaps(path: str) -> list[tuple[int, int, int]]:
-    """(start, end, AnonHugePages bytes) of each mapping in an smaps file."""
+def _smaps(path: str) -> list[tuple[int, int, int, bool]]:
+    """(start, end, AnonHugePages bytes, asked for huge pages) of each mapping in an smaps file: the
+    last from VmFlags' `hg` (madvise(MADV_HUGEPAGE) over the whole mapping; the kernel splits a
+    mapping where the request starts and ends)."""
     out, cur = [], None
     with open(path) as f:
         for line in f:
-            head = line.split(None, 1)[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = head.split("-")
-                cur = [int(lo, 16), int(hi, 16), 0]
+            words = line.split()
+            if not words:
+                continue
+            if "-" in words[0] and not words[0].endswith(":"):
+                lo, hi = words[0].split("-")
+                cur = [int(lo, 16), int(hi, 16), 0, False]
                 out.append(cur)
-            elif head == "AnonHugePages:" and cur is not None:
-                cur[2] = int(line.split()[1]) * 1024
+            elif cur is not None and words[0] == "AnonHugePages:":
+                cur[2] = int(words[1]) * 1024
+            elif cur is not None and words[0] == "VmFlags:":
+                cur[3] = "hg" in words[1:]
     return [tuple(c) for c in out]
 
 
 def huge_bytes(tensors: list[torch.Tensor], path: str = "/proc/self/smaps") -> int | None:
-    """Bytes of the tensors' storage the kernel backs with huge pages (the mappings they overlap,
-    each counted once, at most the bytes overlapped); None where smaps cannot be read."""
+    """Bytes of the tensors on huge pages, as far as smaps tells: of each mapping that asked for
+    them (`huge_zeros`' bodies, torch's `THP_MEM_ALLOC_ENABLE` buffers) the bytes the tensors
+    overlap times the mapping's share on huge pages; nothing of any other mapping (a heap that the
+    kernel's `always` mode gave some huge pages cannot say which bytes have them). None where smaps
+    cannot be read."""
     try:
         maps = _smaps(path)
     except OSError:
         return None
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
-    total = 0
-    for lo, hi, huge in maps:
-        over = sum(max(0, min(hi, b) - max(lo, a)) for a, b in spans)
-        if over:
-            total += min(huge, over)
-    return total
+    total = 0.0
+    for lo, hi, huge, asked in maps:
+        if asked and huge:
+            over = sum(max(0, min(hi, b) - max(lo, a)) for a, b in spans)
+            total += over * min(huge / (hi - lo), 1.0)
+    return round(total)
 
 
 def huge_share(tensors: list[torch.Tensor]) -> float | None:

@@ -56,6 +56,7 @@ class HostStore:
         self.blocks = [self._empty(pin) for _ in range(spec.num_moe_layers)]
         self.cpu_twins: list[torch.Tensor] | None = None
         self.seed: int | None = None          # set for random stores
+        self._pages: tuple = (None, None)     # (the buffers' addresses, their share on huge pages)
 
     def _empty(self, pin: bool) -> torch.Tensor:
         if pin:
@@ -63,9 +64,15 @@ class HostStore:
         return huge_zeros((self.spec.num_experts, self.slot))
 
     def cpu_huge_share(self) -> float | None:
-        """The share of the CPU experts' bytes on huge pages (None: no CPU layout here, or unknown)."""
+        """The share of the CPU experts' bytes on huge pages (None: no CPU layout here, or unknown),
+        read once per set of buffers (smaps is read whole: ~10 ms a GiB resident, every run asks)."""
         held = self.blocks if self.packing == "cpu" else self.cpu_twins
-        return huge_share(held) if held else None
+        if not held:
+            return None
+        key = tuple(t.data_ptr() for t in held)
+        if self._pages[0] != key:
+            self._pages = (key, huge_share(held))
+        return self._pages[1]
 
     def cpu_pages(self) -> str | None:
         """The record's word for them: "2 MiB pages", "4 KiB pages" or None (`pages_word`)."""
