@@ -1,0 +1,98 @@
+"""`benchmarks/calibrations_matrix.py`: every stored calibration predicts one grid, and each pair's
+agreement is counted as issue 15's second condition counts it."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from benchmarks.calibrations_matrix import agreement, grid, main, read_head
+from cmoe.core.hw import H200
+from cmoe.core.spec import preset
+
+RESULTS = {"spec": "mixtral-8x7b", "trace": "synthetic:mixtral-8x7b", "expert_format": "w4g128", "card": "test card",
+           "commit": "abc1234", "calibrated_on": "built", "configs": []}
+
+
+def _folder(root: Path, name: str, profile, results=RESULTS, packed=True) -> Path:
+    """A results folder as the GPU sessions leave it: head.tgz with results.json and profile.json."""
+    d = root / name
+    d.mkdir()
+    files = {"results.json": json.dumps(results), "profile.json": json.dumps(profile.to_dict())}
+    if not packed:
+        for n, text in files.items():
+            (d / n).write_text(text)
+        return d
+    with tarfile.open(d / "head.tgz", "w:gz") as t:
+        for n, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(n)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    return d
+
+
+def test_read_head_unpacks_a_tarball_and_reads_plain_files(tmp_path):
+    packed = _folder(tmp_path, "a", H200)
+    plain = _folder(tmp_path, "b", H200, packed=False)
+    res, prof = read_head(packed, tmp_path / "scratch")
+    assert res == RESULTS and prof == tmp_path / "scratch" / "a" / "profile.json"
+    assert json.loads(prof.read_text()) == H200.to_dict()
+    assert read_head(plain, tmp_path / "scratch") == (RESULTS, plain / "profile.json")
+    (tmp_path / "empty").mkdir()
+    assert read_head(tmp_path / "empty", tmp_path / "scratch") is None
+
+
+def test_a_slower_link_moves_the_loading_policy_and_not_the_resident_one(tmp_path):
+    spec, src = preset("mixtral-8x7b"), "synthetic:mixtral-8x7b"
+    pols = ["upper", "ondemand"]
+    same = grid(H200, spec, src, "w4g128", [16.0], [1], pols, 4, tmp_path / "a")
+    again = grid(H200, spec, src, "w4g128", [16.0], [1], pols, 4, tmp_path / "b")
+    slow = grid(H200.link_scaled(0.5), spec, src, "w4g128", [16.0], [1], pols, 4, tmp_path / "c")
+    assert set(same) == {(16.0, 1, "upper"), (16.0, 1, "ondemand")}
+    assert same == again                                   # deterministic
+    assert slow[16.0, 1, "upper"] == same[16.0, 1, "upper"]   # no loads: the link does not enter
+    assert slow[16.0, 1, "ondemand"] < same[16.0, 1, "ondemand"] * 0.98
+    pairs = agreement({"x": same, "y": again, "z": slow})
+    assert [(p["a"], p["b"], p["within_2pct"], p["gpu_within_2pct"], p["rows"]) for p in pairs] == [
+        ("x", "y", 2, 2, 2), ("x", "z", 1, 1, 2), ("y", "z", 1, 1, 2)]
+    assert pairs[0]["worst"] == []
+    d = slow[16.0, 1, "ondemand"] / same[16.0, 1, "ondemand"] - 1
+    assert pairs[1]["worst"] == [[16.0, 1, "ondemand", d]]
+
+
+def test_cpu_policies_count_in_all_rows_but_not_the_gpu_only_ones():
+    preds = {"x": {(16.0, 1, "upper"): 100.0, (16.0, 1, "static"): 10.0},
+             "y": {(16.0, 1, "upper"): 101.0, (16.0, 1, "static"): 12.0}}
+    (p,) = agreement(preds)
+    assert (p["rows"], p["within_2pct"], p["gpu_rows"], p["gpu_within_2pct"]) == (2, 1, 1, 1)
+    assert p["worst"] == [[16.0, 1, "static", pytest.approx(0.2)]]
+
+
+def test_folders_without_their_own_calibration_are_left_out_by_name(tmp_path, monkeypatch, capsys):
+    a = _folder(tmp_path, "a", H200)
+    b = _folder(tmp_path, "b", H200, RESULTS | {"calibrated_on": "h200"})
+    monkeypatch.setattr("sys.argv", ["calibrations_matrix.py", str(a), str(b)])
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert "at least two folders" in str(e.value)
+    assert f"left out {b}: its profile was calibrated on h200" in capsys.readouterr().err
+
+
+def test_explain_names_the_group_that_separates_two_calibrations():
+    from benchmarks.calibrations_matrix import GROUPS, explain, hybrid
+    a, b = H200, H200.link_scaled(0.5).cpu_scaled(2.0)
+    mixed = hybrid(a, b, "link")
+    assert mixed.h2d_pinned == b.h2d_pinned and mixed.cpu_expert_gbps == a.cpu_expert_gbps
+    assert set(GROUPS) == {"link", "host", "cpu", "gpu"}
+    assert not set(GROUPS["gpu"]) & {f for g in ("link", "host", "cpu") for f in GROUPS[g]}
+
+    def sim(prof, tag):          # a stand-in grid: one GPU row priced by the link, one CPU row by the CPU
+        return {(16.0, 1, "ondemand"): prof.h2d_pinned[-1][1], (16.0, 1, "static"): prof.cpu_expert_gbps}
+    parts = explain(a, b, sim(b, "b"), sim)
+    assert parts["alone"] == {"link": (1, 1), "host": (0, 0), "cpu": (1, 0), "gpu": (0, 0)}
+    assert parts["without"] == {"link": (1, 0), "host": (2, 1), "cpu": (1, 1), "gpu": (2, 1)}
