@@ -10,7 +10,9 @@ this needs nothing but the profiles (each results folder's `head.tgz` keeps `pro
         [--pools 16,20,26] [--batches 1,2,4,8] [--policies upper,ondemand,...] [--out M.json]
 
 Every folder's profile must price the same model and expert format (the first folder's); a
-folder without a calibration of its own (`calibrated_on` not "built") is left out, by name.
+folder without a calibration of its own (`calibrated_on` not "built") is left out, by name. A
+calibration that ran no CPU experts inside the model cannot price `lfu-fallback` or `static`
+(`cmoe.sim.run.check_cpu_layer`): its pairs count the rows both can price.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from cmoe.core.hw_variants import HOST_FIELDS, HOST_POINTS  # noqa: E402
 from cmoe.core.spec import preset  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
 from cmoe.pipeline import predict  # noqa: E402
+from cmoe.policy.policies import trait  # noqa: E402
 from cmoe.trace.load import load_trace  # noqa: E402
 
 POLICIES = "upper,ondemand,lru-prefetch,commit,oracle,lfu-fallback,static"   # `upper` and the six validated
@@ -68,7 +71,9 @@ def read_head(folder: Path, scratch: Path) -> tuple[dict, Path] | None:
 
 
 def grid(profile, spec, trace_src: str, fmt: str, pools, batches, policies, tokens: int, work: Path) -> dict:
-    """(pool, batch, policy) -> predicted decode tokens/s under `profile`."""
+    """(pool, batch, policy) -> predicted decode tokens/s under `profile`; a CPU-expert policy only
+    where the profile's calibration ran CPU experts in the model (`check_cpu_layer`)."""
+    policies = [p for p in policies if not (trait(p, "cpu_experts") and profile.cpu_layer_unmeasured())]
     out = {}
     for b in batches:
         w = SimpleNamespace(trace=load_trace(trace_src, None, b), spec=spec, fmt=fmt)
@@ -144,7 +149,7 @@ def agreement(preds: dict[str, dict]) -> list[dict]:
     pairs = []
     for x, y in combinations(preds, 2):
         rows = [{"pool_gb": p, "batch": b, "policy": pol, "predicted_tok_s": v, "other_tok_s": preds[y][p, b, pol]}
-                for (p, b, pol), v in preds[x].items()]
+                for (p, b, pol), v in preds[x].items() if (p, b, pol) in preds[y]]     # the rows both can price
         gpu = [r for r in rows if r["policy"] not in CPU_POLICIES]
         n, beyond = calibrations_agree(rows, key="other_tok_s")
         pairs.append({"a": x, "b": y, "rows": len(rows), "within_2pct": n, "gpu_rows": len(gpu),
@@ -154,14 +159,16 @@ def agreement(preds: dict[str, dict]) -> list[dict]:
 
 
 def hybrid(a: HardwareProfile, b: HardwareProfile, group: str) -> HardwareProfile:
-    """`a` with `b`'s fields of one group (`GROUPS`)."""
-    return replace(a, **{f: getattr(b, f) for f in GROUPS[group]})
+    """`a` with `b`'s fields of one group (`GROUPS`), and what `b`'s sources say of them."""
+    src = {k: v for k, v in a.sources.items() if k not in GROUPS[group]}
+    return replace(a, **{f: getattr(b, f) for f in GROUPS[group]},
+                   sources=src | {k: v for k, v in b.sources.items() if k in GROUPS[group]})
 
 
 def within(pred: dict, other: dict, tol: float = 0.02) -> tuple[int, int]:
     """Rows of `pred` within `tol` of `other`'s prediction of the same row (relative to `other`):
     all of them, and the GPU-only policies' alone."""
-    near = [k for k, v in pred.items() if abs(v / other[k] - 1) <= tol]
+    near = [k for k, v in pred.items() if k in other and abs(v / other[k] - 1) <= tol]
     return len(near), sum(k[2] not in CPU_POLICIES for k in near)
 
 

@@ -96,3 +96,24 @@ def test_explain_names_the_group_that_separates_two_calibrations():
     parts = explain(a, b, sim(b, "b"), sim)
     assert parts["alone"] == {"link": (1, 1), "host": (0, 0), "cpu": (1, 0), "gpu": (0, 0)}
     assert parts["without"] == {"link": (1, 0), "host": (2, 1), "cpu": (1, 1), "gpu": (2, 1)}
+
+
+def test_a_calibration_without_the_cpu_layer_prices_only_the_gpu_rows(tmp_path):
+    src = "measured by cmoe calibrate on a test card, 2026-12-06"
+    blind = H200.__class__.from_dict({**H200.to_dict(), "sources": {"cpu_expert_gbps": src}})
+    assert blind.cpu_layer_unmeasured()
+    spec, trace = preset("mixtral-8x7b"), "synthetic:mixtral-8x7b"
+    got = grid(blind, spec, trace, "w4g128", [16.0], [1], ["upper", "static"], 4, tmp_path / "a")
+    full = grid(H200, spec, trace, "w4g128", [16.0], [1], ["upper", "static"], 4, tmp_path / "b")
+    assert set(got) == {(16.0, 1, "upper")} and set(full) == {(16.0, 1, "upper"), (16.0, 1, "static")}
+    (p,) = agreement({"blind": got, "full": full})
+    assert (p["rows"], p["within_2pct"], p["gpu_rows"]) == (1, 1, 1)
+    from benchmarks.calibrations_matrix import hybrid, within
+    mixed = hybrid(blind, _with_cpu_layer(src), "host")   # the host group carries cpu_lead_us and its source
+    assert not mixed.cpu_layer_unmeasured()
+    assert within(got, full) == (1, 1)
+
+
+def _with_cpu_layer(src: str):
+    return H200.__class__.from_dict({**H200.to_dict(), "cpu_lead_us": 80.0,
+                                     "sources": {"cpu_expert_gbps": src, "cpu_lead_us": src}})

@@ -10,7 +10,7 @@ from cmoe.core.hw import HardwareProfile
 from cmoe.core.metrics import summary
 from cmoe.core.padding import padding_table
 from cmoe.policy.budget import expert_budget
-from cmoe.policy.policies import make_policy
+from cmoe.policy.policies import make_policy, trait
 from cmoe.policy.pool import PoolLayout, layout_for_policy
 from cmoe.sim.engine import SimRun, Simulation, costs_for
 from cmoe.trace.bundle import Trace, fingerprint
@@ -67,6 +67,15 @@ def check_compatible(trace: Trace, profile: HardwareProfile, pool_gb: float) -> 
                         f"{profile.gpu_mem_bytes / 1e9:.1f} GB of GPU memory: lower --pool-gb")
 
 
+def check_cpu_layer(profile: HardwareProfile, policy: str) -> None:
+    """Refuse a CPU-expert policy priced by a calibration that never ran CPU experts in the model
+    (`HardwareProfile.cpu_layer_unmeasured`): its CPU layers would cost the experts alone."""
+    if trait(policy, "cpu_experts") and profile.cpu_layer_unmeasured():
+        raise CmoeError(f"profile {profile.name} was calibrated without CPU experts in the model, so it cannot "
+                        f"price {policy}'s CPU layers: calibrate with one in the run (`cmoe calibrate`, or "
+                        f"`cmoe run` with lfu-fallback or static among its policies)")
+
+
 def layout_for(trace: Trace, cfg: SimConfig) -> tuple[PoolLayout, dict]:
     spec = trace.spec
     budget = expert_budget(spec, trace.recipe, int(cfg.pool_gb * 1e9), cfg.batch, trace.cache_slots)
@@ -120,6 +129,7 @@ def simulate(trace: Trace, profile: HardwareProfile, cfg: SimConfig, record_log:
     flat in trace length)."""
     check_engine(cfg.engine)
     check_compatible(trace, profile, cfg.pool_gb)
+    check_cpu_layer(profile, cfg.policy)
     check_predictions(trace, [cfg.policy])
     layout, budget = layout_for(trace, cfg)
     pa = passes_for(trace, cfg)
