@@ -12,7 +12,7 @@ this needs nothing but the profiles (each results folder's `head.tgz` keeps `pro
 Every folder's profile must price the same model and expert format (the first folder's); a
 folder without a calibration of its own (`calibrated_on` not "built") is left out, by name. A
 calibration that ran no CPU experts inside the model cannot price `lfu-fallback` or `static`
-(`cmoe.sim.run.check_cpu_layer`): its pairs count the rows both can price.
+(`cmoe.sim.priced.check_cpu_layer`): its pairs count the rows both can price.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from cmoe.policy.policies import trait  # noqa: E402
 from cmoe.trace.load import load_trace  # noqa: E402
 
 POLICIES = "upper,ondemand,lru-prefetch,commit,oracle,lfu-fallback,static"   # `upper` and the six validated
-CPU_POLICIES = ("lfu-fallback", "static")     # the ones whose experts may run on the CPU
 # the profile's fields by the part of the machine they price (`--explain`); "gpu" is every other
 # cost (name, sources and the recorded OpenMP and page settings price nothing)
 GROUPS = {"link": ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "copy_engines", "h2d_queued_us"),
@@ -68,6 +67,30 @@ def read_head(folder: Path, scratch: Path) -> tuple[dict, Path] | None:
         for n in ("results.json", "profile.json"):
             t.extract(n, dest, filter="data")
     return json.loads((dest / "results.json").read_text()), dest / "profile.json"
+
+
+def calibrations(folders: list[Path], scratch: Path) -> list[tuple[str, dict, Path]]:
+    """(name, results, profile path) of each folder that holds a calibration of its own (made in
+    that GPU run: `calibrate_s` recorded, `calibrated_on` "built" where recorded); the others are
+    left out by name. Two folders of one name are refused (their scratch copies would collide)."""
+    names = [f.name for f in folders]
+    if twice := next((n for n in names if names.count(n) > 1), None):
+        sys.exit(f"calibrations_matrix: two folders are named {twice}: give each once")
+    heads = []
+    for f in folders:
+        got = read_head(f, scratch)
+        if got is None:
+            print(f"left out {f}: no results.json and profile.json", file=sys.stderr)
+        elif "spec" not in got[0]:
+            print(f"left out {f}: its results.json names no model (spec)", file=sys.stderr)
+        elif "calibrate_s" not in got[0] or got[0].get("calibrated_on", "built") != "built":
+            print(f"left out {f}: its profile was not calibrated in that run "
+                  f"({got[0].get('calibrated_on', 'given with --profile')})", file=sys.stderr)
+        else:
+            heads.append((f.name, *got))
+    if len(heads) < 2:
+        sys.exit("calibrations_matrix: give at least two folders with a calibration of their own")
+    return heads
 
 
 def grid(profile, spec, trace_src: str, fmt: str, pools, batches, policies, tokens: int, work: Path) -> dict:
@@ -101,17 +124,7 @@ def main() -> None:
     batches = [int(x) for x in a.batches.split(",")]
     policies = a.policies.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        heads = []
-        for f in a.folders:
-            got = read_head(f, Path(tmp) / "heads")
-            if got is None:
-                print(f"left out {f}: no results.json and profile.json", file=sys.stderr)
-            elif got[0].get("calibrated_on", "built") != "built":
-                print(f"left out {f}: its profile was calibrated on {got[0]['calibrated_on']}", file=sys.stderr)
-            else:
-                heads.append((f.name, *got))
-        if len(heads) < 2:
-            sys.exit("calibrations_matrix: give at least two folders with a calibration of their own")
+        heads = calibrations(a.folders, Path(tmp) / "heads")
         first = heads[0][1]
         key = (first["spec"], first.get("trace") or f"synthetic:{first['spec']}", first.get("expert_format", "w4g128"))
         preds, profs = {}, {}
@@ -123,7 +136,10 @@ def main() -> None:
             profs[name] = load_profile(str(prof_path))
             preds[name] = grid(profs[name], preset(key[0]), key[1], key[2], pools, batches,
                                policies, a.tokens, Path(tmp) / "sim" / name)
-            print(f"predicted {len(preds[name])} rows with {name} ({res['card']}, tree {res['commit']})", file=sys.stderr)
+            print(f"predicted {len(preds[name])} rows with {name} ({res.get('card')}, tree {res.get('commit')})",
+                  file=sys.stderr)
+        if len(preds) < 2:
+            sys.exit("calibrations_matrix: fewer than two calibrations price the same model")
         pairs = agreement(preds)
         base, *rest = preds
         explained = {}
@@ -134,7 +150,8 @@ def main() -> None:
             explained[other] = explain(profs[base], profs[other], preds[other], sim)
     print(table(pairs))
     for other, parts in explained.items():
-        print(f"\n{base} against {other}, rows within 2% of the latter's prediction, all / GPU-only:")
+        print(f"\n{base} against {other}, rows within 2% of the latter's prediction (of {len(preds[other])}, "
+              f"{sum(not trait(k[2], 'cpu_experts') for k in preds[other])} GPU-only), all / GPU-only:")
         print(explain_table(parts))
     doc = {"pools": pools, "batches": batches, "policies": policies, "tokens": a.tokens, "pairs": pairs,
            "explained": {o: {"base": base} | c for o, c in explained.items()},   # group -> [all, GPU-only]
@@ -150,7 +167,7 @@ def agreement(preds: dict[str, dict]) -> list[dict]:
     for x, y in combinations(preds, 2):
         rows = [{"pool_gb": p, "batch": b, "policy": pol, "predicted_tok_s": v, "other_tok_s": preds[y][p, b, pol]}
                 for (p, b, pol), v in preds[x].items() if (p, b, pol) in preds[y]]     # the rows both can price
-        gpu = [r for r in rows if r["policy"] not in CPU_POLICIES]
+        gpu = [r for r in rows if not trait(r["policy"], "cpu_experts")]
         n, beyond = calibrations_agree(rows, key="other_tok_s")
         pairs.append({"a": x, "b": y, "rows": len(rows), "within_2pct": n, "gpu_rows": len(gpu),
                       "gpu_within_2pct": calibrations_agree(gpu, key="other_tok_s")[0],
@@ -169,7 +186,7 @@ def within(pred: dict, other: dict, tol: float = 0.02) -> tuple[int, int]:
     """Rows of `pred` within `tol` of `other`'s prediction of the same row (relative to `other`):
     all of them, and the GPU-only policies' alone."""
     near = [k for k, v in pred.items() if k in other and abs(v / other[k] - 1) <= tol]
-    return len(near), sum(k[2] not in CPU_POLICIES for k in near)
+    return len(near), sum(not trait(k[2], "cpu_experts") for k in near)
 
 
 def explain(a: HardwareProfile, b: HardwareProfile, b_pred: dict, sim) -> dict:
@@ -201,5 +218,5 @@ def table(pairs: list[dict]) -> str:
 if __name__ == "__main__":
     try:
         main()
-    except (CmoeError, OSError, tarfile.TarError, json.JSONDecodeError) as e:   # one line, no traceback
+    except (CmoeError, OSError, ValueError, KeyError, tarfile.TarError) as e:   # one line, no traceback
         sys.exit(f"calibrations_matrix: {e}")

@@ -75,6 +75,10 @@ def main() -> None:
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     policies = tuple(a.policies.split(","))
+    if a.profile:                         # refuse what it cannot price before minutes of building
+        from cmoe.core.hw import load_profile
+        from cmoe.sim.priced import priceable
+        priceable(load_profile(a.profile), policies, every=False)
     commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                         text=True).stdout.strip()
     dirty = "" if a.commit else subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
@@ -221,4 +225,8 @@ def _timed(w, cfg, policy: str, what: str):
 
 
 if __name__ == "__main__":
-    main()
+    from cmoe.core.errors import CmoeError
+    try:
+        main()
+    except CmoeError as e:                     # one line, no traceback
+        sys.exit(f"validate_h200.py: {e}")

@@ -32,6 +32,7 @@ from cmoe.trace.load import load_trace  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
 from cmoe.analysis.validate import against_repeats, calibrations_agree, cpu_ratio, link_ratio, read_run, validate  # noqa: E402
 from cmoe.analysis.runfolder import read_metrics  # noqa: E402
+from cmoe.sim.priced import priceable  # noqa: E402
 from cmoe.policy.policies import python_step  # noqa: E402
 
 
@@ -104,7 +105,9 @@ def main() -> None:
             return got
         linked = at_runs_speed(a.link_adjust, link_ratio, prof.link_scaled, "link")
         cpus = at_runs_speed(a.cpu_adjust, cpu_ratio, prof.cpu_scaled, "cpu")
-        others = held(other, a.work / here.name / "predicted-other", pols) if other is not None else {}
+        # the other calibration predicts the rows it can price (`cmoe.sim.priced`)
+        kept = priceable(other, pols, every=True)[0] if other is not None else []
+        others = held(other, a.work / here.name / "predicted-other", kept) if kept else {}
         for i, agg in enumerate(against_repeats(runs)):
             vs = [r[i] for r in runs]
             tpot_m = [v["per_token"]["meas_mean_us"] / 1e3 for v in vs]
@@ -128,7 +131,7 @@ def main() -> None:
                             "link_adjusted_error": linked[agg["policy"]]["error"]} if agg["policy"] in linked else {})
                         | ({"cpu_adjusted_tok_s": cpus[agg["policy"]]["predicted"],
                             "cpu_adjusted_error": cpus[agg["policy"]]["error"]} if agg["policy"] in cpus else {})
-                        | ({"other_profile_tok_s": others[agg["policy"]]["predicted"]} if others else {}))
+                        | ({"other_profile_tok_s": others[agg["policy"]]["predicted"]} if agg["policy"] in others else {}))
     summary = {k: res[k] for k in ("date", "card", "torch", "commit", "spec", "tokens")} | {
         "profile": prof.name, "rows": rows, "omp_env": res.get("omp_env")} | ({"other_profile": str(a.against)} if other else {})
     write_text_atomic(a.out or a.folder / "summary.json", json.dumps(summary, indent=1))
@@ -210,4 +213,8 @@ def table(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    from cmoe.core.errors import CmoeError
+    try:
+        main()
+    except CmoeError as e:                     # one line, no traceback
+        sys.exit(f"validate_table.py: {e}")

@@ -36,12 +36,19 @@ def simulate(trace: Trace | str, *, profile: str | HardwareProfile = "h200", pol
              pool_gb: float = 20.0, batch: int = 1, slots: int | None = None) -> list:
     """Simulate each policy on a trace (a Trace, a bundle path, `embedded` or `synthetic:PRESET`).
     Returns one `cmoe.sim.run.SimResult` per policy: `.metrics` (the row `cmoe simulate` prints,
-    defined in `cmoe.core.metrics`) and `.run` (spans and per-pass counts)."""
+    defined in `cmoe.core.metrics`) and `.run` (spans and per-pass counts). "all": every policy the
+    profile can price (a warning names any it cannot, `cmoe.sim.run.priceable`); a policy named
+    that it cannot price is refused before the trace is read."""
+    from cmoe.sim.priced import priceable
     from cmoe.sim.run import SimConfig
     from cmoe.sim.run import simulate as one
-    t = load_trace(trace, None, batch) if isinstance(trace, str) else trace
     prof = load_profile(profile) if isinstance(profile, str) else profile
-    return [one(t, prof, SimConfig(policy=p, pool_gb=pool_gb, batch=batch, slots=slots)) for p in _policies(policies)]
+    names, note = priceable(prof, _policies(policies), every=policies == "all")
+    if note:
+        import warnings
+        warnings.warn(f"cmoe.simulate: {note}", stacklevel=2)
+    t = load_trace(trace, None, batch) if isinstance(trace, str) else trace
+    return [one(t, prof, SimConfig(policy=p, pool_gb=pool_gb, batch=batch, slots=slots)) for p in names]
 
 
 def execute(*, spec: str | None = None, model: str | Path | None = None, trace: str | None = None,

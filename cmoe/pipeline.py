@@ -30,6 +30,10 @@ def run_all(out: Path, *, spec_name: str | None, model_dir: Path | None, trace_s
     policy's validation; default: echo). Returns the summary document (`summary_doc`)."""
     detail = echo if detail is None else detail
     check_output(out, force, folder=True, marker=RUN_ALL_FOLDER)      # before torch is even imported
+    if profile is not None:                  # refuse what it cannot price before the long build
+        from cmoe.core.hw import load_profile
+        from cmoe.sim.priced import priceable
+        priceable(load_profile(profile), policies, every=False)
     from cmoe.executor.run import ExecConfig, prepare
     from cmoe.report.build import report_line
     if spec_name is None and model_dir is None:          # the embedded trained model and its trace
@@ -45,12 +49,6 @@ def run_all(out: Path, *, spec_name: str | None, model_dir: Path | None, trace_s
     if w.trace is None:
         from cmoe.core.errors import CmoeError
         raise CmoeError("cmoe run needs a trace to replay (--trace), so that both engines see the same routing")
-    if profile is not None:                  # refuse what it cannot price before the long build
-        from cmoe.core.hw import load_profile
-        from cmoe.sim.run import check_cpu_layer
-        given = load_profile(profile)
-        for p in cfg.policies:
-            check_cpu_layer(given, p)
     with atomic_dir(out, force, RUN_ALL_FOLDER) as tmp:
         doc = _run_into(tmp, out, w, cfg, profile, model_dir, layers, repeat, detail)
     doc["report"] = report_line([out / "predicted", out / "measured"], out / "report.html")

@@ -15,7 +15,7 @@ from cmoe.core.hw import H200
 from cmoe.core.spec import preset
 
 RESULTS = {"spec": "mixtral-8x7b", "trace": "synthetic:mixtral-8x7b", "expert_format": "w4g128", "card": "test card",
-           "commit": "abc1234", "calibrated_on": "built", "configs": []}
+           "commit": "abc1234", "calibrated_on": "built", "calibrate_s": 200.0, "configs": []}
 
 
 def _folder(root: Path, name: str, profile, results=RESULTS, packed=True) -> Path:
@@ -76,11 +76,26 @@ def test_cpu_policies_count_in_all_rows_but_not_the_gpu_only_ones():
 def test_folders_without_their_own_calibration_are_left_out_by_name(tmp_path, monkeypatch, capsys):
     a = _folder(tmp_path, "a", H200)
     b = _folder(tmp_path, "b", H200, RESULTS | {"calibrated_on": "h200"})
-    monkeypatch.setattr("sys.argv", ["calibrations_matrix.py", str(a), str(b)])
+    given = {k: v for k, v in RESULTS.items() if k not in ("calibrated_on", "calibrate_s")}
+    c = _folder(tmp_path, "c", H200, given)                    # validate_h200.py --profile: calibrated elsewhere
+    d = _folder(tmp_path, "d", H200, {k: v for k, v in RESULTS.items() if k != "spec"})
+    monkeypatch.setattr("sys.argv", ["calibrations_matrix.py", str(a), str(b), str(c), str(d)])
     with pytest.raises(SystemExit) as e:
         main()
     assert "at least two folders" in str(e.value)
-    assert f"left out {b}: its profile was calibrated on h200" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"left out {b}: its profile was not calibrated in that run (h200)" in err
+    assert f"left out {c}: its profile was not calibrated in that run (given with --profile)" in err
+    assert f"left out {d}: its results.json names no model (spec)" in err
+
+
+def test_two_folders_of_one_name_are_refused(tmp_path, monkeypatch):
+    a = _folder(tmp_path, "a", H200)
+    (tmp_path / "x").mkdir()
+    b = _folder(tmp_path / "x", "a", H200)
+    monkeypatch.setattr("sys.argv", ["calibrations_matrix.py", str(a), str(b)])
+    with pytest.raises(SystemExit, match="two folders are named a"):
+        main()
 
 
 def test_explain_names_the_group_that_separates_two_calibrations():
@@ -106,12 +121,15 @@ def test_a_calibration_without_the_cpu_layer_prices_only_the_gpu_rows(tmp_path):
     got = grid(blind, spec, trace, "w4g128", [16.0], [1], ["upper", "static"], 4, tmp_path / "a")
     full = grid(H200, spec, trace, "w4g128", [16.0], [1], ["upper", "static"], 4, tmp_path / "b")
     assert set(got) == {(16.0, 1, "upper")} and set(full) == {(16.0, 1, "upper"), (16.0, 1, "static")}
-    (p,) = agreement({"blind": got, "full": full})
-    assert (p["rows"], p["within_2pct"], p["gpu_rows"]) == (1, 1, 1)
+    for order in ({"blind": got, "full": full}, {"full": full, "blind": got}):   # either calibration first
+        (p,) = agreement(order)
+        assert (p["rows"], p["within_2pct"], p["gpu_rows"], p["gpu_within_2pct"], p["worst"]) == (1, 1, 1, 1, [])
     from benchmarks.calibrations_matrix import hybrid, within
-    mixed = hybrid(blind, _with_cpu_layer(src), "host")   # the host group carries cpu_lead_us and its source
-    assert not mixed.cpu_layer_unmeasured()
-    assert within(got, full) == (1, 1)
+    assert within(got, full) == (1, 1) and within(full, got) == (1, 1)
+    measured = _with_cpu_layer(src)
+    assert not hybrid(blind, measured, "host").cpu_layer_unmeasured()   # the host group brings cpu_lead_us, source too
+    assert hybrid(measured, blind, "host").cpu_layer_unmeasured()       # ... and takes it away
+    assert not hybrid(measured, blind, "link").cpu_layer_unmeasured()
 
 
 def _with_cpu_layer(src: str):

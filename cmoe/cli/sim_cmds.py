@@ -40,7 +40,11 @@ def simulate(
     from cmoe.core.hw import load_profile
     from cmoe.sim.api import out_of_memory, run_policies, table, write_outputs
     from cmoe.trace.load import load_trace
+    from cmoe.sim.priced import priceable
     prof = load_profile(profile)
+    names, note = priceable(prof, names, every=policies is None or policies.strip() == "all")
+    if note:
+        typer.echo(note)
     t = load_trace(trace, quant, batch)
     try:
         results = run_policies(t, prof, names, pool_gb, batch, slots, engine=engine, timeline=out is not None)
@@ -102,6 +106,8 @@ def sweep(
         pts = points_file(points, given, quant=quant, engine=engine)
     else:
         pts = grid(*(v for v, _, _ in axes.values()), quant, engine)
+    if points is None and (policies is None or policies.strip() == "all"):    # every policy each profile prices
+        pts = _priceable_points(pts)
     try:
         stats = run_sweep(pts, out, jobs=jobs, ray=ray, resume=resume, retry_errors=retry_errors)
     except KeyboardInterrupt:
@@ -113,3 +119,17 @@ def sweep(
     typer.echo(f"wrote {out}: {stats.computed} points run{done}{bad}")
     from cmoe.report.build import report_line
     typer.echo(report_line([out]))
+
+
+def _priceable_points(pts: list[dict]) -> list[dict]:
+    """The grid's points less those whose profile cannot price their policy, each such profile named
+    once (`cmoe.sim.run.priceable`)."""
+    from cmoe.core.hw import load_profile
+    from cmoe.sim.priced import priceable
+    keep = {}
+    for pr in dict.fromkeys(p["profile"] for p in pts):
+        kept, note = priceable(load_profile(pr), list(dict.fromkeys(p["policy"] for p in pts)), every=True)
+        keep[pr] = set(kept)
+        if note:
+            typer.echo(note)
+    return [p for p in pts if p["policy"] in keep[p["profile"]]]

@@ -73,11 +73,12 @@ class Variants:
         return self.host_wake(table_us(w, min(tokens, w[-1][0]))) if w else 1.0
 
     def cpu_layer_unmeasured(self) -> bool:
-        """A calibrated profile whose calibration saw no CPU experts inside the model: its run held
-        no CPU copies of the experts (`cmoe run` with GPU-only policies on a GPU calibrates on the
-        model it built for them), so the host's time around a CPU layer's experts (`cpu_lead_us` and
-        the rest) was never measured and reads 0. Priced with it, the CPU-expert policies came out
-        16-104% fast on an H100 (BENCHMARKS.md, twenty-seventh session). The built-in profiles are
-        estimates throughout and say so in their sources; they are not this."""
+        """A calibrated profile without the host's measured time around a CPU layer's experts
+        (`cpu_lead_us`, `cpu_gap_us`, `cpu_tail_us`: calibrate reads them off CPU experts run inside
+        the model, since the twenty-eighth session): calibrated before then, or on a model that
+        held no CPU copies of the experts (`cmoe run` with GPU-only policies on a GPU calibrates on
+        the model it built for them). Those costs then read 0; before they were priced, the
+        CPU-expert policies came out 16-104% fast on an H100 (BENCHMARKS.md, twenty-seventh
+        session). The built-in profiles are estimates throughout and say so; they are not this."""
         return (self.sources.get("cpu_expert_gbps", "").startswith("measured by cmoe calibrate")
-                and "cpu_lead_us" not in self.sources)
+                and not any(f in self.sources for f in ("cpu_lead_us", "cpu_gap_us", "cpu_tail_us")))

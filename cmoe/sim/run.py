@@ -10,9 +10,10 @@ from cmoe.core.hw import HardwareProfile
 from cmoe.core.metrics import summary
 from cmoe.core.padding import padding_table
 from cmoe.policy.budget import expert_budget
-from cmoe.policy.policies import make_policy, trait
+from cmoe.policy.policies import make_policy
 from cmoe.policy.pool import PoolLayout, layout_for_policy
 from cmoe.sim.engine import SimRun, Simulation, costs_for
+from cmoe.sim.priced import check_cpu_layer
 from cmoe.trace.bundle import Trace, fingerprint
 from cmoe.trace.pass_arrays import Future, PassArrays, build, to_passes
 from cmoe.trace.passes import check_predictions, popularity
@@ -65,15 +66,6 @@ def check_compatible(trace: Trace, profile: HardwareProfile, pool_gb: float) -> 
     if pool_gb * 1e9 > profile.gpu_mem_bytes:
         raise CmoeError(f"a {pool_gb:g} GB pool does not fit the {profile.name}'s "
                         f"{profile.gpu_mem_bytes / 1e9:.1f} GB of GPU memory: lower --pool-gb")
-
-
-def check_cpu_layer(profile: HardwareProfile, policy: str) -> None:
-    """Refuse a CPU-expert policy priced by a calibration that never ran CPU experts in the model
-    (`HardwareProfile.cpu_layer_unmeasured`): its CPU layers would cost the experts alone."""
-    if trait(policy, "cpu_experts") and profile.cpu_layer_unmeasured():
-        raise CmoeError(f"profile {profile.name} was calibrated without CPU experts in the model, so it cannot "
-                        f"price {policy}'s CPU layers: calibrate with one in the run (`cmoe calibrate`, or "
-                        f"`cmoe run` with lfu-fallback or static among its policies)")
 
 
 def layout_for(trace: Trace, cfg: SimConfig) -> tuple[PoolLayout, dict]:

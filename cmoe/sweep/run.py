@@ -156,7 +156,7 @@ def sweep(points: list[dict], out: Path, *, jobs: int = 2, ray: str | None = Non
     if not points:
         raise CmoeError("the sweep has no points: give at least one trace, profile, pool size, policy and batch")
     from cmoe.core.hw import load_profile
-    from cmoe.sim.run import check_cpu_layer
+    from cmoe.sim.priced import check_cpu_layer
     # fail fast on a bad profile name or file, or on a point its profile cannot price
     profiles = {pr: load_profile(pr) for pr in dict.fromkeys(p["profile"] for p in points)}
     for p in points:
