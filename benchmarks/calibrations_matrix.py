@@ -10,7 +10,7 @@ this needs nothing but the profiles (each results folder's `head.tgz` keeps `pro
         [--pools 16,20,26] [--batches 1,2,4,8] [--policies upper,ondemand,...] [--out M.json]
 
 Every folder's profile must price the same model and expert format (the first folder's); a
-folder without a calibration of its own (`calibrated_on` not "built") is left out, by name. A
+folder whose run was given its profile (`--profile`) rather than calibrating is left out, by name. A
 calibration that ran no CPU experts inside the model cannot price `lfu-fallback` or `static`
 (`cmoe.sim.priced.check_cpu_layer`): its pairs count the rows both can price.
 """
@@ -37,6 +37,7 @@ from cmoe.core.spec import preset  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
 from cmoe.pipeline import predict  # noqa: E402
 from cmoe.policy.policies import trait  # noqa: E402
+from cmoe.sim.priced import priceable  # noqa: E402
 from cmoe.trace.load import load_trace  # noqa: E402
 
 POLICIES = "upper,ondemand,lru-prefetch,commit,oracle,lfu-fallback,static"   # `upper` and the six validated
@@ -71,8 +72,8 @@ def read_head(folder: Path, scratch: Path) -> tuple[dict, Path] | None:
 
 def calibrations(folders: list[Path], scratch: Path) -> list[tuple[str, dict, Path]]:
     """(name, results, profile path) of each folder that holds a calibration of its own (made in
-    that GPU run: `calibrate_s` recorded, `calibrated_on` "built" where recorded); the others are
-    left out by name. Two folders of one name are refused (their scratch copies would collide)."""
+    that GPU run, `own_calibration`); the others are left out by name. Two folders of one name are
+    refused (their scratch copies would collide)."""
     names = [f.name for f in folders]
     if twice := next((n for n in names if names.count(n) > 1), None):
         sys.exit(f"calibrations_matrix: two folders are named {twice}: give each once")
@@ -83,9 +84,8 @@ def calibrations(folders: list[Path], scratch: Path) -> list[tuple[str, dict, Pa
             print(f"left out {f}: no results.json and profile.json", file=sys.stderr)
         elif "spec" not in got[0]:
             print(f"left out {f}: its results.json names no model (spec)", file=sys.stderr)
-        elif "calibrate_s" not in got[0] or got[0].get("calibrated_on", "built") != "built":
-            print(f"left out {f}: its profile was not calibrated in that run "
-                  f"({got[0].get('calibrated_on', 'given with --profile')})", file=sys.stderr)
+        elif not own_calibration(got[0]):
+            print(f"left out {f}: its profile was given (--profile), not calibrated in that run", file=sys.stderr)
         else:
             heads.append((f.name, *got))
     if len(heads) < 2:
@@ -93,10 +93,16 @@ def calibrations(folders: list[Path], scratch: Path) -> list[tuple[str, dict, Pa
     return heads
 
 
+def own_calibration(res: dict) -> bool:
+    """Whether a GPU run calibrated its profile itself (on the built or the cut model: validate_h200
+    records `calibrated_on` or the time it took), rather than being given one with --profile."""
+    return "calibrated_on" in res or any(k.startswith("calibrate") and k.endswith("_s") for k in res)
+
+
 def grid(profile, spec, trace_src: str, fmt: str, pools, batches, policies, tokens: int, work: Path) -> dict:
     """(pool, batch, policy) -> predicted decode tokens/s under `profile`; a CPU-expert policy only
     where the profile's calibration ran CPU experts in the model (`check_cpu_layer`)."""
-    policies = [p for p in policies if not (trait(p, "cpu_experts") and profile.cpu_layer_unmeasured())]
+    policies = priceable(profile, policies, every=True)[0]
     out = {}
     for b in batches:
         w = SimpleNamespace(trace=load_trace(trace_src, None, b), spec=spec, fmt=fmt)

@@ -73,12 +73,12 @@ def main() -> None:
     ap.add_argument("--repeat", action="store_true", help="run the policies again in reverse order (measured-2/): "
                     "how far two runs of the same configuration differ")
     a = ap.parse_args()
-    a.out.mkdir(parents=True, exist_ok=True)
     policies = tuple(a.policies.split(","))
-    if a.profile:                         # refuse what it cannot price before minutes of building
+    if a.profile:                         # refuse what validate_table could not price, before the build
         from cmoe.core.hw import load_profile
         from cmoe.sim.priced import priceable
         priceable(load_profile(a.profile), policies, every=False)
+    a.out.mkdir(parents=True, exist_ok=True)
     commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                         text=True).stdout.strip()
     dirty = "" if a.commit else subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],

@@ -106,7 +106,9 @@ def main() -> None:
         linked = at_runs_speed(a.link_adjust, link_ratio, prof.link_scaled, "link")
         cpus = at_runs_speed(a.cpu_adjust, cpu_ratio, prof.cpu_scaled, "cpu")
         # the other calibration predicts the rows it can price (`cmoe.sim.priced`)
-        kept = priceable(other, pols, every=True)[0] if other is not None else []
+        kept, note = priceable(other, pols, every=True) if other is not None else ([], None)
+        if note:
+            print(f"--against: {note}", file=sys.stderr)
         others = held(other, a.work / here.name / "predicted-other", kept) if kept else {}
         for i, agg in enumerate(against_repeats(runs)):
             vs = [r[i] for r in runs]
@@ -141,7 +143,9 @@ def main() -> None:
         print("OpenMP settings of the runs: " + (", ".join(f"{k}={v}" for k, v in res["omp_env"].items()) or "the defaults"))
     if other is not None:
         n, beyond = calibrations_agree(rows)
-        print(f"the two calibrations predict {n} of {len(rows)} within 2% of each other; beyond: "
+        both = sum("other_profile_tok_s" in r for r in rows)    # the rows the other calibration could price
+        print(f"the two calibrations predict {n} of {both} within 2% of each other"
+              + (f" ({len(rows) - both} rows it cannot price left out)" if both < len(rows) else "") + "; beyond: "
               + ("; ".join(f"pool {p:g} batch {b} {pol} {d * 100:+.1f}%" for p, b, pol, d in beyond) or "none"))
 
 

@@ -37,7 +37,7 @@ def simulate(trace: Trace | str, *, profile: str | HardwareProfile = "h200", pol
     """Simulate each policy on a trace (a Trace, a bundle path, `embedded` or `synthetic:PRESET`).
     Returns one `cmoe.sim.run.SimResult` per policy: `.metrics` (the row `cmoe simulate` prints,
     defined in `cmoe.core.metrics`) and `.run` (spans and per-pass counts). "all": every policy the
-    profile can price (a warning names any it cannot, `cmoe.sim.run.priceable`); a policy named
+    profile can price (a warning names any it cannot, `cmoe.sim.priced.priceable`); a policy named
     that it cannot price is refused before the trace is read."""
     from cmoe.sim.priced import priceable
     from cmoe.sim.run import SimConfig

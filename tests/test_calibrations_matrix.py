@@ -74,19 +74,20 @@ def test_cpu_policies_count_in_all_rows_but_not_the_gpu_only_ones():
 
 
 def test_folders_without_their_own_calibration_are_left_out_by_name(tmp_path, monkeypatch, capsys):
+    from benchmarks.calibrations_matrix import own_calibration
     a = _folder(tmp_path, "a", H200)
-    b = _folder(tmp_path, "b", H200, RESULTS | {"calibrated_on": "h200"})
     given = {k: v for k, v in RESULTS.items() if k not in ("calibrated_on", "calibrate_s")}
     c = _folder(tmp_path, "c", H200, given)                    # validate_h200.py --profile: calibrated elsewhere
     d = _folder(tmp_path, "d", H200, {k: v for k, v in RESULTS.items() if k != "spec"})
-    monkeypatch.setattr("sys.argv", ["calibrations_matrix.py", str(a), str(b), str(c), str(d)])
+    monkeypatch.setattr("sys.argv", ["calibrations_matrix.py", str(a), str(c), str(d)])
     with pytest.raises(SystemExit) as e:
         main()
     assert "at least two folders" in str(e.value)
     err = capsys.readouterr().err
-    assert f"left out {b}: its profile was not calibrated in that run (h200)" in err
-    assert f"left out {c}: its profile was not calibrated in that run (given with --profile)" in err
+    assert f"left out {c}: its profile was given (--profile), not calibrated in that run" in err
     assert f"left out {d}: its results.json names no model (spec)" in err
+    assert own_calibration({"calibrated_on": "cut"}) and own_calibration({"calibrate_built_s": 90.0})
+    assert own_calibration({"calibrate_s": 90.0}) and not own_calibration(given)
 
 
 def test_two_folders_of_one_name_are_refused(tmp_path, monkeypatch):

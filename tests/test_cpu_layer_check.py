@@ -48,8 +48,11 @@ def test_priceable_refuses_a_named_policy_and_leaves_out_of_every_one():
     names = ["upper", "lfu-fallback", "static", "commit"]
     with pytest.raises(CmoeError) as e:
         priceable(_calibrated(), names, every=False)
-    assert str(e.value) == REFUSED.format(p="lfu-fallback")
+    assert str(e.value) == REFUSED.format(p="lfu-fallback, static")      # every one it cannot price, named once
     assert priceable(_calibrated(), names, every=True) == (["upper", "commit"], NOTE)
+    with pytest.raises(CmoeError) as e:                                  # nothing left to price
+        priceable(_calibrated(), ["static"], every=True)
+    assert str(e.value) == REFUSED.format(p="static")
     assert priceable(_calibrated("cpu_lead_us"), names, every=False) == (names, None)
     assert priceable(H200, names, every=False) == (names, None)
 
@@ -116,4 +119,4 @@ def test_a_sweep_of_every_policy_drops_only_the_points_a_profile_cannot_price(tm
     kept = _priceable_points(pts)
     assert [(p["profile"], p["policy"]) for p in kept] == [(cal, "upper"), ("h200", "upper"), ("h200", "lfu-fallback"),
                                                            ("h200", "static")]
-    assert capsys.readouterr().out.strip() == NOTE
+    assert capsys.readouterr().err.strip() == NOTE

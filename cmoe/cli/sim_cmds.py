@@ -44,7 +44,7 @@ def simulate(
     prof = load_profile(profile)
     names, note = priceable(prof, names, every=policies is None or policies.strip() == "all")
     if note:
-        typer.echo(note)
+        typer.echo(note, err=True)
     t = load_trace(trace, quant, batch)
     try:
         results = run_policies(t, prof, names, pool_gb, batch, slots, engine=engine, timeline=out is not None)
@@ -123,7 +123,7 @@ def sweep(
 
 def _priceable_points(pts: list[dict]) -> list[dict]:
     """The grid's points less those whose profile cannot price their policy, each such profile named
-    once (`cmoe.sim.run.priceable`)."""
+    once (`cmoe.sim.priced.priceable`)."""
     from cmoe.core.hw import load_profile
     from cmoe.sim.priced import priceable
     keep = {}
@@ -131,5 +131,5 @@ def _priceable_points(pts: list[dict]) -> list[dict]:
         kept, note = priceable(load_profile(pr), list(dict.fromkeys(p["policy"] for p in pts)), every=True)
         keep[pr] = set(kept)
         if note:
-            typer.echo(note)
+            typer.echo(note, err=True)
     return [p for p in pts if p["policy"] in keep[p["profile"]]]

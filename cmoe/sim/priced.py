@@ -9,22 +9,28 @@ from cmoe.core.hw import HardwareProfile
 from cmoe.policy.policies import trait
 
 
+def _refusal(profile: HardwareProfile, names: list[str]) -> CmoeError:
+    them = ", ".join(names)
+    return CmoeError(f"profile {profile.name} has no measured host time around a CPU layer's experts (cpu_lead_us "
+                     f"and the rest: calibrated before cmoe fitted them, or on a model without CPU copies of the "
+                     f"experts), so it cannot price {them}: calibrate again (`cmoe calibrate`) or leave {them} out")
+
+
 def check_cpu_layer(profile: HardwareProfile, policy: str) -> None:
     """Refuse a CPU-expert policy priced by a calibration without the host's time around a CPU
     layer (`HardwareProfile.cpu_layer_unmeasured`): its CPU layers would cost the experts alone."""
     if trait(policy, "cpu_experts") and profile.cpu_layer_unmeasured():
-        raise CmoeError(f"profile {profile.name} has no measured host time around a CPU layer's experts "
-                        f"(cpu_lead_us and the rest: calibrated before cmoe fitted them, or on a model without CPU "
-                        f"copies of the experts), so it cannot price {policy}: calibrate again (`cmoe calibrate`) "
-                        f"or leave {policy} out")
+        raise _refusal(profile, [policy])
 
 
 def priceable(profile: HardwareProfile, names, every: bool) -> tuple[list[str], str | None]:
     """The policies of `names` this profile can price (`check_cpu_layer`). Where the user asked for
-    every policy (`every`), the others are left out and a note says so; else the first is refused."""
+    every policy (`every`), the others are left out and a note says so; else all of them are named
+    in one refusal. Nothing left to price is refused too."""
     left = [p for p in names if trait(p, "cpu_experts") and profile.cpu_layer_unmeasured()]
-    if left and not every:
-        check_cpu_layer(profile, left[0])
+    kept = [p for p in names if p not in left]
+    if left and (not every or not kept):
+        raise _refusal(profile, left)
     note = (f"left out {', '.join(left)}: profile {profile.name} has no measured host time around a CPU "
             f"layer's experts (calibrate again with `cmoe calibrate` to price them)") if left else None
-    return [p for p in names if p not in left], note
+    return kept, note
