@@ -70,6 +70,14 @@ def read_head(folder: Path, scratch: Path) -> tuple[dict, Path] | None:
     return json.loads((dest / "results.json").read_text()), dest / "profile.json"
 
 
+def numbers(text: str, kind, flag: str) -> list:
+    """A comma list of numbers, or one line naming the flag."""
+    try:
+        return [kind(x) for x in text.split(",")]
+    except ValueError:
+        raise CmoeError(f"{flag} '{text}' is not a comma list of {kind.__name__} numbers (e.g. 16,20,26)") from None
+
+
 def calibrations(folders: list[Path], scratch: Path) -> list[tuple[str, dict, Path]]:
     """(name, results, profile path) of each folder that holds a calibration of its own (made in
     that GPU run, `own_calibration`); the others are left out by name. Two folders of one name are
@@ -126,8 +134,7 @@ def main() -> None:
                     help="also predict with the first calibration given each other's link, host, CPU and GPU fields "
                     "in turn, and count the rows each brings within 2%% of the other's: which part separates them")
     a = ap.parse_args()
-    pools = [float(x) for x in a.pools.split(",")]
-    batches = [int(x) for x in a.batches.split(",")]
+    pools, batches = numbers(a.pools, float, "--pools"), numbers(a.batches, int, "--batches")
     policies = a.policies.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         heads = calibrations(a.folders, Path(tmp) / "heads")
@@ -224,5 +231,5 @@ def table(pairs: list[dict]) -> str:
 if __name__ == "__main__":
     try:
         main()
-    except (CmoeError, OSError, ValueError, KeyError, tarfile.TarError) as e:   # one line, no traceback
+    except (CmoeError, OSError, json.JSONDecodeError, tarfile.TarError) as e:   # one line, no traceback
         sys.exit(f"calibrations_matrix: {e}")

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.calibrations_matrix import agreement, grid, main, read_head
+from cmoe.core.errors import CmoeError
 from cmoe.core.hw import H200
 from cmoe.core.spec import preset
 
@@ -136,3 +137,10 @@ def test_a_calibration_without_the_cpu_layer_prices_only_the_gpu_rows(tmp_path):
 def _with_cpu_layer(src: str):
     return H200.__class__.from_dict({**H200.to_dict(), "cpu_lead_us": 80.0,
                                      "sources": {"cpu_expert_gbps": src, "cpu_lead_us": src}})
+
+
+def test_a_bad_number_list_is_one_line():
+    from benchmarks.calibrations_matrix import numbers
+    assert numbers("16,20.5", float, "--pools") == [16.0, 20.5] and numbers("1,8", int, "--batches") == [1, 8]
+    with pytest.raises(CmoeError, match=r"--batches '1,x' is not a comma list of int numbers \(e.g. 16,20,26\)"):
+        numbers("1,x", int, "--batches")
