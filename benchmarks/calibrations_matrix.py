@@ -30,6 +30,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cmoe.analysis.validate import calibrations_agree  # noqa: E402
+from cmoe.cli.common import numbers  # noqa: E402
 from cmoe.core.errors import CmoeError  # noqa: E402
 from cmoe.core.hw import HardwareProfile, load_profile  # noqa: E402
 from cmoe.core.hw_variants import HOST_FIELDS, HOST_POINTS  # noqa: E402
@@ -68,14 +69,6 @@ def read_head(folder: Path, scratch: Path) -> tuple[dict, Path] | None:
         for n in ("results.json", "profile.json"):
             t.extract(n, dest, filter="data")
     return json.loads((dest / "results.json").read_text()), dest / "profile.json"
-
-
-def numbers(text: str, kind, flag: str) -> list:
-    """A comma list of numbers, or one line naming the flag."""
-    try:
-        return [kind(x) for x in text.split(",")]
-    except ValueError:
-        raise CmoeError(f"{flag} '{text}' is not a comma list of {kind.__name__} numbers (e.g. 16,20,26)") from None
 
 
 def calibrations(folders: list[Path], scratch: Path) -> list[tuple[str, dict, Path]]:
@@ -134,7 +127,7 @@ def main() -> None:
                     help="also predict with the first calibration given each other's link, host, CPU and GPU fields "
                     "in turn, and count the rows each brings within 2%% of the other's: which part separates them")
     a = ap.parse_args()
-    pools, batches = numbers(a.pools, float, "--pools"), numbers(a.batches, int, "--batches")
+    pools, batches = numbers(a.pools, "--pools"), numbers(a.batches, "--batches", integer=True)
     policies = a.policies.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         heads = calibrations(a.folders, Path(tmp) / "heads")
@@ -178,14 +171,21 @@ def agreement(preds: dict[str, dict]) -> list[dict]:
     of each other, over all rows and over the GPU-only policies', and the three largest differences."""
     pairs = []
     for x, y in combinations(preds, 2):
-        rows = [{"pool_gb": p, "batch": b, "policy": pol, "predicted_tok_s": v, "other_tok_s": preds[y][p, b, pol]}
-                for (p, b, pol), v in preds[x].items() if (p, b, pol) in preds[y]]     # the rows both can price
-        gpu = [r for r in rows if not trait(r["policy"], "cpu_experts")]
-        n, beyond = calibrations_agree(rows, key="other_tok_s")
-        pairs.append({"a": x, "b": y, "rows": len(rows), "within_2pct": n, "gpu_rows": len(gpu),
-                      "gpu_within_2pct": calibrations_agree(gpu, key="other_tok_s")[0],
-                      "worst": [list(d) for d in beyond[:3]]})
+        c = _agree(preds[x], preds[y])
+        pairs.append({"a": x, "b": y, "rows": c["rows"], "within_2pct": c["within"], "gpu_rows": c["gpu_rows"],
+                      "gpu_within_2pct": c["gpu_within"], "worst": [list(d) for d in c["beyond"][:3]]})
     return pairs
+
+
+def _agree(base: dict, other: dict) -> dict:
+    """`calibrations_agree` over the rows both predictions hold, relative to `base`: all of them and
+    the GPU-only policies' alone (their counts and those within 2%), and every row beyond."""
+    rows = [{"pool_gb": p, "batch": b, "policy": pol, "predicted_tok_s": v, "other_tok_s": other[p, b, pol]}
+            for (p, b, pol), v in base.items() if (p, b, pol) in other]          # the rows both can price
+    gpu = [r for r in rows if not trait(r["policy"], "cpu_experts")]
+    n, beyond = calibrations_agree(rows, key="other_tok_s")
+    return {"rows": len(rows), "within": n, "gpu_rows": len(gpu),
+            "gpu_within": calibrations_agree(gpu, key="other_tok_s")[0], "beyond": beyond}
 
 
 def hybrid(a: HardwareProfile, b: HardwareProfile, group: str) -> HardwareProfile:
@@ -195,11 +195,11 @@ def hybrid(a: HardwareProfile, b: HardwareProfile, group: str) -> HardwareProfil
                    sources=src | {k: v for k, v in b.sources.items() if k in GROUPS[group]})
 
 
-def within(pred: dict, other: dict, tol: float = 0.02) -> tuple[int, int]:
-    """Rows of `pred` within `tol` of `other`'s prediction of the same row (relative to `other`):
+def within(pred: dict, other: dict) -> tuple[int, int]:
+    """Rows of `pred` within 2% of `other`'s prediction of the same row (relative to `other`):
     all of them, and the GPU-only policies' alone."""
-    near = [k for k, v in pred.items() if k in other and abs(v / other[k] - 1) <= tol]
-    return len(near), sum(not trait(k[2], "cpu_experts") for k in near)
+    c = _agree(other, pred)
+    return c["within"], c["gpu_within"]
 
 
 def explain(a: HardwareProfile, b: HardwareProfile, b_pred: dict, sim) -> dict:

@@ -63,6 +63,12 @@ def main() -> None:
     other = load_profile(str(a.against)) if a.against else None
     spec = check_checkpoint(Path(res["model"]), float_experts=True) if res.get("model") else preset(res["spec"])
     trace_src, fmt = res.get("trace") or f"synthetic:{res['spec']}", res.get("expert_format", "w4g128")
+    priced: set[str] = set()                # the policies the other calibration can price (`cmoe.sim.priced`)
+    if other is not None:
+        got, note = priceable(other, list(dict.fromkeys(p for c in res["configs"] for p in c["policies"])), every=True)
+        priced = set(got)
+        if note:
+            print(f"--against: {note}", file=sys.stderr)
     rows = []
     for c in res["configs"]:
         pool, b = c["pool_gb"], c["batch"]
@@ -105,10 +111,7 @@ def main() -> None:
             return got
         linked = at_runs_speed(a.link_adjust, link_ratio, prof.link_scaled, "link")
         cpus = at_runs_speed(a.cpu_adjust, cpu_ratio, prof.cpu_scaled, "cpu")
-        # the other calibration predicts the rows it can price (`cmoe.sim.priced`)
-        kept, note = priceable(other, pols, every=True) if other is not None else ([], None)
-        if note:
-            print(f"--against: {note}", file=sys.stderr)
+        kept = [p for p in pols if p in priced]
         others = held(other, a.work / here.name / "predicted-other", kept) if kept else {}
         for i, agg in enumerate(against_repeats(runs)):
             vs = [r[i] for r in runs]

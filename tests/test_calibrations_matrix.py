@@ -139,8 +139,10 @@ def _with_cpu_layer(src: str):
                                      "sources": {"cpu_expert_gbps": src, "cpu_lead_us": src}})
 
 
-def test_a_bad_number_list_is_one_line():
+def test_a_bad_number_list_is_one_line(tmp_path, monkeypatch):
+    a, b = _folder(tmp_path, "a", H200), _folder(tmp_path, "b", H200)     # the CLI's own number lists
+    monkeypatch.setattr("sys.argv", ["calibrations_matrix.py", str(a), str(b), "--pools", "16,20.5", "--batches", "1,x"])
+    with pytest.raises(CmoeError, match=r"^--batches '1,x' is not a comma-separated list of numbers$"):
+        main()
     from benchmarks.calibrations_matrix import numbers
-    assert numbers("16,20.5", float, "--pools") == [16.0, 20.5] and numbers("1,8", int, "--batches") == [1, 8]
-    with pytest.raises(CmoeError, match=r"--batches '1,x' is not a comma list of int numbers \(e.g. 16,20,26\)"):
-        numbers("1,x", int, "--batches")
+    assert numbers("16,20.5", "--pools") == [16.0, 20.5] and numbers("1,8", "--batches", integer=True) == [1, 8]

@@ -135,11 +135,16 @@ def names(text: str, flag: str) -> list[str]:
     return xs
 
 
+def every_policy(text: str | None) -> bool:
+    """Whether a --policy value asks for every policy (None, the default, or 'all')."""
+    return text is None or text.strip() == "all"
+
+
 def policy_names(text: str | None, flag: str = "--policy") -> list[str]:
     """A comma-separated list of policies; None or 'all': every policy. Empty, unknown or repeated
     names are refused."""
     from cmoe.policy.policies import POLICIES
-    if text is None or text.strip() == "all":
+    if every_policy(text):
         return list(POLICIES)
     xs = [p.strip() for p in text.split(",") if p.strip()]
     if not xs:

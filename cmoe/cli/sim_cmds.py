@@ -29,7 +29,7 @@ def simulate(
     policies: Annotated[Optional[str], typer.Option("--policies", hidden=True)] = None,
 ) -> None:
     """Replay a trace through the simulator under each policy; print a row per policy (timelines only with --out)."""
-    from cmoe.cli.common import one_of, policy_names
+    from cmoe.cli.common import every_policy, one_of, policy_names
     policies = one_of(policy, policies, "--policy", "--policies")
     from cmoe.sim.run import check_engine
     from cmoe.core.util import check_output
@@ -42,7 +42,7 @@ def simulate(
     from cmoe.trace.load import load_trace
     from cmoe.sim.priced import priceable
     prof = load_profile(profile)
-    names, note = priceable(prof, names, every=policies is None or policies.strip() == "all")
+    names, note = priceable(prof, names, every=every_policy(policies))
     if note:
         typer.echo(note, err=True)
     t = load_trace(trace, quant, batch)
@@ -84,7 +84,7 @@ def sweep(
     policies: Annotated[Optional[str], typer.Option("--policies", hidden=True)] = None,
 ) -> None:
     """Run a grid (or a file) of simulation points on local processes or Ray; stream one Parquet table, resumable."""
-    from cmoe.cli.common import names, numbers, one_of, policy_names
+    from cmoe.cli.common import every_policy, names, numbers, one_of, policy_names
     traces = one_of(trace, traces, "--trace", "--traces")
     traces = SWEEP_GRID["traces"] if traces is None else traces
     profiles = one_of(profile, profiles, "--profile", "--profiles")
@@ -106,7 +106,7 @@ def sweep(
         pts = points_file(points, given, quant=quant, engine=engine)
     else:
         pts = grid(*(v for v, _, _ in axes.values()), quant, engine)
-    if points is None and (policies is None or policies.strip() == "all"):    # every policy each profile prices
+    if points is None and every_policy(policies):                           # every policy each profile prices
         pts = _priceable_points(pts)
     try:
         stats = run_sweep(pts, out, jobs=jobs, ray=ray, resume=resume, retry_errors=retry_errors)

@@ -156,11 +156,10 @@ def sweep(points: list[dict], out: Path, *, jobs: int = 2, ray: str | None = Non
     if not points:
         raise CmoeError("the sweep has no points: give at least one trace, profile, pool size, policy and batch")
     from cmoe.core.hw import load_profile
-    from cmoe.sim.priced import check_cpu_layer
-    # fail fast on a bad profile name or file, or on a point its profile cannot price
-    profiles = {pr: load_profile(pr) for pr in dict.fromkeys(p["profile"] for p in points)}
-    for p in points:
-        check_cpu_layer(profiles[p["profile"]], p["policy"])
+    from cmoe.sim.priced import priceable
+    for pr in dict.fromkeys(p["profile"] for p in points):   # fail fast on a bad name or file, or on what
+        priceable(load_profile(pr), list(dict.fromkeys(p["policy"] for p in points if p["profile"] == pr)),
+                  every=False)                                # the profile cannot price (all of it named)
     ids = [point_id(p) for p in points]
     table = SweepTable(Path(out), ids, resume, retry_errors)
     done = table.done()
