@@ -108,11 +108,14 @@ def test_fitting_recovers_the_parameters_it_was_made_from():
     assert "paired rounds" in fit_profile("fit", m, known.gpu_mem_bytes, "t", "d").sources["copy_compute_slowdown"]
     m = _synthetic(known)
     m["layer"]["copy_slow"] = {"attention": 0.125, "expert": 0.0625}
-    m["layer"]["readback_copy_s"], m["layer"]["launch_copy_s"] = 12e-6, 14e-6
+    m["layer"]["readback_copy_s"], m["layer"]["launch_copy_s"], m["layer"]["start_copy_s"] = 12e-6, 14e-6, 20e-6
     own = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-11-29")
     assert (own.copy_compute_slowdown, own.copy_attention_slowdown) == (0.0625, 0.125)
     assert own.readback_copy_us == pytest.approx(12.0) and got.readback_copy_us == 0.0
     assert own.launch_copy_us == pytest.approx(14.0) and got.launch_copy_us == 0.0
+    assert own.start_copy_us == pytest.approx(20.0) and got.start_copy_us == 0.0
+    assert own.sources["start_copy_us"].startswith("measured by cmoe calibrate on test") and "oracle" in own.sources["start_copy_us"]
+    assert got.sources["start_copy_us"].startswith("not measured, so 0")
     assert "commit's loads" in own.sources["copy_compute_slowdown"]
     m["layer"]["copy_slow"] = {"attention": -0.01, "expert": None}       # too few spans: the proxy's
     own = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-11-29")

@@ -49,7 +49,7 @@ FLAT_WAVE = replace(FLAT_FIFO, wave_gbps=0.5, wave_us=1.0, wave_row_us=1.0, comm
 FLAT_QUEUE = replace(FLAT_WAVE, h2d_pinned=((1000, 1.0), (4000, 2.0)), h2d_queued_us=0.25)
 # the lean executor's graphed decode passes queued back to back, its host a little slower than the GPU
 QUEUED = replace(LEAN, pass_overlap=True, host_layer_us=300.0, host_pass_start_us=250.0, pass_gap_us=120.0,
-                 launch_copy_us=7.0, cpu_lead_us=80.0, cpu_gap_us=20.0, cpu_tail_us=45.0, cpu_pass_start_us=480.0,
+                 launch_copy_us=7.0, start_copy_us=20.0, cpu_lead_us=80.0, cpu_gap_us=20.0, cpu_tail_us=45.0, cpu_pass_start_us=480.0,
                  cpu_pass_gap_us=150.0)
 # ... whose route step runs slower after a long read-back wait (`host_wake`)
 WAKE = replace(QUEUED, host_wake_points=((50.0, 1.0), (400.0, 1.6), (2000.0, 2.4)),
@@ -127,13 +127,16 @@ def tiny_costs(t):
 FLAT_SLOW = replace(FLAT_FIFO, h2d_pinned=((1, 0.25),), copy_attention_slowdown=0.25, readback_copy_us=0.5)
 # ... and in fused launches, each issued beside a moving load a quarter of a microsecond later
 FLAT_TABLE = replace(FLAT_WAVE, h2d_pinned=((1, 0.25),), readback_copy_us=0.5, launch_copy_us=0.25)
+# ... and passes queued back to back, whose start-up beside a moving load takes 0.75 us more
+FLAT_START = replace(FLAT_SLOW, pass_overlap=True, start_copy_us=0.75)
 
 
 @pytest.mark.parametrize("profile", [FLAT, FLAT2, FLAT_FIFO, FLAT_WAVE,
                                      replace(FLAT_WAVE, host_wake_points=((0.0, 1.0), (3.0, 2.5))), FLAT_QUEUE, FLAT_SLOW,
-                                     FLAT_TABLE],
+                                     FLAT_TABLE, FLAT_START],
                          ids=["flat", "flat-2-engines", "flat-fifo", "flat-waves", "flat-waves-wake", "flat-queue",
-                              "flat-slow-copies", "flat-table-copies"])
+                              "flat-slow-copies", "flat-table-copies",
+                              "flat-start-copies"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("seed", range(3))
 def test_replay_breaks_ties_as_simpy_does(profile, policy, seed):

@@ -24,24 +24,25 @@ FLAT = HardwareProfile(name="flat", gpu_mem_bytes=10**9, h2d_pinned=((1, 1.0),),
                        layer_fixed_us=10.0, attn_us_per_token=0.0, cpu_expert_gbps=0.1, roundtrip_us=5.0)
 
 
-def tiny_trace(layers, experts, pred):
+def tiny_trace(layers, experts, pred, num_experts=2):
     """Hand-made decode trace of one request: experts/pred as [token][layer] top-1 lists."""
     M = len(layers)
-    spec = ModelSpec(name="tiny", family="mixtral", num_layers=M, hidden=4, expert_ffn=4, num_experts=2, top_k=1,
+    spec = ModelSpec(name="tiny", family="mixtral", num_layers=M, hidden=4, expert_ffn=4, num_experts=num_experts, top_k=1,
                      num_heads=1, num_kv_heads=1, head_dim=4, vocab=8, moe_layers=tuple(range(M)))
     T = len(experts)
     return Trace(experts=np.array(experts, np.int16)[..., None], weights=np.ones((T, M, 1), np.float32),
                  pred_experts=np.array(pred, np.int16)[..., None], request=np.zeros(T, np.int32),
                  step=np.arange(T, dtype=np.int32), phase=np.full(T, DECODE, np.uint8), spec=spec,
-                 recipe=recipe("w4a16"), expert_bytes=[[1000, 1000]] * M)
+                 recipe=recipe("w4a16"), expert_bytes=[[1000] * num_experts] * M)
 
 
 def run_tiny(t, policy, slots=1, profile=FLAT):
     M = t.spec.num_moe_layers
     layout = PoolLayout((1024,) * M, (slots,) * M, 1024 * slots * M)
-    costs = Costs(expert_bytes=t.expert_bytes, expert_bits=[[4, 4]] * M, expert_params=0, attn_bytes=0,
+    E = t.spec.num_experts
+    costs = Costs(expert_bytes=t.expert_bytes, expert_bits=[[4] * E] * M, expert_params=0, attn_bytes=0,
                   dense_bytes=0, shared_bytes=0, dense_bits=16, moe_layers=t.spec.moe_layers)
-    p = make_policy(policy, layout, 2, popularity(t))
+    p = make_policy(policy, layout, E, popularity(t))
     return Simulation(p, profile, costs, make_passes(t, 1), record_log=True).simulate()
 
 
@@ -132,6 +133,21 @@ def test_a_launch_beside_a_moving_load_starts_launch_copy_us_later():
     got = run_tiny(t, "commit", profile=replace(ahead, launch_copy_us=3.0)).spans
     assert ("sim", 1, 0, "compute", "expert", 0, 34, 36, 1000) in got and ("sim", 1, 1, "copy0", "load", 1, 34, 54, 1000) in got
     assert got == run_tiny(t, "commit", profile=ahead).spans
+
+
+def test_a_queued_pass_starting_beside_a_moving_load_starts_up_start_copy_us_longer():
+    """Queued passes (`pass_overlap`), three experts in two slots, 50 us copies on two engines:
+    pass 1 prefetches expert 2 for layer 1 (34-84), which it never runs, so the load is still moving
+    as passes 2 (48) and 3 start: each start-up, in layer 0's attention span, takes 5 us more (the
+    pass's inputs wait behind the load); pass 1, which starts before it, does not."""
+    t = tiny_trace([0, 1], [[0, 0]] * 4, [[0, 0], [0, 2], [0, 0], [0, 0]], num_experts=3)
+    base = replace(FLAT, h2d_pinned=((1, 0.02),), copy_engines=2, copy_compute_slowdown=0.0, pass_overlap=True)
+    got = run_tiny(t, "lru-prefetch", slots=2, profile=replace(base, start_copy_us=5.0))
+    assert [sp[6:8] for sp in got.spans if sp[2] == 0 and sp[4] == "attention"] == [(0, 10), (24, 34), (48, 63), (77, 92)]
+    assert ("sim", 3, 1, "copy0", "load", 2, 34, 84, 1000) in got.spans
+    assert [p[3] for p in got.pass_us] == [24, 24, 29, 29]
+    plain = run_tiny(t, "lru-prefetch", slots=2, profile=base)
+    assert [sp[6:8] for sp in plain.spans if sp[2] == 0 and sp[4] == "attention"] == [(0, 10), (24, 34), (48, 58), (72, 82)]
 
 
 def test_static_runs_misses_on_the_cpu():

@@ -1,6 +1,6 @@
 """What `cmoe calibrate` measures from the executor's own timeline: short runs of the model (the
-one just built, or the preset cut to its first layers) under `upper`, `commit`, `ondemand` and
-`static`, on the host's lane and on the compute stream. On CUDA a run whose GPU is held back
+one just built, or the preset cut to its first layers) under `upper`, `commit`, `ondemand`,
+`lru-prefetch`, `oracle` and `static`, on the host's lane and on the compute stream. On CUDA a run whose GPU is held back
 (`lead_us`) lets the host get ahead, so its compute spans are the GPU's own time; on the CPU both
 sides are the same run. Means, not best-of: throughput pays for the slow passes too. The host's
 layer time of each eager run is kept under `repeats` ("host, layer"), so that the noise verdict
@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from cmoe.calibrate import wake
-from cmoe.calibrate.commit_steps import commit_gpu_s, copy_slowdowns, launch_copy_s, readback_copy_s, start_excess_s
+from cmoe.calibrate.commit_steps import (commit_gpu_s, copy_slowdowns, launch_copy_s, readback_copy_s, start_copy_s,
+                                          start_excess_s)
 from cmoe.calibrate.log_points import _load_cost, _wave_points, cpu_in_model, cpu_runs
 from cmoe.core.spec import ModelSpec
 from cmoe.core.util import env_var
@@ -271,7 +272,8 @@ def _lean_batch(r: _ModelRuns, w, cfg, batch: int, eager: list) -> None:
 def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, queued, h_route: float) -> None:
     """Batch 1's own figures into `r.one`: the pass's start-up and LM head on both sides; what
     predicting adds per MoE layer and what commit adds to the route (two `commit` runs, every
-    expert resident); and what issuing one load costs the host (`ondemand` with top_k slots)."""
+    expert resident); what a moving load adds to the route, the launch and (oracle's) the pass's
+    start-up; and what issuing one load costs the host (`ondemand` with top_k slots)."""
     from cmoe.executor.run import run_policy
     w, spec, M = r.w, r.spec, r.M
     one = r.one
@@ -301,6 +303,11 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
         ld = run_policy(w, replace(cc, slots=max(spec.top_k, spec.num_experts // 2), tokens=tokens), "commit").log
         one["commit_gpu"], one["commit_gpu_copy"], one["copy_slow"] = *commit_gpu_s(c_log, ld, r.first), copy_slowdowns(ld, r.first)
         one["commit_start"] = start_excess_s(c_log, r.first) - one["plain_excess"]     # over upper's layer 0
+        # oracle with all the slots but one in 16: its loads go out ahead of their pass, so passes start
+        # beside a moving load (`start_copy_us`); upper's queued run is the quiet side where it has few
+        og = run_policy(w, replace(cfg, policies=("oracle",), slots=spec.num_experts - max(1, spec.num_experts // 16)),
+                        "oracle").log
+        one["start_copy"] = start_copy_s(og, queued)
     # the early router itself, timed on its own (every policy that predicts runs it), and what commit's larger
     # read-back and OWA add to the route (a difference of two runs' host times: noisy, so only the route's part)
     c_route, _ = _per_layer(c_log, ("host_route",), None)
@@ -362,6 +369,7 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
                      "predict_gpu_s": max(one.get("predict_gpu", 0.0), 0.0), "commit_gpu_s": one.get("commit_gpu", 0.0),
                      "commit_gpu_copy_s": one.get("commit_gpu_copy", 0.0), "readback_copy_s": one.get("readback_copy", 0.0),
                      "launch_copy_s": one.get("launch_copy", 0.0),
+                     **({"start_copy_s": max(one["start_copy"], 0.0)} if one.get("start_copy") is not None else {}),
                      "commit_start_excess_s": one.get("commit_start", 0.0),
                      "host": fig | {"load_s": one["host_load"], "route_waits": host["waits"], **r.wake}
                      | ({"pass_gap_s": gap} if gap is not None else {})},

@@ -147,7 +147,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
                      else " (around each CPU layer's experts in static's runs)") for k in around}
         | {k: src + f" ({CPU_SOURCES[k]})" for k in cpu_fields}
         | ({"python_host": src + " (ondemand with the host program off: the Python step's)"} if py else {})
-        | {k: src + f" ({why})" for k, why in slow_src.items()}
+        | {k: src + f" ({why})" if why else START_COPY_UNMEASURED for k, why in slow_src.items()}
         | {k: src + " (ondemand's loads queued back to back, over the curve's last rate)" for k in queued}
         | ({"h2d_pinned": src + f" (from {size_label(LINE_FROM)} up x{link_k:.4f}: as fast as ondemand's queued expert loads ran)"} if link_k != 1 else {})
         | {k: src + " (a short prompt in a cache as long as the long run's, beside the two context points)"
@@ -163,6 +163,8 @@ _MEASURED = ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "hbm_gbps", "exper
              "attn_us_per_token", "cpu_expert_gbps", "roundtrip_us", "copy_compute_slowdown", "copy_attention_slowdown",
              "pass_start_us", "head_us", "predict_layer_us", "commit_route_us", "cpu_expert_us_per_token", "readback_gpu_us", "predict_gpu_us",
              "commit_gpu_us", "commit_gpu_copy_us", "readback_copy_us", "launch_copy_us")
+START_COPY_UNMEASURED = ("not measured, so 0: calibrate's oracle run had too few passes on a side, "
+                         "or the calibration predates the figure")
 _EXECUTOR = {      # the fields the executor's design sets, not a measurement
     "copy_engines": "one copy stream, as the executor uses",
     "copy_fifo": "the executor issues every load to one copy stream, which runs them in issue order",
@@ -256,7 +258,8 @@ def _class(bits: float) -> str:
 def _copy_slowdowns(m: dict) -> tuple[dict, dict]:
     """The profile's two copy slowdowns and where each comes from: the model's own kernels beside
     its loads where calibrate saw enough of them (experts -> `copy_compute_slowdown`, the attention
-    step -> `copy_attention_slowdown`), else, for each alone, the lone HBM-bound kernel's."""
+    step -> `copy_attention_slowdown`), else, for each alone, the lone HBM-bound kernel's; and the
+    start-up's wait beside a load, `start_copy_us` (its source None where it was not measured)."""
     own, proxy = m["layer"].get("copy_slow") or {}, max(m.get("copy_slowdown", 0.0), 0.0)
     model, lone = ("the model's own {} beside commit's loads, busy over quiet medians",
                    "an HBM-bound device copy alone and beside an H2D copy, the median of paired rounds"
@@ -267,6 +270,9 @@ def _copy_slowdowns(m: dict) -> tuple[dict, dict]:
         mine = own.get(key)
         out[field_] = max(mine, 0.0) if mine is not None else proxy
         why[field_] = model.format(what) if mine is not None else lone
+    out["start_copy_us"] = m["layer"].get("start_copy_s", 0.0) * 1e6
+    why["start_copy_us"] = ("oracle's passes that start beside a load, layer 0 over the other layers"
+                            if "start_copy_s" in m["layer"] else None)
     return out, why
 
 

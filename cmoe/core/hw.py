@@ -4,9 +4,8 @@ dataclass. Floor 1: plain data and arithmetic.
 Transfer time of a copy is its size over the effective bandwidth at that size, interpolated in
 log-size between measured points (small copies are far slower: 5.3 GB/s at 64 KiB against 55 at
 64 MiB on the H200). Expert FFN time is a launch cost per matrix, plus the expert's bytes over the
-kernel's effective bandwidth for its weight format, plus the matmul work of the extra tokens.
-Every figure of a built-in profile names its source in `sources`. `cmoe calibrate` measures a
-profile on the machine at hand (`cmoe/calibrate/measure.py`, fitted by `cmoe/calibrate/profile_fit.py`).
+kernel's effective bandwidth for its weight format, plus the matmul work of the extra tokens. Every
+figure names its source in `sources`; `cmoe calibrate` measures a profile on the machine at hand.
 """
 
 from __future__ import annotations
@@ -119,6 +118,8 @@ class HardwareProfile(Variants):
                                                     # more when a load is moving as it starts (an H100: 5-15 us)
     launch_copy_us: float = 0.0                     # ... and each launch of its experts starts this much later when
                                                     # a load moves as it is issued: its slot table's copy waits too
+    start_copy_us: float = 0.0                      # a queued pass's GPU start-up, when a load is moving as it starts:
+                                                    # its inputs (the cache's slot) wait behind it on the H2D engine
     # Measured shapes (calibrate, from enough points): where given, they replace the lines above.
     # (rows, us) pairs, rows ascending; read piecewise-linearly, held flat below the first point and
     # past the last one when the last piece falls, extended along the last piece when it rises.
@@ -159,8 +160,7 @@ class HardwareProfile(Variants):
             if getattr(self, table) != ():                         # none measured; anything else is checked
                 check_pairs(self.name, table, getattr(self, table), whole(1)[0], "[rows, us]: a whole number "
                             "of rows >= 1, us >= 0, rows ascending", ascending=True, rate=NON_NEGATIVE[0])
-        for table, what, y_ok in (("host_wake_points", "[wait us, factor]: a wait >= 0, a factor > 0, waits ascending",
-                                   None),
+        for table, what, y_ok in (("host_wake_points", "[wait us, factor]: a wait >= 0, a factor > 0, waits ascending", None),
                                   ("cpu_wake_points", "[idle us, extra us]: an idle >= 0, extra us >= 0, idles ascending",
                                    NON_NEGATIVE[0])):
             if getattr(self, table) != ():

@@ -197,6 +197,11 @@ class Simulation(ExpertSteps):
         busy = max(self.link_busy_until, self.env.now) + self.queued_us / self.hw.copy_engines
         return t < busy
 
+    def _start_copy(self, t: float) -> float:
+        """What a pass's GPU start-up beginning at `t` takes more beside a moving load (only a queued
+        pass has one: a synced pass waited for every copy): `start_copy_us`."""
+        return self.hw.start_copy_us if self.hw.start_copy_us and self.in_flight and self._copying(t) else 0.0
+
     def _span(self, p: int, layer: int, stream: str, op: str, expert: int, start: float, end: float, nbytes: int = 0):
         self.run.spans.append(("sim", p, layer, stream, op, expert, start, end, nbytes))
 
@@ -275,9 +280,9 @@ class Simulation(ExpertSteps):
         last = max(G, H + gap) if chained else H + gap
         if hw.startup_after_host(pol.cpu_experts):
             H += hw.host_pass_start(pol.cpu_experts)
-            G = max(G, H) + hw.pass_start_us
+            G = max(G, H) + hw.pass_start_us + self._start_copy(max(G, H))
         else:
-            H, G = self._op(H, G, hw.host_pass_start(pol.cpu_experts), hw.pass_start_us)
+            H, G = self._op(H, G, hw.host_pass_start(pol.cpu_experts), hw.pass_start_us + self._start_copy(max(G, H)))
         if x.commit_decode:                        # layer 0's prediction is read back and planned before it runs
             H = max(H, G) + hw.host_sync_us + hw.commit_start_us
             yield from self._sync(H)

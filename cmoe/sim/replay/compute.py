@@ -13,7 +13,7 @@ from cmoe.sim.replay.clock import (CHAINED_GAP, CPU_END, CPU_GAP, CPU_LEAD, CPU_
                                    AHEAD, COMMIT_GPU, COMMIT_GPU_COPY, COMMIT_START, HOST_LOAD, HOST_PASS_START, HOST_SYNC,
                                    IN_FLIGHT, NOW, OP_ATTN, SILENT,
                                    OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, OWA_GPU, PASS_GAP,
-                                   PASS_INDEX, PASS_START, PREV_END, SLOW, STARTUP_AFTER, ATTN_SLOW, RB_COPY, LAUNCH_COPY, TAIL, WAVE, WAVE_ROW,
+                                   PASS_INDEX, PASS_START, PREV_END, SLOW, STARTUP_AFTER, START_COPY, ATTN_SLOW, RB_COPY, LAUNCH_COPY, TAIL, WAVE, WAVE_ROW,
                                    W_DRAINED, W_READY, _advance, copying, _issue, _release, _span, _sync, pmax)
 
 
@@ -193,6 +193,14 @@ def _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M):
 
 
 @njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False, inline="always")
+def _start_copy(c, x, t):
+    """`Simulation._start_copy`: the start-up's wait beside a load moving at `t`."""
+    if x.hwf[START_COPY] > 0.0 and c.I[IN_FLIGHT] and copying(c, x, t):
+        return x.hwf[START_COPY]
+    return 0.0
+
+
+@njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False, inline="always")
 def _begin(c, x, o, d, p, j0, H, G, M, chained):
     """`Simulation._begin_pass`: every copy landed, the pass's start-up, its first sync (commit),
     the policy's loads for the pass; a `chained` pass waits for nothing. Returns (H, G, where
@@ -210,9 +218,11 @@ def _begin(c, x, o, d, p, j0, H, G, M, chained):
         last = H + x.hwf[PASS_GAP]                  # the pass's first mark, past the gap
     H2 = H + x.hwf[HOST_PASS_START]
     if x.hwf[STARTUP_AFTER]:                        # its host launches the start-up at its end
-        G = pmax(G, H2) + x.hwf[PASS_START]
+        t = pmax(G, H2)
+        G = t + x.hwf[PASS_START] + _start_copy(c, x, t)
     else:
-        G = pmax(pmax(G, H) + x.hwf[PASS_START], H2)
+        t = pmax(G, H)
+        G = pmax(t + x.hwf[PASS_START] + _start_copy(c, x, t), H2)
     H = H2
     if x.commit_decode[p]:
         H = pmax(H, G) + x.hwf[HOST_SYNC] + x.hwf[COMMIT_START]

@@ -30,7 +30,7 @@ CHUNK_CELLS = 1 << 16          # (pass, layer, expert) cells of decisions held a
 
 
 def _scalars(policy: Policy, hw: HardwareProfile) -> np.ndarray:
-    """`Costs.hwf`: the profile's scalars the clock reads, in `clock`'s order (SLOW .. STARTUP_AFTER),
+    """`Costs.hwf`: the profile's scalars the clock reads, in `clock`'s order (SLOW .. START_COPY),
     the pass start and its first mark the policy's own (`HardwareProfile.host_pass_start`,
     `first_mark`: PASS_GAP a synced pass's, CHAINED_GAP a queued one's)."""
     cpu = policy.cpu_experts
@@ -39,7 +39,8 @@ def _scalars(policy: Policy, hw: HardwareProfile) -> np.ndarray:
                      hw.host_pass_start(cpu), hw.head_us, hw.host_head_us, float(hw.wave_gbps > 0), hw.wave_row_us,
                      hw.owa_gpu_us, hw.first_mark(cpu, False), hw.commit_gpu_us, hw.commit_gpu_copy_us,
                      hw.commit_start_us, hw.attention_slow, hw.readback_copy_us, hw.launch_copy_us, hw.cpu_lead_us,
-                     hw.cpu_gap_us, hw.cpu_tail_us, hw.first_mark(cpu, True), float(hw.startup_after_host(cpu))])
+                     hw.cpu_gap_us, hw.cpu_tail_us, hw.first_mark(cpu, True), float(hw.startup_after_host(cpu)),
+                     hw.start_copy_us])
 
 
 def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, keep_spans: bool) -> ck.Costs:
