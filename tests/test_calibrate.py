@@ -484,11 +484,15 @@ def test_the_lean_engines_gpu_side_steps_run_on_the_cpu(checkpoints, monkeypatch
     monkeypatch.setattr(mm._ModelRuns, "lean", property(lambda self: self.w is not None and self.w.store is not None))
     monkeypatch.delenv("CMOE_HOST_PROGRAM", raising=False)
     seen, real = [], run.run_policy
+    slots = []
     monkeypatch.setattr(run, "run_policy", lambda w, c, p, *a, **k: seen.append((p, os.environ.get("CMOE_HOST_PROGRAM")))
-                        or real(w, c, p, *a, **k))
+                        or (p == "oracle" and slots.append(c.slots)) or real(w, c, p, *a, **k))
     d = checkpoints["mixtral"]
-    out = mm.layers(torch.device("cpu"), check_checkpoint(d), "fp32", 2, d, tokens=4)
+    spec = check_checkpoint(d)
+    out = mm.layers(torch.device("cpu"), spec, "fp32", 2, d, tokens=4)
     lay = out["layer"]
+    # one oracle run at batch 1, all the slots but one (`start_copy_us`); measured only where both sides had passes
+    assert slots == [spec.num_experts - 1] and lay.get("start_copy_s", 0.0) >= 0.0
     # the Python step's host (`_python_step`): three ondemand runs a batch a round with the program off, two kept
     assert [x for x in seen if x[1] is not None] == [("ondemand", "0")] * 3 * 2 * HOST_ROUNDS
     assert "CMOE_HOST_PROGRAM" not in os.environ

@@ -289,33 +289,37 @@ def test_launch_copy_is_the_launch_gap_beside_a_load_over_the_quiet_one():
     assert launch_copy_s(log, 0, moe) is None
 
 
-def test_start_copy_is_layer_zeros_excess_beside_a_load_over_the_other_layers():
-    """Five passes start beside a load (layer 0's attention 120 us, layer 1's, still beside it, 66;
-    layer 2's, after it landed, 57) and five without (94, 57, 57): (120 - 94) - (66 - 57) = 17 us.
-    With no quiet pass of its own, a quiet run's (upper's: 90 and 55) stands in: (120 - 90) -
-    (66 - 55) = 19 us. Too few passes on a side, or no run to stand in, gives None."""
+def test_start_copy_is_the_first_layers_excess_beside_a_load_over_the_other_layers():
+    """Five passes start beside a load (the first layer's attention 120 us, the next one's, still
+    beside it, 66; the third's, after it landed, 57) and five without (94, 57, 57): (120 - 94) -
+    (66 - 57) = 17 us. With no quiet pass of its own, a quiet run's (ondemand with every expert
+    resident: 90 and 55) stands in: (120 - 90) - (66 - 55) = 19 us. Too few passes on a side, or no
+    run to stand in, gives None. The first layer is the model's first MoE layer (a dense decoder
+    layer before it runs inside its span): the same spans one layer up, read from layer 1, agree."""
     from types import SimpleNamespace
 
     from cmoe.calibrate.commit_steps import start_copy_s
     from cmoe.core.timeline import Span
 
-    def run(passes, busy, l0, l1, l2):
+    def run(passes, busy, l0, l1, l2, first=0):
         spans = []
         for p_ in passes:
             t = 1000.0 * p_
             if busy:
                 spans.append(Span("gpu", p_, 9, "copy0", "load", 2, t - 10.0, t + 500.0, 1000))
-            spans += [Span("gpu", p_, 0, "compute", "attention", -1, t, t + l0, 0),
-                      Span("gpu", p_, 1, "compute", "attention", -1, t + 200.0, t + 200.0 + l1, 0),
-                      Span("gpu", p_, 2, "compute", "attention", -1, t + 600.0, t + 600.0 + l2, 0)]
+            spans += [Span("gpu", p_, first, "compute", "attention", -1, t, t + l0, 0),
+                      Span("gpu", p_, first + 1, "compute", "attention", -1, t + 200.0, t + 200.0 + l1, 0),
+                      Span("gpu", p_, first + 2, "compute", "attention", -1, t + 600.0, t + 600.0 + l2, 0)]
         return spans
 
     def log(spans):
         return SimpleNamespace(spans=spans, pass_us=[(q, True, 1, 0.0) for q in sorted({sp[1] for sp in spans})])
     busy, quiet = run(range(10, 15), True, 120.0, 66.0, 57.0), run(range(20, 25), False, 94.0, 57.0, 57.0)
-    assert start_copy_s(log(busy + quiet)) == pytest.approx(17e-6)
-    upper = log(run(range(30, 35), False, 90.0, 55.0, 55.0))
-    assert start_copy_s(log(busy), upper) == pytest.approx(19e-6)
-    assert start_copy_s(log(busy + quiet), upper) == pytest.approx(17e-6)     # its own quiet passes first
-    assert start_copy_s(log(busy)) is None
-    assert start_copy_s(log(busy[:9] + quiet)) is None                          # two busy passes: under START_MIN
+    assert start_copy_s(log(busy + quiet), 0) == pytest.approx(17e-6)
+    resident = log(run(range(30, 35), False, 90.0, 55.0, 55.0))
+    assert start_copy_s(log(busy), 0, resident) == pytest.approx(19e-6)
+    assert start_copy_s(log(busy + quiet), 0, resident) == pytest.approx(17e-6)   # its own quiet passes first
+    assert start_copy_s(log(busy), 0) is None
+    assert start_copy_s(log(busy[:9] + quiet), 0) is None                          # two busy passes: under START_MIN
+    up = run(range(10, 15), True, 120.0, 66.0, 57.0, first=1) + run(range(20, 25), False, 94.0, 57.0, 57.0, first=1)
+    assert start_copy_s(log(up), 1) == pytest.approx(17e-6) and start_copy_s(log(up), 0) is None

@@ -120,25 +120,26 @@ def copy_slowdowns(log, first: int) -> dict:
     return {"attention": _weighted([att], ratio), "expert": _weighted(list(by_n.values()), ratio)}
 
 
-def start_copy_s(log, quiet=None) -> float | None:
+def start_copy_s(log, first: int, quiet=None) -> float | None:
     """What a queued pass's GPU start-up takes more when a load is moving as it begins
     (`start_copy_us`), in seconds, from a run whose loads go out ahead of their pass (oracle):
-    layer 0's attention tail (`attention_tails`: it holds the pass's inputs and start-up), median
-    beside a load less median without, less the same difference over the other layers (the
-    attention step's own slowdown, which `copy_attention_slowdown` prices on every layer). None
-    where layer 0 has under `START_MIN` passes on either side, or the others under `SLOW_MIN`
-    spans, or its first layer is no attention (a dense one: its span is `dense`). `quiet`: a run
-    of the same batch that loads nothing (upper's), the quiet side of both differences where
-    `log` has under `START_MIN` passes without a load (oracle with few slots). The pass's
-    inputs cross the one H2D engine (`lean_io.pass_inputs`: the cache's slot) behind the load: on
-    the H100s of the twenty-fourth and thirty-fifth sessions' runs layer 0's difference read 25-30
-    us and the other layers' 7-11 (BENCHMARKS.md, thirty-fifth session)."""
+    layer `first`'s attention tail (`attention_tails`; the executor's first span of a pass, which
+    holds its inputs and start-up, and a dense first decoder layer's work with them), median beside
+    a load less median without, less the same difference over the other layers (the attention
+    step's own slowdown, which `copy_attention_slowdown` prices on every layer). `quiet`: a run of
+    the same batch that loads nothing on the same read-back path (ondemand with every expert
+    resident), the quiet side of both differences where `log` has under `START_MIN` passes
+    without a load (oracle with few slots). None where layer `first` has under `START_MIN` passes
+    on either side, or the others under `SLOW_MIN` spans. The pass's inputs cross the one H2D
+    engine (`lean_io.pass_inputs`: the cache's slot) behind the load: on the H100s of the
+    twenty-fourth and thirty-fifth sessions' runs layer 0's difference read 25-30 us and the other
+    layers' 7-11 (BENCHMARKS.md, thirty-fifth session)."""
     moving = _in_flight(log)
-    one = attention_tails(log, lambda layer: layer == 0, moving)
-    rest = attention_tails(log, lambda layer: layer > 0, moving)
+    one = attention_tails(log, lambda layer: layer == first, moving)
+    rest = attention_tails(log, lambda layer: layer != first, moving)
     if quiet is not None and len(one[False]) < START_MIN:
-        one[False] = attention_tails(quiet, lambda layer: layer == 0)[False]
-        rest[False] = attention_tails(quiet, lambda layer: layer > 0)[False]
+        one[False] = attention_tails(quiet, lambda layer: layer == first)[False]
+        rest[False] = attention_tails(quiet, lambda layer: layer != first)[False]
     if min(len(one[True]), len(one[False])) < START_MIN or min(len(rest[True]), len(rest[False])) < SLOW_MIN:
         return None
     d = lambda g: float(np.median(g[True]) - np.median(g[False]))  # noqa: E731

@@ -304,10 +304,11 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
         one["commit_gpu"], one["commit_gpu_copy"], one["copy_slow"] = *commit_gpu_s(c_log, ld, r.first), copy_slowdowns(ld, r.first)
         one["commit_start"] = start_excess_s(c_log, r.first) - one["plain_excess"]     # over upper's layer 0
         # oracle with all the slots but one in 16: its loads go out ahead of their pass, so passes start
-        # beside a moving load (`start_copy_us`); upper's queued run is the quiet side where it has few
-        og = run_policy(w, replace(cfg, policies=("oracle",), slots=spec.num_experts - max(1, spec.num_experts // 16)),
-                        "oracle").log
-        one["start_copy"] = start_copy_s(og, queued)
+        # beside a moving load (`start_copy_us`); ondemand with every expert resident (its passes queued
+        # too, the same read-back path) is the quiet side where oracle has few quiet passes
+        slots = max(spec.top_k, spec.num_experts - max(1, spec.num_experts // 16))
+        og = run_policy(w, replace(cfg, policies=("oracle",), slots=slots), "oracle").log
+        one["start_copy"] = start_copy_s(og, r.first, eager[0])
     # the early router itself, timed on its own (every policy that predicts runs it), and what commit's larger
     # read-back and OWA add to the route (a difference of two runs' host times: noisy, so only the route's part)
     c_route, _ = _per_layer(c_log, ("host_route",), None)

@@ -32,6 +32,7 @@ Measurements (all times in seconds):
   layers but the first, median; `cmoe.calibrate.commit_steps`): the read-back's start and the
   launch's inputs copied between attention and launch, and what they take more while a load moves;
   `readback_copy_s`, `launch_copy_s`: the same for a read-back policy's route and launch (`lru-prefetch`);
+  `start_copy_s` (optional): what a queued pass's start-up takes more beside a moving load (`oracle`);
   `commit_start_excess_s`: commit's layer 0 over upper's (each over its other layers, batch 1, every
   expert resident), of which all but `host_sync_us` is `commit_start_us`;
   `context_points`: [(keys per decode token, seconds per layer)] of a short and a long-prompt run:
@@ -163,8 +164,8 @@ _MEASURED = ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "hbm_gbps", "exper
              "attn_us_per_token", "cpu_expert_gbps", "roundtrip_us", "copy_compute_slowdown", "copy_attention_slowdown",
              "pass_start_us", "head_us", "predict_layer_us", "commit_route_us", "cpu_expert_us_per_token", "readback_gpu_us", "predict_gpu_us",
              "commit_gpu_us", "commit_gpu_copy_us", "readback_copy_us", "launch_copy_us")
-START_COPY_UNMEASURED = ("not measured, so 0: calibrate's oracle run had too few passes on a side, "
-                         "or the calibration predates the figure")
+START_COPY_UNMEASURED = ("not measured, so 0: calibrate's oracle run (made for the lean engine on CUDA) "
+                         "had too few passes on a side, or none was made, or the calibration predates the figure")
 _EXECUTOR = {      # the fields the executor's design sets, not a measurement
     "copy_engines": "one copy stream, as the executor uses",
     "copy_fifo": "the executor issues every load to one copy stream, which runs them in issue order",

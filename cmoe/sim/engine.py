@@ -199,7 +199,10 @@ class Simulation(ExpertSteps):
 
     def _start_copy(self, t: float) -> float:
         """What a pass's GPU start-up beginning at `t` takes more beside a moving load (only a queued
-        pass has one: a synced pass waited for every copy): `start_copy_us`."""
+        pass has one: a synced pass waited for every copy): `start_copy_us`. The loads this pass's
+        own start issues come after it here; in the executor they could go first where the GPU is
+        behind its host, which is not priced. On the thirty-fifth session's `oracle` runs the passes
+        whose layer 0 began beside a load were 301 measured against 304 predicted (12 runs)."""
         return self.hw.start_copy_us if self.hw.start_copy_us and self.in_flight and self._copying(t) else 0.0
 
     def _span(self, p: int, layer: int, stream: str, op: str, expert: int, start: float, end: float, nbytes: int = 0):
