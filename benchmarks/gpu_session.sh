@@ -122,7 +122,7 @@ upper() { timeout "$1" python3 benchmarks/lean_h200.py --out "$OUT/lean" --token
 # the calibration's terms that moved between calibrations (twenty-third session), printed after a validation
 terms() { python3 -c "import json; p = json.load(open('/tmp/v/profile.json')); print('terms', {k: round(p.get(k) or 0.0, 3)
   for k in ('host_pass_start_us', 'host_head_us', 'commit_start_us', 'copy_compute_slowdown', 'copy_attention_slowdown',
-            'readback_copy_us', 'launch_copy_us', 'commit_gpu_copy_us')})" 2>&1 | tail -1 || true; }
+            'readback_copy_us', 'launch_copy_us', 'commit_gpu_copy_us', 'start_copy_us')})" 2>&1 | tail -1 || true; }
 case "${1:-}" in
   program) python3 -c "import numba, llvmlite; print('numba', numba.__version__, 'llvmlite', llvmlite.__version__)"
      timeout 90 python3 -m pytest -q tests/test_host_program.py -p no:cacheprovider 2>&1 | tail -3 || true

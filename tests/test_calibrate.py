@@ -116,6 +116,9 @@ def test_fitting_recovers_the_parameters_it_was_made_from():
     assert own.start_copy_us == pytest.approx(20.0) and got.start_copy_us == 0.0
     assert own.sources["start_copy_us"].startswith("measured by cmoe calibrate on test") and "oracle" in own.sources["start_copy_us"]
     assert got.sources["start_copy_us"].startswith("not measured, so 0")
+    assert [r.split()[-3:] for r in beside(own, m).splitlines() if r.startswith("pass start by a load, more")] == [
+        ["20.0us", "20.0us", "-"]]                                                   # measured, fitted
+    assert "pass start by a load" not in beside(got, _synthetic(known))
     assert "commit's loads" in own.sources["copy_compute_slowdown"]
     m["layer"]["copy_slow"] = {"attention": -0.01, "expert": None}       # too few spans: the proxy's
     own = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-11-29")

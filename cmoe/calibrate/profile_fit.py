@@ -346,6 +346,8 @@ def beside(p: HardwareProfile, m: dict) -> str:
             row(f"{what}, {t} tokens", s, fn(t))
     for wait, route in _wake_means((h or {}).get("wake_samples") or []):
         row(f"host, route after {wait * 1e6:.0f}us", route, p.host_route(1) * p.host_wake(wait * 1e6))
+    if m["layer"].get("start_copy_s") is not None:         # oracle's passes that start beside a load
+        row("pass start by a load, more", m["layer"]["start_copy_s"], p.start_copy_us)
     cpu_rows(row, m, p)
     return "\n".join(rows)
 
