@@ -221,8 +221,8 @@ def _begin(c, x, o, d, p, j0, H, G, M, chained):
         t = pmax(G, H2)
         G = t + x.hwf[PASS_START] + _start_copy(c, x, t)
     else:
-        t = pmax(G, H)
-        G = pmax(t + x.hwf[PASS_START] + _start_copy(c, x, t), H2)
+        t = pmax(G, H)                              # `Simulation._op`'s order: t + (its whole gpu cost)
+        G = pmax(t + (x.hwf[PASS_START] + _start_copy(c, x, t)), H2)
     H = H2
     if x.commit_decode[p]:
         H = pmax(H, G) + x.hwf[HOST_SYNC] + x.hwf[COMMIT_START]
