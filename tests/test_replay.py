@@ -130,14 +130,17 @@ FLAT_TABLE = replace(FLAT_WAVE, h2d_pinned=((1, 0.25),), readback_copy_us=0.5, l
 # ... and passes queued back to back, whose start-up (0.1 us) beside a moving load takes 0.7 us more
 # (sums that round, so the engines must add them in one order)
 FLAT_START = replace(FLAT_SLOW, pass_overlap=True, start_copy_us=0.7, pass_start_us=0.1)
+# ... and a CPU-expert policy's own pass start, whose GPU start-up waits for its host (`startup_after_host`),
+# with copies slow enough (100 us) that a pass's loads are still moving as the next one starts
+FLAT_CPU_START = replace(FLAT_START, h2d_pinned=((1, 0.01),), cpu_pass_start_us=3.0, cpu_lead_us=0.5)
 
 
 @pytest.mark.parametrize("profile", [FLAT, FLAT2, FLAT_FIFO, FLAT_WAVE,
                                      replace(FLAT_WAVE, host_wake_points=((0.0, 1.0), (3.0, 2.5))), FLAT_QUEUE, FLAT_SLOW,
-                                     FLAT_TABLE, FLAT_START],
+                                     FLAT_TABLE, FLAT_START, FLAT_CPU_START],
                          ids=["flat", "flat-2-engines", "flat-fifo", "flat-waves", "flat-waves-wake", "flat-queue",
                               "flat-slow-copies", "flat-table-copies",
-                              "flat-start-copies"])
+                              "flat-start-copies", "flat-cpu-start-copies"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("seed", range(3))
 def test_replay_breaks_ties_as_simpy_does(profile, policy, seed):
@@ -146,6 +149,20 @@ def test_replay_breaks_ties_as_simpy_does(profile, policy, seed):
     slots = 4 if policy == "upper" else 2 + (seed == 2)
     a, b, _, _ = both(t, policy, profile, batch, slots=slots, costs=tiny_costs(t))
     same_run(a, b)
+
+
+def test_the_start_ups_wait_beside_a_load_counts_on_both_of_its_paths():
+    """The start-up's wait beside a moving load (`start_copy_us`) changes the runs it should on both
+    paths of a pass start, the GPU's start-up launched at once (`oracle`) and after a CPU-expert
+    policy's host pass start (`lfu-fallback`), and the engines agree on each with and without it."""
+    assert FLAT_CPU_START.startup_after_host(True) and not FLAT_START.startup_after_host(True)
+    t = tiny(M=3, E=4, T=24, seed=0, requests=2, K=2)
+    for policy, profile in (("oracle", FLAT_START), ("lfu-fallback", FLAT_CPU_START)):
+        a, b, _, _ = both(t, policy, profile, 1, slots=2, costs=tiny_costs(t))
+        c, d, _, _ = both(t, policy, replace(profile, start_copy_us=0.0), 1, slots=2, costs=tiny_costs(t))
+        same_run(a, b)
+        same_run(c, d)
+        assert a.pass_us != c.pass_us
 
 
 @pytest.mark.parametrize("seed", range(3))
