@@ -75,9 +75,8 @@ def main() -> None:
     a = ap.parse_args()
     policies = tuple(a.policies.split(","))
     if a.profile:                         # refuse what validate_table could not price, before the build
-        from cmoe.core.hw import load_profile
-        from cmoe.sim.priced import priceable
-        priceable(load_profile(a.profile), policies, every=False)
+        from cmoe.sim.priced import check_profile
+        check_profile(a.profile, policies)
     a.out.mkdir(parents=True, exist_ok=True)
     commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                         text=True).stdout.strip()

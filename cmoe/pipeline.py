@@ -31,9 +31,8 @@ def run_all(out: Path, *, spec_name: str | None, model_dir: Path | None, trace_s
     detail = echo if detail is None else detail
     check_output(out, force, folder=True, marker=RUN_ALL_FOLDER)      # before torch is even imported
     if profile is not None:                  # refuse what it cannot price before the long build
-        from cmoe.core.hw import load_profile
-        from cmoe.sim.priced import priceable
-        priceable(load_profile(profile), policies, every=False)
+        from cmoe.sim.priced import check_profile
+        check_profile(profile, policies)
     from cmoe.executor.run import ExecConfig, prepare
     from cmoe.report.build import report_line
     if spec_name is None and model_dir is None:          # the embedded trained model and its trace

@@ -123,7 +123,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     # the lean kernel's rows run side by side: its per-key cost is per key of the longest row
     per_key_field = "attn_us_per_cache_key" if m.get("attention_walks_cache") else "attn_us_per_ctx_token"
     h2d, queued, link_k = queued_fit(m["layer"].get("load_queue"), curve(m["h2d"], m.get("h2d_rounds")))
-    slows, slow_src = _copy_slowdowns(m)
+    slows, slow_src = _copy_terms(m, src)
     return HardwareProfile(
         name=name, gpu_mem_bytes=gpu_mem_bytes, h2d_pinned=h2d,
         d2h_pinned=curve(m["d2h"]), omp_wait_policy=(m.get("device") or {}).get("omp_wait_policy") or "",
@@ -148,7 +148,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
                      else " (around each CPU layer's experts in static's runs)") for k in around}
         | {k: src + f" ({CPU_SOURCES[k]})" for k in cpu_fields}
         | ({"python_host": src + " (ondemand with the host program off: the Python step's)"} if py else {})
-        | {k: src + f" ({why})" if why else START_COPY_UNMEASURED for k, why in slow_src.items()}
+        | slow_src
         | {k: src + " (ondemand's loads queued back to back, over the curve's last rate)" for k in queued}
         | ({"h2d_pinned": src + f" (from {size_label(LINE_FROM)} up x{link_k:.4f}: as fast as ondemand's queued expert loads ran)"} if link_k != 1 else {})
         | {k: src + " (a short prompt in a cache as long as the long run's, beside the two context points)"
@@ -256,11 +256,12 @@ def _class(bits: float) -> str:
     return "int4" if bits <= 4 else "int8" if bits <= 8 else "bf16"
 
 
-def _copy_slowdowns(m: dict) -> tuple[dict, dict]:
-    """The profile's two copy slowdowns and where each comes from: the model's own kernels beside
-    its loads where calibrate saw enough of them (experts -> `copy_compute_slowdown`, the attention
-    step -> `copy_attention_slowdown`), else, for each alone, the lone HBM-bound kernel's; and the
-    start-up's wait beside a load, `start_copy_us` (its source None where it was not measured)."""
+def _copy_terms(m: dict, src: str) -> tuple[dict, dict]:
+    """What a moving load costs the work beside it, and each figure's source (`src`, what measured
+    it, and how): the two copy slowdowns, from the model's own kernels beside its loads where
+    calibrate saw enough of them (experts -> `copy_compute_slowdown`, the attention step ->
+    `copy_attention_slowdown`), else, for each alone, the lone HBM-bound kernel's; and the
+    start-up's wait, `start_copy_us` (0, and a source saying why, where it was not measured)."""
     own, proxy = m["layer"].get("copy_slow") or {}, max(m.get("copy_slowdown", 0.0), 0.0)
     model, lone = ("the model's own {} beside commit's loads, busy over quiet medians",
                    "an HBM-bound device copy alone and beside an H2D copy, the median of paired rounds"
@@ -270,10 +271,10 @@ def _copy_slowdowns(m: dict) -> tuple[dict, dict]:
                               ("attention", "copy_attention_slowdown", "attention steps")):
         mine = own.get(key)
         out[field_] = max(mine, 0.0) if mine is not None else proxy
-        why[field_] = model.format(what) if mine is not None else lone
+        why[field_] = f"{src} ({model.format(what) if mine is not None else lone})"
     out["start_copy_us"] = m["layer"].get("start_copy_s", 0.0) * 1e6
-    why["start_copy_us"] = ("oracle's passes that start beside a load, layer 0 over the other layers"
-                            if "start_copy_s" in m["layer"] else None)
+    why["start_copy_us"] = (f"{src} (oracle's passes that start beside a load, the first layer over the others)"
+                            if "start_copy_s" in m["layer"] else START_COPY_UNMEASURED)
     return out, why
 
 

@@ -5,7 +5,7 @@ GPU machine's scripts, which have no simpy, check a profile before their long bu
 from __future__ import annotations
 
 from cmoe.core.errors import CmoeError
-from cmoe.core.hw import HardwareProfile
+from cmoe.core.hw import HardwareProfile, load_profile
 from cmoe.policy.policies import trait
 
 
@@ -19,8 +19,13 @@ def _refusal(profile: HardwareProfile, names: list[str]) -> CmoeError:
 def check_cpu_layer(profile: HardwareProfile, policy: str) -> None:
     """Refuse a CPU-expert policy priced by a calibration without the host's time around a CPU
     layer (`HardwareProfile.cpu_layer_unmeasured`): its CPU layers would cost the experts alone."""
-    if trait(policy, "cpu_experts") and profile.cpu_layer_unmeasured():
-        raise _refusal(profile, [policy])
+    priceable(profile, [policy], every=False)
+
+
+def check_profile(profile: str, names) -> None:
+    """Load the profile `profile` (a name or a file) and refuse, in one line, every policy of
+    `names` it cannot price: what a long job (a build, a sweep) checks before it starts."""
+    priceable(load_profile(profile), list(names), every=False)
 
 
 def priceable(profile: HardwareProfile, names, every: bool) -> tuple[list[str], str | None]:

@@ -155,11 +155,9 @@ def sweep(points: list[dict], out: Path, *, jobs: int = 2, ray: str | None = Non
     from tqdm import tqdm
     if not points:
         raise CmoeError("the sweep has no points: give at least one trace, profile, pool size, policy and batch")
-    from cmoe.core.hw import load_profile
-    from cmoe.sim.priced import priceable
+    from cmoe.sim.priced import check_profile
     for pr in dict.fromkeys(p["profile"] for p in points):   # fail fast on a bad name or file, or on what
-        priceable(load_profile(pr), list(dict.fromkeys(p["policy"] for p in points if p["profile"] == pr)),
-                  every=False)                                # the profile cannot price (all of it named)
+        check_profile(pr, dict.fromkeys(p["policy"] for p in points if p["profile"] == pr))   # it cannot price
     ids = [point_id(p) for p in points]
     table = SweepTable(Path(out), ids, resume, retry_errors)
     done = table.done()
