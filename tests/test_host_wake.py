@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from cmoe.calibrate.host_fit import host_fields as _host_fields
-from cmoe.calibrate.wake import fit_wake, route_and_wait
+from cmoe.calibrate.wake import fit_wake, pass_start_samples, route_and_wait
 from cmoe.core.errors import CmoeError
 from cmoe.core.hw import H200, HardwareProfile
 from tests.test_replay import FLAT_FIFO, LEAN, both, same_run, tiny, tiny_costs, trace_of
@@ -72,6 +72,23 @@ def test_the_route_step_and_wait_come_from_the_decode_passes_spans():
     log = SimpleNamespace(pass_us=[(0, False, 4, 1.0), (1, True, 1, 1.0), (2, True, 1, 1.0)], spans=spans)
     assert route_and_wait(log) == pytest.approx((15e-6, 200e-6))
     assert route_and_wait(SimpleNamespace(pass_us=[(0, False, 4, 1.0)], spans=spans)) == (0.0, 0.0)
+
+
+def test_a_pass_starts_samples_pair_each_pass_with_the_one_before():
+    """[previous pass's latency, gap from its host_head, gap from the later of that and its GPU end,
+    layer 0's host_attention excess over the others], us; the prefill (pass 0) is no one's."""
+    h = lambda p, l, op, a, b: ("x", p, l, "host", op, -1, a, b, 0)        # noqa: E731
+    g = lambda p, l, a, b: ("x", p, l, "compute", "attention", -1, a, b, 0)  # noqa: E731
+    spans = [h(0, 0, "host_head", 0.0, 5.0),
+             h(1, 0, "host_attention", 20.0, 50.0), h(1, 1, "host_attention", 60.0, 70.0), h(1, 2, "host_attention", 80.0, 90.0),
+             g(1, 0, 30.0, 100.0), g(1, 1, 100.0, 400.0), h(1, 2, "host_head", 95.0, 120.0),
+             h(2, 0, "host_attention", 450.0, 500.0), h(2, 1, "host_attention", 510.0, 520.0),
+             g(2, 1, 500.0, 600.0), h(2, 1, "host_head", 530.0, 540.0),
+             h(3, 0, "host_attention", 560.0, 561.0)]                      # one layer: no excess to read
+    log = SimpleNamespace(pass_us=[(0, False, 4, 9.0), (1, True, 1, 380.0), (2, True, 1, 150.0), (3, True, 1, 10.0)],
+                          spans=spans)
+    # pass 1 -> 2: head ends at 120, the GPU at 400, pass 2 enters at 450: gaps 330 and 50; excess 50 - 10
+    assert pass_start_samples(log) == [[380.0, 330.0, 50.0, 40.0]]
 
 
 def test_the_wait_is_the_gpu_ahead_of_the_host_at_the_read_back():

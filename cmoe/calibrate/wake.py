@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from cmoe.calibrate.spans import decode_passes
-from cmoe.core.timeline import END, OP, START, STEP
+from cmoe.core.timeline import END, LAYER, OP, START, STEP, STREAM
 
 WAKE_LEADS_US = (300.0, 1000.0, 3000.0)     # GPU sleep before each layer's experts: waits up to ~3 ms,
                                             # the span of one to two 93.6 MB expert copies at 55 GB/s
@@ -61,8 +61,43 @@ def fit_wake(samples: list[tuple[float, float, float]]) -> list[list[float]]:
     return out
 
 
+def pass_start_samples(log) -> list[list[float]]:
+    """Per pair of consecutive decode passes p, q: [p's latency, the host lane's gap from p's
+    `host_head` end to q's first `host_attention`, the same gap from the later of that end and p's
+    last GPU span, q's first layer's `host_attention` excess over its others], in us. What the
+    pass start (`host_pass_start_us`) takes after a long pass: the validations' read-back runs
+    (thirty-fifth session's, pools 16/20) paid 117 us after passes under 20 ms and 337 after
+    200-400 ms; the led runs here give passes of ~5-100 ms, their passes synced (a lead keeps
+    them from queuing), hence the gap from the GPU's end too."""
+    dec = decode_passes(log)
+    lat = {p: us for p, d, _, us in log.pass_us if d}
+    head, enter, gpu_end = {}, {}, {}
+    att: dict[int, dict[int, float]] = {}
+    for s in log.spans:
+        if s[STEP] not in dec:
+            continue
+        if s[OP] == "host_head":
+            head[s[STEP]] = s[END]
+        elif s[OP] == "host_attention":
+            enter[s[STEP]] = min(enter.get(s[STEP], s[START]), s[START])
+            a = att.setdefault(s[STEP], {})
+            a[s[LAYER]] = a.get(s[LAYER], 0.0) + s[END] - s[START]
+        if s[STREAM] == "compute":
+            gpu_end[s[STEP]] = max(gpu_end.get(s[STEP], s[END]), s[END])
+    out = []
+    order = sorted(dec)
+    for p, q in zip(order, order[1:]):
+        if p in head and q in enter and p in lat and len(att.get(q, {})) > 1:
+            first, *rest = sorted(att[q].items())
+            excess = first[1] - float(np.mean([v for _, v in rest]))
+            g = enter[q] - head[p]
+            out.append([float(lat[p]), g, enter[q] - max(head[p], gpu_end.get(p, head[p])), excess])
+    return out
+
+
 def measure(r) -> dict:
-    """{"wake_points": `fit_wake`'s, "wake_samples": [[lead us, route s, wait s]]} of
+    """{"wake_points": `fit_wake`'s, "wake_samples": [[lead us, route s, wait s]], "pass_start_samples":
+    [[lead us, `pass_start_samples`]]} of
     `cmoe.calibrate.measure_model._ModelRuns` r (CUDA only: GPU sleep is how the waits are made):
     WAKE_ROUNDS rounds of ondemand at batch 1, every expert resident, one run per lead (0 and
     WAKE_LEADS_US) in a round, after one untimed run."""
@@ -71,9 +106,11 @@ def measure(r) -> dict:
     from cmoe.executor.run import run_policy
     w, hc = r.host_work[1]
     run_policy(w, hc, "ondemand")
-    samples = []
+    samples, starts = [], []
     for _ in range(WAKE_ROUNDS):
         for lead in (0.0, *WAKE_LEADS_US):
-            route, wait = route_and_wait(run_policy(w, replace(hc, lead_us=lead), "ondemand").log)
+            log = run_policy(w, replace(hc, lead_us=lead), "ondemand").log
+            route, wait = route_and_wait(log)
             samples.append((lead, route, wait))
-    return {"wake_points": fit_wake(samples), "wake_samples": [list(x) for x in samples]}
+            starts.append([lead, pass_start_samples(log)])
+    return {"wake_points": fit_wake(samples), "wake_samples": [list(x) for x in samples], "pass_start_samples": starts}
