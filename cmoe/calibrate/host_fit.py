@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from cmoe.calibrate.link_fit import fit_line
+from cmoe.calibrate.wake import fit_pass_start
 from cmoe.core.hw import HOST_FIELDS, HOST_POINTS
 
 
@@ -42,6 +43,17 @@ def host_fields(h: dict | None) -> dict:
         out["host_wake_points"] = tuple((w * 1e6, f) for w, f in h["wake_points"])
         if h.get("route_waits"):      # and the wait each batch's route point followed, (tokens, us)
             out["host_route_waits"] = tuple((int(t), w * 1e6) for t, w in h["route_waits"])
+    if pts := fit_pass_start(h.get("pass_start_samples") or []):    # the pass start after a long pass
+        out["host_pass_start_points"] = tuple((float(p), float(e)) for p, e in pts)
+    return out
+
+
+def host_sources(host: dict, src: str) -> dict:
+    """`host_fields`' sources: what measured them (`src`), and for the pass start's table how."""
+    out = {k: src for k in host}
+    if "host_pass_start_points" in host:
+        out["host_pass_start_points"] = src + (" (ondemand at batch 1, GPU sleep before each layer's experts: each "
+                                               "lead's pass start over the unled runs', at its pass before's length)")
     return out
 
 

@@ -43,7 +43,8 @@ Measurements (all times in seconds):
   (`cmoe.calibrate.layer_fit`);
   `host`: {"layer_points", "route_points", "expert_points": [(tokens, seconds)], "sync_s",
   "pass_start_s", "head_s"}: the host thread's side of the same, from the `host_*` spans; on CUDA
-  also "wake_points" [[wait s, factor]], "wake_samples" [[lead us, route s, wait s]]
+  also "wake_points" [[wait s, factor]], "wake_samples" [[lead us, route s, wait s]],
+  "pass_start_samples" [[lead us, [[pass us, gap us, gap from the GPU's end us, excess us]]]]
   (`cmoe.calibrate.wake`) and "route_waits" [(tokens, seconds)], the wait each route point followed;
 - `cpu_expert`: {"bytes", "points": [(tokens, seconds)]}: one expert on the host's CPU;
 - `cpu_step` (optional): {"lead", "gap", "tail", "pass_start", "pass_gap"} seconds, the host's own
@@ -87,9 +88,10 @@ from cmoe.core.errors import CmoeError
 from cmoe.calibrate.link_fit import LINE_FROM, Points, best_per_size, curve, fit_line, queued_fit
 from cmoe.core.hw import GB, HardwareProfile, table_us
 from cmoe.core.hugepages import pages_word
-from cmoe.calibrate.host_fit import host_fields, python_host
+from cmoe.calibrate.host_fit import host_fields, host_sources, python_host
 from cmoe.calibrate.layer_fit import layer_fit
 from cmoe.calibrate.cpu_fit import SOURCES as CPU_SOURCES, cpu_expert_fit, cpu_layer_fields, cpu_rows
+from cmoe.calibrate.wake import pass_start_means
 
 # the noise verdict lives in cmoe.calibrate.noise, the link's curve and fit_line in cmoe.calibrate.link_fit,
 # the layer's non-expert time in cmoe.calibrate.layer_fit
@@ -143,7 +145,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         pass_overlap=bool(m.get("pass_overlap", False)),
         **{per_key_field: per_key * 1e6}, **split,
         **host, **table, **waves, **queued, **around, **cpu_fields, python_host=py,
-        sources={k: src for k in (*_MEASURED, per_key_field, *host, *table)}
+        sources={k: src for k in (*_MEASURED, per_key_field, *table)} | host_sources(host, src)
         | {k: src + (" (static's queued passes: one head to the next pass's first layer)" if "pass" in k
                      else " (around each CPU layer's experts in static's runs)") for k in around}
         | {k: src + f" ({CPU_SOURCES[k]})" for k in cpu_fields}
@@ -347,6 +349,8 @@ def beside(p: HardwareProfile, m: dict) -> str:
             row(f"{what}, {t} tokens", s, fn(t))
     for wait, route in _wake_means((h or {}).get("wake_samples") or []):
         row(f"host, route after {wait * 1e6:.0f}us", route, p.host_route(1) * p.host_wake(wait * 1e6))
+    for prev, start in pass_start_means((h or {}).get("pass_start_samples") or []).values():
+        row(f"host, pass start after {prev / 1e3:.0f}ms", start / 1e6, p.host_pass_start_us + p.pass_start_extra_us(prev))
     if m["layer"].get("start_copy_s") is not None:         # oracle's passes that start beside a load
         row("pass start by a load, more", m["layer"]["start_copy_s"], p.start_copy_us)
     cpu_rows(row, m, p)

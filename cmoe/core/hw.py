@@ -16,7 +16,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from cmoe.core.errors import CmoeError
-from cmoe.core.hw_checks import NON_NEGATIVE, bad, check_pairs, rule, whole
+from cmoe.core.hw_checks import NON_NEGATIVE, WAIT_TABLES, bad, check_pairs, rule, whole
 from cmoe.core.hw_math import _width, pairs, split_plan, split_runs, table_us  # noqa: F401  (re-exported)
 from cmoe.core.hw_variants import HOST_FIELDS, HOST_POINTS, Variants  # noqa: F401  (re-exported)
 
@@ -24,7 +24,7 @@ GB = 1e9
 
 _PAIRS = ("h2d_pinned", "d2h_pinned", "expert_gbps", "expert_rows_us", *HOST_POINTS, "wave_count_us",
           "host_wake_points", "host_route_waits", "cpu_wake_points", "roundtrip_points",
-          "cpu_expert_points")      # the fields that are lists of pairs (JSON <-> tuples)
+          "cpu_expert_points", "host_pass_start_points")      # the fields that are lists of pairs (JSON <-> tuples)
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,7 @@ class HardwareProfile(Variants):
     host_route_waits: tuple = ()                    # (tokens, us): the read-back wait of the runs host_route was
                                                     # measured in, whose factor its points hold already
     cpu_wake_points: tuple = ()                     # (idle us, extra us): a CPU expert after the CPU idled that long
+    host_pass_start_points: tuple = ()              # (pass us, extra us): a pass start after a pass that long
     roundtrip_points: tuple = ()                    # (rows, us): roundtrip_us by the pass's rows (`roundtrip`)
     cpu_expert_points: tuple = ()                   # (tokens, factor): a CPU expert's time over its time at one token
     omp_wait_policy: str = ""                       # OpenMP settings of calibrate's CPU experts ("": unrecorded)
@@ -160,9 +161,7 @@ class HardwareProfile(Variants):
             if getattr(self, table) != ():                         # none measured; anything else is checked
                 check_pairs(self.name, table, getattr(self, table), whole(1)[0], "[rows, us]: a whole number "
                             "of rows >= 1, us >= 0, rows ascending", ascending=True, rate=NON_NEGATIVE[0])
-        for table, what, y_ok in (("host_wake_points", "[wait us, factor]: a wait >= 0, a factor > 0, waits ascending", None),
-                                  ("cpu_wake_points", "[idle us, extra us]: an idle >= 0, extra us >= 0, idles ascending",
-                                   NON_NEGATIVE[0])):
+        for table, what, y_ok in WAIT_TABLES:
             if getattr(self, table) != ():
                 check_pairs(self.name, table, getattr(self, table), NON_NEGATIVE[0], what, ascending=True, rate=y_ok)
         if self.cpu_expert_points != ():

@@ -21,6 +21,10 @@ POSITIVE = (lambda v: finite(v) and v > 0, "positive (a finite number > 0)")
 NON_NEGATIVE = (lambda v: finite(v) and v >= 0, "a finite number >= 0 (a time or a fraction)")
 FLAG = (lambda v: isinstance(v, bool), "true or false")
 RATES = ("h2d_pageable_gbps", "hbm_gbps", "matmul_tflops", "cpu_expert_gbps")   # divided by: > 0
+WAIT_TABLES = (    # (field, what a point holds, the y's rule; None: any y > 0) of the tables read after a wait
+    ("host_wake_points", "[wait us, factor]: a wait >= 0, a factor > 0, waits ascending", None),
+    ("cpu_wake_points", "[idle us, extra us]: an idle >= 0, extra us >= 0, idles ascending", NON_NEGATIVE[0]),
+    ("host_pass_start_points", "[pass us, extra us]: a pass >= 0, extra us >= 0, passes ascending", NON_NEGATIVE[0]))
 LEAST = {"gpu_mem_bytes": 1, "copy_engines": 1, "dense_rows": 0, "attn_split_block": 1}
 
 

@@ -65,6 +65,13 @@ class Variants:
         a factor: on an H100's host the extra was ~0.2-0.5 ms at 1-4 tokens alike."""
         return held(self.cpu_wake_points, idle_us, 0.0)
 
+    def pass_start_extra_us(self, prev_us: float) -> float:
+        """What a GPU-only policy's host pass start takes more after a decode pass of `prev_us`:
+        `host_pass_start_points` (pass us, extra us) read as `cpu_wake_us`'s, 0 with none measured.
+        An H100's host (thirty-sixth session) started a pass in 102 us after 5 ms passes and 264
+        after 104 ms ones, whatever the pass waited on (`cmoe.calibrate.wake.fit_pass_start`)."""
+        return held(self.host_pass_start_points, prev_us, 0.0)
+
     def host_wake_base(self, tokens: int) -> float:
         """`host_wake` at the wait `host_route(tokens)` was measured after: the simulator scales the
         route step by host_wake(wait) / this, so a point measured after a longer wait is not

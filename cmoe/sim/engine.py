@@ -284,8 +284,11 @@ class Simulation(ExpertSteps):
         if hw.startup_after_host(pol.cpu_experts):
             H += hw.host_pass_start(pol.cpu_experts)
             G = max(G, H) + hw.pass_start_us + self._start_copy(max(G, H))
-        else:
-            H, G = self._op(H, G, hw.host_pass_start(pol.cpu_experts), hw.pass_start_us + self._start_copy(max(G, H)))
+        else:                                   # slower after a long pass (`pass_start_extra_us`)
+            before = self.run.pass_us[-1] if self.run.pass_us else (0, False, 0, 0.0)
+            extra = hw.pass_start_extra_us(before[3]) if before[1] else 0.0
+            H, G = self._op(H, G, hw.host_pass_start(pol.cpu_experts) + extra,
+                            hw.pass_start_us + self._start_copy(max(G, H)))
         if x.commit_decode:                        # layer 0's prediction is read back and planned before it runs
             H = max(H, G) + hw.host_sync_us + hw.commit_start_us
             yield from self._sync(H)

@@ -57,7 +57,7 @@ Costs = namedtuple("Costs", [
     #                                                        CPU expert us [class (xcls), rows]; [M]
     "hwf", "hwi",                                          # profile scalars (below)
     "layer_gpu", "layer_host", "route_host", "dense_gpu", "dense_host", "attn_gpu", "attn_host",
-    "ntok", "commit_decode", "queued", "all_rows", "votes_ptr", "votes_e", "votes_n",   # per pass (queued:
+    "ntok", "decode", "commit_decode", "queued", "all_rows", "votes_ptr", "votes_e", "votes_n",   # per pass (queued:
     # a decode pass the host does not wait for, `pass_overlap`); votes per (pass, layer)
     "xtab", "xcls", "htab",                                # expert us [class, rows], [M, E] class; host issue us [rows]
     "wfix",                                                # [M, E] an expert's share of a fused launch at 0 rows
@@ -65,8 +65,8 @@ Costs = namedtuple("Costs", [
     "wake",                                                # [K, 2] (wait us, factor): `HardwareProfile.host_wake`
     "route_wake", "wake_base",                             # per pass: the route step a wait slows, its factor as measured
     "cpu_wake",                                            # [K, 2] (idle us, extra us): `HardwareProfile.cpu_wake_us`
-    "half_rt",                                             # per pass: half its round trip (`HardwareProfile.roundtrip`)
-])
+    "half_rt", "pass_wake",                                # per pass: half its round trip (`roundtrip`); [K, 2]
+])                                                         # (pass us, extra us): `pass_start_extra_us`
 # Costs.hwf
 (SLOW, HOST_LOAD, HX0, HX1, TAIL, TFLOPS, HOST_SYNC, PASS_START, HOST_PASS_START, HEAD, HOST_HEAD,
  WAVE, WAVE_ROW, OWA_GPU, PASS_GAP, COMMIT_GPU, COMMIT_GPU_COPY, COMMIT_START, ATTN_SLOW, RB_COPY, LAUNCH_COPY,

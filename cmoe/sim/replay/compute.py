@@ -216,11 +216,12 @@ def _begin(c, x, o, d, p, j0, H, G, M, chained):
         last = pmax(G, H + x.hwf[CHAINED_GAP])      # the first mark lands when the GPU gets to it
     else:
         last = H + x.hwf[PASS_GAP]                  # the pass's first mark, past the gap
-    H2 = H + x.hwf[HOST_PASS_START]
     if x.hwf[STARTUP_AFTER]:                        # its host launches the start-up at its end
+        H2 = H + x.hwf[HOST_PASS_START]
         t = pmax(G, H2)
         G = t + x.hwf[PASS_START] + _start_copy(c, x, t)
-    else:
+    else:                                           # slower after a long pass (`pass_start_extra_us`)
+        H2 = H + (x.hwf[HOST_PASS_START] + (_flat(x.pass_wake, o.pass_us[p - 1]) if p > 0 and x.decode[p - 1] else 0.0))
         t = pmax(G, H)                              # `Simulation._op`'s order: t + (its whole gpu cost)
         G = pmax(t + (x.hwf[PASS_START] + _start_copy(c, x, t)), H2)
     H = H2

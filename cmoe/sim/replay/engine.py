@@ -94,11 +94,12 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
     c_ = np.ascontiguousarray                    # one array type everywhere: numba compiles once
     return ck.Costs(h2d, h2dq, xfix, eb, c_([[hw.cpu_expert_us(b, max(r, 1)) for r in range(R + 1)] for b, _ in keys]),
                     np.array(c.moe_layers, np.int64), hwf, hwi, c_(layer_gpu), c_(layer_host), c_(route_host), c_(dense_gpu),
-                    c_(dense_host), c_(attn_gpu), c_(attn_host), c_(pa.ntok), c_(commit_decode),
+                    c_(dense_host), c_(attn_gpu), c_(attn_host), c_(pa.ntok), c_(pa.decode), c_(commit_decode),
                     c_(pa.decode & bool(hw.pass_overlap)), c_(pa.ntok <= hw.dense_rows), c_(pa.need_ptr), c_(pa.need),
                     c_(pa.votes), c_(xtab), c_(xcls), c_(htab), c_(wfix), c_(wcnt),
                     np.array(hw.host_wake_points or ((0.0, 1.0),), np.float64).reshape(-1, 2), c_(per_n[:, 6]),
-                    c_(per_n[:, 7]), np.array(hw.cpu_wake_points or ((0.0, 0.0),), np.float64).reshape(-1, 2), c_(per_n[:, 8]))
+                    c_(per_n[:, 7]), np.array(hw.cpu_wake_points or ((0.0, 0.0),), np.float64).reshape(-1, 2), c_(per_n[:, 8]),
+                    np.array(hw.host_pass_start_points or ((0.0, 0.0),), np.float64).reshape(-1, 2))
 
 
 class Replay:

@@ -1,0 +1,111 @@
+"""The host's pass start after a long decode pass (`host_pass_start_points`,
+`HardwareProfile.pass_start_extra_us`, `cmoe.calibrate.wake.fit_pass_start`): the table read
+exactly, checked where a profile is made, fitted from calibration's led runs, and added alike by
+both simulator engines to a GPU-only policy's pass start."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from cmoe.calibrate.host_fit import host_fields
+from cmoe.calibrate.wake import fit_pass_start, pass_start_means
+from cmoe.core.errors import CmoeError
+from cmoe.core.hw import H200, HardwareProfile
+from tests.test_replay import FLAT_CPU_START, FLAT_FIFO, both, same_run, tiny, tiny_costs
+
+POINTS = ((5000.0, 0.0), (15000.0, 27.0), (105000.0, 160.0))
+
+
+def test_the_extra_is_the_table_held_flat_outside_it():
+    p = replace(H200, host_pass_start_points=POINTS)
+    assert [p.pass_start_extra_us(u) for u in (0.0, 5000.0, 10000.0, 15000.0, 60000.0, 105000.0, 9e6)] == \
+        [0.0, 0.0, 13.5, 27.0, 93.5, 160.0, 160.0]
+    assert H200.pass_start_extra_us(9e6) == 0.0                              # none measured
+    back = HardwareProfile.from_dict(json.loads(json.dumps(p.to_dict())))
+    assert back.host_pass_start_points == POINTS and back == p
+    assert HardwareProfile.from_dict(H200.to_dict() | {"host_pass_start_points": None}).host_pass_start_points == ()
+
+
+@pytest.mark.parametrize("pts,says", [
+    ([[15000.0, 27.0], [5000.0, 0.0]], "passes ascending"),
+    ([[5000.0, -1.0]], "extra us >= 0"),
+    ([[-5.0, 1.0]], "a pass >= 0"),
+])
+def test_a_bad_table_is_one_line_naming_it(pts, says):
+    with pytest.raises(CmoeError, match="host_pass_start_points") as e:
+        HardwareProfile.from_dict(H200.to_dict() | {"host_pass_start_points": pts})
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def _pairs(prev, gap, gpu_gap, excess, n=5):
+    return [[prev, gap, gpu_gap, excess]] * n
+
+
+def test_the_fit_is_each_leads_start_over_the_unled_runs():
+    """A queued (unled) pair's start is its gap from the host's head plus layer 0's excess (its
+    gap from the GPU's end is negative: the host went on before the GPU ended); a synced (led)
+    pair's is its gap from the GPU's end plus the excess. Per lead the runs' medians are averaged;
+    a lead whose passes grew no longer than the point before is dropped."""
+    starts = [[0.0, _pairs(5000.0, 30.0, -170.0, 70.0)], [300.0, _pairs(15000.0, 540.0, 40.0, 90.0)],
+              [1000.0, _pairs(39000.0, 1300.0, 80.0, 110.0)], [3000.0, _pairs(39000.0, 3300.0, 300.0, 100.0)],
+              [0.0, _pairs(5200.0, 40.0, -160.0, 70.0)], [300.0, _pairs(15400.0, 540.0, 50.0, 90.0)],
+              [1000.0, _pairs(39000.0, 1300.0, 100.0, 110.0)], [3000.0, []]]
+    means = pass_start_means(starts)
+    assert means == {0.0: (5100.0, 105.0), 300.0: (15200.0, 135.0), 1000.0: (39000.0, 200.0), 3000.0: (39000.0, 400.0)}
+    assert fit_pass_start(starts) == [[5100.0, 0.0], [15200.0, 30.0], [39000.0, 95.0]]
+    # a lead that started sooner than the unled runs adds 0, never less; no unled runs, no table
+    assert fit_pass_start([[0.0, _pairs(5000.0, 30.0, -1.0, 70.0)], [300.0, _pairs(9000.0, 0.0, 10.0, 50.0)]]) == \
+        [[5000.0, 0.0], [9000.0, 0.0]]
+    assert fit_pass_start(starts[1:4]) == [] and fit_pass_start([]) == []
+    h = {"layer_points": [(1, 1e-5)], "route_points": [(1, 1e-5)], "expert_points": [(1, 1e-5)], "sync_s": 0.0,
+         "pass_start_s": 1e-4, "head_s": 0.0}
+    assert "host_pass_start_points" not in host_fields(h)
+    assert host_fields(h | {"pass_start_samples": starts})["host_pass_start_points"] == \
+        ((5100.0, 0.0), (15200.0, 30.0), (39000.0, 95.0))
+
+
+def test_a_pass_after_a_long_decode_pass_starts_later_in_both_engines():
+    """FLAT_FIFO's host (12 us a layer) is slower than its GPU, so every pass runs at the host's
+    pace and a pass start that takes x more makes its pass x longer. With the extra equal to the
+    pass before's length (a table (0, 0), (1e6, 1e6)), each pass after a decode pass is longer by
+    exactly that pass's length, and the first decode pass (after the prefill) by nothing, in SimPy
+    and the replay alike; a CPU-expert policy's own pass start (`startup_after_host`) is not the
+    one the table was measured on, and is left as it was."""
+    t = tiny(M=3, E=4, T=24, seed=0, requests=2, K=2)
+    prof = replace(FLAT_FIFO, host_pass_start_us=5.0)
+    for policy, slots in (("upper", 4), ("ondemand", 2)):
+        a, b, _, _ = both(t, policy, replace(prof, host_pass_start_points=((0.0, 0.0), (1e6, 1e6))), 1, slots=slots,
+                          costs=tiny_costs(t))
+        c, d, _, _ = both(t, policy, prof, 1, slots=slots, costs=tiny_costs(t))
+        same_run(a, b)
+        same_run(c, d)
+        dec = [x[1] for x in a.pass_us]
+        assert dec[0] is False and dec.count(True) >= 20
+        grew = [w[3] - o[3] for w, o in zip(a.pass_us, c.pass_us)]
+        assert grew == [a.pass_us[i - 1][3] if i and dec[i - 1] else 0.0 for i in range(len(grew))]
+    cpu = replace(FLAT_CPU_START, host_pass_start_points=((0.0, 0.0), (1e6, 1e6)))
+    assert cpu.startup_after_host(True)
+    a, b, _, _ = both(t, "lfu-fallback", cpu, 1, slots=2, costs=tiny_costs(t))
+    c, _, _, _ = both(t, "lfu-fallback", FLAT_CPU_START, 1, slots=2, costs=tiny_costs(t))
+    same_run(a, b)
+    assert a.pass_us == c.pass_us
+
+
+def test_calibrate_fits_the_samples_and_shows_each_lead_beside_the_profile():
+    from cmoe.calibrate.profile_fit import beside, fit_profile
+    from tests.test_calibrate import _synthetic
+    known = replace(H200, host_pass_start_us=100.0)
+    m = _synthetic(known)
+    plain = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-06")
+    assert plain.host_pass_start_points == () and "host_pass_start_points" not in plain.sources
+    starts = [[0.0, _pairs(5000.0, 30.0, -170.0, 70.0)], [1000.0, _pairs(39000.0, 1300.0, 80.0, 110.0)]]
+    m["layer"]["host"] |= {"pass_start_samples": starts}
+    got = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-06")
+    assert got.host_pass_start_points == ((5000.0, 0.0), (39000.0, 90.0))
+    assert "GPU sleep" in got.sources["host_pass_start_points"]
+    rows = {line[:28].strip(): line[28:].split() for line in beside(got, m).splitlines()}
+    assert rows["host, pass start after 5ms"][:2] == ["100.0us", f"{got.host_pass_start_us:.1f}us"]
+    assert rows["host, pass start after 39ms"][:2] == ["190.0us", f"{got.host_pass_start_us + 90.0:.1f}us"]
