@@ -76,7 +76,7 @@ def test_the_route_step_and_wait_come_from_the_decode_passes_spans():
 
 def test_a_pass_starts_samples_pair_each_pass_with_the_one_before():
     """[previous pass's latency, gap from its host_head, gap from the later of that and its GPU end,
-    layer 0's host_attention excess over the others], us; the prefill (pass 0) is no one's."""
+    layer 0's host_attention excess over the others, its host_head], us; the prefill (pass 0) is no one's."""
     h = lambda p, l, op, a, b: ("x", p, l, "host", op, -1, a, b, 0)        # noqa: E731
     g = lambda p, l, a, b: ("x", p, l, "compute", "attention", -1, a, b, 0)  # noqa: E731
     spans = [h(0, 0, "host_head", 0.0, 5.0),
@@ -88,7 +88,7 @@ def test_a_pass_starts_samples_pair_each_pass_with_the_one_before():
     log = SimpleNamespace(pass_us=[(0, False, 4, 9.0), (1, True, 1, 380.0), (2, True, 1, 150.0), (3, True, 1, 10.0)],
                           spans=spans)
     # pass 1 -> 2: head ends at 120, the GPU at 400, pass 2 enters at 450: gaps 330 and 50; excess 50 - 10
-    assert pass_start_samples(log) == [[380.0, 330.0, 50.0, 40.0]]
+    assert pass_start_samples(log) == [[380.0, 330.0, 50.0, 40.0, 25.0]]
 
 
 def test_the_wait_is_the_gpu_ahead_of_the_host_at_the_read_back():

@@ -64,20 +64,21 @@ def fit_wake(samples: list[tuple[float, float, float]]) -> list[list[float]]:
 def pass_start_samples(log) -> list[list[float]]:
     """Per pair of consecutive decode passes p, q: [p's latency, the host lane's gap from p's
     `host_head` end to q's first `host_attention`, the same gap from the later of that end and p's
-    last GPU span, q's first layer's `host_attention` excess over its others], in us. What the
-    pass start (`host_pass_start_us`) takes after a long pass: the validations' read-back runs
-    (thirty-fifth session's, pools 16/20) paid 117 us after passes under 20 ms and 337 after
-    200-400 ms; the led runs here give passes of ~5-100 ms, their passes synced (a lead keeps
-    them from queuing), hence the gap from the GPU's end too."""
+    last GPU span, q's first layer's `host_attention` excess over its others, p's `host_head`], in
+    us. What the pass start (`host_pass_start_us`) takes after a long pass: the validations'
+    read-back runs (thirty-fifth session's, pools 16/20) paid 117 us after passes under 20 ms and
+    337 after 200-400 ms; the led runs here give passes of ~5-100 ms, their passes synced (a lead
+    keeps them from queuing), hence the gap from the GPU's end too. The head is kept to see whether
+    it slows alike (the same runs' `host_head` read 33-400 us, calibrated 40)."""
     dec = decode_passes(log)
     lat = {p: us for p, d, _, us in log.pass_us if d}
-    head, enter, gpu_end = {}, {}, {}
+    head, enter, gpu_end, took = {}, {}, {}, {}
     att: dict[int, dict[int, float]] = {}
     for s in log.spans:
         if s[STEP] not in dec:
             continue
         if s[OP] == "host_head":
-            head[s[STEP]] = s[END]
+            head[s[STEP]], took[s[STEP]] = s[END], s[END] - s[START]
         elif s[OP] == "host_attention":
             enter[s[STEP]] = min(enter.get(s[STEP], s[START]), s[START])
             a = att.setdefault(s[STEP], {})
@@ -91,7 +92,7 @@ def pass_start_samples(log) -> list[list[float]]:
             first, *rest = sorted(att[q].items())
             excess = first[1] - float(np.mean([v for _, v in rest]))
             g = enter[q] - head[p]
-            out.append([float(lat[p]), g, enter[q] - max(head[p], gpu_end.get(p, head[p])), excess])
+            out.append([float(lat[p]), g, enter[q] - max(head[p], gpu_end.get(p, head[p])), excess, took[p]])
     return out
 
 
