@@ -59,7 +59,27 @@ def test_the_sampler_sees_this_process_spin_and_restarts():
         assert len(rows) >= 4 and all(r["t1"] > r["t0"] for r in rows)
         # ~0.4 core-seconds, counted in 10 ms ticks
         assert sum(r["ours"] * (r["t1"] - r["t0"]) for r in rows) == pytest.approx(0.4, abs=0.06)
-    assert not s._thread
+    assert s._child is None and s._file is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_sampler_runs_in_a_child_process_and_its_child_ends_with_its_parent(tmp_path):
+    """No thread of this process wakes to sample (one did until the thirty-sixth session, and took
+    the GIL from the executor's host ten times a second); a child whose process is gone stops."""
+    import subprocess
+    import threading
+    before = threading.active_count()
+    with LoadSampler(0.01) as s:
+        assert threading.active_count() == before and s._child.poll() is None
+        t0 = time.perf_counter()
+        while len(s.samples) < 3 and time.perf_counter() - t0 < 20:
+            time.sleep(0.01)
+        assert len(s.samples) >= 3                       # read back while it samples
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    out = tmp_path / "samples.txt"
+    host_load._child(gone.pid, 0.001, str(out))        # returns: /proc/<pid>/stat is gone
+    assert out.read_text() == ""
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

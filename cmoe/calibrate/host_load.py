@@ -8,17 +8,24 @@ pace of its slowest thread, so one core taken by anything else (another process,
 costs it nearly 2x. The sampler says whether that is what the slow stretches are: other cores'
 load and steal per window, lined up with the run's timelines by epoch time.
 
-Linux only (elsewhere `available()` is False and the sampler records nothing). One daemon thread
-wakes every `interval` seconds for a read of two small files (~60 us on a 2-core host, holding the
-GIL that long): a 17th runnable thread beside 16 OpenMP ones for that long, ten times a second, at
-most ~0.1% of a parallel region's time.
+Linux only (elsewhere `available()` is False and the sampler records nothing). A child process
+(this file run as a script) wakes every `interval` seconds for a read of two small files and
+appends the sample to a file the sampler reads back: a 17th runnable thread beside 16 OpenMP ones
+for ~60 us, ten times a second, and nothing in this process. Until the thirty-sixth session it
+was a thread of this process, and its ten wake-ups a second took the GIL from the executor's host:
+on an H100's 16-core host the read-back policies' LM-head step (calibrated 39 us) took 140-450 us
+about every 110 ms of every validation run, and the GPU waited for it at layer 0 (BENCHMARKS.md,
+thirty-sixth session).
 """
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import os
-import threading
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,10 +56,11 @@ def parse_self(text: str) -> int:
     return int(rest[11]) + int(rest[12])
 
 
-def snapshot() -> tuple[float, int, int, int, int, int]:
-    """One sample now: (epoch, process ticks, interrupt ticks, steal ticks, this process's ticks, CPUs)."""
+def snapshot(pid: int | None = None) -> tuple[float, int, int, int, int, int]:
+    """One sample now: (epoch, process ticks, interrupt ticks, steal ticks, the process's ticks
+    (this one's, or `pid`'s), CPUs)."""
     proc, irq, steal, cpus = parse_stat(STAT.read_text())
-    return time.time(), proc, irq, steal, parse_self(SELF.read_text()), cpus
+    return time.time(), proc, irq, steal, parse_self((SELF if pid is None else Path(f"/proc/{pid}/stat")).read_text()), cpus
 
 
 def windows(samples: list[tuple], hz: int) -> list[dict]:
@@ -96,35 +104,40 @@ def mean_over(rows: list[dict], t0: float, t1: float) -> dict | None:
 
 class LoadSampler:
     """`with LoadSampler() as s:` (or `start()` ... `stop()`) samples every `interval` seconds until
-    the block ends; `s.windows()` gives the intervals so far (`windows`), also while it samples.
-    Records nothing where /proc is absent."""
+    the block ends, in a child process (`_child`); `s.samples` and `s.windows()` (`windows`) give
+    the samples so far, also while it samples. Records nothing where /proc is absent."""
 
     def __init__(self, interval: float = 0.1):
-        self.interval, self.samples = interval, []
-        self._stop = threading.Event()
-        self._thread = None
+        self.interval, self._done = interval, []
+        self._child, self._file = None, None
 
-    def sample(self) -> None:
-        self.samples.append(snapshot())
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.sample()
+    @property
+    def samples(self) -> list[tuple]:
+        return self._done + (_read(self._file) if self._file else [])
 
     def start(self) -> LoadSampler:
-        if available() and self._thread is None:
-            self._stop.clear()
-            self.sample()
-            self._thread = threading.Thread(target=self._loop, name="cmoe-host-load", daemon=True)
-            self._thread.start()
+        if available() and self._child is None:
+            fd, name = tempfile.mkstemp(prefix="cmoe-host-load-", suffix=".txt")
+            os.close(fd)
+            self._file = Path(name)
+            with self._file.open("a") as f:
+                f.write(_line(snapshot()))
+            self._child = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(os.getpid()),
+                                            repr(self.interval), name], stdin=subprocess.DEVNULL, close_fds=True)
+            atexit.register(self.stop)
         return self
 
     def stop(self) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._thread = None
-            self.sample()
+        if self._child is not None:
+            self._child.terminate()
+            self._child.wait()
+            self._child = None
+            with self._file.open("a") as f:
+                f.write(_line(snapshot()))
+            self._done += _read(self._file)
+            self._file.unlink(missing_ok=True)
+            self._file = None
+            atexit.unregister(self.stop)
 
     def __enter__(self) -> LoadSampler:
         return self.start()
@@ -133,4 +146,33 @@ class LoadSampler:
         self.stop()
 
     def windows(self) -> list[dict]:
-        return windows(list(self.samples), HZ)
+        return windows(self.samples, HZ)
+
+
+def _line(sample: tuple) -> str:
+    return " ".join(repr(v) for v in sample) + "\n"
+
+
+def _read(path: Path) -> list[tuple]:
+    """The samples a file holds, whole lines only (the child may be writing the last)."""
+    out = []
+    for ln in path.read_text().split("\n")[:-1]:
+        f = ln.split()
+        if len(f) == 6:
+            out.append((float(f[0]), *(int(x) for x in f[1:])))
+    return out
+
+
+def _child(pid: int, interval: float, path: str) -> None:
+    """Append `pid`'s sample to `path` every `interval` seconds, until terminated or `pid` ends."""
+    with open(path, "a", buffering=1) as f:
+        while True:
+            time.sleep(interval)
+            try:
+                f.write(_line(snapshot(pid)))
+            except (FileNotFoundError, ProcessLookupError):
+                return
+
+
+if __name__ == "__main__":
+    _child(int(sys.argv[1]), float(sys.argv[2]), sys.argv[3])
