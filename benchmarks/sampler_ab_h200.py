@@ -1,0 +1,123 @@
+"""Issue 15: does the host-load sampler disturb the runs it watches? The same configurations run
+with no sampler, with a sampler thread in this process (the validations' until the thirty-sixth
+session: a read of /proc/stat and /proc/self/stat ten times a second, which takes the GIL), and
+with the sampler's child process (`cmoe.calibrate.host_load.LoadSampler` since), in rounds that
+alternate the three, so a drift of the host falls on all alike. Per run: tokens/s, the LM head's
+host step (`host_head`: median, and how many took over 120 us), layer 0's mean time (compute stream,
+`cmoe.analysis.validate._layer_times`) and the other layers'.
+
+    python benchmarks/sampler_ab_h200.py --out $OUT/sampler-ab.json [--pool 26 --batch 4 --rounds 3]
+    python benchmarks/sampler_ab_h200.py --out /tmp/ab.json --embedded --device cpu --slots 4   # a CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cmoe.executor.omp_wait import spin_threads  # noqa: E402  (before torch: libgomp reads it on load)
+
+SPIN = spin_threads("auto", True)     # as validate_h200.py runs
+
+from cmoe.analysis.validate import _layer_times  # noqa: E402
+from cmoe.calibrate.host_load import LoadSampler, available, snapshot  # noqa: E402
+from cmoe.core.timeline import END, LAYER, OP, START, STEP  # noqa: E402
+from cmoe.core.util import write_text_atomic  # noqa: E402
+from cmoe.executor.run import ExecConfig, build, prepare, run_policy  # noqa: E402
+
+MODES = ("none", "thread", "process")
+
+
+class _ThreadSampler:
+    """The sampler as it was: a daemon thread of this process, one `snapshot()` every interval."""
+
+    def __init__(self, interval: float = 0.1):
+        self.interval, self.samples, self._stop = interval, [], threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.samples.append(snapshot())
+
+    def start(self):
+        self._t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+def _sampler(mode: str):
+    if mode == "thread" and available():
+        return _ThreadSampler(0.1).start()
+    if mode == "process":
+        return LoadSampler(0.1).start()
+    return None
+
+
+def _row(r, mode: str, policy: str, rnd: int) -> dict:
+    log = r.log
+    dec = {p for p, d, _, _ in log.pass_us if d}
+    heads = [s[END] - s[START] for s in log.spans if s[OP] == "host_head" and s[STEP] in dec]
+    lt = _layer_times(log.spans, dec)
+    first = min(layer for _, layer in lt) if lt else 0
+    l0 = [v for (_, layer), v in lt.items() if layer == first]
+    rest = [v for (_, layer), v in lt.items() if layer != first]
+    return {"round": rnd, "mode": mode, "policy": policy, "tokens_per_s": r.metrics["tokens_per_s"],
+            "head_median_us": statistics.median(heads) if heads else None, "heads_over_120us": sum(h > 120 for h in heads),
+            "heads": len(heads), "layer0_mean_us": statistics.fmean(l0) if l0 else None,
+            "other_layers_mean_us": statistics.fmean(rest) if rest else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--spec", default="mixtral-8x7b")
+    ap.add_argument("--embedded", action="store_true")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--slots", type=int, default=None)
+    ap.add_argument("--pool", type=float, default=26.0)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--policies", default="lru-prefetch,ondemand")
+    a = ap.parse_args()
+    if a.embedded:
+        from cmoe.data import default_model
+        where = {"spec_name": None, "model_dir": default_model(), "trace_src": "embedded", "data": None}
+    else:
+        where = {"spec_name": a.spec, "model_dir": None, "trace_src": f"synthetic:{a.spec}", "data": None}
+    policies = tuple(a.policies.split(","))
+    cfg = ExecConfig(policies=policies, pool_gb=a.pool, batch=a.batch, tokens=a.tokens, device=a.device, slots=a.slots)
+    w, cfg = prepare(cfg=cfg, **where)
+    build(w, cfg)
+    run_policy(w, cfg, "upper")                          # untimed: kernels, allocator, every KV length
+    rows = []
+    for rnd in range(a.rounds):
+        for mode in (MODES if rnd % 2 == 0 else MODES[::-1]):
+            s = _sampler(mode)
+            try:
+                for p in policies:
+                    rows.append(_row(run_policy(w, cfg, p), mode, p, rnd))
+                    x = rows[-1]
+                    print(f"round {rnd} {mode:<8} {p:<13} {x['tokens_per_s']:8.2f} tok/s, head median "
+                          f"{x['head_median_us'] or 0:6.1f} us, {x['heads_over_120us']:2d} of {x['heads']} over 120 us, "
+                          f"layer 0 {x['layer0_mean_us'] or 0:7.1f} us, others {x['other_layers_mean_us'] or 0:7.1f} us",
+                          flush=True)
+            finally:
+                if s is not None:
+                    s.stop()
+    write_text_atomic(a.out, json.dumps({"date": time.strftime("%Y-%m-%d"), "spec": a.spec, "pool": a.pool,
+                                         "batch": a.batch, "tokens": a.tokens, "omp_wait": SPIN, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
