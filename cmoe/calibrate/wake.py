@@ -113,9 +113,11 @@ def pass_start_means(starts: list) -> dict[float, tuple[float, float]]:
 def fit_pass_start(starts: list) -> list[list[float]]:
     """`host_pass_start_points` [[previous pass us, extra us]] from `measure`'s samples: each
     lead's mean start less the unled runs' (clamped at 0), at its mean previous pass; the unled
-    point at 0, each point past the one before. [] without unled runs. On an H100 (thirty-sixth
-    session): 102 us after 5.1 ms passes, 128 after 15.6, 190 after 38.7 and 264 after 104, where
-    the validations' read-back runs paid 118, 173 (20-45 ms), 295 (80-130) and 337 (200-400)."""
+    point at 0, each point past the one before. [] without unled runs. Thirty-sixth session, two
+    H100 hosts: the first's 102 us after 5.1 ms passes, 128 after 15.6, 190 after 38.7 and 264
+    after 104, most of it its sampler thread's stall (`cmoe.calibrate.host_load`: one sample a
+    0.1 s, held off to a pass's end), its read-back runs paying 112-351 us; the second's, sampled
+    from a child process, 136, 254, 303 and 314, its runs 186-606 (BENCHMARKS.md)."""
     means = pass_start_means(starts)
     if 0.0 not in means:
         return []

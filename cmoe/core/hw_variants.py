@@ -68,8 +68,8 @@ class Variants:
     def pass_start_extra_us(self, prev_us: float) -> float:
         """What a GPU-only policy's host pass start takes more after a decode pass of `prev_us`:
         `host_pass_start_points` (pass us, extra us) read as `cpu_wake_us`'s, 0 with none measured.
-        An H100's host (thirty-sixth session) started a pass in 102 us after 5 ms passes and 264
-        after 104 ms ones, whatever the pass waited on (`cmoe.calibrate.wake.fit_pass_start`)."""
+        Two H100 hosts (thirty-sixth session) started a pass in 102 and 136 us after 5 ms passes,
+        264 and 314 after 104 ms ones, whatever the pass waited on (`cmoe.calibrate.wake.fit_pass_start`)."""
         return held(self.host_pass_start_points, prev_us, 0.0)
 
     def host_wake_base(self, tokens: int) -> float:
