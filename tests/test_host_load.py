@@ -1,5 +1,6 @@
 """The host-load sampler (`cmoe.calibrate.host_load`): /proc's text read exactly, windows as cores."""
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -75,11 +76,25 @@ def test_the_sampler_runs_in_a_child_process_and_its_child_ends_with_its_parent(
         while len(s.samples) < 3 and time.perf_counter() - t0 < 20:
             time.sleep(0.01)
         assert len(s.samples) >= 3                       # read back while it samples
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
+    assert s._child is None and s._file is None
+    # a parent killed past its atexit (timeout's SIGTERM, a SIGKILL): its sampler's child ends, its file goes
+    code = ("import sys, time; from cmoe.calibrate.host_load import LoadSampler; s = LoadSampler(0.01).start(); "
+            "print(s._file, flush=True); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[1])
+    left = Path(parent.stdout.readline().strip())
+    assert left.is_file()
+    parent.kill()
+    parent.wait()
+    t0 = time.perf_counter()
+    while left.exists() and time.perf_counter() - t0 < 20:
+        time.sleep(0.02)
+    assert not left.exists()
+    # called with a pid that is not its parent, the child returns at once and removes its file
     out = tmp_path / "samples.txt"
-    host_load._child(gone.pid, 0.001, str(out))        # returns: /proc/<pid>/stat is gone
-    assert out.read_text() == ""
+    out.write_text("")
+    host_load._child(os.getpid() + 10**6, 0.001, str(out))
+    assert not out.exists()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

@@ -89,6 +89,9 @@ def test_a_pass_starts_samples_pair_each_pass_with_the_one_before():
                           spans=spans)
     # pass 1 -> 2: head ends at 120, the GPU at 400, pass 2 enters at 450: gaps 330 and 50; excess 50 - 10
     assert pass_start_samples(log) == [[380.0, 330.0, 50.0, 40.0, 25.0]]
+    # a prefill between two decode passes (another request's): no pair across it
+    log.pass_us[2] = (2, False, 4, 150.0)
+    assert pass_start_samples(log) == []
 
 
 def test_the_wait_is_the_gpu_ahead_of_the_host_at_the_read_back():

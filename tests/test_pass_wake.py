@@ -24,6 +24,8 @@ def test_the_extra_is_the_table_held_flat_outside_it():
     assert [p.pass_start_extra_us(u) for u in (0.0, 5000.0, 10000.0, 15000.0, 60000.0, 105000.0, 9e6)] == \
         [0.0, 0.0, 13.5, 27.0, 93.5, 160.0, 160.0]
     assert H200.pass_start_extra_us(9e6) == 0.0                              # none measured
+    # host time: a host twice as slow (`host_scaled`, validate_table's --host-adjust) takes twice the extra
+    assert p.host_scaled(2.0).host_pass_start_points == ((5000.0, 0.0), (15000.0, 54.0), (105000.0, 320.0))
     back = HardwareProfile.from_dict(json.loads(json.dumps(p.to_dict())))
     assert back.host_pass_start_points == POINTS and back == p
     assert HardwareProfile.from_dict(H200.to_dict() | {"host_pass_start_points": None}).host_pass_start_points == ()

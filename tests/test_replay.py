@@ -133,8 +133,9 @@ FLAT_START = replace(FLAT_SLOW, pass_overlap=True, start_copy_us=0.7, pass_start
 # ... and a CPU-expert policy's own pass start, whose GPU start-up waits for its host (`startup_after_host`),
 # with copies slow enough (100 us) that a pass's loads are still moving as the next one starts
 FLAT_CPU_START = replace(FLAT_START, h2d_pinned=((1, 0.01),), cpu_pass_start_us=3.0, cpu_lead_us=0.5)
-# ... and a host pass start 0.1-3.3 us longer after a 20-90 us decode pass (`pass_start_extra_us`)
-FLAT_PASS_WAKE = replace(FLAT_START, host_pass_start_points=((20.0, 0.0), (90.0, 3.3)))
+# ... and a host pass start of 0.3 us, 0-3.3 us longer after a 20-90 us decode pass
+# (`pass_start_extra_us`; sums that round, so the engines must add them in one order)
+FLAT_PASS_WAKE = replace(FLAT_START, host_pass_start_us=0.3, host_pass_start_points=((20.0, 0.0), (90.0, 3.3)))
 
 
 @pytest.mark.parametrize("profile", [FLAT, FLAT2, FLAT_FIFO, FLAT_WAVE,

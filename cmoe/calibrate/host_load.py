@@ -124,17 +124,26 @@ class LoadSampler:
             fd, name = tempfile.mkstemp(prefix="cmoe-host-load-", suffix=".txt")
             os.close(fd)
             self._file = Path(name)
-            with self._file.open("a") as f:
-                f.write(_line(snapshot()))
-            self._child = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(os.getpid()),
-                                            repr(self.interval), name], stdin=subprocess.DEVNULL, close_fds=True)
+            try:
+                with self._file.open("a") as f:
+                    f.write(_line(snapshot()))
+                self._child = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(os.getpid()),
+                                                repr(self.interval), name], stdin=subprocess.DEVNULL, close_fds=True)
+            except BaseException:
+                self._file.unlink(missing_ok=True)
+                self._file = None
+                raise
             atexit.register(self.stop)
         return self
 
     def stop(self) -> None:
         if self._child is not None:
             self._child.terminate()
-            self._child.wait()
+            try:
+                self._child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._child.kill()
+                self._child.wait()
             self._child = None
             with self._file.open("a") as f:
                 f.write(_line(snapshot()))
@@ -168,14 +177,17 @@ def _read(path: Path) -> list[tuple]:
 
 
 def _child(pid: int, interval: float, path: str) -> None:
-    """Append `pid`'s sample to `path` every `interval` seconds, until terminated or `pid` ends."""
+    """Append `pid`'s sample to `path` every `interval` seconds, until terminated (`stop`) or `pid`
+    is no longer this process's parent (it ended, killed past its `atexit`: `timeout`'s SIGTERM or
+    a SIGKILL); then the file, which no one will read, goes too."""
     with open(path, "a", buffering=1) as f:
-        while True:
+        while os.getppid() == pid:
             time.sleep(interval)
             try:
                 f.write(_line(snapshot(pid)))
             except (FileNotFoundError, ProcessLookupError):
-                return
+                break
+    Path(path).unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -62,10 +62,10 @@ def fit_wake(samples: list[tuple[float, float, float]]) -> list[list[float]]:
 
 
 def pass_start_samples(log) -> list[list[float]]:
-    """Per pair of consecutive decode passes p, q: [p's latency, the host lane's gap from p's
-    `host_head` end to q's first `host_attention`, the same gap from the later of that end and p's
-    last GPU span, q's first layer's `host_attention` excess over its others, p's `host_head`], in
-    us. What the pass start (`host_pass_start_us`) takes after a long pass: the validations'
+    """Per pair of decode passes p, q = p + 1 (no prefill between): [p's latency, the host lane's
+    gap from p's `host_head` end to q's first `host_attention`, the same gap from the later of that
+    end and p's last GPU span, q's first layer's `host_attention` excess over its others, p's
+    `host_head`], in us. What the pass start (`host_pass_start_us`) takes after a long pass: the validations'
     read-back runs (thirty-fifth session's, pools 16/20) paid 117 us after passes under 20 ms and
     337 after 200-400 ms; the led runs here give passes of ~5-100 ms, their passes synced (a lead
     keeps them from queuing), hence the gap from the GPU's end too. The head is kept to see whether
@@ -88,7 +88,7 @@ def pass_start_samples(log) -> list[list[float]]:
     out = []
     order = sorted(dec)
     for p, q in zip(order, order[1:]):
-        if p in head and q in enter and p in lat and len(att.get(q, {})) > 1:
+        if q == p + 1 and p in head and q in enter and p in lat and len(att.get(q, {})) > 1:
             first, *rest = sorted(att[q].items())
             excess = first[1] - float(np.mean([v for _, v in rest]))
             g = enter[q] - head[p]

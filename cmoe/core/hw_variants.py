@@ -30,7 +30,8 @@ class Variants:
         def scaled(f: str, v):                                   # a table's times, or the time
             return tuple((x, y * k) for x, y in v) if f in HOST_POINTS else v * k
         return replace(self, **{f: scaled(f, getattr(self, f)) for f in (*HOST_FIELDS, *HOST_POINTS)},
-                       python_host={f: scaled(f, v) for f, v in self.python_host.items()})
+                       python_host={f: scaled(f, v) for f, v in self.python_host.items()},
+                       host_pass_start_points=scaled(HOST_POINTS[0], self.host_pass_start_points))
 
     def python_step(self) -> "HardwareProfile":
         """The host where the compiled host program does not plan (`CMOE_HOST_PROGRAM=0`: the
@@ -66,7 +67,8 @@ class Variants:
         return held(self.cpu_wake_points, idle_us, 0.0)
 
     def pass_start_extra_us(self, prev_us: float) -> float:
-        """What a GPU-only policy's host pass start takes more after a decode pass of `prev_us`:
+        """What the host pass start `host_pass_start_us` prices takes more after a decode pass of
+        `prev_us` (not a CPU-expert policy's own, `cpu_pass_start_us`, where calibrated):
         `host_pass_start_points` (pass us, extra us) read as `cpu_wake_us`'s, 0 with none measured.
         Two H100 hosts (thirty-sixth session) started a pass in 102 and 136 us after 5 ms passes,
         264 and 314 after 104 ms ones, whatever the pass waited on (`cmoe.calibrate.wake.fit_pass_start`)."""
