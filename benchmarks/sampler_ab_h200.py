@@ -1,6 +1,7 @@
 """Issue 15: does the host-load sampler disturb the runs it watches? The same configurations run
 with no sampler, with a sampler thread in this process (the validations' until the thirty-sixth
-session: a read of /proc/stat and /proc/self/stat ten times a second, which takes the GIL), and
+session: a read of /proc/stat and /proc/self/stat ten times a second, which takes the GIL; the
+host program held the GIL through a pass then, and runs without it, `nogil`, since), and
 with the sampler's child process (`cmoe.calibrate.host_load.LoadSampler` since), in rounds that
 alternate the three, so a drift of the host falls on all alike. Per run: tokens/s, the LM head's
 host step (`host_head`: median, and how many took over 120 us), layer 0's mean time (compute stream,

@@ -13,9 +13,9 @@ Linux only (elsewhere `available()` is False and the sampler records nothing). A
 appends the sample to a file the sampler reads back: a 17th runnable thread beside 16 OpenMP ones
 for ~60 us, ten times a second, and nothing in this process. Until the thirty-sixth session it
 was a thread of this process, and it stalled the host it watched: the compiled host program
-(`cmoe.executor.host_program`, numba without `nogil`) holds the GIL through a whole pass, its
-read-back syncs included, so the thread's wake-ups waited for a pass to end and then ran in the
-next pass's start. On an H100's 16-core host 782 of the 871 LM-head steps over 120 us in a
+(`cmoe.executor.host_program`) held the GIL through a whole pass, its read-back syncs included
+(it runs without it since, `nogil`), so the thread's wake-ups waited for a pass to end and then
+ran in the next pass's start. On an H100's 16-core host 782 of the 871 LM-head steps over 120 us in a
 validation's read-back runs held a sample's time, and none of the 713 under it
 (`benchmarks/sampler_heads.py`; calibrated 39 us, these 200-450), and the GPU waited for them at
 layer 0. The next validation, sampled from a child process, had 8 of 1,328 (BENCHMARKS.md,

@@ -19,6 +19,13 @@ What the step records (marks, host times, which experts ran in which launch, the
 arrays (`Books`); `cmoe.executor.lean_fast` turns them into the engine's spans and tallies at the
 run's end, as the Python step's marks are read only then on CUDA too.
 
+The program runs without the GIL (`nogil`): it waits on read-backs for milliseconds, and until the
+thirty-sixth session it held the GIL through them, so any other Python thread of the process (the
+validation's host-load sampler, a user's server thread) was frozen for a whole pass and then ran
+at the next pass's start, where the GPU waits for the host (BENCHMARKS.md, thirty-sixth session:
+782 of 871 long LM-head steps held a sample's time). A callback into Python (the CPU experts'
+step, the tests' logging stand-ins) takes the GIL back through ctypes for its own run.
+
 The functions a program calls (`Prog.fn`) are the CUDA runtime's on the GPU, and Python callbacks in
 the CPU tests, which log every call: the order of calls is the thing the tests pin down. The layout
 of its inputs and records and its primitives are `host_prims`'; commit's own order `host_commit`.
@@ -43,7 +50,7 @@ from cmoe.sim.replay.decide import _begin
 from cmoe.sim.replay.twin_pool import OCC
 
 
-@njit(cache=True, _nrt=False)
+@njit(cache=True, _nrt=False, nogil=True)
 def run(prog, pool, s, d, pd, b, gbase, p, P, ts, waves):
     """The pass after its inputs: P's graph, the policy's begin loads, each MoE layer, H's graph.
     0, or -1: the failing call and its error in `Books.cnt`."""
