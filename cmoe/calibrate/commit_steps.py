@@ -134,12 +134,10 @@ def start_copy_s(log, first: int, quiet=None) -> float | None:
     engine (`lean_io.pass_inputs`: the cache's slot) behind the load: on the H100s of the
     twenty-fourth and thirty-fifth sessions' runs layer 0's difference read 25-30 us and the other
     layers' 7-11 (BENCHMARKS.md, thirty-fifth session)."""
-    moving = _in_flight(log)
-    one = attention_tails(log, lambda layer: layer == first, moving)
-    rest = attention_tails(log, lambda layer: layer != first, moving)
+    one, rest = _split(tails_by_layer(log), first)
     if quiet is not None and len(one[False]) < START_MIN:
-        one[False] = attention_tails(quiet, lambda layer: layer == first)[False]
-        rest[False] = attention_tails(quiet, lambda layer: layer != first)[False]
+        q_one, q_rest = _split(tails_by_layer(quiet), first)
+        one[False], rest[False] = q_one[False], q_rest[False]
     if min(len(one[True]), len(one[False])) < START_MIN or min(len(rest[True]), len(rest[False])) < SLOW_MIN:
         return None
     d = lambda g: float(np.median(g[True]) - np.median(g[False]))  # noqa: E731
@@ -153,14 +151,34 @@ def attention_tails(log, keep, moving=None) -> dict[bool, list]:
     load was on the link at that point. `copy_slowdowns` reads every layer but the first;
     `benchmarks/layer0_tail.py` the first, whose span holds the pass's inputs and P. `moving`: the
     run's `_in_flight`, where the caller has it."""
+    return _merged(tails_by_layer(log, moving), keep)
+
+
+def tails_by_layer(log, moving=None) -> dict[int, dict[bool, list]]:
+    """`attention_tails` of every layer, by layer: one scan, for a caller that splits them."""
     dec, moving = decode_passes(log), moving or _in_flight(log)
     issued = {(s[STEP], s[LAYER]): s[END] for s in log.spans if s[OP] == "host_attention"}   # the last, in order
-    out: dict[bool, list] = {True: [], False: []}
+    out: dict[int, dict[bool, list]] = {}
     for s in log.spans:
-        if s[STEP] in dec and s[STREAM] == "compute" and s[OP] == "attention" and keep(s[LAYER]):
+        if s[STEP] in dec and s[STREAM] == "compute" and s[OP] == "attention":
             t0 = max(s[START], issued.get((s[STEP], s[LAYER]), s[START]))
-            out[moving(t0)].append(s[END] - t0)
+            out.setdefault(s[LAYER], {True: [], False: []})[moving(t0)].append(s[END] - t0)
     return out
+
+
+def _merged(by_layer: dict, keep) -> dict[bool, list]:
+    """`tails_by_layer`'s layers that `keep(layer)` accepts, together, keyed as `attention_tails`'."""
+    out: dict[bool, list] = {True: [], False: []}
+    for layer, got in by_layer.items():
+        if keep(layer):
+            out[True] += got[True]
+            out[False] += got[False]
+    return out
+
+
+def _split(by_layer: dict, first: int) -> tuple[dict, dict]:
+    """`tails_by_layer` as (layer `first`'s, every other layer's)."""
+    return _merged(by_layer, lambda layer: layer == first), _merged(by_layer, lambda layer: layer != first)
 
 
 def _routes(log, first: int) -> list:

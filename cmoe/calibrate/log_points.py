@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from cmoe.calibrate.spans import _per_layer, decode_passes, host_gaps
+from cmoe.calibrate.spans import _per_layer, decode_passes, first_excess, host_gaps, host_marks
 from cmoe.core.spec import ModelSpec
 from cmoe.core.timeline import END, EXPERT, LAYER, OP, START, STEP
 
@@ -174,21 +174,14 @@ def _pass_starts(log, dec: list[int]) -> list[tuple[int, int, float, float]]:
     pass start comes from paid 146-164; it grew with the CPU layers of the pass before, by 1.0-3.9
     us a layer from validation to validation (sessions 30-31, `cpu_wake_diagnosis.py`), too unsteady a
     slope to model, so calibrate records the pairs (`cpu_pass_points`) and fits none."""
-    att: dict[int, dict[int, float]] = {}
+    marks = host_marks(log, dec)
     cpu: dict[int, set] = {}
     for s in log.spans:
-        if s[STEP] in dec and s[OP] == "host_attention":
-            a = att.setdefault(s[STEP], {})
-            a[s[LAYER]] = a.get(s[LAYER], 0.0) + s[END] - s[START]
-        elif s[OP] == "cpu_expert":
+        if s[OP] == "cpu_expert":
             cpu.setdefault(s[STEP], set()).add(s[LAYER])
     rows = {p: n for p, _, n, _ in log.pass_us}
-    out = []
-    for p, q, gap in host_gaps(log, dec):
-        first, *rest = sorted(att[q].items())
-        excess = max(first[1] - (float(np.mean([v for _, v in rest])) if rest else 0.0), 0.0)
-        out.append((len(cpu.get(p, ())), rows[q], gap / 1e6, excess / 1e6))
-    return out
+    return [(len(cpu.get(p, ())), rows[q], gap / 1e6, max(first_excess(marks[2][q]), 0.0) / 1e6)
+            for p, q, gap in host_gaps(log, dec, marks)]
 
 
 def _load_cost(log, upper_route_us: float, cuda: bool) -> float:

@@ -79,20 +79,38 @@ def _sync_s(host: dict, tail: list) -> float:
     return max(float(np.median(host["gaps"])) + float(np.mean([x for _, x in tail])), 0.0)
 
 
-def host_gaps(log, dec: list[int]) -> list[tuple[int, int, float]]:
-    """(pass, next pass, us) for each pair of consecutive passes of `dec` (sorted) with both spans:
-    the host lane's gap from the pass's `host_head` end to the next pass's first `host_attention`."""
+def host_marks(log, dec) -> tuple[dict, dict, dict]:
+    """One scan of the host lane over the passes `dec`: each pass's `host_head` (start, end), its
+    first `host_attention`'s start, and its `host_attention` time by layer, in us."""
     ds = set(dec)
-    head: dict[int, float] = {}
+    head: dict[int, tuple[float, float]] = {}
     enter: dict[int, float] = {}
+    att: dict[int, dict[int, float]] = {}
     for s in log.spans:
         if s[STEP] not in ds:
             continue
         if s[OP] == "host_head":
-            head[s[STEP]] = s[END]
+            head[s[STEP]] = (s[START], s[END])
         elif s[OP] == "host_attention":
             enter[s[STEP]] = min(enter.get(s[STEP], s[START]), s[START])
-    return [(p, q, enter[q] - head[p]) for p, q in zip(dec, dec[1:]) if p in head and q in enter]
+            a = att.setdefault(s[STEP], {})
+            a[s[LAYER]] = a.get(s[LAYER], 0.0) + s[END] - s[START]
+    return head, enter, att
+
+
+def host_gaps(log, dec: list[int], marks: tuple | None = None) -> list[tuple[int, int, float]]:
+    """(pass, next pass, us) for each pair of consecutive passes of `dec` (sorted) with both spans:
+    the host lane's gap from the pass's `host_head` end to the next pass's first `host_attention`.
+    `marks`: the run's `host_marks`, where the caller has them."""
+    head, enter, _ = marks or host_marks(log, dec)
+    return [(p, q, enter[q] - head[p][1]) for p, q in zip(dec, dec[1:]) if p in head and q in enter]
+
+
+def first_excess(layers: dict[int, float]) -> float:
+    """A pass's first layer's `host_attention` time over the mean of its other layers' (`host_marks`'
+    by-layer times, us); the first's whole time where it has no other."""
+    first, *rest = sorted(layers.items())
+    return first[1] - (float(np.mean([v for _, v in rest])) if rest else 0.0)
 
 
 def _host_between(log, first: int) -> float:

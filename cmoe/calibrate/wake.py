@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from cmoe.calibrate.spans import decode_passes
-from cmoe.core.timeline import END, LAYER, OP, START, STEP, STREAM
+from cmoe.calibrate.spans import decode_passes, first_excess, host_gaps, host_marks
+from cmoe.core.timeline import END, OP, START, STEP, STREAM
 
 WAKE_LEADS_US = (300.0, 1000.0, 3000.0)     # GPU sleep before each layer's experts: waits up to ~3 ms,
                                             # the span of one to two 93.6 MB expert copies at 55 GB/s
@@ -70,30 +70,16 @@ def pass_start_samples(log) -> list[list[float]]:
     337 after 200-400 ms; the led runs here give passes of ~5-100 ms, their passes synced (a lead
     keeps them from queuing), hence the gap from the GPU's end too. The head is kept to see whether
     it slows alike (the same runs' `host_head` read 33-400 us, calibrated 40)."""
-    dec = decode_passes(log)
     lat = {p: us for p, d, _, us in log.pass_us if d}
-    head, enter, gpu_end, took = {}, {}, {}, {}
-    att: dict[int, dict[int, float]] = {}
+    order = sorted(lat)
+    head, enter, att = marks = host_marks(log, order)
+    gpu_end: dict[int, float] = {}
     for s in log.spans:
-        if s[STEP] not in dec:
-            continue
-        if s[OP] == "host_head":
-            head[s[STEP]], took[s[STEP]] = s[END], s[END] - s[START]
-        elif s[OP] == "host_attention":
-            enter[s[STEP]] = min(enter.get(s[STEP], s[START]), s[START])
-            a = att.setdefault(s[STEP], {})
-            a[s[LAYER]] = a.get(s[LAYER], 0.0) + s[END] - s[START]
-        if s[STREAM] == "compute":
+        if s[STREAM] == "compute" and s[STEP] in lat:
             gpu_end[s[STEP]] = max(gpu_end.get(s[STEP], s[END]), s[END])
-    out = []
-    order = sorted(dec)
-    for p, q in zip(order, order[1:]):
-        if q == p + 1 and p in head and q in enter and p in lat and len(att.get(q, {})) > 1:
-            first, *rest = sorted(att[q].items())
-            excess = first[1] - float(np.mean([v for _, v in rest]))
-            g = enter[q] - head[p]
-            out.append([float(lat[p]), g, enter[q] - max(head[p], gpu_end.get(p, head[p])), excess, took[p]])
-    return out
+    return [[float(lat[p]), gap, enter[q] - max(head[p][1], gpu_end.get(p, head[p][1])), first_excess(att[q]),
+             head[p][1] - head[p][0]]
+            for p, q, gap in host_gaps(log, order, marks) if q == p + 1 and len(att[q]) > 1]
 
 
 def pass_start_means(starts: list) -> dict[float, tuple[float, float]]:
