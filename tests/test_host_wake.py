@@ -35,15 +35,19 @@ def test_the_factor_is_the_table_held_flat_outside_it():
         HardwareProfile.from_dict(H200.to_dict() | {"h2d_pinned": None})
 
 
-@pytest.mark.parametrize("pts,says", [
-    ([[1100.0, 2.0], [100.0, 1.0]], "waits ascending"),
-    ([[100.0, 0.0]], "a factor > 0"),
-    ([[-5.0, 1.0]], "a wait >= 0"),
-    ([[100.0, "fast"]], "host_wake_points point"),
+@pytest.mark.parametrize("table,pts,says", [
+    ("host_wake_points", [[1100.0, 2.0], [100.0, 1.0]], "waits ascending"),
+    ("host_wake_points", [[100.0, 0.0]], "a factor > 0"),
+    ("host_wake_points", [[-5.0, 1.0]], "a wait >= 0"),
+    ("host_wake_points", [[100.0, "fast"]], "host_wake_points point"),
+    # the pass start after a long pass (`host_pass_start_points`, tests/test_pass_wake.py)
+    ("host_pass_start_points", [[15000.0, 27.0], [5000.0, 0.0]], "passes ascending"),
+    ("host_pass_start_points", [[5000.0, -1.0]], "extra us >= 0"),
+    ("host_pass_start_points", [[-5.0, 1.0]], "a pass >= 0"),
 ])
-def test_a_bad_table_is_one_line_naming_it(pts, says):
-    with pytest.raises(CmoeError, match="host_wake_points") as e:
-        HardwareProfile.from_dict(H200.to_dict() | {"host_wake_points": pts})
+def test_a_bad_table_is_one_line_naming_it(table, pts, says):
+    with pytest.raises(CmoeError, match=table) as e:
+        HardwareProfile.from_dict(H200.to_dict() | {table: pts})
     assert says in str(e.value) and "\n" not in str(e.value)
 
 
