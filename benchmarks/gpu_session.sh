@@ -81,6 +81,11 @@
 #                                             # process, alternating, lru-prefetch and ondemand at pool 26 batch 4 (~3 min:
 #                                             # the first call of the thirty-sixth session printed nothing in 120 s, its
 #                                             # warm-ups compiling each policy's program on a fresh machine)
+#   bash benchmarks/gpu_session.sh spin-ab    # issue 15: does libgomp's spinning team (OMP_WAIT_POLICY=ACTIVE, what a
+#                                             # validation's calibration sets) slow the GPU-only runs' host? processes
+#                                             # alternating ACTIVE and PASSIVE, CYCLES (2) cycles, each waking the team
+#                                             # before every round, samplers none/thread/process (MODES), lru-prefetch and
+#                                             # ondemand at pool 26 b4; no process starts past SPT (380) s (~6 min)
 #   bash benchmarks/gpu_session.sh ab-validate  # sampler-ab, then validate (CAL=built BATCHES=... as validate's)
 #   bash benchmarks/gpu_session.sh host-tests # the host-call, lean and reference-engine GPU tests (~1 min)
 #   bash benchmarks/gpu_session.sh program    # issue 13: the compiled host program (numba on the device), its
@@ -267,6 +272,14 @@ case "${1:-}" in
                VT=${VT:-440} POLS=upper,lfu-fallback,static BATCHES=${BATCHES:-1,8} CAL=built bash "$0" validate ;;
   sampler-ab) timeout ${ABT:-240} python3 benchmarks/sampler_ab_h200.py --out "$OUT/sampler-ab.json" --pool "${POOL:-26}" \
                 --batch "${BATCH:-4}" --rounds "${ROUNDS:-3}" 2>&1 | tee "$OUT/sampler-ab.log" | grep -E "^(round|built)|rror" || true ;;
+  spin-ab) for c in $(seq ${CYCLES:-2}); do for w in ACTIVE PASSIVE; do
+             [ "$SECONDS" -lt "${SPT:-380}" ] || { echo "spin-ab: past ${SPT:-380} s, cycle $c $w not started"; continue; }
+             env OMP_WAIT_POLICY=$w timeout $(( ${SPT:-380} + 40 - SECONDS )) python3 benchmarks/sampler_ab_h200.py \
+               --out "$OUT/spin-$c-$w.json" --pool "${POOL:-26}" --batch "${BATCH:-4}" --rounds "${ROUNDS:-2}" \
+               --modes "${MODES:-none,thread,process}" --policies "${POLS:-lru-prefetch,ondemand}" --wake-cpu \
+               > "$OUT/spin-$c-$w.log" 2>&1 || true
+             echo "== cycle $c $w"; grep -E "^(round|built)|rror" "$OUT/spin-$c-$w.log" | cut -c1-170 || true
+           done; done ;;
   ab-validate) bash "$0" sampler-ab; VT=${VT:-330} BATCHES=${BATCHES:-1,4} bash "$0" validate ;;
   validate-r) rm -rf /tmp/v; timeout 560 python3 benchmarks/validate_h200.py --out /tmp/v --pools "${POOLS:-16,20,26}" --batches "${2:?batches}" \
                 --tokens 32 --policies "${POLS:-upper,ondemand,lru-prefetch,commit,oracle}" --measure-only --repeat --spec "${SPEC:-mixtral-8x7b}" \
@@ -283,5 +296,5 @@ case "${1:-}" in
                 | grep -E "^lean|host phases|Error|error" > "$OUT/host-ab/$t$i.log") || true
            done; done
            grep -h "^lean" "$OUT"/host-ab/*.log | cut -c1-150 || true ;;
-  *) echo "usage: $0 program|live|ahead|tests|b1|b48|cpu48|host-wake|wait|host-tests|ncu|variants|kernel-ab|check|fuse-ab|attn|gemv|ncu-variants|gptq|step-ab|boundary|calib|validate|cpu-program|cpu-threads|cpu-wait|cpu-nt|cpu-nt-iso|cpu-bind-ab|cpu-pages|cpu-experts|validate-r BATCHES|host-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 program|live|ahead|tests|b1|b48|cpu48|host-wake|wait|host-tests|ncu|variants|kernel-ab|check|fuse-ab|attn|gemv|ncu-variants|gptq|step-ab|boundary|calib|validate|cpu-program|cpu-threads|cpu-wait|cpu-nt|cpu-nt-iso|cpu-bind-ab|cpu-pages|spin-ab|sampler-ab|ab-validate|cpu-experts|validate-r BATCHES|host-ab" >&2; exit 2 ;;
 esac

@@ -9,12 +9,20 @@ host step (`host_head`: median, and how many took over 120 us), layer 0's mean t
 
     python benchmarks/sampler_ab_h200.py --out $OUT/sampler-ab.json [--pool 26 --batch 4 --rounds 3]
     python benchmarks/sampler_ab_h200.py --out /tmp/ab.json --embedded --device cpu --slots 4   # a CPU check
+
+The OpenMP A/B (thirty-seventh session, `gpu_session.sh spin-ab`): processes alternating
+`OMP_WAIT_POLICY=ACTIVE` (what validate_h200.py and `cmoe calibrate` set: the thirty-sixth
+session's validations used a median of 15.9 of the H100 host's 16 cores, the team spinning after
+calibration's CPU experts) and `PASSIVE`, each `--wake-cpu` (a CPU matmul on the whole team before
+every round, so the team exists and, under ACTIVE, spins through the runs); `cores` per run: the
+process's CPU time over the run's wall time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import threading
@@ -64,6 +72,18 @@ def _sampler(mode: str):
     return None
 
 
+def _wake_cpu() -> None:
+    """One parallel region on torch's whole CPU team (a 2048-square matmul)."""
+    import torch
+    a = torch.ones(2048, 2048)
+    (a @ a).sum().item()
+
+
+def _cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
 def _row(r, mode: str, policy: str, rnd: int, sampled: list[float]) -> dict:
     """One run's figures; `sampled`: the epoch times the sampler took its samples at, to count the
     long heads (over 120 us) with a sample inside them (from 0.5 ms before: the thirty-fifth
@@ -96,7 +116,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--policies", default="lru-prefetch,ondemand")
+    ap.add_argument("--modes", default=",".join(MODES), help="samplers to alternate (none, thread, process)")
+    ap.add_argument("--wake-cpu", action="store_true", help="a CPU matmul on torch's whole team before each round")
     a = ap.parse_args()
+    modes = tuple(a.modes.split(","))
+    if set(modes) - set(MODES):
+        sys.exit(f"sampler_ab_h200: --modes takes {', '.join(MODES)}; got {a.modes}")
     if a.embedded:
         from cmoe.data import default_model
         where = {"spec_name": None, "model_dir": default_model(), "trace_src": "embedded", "data": None}
@@ -112,14 +137,20 @@ def main() -> None:
     print(f"built and warmed in {time.perf_counter() - t0:.0f} s", flush=True)   # empty: ~30 s each)
     rows = []
     for rnd in range(a.rounds):
-        for mode in (MODES if rnd % 2 == 0 else MODES[::-1]):
+        if a.wake_cpu:
+            _wake_cpu()
+        for mode in (modes if rnd % 2 == 0 else modes[::-1]):
             s = _sampler(mode)
             try:
                 for p in policies:
+                    c0, t0 = _cpu_s(), time.perf_counter()
                     res = run_policy(w, cfg, p)
+                    cores = (_cpu_s() - c0) / (time.perf_counter() - t0)
                     rows.append(_row(res, mode, p, rnd, [x[0] for x in s.samples] if s is not None else []))
                     x = rows[-1]
-                    print(f"round {rnd} {mode:<8} {p:<13} {x['tokens_per_s']:8.2f} tok/s, head median "
+                    x["cores"] = round(cores, 2)
+                    print(f"round {rnd} {os.environ.get('OMP_WAIT_POLICY', 'default'):<7} {mode:<8} {p:<13} "
+                          f"{x['tokens_per_s']:8.2f} tok/s, {cores:5.2f} cores, head median "
                           f"{x['head_median_us'] or 0:6.1f} us, {x['heads_over_120us']:2d} of {x['heads']} over 120 us "
                           f"({x['long_heads_with_a_sample']} with a sample), "
                           f"layer 0 {x['layer0_mean_us'] or 0:7.1f} us, others {x['other_layers_mean_us'] or 0:7.1f} us",
