@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cmoe.executor.omp_wait import spin_threads  # noqa: E402  (before torch: libgomp reads it on load)
 
-SPIN = spin_threads("auto", True)     # as validate_h200.py runs
+SPIN = spin_threads("auto", False)    # GPU-only policies: as validate_h200.py and `cmoe run` run them
 
 from cmoe.analysis.validate import _layer_times  # noqa: E402
 from cmoe.calibrate.host_load import LoadSampler, available, snapshot  # noqa: E402

@@ -14,10 +14,12 @@ only in pool and batch). Writes, under --out:
   (`cmoe.calibrate.host_load`), rewritten with results.json.
 With --profile PATH it measures nothing and uses that profile (e.g. a second pass with the
 same calibration). Needs simpy for the predictions (without it only the measured side is written).
-On a GPU machine it sets OMP_WAIT_POLICY=ACTIVE before torch loads unless the variable is given
-(its calibration measures CPU experts, as `cmoe calibrate` does; `cmoe.executor.omp_wait`), even
-under --profile, which calibrates nothing, so its GPU-only runs too run beside spinning threads;
-results.json records it (`omp_env`, `omp_wait`).
+On a GPU machine it sets OMP_WAIT_POLICY=ACTIVE before torch loads, unless the variable is given,
+where --policies names a CPU-expert policy, as `cmoe run` does (`cmoe.executor.omp_wait`); until
+the thirty-seventh session it set it for every validation, since its calibration measures CPU
+experts, and a validation of GPU-only policies ran its calibration and runs beside a team
+spinning on all 16 cores, which slowed such runs 0.5-2.4% (`benchmarks/sampler_ab_h200.py`,
+BENCHMARKS.md). results.json records it (`omp_env`, `omp_wait`).
 
     python benchmarks/validate_h200.py --out $OUT --pools 20,26 --batches 1,8 --tokens 64
 """
@@ -35,14 +37,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cmoe.executor.omp_wait import spin_threads  # noqa: E402  (before torch: libgomp reads it on load)
+from cmoe.policy.policies import POLICIES, trait  # noqa: E402  (pure: no torch)
 
-SPIN = spin_threads("auto", True)     # calibrate measures CPU experts: as `cmoe calibrate` and `cmoe run` set it
+
+def _named_policies(argv: list[str]) -> list[str]:
+    """--policies as given (before argparse runs, which needs nothing loaded), or every policy."""
+    for i, a in enumerate(argv):
+        if a == "--policies" and i + 1 < len(argv):
+            return argv[i + 1].split(",")
+        if a.startswith("--policies="):
+            return a.split("=", 1)[1].split(",")
+    return list(POLICIES)
+
+
+SPIN = spin_threads("auto", any(trait(p, "cpu_experts") for p in _named_policies(sys.argv)))   # as `cmoe run`
 
 import torch  # noqa: E402
 
 from cmoe.executor.run import ExecConfig, build, prepare, run_policy  # noqa: E402
 from cmoe.executor.run import write_outputs as write_exec  # noqa: E402
-from cmoe.policy.policies import POLICIES  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
 
 

@@ -11,20 +11,39 @@ def _cpu(v: dict) -> int:
     return v["op_kinds"].get("cpu_expert", {}).get("n", 0)
 
 
+def _spins(policy: str | None) -> bool:
+    return bool(policy) and policy.split()[0] == "ACTIVE"
+
+
 def omp_note(v: dict) -> str | None:
     """A line where a run's CPU experts ran under other OpenMP settings (wait policy, and a binding
     of the user's) than the profile's were measured under (`cmoe.executor.omp_wait`: the wait
     policy moved them 1.45-1.91x on the lent H100s), or under settings other than the default where
-    the profile does not say (calibrated before cmoe recorded them)."""
+    the profile does not say (calibrated before cmoe recorded them). Without CPU experts, a line
+    only where one side's team spun (`ACTIVE`) and the other's did not: the host's own steps
+    moved with it (`host_note`)."""
     w = v.get("omp_wait") or {}
     prof, runs = w.get("profile"), w.get("runs")
-    if not _cpu(v) or runs is None or prof == runs or (prof is None and runs == "default"):
+    if not _cpu(v):
+        return host_note(prof, runs)
+    if runs is None or prof == runs or (prof is None and runs == "default"):
         return None
     said = f"under OpenMP {prof}" if prof else "under OpenMP settings it does not record"
     why = ("threads bound to cores or not ran them at other speeds in some calls on the lent H100s"
            if prof and prof.split()[0] == runs.split()[0] else
            "threads that spin or sleep between them moved them 1.45-1.91x on the lent H100s")
     return f"  the profile's CPU experts were measured {said}, the runs' ran under {runs}: {why}; calibrate under them"
+
+
+def host_note(prof: str | None, runs: str | None) -> str | None:
+    """GPU-only runs against a profile measured with the other spinning state (thirty-seventh
+    session, `benchmarks/sampler_ab_h200.py`, H100: processes alternating ACTIVE and PASSIVE, pool
+    26 batch 4: the spinning team took 16 of the host's 16 cores and slowed lru-prefetch and
+    ondemand 0.5-2.4%, 542 of 768 LM-head host steps over 120 us against 166)."""
+    if prof is None or runs is None or _spins(prof) == _spins(runs):
+        return None
+    return (f"  the profile's host steps were measured under OpenMP {prof}, the runs' under {runs}: a team "
+            "spinning on every core slowed GPU-only runs 0.5-2.4% on a lent H100; calibrate under them")
 
 
 def pages_note(v: dict) -> str | None:

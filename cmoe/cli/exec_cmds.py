@@ -140,7 +140,7 @@ def run_cmd(
     names = policy_names(policy, "--policy")
     silent = quiet or json_out
     say = (lambda *_: None) if silent else typer.echo
-    _spin(device, names, None, say, calibrates=not profile)
+    _spin(device, names, None, say)      # its calibration's CPU experts serve CPU-expert policies only
     from cmoe.cli.common import device_name
     device = device_name(device)
     doc = run_all(out, spec_name=spec, model_dir=model, trace_src=trace, policies=tuple(names), pool_gb=pool_gb,

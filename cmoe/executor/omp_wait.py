@@ -11,10 +11,14 @@ every run, its predictions within 3% in 14 of 18 configurations against 9 (thirt
 BENCHMARKS.md). GPU-only policies ran at the same speed either way (`upper` 221 tok/s).
 
 The price is CPU time: the team's threads keep their cores busy while the process lives (16 of
-the H100 host's 16 through each validation, against a median of 1.1 under the default). So the
-CLI and `cmoe.execute` set it only for a process that will run CPU experts (a CPU-expert policy,
-or a calibration, which measures them) on a GPU machine, never over the user's own
-`OMP_WAIT_POLICY`. libgomp reads the variables once, when torch loads it: set later they do
+the H100 host's 16 through each validation, against a median of 1.1 under the default), and the
+GPU-only runs' host beside them: thirty-seventh session, processes alternating ACTIVE and PASSIVE
+(`benchmarks/sampler_ab_h200.py`, pool 26 batch 4), lru-prefetch and ondemand ran 0.5-2.4%
+slower under ACTIVE and their LM-head host step took over 120 us in 542 of 768 steps against 166.
+The team cannot be stopped once it spins (a smaller parallel region leaves the rest docked,
+spinning). So the CLI and `cmoe.execute` set it only for a process that will run CPU experts (a
+CPU-expert policy, or `cmoe calibrate`, whose profile may serve one) on a GPU machine, never over
+the user's own `OMP_WAIT_POLICY`; `cmoe run` of GPU-only policies calibrates without it. libgomp reads the variables once, when torch loads it: set later they do
 nothing, so this refuses then and says so. A program that loads torch before calling cmoe sets
 them itself before that import.
 A run's metrics and a calibration record the policy in force (`in_force`); a fitted profile keeps
