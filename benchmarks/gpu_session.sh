@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # What a session on the lent H200 runs, in calls that each fit the device's 10-minute limit:
-#   bash benchmarks/gpu_session.sh tests      # the GPU tests (about 2 minutes)
+#   bash benchmarks/gpu_session.sh tests      # the GPU tests (203 s on an H100, thirty-seventh session; run
+#                                             # pytest through this script or with PYTHONPATH=$PWD:/tmp/site:
+#                                             # the executor's replay imports simpy)
 #   bash benchmarks/gpu_session.sh b1         # lean and reference engines, batch 1, pools 16/20/26, all policies
 #   bash benchmarks/gpu_session.sh b48        # batches 8 and 4, pools 20/16/26, the GPU-only policies
 #   bash benchmarks/gpu_session.sh cpu48      # batches 4 and 8, lfu-fallback and static (their CPU twins
@@ -151,7 +153,7 @@ case "${1:-}" in
      timeout 170 $P --out "$OUT/ahead-mixtral" --batches 1,4 --pools 20 --budget-s 140 2>&1 | grep -E "^lean|^HBM|^built|rror" || true
      timeout 90 $P --out "$OUT/ahead-olmoe" --spec olmoe-1b-7b --batches 1 --pools 3 --budget-s 60 2>&1 | grep -E "^lean|^HBM|^built|rror" || true ;;
   tests) timeout 300 python3 -m pytest -q -m gpu tests/test_lean_gpu.py tests/test_executor_gpu.py \
-           tests/test_moe_kernel_gpu.py -p no:cacheprovider | tail -15 ;;
+           tests/test_moe_kernel_gpu.py tests/test_host_calls_gpu.py -p no:cacheprovider -rf | tail -15 ;;
   b1) timeout 570 $B --out "$OUT/b1" --batches 1 --pools 16,20,26 --engines lean,hf \
         --policies ondemand,lru-prefetch,lfu-fallback,static,commit,oracle ;;
   b48) timeout 570 $B --out "$OUT/b48" --batches 8,4 --pools 20,16,26 --engines hf,lean \
