@@ -1,8 +1,9 @@
 """What a `HardwareProfile` derives from itself: the same profile with part of the machine faster
 or slower (`host_scaled`, `cpu_scaled`, `link_scaled`, `python_step`: the diagnoses of
 `benchmarks/validate_table.py` and the Python step's host), and the measured slow-down factors
-read off its tables (`host_wake`, `cpu_wake_us`). A mixin of `cmoe.core.hw.HardwareProfile`, apart so
-that the profile's fields and checks read in one file."""
+read off its tables (`host_wake`, `cpu_wake_us`), and the host's steps as both simulator engines
+read them (`host_layer`, `host_pass_start`, `first_mark`, ...). A mixin of
+`cmoe.core.hw.HardwareProfile`, apart so that the profile's fields and checks read in one file."""
 
 from __future__ import annotations
 
@@ -91,3 +92,47 @@ class Variants:
         session). The built-in profiles are estimates throughout and say so; they are not this."""
         return (self.sources.get("cpu_expert_gbps", "").startswith("measured by cmoe calibrate")
                 and not any(f in self.sources for f in ("cpu_lead_us", "cpu_gap_us", "cpu_tail_us")))
+
+    # the host's steps, as both engines read them ---------------------------------------------
+    @property
+    def pass_gap(self) -> float:
+        """`pass_gap_us` as both simulator engines read it: never more than the host's whole pass
+        start it is a part of."""
+        return min(self.pass_gap_us, self.host_pass_start_us)
+
+    def host_pass_start(self, cpu_experts: bool) -> float:
+        """The host's pass start under a policy: a CPU-expert policy's own where calibrate measured it
+        on its `static` runs (`cpu_pass_start_us`: their host's books and start-up fall in the GPU's
+        idle, 205-387 us a pass on an H100 where the eager GPU-only runs paid 146-164, thirtieth
+        session), else `host_pass_start_us`. Measured with the host program on: a Python-step
+        profile (`python_step`) keeps it, the one pass-start figure it has for these policies."""
+        return self.cpu_pass_start_us if self.startup_after_host(cpu_experts) else self.host_pass_start_us
+
+    def startup_after_host(self, cpu_experts: bool) -> bool:
+        """Does the policy pay a CPU-expert pass start of its own (`cpu_pass_start_us`, calibrated)?
+        Then the GPU's pass start-up (`pass_start_us`) waits for that host's whole pass start: it
+        launches the start-up at its end, where another policy's host has long launched it (runs
+        ahead). Seen with the host program on; a Python-step profile keeps it, unverified there."""
+        return bool(cpu_experts and self.cpu_pass_start_us)
+
+    def first_mark(self, cpu_experts: bool, chained: bool) -> float:
+        """Of a pass's host pass start, the part before its first mark, where layer 0's span starts:
+        a CPU-expert policy's books (`cpu_pass_gap_us`, its host the GPU waits for); a synced pass's
+        `pass_gap` at the least; a queued pass of another policy's nothing (its host runs ahead)."""
+        own = min(self.cpu_pass_gap_us, self.cpu_pass_start_us) if self.startup_after_host(cpu_experts) else 0.0
+        return own if chained else max(own, self.pass_gap)
+
+    def host_layer(self, tokens: int) -> float:
+        if self.host_layer_points:
+            return table_us(self.host_layer_points, tokens)
+        return self.host_layer_us + self.host_attn_us_per_token * max(tokens - 1, 0)
+
+    def host_route(self, tokens: int) -> float:
+        if self.host_route_points:
+            return table_us(self.host_route_points, tokens)
+        return self.host_route_us + self.host_route_us_per_token * max(tokens - 1, 0)
+
+    def host_expert(self, tokens: int) -> float:
+        if self.host_expert_points:
+            return table_us(self.host_expert_points, tokens)
+        return self.host_expert_us + self.host_expert_us_per_token * max(tokens - 1, 0)
