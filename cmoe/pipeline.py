@@ -73,13 +73,13 @@ def _run_into(out: Path, final: Path, w, cfg, profile: str | None, model_dir: Pa
         prof, m = calibrate(w.device, w.spec, w.fmt, layers, model_dir, name=f"calibrated-{w.device.type}", built=w,
                             progress=cfg.progress)
         echo(beside(prof, m))
-        cal = noise_of(m)
+        cal = noise_of(m, _cpu_experts(cfg.policies))
         echo(cal.line())
         write_text_atomic(out / "profile.json", json.dumps(prof.to_dict(), indent=1))
         write_text_atomic(out / "profile.measurements.json", json.dumps(m, indent=1))
         echo(f"wrote {final / 'profile.json'}")
     else:
-        prof, cal = load_profile(profile), _profile_noise(profile)
+        prof, cal = load_profile(profile), _profile_noise(profile, _cpu_experts(cfg.policies))
     sims = predict(w, cfg, prof, out / "predicted")
     echo("predicted:\n" + sim_table(sims))
     results = execute(w, cfg)
@@ -184,7 +184,14 @@ def summary_text(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def _profile_noise(profile: str):
+def _cpu_experts(policies) -> bool:
+    """Does a CPU-expert policy run? Else the calibration's CPU experts, measured with OpenMP's
+    threads sleeping (`cmoe.executor.omp_wait`), are no part of the verdict."""
+    from cmoe.policy.policies import trait
+    return any(trait(p, "cpu_experts") for p in policies)
+
+
+def _profile_noise(profile: str, cpu_experts: bool = True):
     """The noise verdict of a profile file's calibration, from the measurements calibrate wrote
     beside it; None for a built-in profile or a file without them."""
     from cmoe.calibrate.profile_fit import noise_of
@@ -192,7 +199,7 @@ def _profile_noise(profile: str):
     if not raw.is_file():
         return None
     try:
-        return noise_of(json.loads(raw.read_text()))
+        return noise_of(json.loads(raw.read_text()), cpu_experts)
     except (json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError):
         return None                     # not calibrate's: the verdict says the noise is unknown
 

@@ -93,6 +93,22 @@ def test_files_from_before_the_repeats_still_get_their_curves_checked():
     assert noise_of(old) == Noise(spreads=(), falls=("D2H pinned 16 MiB faster than 4 MiB",))
 
 
+def test_gpu_only_runs_show_the_cpu_experts_repeats_without_judging_them():
+    """`cmoe run` of GPU-only policies calibrates with OpenMP's threads sleeping: its CPU experts
+    may spread and fall (1 to 4 tokens here: 1.0-1.9 ms, then 1.2 ms), which must not call the
+    machine noisy for runs that never use them; a CPU-expert policy's run still judges them."""
+    cpu = {"unit": "tokens", "grows": True, "points": [[1, [1000 * US, 1900 * US, 1500 * US]], [4, [1200 * US] * 3]]}
+    m = {"repeats": CLEAN | {"CPU expert": cpu}}
+    judged, shown = noise_of(m), noise_of(m, cpu_experts=False)
+    assert [k for k, _ in judged.wide] == ["CPU expert, 1 tokens"] and judged.wide[0][1] == pytest.approx(0.3)
+    assert judged.falls == () and not judged.quiet
+    assert shown.quiet and shown.spreads == judged.spreads and shown.widest == noise(CLEAN).widest
+    assert noise_of({"repeats": CLEAN}, cpu_experts=False) == noise(CLEAN)
+    cpu["points"][1][1] = [500 * US] * 3                      # 4 tokens faster than 1: a fall, judged or not
+    assert noise_of(m).falls == ("CPU expert, 4 tokens faster than 1 tokens",)
+    assert noise_of(m, cpu_experts=False).falls == ()
+
+
 def test_run_verdict():
     quiet, busy = noise(CLEAN), noise({"D2H pinned": {"unit": "bytes", "grows": True,
                                                       "points": [[2**22, [8e-5]], [2**24, [6e-5]]]}})

@@ -136,3 +136,32 @@ def test_cmoe_run_says_when_the_profiles_openmp_wait_policy_is_not_the_runs(tmp_
         pred = json.loads((tmp_path / f"r{pol}" / "predicted" / "metrics.json").read_text())
         meas = json.loads((tmp_path / f"r{pol}" / "measured" / "metrics.json").read_text())
         assert (pred[0]["omp_wait_policy"], meas[0]["omp_wait_policy"]) == (pol or None, "default")
+
+
+def test_cmoe_run_of_gpu_only_policies_does_not_judge_the_cpu_experts_repeats(tmp_path):
+    """A profile whose calibration's CPU experts spread 30% (one token: 1.0, 1.5, 1.9 ms): a run of
+    GPU-only policies reads its calibration as quiet, a CPU-expert policy's as noisy (`noise_of`)."""
+    from typer.testing import CliRunner
+
+    from cmoe.cli.app import app
+    us = 1e-6
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps(_cpu_profile().to_dict()))
+    cpu = {"unit": "tokens", "grows": True, "points": [[1, [1000 * us, 1900 * us, 1500 * us]]]}
+    copies = {"unit": "bytes", "grows": True, "points": [[65536, [12 * us, 12.5 * us, 13 * us]]]}
+    prof.with_suffix(".measurements.json").write_text(json.dumps({"repeats": {"H2D pinned": copies,
+                                                                              "CPU expert": cpu}}))
+    said = {}
+    for pol in ("upper", "static"):
+        r = CliRunner().invoke(app, ["run", "--device", "cpu", "--policy", pol, "--tokens", "4", "--profile",
+                                     str(prof), "--out", str(tmp_path / pol)])
+        assert r.exit_code == 0, r.output
+        noise = [ln for ln in r.output.splitlines() if ln.startswith("noise: ")]
+        assert len(noise) == 1, r.output
+        said[pol] = noise[0].split("; ", 1)[1]
+    assert said["upper"].startswith("calibration quiet (spreads within 25% or 10 us; widest 4.0% at H2D pinned "
+                                    "64 KiB); one run")
+    assert said["static"].startswith("calibration noisy: 1 point spread over 25% (worst 30.0% at CPU expert, "
+                                     "1 tokens); one run")
+    assert said["static"].endswith("recalibrate on a quiet machine before reading these errors")
+

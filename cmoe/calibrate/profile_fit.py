@@ -382,11 +382,14 @@ def refit_profile(path, name: str | None = None) -> tuple[HardwareProfile, dict]
     return with_expert_classes(prof, H200), m
 
 
-def noise_of(m: dict) -> Noise:
+def noise_of(m: dict, cpu_experts: bool = True) -> Noise:
     """The verdict on measurements calibrate wrote; files from before the repeats were kept give
-    their copy and expert curves (best times only: falls, no spread)."""
+    their copy and expert curves (best times only: falls, no spread). For runs without CPU experts
+    (`cpu_experts` false: `cmoe run` of GPU-only policies, which calibrates with OpenMP's threads
+    sleeping) the CPU experts' repeats are shown, not judged."""
     if "repeats" in m:
-        return noise(m["repeats"])
+        return noise({k: c if cpu_experts or not k.startswith("CPU") else c | {"judged": False}
+                      for k, c in m["repeats"].items()})
     old = {"H2D pinned": ("bytes", m.get("h2d")), "D2H pinned": ("bytes", m.get("d2h")),
            "expert": ("tokens", (m.get("expert") or {}).get("points"))}
     return noise({k: {"unit": u, "grows": True, "points": [(x, [s]) for x, s in best_per_size(pts)]}
