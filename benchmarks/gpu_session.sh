@@ -83,8 +83,8 @@
 #                                             # process, alternating, lru-prefetch and ondemand at pool 26 batch 4 (~3 min:
 #                                             # the first call of the thirty-sixth session printed nothing in 120 s, its
 #                                             # warm-ups compiling each policy's program on a fresh machine)
-#   bash benchmarks/gpu_session.sh spin-ab    # issue 15: does libgomp's spinning team (OMP_WAIT_POLICY=ACTIVE, what a
-#                                             # validation's calibration sets) slow the GPU-only runs' host? processes
+#   bash benchmarks/gpu_session.sh spin-ab    # issue 15: does libgomp's spinning team (OMP_WAIT_POLICY=ACTIVE, what every
+#                                             # validation set until 49eb55a) slow the GPU-only runs' host? processes
 #                                             # alternating ACTIVE and PASSIVE, CYCLES (2) cycles, each waking the team
 #                                             # before every round, samplers none/thread/process (MODES), lru-prefetch and
 #                                             # ondemand at pool 26 b4; no process starts past SPT (380) s (~6 min)

@@ -11,7 +11,7 @@ host step (`host_head`: median, and how many took over 120 us), layer 0's mean t
     python benchmarks/sampler_ab_h200.py --out /tmp/ab.json --embedded --device cpu --slots 4   # a CPU check
 
 The OpenMP A/B (thirty-seventh session, `gpu_session.sh spin-ab`): processes alternating
-`OMP_WAIT_POLICY=ACTIVE` (what validate_h200.py and `cmoe calibrate` set: the thirty-sixth
+`OMP_WAIT_POLICY=ACTIVE` (what validate_h200.py and `cmoe calibrate` set until 49eb55a: the thirty-sixth
 session's validations used a median of 15.9 of the H100 host's 16 cores, the team spinning after
 calibration's CPU experts) and `PASSIVE`, each `--wake-cpu` (a CPU matmul on the whole team before
 every round, so the team exists and, under ACTIVE, spins through the runs); `cores` per run: the

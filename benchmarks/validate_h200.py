@@ -18,7 +18,7 @@ On a GPU machine it sets OMP_WAIT_POLICY=ACTIVE before torch loads, unless the v
 where --policies names a CPU-expert policy, as `cmoe run` does (`cmoe.executor.omp_wait`); until
 the thirty-seventh session it set it for every validation, since its calibration measures CPU
 experts, and a validation of GPU-only policies ran its calibration and runs beside a team
-spinning on all 16 cores, which slowed such runs 0.5-2.4% (`benchmarks/sampler_ab_h200.py`,
+spinning on all 16 cores, which slowed such runs 0.7-1.3% (`benchmarks/sampler_ab_h200.py`,
 BENCHMARKS.md). results.json records it (`omp_env`, `omp_wait`).
 
     python benchmarks/validate_h200.py --out $OUT --pools 20,26 --batches 1,8 --tokens 64
@@ -41,16 +41,14 @@ from cmoe.policy.policies import POLICIES, trait  # noqa: E402  (pure: no torch)
 
 
 def _named_policies(argv: list[str]) -> list[str]:
-    """--policies as given (before argparse runs, which needs nothing loaded), or every policy."""
-    for i, a in enumerate(argv):
-        if a == "--policies" and i + 1 < len(argv):
-            return argv[i + 1].split(",")
-        if a.startswith("--policies="):
-            return a.split("=", 1)[1].split(",")
-    return list(POLICIES)
+    """--policies as `main`'s parser will read it (the last one given; no abbreviations, there or
+    here), or every policy: read before torch loads, to know whether CPU experts run."""
+    ap = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    return ap.parse_known_args(argv)[0].policies.split(",")
 
 
-SPIN = spin_threads("auto", any(trait(p, "cpu_experts") for p in _named_policies(sys.argv)))   # as `cmoe run`
+SPIN = spin_threads("auto", any(trait(p, "cpu_experts") for p in _named_policies(sys.argv[1:])))   # as `cmoe run`
 
 import torch  # noqa: E402
 
@@ -60,7 +58,7 @@ from cmoe.core.util import write_text_atomic  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)      # as `_named_policies` reads --policies
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--pools", default="20,26")
     ap.add_argument("--batches", default="1,8")

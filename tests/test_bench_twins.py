@@ -41,3 +41,20 @@ def test_host_phases_are_read_per_layer_or_per_graphed_pass():
     assert phases_per_unit(ph, "1") == ("layer", {"pass: inputs": 10.0, "read-back wait": 30.0})
     assert phases_per_unit({"pass: head": 8.0, "passes": 2}, "1") == ("layer", {"pass: head": 8.0})
     assert phases_per_unit({"pass: head": 8.0}, "pass") == ("pass", {"pass: head": 8.0})
+
+
+def test_validate_h200_reads_policies_before_torch_as_its_parser_does(monkeypatch, tmp_path):
+    """`benchmarks/validate_h200.py` decides OpenMP's spinning from --policies before torch loads:
+    the last one given, `=` or not, every policy without it; an abbreviation is refused by `main`'s
+    parser, so the two never read different policies."""
+    from benchmarks.validate_h200 import _named_policies, main
+    from cmoe.policy.policies import POLICIES
+    assert _named_policies([]) == list(POLICIES)
+    assert _named_policies(["--out", "x", "--policies", "upper,ondemand", "--batches", "1"]) == ["upper", "ondemand"]
+    assert _named_policies(["--policies=static"]) == ["static"]
+    assert _named_policies(["--policies", "upper", "--policies", "static"]) == ["static"]
+    assert _named_policies(["--pol", "static"]) == list(POLICIES)
+    monkeypatch.setattr("sys.argv", ["validate_h200.py", "--out", str(tmp_path / "v"), "--pol", "static"])
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 2 and not (tmp_path / "v").exists()

@@ -165,7 +165,7 @@ def test_a_policy_file_decides_for_cmoe_execute(tmp_path):
 def test_calibrate_spins_for_any_policy_and_cmoe_run_for_cpu_experts(tmp_path):
     """`cmoe calibrate` measures CPU experts for whatever policy uses its profile later; `cmoe run`
     spins only for CPU-expert policies, calibrating or not: its calibration's CPU experts serve
-    them alone, and a spinning team slowed GPU-only runs 0.5-2.4% on a lent H100 (thirty-seventh
+    them alone, and a spinning team slowed GPU-only runs 0.7-1.3% on a lent H100 (thirty-seventh
     session), so their host steps are measured and run as `cmoe execute` runs them."""
     env = {"CWD": str(tmp_path)}
     assert _cli(["calibrate", "--device", "cuda", "--out", str(tmp_path / "p.json")], env) == [SET, NO_GPU]

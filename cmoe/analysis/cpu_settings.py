@@ -12,7 +12,7 @@ def _cpu(v: dict) -> int:
 
 
 def _spins(policy: str | None) -> bool:
-    return bool(policy) and policy.split()[0] == "ACTIVE"
+    return (policy or "").split()[:1] == ["ACTIVE"]
 
 
 def omp_note(v: dict) -> str | None:
@@ -39,11 +39,15 @@ def host_note(prof: str | None, runs: str | None) -> str | None:
     """GPU-only runs against a profile measured with the other spinning state (thirty-seventh
     session, `benchmarks/sampler_ab_h200.py`, H100: processes alternating ACTIVE and PASSIVE, pool
     26 batch 4: the spinning team took 16 of the host's 16 cores and slowed lru-prefetch and
-    ondemand 0.5-2.4%, 542 of 768 LM-head host steps over 120 us against 166)."""
+    ondemand 0.7% and 1.3%, 542 of 768 LM-head host steps over 120 us against 166). The advice
+    says how: `cmoe calibrate` sets ACTIVE on a GPU unless the variable is given, and `cmoe run`
+    calibrates GPU-only policies without it."""
     if prof is None or runs is None or _spins(prof) == _spins(runs):
         return None
+    how = ("calibrate with OMP_WAIT_POLICY=PASSIVE set, or let cmoe run calibrate" if _spins(prof)
+           else "calibrate with OMP_WAIT_POLICY=ACTIVE set")
     return (f"  the profile's host steps were measured under OpenMP {prof}, the runs' under {runs}: a team "
-            "spinning on every core slowed GPU-only runs 0.5-2.4% on a lent H100; calibrate under them")
+            f"spinning on every core slowed GPU-only runs 0.7-1.3% on a lent H100; {how}")
 
 
 def pages_note(v: dict) -> str | None:

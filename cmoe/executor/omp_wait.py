@@ -8,22 +8,25 @@ or ~1.6-2.0 ms, switching within a run (sessions 28-30). Under `ACTIVE` the thre
 isolated experts held 0.89-0.95 ms where the default process ran 7 of 8 arms 1.45-1.91x slower
 (thirtieth session), and a whole validation's CPU experts sat at 0.86-1.11 ms in every part of
 every run, its predictions within 3% in 14 of 18 configurations against 9 (thirty-first session;
-BENCHMARKS.md). GPU-only policies ran at the same speed either way (`upper` 221 tok/s).
+BENCHMARKS.md). GPU-only policies ran at the same speed either way then (`upper` 221 tok/s, the
+thirty-first session; but see below).
 
 The price is CPU time: the team's threads keep their cores busy while the process lives (16 of
 the H100 host's 16 through each validation, against a median of 1.1 under the default), and the
 GPU-only runs' host beside them: thirty-seventh session, processes alternating ACTIVE and PASSIVE
-(`benchmarks/sampler_ab_h200.py`, pool 26 batch 4), lru-prefetch and ondemand ran 0.5-2.4%
-slower under ACTIVE and their LM-head host step took over 120 us in 542 of 768 steps against 166.
-The team cannot be stopped once it spins (a smaller parallel region leaves the rest docked,
-spinning). So the CLI and `cmoe.execute` set it only for a process that will run CPU experts (a
-CPU-expert policy, or `cmoe calibrate`, whose profile may serve one) on a GPU machine, never over
-the user's own `OMP_WAIT_POLICY`; `cmoe run` of GPU-only policies calibrates without it. libgomp reads the variables once, when torch loads it: set later they do
-nothing, so this refuses then and says so. A program that loads torch before calling cmoe sets
-them itself before that import.
+(`benchmarks/sampler_ab_h200.py`, pool 26 batch 4), lru-prefetch and ondemand ran 0.7% and 1.3%
+slower under ACTIVE (medians of 12 runs) and their LM-head host step took over 120 us in 542 of
+768 steps against 166. The team cannot be stopped once it spins (a smaller parallel region leaves
+the rest docked, spinning). So the CLI and `cmoe.execute` set it only for a process that will run
+CPU experts (a CPU-expert policy, or `cmoe calibrate`, whose profile may serve one) on a GPU
+machine, never over the user's own `OMP_WAIT_POLICY`; `cmoe run` of GPU-only policies calibrates
+without it. libgomp reads the variables once, when torch loads it: set later they do nothing, so
+this refuses then and says so. A program that loads torch before calling cmoe sets them itself
+before that import.
 A run's metrics and a calibration record the policy in force (`in_force`); a fitted profile keeps
 it (`HardwareProfile.omp_wait_policy`), the simulator's metrics carry the profile's, and
-`cmoe validate` names a CPU-expert run whose policy differs from its profile's (`omp_note`).
+`cmoe validate` names a CPU-expert run whose policy differs from its profile's, and a GPU-only run
+whose team spun where its profile's did not or the other way round (`omp_note`).
 
 Binding the team's threads to cores (`OMP_PROC_BIND`, `OMP_PLACES`, `GOMP_CPU_AFFINITY`) is the
 user's to set; cmoe records it. Thirty-second session, lent H100 hosts (16-core Xeon), under
