@@ -3,7 +3,20 @@ loaded back by path, as a user's checkpoint would be."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
+
+NO_SIMPY = ("the tests need simpy (the simulator; the executor's replay imports it too): run bash scripts/setup, "
+            "or on the GPU machine run them through benchmarks/gpu_session.sh tests, which puts .whl's on the path")
+
+
+def pytest_configure(config):
+    """One line, not dozens of failed tests, where simpy is missing (the thirty-seventh session lost
+    30 GPU tests to a shell without it on its path)."""
+    if importlib.util.find_spec("simpy") is None:
+        pytest.exit(NO_SIMPY, returncode=4)
+
 
 SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256)

@@ -153,3 +153,14 @@ def test_every_name_read_through_a_module_alias_exists():
             if loaded[target] is not None and not hasattr(loaded[target], node.attr):
                 missing.append(f"{name}:{node.lineno} {node.value.id}.{node.attr}")
     assert not missing, missing
+
+
+def test_pytest_without_simpy_stops_with_one_line():
+    """Where simpy is missing (a GPU machine's bare shell), pytest stops at once with one line
+    that says what to do, not with dozens of failed tests (`conftest.NO_SIMPY`)."""
+    from tests.conftest import NO_SIMPY
+    code = ("import sys; sys.modules['simpy'] = None; import pytest; "
+            "sys.exit(pytest.main(['-q', '--collect-only', 'tests/test_noise.py', '-p', 'no:cacheprovider']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1],
+                       timeout=120)
+    assert r.returncode == 4 and f"Exit: {NO_SIMPY}" in r.stdout + r.stderr
