@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cmoe.executor.omp_wait import spin_threads  # noqa: E402  (before torch: libgomp reads it on load)
-from cmoe.policy.policies import POLICIES, trait  # noqa: E402  (pure: no torch)
+from cmoe.policy.policies import POLICIES, any_trait  # noqa: E402  (pure: no torch)
 
 
 def _named_policies(argv: list[str]) -> list[str]:
@@ -48,7 +48,7 @@ def _named_policies(argv: list[str]) -> list[str]:
     return ap.parse_known_args(argv)[0].policies.split(",")
 
 
-SPIN = spin_threads("auto", any(trait(p, "cpu_experts") for p in _named_policies(sys.argv[1:])))   # as `cmoe run`
+SPIN = spin_threads("auto", any_trait(_named_policies(sys.argv[1:]), "cpu_experts"))   # as `cmoe run`
 
 import torch  # noqa: E402
 

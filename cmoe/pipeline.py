@@ -66,6 +66,8 @@ def _run_into(out: Path, final: Path, w, cfg, profile: str | None, model_dir: Pa
     from cmoe.core.hw import load_profile
     from cmoe.sim.api import table as sim_table
     from cmoe.analysis.validate import format_validation, validate_folders
+    from cmoe.policy.policies import any_trait
+    cpu = any_trait(cfg.policies, "cpu_experts")     # else the calibration's CPU experts are shown, not judged
     build(w, cfg)
     if profile is None:                                   # calibrate once, on this machine and this model
         from cmoe.calibrate.measure import calibrate
@@ -73,13 +75,13 @@ def _run_into(out: Path, final: Path, w, cfg, profile: str | None, model_dir: Pa
         prof, m = calibrate(w.device, w.spec, w.fmt, layers, model_dir, name=f"calibrated-{w.device.type}", built=w,
                             progress=cfg.progress)
         echo(beside(prof, m))
-        cal = noise_of(m, _cpu_experts(cfg.policies))
+        cal = noise_of(m, cpu)
         echo(cal.line())
         write_text_atomic(out / "profile.json", json.dumps(prof.to_dict(), indent=1))
         write_text_atomic(out / "profile.measurements.json", json.dumps(m, indent=1))
         echo(f"wrote {final / 'profile.json'}")
     else:
-        prof, cal = load_profile(profile), _profile_noise(profile, _cpu_experts(cfg.policies))
+        prof, cal = load_profile(profile), _profile_noise(profile, cpu)
     sims = predict(w, cfg, prof, out / "predicted")
     echo("predicted:\n" + sim_table(sims))
     results = execute(w, cfg)
@@ -182,13 +184,6 @@ def summary_text(doc: dict) -> str:
               doc["noise"], f"{doc['report']}; calibration, both engines' tables and per-layer errors: "
               f"{doc['out']}/validation.json, or --verbose"]
     return "\n".join(lines)
-
-
-def _cpu_experts(policies) -> bool:
-    """Does a CPU-expert policy run? Else the calibration's CPU experts, measured with OpenMP's
-    threads sleeping (`cmoe.executor.omp_wait`), are no part of the verdict."""
-    from cmoe.policy.policies import trait
-    return any(trait(p, "cpu_experts") for p in policies)
 
 
 def _profile_noise(profile: str, cpu_experts: bool = True):

@@ -98,8 +98,8 @@ def for_policies(device: str, policies, calibrates: bool = False) -> str | None:
     """`spin_threads` for a run of these policies (names), or for one that calibrates (which
     measures CPU experts): what holds, or None where no CPU experts run beside a GPU (nothing to
     set, nothing to say). The CLI's commands and `cmoe.execute` call it before they load torch."""
-    from cmoe.policy.policies import trait
-    if not ((calibrates or any(trait(n, "cpu_experts") for n in policies)) and on_gpu(device)):
+    from cmoe.policy.policies import any_trait
+    if not ((calibrates or any_trait(policies, "cpu_experts")) and on_gpu(device)):
         return None
     return spin_threads(device, True)
 

@@ -29,7 +29,7 @@ from cmoe.executor.streams import run_events
 from cmoe.executor.layout import expert_layout, slot_size
 from cmoe.core.metrics import summary
 from cmoe.policy.budget import expert_budget
-from cmoe.policy.policies import POLICIES, make_policy, needs_future, trait
+from cmoe.policy.policies import POLICIES, any_trait, make_policy, needs_future, trait
 from cmoe.policy.pool import PoolLayout, layout_for_policy
 from cmoe.core.quant import QuantRecipe
 from cmoe.core.spec import ModelSpec, preset
@@ -181,7 +181,7 @@ def layout_for(w: Workload, cfg: ExecConfig, policy: str) -> tuple[PoolLayout, d
 def _check_memory(w: Workload, cfg: ExecConfig, slot: int) -> None:
     spec = w.spec
     store_bytes = slot * spec.num_experts * spec.num_moe_layers
-    twins = any(trait(p, "cpu_experts") for p in cfg.policies) and w.device.type == "cuda"
+    twins = any_trait(cfg.policies, "cpu_experts") and w.device.type == "cuda"
     host_need = store_bytes * (2 if twins else 1)
     if w.device.type == "cpu":            # the pool and the model live in host memory too (fp32: twice bf16)
         host_need += max(layout_for(w, cfg, p)[0].used_bytes for p in cfg.policies)
@@ -205,7 +205,7 @@ def build(w: Workload, cfg: ExecConfig) -> None:
     from cmoe.executor.model import load_checkpoint_model, random_model
     from cmoe.executor.store import checkpoint_store, packing_for, random_store
     dtype = torch.bfloat16 if w.device.type == "cuda" else torch.float32
-    twins = any(trait(p, "cpu_experts") for p in cfg.policies)
+    twins = any_trait(cfg.policies, "cpu_experts")
     packing = packing_for(w.fmt, w.device, uses_fused(cfg, w.spec, w.device))
     if w.model_dir is None:
         w.store = random_store(w.spec, w.fmt, w.device, cfg.seed, cfg.progress, packing)

@@ -365,6 +365,11 @@ def trait(name: str, what: str) -> bool:
     return name in _CLASSES and bool(getattr(_CLASSES[name], what))
 
 
+def any_trait(names, what: str) -> bool:
+    """Does any of the policies `names` have the trait (`trait`)?"""
+    return any(trait(n, what) for n in names)
+
+
 def python_step(name: str, program: bool = True) -> bool:
     """Does the executor plan this policy's layers in its Python step (`HardwareProfile.python_step`'s
     host costs)? Every built-in policy that plans has a compiled twin, which the host program runs
