@@ -28,11 +28,14 @@ class Variants:
     def host_scaled(self, k: float) -> "HardwareProfile":
         """This profile with every cost of the host thread k times as long (the GPU's, the link's and
         the CPU experts' unchanged; the Python step's too): a host k times slower than calibrated."""
+        def table(v):                                            # (x, us) points: their times
+            return tuple((x, y * k) for x, y in v)
+
         def scaled(f: str, v):                                   # a table's times, or the time
-            return tuple((x, y * k) for x, y in v) if f in HOST_POINTS else v * k
+            return table(v) if f in HOST_POINTS else v * k
         return replace(self, **{f: scaled(f, getattr(self, f)) for f in (*HOST_FIELDS, *HOST_POINTS)},
                        python_host={f: scaled(f, v) for f, v in self.python_host.items()},
-                       host_pass_start_points=scaled(HOST_POINTS[0], self.host_pass_start_points))
+                       host_pass_start_points=table(self.host_pass_start_points))
 
     def python_step(self) -> "HardwareProfile":
         """The host where the compiled host program does not plan (`CMOE_HOST_PROGRAM=0`: the
@@ -123,16 +126,16 @@ class Variants:
         return own if chained else max(own, self.pass_gap)
 
     def host_layer(self, tokens: int) -> float:
-        if self.host_layer_points:
-            return table_us(self.host_layer_points, tokens)
-        return self.host_layer_us + self.host_attn_us_per_token * max(tokens - 1, 0)
+        return _host_term(self.host_layer_points, self.host_layer_us, self.host_attn_us_per_token, tokens)
 
     def host_route(self, tokens: int) -> float:
-        if self.host_route_points:
-            return table_us(self.host_route_points, tokens)
-        return self.host_route_us + self.host_route_us_per_token * max(tokens - 1, 0)
+        return _host_term(self.host_route_points, self.host_route_us, self.host_route_us_per_token, tokens)
 
     def host_expert(self, tokens: int) -> float:
-        if self.host_expert_points:
-            return table_us(self.host_expert_points, tokens)
-        return self.host_expert_us + self.host_expert_us_per_token * max(tokens - 1, 0)
+        return _host_term(self.host_expert_points, self.host_expert_us, self.host_expert_us_per_token, tokens)
+
+
+def _host_term(points: tuple, one_us: float, per_token_us: float, tokens: int) -> float:
+    """A host step at `tokens` rows: its measured table (`HOST_POINTS`) where calibrate fitted one,
+    else the line from its one-token time."""
+    return table_us(points, tokens) if points else one_us + per_token_us * max(tokens - 1, 0)
