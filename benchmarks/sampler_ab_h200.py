@@ -35,6 +35,9 @@ from cmoe.executor.omp_wait import spin_threads  # noqa: E402  (before torch: li
 
 SPIN = spin_threads("auto", False)    # GPU-only policies: as validate_h200.py and `cmoe run` run them
 
+import numpy as np  # noqa: E402
+
+from benchmarks.sampler_heads import holds  # noqa: E402
 from cmoe.analysis.validate import _layer_times  # noqa: E402
 from cmoe.calibrate.host_load import LoadSampler, available, snapshot  # noqa: E402
 from cmoe.core.timeline import END, LAYER, OP, START, STEP  # noqa: E402
@@ -92,8 +95,9 @@ def _row(r, mode: str, policy: str, rnd: int, sampled: list[float]) -> dict:
     dec = {p for p, d, _, _ in log.pass_us if d}
     spans = [s for s in log.spans if s[OP] == "host_head" and s[STEP] in dec]
     heads = [s[END] - s[START] for s in spans]
-    at = [(s[START] / 1e6 + log.clock_epoch - 5e-4, s[END] / 1e6 + log.clock_epoch) for s in spans if s[END] - s[START] > 120]
-    hit = sum(any(a <= t <= b for t in sampled) for a, b in at)
+    ts = np.array(sorted(sampled))
+    hit = sum(holds(ts, s[START] / 1e6 + log.clock_epoch, s[END] / 1e6 + log.clock_epoch)
+              for s in spans if s[END] - s[START] > 120)
     lt = _layer_times(log.spans, dec)
     first = min(layer for _, layer in lt) if lt else 0
     l0 = [v for (_, layer), v in lt.items() if layer == first]

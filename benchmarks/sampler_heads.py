@@ -46,7 +46,7 @@ def _profile(folder: Path) -> HardwareProfile:
     return HardwareProfile.from_dict(d)
 
 
-def _by_pass(folder: Path, starts: list, prof: HardwareProfile) -> list[dict]:
+def _by_pass(starts: list, prof: HardwareProfile) -> list[dict]:
     a = np.array(starts, dtype=float).reshape(-1, 2)
     out = []
     for lo, hi in zip(PASS_BINS_MS, PASS_BINS_MS[1:]):
@@ -64,9 +64,10 @@ def _sampled(folder: Path) -> np.ndarray:
     return np.array(sorted({r["t0"] for r in w} | {r["t1"] for r in w}))
 
 
-def _holds(ts: np.ndarray, a: float, b: float) -> bool:
+def holds(ts: np.ndarray, a: float, b: float) -> bool:
+    """Does a sample time of `ts` (sorted, epoch s) fall from 0.5 ms before `a` to `b`?"""
     i = int(np.searchsorted(ts, a - 5e-4))
-    return i < len(ts) and ts[i] <= b
+    return bool(i < len(ts) and ts[i] <= b)
 
 
 def main() -> None:
@@ -90,9 +91,9 @@ def main() -> None:
             for s in sorted((s for s in spans if s[OP] == "host_attention"), key=lambda s: s[START]):
                 first.setdefault(s[STEP], s[END])
             for p, (h0, h1) in head.items():
-                heads.append((h1 - h0, _holds(ts, h0 / 1e6 + ep, h1 / 1e6 + ep)))
+                heads.append((h1 - h0, holds(ts, h0 / 1e6 + ep, h1 / 1e6 + ep)))
                 if p > 0 and p + 1 in first:
-                    starts.append((first[p + 1] - h1, _holds(ts, h1 / 1e6 + ep, first[p + 1] / 1e6 + ep)))
+                    starts.append((first[p + 1] - h1, holds(ts, h1 / 1e6 + ep, first[p + 1] / 1e6 + ep)))
     out = {"folder": str(a.folder), "samples": len(ts)}
     for name, rows in (("heads", heads), ("pass_starts", starts)):
         r = np.array(rows, dtype=float).reshape(-1, 2)
@@ -101,7 +102,7 @@ def main() -> None:
             m = (r[:, 0] >= lo) & (r[:, 0] < hi)
             out[name].append({"us": [lo, hi], "n": int(m.sum()), "with_a_sample": int(r[m, 1].sum())})
             print(f"{name:<11} {lo:5.0f}-{hi:<5.0f} us: {int(m.sum()):5d}, {int(r[m, 1].sum()):5d} holding a sample")
-    out["pass_start_by_previous_pass"] = _by_pass(a.folder, after, _profile(a.folder))
+    out["pass_start_by_previous_pass"] = _by_pass(after, _profile(a.folder))
     if a.out:
         write_text_atomic(a.out, json.dumps(out, indent=1))
 
