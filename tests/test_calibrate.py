@@ -779,3 +779,29 @@ def test_the_host_counts_cores_from_before_libgomp_binds(monkeypatch):
     assert host_cpu() == "" or host_cpu().endswith(", 7 cores")
     monkeypatch.setattr(omp_wait, "_CORES", None)             # torch came first: the mask now
     assert omp_wait.cores() == len(os.sched_getaffinity(0))
+
+
+def test_a_profile_for_gpu_only_policies_shows_the_cpu_experts_noise_without_judging_it(tmp_path):
+    """`cmoe calibrate --policy` naming GPU-only policies: their runs never use the CPU experts, so
+    a spread there (threads that sleep between experts, as those runs' do) is shown, not judged."""
+    from typer.testing import CliRunner
+
+    from cmoe.cli.app import app
+    m = _synthetic(replace(H200, launch_us=0.0, pass_start_us=1.0, head_us=1.0))
+    m["device"] = {"label": "test gpu", "memory_bytes": H200.gpu_mem_bytes, "date": "2026-12-06"}
+    m["repeats"] = {"CPU expert": {"unit": "tokens", "grows": True, "points": [[1, [900.0, 1800.0]], [4, [1500.0]]]}}
+    raw, out = tmp_path / "m.json", tmp_path / "p.json"
+    raw.write_text(json.dumps(m))
+    cal = ["calibrate", "--refit", str(raw), "--out", str(out), "--strict"]
+    r = CliRunner().invoke(app, cal)
+    assert r.exit_code == 2 and not out.exists(), r.output
+    refused = ("error: calibration is too noisy to trust (noisy: 1 point spread over 25% (worst 33.3% at CPU expert, "
+               f"1 tokens)); no profile written, the measurements are in {raw}: rerun cmoe calibrate on a quiet "
+               "machine, or without --strict")
+    assert r.output.splitlines()[-1] == refused
+    r = CliRunner().invoke(app, cal + ["--policy", "upper,commit"])
+    assert r.exit_code == 0 and out.is_file(), r.output
+    assert not [x for x in r.output.splitlines() if "noisy" in x]
+    out.unlink()
+    r = CliRunner().invoke(app, cal + ["--policy", "upper,static"])
+    assert r.exit_code == 2 and not out.exists() and r.output.splitlines()[-1] == refused, r.output

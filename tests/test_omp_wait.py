@@ -63,11 +63,10 @@ def test_for_policies_speaks_only_for_cpu_experts_beside_a_gpu(clean):
     assert omp_wait.for_policies("cuda", ["upper", "ondemand"]) is None
     assert omp_wait.for_policies("cpu", ["static"]) is None
     assert omp_wait.for_policies("cuda", []) is None and "OMP_WAIT_POLICY" not in os.environ
-    assert omp_wait.for_policies("cpu", ["upper"], calibrates=True) is None    # a calibration on the CPU
+    assert omp_wait.for_policies("cpu", ["upper", "static"]) is None
     assert omp_wait.for_policies("cuda:1", ["upper", "lfu-fallback"]) == SET
     assert omp_wait.for_policies("cuda", ["static"]) == "OMP_WAIT_POLICY=ACTIVE as given"
-    assert omp_wait.for_policies("cuda", ["upper"], calibrates=True) == "OMP_WAIT_POLICY=ACTIVE as given"
-    assert omp_wait.for_policies("cuda", ["upper"]) is None
+    assert omp_wait.for_policies("cuda", ["upper"]) is None         # GPU-only: nothing to say, even as given
 
 
 def test_refuses_once_torch_is_loaded(clean):
@@ -163,12 +162,18 @@ def test_a_policy_file_decides_for_cmoe_execute(tmp_path):
 
 
 def test_calibrate_spins_for_any_policy_and_cmoe_run_for_cpu_experts(tmp_path):
-    """`cmoe calibrate` measures CPU experts for whatever policy uses its profile later; `cmoe run`
-    spins only for CPU-expert policies, calibrating or not: its calibration's CPU experts serve
-    them alone, and a spinning team slowed GPU-only runs 0.7-1.3% on a lent H100 (thirty-seventh
-    session), so their host steps are measured and run as `cmoe execute` runs them."""
+    """`cmoe calibrate` measures CPU experts for whatever policy uses its profile later, unless its
+    `--policy` names GPU-only ones alone; `cmoe run` spins only for CPU-expert policies, calibrating
+    or not: its calibration's CPU experts serve them alone, and a spinning team slowed GPU-only runs
+    0.7-1.3% on a lent H100 (thirty-seventh session), so their host steps are measured and run as
+    `cmoe execute` runs them."""
     env = {"CWD": str(tmp_path)}
-    assert _cli(["calibrate", "--device", "cuda", "--out", str(tmp_path / "p.json")], env) == [SET, NO_GPU]
+    cal = ["calibrate", "--device", "cuda", "--out", str(tmp_path / "p.json")]
+    assert _cli(cal, env) == [SET, NO_GPU]
+    assert _cli(cal + ["--policy", "upper,commit"], env) == [NO_GPU]
+    assert _cli(cal + ["--policy", "upper,lfu-fallback"], env) == [SET, NO_GPU]
+    assert _cli(cal + ["--policy", "all"], env) == [SET, NO_GPU]
+    assert _cli(cal + ["--policy", "uper"], env)[-1].startswith("error: ")
     assert _cli(["run", "--device", "cuda", "--policy", "upper"], env) == [EMBEDDED, NO_GPU]
     assert _cli(["run", "--device", "cuda", "--policy", "upper,static"], env) == [SET, EMBEDDED, NO_GPU]
     assert _cli(["run", "--device", "cuda", "--policy", "upper", "--profile", "h200"], env) == [EMBEDDED, NO_GPU]

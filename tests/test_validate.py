@@ -386,12 +386,12 @@ def test_a_profile_measured_under_another_openmp_wait_policy_gets_a_line(runs):
         assert said == ([want] if want else [])
     v["op_kinds"]["cpu_expert"]["n"] = 0          # GPU-only runs: a line only where one side's team spun
     host = ("  the profile's host steps were measured under OpenMP {}, the runs' under {}: a team spinning on "
-            "every core slowed GPU-only runs 0.7-1.3% on a lent H100; calibrate with OMP_WAIT_POLICY={}")
-    for prof, runs_, want in (("default", "ACTIVE", host.format("default", "ACTIVE", "ACTIVE set")),
-                              (bound, "PASSIVE", host.format(bound, "PASSIVE", "PASSIVE set, or let cmoe run "
-                                                                                "calibrate")),
+            "every core slowed GPU-only runs 0.7-1.3% on a lent H100; calibrate with {}")
+    for prof, runs_, want in (("default", "ACTIVE", host.format("default", "ACTIVE", "OMP_WAIT_POLICY=ACTIVE set")),
+                              (bound, "PASSIVE", host.format(bound, "PASSIVE", "--policy naming the runs' "
+                                                                                "policies, or let cmoe run calibrate")),
                               ("ACTIVE", bound, None), ("default", "PASSIVE bind=close", None),
-                              (" ", "ACTIVE", host.format(" ", "ACTIVE", "ACTIVE set")),
+                              (" ", "ACTIVE", host.format(" ", "ACTIVE", "OMP_WAIT_POLICY=ACTIVE set")),
                               (None, "ACTIVE", None), ("ACTIVE", None, None)):
         v["omp_wait"] = {"profile": prof, "runs": runs_}
         assert omp_note(v) == want

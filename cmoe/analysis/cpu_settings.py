@@ -40,11 +40,11 @@ def host_note(prof: str | None, runs: str | None) -> str | None:
     session, `benchmarks/sampler_ab_h200.py`, H100: processes alternating ACTIVE and PASSIVE, pool
     26 batch 4: the spinning team took 16 of the host's 16 cores and slowed lru-prefetch and
     ondemand 0.7% and 1.3%, 542 of 768 LM-head host steps over 120 us against 166). The advice
-    says how: `cmoe calibrate` sets ACTIVE on a GPU unless the variable is given, and `cmoe run`
-    calibrates GPU-only policies without it."""
+    says how: `cmoe calibrate` sets ACTIVE on a GPU unless the variable is given or its `--policy`
+    names GPU-only policies alone, and `cmoe run` calibrates GPU-only policies without it."""
     if prof is None or runs is None or _spins(prof) == _spins(runs):
         return None
-    how = ("calibrate with OMP_WAIT_POLICY=PASSIVE set, or let cmoe run calibrate" if _spins(prof)
+    how = ("calibrate with --policy naming the runs' policies, or let cmoe run calibrate" if _spins(prof)
            else "calibrate with OMP_WAIT_POLICY=ACTIVE set")
     return (f"  the profile's host steps were measured under OpenMP {prof}, the runs' under {runs}: a team "
             f"spinning on every core slowed GPU-only runs 0.7-1.3% on a lent H100; {how}")

@@ -13,9 +13,8 @@ from cmoe.cli.common import gigabytes, one_line_errors, positive
 from cmoe.analysis.runfolder import MARKER as RUN_FOLDER
 
 
-def _spin(device: str, names, policy_json: Path | None, say, calibrates: bool = False) -> None:
-    """OpenMP threads that spin for a run with CPU experts (or a calibration, which measures them)
-    on a GPU (`cmoe.executor.omp_wait`), set before anything loads torch; said where cmoe set it or
+def _spin(device: str, names, policy_json: Path | None, say) -> None:
+    """OpenMP threads that spin for a run with CPU experts (or a calibration for one) on a GPU (`cmoe.executor.omp_wait`), set before anything loads torch; said where cmoe set it or
     could not."""
     from cmoe.executor.omp_wait import for_policies
     if policy_json is not None:                 # the file's policy decides; an unreadable file is refused later
@@ -23,7 +22,7 @@ def _spin(device: str, names, policy_json: Path | None, say, calibrates: bool = 
             names = (str(json.loads(policy_json.read_text()).get("policy")),)
         except (OSError, ValueError, AttributeError):
             names = ()
-    if (said := for_policies(device, names, calibrates)) is not None:
+    if (said := for_policies(device, names)) is not None:
         say(said)
 
 
@@ -86,15 +85,19 @@ def calibrate(
     out: Annotated[Path, typer.Option(help="Profile JSON to write (use it with --profile); the raw measurements go beside it.")] = Path("profile.json"),
     refit: Annotated[Optional[Path], typer.Option(help="Measure nothing: fit a profile to measurements written by an earlier calibrate.")] = None,
     strict: Annotated[bool, typer.Option(help="Refuse to write a profile when the repeats say the machine was noisy (wide spread, or copy/expert times that fall with size).")] = False,
+    policy: Annotated[str, typer.Option(help="The policies the profile will serve, comma-separated, or 'all'. Where none runs CPU experts, OpenMP's threads sleep on a GPU as those runs' do, and the CPU experts' repeats are shown, not judged.")] = "all",
 ) -> None:
     """Measure this machine for the simulator: copies, bandwidths, expert and layer times, CPU experts; write a profile."""
+    from cmoe.cli.common import policy_names
     from cmoe.core.util import write_text_atomic
+    from cmoe.policy.policies import any_trait
+    names = policy_names(policy, "--policy")
     raw = refit
     if refit is not None:
         from cmoe.calibrate.profile_fit import refit_profile
         prof, m = refit_profile(refit, name)
     else:
-        _spin(device, (), None, typer.echo, calibrates=True)
+        _spin(device, names, None, typer.echo)    # a team spinning on every core slows GPU-only runs' host
         from cmoe.calibrate.measure import calibrate as measure_and_fit
         from cmoe.executor.run import resolve_device
         from cmoe.core.checkpoint import check_checkpoint
@@ -105,7 +108,7 @@ def calibrate(
         typer.echo(f"wrote {raw}: the measurements (refit with --refit)")
     from cmoe.calibrate.profile_fit import beside, noise_of, verdict
     typer.echo(beside(prof, m))
-    typer.echo(verdict(noise_of(m), strict, str(raw)))
+    typer.echo(verdict(noise_of(m, any_trait(names, "cpu_experts")), strict, str(raw)))
     write_text_atomic(out, json.dumps(prof.to_dict(), indent=1))
     typer.echo(f"wrote {out}: use it with cmoe simulate --profile {out}")
 

@@ -18,9 +18,9 @@ GPU-only runs' host beside them: thirty-seventh session, processes alternating A
 slower under ACTIVE (medians of 12 runs) and their LM-head host step took over 120 us in 542 of
 768 steps against 166. The team cannot be stopped once it spins (a smaller parallel region leaves
 the rest docked, spinning). So the CLI and `cmoe.execute` set it only for a process that will run
-CPU experts (a CPU-expert policy, or `cmoe calibrate`, whose profile may serve one) on a GPU
-machine, never over the user's own `OMP_WAIT_POLICY`; `cmoe run` of GPU-only policies calibrates
-without it. libgomp reads the variables once, when torch loads it: set later they do nothing, so
+CPU experts (a CPU-expert policy, or `cmoe calibrate` for a profile that may serve one: its
+`--policy`, `all` by default) on a GPU machine, never over the user's own `OMP_WAIT_POLICY`;
+`cmoe run` of GPU-only policies calibrates without it. libgomp reads the variables once, when torch loads it: set later they do nothing, so
 this refuses then and says so. A program that loads torch before calling cmoe sets them itself
 before that import.
 A run's metrics and a calibration record the policy in force (`in_force`); a fitted profile keeps
@@ -94,12 +94,12 @@ def spin_threads(device: str, cpu_experts: bool) -> str:
     return "; ".join(said + [f"{VAR}=ACTIVE (set by cmoe: CPU experts beside a GPU)"])
 
 
-def for_policies(device: str, policies, calibrates: bool = False) -> str | None:
-    """`spin_threads` for a run of these policies (names), or for one that calibrates (which
-    measures CPU experts): what holds, or None where no CPU experts run beside a GPU (nothing to
-    set, nothing to say). The CLI's commands and `cmoe.execute` call it before they load torch."""
+def for_policies(device: str, policies) -> str | None:
+    """`spin_threads` for a run of these policies (names), or a calibration for them: what holds, or
+    None where no CPU experts run beside a GPU (nothing to set, nothing to say). The CLI's commands
+    and `cmoe.execute` call it before they load torch."""
     from cmoe.policy.policies import any_trait
-    if not ((calibrates or any_trait(policies, "cpu_experts")) and on_gpu(device)):
+    if not (any_trait(policies, "cpu_experts") and on_gpu(device)):
         return None
     return spin_threads(device, True)
 
