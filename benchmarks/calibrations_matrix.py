@@ -13,6 +13,11 @@ Every folder's profile must price the same model and expert format (the first fo
 folder whose run was given its profile (`--profile`) rather than calibrating is left out, by name. A
 calibration that ran no CPU experts inside the model cannot price `lfu-fallback` or `static`
 (`cmoe.sim.priced.check_cpu_layer`): its pairs count the rows both can price.
+
+Each pair names the OpenMP settings its calibrations ran under (`HardwareProfile.omp_wait_policy`):
+from 49eb55a a GPU-only validation calibrates without the spinning team (`ACTIVE`) that every one
+before it ran beside, which moved GPU-only runs 0.7-1.3% on a lent H100 (thirty-seventh session),
+so a pair across that line carries it.
 """
 
 from __future__ import annotations
@@ -146,7 +151,7 @@ def main() -> None:
                   file=sys.stderr)
         if len(preds) < 2:
             sys.exit("calibrations_matrix: fewer than two calibrations price the same model")
-        pairs = agreement(preds)
+        pairs = agreement(preds, {n: p.omp_wait_policy for n, p in profs.items()})
         base, *rest = preds
         explained = {}
         for other in rest if a.explain else []:
@@ -166,14 +171,16 @@ def main() -> None:
         write_text_atomic(a.out, json.dumps(doc, indent=1))
 
 
-def agreement(preds: dict[str, dict]) -> list[dict]:
+def agreement(preds: dict[str, dict], omp: dict[str, str] | None = None) -> list[dict]:
     """For every pair of calibrations (in the order given), how many rows the two predict within 2%
-    of each other, over all rows and over the GPU-only policies', and the three largest differences."""
-    pairs = []
+    of each other, over all rows and over the GPU-only policies', the three largest differences, and
+    the OpenMP settings each calibrated under (`omp`: name -> the profile's record; "" unrecorded)."""
+    pairs, omp = [], omp or {}
     for x, y in combinations(preds, 2):
         c = _agree(preds[x], preds[y])
         pairs.append({"a": x, "b": y, "rows": c["rows"], "within_2pct": c["within"], "gpu_rows": c["gpu_rows"],
-                      "gpu_within_2pct": c["gpu_within"], "worst": [list(d) for d in c["beyond"][:3]]})
+                      "gpu_within_2pct": c["gpu_within"], "worst": [list(d) for d in c["beyond"][:3]],
+                      "omp": [omp.get(x, ""), omp.get(y, "")]})
     return pairs
 
 
@@ -219,12 +226,14 @@ def explain_table(parts: dict) -> str:
 
 
 def table(pairs: list[dict]) -> str:
-    out = ["| calibration A | calibration B | rows within 2% | GPU-only rows within 2% | largest differences (B / A - 1) |",
-           "| --- | --- | ---: | ---: | --- |"]
+    out = ["| calibration A | calibration B | OpenMP (A / B) | rows within 2% | GPU-only rows within 2% "
+           "| largest differences (B / A - 1) |",
+           "| --- | --- | --- | ---: | ---: | --- |"]
     for p in pairs:
         worst = "; ".join(f"pool {q:g} b{b} {pol} {d * 100:+.1f}%" for q, b, pol, d in p["worst"]) or "-"
-        out.append(f"| {p['a']} | {p['b']} | {p['within_2pct']} of {p['rows']} | {p['gpu_within_2pct']} of {p['gpu_rows']} "
-                   f"| {worst} |")
+        omp = " / ".join(w or "unrecorded" for w in p.get("omp") or ("", ""))
+        out.append(f"| {p['a']} | {p['b']} | {omp} | {p['within_2pct']} of {p['rows']} "
+                   f"| {p['gpu_within_2pct']} of {p['gpu_rows']} | {worst} |")
     return "\n".join(out)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.calibrations_matrix import agreement, grid, main, read_head
+from benchmarks.calibrations_matrix import agreement, grid, main, read_head, table
 from cmoe.core.errors import CmoeError
 from cmoe.core.hw import H200
 from cmoe.core.spec import preset
@@ -69,9 +69,11 @@ def test_a_slower_link_moves_the_loading_policy_and_not_the_resident_one(tmp_pat
 def test_cpu_policies_count_in_all_rows_but_not_the_gpu_only_ones():
     preds = {"x": {(16.0, 1, "upper"): 100.0, (16.0, 1, "static"): 10.0},
              "y": {(16.0, 1, "upper"): 101.0, (16.0, 1, "static"): 12.0}}
-    (p,) = agreement(preds)
+    (p,) = agreement(preds, {"x": "ACTIVE"})
     assert (p["rows"], p["within_2pct"], p["gpu_rows"], p["gpu_within_2pct"]) == (2, 1, 1, 1)
     assert p["worst"] == [[16.0, 1, "static", pytest.approx(0.2)]]
+    assert p["omp"] == ["ACTIVE", ""]                 # each calibration's OpenMP settings, "" unrecorded
+    assert table([p]).splitlines()[2] == "| x | y | ACTIVE / unrecorded | 1 of 2 | 1 of 1 | pool 16 b1 static +20.0% |"
 
 
 def test_folders_without_their_own_calibration_are_left_out_by_name(tmp_path, monkeypatch, capsys):
