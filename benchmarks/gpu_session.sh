@@ -87,7 +87,9 @@
 #                                             # validation set until 49eb55a) slow the GPU-only runs' host? processes
 #                                             # alternating ACTIVE and PASSIVE, CYCLES (2) cycles, each waking the team
 #                                             # before every round, samplers none/thread/process (MODES), lru-prefetch and
-#                                             # ondemand at pool 26 b4; no process starts past SPT (380) s (~6 min)
+#                                             # ondemand at pool 26 b4; no process starts past SPT (380) s (~6 min);
+#                                             # WAITS="default PASSIVE" for libgomp's default against PASSIVE
+#                                             # (thirty-eighth session: MODES=none CYCLES=3 SPT=300, 235 s)
 #   bash benchmarks/gpu_session.sh ab-validate  # sampler-ab, then validate (CAL=built BATCHES=... as validate's)
 #   bash benchmarks/gpu_session.sh host-tests # the host-call, lean and reference-engine GPU tests (~1 min)
 #   bash benchmarks/gpu_session.sh program    # issue 13: the compiled host program (numba on the device), its
@@ -274,9 +276,10 @@ case "${1:-}" in
                VT=${VT:-440} POLS=upper,lfu-fallback,static BATCHES=${BATCHES:-1,8} CAL=built bash "$0" validate ;;
   sampler-ab) timeout ${ABT:-240} python3 benchmarks/sampler_ab_h200.py --out "$OUT/sampler-ab.json" --pool "${POOL:-26}" \
                 --batch "${BATCH:-4}" --rounds "${ROUNDS:-3}" 2>&1 | tee "$OUT/sampler-ab.log" | grep -E "^(round|built)|rror" || true ;;
-  spin-ab) for c in $(seq ${CYCLES:-2}); do for w in ACTIVE PASSIVE; do
+  spin-ab) for c in $(seq ${CYCLES:-2}); do for w in ${WAITS:-ACTIVE PASSIVE}; do
              [ "$SECONDS" -lt "${SPT:-380}" ] || { echo "spin-ab: past ${SPT:-380} s, cycle $c $w not started"; continue; }
-             env OMP_WAIT_POLICY=$w timeout $(( ${SPT:-380} + 40 - SECONDS )) python3 benchmarks/sampler_ab_h200.py \
+             e="OMP_WAIT_POLICY=$w"; [ "$w" = default ] && e=""
+             env -u OMP_WAIT_POLICY $e timeout $(( ${SPT:-380} + 40 - SECONDS )) python3 benchmarks/sampler_ab_h200.py \
                --out "$OUT/spin-$c-$w.json" --pool "${POOL:-26}" --batch "${BATCH:-4}" --rounds "${ROUNDS:-2}" \
                --modes "${MODES:-none,thread,process}" --policies "${POLS:-lru-prefetch,ondemand}" --wake-cpu \
                > "$OUT/spin-$c-$w.log" 2>&1 || true
