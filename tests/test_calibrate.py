@@ -241,6 +241,7 @@ def test_cpu_calibration_gives_a_profile_the_simulator_runs(checkpoints, tiny_tr
     assert ["what", "measured", "fitted", "spread"] in [x.split() for x in r.output.splitlines()]
     prof = load_profile(str(out))
     assert prof.name == "cpu" and prof.layer_fixed_us > 0 and dict(prof.expert_gbps)["bf16"] > 0
+    assert not prof.cpu_layer_unmeasured()             # `--policy all`: CPU experts ran inside the model
     assert json.loads(out.read_text())["sources"]["hbm_gbps"].startswith("measured by cmoe calibrate on cpu")
     r = CliRunner().invoke(app, ["simulate", "--trace", str(tiny_trace), "--profile", str(out), "--pool-gb", "0.2686",
                                  "--policy", "upper,commit"])
@@ -805,3 +806,22 @@ def test_a_profile_for_gpu_only_policies_shows_the_cpu_experts_noise_without_jud
     out.unlink()
     r = CliRunner().invoke(app, cal + ["--policy", "upper,static"])
     assert r.exit_code == 2 and not out.exists() and r.output.splitlines()[-1] == refused, r.output
+
+
+def test_a_calibration_for_gpu_only_policies_prices_no_cpu_layer(checkpoints, tiny_trace, tmp_path):
+    """`cmoe calibrate --policy` naming GPU-only policies builds the model without CPU copies of its
+    experts, as `cmoe run` of those policies does: the profile then refuses to price the CPU-expert
+    policies by name, and `all` leaves them out with a note."""
+    from typer.testing import CliRunner
+
+    from cmoe.cli.app import app
+    out = tmp_path / "gpu-only.json"
+    r = CliRunner().invoke(app, ["calibrate", "--device", "cpu", "--model", str(checkpoints["mixtral"]),
+                                 "--quant", "fp32", "--out", str(out), "--policy", "upper,commit"])
+    assert r.exit_code == 0, r.output
+    assert load_profile(str(out)).cpu_layer_unmeasured()
+    sim = ["simulate", "--trace", str(tiny_trace), "--profile", str(out), "--pool-gb", "0.2686", "--policy"]
+    r = CliRunner().invoke(app, sim + ["upper,static"])
+    assert r.exit_code == 2 and len(r.output.splitlines()) == 1 and "cannot price static" in r.output, r.output
+    r = CliRunner().invoke(app, sim + ["all"])
+    assert r.exit_code == 0 and "left out lfu-fallback, static: profile cpu has no measured host time" in r.output

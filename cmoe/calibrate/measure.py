@@ -263,7 +263,7 @@ def expert(device: torch.device, spec: ModelSpec, fmt: str, tokens=(1, 2, 4, 8, 
 
 
 def measure(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4, model_dir=None,
-            progress: bool = True, built=None) -> dict:
+            progress: bool = True, built=None, cpu_experts: bool = True) -> dict:
     from tqdm import tqdm
 
     from cmoe.calibrate.measure_model import layers
@@ -272,7 +272,7 @@ def measure(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4
     steps = [("copies", lambda: copies(device, sizes)), ("compute", lambda: compute(device)),
              ("expert", lambda: expert(device, spec, fmt)),
              ("layers", lambda: layers(device, spec, fmt, num_layers, model_dir, built=built,
-                                       split_point=bool(out.get("attn_split_max"))))]
+                                       split_point=bool(out.get("attn_split_max")), cpu_experts=cpu_experts))]
     from cmoe.executor.engine import DENSE_ROWS
     from cmoe.executor.run import ExecConfig, uses_fused
     # the lean engine's layer kernel runs only the routed (row, expert) pairs; the per-expert loop
@@ -326,13 +326,15 @@ def device_label_and_memory(device: torch.device) -> tuple[str, int]:
 
 
 def calibrate(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int = 4, model_dir=None,
-              name: str | None = None, built=None, progress: bool = True):
+              name: str | None = None, built=None, progress: bool = True, cpu_experts: bool = True):
     """Measure, then fit a profile (weight widths not measured keep the h200 profile's speeds).
     Returns the profile and the measurements it was fitted to. `built`: measure the layers on this
-    already built workload (see `layers`)."""
+    already built workload (see `layers`). `cpu_experts` false: build the model without CPU copies
+    of its experts (`cmoe calibrate --policy` naming GPU-only policies), as `cmoe run` of such
+    policies does: the profile then prices no CPU layer (`cpu_layer_unmeasured`)."""
     from cmoe.core.hw import H200
     from cmoe.calibrate.profile_fit import fit_profile, noise, with_expert_classes
-    m = measure(device, spec, fmt, num_layers, model_dir, progress=progress, built=built)
+    m = measure(device, spec, fmt, num_layers, model_dir, progress=progress, built=built, cpu_experts=cpu_experts)
     label, mem = device_label_and_memory(device)
     from cmoe.executor.omp_wait import in_force
     m["device"] = {"label": label, "memory_bytes": mem, "date": time.strftime("%Y-%m-%d"), "host": host_cpu(),

@@ -62,6 +62,7 @@ class _ModelRuns:
         self.cpu_steps: dict = {}
         self.cpu_runs: list = []
         self.cpu_pages: float | None = None           # share of the CPU experts' bytes on huge pages
+        self.cpu_experts = True                       # CPU copies in the store and `static` runs (`cpu_runs`)
         self.one: dict[str, float] = {}
         self.wake: dict = {}                          # `cmoe.calibrate.wake.measure`'s (CUDA only)
         self.seconds: dict[str, float] = {}     # wall time of each step: what calibrating costs, reported
@@ -91,7 +92,7 @@ class _ModelRuns:
 
 
 def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, model_dir=None, tokens: int = 32,
-           built=None, split_point: bool = False) -> dict:
+           built=None, split_point: bool = False, cpu_experts: bool = True) -> dict:
     """What the executor's own timeline says a model costs outside the experts, on the GPU and on
     the host, at batch 1 and 8: a short `upper` run gives the host's side (its `host_*` spans); on
     CUDA a second run with GPU sleep queued ahead of each layer (`lead_us`) lets the host get
@@ -105,14 +106,15 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
     `built`: a Workload already built (its model, store and spec are used as they are: the model
     the runs will use, in the state they will find it); otherwise the model is built here, cut to
     its first `num_layers` layers (same per-layer shapes). `split_point`: also time the short prompt
-    in a long cache (CUDA, where the decode attention cuts its keys into runs: `_context_points`)."""
+    in a long cache (CUDA, where the decode attention cuts its keys into runs: `_context_points`).
+    `cpu_experts` false: a store without CPU copies (a profile for GPU-only policies alone)."""
     if built is not None:
         spec, model_dir = built.spec, built.model_dir
     elif model_dir is None:
         keep = tuple(d for d in spec.moe_layers if d < num_layers)
         spec = replace(spec, num_layers=num_layers, moe_layers=keep)
     r = _ModelRuns(device, spec, fmt, model_dir, tokens, built)
-    r.split_point = split_point and r.cuda
+    r.split_point, r.cpu_experts = split_point and r.cuda, cpu_experts
     # every batch bucket the benchmarks use on a GPU, so the host's costs are tables, not lines
     # through two points; a CPU keeps two (its main job runs batch 1, and it is slow)
     batches = (1, 2, 4, 8, 16) if r.cuda else (1, 8)
@@ -148,7 +150,7 @@ def _measure_batch(r: _ModelRuns, batch: int) -> None:
     cfg = ExecConfig(policies=("upper",), pool_gb=1e3, batch=batch, tokens=r.tokens, device=r.device.type)
     if w.store is None:
         t0 = time.perf_counter()
-        build(w, replace(cfg, policies=("upper", "static")))
+        build(w, replace(cfg, policies=("upper", "static") if r.cpu_experts else ("upper",)))
         r.seconds["build"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     run_policy(w, cfg, "upper")                               # warm-up over the same lengths
@@ -173,7 +175,7 @@ def _measure_batch(r: _ModelRuns, batch: int) -> None:
         _lean_batch(r, w, cfg, batch, eager)
     if batch == 1:
         _batch_one(r, cfg, start, h_start, eager, queued, h_route)
-    if batch in (1, 8) and (not r.cuda or w.store.cpu_twins is not None):
+    if batch in (1, 8) and r.cpu_experts and (not r.cuda or w.store.cpu_twins is not None):
         cpu_runs(r, w, cfg, batch)
 
 

@@ -385,8 +385,8 @@ def refit_profile(path, name: str | None = None) -> tuple[HardwareProfile, dict]
 def noise_of(m: dict, cpu_experts: bool = True) -> Noise:
     """The verdict on measurements calibrate wrote; files from before the repeats were kept give
     their copy and expert curves (best times only: falls, no spread). For runs without CPU experts
-    (`cpu_experts` false: `cmoe run` of GPU-only policies, which calibrates with OpenMP's threads
-    sleeping) the CPU experts' repeats are shown, not judged."""
+    (`cpu_experts` false: `cmoe run` of GPU-only policies, or `cmoe calibrate --policy` naming them,
+    which calibrate with OpenMP's threads sleeping) the CPU experts' repeats are shown, not judged."""
     if "repeats" in m:
         return noise({k: c if cpu_experts or not k.startswith("CPU") else c | {"judged": False}
                       for k, c in m["repeats"].items()})

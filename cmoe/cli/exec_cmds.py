@@ -14,8 +14,8 @@ from cmoe.analysis.runfolder import MARKER as RUN_FOLDER
 
 
 def _spin(device: str, names, policy_json: Path | None, say) -> None:
-    """OpenMP threads that spin for a run with CPU experts (or a calibration for one) on a GPU (`cmoe.executor.omp_wait`), set before anything loads torch; said where cmoe set it or
-    could not."""
+    """OpenMP threads that spin for a run with CPU experts (or a calibration for one) on a GPU
+    (`cmoe.executor.omp_wait`), set before anything loads torch; said where cmoe set it or could not."""
     from cmoe.executor.omp_wait import for_policies
     if policy_json is not None:                 # the file's policy decides; an unreadable file is refused later
         try:
@@ -103,7 +103,8 @@ def calibrate(
         from cmoe.core.checkpoint import check_checkpoint
         from cmoe.core.spec import preset
         shapes = check_checkpoint(model, float_experts=True) if model else preset(spec)
-        prof, m = measure_and_fit(resolve_device(device), shapes, quant, layers, model, name)
+        prof, m = measure_and_fit(resolve_device(device), shapes, quant, layers, model, name,
+                                  cpu_experts=any_trait(names, "cpu_experts"))
         raw = write_text_atomic(out.with_suffix(".measurements.json"), json.dumps(m, indent=1))
         typer.echo(f"wrote {raw}: the measurements (refit with --refit)")
     from cmoe.calibrate.profile_fit import beside, noise_of, verdict
