@@ -14,10 +14,12 @@ folder whose run was given its profile (`--profile`) rather than calibrating is 
 calibration that ran no CPU experts inside the model cannot price `lfu-fallback` or `static`
 (`cmoe.sim.priced.check_cpu_layer`): its pairs count the rows both can price.
 
-Each pair names the OpenMP settings its calibrations ran under (`HardwareProfile.omp_wait_policy`):
-from 49eb55a a GPU-only validation calibrates without the spinning team (`ACTIVE`) that every one
-before it ran beside, which moved GPU-only runs 0.7-1.3% on a lent H100 (thirty-seventh session),
-so a pair across that line carries it.
+Each pair names the OpenMP settings its calibrations ran under (the profile's `omp_wait_policy`, or
+where it has none the environment `validate_h200.py` recorded, `omp_env`; "unrecorded" before
+1216acc, whose runs left libgomp's default as far as the logs say). From 1216acc to 49eb55a every
+validation calibrated beside the spinning team (`ACTIVE`), which moved GPU-only runs 0.7-1.3% on
+a lent H100 (thirty-seventh session); from 49eb55a a GPU-only one does not, so a pair across that
+line carries it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from cmoe.core.hw import HardwareProfile, load_profile  # noqa: E402
 from cmoe.core.hw_variants import HOST_FIELDS, HOST_POINTS  # noqa: E402
 from cmoe.core.spec import preset  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
+from cmoe.executor.omp_wait import describe  # noqa: E402
 from cmoe.pipeline import predict  # noqa: E402
 from cmoe.policy.policies import trait  # noqa: E402
 from cmoe.sim.priced import priceable  # noqa: E402
@@ -138,20 +141,21 @@ def main() -> None:
         heads = calibrations(a.folders, Path(tmp) / "heads")
         first = heads[0][1]
         key = (first["spec"], first.get("trace") or f"synthetic:{first['spec']}", first.get("expert_format", "w4g128"))
-        preds, profs = {}, {}
+        preds, profs, omp = {}, {}, {}
         for name, res, prof_path in heads:
             here = (res["spec"], res.get("trace") or f"synthetic:{res['spec']}", res.get("expert_format", "w4g128"))
             if here != key:
                 print(f"left out {name}: it priced {here}, not {key}", file=sys.stderr)
                 continue
             profs[name] = load_profile(str(prof_path))
+            omp[name] = omp_record(profs[name], res)
             preds[name] = grid(profs[name], preset(key[0]), key[1], key[2], pools, batches,
                                policies, a.tokens, Path(tmp) / "sim" / name)
             print(f"predicted {len(preds[name])} rows with {name} ({res.get('card')}, tree {res.get('commit')})",
                   file=sys.stderr)
         if len(preds) < 2:
             sys.exit("calibrations_matrix: fewer than two calibrations price the same model")
-        pairs = agreement(preds, {n: p.omp_wait_policy for n, p in profs.items()})
+        pairs = agreement(preds, omp)
         base, *rest = preds
         explained = {}
         for other in rest if a.explain else []:
@@ -169,6 +173,14 @@ def main() -> None:
            "predicted": {n: [[p, b, pol, v] for (p, b, pol), v in g.items()] for n, g in preds.items()}}
     if a.out:
         write_text_atomic(a.out, json.dumps(doc, indent=1))
+
+
+def omp_record(profile: HardwareProfile, res: dict) -> str:
+    """The OpenMP settings a calibration ran under: its profile's record, else the environment
+    `validate_h200.py` kept in results.json (`omp_env`, as libgomp reads it), else "" (unrecorded)."""
+    if profile.omp_wait_policy:
+        return profile.omp_wait_policy
+    return describe(res["omp_env"]) if isinstance(res.get("omp_env"), dict) else ""
 
 
 def agreement(preds: dict[str, dict], omp: dict[str, str] | None = None) -> list[dict]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.calibrations_matrix import agreement, grid, main, read_head, table
+from benchmarks.calibrations_matrix import agreement, grid, main, omp_record, read_head, table
 from cmoe.core.errors import CmoeError
 from cmoe.core.hw import H200
 from cmoe.core.spec import preset
@@ -148,3 +148,23 @@ def test_a_bad_number_list_is_one_line(tmp_path, monkeypatch):
         main()
     from benchmarks.calibrations_matrix import numbers
     assert numbers("16,20.5", "--pools") == [16.0, 20.5] and numbers("1,8", "--batches", integer=True) == [1, 8]
+
+
+def test_the_openmp_record_falls_back_to_the_runs_environment():
+    """A profile from before it recorded OpenMP's settings: the environment validate_h200.py kept."""
+    from dataclasses import replace
+    assert omp_record(replace(H200, omp_wait_policy="default"), {"omp_env": {"OMP_WAIT_POLICY": "ACTIVE"}}) == "default"
+    assert omp_record(H200, {"omp_env": {"OMP_WAIT_POLICY": "ACTIVE", "OMP_PLACES": "cores"}}) == "ACTIVE places=cores"
+    assert omp_record(H200, {"omp_env": {}}) == "default"
+    assert omp_record(H200, RESULTS) == ""                  # before results.json kept it: unrecorded
+
+
+def test_main_names_each_calibrations_openmp_settings(tmp_path, monkeypatch, capsys):
+    from dataclasses import replace
+    a = _folder(tmp_path, "a", replace(H200, omp_wait_policy="default"))
+    b = _folder(tmp_path, "b", H200, RESULTS | {"omp_env": {"OMP_WAIT_POLICY": "ACTIVE"}})
+    monkeypatch.setattr("sys.argv", ["calibrations_matrix.py", str(a), str(b), "--pools", "16", "--batches", "1",
+                                     "--policies", "upper", "--tokens", "4", "--out", str(tmp_path / "m.json")])
+    main()
+    assert "| a | b | default / ACTIVE | 1 of 1 | 1 of 1 | - |" in capsys.readouterr().out.splitlines()
+    assert json.loads((tmp_path / "m.json").read_text())["pairs"][0]["omp"] == ["default", "ACTIVE"]
