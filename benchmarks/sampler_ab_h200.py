@@ -11,11 +11,13 @@ host step (`host_head`: median, and how many took over 120 us), layer 0's mean t
     python benchmarks/sampler_ab_h200.py --out /tmp/ab.json --embedded --device cpu --slots 4   # a CPU check
 
 The OpenMP A/B (thirty-seventh session, `gpu_session.sh spin-ab`): processes alternating
-`OMP_WAIT_POLICY=ACTIVE` (what validate_h200.py and `cmoe calibrate` set until 49eb55a: the thirty-sixth
-session's validations used a median of 15.9 of the H100 host's 16 cores, the team spinning after
+`OMP_WAIT_POLICY=ACTIVE` (what validate_h200.py set for GPU-only policies until 49eb55a, and `cmoe
+calibrate` sets unless its `--policy` names GPU-only policies alone: the thirty-sixth session's
+validations used a median of 15.9 of the H100 host's 16 cores, the team spinning after
 calibration's CPU experts) and `PASSIVE`, each `--wake-cpu` (a CPU matmul on the whole team before
 every round, so the team exists and, under ACTIVE, spins through the runs); `cores` per run: the
-process's CPU time over the run's wall time.
+process's CPU time over the run's wall time. `WAITS="default PASSIVE"` puts libgomp's default
+(`OMP_WAIT_POLICY` unset) against `PASSIVE` (thirty-eighth session).
 """
 
 from __future__ import annotations

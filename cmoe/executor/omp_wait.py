@@ -20,9 +20,11 @@ slower under ACTIVE (medians of 12 runs) and their LM-head host step took over 1
 the rest docked, spinning). So the CLI and `cmoe.execute` set it only for a process that will run
 CPU experts (a CPU-expert policy, or `cmoe calibrate` for a profile that may serve one: its
 `--policy`, `all` by default) on a GPU machine, never over the user's own `OMP_WAIT_POLICY`;
-`cmoe run` of GPU-only policies calibrates without it. libgomp reads the variables once, when torch loads it: set later they do nothing, so
-this refuses then and says so. A program that loads torch before calling cmoe sets them itself
-before that import.
+`cmoe run` of GPU-only policies calibrates without it. libgomp's default (threads that sleep soon
+after a region) cost GPU-only runs nothing against `PASSIVE` (thirty-eighth session, medians 0.1%
+apart), so nothing is set for them. libgomp reads the variables once, when torch loads it: set
+later they do nothing, so this refuses then and says so. A program that loads torch before calling
+cmoe sets them itself before that import.
 A run's metrics and a calibration record the policy in force (`in_force`); a fitted profile keeps
 it (`HardwareProfile.omp_wait_policy`), the simulator's metrics carry the profile's, and
 `cmoe validate` names a CPU-expert run whose policy differs from its profile's, and a GPU-only run
