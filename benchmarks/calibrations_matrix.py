@@ -15,8 +15,8 @@ calibration that ran no CPU experts inside the model cannot price `lfu-fallback`
 (`cmoe.sim.priced.check_cpu_layer`): its pairs count the rows both can price.
 
 Each pair names the OpenMP settings its calibrations ran under (the profile's `omp_wait_policy`, or
-where it has none the environment `validate_h200.py` recorded, `omp_env`; "unrecorded" before
-1216acc, whose runs left libgomp's default as far as the logs say). From 1216acc to 49eb55a every
+where it has none the environment `validate_h200.py` recorded from bcd7a0d on, `omp_env`;
+"unrecorded" before that, whose runs left libgomp's default as far as the logs say). From 1216acc to 49eb55a every
 validation calibrated beside the spinning team (`ACTIVE`), which moved GPU-only runs 0.7-1.3% on
 a lent H100 (thirty-seventh session); from 49eb55a a GPU-only one does not, so a pair across that
 line carries it.
@@ -186,7 +186,7 @@ def omp_record(profile: HardwareProfile, res: dict) -> str:
 def agreement(preds: dict[str, dict], omp: dict[str, str] | None = None) -> list[dict]:
     """For every pair of calibrations (in the order given), how many rows the two predict within 2%
     of each other, over all rows and over the GPU-only policies', the three largest differences, and
-    the OpenMP settings each calibrated under (`omp`: name -> the profile's record; "" unrecorded)."""
+    the OpenMP settings each calibrated under (`omp`: name -> `omp_record`; "" unrecorded)."""
     pairs, omp = [], omp or {}
     for x, y in combinations(preds, 2):
         c = _agree(preds[x], preds[y])

@@ -196,8 +196,9 @@ def _calibrate(a, w, where: dict, card: str, res: dict):
     for way in ways:
         t0 = time.perf_counter()
         try:
-            p, m = calibrate(w.device, w.spec, w.fmt, a.layers, where["model_dir"], name=name,
-                             built=w if way == "built" else None)
+            p, m = calibrate(w.device, w.spec, w.fmt, a.layers, where["model_dir"], name=name,   # the cut as
+                             built=w if way == "built" else None,                       # the built: CPU
+                             cpu_experts=any_trait(a.policies.split(","), "cpu_experts"))   # copies or not
         except Exception as e:                   # noqa: BLE001  (a benchmark: the cut's profile stands in)
             if prof is None:
                 raise

@@ -808,17 +808,22 @@ def test_a_profile_for_gpu_only_policies_shows_the_cpu_experts_noise_without_jud
     assert r.exit_code == 2 and not out.exists() and r.output.splitlines()[-1] == refused, r.output
 
 
-def test_a_calibration_for_gpu_only_policies_prices_no_cpu_layer(checkpoints, tiny_trace, tmp_path):
+def test_a_calibration_for_gpu_only_policies_prices_no_cpu_layer(checkpoints, tiny_trace, tmp_path, monkeypatch):
     """`cmoe calibrate --policy` naming GPU-only policies builds the model without CPU copies of its
-    experts, as `cmoe run` of those policies does: the profile then refuses to price the CPU-expert
-    policies by name, and `all` leaves them out with a note."""
+    experts (on a GPU, `static` would build them), as `cmoe run` of those policies does, and runs
+    no CPU expert inside it: the profile then refuses to price the CPU-expert policies by name, and
+    `all` leaves them out with a note."""
     from typer.testing import CliRunner
 
+    import cmoe.executor.run as run
     from cmoe.cli.app import app
+    built, build = [], run.build
+    monkeypatch.setattr(run, "build", lambda w, cfg, *a, **k: built.append(cfg.policies) or build(w, cfg, *a, **k))
     out = tmp_path / "gpu-only.json"
     r = CliRunner().invoke(app, ["calibrate", "--device", "cpu", "--model", str(checkpoints["mixtral"]),
                                  "--quant", "fp32", "--out", str(out), "--policy", "upper,commit"])
     assert r.exit_code == 0, r.output
+    assert built == [("upper",)]                       # the model's store, built once, for upper alone
     assert load_profile(str(out)).cpu_layer_unmeasured()
     sim = ["simulate", "--trace", str(tiny_trace), "--profile", str(out), "--pool-gb", "0.2686", "--policy"]
     r = CliRunner().invoke(app, sim + ["upper,static"])

@@ -20,10 +20,10 @@ from cmoe.trace.synthetic import SyntheticParams, generate
 
 SRC = "measured by cmoe calibrate on NVIDIA H100 80GB HBM3, 2026-12-06"
 REFUSED = ("profile cal-test has no measured host time around a CPU layer's experts (cpu_lead_us and the rest: "
-           "calibrated before cmoe fitted them, or on a model without CPU copies of the experts), so it cannot "
-           "price {p}: calibrate again (`cmoe calibrate`) or leave {p} out")
+           "calibrated before cmoe fitted them, or with no CPU expert run inside the model), so it cannot "
+           "price {p}: calibrate again (`cmoe calibrate`, its --policy naming them or all) or leave {p} out")
 NOTE = ("left out lfu-fallback, static: profile cal-test has no measured host time around a CPU layer's experts "
-        "(calibrate again with `cmoe calibrate` to price them)")
+        "(calibrate again with `cmoe calibrate`, its --policy naming them or all, to price them)")
 
 
 def _calibrated(*measured: str) -> HardwareProfile:

@@ -11,4 +11,4 @@ HX0  # cmoe/sim/replay/clock.py: names of Costs.hwf's positions, filled in order
 HX1  # (same)
 TFLOPS  # (same)
 PARAMS  # (same, Costs.hwi)
-skips  # cmoe/policy/policies.py: a policy trait, read by name through trait(name, "skips")
+skips  # cmoe/policy/base.py: a policy trait, read by name through trait(name, "skips")

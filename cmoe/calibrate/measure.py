@@ -329,9 +329,10 @@ def calibrate(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int =
               name: str | None = None, built=None, progress: bool = True, cpu_experts: bool = True):
     """Measure, then fit a profile (weight widths not measured keep the h200 profile's speeds).
     Returns the profile and the measurements it was fitted to. `built`: measure the layers on this
-    already built workload (see `layers`). `cpu_experts` false: build the model without CPU copies
-    of its experts (`cmoe calibrate --policy` naming GPU-only policies), as `cmoe run` of such
-    policies does: the profile then prices no CPU layer (`cpu_layer_unmeasured`)."""
+    already built workload (see `layers`). `cpu_experts` false (`cmoe calibrate --policy` naming
+    GPU-only policies): build the model without CPU copies of its experts, as `cmoe run` of such
+    policies does on a GPU, and run no CPU expert inside it on any device (`cmoe run` on a CPU
+    still does): the profile then prices no CPU layer (`cpu_layer_unmeasured`)."""
     from cmoe.core.hw import H200
     from cmoe.calibrate.profile_fit import fit_profile, noise, with_expert_classes
     m = measure(device, spec, fmt, num_layers, model_dir, progress=progress, built=built, cpu_experts=cpu_experts)

@@ -85,7 +85,7 @@ def calibrate(
     out: Annotated[Path, typer.Option(help="Profile JSON to write (use it with --profile); the raw measurements go beside it.")] = Path("profile.json"),
     refit: Annotated[Optional[Path], typer.Option(help="Measure nothing: fit a profile to measurements written by an earlier calibrate.")] = None,
     strict: Annotated[bool, typer.Option(help="Refuse to write a profile when the repeats say the machine was noisy (wide spread, or copy/expert times that fall with size).")] = False,
-    policy: Annotated[str, typer.Option(help="The policies the profile will serve, comma-separated, or 'all'. Where none runs CPU experts, OpenMP's threads sleep on a GPU as those runs' do, and the CPU experts' repeats are shown, not judged.")] = "all",
+    policy: Annotated[str, typer.Option(help="The policies the profile will serve, comma-separated, or 'all'. Where none runs CPU experts, OpenMP's threads sleep on a GPU as those runs' do, the CPU experts' repeats are shown, not judged, and none runs inside the model, so the profile cannot price lfu-fallback or static.")] = "all",
 ) -> None:
     """Measure this machine for the simulator: copies, bandwidths, expert and layer times, CPU experts; write a profile."""
     from cmoe.cli.common import policy_names

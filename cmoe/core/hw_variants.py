@@ -90,7 +90,8 @@ class Variants:
         (`cpu_lead_us`, `cpu_gap_us`, `cpu_tail_us`: calibrate reads them off CPU experts run inside
         the model, since the twenty-eighth session): calibrated before then, or on a model that
         held no CPU copies of the experts (`cmoe run` with GPU-only policies on a GPU calibrates on
-        the model it built for them; `cmoe calibrate --policy` naming GPU-only policies builds one). Those costs then read 0; before they were priced, the
+        the model it built for them; `cmoe calibrate --policy` naming GPU-only policies alone runs
+        no CPU expert inside its model, on any device). Those costs then read 0; before they were priced, the
         CPU-expert policies came out 16-104% fast on an H100 (BENCHMARKS.md, twenty-seventh
         session). The built-in profiles are estimates throughout and say so; they are not this."""
         return (self.sources.get("cpu_expert_gbps", "").startswith("measured by cmoe calibrate")

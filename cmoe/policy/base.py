@@ -1,5 +1,5 @@
 """What every policy is made of: the plan it hands the engine for a MoE layer (`LayerPlan`, its
-loads `Load`), and the base class `Policy` with the mechanics the six share (LRU victims, making
+loads `Load`), and the base class `Policy` with the mechanics the ten share (LRU victims, making
 experts resident, the exact plan). The calling protocol and the policies themselves are in
 `cmoe.policy.policies`, which re-exports these names.
 """

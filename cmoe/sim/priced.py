@@ -12,8 +12,9 @@ from cmoe.policy.policies import trait
 def _refusal(profile: HardwareProfile, names: list[str]) -> CmoeError:
     them = ", ".join(names)
     return CmoeError(f"profile {profile.name} has no measured host time around a CPU layer's experts (cpu_lead_us "
-                     f"and the rest: calibrated before cmoe fitted them, or on a model without CPU copies of the "
-                     f"experts), so it cannot price {them}: calibrate again (`cmoe calibrate`) or leave {them} out")
+                     f"and the rest: calibrated before cmoe fitted them, or with no CPU expert run inside the "
+                     f"model), so it cannot price {them}: calibrate again (`cmoe calibrate`, its --policy naming "
+                     f"them or all) or leave {them} out")
 
 
 def check_cpu_layer(profile: HardwareProfile, policy: str) -> None:
@@ -37,5 +38,6 @@ def priceable(profile: HardwareProfile, names, every: bool) -> tuple[list[str], 
     if left and (not every or not kept):
         raise _refusal(profile, left)
     note = (f"left out {', '.join(left)}: profile {profile.name} has no measured host time around a CPU "
-            f"layer's experts (calibrate again with `cmoe calibrate` to price them)") if left else None
+            f"layer's experts (calibrate again with `cmoe calibrate`, its --policy naming them or all, to "
+            f"price them)") if left else None
     return kept, note
