@@ -89,7 +89,8 @@
 #                                             # before every round, samplers none/thread/process (MODES), lru-prefetch and
 #                                             # ondemand at pool 26 b4; no process starts past SPT (380) s (~6 min);
 #                                             # WAITS="default PASSIVE" for libgomp's default against PASSIVE
-#                                             # (thirty-eighth session: MODES=none CYCLES=3 SPT=300, 235 s)
+#                                             # (thirty-eighth session: MODES=none CYCLES=3 SPT=300, 235 s);
+#                                             # even cycles run the arms in reverse order (from 2b03585 on)
 #   bash benchmarks/gpu_session.sh ab-validate  # sampler-ab, then validate (CAL=built BATCHES=... as validate's)
 #   bash benchmarks/gpu_session.sh host-tests # the host-call, lean and reference-engine GPU tests (~1 min)
 #   bash benchmarks/gpu_session.sh program    # issue 13: the compiled host program (numba on the device), its
@@ -276,7 +277,9 @@ case "${1:-}" in
                VT=${VT:-440} POLS=upper,lfu-fallback,static BATCHES=${BATCHES:-1,8} CAL=built bash "$0" validate ;;
   sampler-ab) timeout ${ABT:-240} python3 benchmarks/sampler_ab_h200.py --out "$OUT/sampler-ab.json" --pool "${POOL:-26}" \
                 --batch "${BATCH:-4}" --rounds "${ROUNDS:-3}" 2>&1 | tee "$OUT/sampler-ab.log" | grep -E "^(round|built)|rror" || true ;;
-  spin-ab) for c in $(seq ${CYCLES:-2}); do for w in ${WAITS:-ACTIVE PASSIVE}; do
+  spin-ab) for c in $(seq ${CYCLES:-2}); do ws=${WAITS:-ACTIVE PASSIVE}   # even cycles in reverse order, so the
+             [ $((c % 2)) = 0 ] && ws=$(echo $ws | awk '{for (i = NF; i > 0; i--) printf "%s ", $i}')  # first process's
+             for w in $ws; do                                               # effect is not one arm's
              [ "$SECONDS" -lt "${SPT:-380}" ] || { echo "spin-ab: past ${SPT:-380} s, cycle $c $w not started"; continue; }
              e="OMP_WAIT_POLICY=$w"; [ "$w" = default ] && e=""
              env -u OMP_WAIT_POLICY $e timeout $(( ${SPT:-380} + 40 - SECONDS )) python3 benchmarks/sampler_ab_h200.py \

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cmoe.core.checkpoint import check_checkpoint  # noqa: E402
 from cmoe.core.hw import load_profile  # noqa: E402
-from cmoe.pipeline import host_ratio, host_speed, predict  # noqa: E402
+from cmoe.pipeline import host_ratio, host_speed, host_timed, predict  # noqa: E402
 from cmoe.core.spec import preset  # noqa: E402
 from cmoe.trace.load import load_trace  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
@@ -141,6 +141,8 @@ def main() -> None:
         "profile": prof.name, "rows": rows, "omp_env": res.get("omp_env")} | ({"other_profile": str(a.against)} if other else {})
     write_text_atomic(a.out or a.folder / "summary.json", json.dumps(summary, indent=1))
     print(table(rows))
+    if any(not host_timed(r["policy"]) and any(r["host_speed"]) for r in rows):
+        print(HOST_NOTE)
     print(counts(rows))
     if "omp_env" in res:                  # validate_h200 records it from the thirtieth session on
         print("OpenMP settings of the runs: " + (", ".join(f"{k}={v}" for k, v in res["omp_env"].items()) or "the defaults"))
@@ -180,6 +182,10 @@ def counts(rows: list[dict]) -> str:
     return line
 
 
+HOST_NOTE = ("* host, run / calibration: calibrate does not time this policy's host step (`upper` has none, "
+             "`commit` plans behind its experts); shown for reference, and cmoe run's verdict leaves it out")
+
+
 def table(rows: list[dict]) -> str:
     adj = any("host_adjusted_tok_s" in r for r in rows)
     ladj = any("link_adjusted_tok_s" in r for r in rows)
@@ -198,7 +204,8 @@ def table(rows: list[dict]) -> str:
         worst = " / ".join(f"{x * 100:+.0f}%" + (f" (L{w})" if w is not None else "")
                            for x, w in zip(r["layer_mean_error_worst"], r["layer_worst"]))
         mape = " / ".join(f"{x * 100:.0f}%" for x in r["layer_mape_mean"])
-        host = " / ".join(f"{x:.2f}x" if x else "-" for x in r["host_speed"])
+        star = "" if host_timed(r["policy"]) else "*"       # `HOST_NOTE`
+        host = " / ".join(f"{x:.2f}x{star}" if x else "-" for x in r["host_speed"])
         link = " / ".join(f"{x:.3f}x" + (f" ({w:.0%} slow)" if w is not None else "") if x else "-"
                           for x, w in zip_longest(r.get("link_speed", []), r.get("slow_loads", [])))
         line = (f"| {r['pool_gb']:g} ({r['experts_fit']}) | {r['batch']} | {r['policy']} | {r['predicted_tok_s']:.1f} "

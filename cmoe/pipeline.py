@@ -121,9 +121,14 @@ def host_speed(runs: list[list[dict]], prof, batch: int) -> list[float]:
     `upper`, which has no host step on the lean engine, nor the committing policies, which plan
     behind their experts (on the H200, sixth session, `upper` ran at 0.39-1.36x its calibration
     and `commit` at 1.02-4.11x, where the others ran at 0.58-2.62x)."""
+    return [x for r in runs for v in r if (x := host_ratio(v, prof, batch)) is not None and host_timed(v["policy"])]
+
+
+def host_timed(policy: str) -> bool:
+    """Is the policy's host step the one calibrate times (`host_speed`)? Not `upper`'s (it has none
+    on the lean engine) nor the committing policies' (they plan behind their experts)."""
     from cmoe.policy.policies import trait
-    return [x for r in runs for v in r if (x := host_ratio(v, prof, batch)) is not None
-            and not trait(v["policy"], "holds_all") and not trait(v["policy"], "commits")]
+    return not trait(policy, "holds_all") and not trait(policy, "commits")
 
 
 def host_ratio(v: dict, prof, batch: int) -> float | None:
