@@ -280,15 +280,21 @@ def test_weighted_line_counts_each_point_as_often_as_it_was_seen():
         pytest.approx(fit_line([(0, 1.0), (0, 1.0), (0, 1.0), (1, 3.0), (2, 9.0)]))
 
 
-def _noisy_measurements(tmp_path):
-    """Measurements of a known machine, with repeats in which D2H at 16 MiB beat 4 MiB."""
+def _measurements(tmp_path, repeats):
+    """Measurements of a known machine with these repeats (`repeats(m)`), written for --refit."""
     m = _synthetic(replace(H200, launch_us=0.0, pass_start_us=1.0, head_us=1.0))
     m["device"] = {"label": "test gpu", "memory_bytes": H200.gpu_mem_bytes, "date": "2026-12-02"}
-    m["repeats"] = {"H2D pinned": {"unit": "bytes", "grows": True, "points": [[b, [s, s * 1.01]] for b, s in m["h2d"]]},
-                    "D2H pinned": {"unit": "bytes", "grows": True, "points": [[2**22, [3.2e-4]], [2**24, [3.0e-4]]]}}
+    m["repeats"] = repeats(m)
     path = tmp_path / "m.json"
     path.write_text(json.dumps(m))
     return path
+
+
+def _noisy_measurements(tmp_path):
+    """Measurements of a known machine, with repeats in which D2H at 16 MiB beat 4 MiB."""
+    return _measurements(tmp_path, lambda m: {
+        "H2D pinned": {"unit": "bytes", "grows": True, "points": [[b, [s, s * 1.01]] for b, s in m["h2d"]]},
+        "D2H pinned": {"unit": "bytes", "grows": True, "points": [[2**22, [3.2e-4]], [2**24, [3.0e-4]]]}})
 
 
 def test_refit_warns_on_noise_and_strict_refuses(tmp_path):
@@ -788,11 +794,9 @@ def test_a_profile_for_gpu_only_policies_shows_the_cpu_experts_noise_without_jud
     from typer.testing import CliRunner
 
     from cmoe.cli.app import app
-    m = _synthetic(replace(H200, launch_us=0.0, pass_start_us=1.0, head_us=1.0))
-    m["device"] = {"label": "test gpu", "memory_bytes": H200.gpu_mem_bytes, "date": "2026-12-06"}
-    m["repeats"] = {"CPU expert": {"unit": "tokens", "grows": True, "points": [[1, [900.0, 1800.0]], [4, [1500.0]]]}}
-    raw, out = tmp_path / "m.json", tmp_path / "p.json"
-    raw.write_text(json.dumps(m))
+    raw = _measurements(tmp_path, lambda m: {
+        "CPU expert": {"unit": "tokens", "grows": True, "points": [[1, [900.0, 1800.0]], [4, [1500.0]]]}})
+    out = tmp_path / "p.json"
     cal = ["calibrate", "--refit", str(raw), "--out", str(out), "--strict"]
     r = CliRunner().invoke(app, cal)
     assert r.exit_code == 2 and not out.exists(), r.output

@@ -92,6 +92,7 @@ def calibrate(
     from cmoe.core.util import write_text_atomic
     from cmoe.policy.policies import any_trait
     names = policy_names(policy, "--policy")
+    cpu = any_trait(names, "cpu_experts")      # the profile may serve a CPU-expert policy
     raw = refit
     if refit is not None:
         from cmoe.calibrate.profile_fit import refit_profile
@@ -104,12 +105,12 @@ def calibrate(
         from cmoe.core.spec import preset
         shapes = check_checkpoint(model, float_experts=True) if model else preset(spec)
         prof, m = measure_and_fit(resolve_device(device), shapes, quant, layers, model, name,
-                                  cpu_experts=any_trait(names, "cpu_experts"))
+                                  cpu_experts=cpu)
         raw = write_text_atomic(out.with_suffix(".measurements.json"), json.dumps(m, indent=1))
         typer.echo(f"wrote {raw}: the measurements (refit with --refit)")
     from cmoe.calibrate.profile_fit import beside, noise_of, verdict
     typer.echo(beside(prof, m))
-    typer.echo(verdict(noise_of(m, any_trait(names, "cpu_experts")), strict, str(raw)))
+    typer.echo(verdict(noise_of(m, cpu), strict, str(raw)))
     write_text_atomic(out, json.dumps(prof.to_dict(), indent=1))
     typer.echo(f"wrote {out}: use it with cmoe simulate --profile {out}")
 
