@@ -90,7 +90,7 @@
 #                                             # ondemand at pool 26 b4; no process starts past SPT (380) s (~6 min);
 #                                             # WAITS="default PASSIVE" for libgomp's default against PASSIVE
 #                                             # (thirty-eighth session: MODES=none CYCLES=3 SPT=300, 235 s);
-#                                             # even cycles run the arms in reverse order (from 2b03585 on)
+#                                             # even cycles run the arms in reverse order (from fca27a2 on)
 #   bash benchmarks/gpu_session.sh ab-validate  # sampler-ab, then validate (CAL=built BATCHES=... as validate's)
 #   bash benchmarks/gpu_session.sh host-tests # the host-call, lean and reference-engine GPU tests (~1 min)
 #   bash benchmarks/gpu_session.sh program    # issue 13: the compiled host program (numba on the device), its
