@@ -66,7 +66,22 @@ def test_for_policies_speaks_only_for_cpu_experts_beside_a_gpu(clean):
     assert omp_wait.for_policies("cpu", ["upper", "static"]) is None
     assert omp_wait.for_policies("cuda:1", ["upper", "lfu-fallback"]) == SET
     assert omp_wait.for_policies("cuda", ["static"]) == "OMP_WAIT_POLICY=ACTIVE as given"
-    assert omp_wait.for_policies("cuda", ["upper"]) is None         # GPU-only: nothing to say, even as given
+    assert omp_wait.for_policies("cuda", ["upper"]) is not None     # GPU-only under the user's ACTIVE: said (below)
+
+
+def test_for_policies_names_the_users_spinning_team_for_gpu_only_runs(clean):
+    """The user's own `ACTIVE` for GPU-only policies on a GPU is said (it costs them), never changed;
+    `PASSIVE`, a CPU device, or no policies say nothing."""
+    clean.setenv("OMP_WAIT_POLICY", "active")
+    assert omp_wait.for_policies("cuda", ["upper", "commit"]) == (
+        "OMP_WAIT_POLICY=active as given spins OpenMP's threads for GPU-only policies, whose runs were "
+        "0.7-1.3% slower under it (thirty-seventh session); unset it for them")
+    assert os.environ["OMP_WAIT_POLICY"] == "active"
+    assert omp_wait.for_policies("cpu", ["upper"]) is None
+    assert omp_wait.for_policies("cuda", []) is None
+    assert omp_wait.for_policies("cuda", ["upper", "static"]) == "OMP_WAIT_POLICY=active as given"
+    clean.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert omp_wait.for_policies("cuda", ["upper"]) is None
 
 
 def test_refuses_once_torch_is_loaded(clean):

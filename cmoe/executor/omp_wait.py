@@ -96,13 +96,22 @@ def spin_threads(device: str, cpu_experts: bool) -> str:
     return "; ".join(said + [f"{VAR}=ACTIVE (set by cmoe: CPU experts beside a GPU)"])
 
 
+SPUN = ("spins OpenMP's threads for GPU-only policies, whose runs were 0.7-1.3% slower under it "
+        "(thirty-seventh session); unset it for them")
+
+
 def for_policies(device: str, policies) -> str | None:
     """`spin_threads` for a run of these policies (names), or a calibration for them: what holds, or
-    None where no CPU experts run beside a GPU (nothing to set, nothing to say). The CLI's commands
-    and `cmoe.execute` call it before they load torch."""
+    None where no CPU experts run beside a GPU (nothing to set, nothing to say), except where the
+    user's own `OMP_WAIT_POLICY=ACTIVE` spins the team for GPU-only ones on a GPU: that is said
+    (`SPUN`), since it costs them and cmoe would not set it. The CLI's commands and `cmoe.execute`
+    call it before they load torch."""
     from cmoe.policy.policies import any_trait
-    if not (any_trait(policies, "cpu_experts") and on_gpu(device)):
+    if not on_gpu(device):
         return None
+    if not any_trait(policies, "cpu_experts"):
+        wait = os.environ.get(VAR, "").strip()
+        return f"{VAR}={wait} as given {SPUN}" if policies and wait.upper() == "ACTIVE" else None
     return spin_threads(device, True)
 
 
