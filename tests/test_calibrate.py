@@ -486,6 +486,7 @@ def test_the_lean_engines_gpu_side_steps_run_on_the_cpu(checkpoints, monkeypatch
     the pass's overhead), forced on a CPU run: same logic, so a step that cannot run shows here."""
     import torch
 
+    from cmoe.calibrate import host_runs
     from cmoe.calibrate import measure_model as mm
     from cmoe.core.checkpoint import check_checkpoint
     import os
@@ -518,7 +519,7 @@ def test_the_lean_engines_gpu_side_steps_run_on_the_cpu(checkpoints, monkeypatch
     # queued decode passes: the host's pass start is the runs that read back's (`_host_between`, here
     # a stand-in value), the gap still upper's
     monkeypatch.setattr(mm._ModelRuns, "queued", property(lambda self: True))
-    monkeypatch.setattr(mm, "_host_between", lambda log, first: 0.00123)
+    monkeypatch.setattr(host_runs, "_host_between", lambda log, first: 0.00123)
     q = mm.layers(torch.device("cpu"), check_checkpoint(d), "fp32", 2, d, tokens=4)["layer"]
     assert q["host"]["pass_start_s"] == pytest.approx(0.00123) and q["host"]["pass_gap_s"] < 0.00123
     assert lay["commit_gpu_s"] >= 0.0 and lay["commit_gpu_copy_s"] >= 0.0
@@ -538,11 +539,12 @@ def test_host_pass_start_is_the_median_of_every_runs(checkpoints, monkeypatch):
     twenty-second session: 414 us, where the runs measured 285-303) does not set it."""
     import torch
 
+    from cmoe.calibrate import host_runs
     from cmoe.calibrate import measure_model as mm
     from cmoe.core.checkpoint import check_checkpoint
     monkeypatch.setattr(mm._ModelRuns, "queued", property(lambda self: True))
     seq = iter([1e-3, 2e-3, 5e-3, 6e-3, 3e-3, 0.1, 7e-3, 8e-3])   # batch 1, 8 (round 1); 1, 8 (round 2)
-    monkeypatch.setattr(mm, "_host_between", lambda log, first: next(seq))
+    monkeypatch.setattr(host_runs, "_host_between", lambda log, first: next(seq))
     d = checkpoints["mixtral"]
     out = mm.layers(torch.device("cpu"), check_checkpoint(d), "fp32", 2, d, tokens=4)
     assert out["repeats"]["host, pass start"]["points"] == [[1, [1e-3, 2e-3, 3e-3, 0.1]], [8, [5e-3, 6e-3, 7e-3, 8e-3]]]
@@ -559,7 +561,7 @@ def test_host_points_are_means_over_every_rounds_runs():
     wait (what its route step followed: `host_wake_base`)."""
     from types import SimpleNamespace
 
-    from cmoe.calibrate.measure_model import _host_points
+    from cmoe.calibrate.host_runs import _host_points
 
     def run(layer, route, expert, span, sync, gaps):
         return {"layer": layer, "start": 0.0, "route": route, "expert": expert, "expert_span": span,

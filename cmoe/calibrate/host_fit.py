@@ -1,6 +1,6 @@
 """The host thread's costs from calibration's measurements (`cmoe.calibrate.profile_fit` fits the
 rest): the compiled host program's, from the eager `ondemand` runs, and the executor's Python
-step's, from the same runs with the program off (`cmoe.calibrate.measure_model._python_step`).
+step's, from the same runs with the program off (`cmoe.calibrate.host_runs._python_step`).
 
 Why two: the Python step's route step and launches cost the host 10-20x the program's (an H100,
 twenty-seventh session: the route 13 us against 0.6), and it plans every run with the program off
