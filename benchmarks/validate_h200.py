@@ -189,7 +189,7 @@ def _calibrate(a, w, where: dict, card: str, res: dict):
     profile is written beside it as profile-cut.json (the same runs held against two
     calibrations: what the model's depth changes in the host's costs)."""
     from cmoe.calibrate.measure import calibrate
-    from cmoe.calibrate.profile_fit import beside
+    from cmoe.calibrate.beside import beside
     name = f"calibrated-{card.split()[-1].lower()}"
     ways = ("cut", "built") if a.calibrate_on == "both" else (a.calibrate_on,)
     prof = None

@@ -71,7 +71,8 @@ def _run_into(out: Path, final: Path, w, cfg, profile: str | None, model_dir: Pa
     build(w, cfg)
     if profile is None:                                   # calibrate once, on this machine and this model
         from cmoe.calibrate.measure import calibrate
-        from cmoe.calibrate.profile_fit import beside, noise_of
+        from cmoe.calibrate.beside import beside
+        from cmoe.calibrate.profile_fit import noise_of
         prof, m = calibrate(w.device, w.spec, w.fmt, layers, model_dir, name=f"calibrated-{w.device.type}", built=w,
                             progress=cfg.progress)
         echo(beside(prof, m))

@@ -12,7 +12,8 @@ import pytest
 
 from cmoe.core.hw import GB, H200, load_profile
 from cmoe.calibrate.measure_model import HOST_ROUNDS
-from cmoe.calibrate.profile_fit import beside, fit_line, fit_profile
+from cmoe.calibrate.beside import beside
+from cmoe.calibrate.profile_fit import fit_line, fit_profile
 
 
 def test_fit_line_exact():

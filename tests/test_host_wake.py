@@ -155,7 +155,8 @@ def test_calibrate_fits_the_samples_into_the_profile_and_shows_them_beside_it():
     profile's `host_wake_points` in us, and `beside` puts each lead's mean route step next to the
     profile's route step at one token times its factor; measurements without them (a CPU's) leave
     the factor at 1."""
-    from cmoe.calibrate.profile_fit import beside, fit_profile
+    from cmoe.calibrate.beside import beside
+    from cmoe.calibrate.profile_fit import fit_profile
     from tests.test_calibrate import _synthetic
     known = replace(H200, host_route_us=20.0)
     samples = [[0.0, 20e-6, 100e-6], [1000.0, 30e-6, 1100e-6], [0.0, 20e-6, 100e-6], [1000.0, 30e-6, 1100e-6]]

@@ -84,7 +84,8 @@ def test_a_pass_after_a_long_decode_pass_starts_later_in_both_engines():
 
 
 def test_calibrate_fits_the_samples_and_shows_each_lead_beside_the_profile():
-    from cmoe.calibrate.profile_fit import beside, fit_profile
+    from cmoe.calibrate.beside import beside
+    from cmoe.calibrate.profile_fit import fit_profile
     from tests.test_calibrate import _synthetic
     known = replace(H200, host_pass_start_us=100.0)
     m = _synthetic(known)

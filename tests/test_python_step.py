@@ -82,7 +82,8 @@ def test_calibrate_fits_the_python_step_and_shows_it_beside_its_runs():
     """Measurements with the Python step's runs fit into `python_host` (its sources say where it comes
     from) and `beside` puts each of its route and launch points next to the step's fitted cost;
     measurements without them (a CPU's, or an older calibration's refit) fit none."""
-    from cmoe.calibrate.profile_fit import beside, fit_profile
+    from cmoe.calibrate.beside import beside
+    from cmoe.calibrate.profile_fit import fit_profile
     from tests.test_calibrate import _synthetic
     m = _synthetic(H200)
     assert fit_profile("fit", m, H200.gpu_mem_bytes, "test", "2026-12-05").python_host == {}

@@ -125,7 +125,7 @@ def cpu_layer_fields(m: dict) -> dict:
 
 
 def cpu_rows(row, m: dict, p) -> None:
-    """`profile_fit.beside`'s CPU rows: the isolated experts, the in-model ones by tokens and (with
+    """`cmoe.calibrate.beside`'s CPU rows: the isolated experts, the in-model ones by tokens and (with
     `cpu_wake_points`) by idle, the round trip and the host around a CPU layer's experts."""
     cpu = m["cpu_expert"]
     for t, s in cpu["points"]:

@@ -108,7 +108,8 @@ def calibrate(
                                   cpu_experts=cpu)
         raw = write_text_atomic(out.with_suffix(".measurements.json"), json.dumps(m, indent=1))
         typer.echo(f"wrote {raw}: the measurements (refit with --refit)")
-    from cmoe.calibrate.profile_fit import beside, noise_of, verdict
+    from cmoe.calibrate.beside import beside
+    from cmoe.calibrate.profile_fit import noise_of, verdict
     typer.echo(beside(prof, m))
     typer.echo(verdict(noise_of(m, cpu), strict, str(raw)))
     write_text_atomic(out, json.dumps(prof.to_dict(), indent=1))
