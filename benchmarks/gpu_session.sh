@@ -155,8 +155,9 @@ case "${1:-}" in
      P="python3 benchmarks/lean_h200.py --tokens 64 --repeats 1 --engines lean --policies adaptive-ahead,commit-ahead --env-ablation CMOE_HOST_PROGRAM=0"
      timeout 170 $P --out "$OUT/ahead-mixtral" --batches 1,4 --pools 20 --budget-s 140 2>&1 | grep -E "^lean|^HBM|^built|rror" || true
      timeout 90 $P --out "$OUT/ahead-olmoe" --spec olmoe-1b-7b --batches 1 --pools 3 --budget-s 60 2>&1 | grep -E "^lean|^HBM|^built|rror" || true ;;
-  tests) timeout 300 python3 -m pytest -q -m gpu tests/test_lean_gpu.py tests/test_executor_gpu.py \
-           tests/test_moe_kernel_gpu.py tests/test_host_calls_gpu.py -p no:cacheprovider -rf | tail -15 ;;
+  tests) timeout 400 python3 -m pytest -q -m gpu tests/test_lean_gpu.py tests/test_executor_gpu.py \
+           tests/test_moe_kernel_gpu.py tests/test_host_calls_gpu.py tests/test_calibrate_gpu.py \
+           -p no:cacheprovider -rf --durations=5 | tail -22 ;;
   b1) timeout 570 $B --out "$OUT/b1" --batches 1 --pools 16,20,26 --engines lean,hf \
         --policies ondemand,lru-prefetch,lfu-fallback,static,commit,oracle ;;
   b48) timeout 570 $B --out "$OUT/b48" --batches 8,4 --pools 20,16,26 --engines hf,lean \
