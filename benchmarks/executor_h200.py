@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -87,7 +88,8 @@ def main() -> None:
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     policies = tuple(a.policies.split(","))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                        text=True).stdout.strip()   # as lean_h200.py
     res = {"date": time.strftime("%Y-%m-%d"), "card": torch.cuda.get_device_name(), "torch": torch.__version__,
            "commit": commit, "spec": a.spec, "tokens": a.tokens, "pool_gb": a.pool_gb,
            "hbm_gbps": hbm_gbps(), "h2d_gbps_one_expert": h2d_gbps(93_585_408), "runs": []}

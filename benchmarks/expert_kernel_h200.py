@@ -317,6 +317,10 @@ def _header() -> dict:
 
 
 def _commit() -> str | None:
+    """COMMIT as gpu_session.sh is called (the device's copy of the tree may carry an older .git:
+    thirty-ninth session, where this recorded the session's first commit), else git's HEAD."""
+    if os.environ.get("COMMIT"):
+        return os.environ["COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).resolve().parents[1]).stdout.strip()

@@ -130,6 +130,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=$PWD:/tmp/site
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+# the device's copy of the tree may carry an older .git, so git's HEAD there can name the wrong tree
+[ -n "${COMMIT:-}" ] || echo "gpu_session: COMMIT is not set; results will carry the device's git HEAD, which may lag the tree" >&2
 B="python3 benchmarks/lean_h200.py --tokens 256 --policy-tokens 128 --repeats 3 --hf-tokens 64 --budget-s 520"
 # upper at batches 1/4/8, pool 20, two runs each: upper SECONDS BUDGET [lean_h200.py options]
 upper() { timeout "$1" python3 benchmarks/lean_h200.py --out "$OUT/lean" --tokens 128 --batches 1,4,8 --pools 20 \
