@@ -190,7 +190,7 @@ def test_copy_slowdowns_read_the_models_own_kernels_beside_a_load():
     compared within its expert count; the first layer and prefill are left out; None under five."""
     from types import SimpleNamespace
 
-    from cmoe.calibrate.commit_steps import copy_slowdowns
+    from cmoe.calibrate.commit_steps import copy_slowdowns, launches_by_size
     from cmoe.core.timeline import Span
     spans = [Span("gpu", 1, 1, "copy0", "load", 2, 0.0, 100.0, 1000), Span("gpu", 1, 1, "copy0", "load", 3, 10.0, 20.0, 1000)]
     for i in range(6):
@@ -211,6 +211,7 @@ def test_copy_slowdowns_read_the_models_own_kernels_beside_a_load():
     log = SimpleNamespace(spans=spans, pass_us=[(0, False, 1, 0.0), (1, True, 1, 0.0), (2, True, 1, 0.0),
                                                 (3, True, 1, 0.0)])
     out = copy_slowdowns(log, 0)
+    assert launches_by_size(log, 0) == {2: {True: [24.0] * 6, False: [20.0] * 6}, 1: {True: [], False: [30.0] * 6}}
     assert out["attention"] == pytest.approx(55.0 / 45.0 - 1.0)    # quiet: 50 and 40 us, six each
     assert out["expert"] == pytest.approx(0.2)                     # the two-expert launches; one-expert: no busy
     for i in range(12):            # one-expert launches beside the load (15 us) and after it (10 us): with

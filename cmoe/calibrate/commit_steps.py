@@ -100,8 +100,17 @@ def copy_slowdowns(log, first: int) -> dict:
     attention step (the host had launched it before the GPU got there in all but 4 of 992 spans a
     run) and 0.06-0.11 for the experts, where a lone HBM-bound copy beside a load slowed 1.5-3.6%
     and a matmul about 1%: a proxy kernel does not say what decode's small launches lose."""
+    att = attention_tails(log, lambda layer: layer != first, _in_flight(log))
+    ratio = lambda busy, quiet: busy / quiet - 1.0  # noqa: E731
+    return {"attention": _weighted([att], ratio), "expert": _weighted(list(launches_by_size(log, first).values()), ratio)}
+
+
+def launches_by_size(log, first: int) -> dict[int, dict[bool, list]]:
+    """The decode passes' fused expert launches (a layer's expert spans that abut) of every layer but
+    `first`, by how many experts each holds: {True: durations of those that started while a load was
+    on the link, False: the others}, in the log's units. What a load does to them is read here
+    (`copy_slowdowns`, and `benchmarks/copy_beside_launch.py` on a validation's runs)."""
     dec, moving = decode_passes(log), _in_flight(log)
-    att = attention_tails(log, lambda layer: layer != first, moving)
     pieces: dict[tuple, list] = {}
     for s in log.spans:
         if s[STEP] in dec and s[STREAM] == "compute" and s[LAYER] != first and s[OP] == "expert":
@@ -116,8 +125,7 @@ def copy_slowdowns(log, first: int) -> dict:
                 continue
             by_n.setdefault(len(run), {True: [], False: []})[moving(run[0][0])].append(run[-1][1] - run[0][0])
             run = [(a, b)]
-    ratio = lambda busy, quiet: busy / quiet - 1.0  # noqa: E731
-    return {"attention": _weighted([att], ratio), "expert": _weighted(list(by_n.values()), ratio)}
+    return by_n
 
 
 def start_copy_s(log, first: int, quiet=None) -> float | None:
