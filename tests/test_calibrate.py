@@ -128,6 +128,39 @@ def test_fitting_recovers_the_parameters_it_was_made_from():
     assert "layer (non-expert), 8 tok" in table
 
 
+def test_a_launches_extra_beside_a_load_fits_a_fixed_part_and_a_factor():
+    """`launch_fit` recovers extra = a + s x launch from launches at several sizes (the H200's:
+    4.5 us and 3%), weighting each by its smaller side; under two sizes 20% apart, or with one part
+    negative, it does what its docstring says; `fit_profile` takes it over commit's one factor and
+    `beside` shows each point against the fit."""
+    from cmoe.calibrate.profile_fit import launch_fit
+    a, s = 4.5e-6, 0.03
+    pts = [[b, n, q, q + a + s * q, nq, nb] for b, n, q, nq, nb in
+           ((1, 2, 70e-6, 600, 2400), (8, 4, 140e-6, 900, 360), (8, 8, 229e-6, 88, 45))]
+    assert launch_fit(pts) == pytest.approx((a, s))
+    assert launch_fit(pts[:1]) is None and launch_fit([pts[0], [1, 2, 80e-6, 90e-6, 9, 9]]) is None
+    # the line through these would start at -2.5 us: held at 0, the factor through the origin
+    assert launch_fit([[1, 2, 70e-6, 70e-6 + 1e-6, 9, 9], [8, 8, 230e-6, 230e-6 + 9e-6, 9, 9]]) == pytest.approx(
+        (0.0, (70 * 1 + 230 * 9) / (70**2 + 230**2)))
+    assert launch_fit([[1, 2, 70e-6, 80e-6, 9, 9], [8, 8, 230e-6, 236e-6, 9, 9]]) == pytest.approx((8e-6, 0.0))
+    known = H200
+    m = _synthetic(known)
+    m["layer"]["copy_slow"] = {"attention": 0.125, "expert": 0.0625}
+    m["layer"]["launch_copy_points"] = pts
+    got = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-11-29")
+    assert (got.copy_launch_us, got.copy_compute_slowdown) == pytest.approx((4.5, 0.03))
+    assert got.copy_attention_slowdown == 0.125 and "at 3 launch sizes" in got.sources["copy_launch_us"]
+    assert got.wave_beside_copy(100.0, 40.0) == pytest.approx(60.0 * 1.03 + 40.0 + 4.5)
+    rows = [r.split() for r in beside(got, m).splitlines() if r.startswith("launch of")]
+    assert [r[:7] for r in rows] == [["launch", "of", "2", "beside", "a", "load,", "b1"],
+                                     ["launch", "of", "4", "beside", "a", "load,", "b8"],
+                                     ["launch", "of", "8", "beside", "a", "load,", "b8"]]
+    assert [r[7] for r in rows] == [r[8] for r in rows] == ["76.6us", "148.7us", "240.4us"]   # measured, fitted
+    del m["layer"]["launch_copy_points"]
+    old = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-11-29")
+    assert old.copy_launch_us is None and old.copy_compute_slowdown == 0.0625
+
+
 def test_large_copies_follow_one_line_so_a_slow_size_does_not_move_an_experts_copy():
     """From 16 MiB up the link is latency plus bytes over bandwidth, through the smallest and the
     largest copy: a 64 MiB size that ran 9% slow (as one H200 calibration's did) leaves a 93.6 MB
@@ -496,13 +529,23 @@ def test_the_lean_engines_gpu_side_steps_run_on_the_cpu(checkpoints, monkeypatch
     monkeypatch.setattr(mm._ModelRuns, "lean", property(lambda self: self.w is not None and self.w.store is not None))
     monkeypatch.delenv("CMOE_HOST_PROGRAM", raising=False)
     seen, real = [], run.run_policy
-    slots = []
+    slots, lp_runs = [], []
     monkeypatch.setattr(run, "run_policy", lambda w, c, p, *a, **k: seen.append((p, os.environ.get("CMOE_HOST_PROGRAM")))
-                        or (p == "oracle" and slots.append(c.slots)) or real(w, c, p, *a, **k))
+                        or (p == "oracle" and slots.append(c.slots)) or (p == "lru-prefetch" and lp_runs.append((p, c)))
+                        or real(w, c, p, *a, **k))
+    # a launch's extra beside a load (`copy_launch_us`): lru-prefetch's loading runs at batch 1 and 8, three
+    # quarters of the slots, their points kept in that order (a CPU's host copies overlap nothing: stand-ins)
+    points = []
+    monkeypatch.setattr(mm, "launch_copy_points", lambda log, first, batch: points.append(
+        (batch, len({sp[1] for sp in log.spans}))) or [[batch, 2, 1e-4, 1.1e-4, 5, 5]])
     d = checkpoints["mixtral"]
     spec = check_checkpoint(d)
     out = mm.layers(torch.device("cpu"), spec, "fp32", 2, d, tokens=4)
     lay = out["layer"]
+    assert [b for b, _ in points] == [1, 8] and all(n > 1 for _, n in points)
+    assert lay["launch_copy_points"] == [[1, 2, 1e-4, 1.1e-4, 5, 5], [8, 2, 1e-4, 1.1e-4, 5, 5]]
+    three_quarters = 3 * spec.num_experts // 4
+    assert [(c.batch, c.tokens) for _, c in lp_runs if c.slots == three_quarters] == [(1, 4), (8, 4)]
     # one oracle run at batch 1, all the slots but one (`start_copy_us`); measured only where both sides had passes
     assert slots == [spec.num_experts - 1] and lay.get("start_copy_s", 0.0) >= 0.0
     # the Python step's host (`_python_step`): three ondemand runs a batch a round with the program off, two kept

@@ -41,6 +41,8 @@ CASES = {
     "negative attention slowdown": ({"copy_attention_slowdown": -0.1},
                                     "copy_attention_slowdown is -0.1, but it must be null or a finite number >= 0"),
     "string attention slowdown": ({"copy_attention_slowdown": "0.1"}, 'copy_attention_slowdown is "0.1"'),
+    "negative launch extra": ({"copy_launch_us": -1.0},
+                              "copy_launch_us is -1.0, but it must be null or a finite number >= 0"),
     "missing field": ({"hbm_gbps": ...}, "missing the fields ['hbm_gbps']"),
 }
 

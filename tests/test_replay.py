@@ -127,6 +127,9 @@ def tiny_costs(t):
 FLAT_SLOW = replace(FLAT_FIFO, h2d_pinned=((1, 0.25),), copy_attention_slowdown=0.25, readback_copy_us=0.5)
 # ... and in fused launches, each issued beside a moving load a quarter of a microsecond later
 FLAT_TABLE = replace(FLAT_WAVE, h2d_pinned=((1, 0.25),), readback_copy_us=0.5, launch_copy_us=0.25)
+# ... and a fused launch beside a moving load 0.75 us more plus the factor on its own experts' part, not
+# on commit's OWA (0.5 us: `wave_beside_copy`)
+FLAT_LAUNCH = replace(FLAT_TABLE, copy_launch_us=0.75, owa_gpu_us=0.5)
 # ... and passes queued back to back, whose start-up (0.1 us) beside a moving load takes 0.7 us more
 # (sums that round, so the engines must add them in one order)
 FLAT_START = replace(FLAT_SLOW, pass_overlap=True, start_copy_us=0.7, pass_start_us=0.1)
@@ -140,9 +143,9 @@ FLAT_PASS_WAKE = replace(FLAT_START, host_pass_start_us=0.3, host_pass_start_poi
 
 @pytest.mark.parametrize("profile", [FLAT, FLAT2, FLAT_FIFO, FLAT_WAVE,
                                      replace(FLAT_WAVE, host_wake_points=((0.0, 1.0), (3.0, 2.5))), FLAT_QUEUE, FLAT_SLOW,
-                                     FLAT_TABLE, FLAT_START, FLAT_CPU_START, FLAT_PASS_WAKE],
+                                     FLAT_TABLE, FLAT_LAUNCH, FLAT_START, FLAT_CPU_START, FLAT_PASS_WAKE],
                          ids=["flat", "flat-2-engines", "flat-fifo", "flat-waves", "flat-waves-wake", "flat-queue",
-                              "flat-slow-copies", "flat-table-copies",
+                              "flat-slow-copies", "flat-table-copies", "flat-launch-copies",
                               "flat-start-copies", "flat-cpu-start-copies", "flat-pass-wake"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("seed", range(3))
@@ -152,6 +155,21 @@ def test_replay_breaks_ties_as_simpy_does(profile, policy, seed):
     slots = 4 if policy == "upper" else 2 + (seed == 2)
     a, b, _, _ = both(t, policy, profile, batch, slots=slots, costs=tiny_costs(t))
     same_run(a, b)
+
+
+def test_a_launch_beside_a_load_pays_a_fixed_part_and_the_factor_on_its_own_experts():
+    """`copy_launch_us` set: a fused launch that starts beside a moving load takes it more, plus
+    `copy_compute_slowdown` on all but commit's OWA (`extra`); without it, the factor on the whole
+    launch, as before. The runs it reaches change, and both engines price them alike."""
+    assert FLAT_LAUNCH.wave_beside_copy(10.0, 2.0) == 8.0 * 1.5 + 2.0 + 0.75
+    assert FLAT_TABLE.wave_beside_copy(10.0, 2.0) == 15.0 and FLAT_TABLE.copy_launch_us is None
+    t = tiny(M=3, E=4, T=24, seed=1, requests=2, K=2)
+    for policy in ("oracle", "lru-prefetch", "commit"):
+        a, b, _, _ = both(t, policy, FLAT_LAUNCH, 2, slots=2, costs=tiny_costs(t))
+        c, d, _, _ = both(t, policy, replace(FLAT_LAUNCH, copy_launch_us=None), 2, slots=2, costs=tiny_costs(t))
+        same_run(a, b)
+        same_run(c, d)
+        assert a.pass_us != c.pass_us, policy
 
 
 def test_the_start_ups_wait_beside_a_load_counts_on_both_of_its_paths():

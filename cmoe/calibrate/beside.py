@@ -63,6 +63,8 @@ def beside(p: HardwareProfile, m: dict) -> str:
         row(f"host, route after {wait * 1e6:.0f}us", route, p.host_route(1) * p.host_wake(wait * 1e6))
     for prev, start in pass_start_means((h or {}).get("pass_start_samples") or []).values():
         row(f"host, pass start after {prev / 1e3:.0f}ms", start / 1e6, p.host_pass_start_us + p.pass_start_extra_us(prev))
+    for b, n, quiet, busy, _, _ in m["layer"].get("launch_copy_points") or []:    # `launch_fit`
+        row(f"launch of {n} beside a load, b{b}", busy, p.wave_beside_copy(quiet * 1e6, 0.0))
     if m["layer"].get("start_copy_s") is not None:         # oracle's passes that start beside a load
         row("pass start by a load, more", m["layer"]["start_copy_s"], p.start_copy_us)
     cpu_rows(row, m, p)

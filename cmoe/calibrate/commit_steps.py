@@ -105,6 +105,15 @@ def copy_slowdowns(log, first: int) -> dict:
     return {"attention": _weighted([att], ratio), "expert": _weighted(list(launches_by_size(log, first).values()), ratio)}
 
 
+def launch_copy_points(log, first: int, batch: int) -> list[list]:
+    """Calibrate's points for `copy_launch_us` from a loading run at `batch`: per count of experts in
+    a fused launch with `SLOW_MIN` launches on each side, [batch, count, quiet median, busy median
+    (seconds), quiet launches, busy launches] (`launches_by_size`)."""
+    return [[batch, n, float(np.median(g[False])), float(np.median(g[True])), len(g[False]), len(g[True])]
+            for n, g in sorted(launches_by_size(log, first).items())
+            if len(g[True]) >= SLOW_MIN and len(g[False]) >= SLOW_MIN]
+
+
 def launches_by_size(log, first: int) -> dict[int, dict[bool, list]]:
     """The decode passes' fused expert launches (a layer's expert spans that abut) of every layer but
     `first`, by how many experts each holds: {True: durations of those that started while a load was

@@ -26,8 +26,8 @@ import torch
 from cmoe.calibrate import wake
 from cmoe.calibrate.host_runs import (HOST_ROUNDS, _host_figures, _host_points, _host_round, _host_run,
                                        _python_host, _python_step)
-from cmoe.calibrate.commit_steps import (commit_gpu_s, copy_slowdowns, launch_copy_s, readback_copy_s, start_copy_s,
-                                          start_excess_s)
+from cmoe.calibrate.commit_steps import (commit_gpu_s, copy_slowdowns, launch_copy_points, launch_copy_s,
+                                          readback_copy_s, start_copy_s, start_excess_s)
 from cmoe.calibrate.log_points import _load_cost, _wave_points, cpu_in_model, cpu_runs
 from cmoe.core.spec import ModelSpec
 from cmoe.calibrate.spans import _mean, _pass_overhead, _per_layer, queued_period
@@ -50,7 +50,8 @@ class _ModelRuns:
         self.cuda = device.type == "cuda"
         self.first = spec.moe_layers[0]
         self.L, self.M = spec.num_layers, spec.num_moe_layers
-        self.gpu: dict[str, list] = {"points": [], "expert": [], "waves": [], "plain_points": [], "readback": []}
+        self.gpu: dict[str, list] = {"points": [], "expert": [], "waves": [], "plain_points": [], "readback": [],
+                                     "launch_copy": []}
         self.host: dict[str, list] = {"layer": [], "route": [], "expert": [], "expert_span": [], "sync": [], "waits": [],
                                       "layer_runs": [], "route_runs": [], "expert_runs": [], "gaps": []}
         self.host_runs: dict[int, list[dict]] = {}    # batch -> each eager run's host figures (`_host_run`)
@@ -194,6 +195,10 @@ def _lean_batch(r: _ModelRuns, w, cfg, batch: int, eager: list) -> None:
     if batch == 1:                # upper's layer-0 excess, the median's (`start_excess_s`), for commit's
         r.one["eager_attention"], r.one["plain"], r.one["plain_excess"] = att, _pass_overhead(plain, r.first), \
             start_excess_s(plain, r.first)
+    if batch == 8:                # larger launches beside a load and not (batch 1's: `_batch_one`), `copy_launch_us`
+        lc = replace(cfg, policies=("lru-prefetch",), slots=max(r.spec.top_k, 3 * r.spec.num_experts // 4),
+                     tokens=min(r.tokens, 8))
+        gpu["launch_copy"] += launch_copy_points(run_policy(w, lc, "lru-prefetch").log, r.first, batch)
 
 
 def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, queued, h_route: float) -> None:
@@ -226,6 +231,7 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
         for key, f in (("readback_copy", readback_copy_s), ("launch_copy", launch_copy_s)):
             v = f(rb_log, r.first, spec.moe_layers)
             one[key] = max(v, 0.0) if v is not None else 0.0
+        r.gpu["launch_copy"] += launch_copy_points(rb_log, r.first, 1)     # its launches beside a load and not
         one["commit_waves"] = _wave_points(c_log, w.trace, 1, spec)
         ld = run_policy(w, replace(cc, slots=max(spec.top_k, spec.num_experts // 2), tokens=tokens), "commit").log
         one["commit_gpu"], one["commit_gpu_copy"], one["copy_slow"] = *commit_gpu_s(c_log, ld, r.first), copy_slowdowns(ld, r.first)
@@ -293,6 +299,7 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
                      "expert_points": gpu["expert"], "predict_layer_s": one["predict"],
                      "commit_route_s": one["commit_route"], "context_points": ctx,
                      **{k: one[k] for k in ("split_point", "context_caches", "load_queue", "copy_slow") if one.get(k)},
+                     **({"launch_copy_points": gpu["launch_copy"]} if gpu["launch_copy"] else {}),
                      "readback_gpu_s": max(float(np.median([x for _, x in gpu["readback"]])), 0.0) if gpu["readback"] else 0.0,
                      "predict_gpu_s": max(one.get("predict_gpu", 0.0), 0.0), "commit_gpu_s": one.get("commit_gpu", 0.0),
                      "commit_gpu_copy_s": one.get("commit_gpu_copy", 0.0), "readback_copy_s": one.get("readback_copy", 0.0),

@@ -63,7 +63,9 @@ Measurements (all times in seconds):
 - `copy_slowdown`: fractional slowdown of an HBM-bound kernel while a side-stream copy runs
   (`copy_slowdown_matmul`: of a matmul, shown; `cmoe.calibrate.measure._copy_slowdowns`); where
   `layer` has "copy_slow" {"attention", "expert"} (the model's own kernels in a loading run,
-  `cmoe.calibrate.commit_steps.copy_slowdowns`) those set the profile's two factors instead;
+  `cmoe.calibrate.commit_steps.copy_slowdowns`) those set the profile's two factors instead, and
+  where it has "launch_copy_points" (lru-prefetch's fused launches beside a load and not, at two
+  launch sizes or more: `launch_fit`) the experts' factor and `copy_launch_us` come from those;
 - `repeats`: {what: {"unit": "bytes" | "tokens" | null, "grows": bool, "judged": bool, "points":
   [(x, [seconds of every repeat])]}}: the figures above are the best of these; `noise` judges the
   machine by them.
@@ -165,7 +167,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
 _MEASURED = ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "hbm_gbps", "expert_gbps", "launch_us", "layer_fixed_us",
              "attn_us_per_token", "cpu_expert_gbps", "roundtrip_us", "copy_compute_slowdown", "copy_attention_slowdown",
              "pass_start_us", "head_us", "predict_layer_us", "commit_route_us", "cpu_expert_us_per_token", "readback_gpu_us", "predict_gpu_us",
-             "commit_gpu_us", "commit_gpu_copy_us", "readback_copy_us", "launch_copy_us")
+             "commit_gpu_us", "commit_gpu_copy_us", "readback_copy_us", "launch_copy_us")   # copy_launch_us: _copy_terms
 START_COPY_UNMEASURED = ("not measured, so 0: calibrate's oracle run (made for the lean engine on CUDA) "
                          "had too few passes on a side, or none was made, or the calibration predates the figure")
 _EXECUTOR = {      # the fields the executor's design sets, not a measurement
@@ -274,10 +276,36 @@ def _copy_terms(m: dict, src: str) -> tuple[dict, dict]:
         mine = own.get(key)
         out[field_] = max(mine, 0.0) if mine is not None else proxy
         why[field_] = f"{src} ({model.format(what) if mine is not None else lone})"
+    if (fit := launch_fit(m["layer"].get("launch_copy_points") or [])) is not None:
+        out["copy_launch_us"], out["copy_compute_slowdown"] = fit[0] * 1e6, fit[1]
+        why["copy_launch_us"] = why["copy_compute_slowdown"] = (
+            f"{src} (lru-prefetch's fused launches beside its loads and not, at "
+            f"{len(m['layer']['launch_copy_points'])} launch sizes: extra = copy_launch_us + "
+            "copy_compute_slowdown x the launch, weighted least squares)")
     out["start_copy_us"] = m["layer"].get("start_copy_s", 0.0) * 1e6
     why["start_copy_us"] = (f"{src} (oracle's passes that start beside a load, the first layer over the others)"
                             if "start_copy_s" in m["layer"] else START_COPY_UNMEASURED)
     return out, why
+
+
+def launch_fit(points: list) -> tuple[float, float] | None:
+    """(fixed seconds, factor) of a fused launch's extra beside a moving load, `extra = a + s x
+    quiet`, from calibrate's `launch_copy_points` ([batch, experts, quiet s, busy s, quiet n, busy
+    n]), each weighted by its smaller side; None under two launch sizes 20% apart in time (nothing
+    tells the two parts apart: the profile keeps the one factor on the whole launch). A negative part
+    is held at 0 and the other fitted alone. Why two parts: on the H200 (thirty-ninth session) a
+    launch beside a load took 5.7-7.6 us more at two experts and 9.8-11.8 at eight, whatever share
+    of it was commit's OWA (`HardwareProfile.wave_beside_copy`)."""
+    pts = [(q, b - q, min(nq, nb)) for _, _, q, b, nq, nb in points]
+    if len(pts) < 2 or max(q for q, _, _ in pts) < 1.2 * min(q for q, _, _ in pts):
+        return None
+    q, y, w = (np.array(v, dtype=float) for v in zip(*pts))
+    a, k = np.linalg.lstsq(np.vstack([np.ones_like(q), q]).T * np.sqrt(w)[:, None], y * np.sqrt(w), rcond=None)[0]
+    if a < 0:
+        return 0.0, max(float(np.sum(w * y * q) / np.sum(w * q * q)), 0.0)
+    if k < 0:
+        return max(float(np.sum(w * y) / np.sum(w)), 0.0), 0.0
+    return float(a), float(k)
 
 
 def _pass_gap_us(m: dict) -> float:

@@ -46,6 +46,7 @@ class HardwareProfile(Variants):
     copy_compute_slowdown: float = 0.0              # expert kernels' slowdown while a side-stream copy runs
     copy_attention_slowdown: float | None = None    # the rest of a layer's (attention, norms, router) while one
                                                     # runs; None: copy_compute_slowdown's (`attention_slow`)
+    copy_launch_us: float | None = None             # a fused launch's fixed extra beside a copy (`wave_beside_copy`)
     attn_us_per_ctx_token: float = 0.0              # per decoder layer, per key attended (a pass's context)
     readback_gpu_us: float = 0.0                    # per MoE layer, GPU: packing its routing for the read-back
     predict_gpu_us: float = 0.0                     # per MoE layer, GPU: the next layer's router on this layer's
@@ -173,9 +174,10 @@ class HardwareProfile(Variants):
         if self.wave_gbps and not self.copy_fifo:
             raise bad(self.name, "wave_gbps", self.wave_gbps, "0 unless copy_fifo is true (the fused launches "
                       "are the executor's, whose loads run on one copy stream in issue order)")
-        a = self.copy_attention_slowdown
-        if a is not None and not NON_NEGATIVE[0](a):
-            raise bad(self.name, "copy_attention_slowdown", a, f"null or {NON_NEGATIVE[1]}")
+        for k in ("copy_attention_slowdown", "copy_launch_us"):
+            a = getattr(self, k)
+            if a is not None and not NON_NEGATIVE[0](a):
+                raise bad(self.name, k, a, f"null or {NON_NEGATIVE[1]}")
         if not isinstance(self.python_host, dict) or set(self.python_host) - {*HOST_FIELDS, *HOST_POINTS}:
             raise bad(self.name, "python_host", self.python_host, f"an object of {HOST_FIELDS + HOST_POINTS}")
         object.__setattr__(self, "python_host", {k: pairs(v) if k in HOST_POINTS else v     # JSON's lists
@@ -254,6 +256,17 @@ class HardwareProfile(Variants):
         ran 10-14% slower beside a load and its experts 6-11%, in every loading run of three calls."""
         a = self.copy_attention_slowdown
         return 1.0 + (self.copy_compute_slowdown if a is None else a)
+
+    def wave_beside_copy(self, dur: float, extra: float) -> float:
+        """A fused expert launch of `dur` us (of which `extra`, commit's OWA, is not its experts')
+        that starts while a copy is in flight. Where calibrate measured it (`copy_launch_us`), a
+        fixed part per launch plus `copy_compute_slowdown` on the experts' own part: on the H200
+        (thirty-ninth session) a launch beside a load took 5.7-7.6 us more at two experts and
+        9.8-11.8 at eight, the same for commit's launches, 48-50 us longer, as for the read-back
+        policies'. Else (profiles from before) the factor on the whole launch."""
+        if self.copy_launch_us is None:
+            return dur * (1.0 + self.copy_compute_slowdown)
+        return (dur - extra) * (1.0 + self.copy_compute_slowdown) + extra + self.copy_launch_us
 
     def cpu_expert_us(self, nbytes: int, tokens: int) -> float:
         """A CPU expert of `nbytes` on `tokens` rows: its one-token time by `cpu_expert_gbps`, times

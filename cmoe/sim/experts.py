@@ -68,7 +68,8 @@ class ExpertSteps:
         waits, the launch itself: all but host_expert_tail_us; the GPU idles meanwhile, as the
         H200's timelines show: 40-60 us between the read-back and a layer's first expert), runs
         wave_us (+ `extra`: commit's OWA) plus its experts' shares, and its time is split evenly among them (the executor's
-        spans); the loads deferred behind a wave's experts are issued after it. A launch issued while a
+        spans); the loads deferred behind a wave's experts are issued after it. One that starts while a
+        copy moves is slowed as `HardwareProfile.wave_beside_copy` says. A launch issued while a
         load moves starts `table` later (the read-back path's `launch_copy_us`: its slot table's small
         copy, on the compute stream, waits behind the load's on the one H2D engine; on the H200, 2026-12-05,
         6 us between the read-back and the experts with the link idle, 16-25 us beside a load).
@@ -95,7 +96,7 @@ class ExpertSteps:
                 launched += table
             start = max(start, launched)
             if self.in_flight and self._copying(start):
-                dur *= x.slow
+                dur = hw.wave_beside_copy(dur, extra)
             G = start + dur
             H += issue
             step = (G - start) / len(wave)

@@ -14,6 +14,7 @@ from cmoe.sim.replay.clock import (CHAINED_GAP, CPU_END, CPU_GAP, CPU_LEAD, CPU_
                                    IN_FLIGHT, NOW, OP_ATTN, SILENT,
                                    OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, OWA_GPU, PASS_GAP,
                                    PASS_INDEX, PASS_START, PREV_END, SLOW, STARTUP_AFTER, START_COPY, ATTN_SLOW, RB_COPY, LAUNCH_COPY, TAIL, WAVE, WAVE_ROW,
+                                   COPY_LAUNCH,
                                    W_DRAINED, W_READY, _advance, copying, _issue, _release, _span, _sync, pmax)
 
 
@@ -138,8 +139,8 @@ def _waves(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, silent, own, 
         if table != 0.0 and c.I[IN_FLIGHT] and copying(c, x, launched):
             launched += table                           # its slot table's copy waits behind the load's
         start = pmax(start, launched)
-        if c.I[IN_FLIGHT] and copying(c, x, start):
-            dur *= slow
+        if c.I[IN_FLIGHT] and copying(c, x, start):       # `HardwareProfile.wave_beside_copy`
+            dur = dur * slow if x.hwf[COPY_LAUNCH] < 0.0 else (dur - extra) * slow + extra + x.hwf[COPY_LAUNCH]
         G = start + dur
         H += issue
         step = (G - start) / cnt

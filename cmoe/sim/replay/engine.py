@@ -30,8 +30,8 @@ CHUNK_CELLS = 1 << 16          # (pass, layer, expert) cells of decisions held a
 
 
 def _scalars(policy: Policy, hw: HardwareProfile) -> np.ndarray:
-    """`Costs.hwf`: the profile's scalars the clock reads, in `clock`'s order (SLOW .. START_COPY),
-    the pass start and its first mark the policy's own (`HardwareProfile.host_pass_start`,
+    """`Costs.hwf`: the profile's scalars the clock reads, in `clock`'s order (SLOW .. COPY_LAUNCH, -1
+    for a profile without it: `HardwareProfile.wave_beside_copy`), the pass start and its first mark the policy's own (`HardwareProfile.host_pass_start`,
     `first_mark`: PASS_GAP a synced pass's, CHAINED_GAP a queued one's)."""
     cpu = policy.cpu_experts
     return np.array([1.0 + hw.copy_compute_slowdown, hw.host_load_us, hw.host_expert_us, hw.host_expert_us_per_token,
@@ -40,7 +40,7 @@ def _scalars(policy: Policy, hw: HardwareProfile) -> np.ndarray:
                      hw.owa_gpu_us, hw.first_mark(cpu, False), hw.commit_gpu_us, hw.commit_gpu_copy_us,
                      hw.commit_start_us, hw.attention_slow, hw.readback_copy_us, hw.launch_copy_us, hw.cpu_lead_us,
                      hw.cpu_gap_us, hw.cpu_tail_us, hw.first_mark(cpu, True), float(hw.startup_after_host(cpu)),
-                     hw.start_copy_us])
+                     hw.start_copy_us, -1.0 if hw.copy_launch_us is None else hw.copy_launch_us])
 
 
 def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, keep_spans: bool) -> ck.Costs:
