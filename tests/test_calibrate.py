@@ -149,7 +149,7 @@ def test_a_launches_extra_beside_a_load_fits_a_fixed_part_and_a_factor():
     m["layer"]["launch_copy_points"] = pts
     got = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-11-29")
     assert (got.copy_launch_us, got.copy_compute_slowdown) == pytest.approx((4.5, 0.03))
-    assert got.copy_attention_slowdown == 0.125 and "at 3 launch sizes" in got.sources["copy_launch_us"]
+    assert got.copy_attention_slowdown == 0.125 and "3 points of (batch, experts a launch)" in got.sources["copy_launch_us"]
     assert got.wave_beside_copy(100.0, 40.0) == pytest.approx(60.0 * 1.03 + 40.0 + 4.5)
     rows = [r.split() for r in beside(got, m).splitlines() if r.startswith("launch of")]
     assert [r[:7] for r in rows] == [["launch", "of", "2", "beside", "a", "load,", "b1"],
@@ -159,6 +159,30 @@ def test_a_launches_extra_beside_a_load_fits_a_fixed_part_and_a_factor():
     del m["layer"]["launch_copy_points"]
     old = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-11-29")
     assert old.copy_launch_us is None and old.copy_compute_slowdown == 0.0625
+
+
+def test_launch_copy_points_read_a_run_in_microseconds_as_seconds():
+    """`launch_copy_points` on an executor log (spans in us): launches of two experts (70 us quiet,
+    77.1 beside a load) and of eight (229, 240.87), six of each side, give points in seconds, and
+    the fit through them a fixed part of 5 us and 3%."""
+    from types import SimpleNamespace
+
+    from cmoe.calibrate.commit_steps import launch_copy_points
+    from cmoe.calibrate.profile_fit import launch_fit
+    from cmoe.core.timeline import Span
+    spans = []
+    for p_ in range(1, 7):
+        t0 = 10_000.0 * p_
+        spans.append(Span("gpu", p_, 1, "copy0", "load", 7, t0, t0 + 2_000.0, 1000))
+        for layer, (t, n, dur) in enumerate(((t0 + 100.0, 2, 77.1), (t0 + 3_000.0, 2, 70.0),
+                                             (t0 + 500.0, 8, 240.87), (t0 + 4_000.0, 8, 229.0)), start=1):
+            spans += [Span("gpu", p_, layer, "compute", "expert", e, t + e * dur / n, t + (e + 1) * dur / n, 0)
+                      for e in range(n)]
+    log = SimpleNamespace(spans=spans, pass_us=[(q, True, 1, 0.0) for q in range(1, 7)])
+    pts = launch_copy_points(log, 0, 8)
+    assert pts == [[8, 2, pytest.approx(70e-6), pytest.approx(77.1e-6), 6, 6],
+                   [8, 8, pytest.approx(229e-6), pytest.approx(240.87e-6), 6, 6]]
+    assert launch_fit(pts) == pytest.approx((5e-6, 0.03))
 
 
 def test_large_copies_follow_one_line_so_a_slow_size_does_not_move_an_experts_copy():
@@ -545,7 +569,7 @@ def test_the_lean_engines_gpu_side_steps_run_on_the_cpu(checkpoints, monkeypatch
     assert [b for b, _ in points] == [1, 8] and all(n > 1 for _, n in points)
     assert lay["launch_copy_points"] == [[1, 2, 1e-4, 1.1e-4, 5, 5], [8, 2, 1e-4, 1.1e-4, 5, 5]]
     three_quarters = 3 * spec.num_experts // 4
-    assert [(c.batch, c.tokens) for _, c in lp_runs if c.slots == three_quarters] == [(1, 4), (8, 4)]
+    assert [(c.batch, c.tokens) for _, c in lp_runs if c.slots == three_quarters] == [(1, 4), (8, 4), (8, 4)]
     # one oracle run at batch 1, all the slots but one (`start_copy_us`); measured only where both sides had passes
     assert slots == [spec.num_experts - 1] and lay.get("start_copy_s", 0.0) >= 0.0
     # the Python step's host (`_python_step`): three ondemand runs a batch a round with the program off, two kept

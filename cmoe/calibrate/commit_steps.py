@@ -108,8 +108,8 @@ def copy_slowdowns(log, first: int) -> dict:
 def launch_copy_points(log, first: int, batch: int) -> list[list]:
     """Calibrate's points for `copy_launch_us` from a loading run at `batch`: per count of experts in
     a fused launch with `SLOW_MIN` launches on each side, [batch, count, quiet median, busy median
-    (seconds), quiet launches, busy launches] (`launches_by_size`)."""
-    return [[batch, n, float(np.median(g[False])), float(np.median(g[True])), len(g[False]), len(g[True])]
+    (seconds; the log's spans are in us), quiet launches, busy launches] (`launches_by_size`)."""
+    return [[batch, n, float(np.median(g[False])) / 1e6, float(np.median(g[True])) / 1e6, len(g[False]), len(g[True])]
             for n, g in sorted(launches_by_size(log, first).items())
             if len(g[True]) >= SLOW_MIN and len(g[False]) >= SLOW_MIN]
 

@@ -64,8 +64,9 @@ Measurements (all times in seconds):
   (`copy_slowdown_matmul`: of a matmul, shown; `cmoe.calibrate.measure._copy_slowdowns`); where
   `layer` has "copy_slow" {"attention", "expert"} (the model's own kernels in a loading run,
   `cmoe.calibrate.commit_steps.copy_slowdowns`) those set the profile's two factors instead, and
-  where it has "launch_copy_points" (lru-prefetch's fused launches beside a load and not, at two
-  launch sizes or more: `launch_fit`) the experts' factor and `copy_launch_us` come from those;
+  where it has "launch_copy_points" (lru-prefetch's fused launches beside a load and not, two
+  launch sizes at least 20% apart in time: `launch_fit`) the experts' factor and `copy_launch_us`
+  come from those;
 - `repeats`: {what: {"unit": "bytes" | "tokens" | null, "grows": bool, "judged": bool, "points":
   [(x, [seconds of every repeat])]}}: the figures above are the best of these; `noise` judges the
   machine by them.
@@ -279,8 +280,8 @@ def _copy_terms(m: dict, src: str) -> tuple[dict, dict]:
     if (fit := launch_fit(m["layer"].get("launch_copy_points") or [])) is not None:
         out["copy_launch_us"], out["copy_compute_slowdown"] = fit[0] * 1e6, fit[1]
         why["copy_launch_us"] = why["copy_compute_slowdown"] = (
-            f"{src} (lru-prefetch's fused launches beside its loads and not, at "
-            f"{len(m['layer']['launch_copy_points'])} launch sizes: extra = copy_launch_us + "
+            f"{src} (lru-prefetch's fused launches beside its loads and not, "
+            f"{len(m['layer']['launch_copy_points'])} points of (batch, experts a launch): extra = copy_launch_us + "
             "copy_compute_slowdown x the launch, weighted least squares)")
     out["start_copy_us"] = m["layer"].get("start_copy_s", 0.0) * 1e6
     why["start_copy_us"] = (f"{src} (oracle's passes that start beside a load, the first layer over the others)"
