@@ -25,12 +25,11 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cmoe.analysis.runfolder import read_timeline  # noqa: E402
-from cmoe.calibrate.commit_steps import SLOW_MIN, launches_by_size  # noqa: E402
+from cmoe.calibrate.commit_steps import launch_points, launches_by_size  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
 
 
@@ -51,15 +50,10 @@ def pooled(folders: list[Path], policy: str) -> dict[int, dict[bool, list]]:
 
 
 def rows(groups: dict[int, dict[bool, list]]) -> dict[int, dict]:
-    """Per expert count with `SLOW_MIN` launches on each side: the medians, their difference and
-    ratio, and the counts."""
-    out = {}
-    for n, g in sorted(groups.items()):
-        if len(g[True]) >= SLOW_MIN and len(g[False]) >= SLOW_MIN:
-            q, b = float(np.median(g[False])), float(np.median(g[True]))
-            out[n] = {"quiet_us": q, "busy_us": b, "extra_us": b - q, "ratio": b / q, "quiet": len(g[False]),
-                      "busy": len(g[True])}
-    return out
+    """Per expert count with `SLOW_MIN` launches on each side (`launch_points`, as calibrate reads
+    them, here in us): the medians, their difference and ratio, and the counts."""
+    return {n: {"quiet_us": q, "busy_us": b, "extra_us": b - q, "ratio": b / q, "quiet": nq, "busy": nb}
+            for _, n, q, b, nq, nb in launch_points(groups, 0)}
 
 
 def main() -> None:

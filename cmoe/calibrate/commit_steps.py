@@ -106,12 +106,17 @@ def copy_slowdowns(log, first: int) -> dict:
 
 
 def launch_copy_points(log, first: int, batch: int) -> list[list]:
-    """Calibrate's points for `copy_launch_us` from a loading run at `batch`: per count of experts in
-    a fused launch with `SLOW_MIN` launches on each side, [batch, count, quiet median, busy median
-    (seconds; the log's spans are in us), quiet launches, busy launches] (`launches_by_size`)."""
-    return [[batch, n, float(np.median(g[False])) / 1e6, float(np.median(g[True])) / 1e6, len(g[False]), len(g[True])]
-            for n, g in sorted(launches_by_size(log, first).items())
-            if len(g[True]) >= SLOW_MIN and len(g[False]) >= SLOW_MIN]
+    """Calibrate's points for `copy_launch_us` from a loading run at `batch` (`launch_points` of its
+    `launches_by_size`, in seconds: the log's spans are in us)."""
+    return launch_points(launches_by_size(log, first), batch, 1e6)
+
+
+def launch_points(groups: dict[int, dict[bool, list]], batch: int, per: float = 1.0) -> list[list]:
+    """Per count of experts in a fused launch with `SLOW_MIN` launches on each side of `groups`
+    (`launches_by_size`, one run's or several pooled), [batch, count, quiet median, busy median
+    (the groups' unit over `per`), quiet launches, busy launches]."""
+    return [[batch, n, float(np.median(g[False])) / per, float(np.median(g[True])) / per, len(g[False]), len(g[True])]
+            for n, g in sorted(groups.items()) if len(g[True]) >= SLOW_MIN and len(g[False]) >= SLOW_MIN]
 
 
 def launches_by_size(log, first: int) -> dict[int, dict[bool, list]]:

@@ -31,8 +31,9 @@ CHUNK_CELLS = 1 << 16          # (pass, layer, expert) cells of decisions held a
 
 def _scalars(policy: Policy, hw: HardwareProfile) -> np.ndarray:
     """`Costs.hwf`: the profile's scalars the clock reads, in `clock`'s order (SLOW .. COPY_LAUNCH, -1
-    for a profile without it: `HardwareProfile.wave_beside_copy`), the pass start and its first mark the policy's own (`HardwareProfile.host_pass_start`,
-    `first_mark`: PASS_GAP a synced pass's, CHAINED_GAP a queued one's)."""
+    for a profile without it: `HardwareProfile.wave_beside_copy`), the pass start and its first mark
+    the policy's own (`HardwareProfile.host_pass_start`, `first_mark`: PASS_GAP a synced pass's,
+    CHAINED_GAP a queued one's)."""
     cpu = policy.cpu_experts
     return np.array([1.0 + hw.copy_compute_slowdown, hw.host_load_us, hw.host_expert_us, hw.host_expert_us_per_token,
                      hw.host_expert_tail_us, hw.matmul_tflops * 1e12, hw.host_sync_us, hw.pass_start_us,
