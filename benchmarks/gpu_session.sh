@@ -61,6 +61,11 @@
 #                                             # M in MS (1,2,4,8,16) for VARIANTS (all), then upper at batches
 #                                             # 1/4/8 as committed and with TWIN's configurations (default: the
 #                                             # variants' fastest per M), then the expert kernels' GPU tests
+#   bash benchmarks/gpu_session.sh few        # issues 13, 15: the few-expert graphs (`cmoe.executor.few_experts`): their
+#                                             # GPU test, the host-program and calibration GPU tests, wave_config_h200.py
+#                                             # (a wave of n experts on each configuration, M 8/16), then the loading
+#                                             # policies at batch 8, pools 20/26, each right after its twin with
+#                                             # CMOE_FEW_EXPERTS=0 (~6-8 min)
 #   bash benchmarks/gpu_session.sh check      # a session's first call: the expert kernels', lean and executor GPU
 #                                             # tests, then expert_kernel_h200.py --no-sweep (CONFIGS, torch int4 and
 #                                             # bf16 in one run, M 1-64), then upper at batches 1/4/8 as committed
@@ -188,6 +193,12 @@ case "${1:-}" in
         upper 170 110 --kernel-configs "${4:-$OUT/variants/kernel_variants.json}"
         timeout 250 python3 -m pytest -q -m gpu tests/test_moe_cuda_gpu.py tests/test_moe_kernel_gpu.py \
           tests/test_moe_kernel_fp16.py -p no:cacheprovider 2>&1 | tail -12 ;;
+  few) timeout 200 python3 -m pytest -q -m gpu tests/test_lean_gpu.py tests/test_calibrate_gpu.py -p no:cacheprovider \
+         -k "few_expert or host_program_runs or (replay_equals_eager and mixtral) or calibrat" 2>&1 | tail -8 || true
+       timeout 150 python3 benchmarks/wave_config_h200.py --out "$OUT/wave-config" 2>&1 | grep -v Warning || true
+       timeout 230 python3 benchmarks/lean_h200.py --out "$OUT/few-ab" --tokens 64 --repeats 0 --batches 8 --pools 20,26 \
+         --engines lean --policies ondemand,lru-prefetch,oracle --env-ablation CMOE_FEW_EXPERTS=0 --budget-s 200 2>&1 \
+         | grep -E "^lean|^HBM|^built|rror" || true ;;
   check) timeout 260 python3 -m pytest -q -m gpu tests/test_moe_cuda_gpu.py tests/test_lean_gpu.py \
            tests/test_executor_gpu.py -p no:cacheprovider 2>&1 | tail -12 || true
          timeout 160 python3 benchmarks/expert_kernel_h200.py --out "$OUT/expert" --no-sweep 2>&1 | grep -v Warning | tail -30 || true

@@ -198,7 +198,7 @@ def test_the_engine_points_each_read_back_into_one_buffer(commit):
                           t_graph={"rb": rbs, "rb0": torch.zeros(N, 2 * K2),
                                    "pred": [(torch.zeros(N, K2, dtype=torch.long), torch.zeros(N, K2))] * M})
     rb = np.tile(np.array([[11, 12, 13, 14]], np.int64), (M, 1))
-    scal = np.zeros(11, np.int64)
+    scal = np.zeros(12, np.int64)
     extra = {"rb0": np.array([21, 22, 23, 24], np.int64),
              "tp": np.full((1, M, N, K2), -1, np.int16) if commit else np.zeros((1, M, 1, 1), np.int16)}
     got = HostProgramSteps._hp_live_inputs(eng, rb, scal, extra)

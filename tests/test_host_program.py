@@ -7,6 +7,7 @@ table rows each launch reads are read out of the staging buffer at the moment of
 from __future__ import annotations
 
 import ctypes
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -117,12 +118,13 @@ def _setup(name, M=3, E=6, slots=(2, 3, 2), batch=2, seed=0):
     return t, pa, lay, (lambda: make_policy(name, lay, E, pop, Future(pa)))
 
 
-def _prog(M, E, S, W, t=None, pa=None, K=2, N=2):
-    """Handles and addresses that name themselves in the log; with a trace, commit's inputs."""
-    gr = np.zeros((M, 4), np.int64)
+def _prog(M, E, S, W, t=None, pa=None, K=2, N=2, few=0):
+    """Handles and addresses that name themselves in the log; with a trace, commit's inputs; few:
+    the most experts a launch may name and replay the few-expert twins (50 + m, 60 + m)."""
+    gr = np.zeros((M, 6), np.int64)
     for m in range(M):
-        gr[m] = 10 + m, 20 + m, 30 + m, 40 + m
-    scal = np.array([PRE, HEAD, CS, CP, NBYTES, E, 0, K, t is not None, 0, N], np.int64)
+        gr[m] = 10 + m, 20 + m, 30 + m, 40 + m, 50 + m, 60 + m
+    scal = np.array([PRE, HEAD, CS, CP, NBYTES, E, 0, K, t is not None, 0, N, few], np.int64)
     rb = np.array([[5000 + m, 6000 + m, 64, 7000 + m] for m in range(M)], np.int64)
     stage = np.full((M, W, E), -1, np.int32)
     stage_ptr = np.array([[stage.ctypes.data + 4 * E * (m * W + k) for k in range(W)] for m in range(M)], np.int64)
@@ -228,7 +230,8 @@ class Reference:
                         out.append(("wait", CS, self.ready[m, s]))
                         self.pending[m][s] = False
                 self.mark(out, CS)
-                out.append(("launch", (20 if one else 30) + m, CS))
+                few = 0 < len(wave) <= self.prog.scal[hp.S_FEW]        # `_launch_waves`' choice
+                out.append(("launch", (20 if one else 30) + (30 if few else 0) + m, CS))
                 t1 = self.mark(out, CS)
                 for e in wave:
                     self.read[m, plan.slots[e]], self.was_read[m][plan.slots[e]] = t1, True
@@ -287,12 +290,12 @@ class Reference:
         self.snap[m] = (list(self.expert[m]), logical)
 
 
-def _run_both(name, **kw):
+def _run_both(name, few=0, **kw):
     t, pa, lay, make = _setup(name, **kw)
     M, E, S = len(lay.slots), t.spec.num_experts, max(lay.slots)
     py, tw = _prefilled(make, pa, M), _prefilled(make, pa, M)
     commit = name.startswith("commit")
-    prog = _prog(M, E, S, W=min(2 * 2, E) + 1, t=t if commit else None, pa=pa)
+    prog = _prog(M, E, S, W=min(2 * 2, E) + 1, t=t if commit else None, pa=pa, few=few)
     ref = Reference(py, prog, M, S)
     fake = _FAKE
     s, pd, d = export(tw, pa), pass_data(pa), decisions(M + 1, 1, E)
@@ -344,6 +347,25 @@ def test_look_ahead_policies_make_the_engines_calls(name, seed):
     pass."""
     logs, *_ = _run_both(name, M=5, slots=(3, 4, 3, 4, 3), seed=seed)
     assert sum(c[0] == "copy" and c[4] == 1 for log in logs for c in log) > 3, "too few loads to tell"
+
+
+@pytest.mark.parametrize("few", [1, 2])
+def test_a_launch_of_few_experts_replays_its_twin(few):
+    """With the few-expert graphs captured (`few_experts`), a launch naming at most `few` experts
+    replays the layer's twin (50 + m for the whole step, 60 + m for a wave) and a larger one the
+    graph as before. Two slots a block at batch 2, top-2: every launch names one expert (a wave)
+    or two (a wave, or the whole step), so few = 1 moves the one-expert waves to their twin and
+    leaves the two-expert launches, and few = 2 moves every launch."""
+    logs, *_ = _run_both("ondemand", few=few, slots=(2, 2, 2), seed=1)
+    base, *_ = _run_both("ondemand", few=0, slots=(2, 2, 2), seed=1)
+    kinds = lambda ls: Counter(c[1] // 10 * 10 for log in ls for c in log if c[0] == "launch" and c[1] >= 20)
+    was, now = kinds(base), kinds(logs)
+    assert was == {20: 7, 30: 118, 40: 59}
+    assert now == ({20: 7, 30: 82, 40: 59, 60: 36} if few == 1 else {40: 59, 50: 7, 60: 118})
+    undo = [[(c[0], c[1] - 30, c[2]) if c[0] == "launch" and 50 <= c[1] < 70 else c for c in log] for log in logs]
+    assert undo == base                                   # the same calls in the same order, only the graphs differ
+    undo = [[c if c[0] != "launch" or not 50 <= c[1] < 70 else (c[0], c[1] - 30, c[2]) for c in log] for log in logs]
+    assert undo == base                                   # the same calls, only the graphs differ
 
 
 def test_a_layer_short_of_slots_runs_in_waves():

@@ -18,10 +18,11 @@ from cmoe.executor.host_waves import _snapshot
 from cmoe.sim.replay.decide import _plan
 
 H2D, D2H = 1, 2
-# Prog.gr columns: a MoE layer's graphs (0: none)
-G_ATTN, G_EXPERTS, G_WAVE, G_FINISH = range(4)
+# Prog.gr columns: a MoE layer's graphs (0: none); the FEW ones run the few-expert kernel
+# configuration, for a launch naming at most scal[S_FEW] experts (`cmoe.executor.few_experts`)
+G_ATTN, G_EXPERTS, G_WAVE, G_FINISH, G_FEW_EXPERTS, G_FEW_WAVE = range(6)
 # Prog.scal
-S_PRE, S_HEAD, S_CS, S_CP, S_NBYTES, S_E, S_HOST0, S_K, S_COMMIT, S_LIVE, S_N = range(11)
+S_PRE, S_HEAD, S_CS, S_CP, S_NBYTES, S_E, S_HOST0, S_K, S_COMMIT, S_LIVE, S_N, S_FEW = range(12)
 # Books.lay_i columns (global mark ids) and Books.lay_f (host us)
 L_TIN, L_TPLAN, L_LAST = range(3)
 F_IN, F_SYNCED, F_ROUTED, F_LAST, F_RB = range(5)

@@ -37,8 +37,9 @@ from numba import njit
 
 from cmoe.executor.host_commit import commit_start, committed_layer
 from cmoe.executor.host_live import live_begin
-from cmoe.executor.host_prims import (C_BEGIN_LOADS, C_LOADS, C_WAVES, C_WX, F_ROUTED, F_SYNCED, G_EXPERTS, G_FINISH,
-                                      G_WAVE, S_COMMIT, S_CS, S_E, S_HEAD, S_LIVE, S_N, S_PRE, before_read, copy_in,
+from cmoe.executor.host_prims import (C_BEGIN_LOADS, C_LOADS, C_WAVES, C_WX, F_ROUTED, F_SYNCED, G_EXPERTS,
+                                      G_FEW_EXPERTS, G_FEW_WAVE, G_FINISH, G_WAVE, S_COMMIT, S_CS, S_E, S_FEW,
+                                      S_HEAD, S_LIVE, S_N, S_PRE, before_read, copy_in,
                                       cpu_ok, evof, fail, launch_ok, layer_done, layer_entry, load, mark, now, read_back,
                                       sync_ok, twin_step)
 # what the engine reads as hp.X (`lean_fast`): the layout, the runtime's addresses
@@ -145,6 +146,18 @@ def _plan_step(prog, pool, s, d, pd, b, gbase, p, P, m, waves):
 
 
 @njit(cache=True, _nrt=False)
+def _graph(prog, m, one, n):
+    """The graph a launch of n experts replays: the layer's whole-step or wave graph, or its
+    few-expert twin where n is at most scal[S_FEW] and the twin was captured."""
+    col = G_EXPERTS if one else G_WAVE
+    if 0 < n <= prog.scal[S_FEW]:
+        few = prog.gr[m, G_FEW_EXPERTS if one else G_FEW_WAVE]
+        if few != 0:
+            return few
+    return prog.gr[m, col]
+
+
+@njit(cache=True, _nrt=False)
 def _wave(prog, pool, d, b, gbase, m, k, g0, g1, l0, l1, nw, waves, due, one, ts):
     """Launch k of layer m (`_launch_waves`' loop body): its table row, the waits on its slots'
     copies, the launch between two marks, its reads, the loads that waited for them. Returns
@@ -174,7 +187,7 @@ def _wave(prog, pool, d, b, gbase, m, k, g0, g1, l0, l1, nw, waves, due, one, ts
     t0 = mark(prog, b, gbase, cs)
     if t0 < 0:
         return -1
-    if launch_ok(prog, b, prog.gr[m, G_EXPERTS] if one else prog.gr[m, G_WAVE], cs):
+    if launch_ok(prog, b, _graph(prog, m, one, b.cnt[C_WX] - x0), cs):
         return -1
     t1 = mark(prog, b, gbase, cs)
     if t1 < 0:

@@ -154,8 +154,8 @@ class HostProgramSteps:
             return None
         try:
             ex = lambda key: int(g[key].raw_cuda_graph_exec()) if key in g else 0
-            gr = np.array([[ex(("attn", m)), ex(("experts", m)), ex(("wave", m)), ex(("finish", m))] for m in range(M)],
-                          np.int64)
+            gr = np.array([[ex((key, m)) for key in ("attn", "experts", "wave", "finish", "experts-few", "wave-few")]
+                           for m in range(M)], np.int64)
             pre, head = ex("pre"), ex("head")
         except (AttributeError, RuntimeError, TypeError):          # a torch without the executable's handle
             return None
@@ -180,7 +180,7 @@ class HostProgramSteps:
                     return None
                 src_ptr[m, e] = src.data_ptr()
         scal = np.array([pre, head, pool.compute_h, pool._cp_handle, nb, E, int(round(self.clock.host0 * 1e9)),
-                         self.spec.top_k, self.commit, 0, 0], np.int64)
+                         self.spec.top_k, self.commit, 0, 0, self._few_max], np.int64)
         extra = self._hp_commit_inputs(ptr) if self.commit else hp.no_commit(M)
         if extra is None:
             return None

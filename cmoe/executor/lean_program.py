@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from cmoe.executor.few_experts import threshold
 from cmoe.executor.lean_steps import owa_device
 
 
@@ -47,6 +48,12 @@ def _fresh(M: int) -> dict:
 
 
 class Segments:
+    # the few-expert kernel configuration (`cmoe.executor.few_experts`): _few_n, while set, the
+    # experts a kernel call names at most (its graph's capture); _few_max, the most experts a launch
+    # may name and replay the captured few-expert graphs (0: none captured)
+    _few_n = 0
+    _few_max = 0
+
     def _fuse(self, model, family: str) -> None:
         """The one-launch kernels on CUDA, each with its switch for an A/B: RMSNorm (CMOE_FUSED_NORM),
         the decode attention (`attention.install`), the layer's add and norm (`_moe_decoder`,
@@ -167,9 +174,10 @@ class Segments:
             parts += [t["pred"][m + 1][0].float(), t["pred"][m + 1][1].float()] + self._deeper_parts(m + 1)
         return parts
 
-    def _kernel(self, m: int, table: torch.Tensor, out_dtype=None) -> torch.Tensor:
+    def _kernel(self, m: int, table: torch.Tensor, out_dtype=None, experts: int | None = None) -> torch.Tensor:
         """The routed experts of layer m from the slots `table` points at, in x's dtype (or
-        out_dtype: fp32 for a wave's partial sum, rounded once when the waves are added)."""
+        out_dtype: fp32 for a wave's partial sum, rounded once when the waves are added); `experts`,
+        how many the table names where known (it picks the kernel's configuration)."""
         from cmoe.executor.moe_kernel import moe_forward
         t, k = self.t, self.kin
         x = t["x"][m]
@@ -181,7 +189,7 @@ class Segments:
         else:                                              # the router's own choice, on the device
             ids, w = t["idx"][m].to(torch.int32), t["w"][m].float()
         return moe_forward(x, ids, w, table, self.pool.blocks[m], self.store.layout, workspace=self._ws,
-                           out_dtype=out_dtype)
+                           out_dtype=out_dtype, experts=experts if experts is not None else self._few_n or None)
 
     def seg_experts(self, m: int, y: torch.Tensor | None = None) -> None:
         """X_m: the layer's routed experts (or `y`, computed already) plus the residual. Written
@@ -257,29 +265,42 @@ class Segments:
         # experts' sum joins the waves' before the finish (`HostSteps._host_layer`)
         waves = self.fused and not self.silent and not self.commit \
             and os.environ.get("CMOE_WAVE_GRAPHS", "1") != "0"
+        few = threshold(B) if waves else 0                 # `few_experts`: where a launch is split
         if waves:                                          # a layer in launch waves: one replay a wave
             self._wave_acc = torch.zeros((B, self.spec.hidden), dtype=torch.float32, device=dev)
         rec("pre", self._pre_stepped if self._stepped else self.seg_pre)
         for m in range(self.M):
-            rec(("attn", m), self.seg_attn, m)
-            if self.fused:
-                rec(("experts", m), self.seg_experts, m)
-            else:                                          # eager experts write into this buffer
-                self.t["h"][m] = torch.empty_like(self.t["mid"][m])
-            if waves:
-                rec(("wave", m), self._wave_add, m)
-                self._static_out = True                    # finish writes X_m's own output tensor
-                rec(("finish", m), self._wave_finish, m)
-                self._static_out = False
+            self._record_layer(rec, m, waves, few)
         rec("head", self.seg_head)
         torch.cuda.synchronize(dev)
         if self._stepped:
             self.kv.aim_device_steps()                     # P's first replay steps to this pass's slot
         self.graphs = g
+        self._few_max = few
         self.t_graph = self.t
         self._static_out = True
         self._in_graph = False
         self.log.capture_us = (time.perf_counter() - h0) * 1e6
+
+    def _record_layer(self, rec, m: int, waves: bool, few: int) -> None:
+        """Layer m's graphs: A_m, X_m, with waves a wave's launch and the finish, and with few > 0
+        twins of X_m and the wave on the few-expert kernel configuration (`few_experts`: a launch
+        naming at most `few` experts replays them), writing the tensors the first ones write."""
+        rec(("attn", m), self.seg_attn, m)
+        if self.fused:
+            rec(("experts", m), self.seg_experts, m)
+        else:                                          # eager experts write into this buffer
+            self.t["h"][m] = torch.empty_like(self.t["mid"][m])
+        if waves:
+            rec(("wave", m), self._wave_add, m)
+            self._static_out = True                    # finish writes X_m's own output tensor
+            rec(("finish", m), self._wave_finish, m)
+            self._static_out = False
+        if few:
+            self._few_n, self._static_out = few, True
+            rec(("experts-few", m), self.seg_experts, m)
+            rec(("wave-few", m), self._wave_add, m)
+            self._few_n, self._static_out = 0, False
 
     def _capture_inputs(self, B: int) -> None:
         """The graphs' static inputs: ids, positions, the kernels' inputs and workspace, the cache

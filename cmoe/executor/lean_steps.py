@@ -182,12 +182,13 @@ class HostSteps(HostIO):
             self._tick("table, waits")
             t0 = clock.mark(cs)
             self._tick("launch: marks")
+            few = 0 < len(wave) <= self._few_max           # its few-expert graphs (`few_experts`)
             if st["one_launch"]:
-                self._run_x(m, graphs)
+                self._run_x(m, graphs, few)
             elif st["wave_graphs"]:
-                self.graphs[("wave", m)].replay()
+                self.graphs[("wave-few" if few and ("wave-few", m) in self.graphs else "wave", m)].replay()
             else:
-                part = self._kernel(m, self.table[m], torch.float32)
+                part = self._kernel(m, self.table[m], torch.float32, experts=len(wave))
                 y = part.clone() if y is None else y + part
             self._tick("launch: replay or kernel")
             t1 = due = st["end"] = clock.mark(cs)
@@ -315,9 +316,11 @@ class HostSteps(HostIO):
             predicted = list(r["predicted"][m + 1])
         return rows, wsorted, scores, list(r["needed"][m]), predicted
 
-    def _run_x(self, m: int, graphs: bool) -> None:
-        if graphs and ("experts", m) in self.graphs:
-            self.graphs[("experts", m)].replay()
+    def _run_x(self, m: int, graphs: bool, few: bool = False) -> None:
+        """X_m in one launch: its graph (the few-expert twin for a launch of few experts), else eagerly."""
+        key = ("experts-few", m) if few and graphs and ("experts-few", m) in self.graphs else ("experts", m)
+        if graphs and key in self.graphs:
+            self.graphs[key].replay()
         else:
             self.seg_experts(m)
 

@@ -1,0 +1,54 @@
+"""Which expert-kernel configuration a launch of n experts runs (pure: no torch, no Triton).
+
+The kernel's configuration is chosen by the batch's rows (`kernels_triton.moe.pick_config`): from
+5 rows on, `CONFIGS` run w13 on one warp a CTA and w2 on two, right for a launch whose 8 experts
+fill the machine. A loading policy's launch wave often names only 1-3 experts, and there the
+configuration of M <= 4 (4 warps a CTA) is faster: on the H200 one expert at M = 8 took 38.5 us
+on it against 58.3 on the M = 8 one, while a layer of 8 took 232.2 against 222.5 (thirteenth
+session, `benchmarks/results/lean-h200-13/call3-kernel_variants.json`), and the thirty-ninth
+session's validation saw one-expert waves at batch 8 take 64.9 us. So a launch whose table names
+at most `FEW_EXPERTS[bucket]` experts runs bucket `FEW_BUCKET`'s configuration; the lean executor
+captures a second graph per layer for it and picks one by the wave's size
+(`benchmarks/wave_config_h200.py` measures where the switch pays).
+
+CMOE_FEW_EXPERTS=0 turns the switch off (every launch as before); CMOE_FEW_EXPERTS=n sets one
+threshold for every bucket that has one.
+"""
+
+from __future__ import annotations
+
+import os
+
+from cmoe.core.errors import CmoeError
+
+FEW_BUCKET = 4                       # the configuration a launch of few experts runs
+FEW_EXPERTS: dict[int, int] = {8: 4, 16: 2}    # row bucket -> the most experts that run it
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)   # `kernels_triton.moe.CONFIGS`' row buckets
+
+
+def bucket(rows: int) -> int:
+    """The row bucket whose configuration a launch of `rows` rows runs (the smallest >= rows)."""
+    for b in BUCKETS:
+        if rows <= b:
+            return b
+    return BUCKETS[-1]
+
+
+def threshold(rows: int, env: dict | None = None) -> int:
+    """The most experts a launch of `rows` rows may name and still run the few-expert
+    configuration; 0 where every launch runs its bucket's own (or CMOE_FEW_EXPERTS=0)."""
+    b = bucket(rows)
+    if b not in FEW_EXPERTS:
+        return 0
+    raw = (os.environ if env is None else env).get("CMOE_FEW_EXPERTS", "")
+    if raw.strip():
+        try:
+            return max(int(raw), 0)
+        except ValueError:
+            raise CmoeError(f"CMOE_FEW_EXPERTS={raw!r}: give a whole number of experts (0 turns the switch off)")
+    return FEW_EXPERTS[b]
+
+
+def uses_few(rows: int, experts: int, env: dict | None = None) -> bool:
+    """Whether a launch of `rows` rows naming `experts` experts runs the few-expert configuration."""
+    return 0 < experts <= threshold(rows, env)

@@ -1,0 +1,33 @@
+"""Which kernel configuration a launch of n experts runs (`cmoe.executor.few_experts`): the pure
+choice the lean engine's graphs and the host program's launches follow (their CPU twin of the GPU
+test `test_lean_gpu.py::test_few_expert_graphs_change_no_decision`; the program's choice of graph is
+`test_host_program.py::test_a_launch_of_few_experts_replays_its_twin`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cmoe.core.errors import CmoeError
+from cmoe.executor import few_experts as fe
+
+
+def test_buckets_are_the_kernels_row_buckets():
+    assert [fe.bucket(r) for r in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64, 200)] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 64, 64, 64]
+
+
+def test_the_switch_by_rows_and_experts():
+    env: dict = {}
+    assert fe.FEW_BUCKET == 4 and fe.FEW_EXPERTS == {8: 4, 16: 2}
+    assert [fe.threshold(r, env) for r in (1, 4, 5, 8, 12, 16, 32)] == [0, 0, 4, 4, 2, 2, 0]
+    assert [fe.uses_few(8, n, env) for n in range(0, 9)] == [False, True, True, True, True, False, False, False, False]
+    assert [fe.uses_few(16, n, env) for n in (1, 2, 3)] == [True, True, False]
+    assert not fe.uses_few(4, 1, env) and not fe.uses_few(64, 1, env)   # no twin where the bucket has none
+
+
+def test_the_environment_overrides_or_turns_it_off():
+    assert fe.threshold(8, {"CMOE_FEW_EXPERTS": "0"}) == 0 and not fe.uses_few(8, 1, {"CMOE_FEW_EXPERTS": "0"})
+    assert fe.threshold(16, {"CMOE_FEW_EXPERTS": "6"}) == 6 and fe.uses_few(16, 6, {"CMOE_FEW_EXPERTS": "6"})
+    assert fe.threshold(2, {"CMOE_FEW_EXPERTS": "6"}) == 0              # only buckets that have one
+    assert fe.threshold(8, {"CMOE_FEW_EXPERTS": " "}) == 4
+    with pytest.raises(CmoeError, match="CMOE_FEW_EXPERTS='a few': give a whole number"):
+        fe.threshold(8, {"CMOE_FEW_EXPERTS": "a few"})
