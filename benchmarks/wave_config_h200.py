@@ -32,8 +32,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.expert_kernel_h200 import graph_us, hbm_tbps  # noqa: E402
-from benchmarks.kernel_probe_h200 import FF, G, H, _experts, _rel  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
 from cmoe.executor.moe_kernel import tiled_layout  # noqa: E402
 
@@ -63,6 +61,8 @@ def main() -> None:
     ap.add_argument("--out", default="out/wave-config")
     ap.add_argument("--ms", default="8,16")
     args = ap.parse_args()
+    from benchmarks.expert_kernel_h200 import graph_us, hbm_tbps
+    from benchmarks.kernel_probe_h200 import FF, G, H, _experts, _rel          # Triton: the GPU's machine
     from cmoe.executor.kernels_triton import Workspace, moe_triton, pick_config
     from cmoe.executor.moe_kernel import moe_reference
 
