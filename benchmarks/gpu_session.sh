@@ -193,11 +193,11 @@ case "${1:-}" in
         upper 170 110 --kernel-configs "${4:-$OUT/variants/kernel_variants.json}"
         timeout 250 python3 -m pytest -q -m gpu tests/test_moe_cuda_gpu.py tests/test_moe_kernel_gpu.py \
           tests/test_moe_kernel_fp16.py -p no:cacheprovider 2>&1 | tail -12 ;;
-  few) timeout 200 python3 -m pytest -q -m gpu tests/test_lean_gpu.py tests/test_calibrate_gpu.py -p no:cacheprovider \
+  few) timeout 150 python3 -m pytest -q -m gpu tests/test_lean_gpu.py tests/test_calibrate_gpu.py -p no:cacheprovider \
          -k "few_expert or host_program_runs or (replay_equals_eager and mixtral) or calibrat" 2>&1 | tail -8 || true
-       timeout 150 python3 benchmarks/wave_config_h200.py --out "$OUT/wave-config" 2>&1 | grep -v Warning || true
-       timeout 230 python3 benchmarks/lean_h200.py --out "$OUT/few-ab" --tokens 64 --repeats 0 --batches 8 --pools 20,26 \
-         --engines lean --policies ondemand,lru-prefetch,oracle --env-ablation CMOE_FEW_EXPERTS=0 --budget-s 200 2>&1 \
+       timeout 100 python3 benchmarks/wave_config_h200.py --out "$OUT/wave-config" 2>&1 | grep -v Warning || true
+       timeout 180 python3 benchmarks/lean_h200.py --out "$OUT/few-ab" --tokens 64 --repeats 0 --batches 8 --pools 20,26 \
+         --engines lean --policies ondemand,lru-prefetch,oracle --env-ablation CMOE_FEW_EXPERTS=0 --budget-s 150 2>&1 \
          | grep -E "^lean|^HBM|^built|rror" || true ;;
   check) timeout 260 python3 -m pytest -q -m gpu tests/test_moe_cuda_gpu.py tests/test_lean_gpu.py \
            tests/test_executor_gpu.py -p no:cacheprovider 2>&1 | tail -12 || true

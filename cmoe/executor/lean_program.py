@@ -245,9 +245,16 @@ class Segments:
         self._cap.sink = self.t
         self._static_out = False
         self._in_graph = True
+        # CPU-expert policies too: a layer's GPU experts replay as the others' do, and its CPU
+        # experts' sum joins the waves' before the finish (`HostSteps._host_layer`)
+        waves = self.fused and not self.silent and not self.commit \
+            and os.environ.get("CMOE_WAVE_GRAPHS", "1") != "0"
+        few = threshold(B) if waves else 0                 # `few_experts`: where a launch is split
         with torch.cuda.stream(side), torch.no_grad():    # warm-up: compiles kernels, sizes buffers
             for _ in range(2):
                 self._program_eager()
+            if few:                                        # the twins' configuration, compiled here
+                self._kernel(0, self.table[0], torch.float32, experts=few)
         torch.cuda.current_stream(dev).wait_stream(side)
         torch.cuda.synchronize(dev)
         self.t = _fresh(self.M)
@@ -261,11 +268,6 @@ class Segments:
                 fn(*a)
             g[name] = gr
 
-        # CPU-expert policies too: a layer's GPU experts replay as the others' do, and its CPU
-        # experts' sum joins the waves' before the finish (`HostSteps._host_layer`)
-        waves = self.fused and not self.silent and not self.commit \
-            and os.environ.get("CMOE_WAVE_GRAPHS", "1") != "0"
-        few = threshold(B) if waves else 0                 # `few_experts`: where a launch is split
         if waves:                                          # a layer in launch waves: one replay a wave
             self._wave_acc = torch.zeros((B, self.spec.hidden), dtype=torch.float32, device=dev)
         rec("pre", self._pre_stepped if self._stepped else self.seg_pre)
