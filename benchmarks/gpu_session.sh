@@ -65,7 +65,7 @@
 #                                             # GPU test, the host-program and calibration GPU tests, wave_config_h200.py
 #                                             # (a wave of n experts on each configuration, M 8/16), then the loading
 #                                             # policies at batch 8, pools 20/26, each right after its twin with
-#                                             # CMOE_FEW_EXPERTS=0 (~6-8 min)
+#                                             # CMOE_FEW_EXPERTS=0 (~6-8 min; AB_S, AB_TOK, POOLS, POLS trim it)
 #   bash benchmarks/gpu_session.sh check      # a session's first call: the expert kernels', lean and executor GPU
 #                                             # tests, then expert_kernel_h200.py --no-sweep (CONFIGS, torch int4 and
 #                                             # bf16 in one run, M 1-64), then upper at batches 1/4/8 as committed
@@ -196,8 +196,9 @@ case "${1:-}" in
   few) timeout 150 python3 -m pytest -q -m gpu tests/test_lean_gpu.py tests/test_calibrate_gpu.py -p no:cacheprovider \
          -k "few_expert or host_program_runs or (replay_equals_eager and mixtral) or calibrat" 2>&1 | tail -8 || true
        timeout 100 python3 benchmarks/wave_config_h200.py --out "$OUT/wave-config" 2>&1 | grep -v Warning || true
-       timeout 180 python3 benchmarks/lean_h200.py --out "$OUT/few-ab" --tokens 64 --repeats 0 --batches 8 --pools 20,26 \
-         --engines lean --policies ondemand,lru-prefetch,oracle --env-ablation CMOE_FEW_EXPERTS=0 --budget-s 150 2>&1 \
+       timeout $((${AB_S:-150} + 30)) python3 benchmarks/lean_h200.py --out "$OUT/few-ab" --tokens ${AB_TOK:-64} --repeats 0 \
+         --batches 8 --pools ${POOLS:-20,26} --engines lean --policies ${POLS:-ondemand,lru-prefetch,oracle} \
+         --env-ablation CMOE_FEW_EXPERTS=0 --budget-s ${AB_S:-150} 2>&1 \
          | grep -E "^lean|^HBM|^built|rror" || true ;;
   check) timeout 260 python3 -m pytest -q -m gpu tests/test_moe_cuda_gpu.py tests/test_lean_gpu.py \
            tests/test_executor_gpu.py -p no:cacheprovider 2>&1 | tail -12 || true
