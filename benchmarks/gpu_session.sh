@@ -65,7 +65,8 @@
 #                                             # GPU test, the host-program and calibration GPU tests, wave_config_h200.py
 #                                             # (a wave of n experts on each configuration, M 8/16), then the loading
 #                                             # policies at batch 8, pools 20/26, each right after its twin with
-#                                             # CMOE_FEW_EXPERTS=0 (~6-8 min; AB_S, AB_TOK, POOLS, POLS trim it)
+#                                             # CMOE_FEW_EXPERTS=on (off by default until this measures it;
+#                                             # ~6-8 min; AB_S, AB_TOK, POOLS, POLS trim it)
 #   bash benchmarks/gpu_session.sh check      # a session's first call: the expert kernels', lean and executor GPU
 #                                             # tests, then expert_kernel_h200.py --no-sweep (CONFIGS, torch int4 and
 #                                             # bf16 in one run, M 1-64), then upper at batches 1/4/8 as committed
@@ -198,7 +199,7 @@ case "${1:-}" in
        timeout 100 python3 benchmarks/wave_config_h200.py --out "$OUT/wave-config" 2>&1 | grep -v Warning || true
        timeout $((${AB_S:-150} + 30)) python3 benchmarks/lean_h200.py --out "$OUT/few-ab" --tokens ${AB_TOK:-64} --repeats 0 \
          --batches 8 --pools ${POOLS:-20,26} --engines lean --policies ${POLS:-ondemand,lru-prefetch,oracle} \
-         --env-ablation CMOE_FEW_EXPERTS=0 --budget-s ${AB_S:-150} 2>&1 \
+         --env-ablation CMOE_FEW_EXPERTS=on --budget-s ${AB_S:-150} 2>&1 \
          | grep -E "^lean|^HBM|^built|rror" || true ;;
   check) timeout 260 python3 -m pytest -q -m gpu tests/test_moe_cuda_gpu.py tests/test_lean_gpu.py \
            tests/test_executor_gpu.py -p no:cacheprovider 2>&1 | tail -12 || true

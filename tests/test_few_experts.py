@@ -15,8 +15,12 @@ def test_buckets_are_the_kernels_row_buckets():
     assert [fe.bucket(r) for r in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64, 200)] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 64, 64, 64]
 
 
+def test_the_switch_is_off_unless_asked_for():
+    assert not fe.ON and fe.threshold(8, {}) == 0 and not fe.uses_few(8, 1, {})
+
+
 def test_the_switch_by_rows_and_experts():
-    env: dict = {}
+    env = {"CMOE_FEW_EXPERTS": "on"}
     assert fe.FEW_BUCKET == 4 and fe.FEW_EXPERTS == {8: 4, 16: 2}
     assert [fe.threshold(r, env) for r in (1, 4, 5, 8, 12, 16, 32)] == [0, 0, 4, 4, 2, 2, 0]
     assert [fe.uses_few(8, n, env) for n in range(0, 9)] == [False, True, True, True, True, False, False, False, False]
@@ -28,6 +32,6 @@ def test_the_environment_overrides_or_turns_it_off():
     assert fe.threshold(8, {"CMOE_FEW_EXPERTS": "0"}) == 0 and not fe.uses_few(8, 1, {"CMOE_FEW_EXPERTS": "0"})
     assert fe.threshold(16, {"CMOE_FEW_EXPERTS": "6"}) == 6 and fe.uses_few(16, 6, {"CMOE_FEW_EXPERTS": "6"})
     assert fe.threshold(2, {"CMOE_FEW_EXPERTS": "6"}) == 0              # only buckets that have one
-    assert fe.threshold(8, {"CMOE_FEW_EXPERTS": " "}) == 4
-    with pytest.raises(CmoeError, match="CMOE_FEW_EXPERTS='a few': give a whole number"):
+    assert fe.threshold(8, {"CMOE_FEW_EXPERTS": " on "}) == 4 and fe.threshold(8, {"CMOE_FEW_EXPERTS": " "}) == 0
+    with pytest.raises(CmoeError, match="CMOE_FEW_EXPERTS='a few': give on"):
         fe.threshold(8, {"CMOE_FEW_EXPERTS": "a few"})

@@ -282,8 +282,8 @@ def test_host_program_runs_as_the_python_step(fused_checkpoints, fused_trace, sl
 def test_few_expert_graphs_change_no_decision(fused_checkpoints, fused_trace, program, monkeypatch):
     """Launches naming few experts replay twins of the layer's graphs captured on the few-expert
     kernel configuration (`few_experts`; here one expert at batch 2, two slots a block, so layers
-    run in one-expert waves), by the Python step and by the host program: against the switch off
-    (CMOE_FEW_EXPERTS=0), the same plans, loads and occupancy, no slot read with wrong bytes,
+    run in one-expert waves), by the Python step and by the host program, switched on
+    (CMOE_FEW_EXPERTS=on) against off (=0): the same plans, loads and occupancy, no slot read with wrong bytes,
     logits equal up to the kernel's fp32 atomics."""
     from cmoe.executor import few_experts
     from cmoe.executor.lean_program import Segments
@@ -296,16 +296,16 @@ def test_few_expert_graphs_change_no_decision(fused_checkpoints, fused_trace, pr
         captured.append((flag, self._few_max, tuple(sorted({k[0] for k in self.graphs if k[0].endswith("-few")}))))
     monkeypatch.setattr(Segments, "_capture", seen)
     runs, pols = {}, ("ondemand", "lru-prefetch", "lfu-fallback")
-    for flag in ("0", ""):
+    for flag in ("0", "on"):
         monkeypatch.setenv("CMOE_FEW_EXPERTS", flag)
         cfg = ExecConfig(policies=pols, slots=2, batch=2, tokens=8, device="cuda", quant="w4g32",
                          keep_logits=True, record_plans=True)
         w, cfg = prepare(spec_name=None, model_dir=fused_checkpoints["mixtral"], trace_src=str(fused_trace), data=None,
                          cfg=cfg)
         runs[flag] = execute(w, cfg)
-    assert {c[0] for c in captured} == {"0", ""}
-    assert set(captured) == {("0", 0, ()), ("", 1, ("experts-few", "wave-few"))}
-    for a, b in zip(runs["0"], runs[""]):
+    assert {c[0] for c in captured} == {"0", "on"}
+    assert set(captured) == {("0", 0, ()), ("on", 1, ("experts-few", "wave-few"))}
+    for a, b in zip(runs["0"], runs["on"]):
         assert a.log.host_program == b.log.host_program == (program == "1"), a.policy
         assert a.log.plans == b.log.plans and a.log.occupancy == b.log.occupancy, a.policy
         assert a.log.slot_mismatches == b.log.slot_mismatches == 0, a.policy
