@@ -12,7 +12,8 @@ from cmoe.executor import few_experts as fe
 
 
 def test_buckets_are_the_kernels_row_buckets():
-    assert [fe.bucket(r) for r in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64, 200)] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 64, 64, 64]
+    rows = (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64, 200)
+    assert [fe.bucket(r) for r in rows] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 64, 64, 64]
 
 
 def test_the_switch_is_off_unless_asked_for():
