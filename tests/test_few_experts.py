@@ -22,10 +22,10 @@ def test_the_switch_is_off_unless_asked_for():
 
 def test_the_switch_by_rows_and_experts():
     env = {"CMOE_FEW_EXPERTS": "on"}
-    assert fe.FEW_BUCKET == 4 and fe.FEW_EXPERTS == {8: 4, 16: 2}
-    assert [fe.threshold(r, env) for r in (1, 4, 5, 8, 12, 16, 32)] == [0, 0, 4, 4, 2, 2, 0]
-    assert [fe.uses_few(8, n, env) for n in range(0, 9)] == [False, True, True, True, True, False, False, False, False]
-    assert [fe.uses_few(16, n, env) for n in (1, 2, 3)] == [True, True, False]
+    assert fe.FEW_BUCKET == 4 and fe.FEW_EXPERTS == {8: 3, 16: 1}
+    assert [fe.threshold(r, env) for r in (1, 4, 5, 8, 12, 16, 32)] == [0, 0, 3, 3, 1, 1, 0]
+    assert [fe.uses_few(8, n, env) for n in range(0, 9)] == [False, True, True, True, False, False, False, False, False]
+    assert [fe.uses_few(16, n, env) for n in (1, 2, 3)] == [True, False, False]
     assert not fe.uses_few(4, 1, env) and not fe.uses_few(64, 1, env)   # no twin where the bucket has none
 
 
@@ -33,6 +33,6 @@ def test_the_environment_overrides_or_turns_it_off():
     assert fe.threshold(8, {"CMOE_FEW_EXPERTS": "0"}) == 0 and not fe.uses_few(8, 1, {"CMOE_FEW_EXPERTS": "0"})
     assert fe.threshold(16, {"CMOE_FEW_EXPERTS": "6"}) == 6 and fe.uses_few(16, 6, {"CMOE_FEW_EXPERTS": "6"})
     assert fe.threshold(2, {"CMOE_FEW_EXPERTS": "6"}) == 0              # only buckets that have one
-    assert fe.threshold(8, {"CMOE_FEW_EXPERTS": " on "}) == 4 and fe.threshold(8, {"CMOE_FEW_EXPERTS": " "}) == 0
+    assert fe.threshold(8, {"CMOE_FEW_EXPERTS": " on "}) == 3 and fe.threshold(8, {"CMOE_FEW_EXPERTS": " "}) == 0
     with pytest.raises(CmoeError, match="CMOE_FEW_EXPERTS='a few': give on"):
         fe.threshold(8, {"CMOE_FEW_EXPERTS": "a few"})

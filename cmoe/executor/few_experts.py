@@ -11,10 +11,13 @@ at most `FEW_EXPERTS[bucket]` experts runs bucket `FEW_BUCKET`'s configuration; 
 captures a second graph per layer for it and picks one by the wave's size
 (`benchmarks/wave_config_h200.py` measures where the switch pays).
 
-The switch is off unless CMOE_FEW_EXPERTS asks for it (`ON`): it has run on no GPU yet (the
-fortieth session's device calls found no machine after the change was made), and a default that
-changes every loading policy's launches at batch 5 and up waits for the GPU test and the A/B of
-`benchmarks/gpu_session.sh few`. CMOE_FEW_EXPERTS=on takes `FEW_EXPERTS`' thresholds,
+The switch is off unless CMOE_FEW_EXPERTS asks for it (`ON`). Its GPU test passed on an H100, but
+the one end-to-end A/B there (batch 8, pool 20, 32 tokens, one run an arm, link-bound) moved
+tokens/s by +2.1% (`lru-prefetch`, 38.3 against 37.5) and -0.4% (`oracle`, 55.0 against 55.2),
+within a run's noise, though the experts' GPU time a pass fell 1.7-2.8%. A default that changes
+every loading policy's launches from batch 5 on waits for repeated A/Bs on the H200
+(`benchmarks/gpu_session.sh few`), where a full layer of 8 experts at M = 8 favoured the M = 8
+configuration (222.5 us against 232.2). CMOE_FEW_EXPERTS=on takes `FEW_EXPERTS`' thresholds,
 CMOE_FEW_EXPERTS=n one threshold for every bucket that has one, CMOE_FEW_EXPERTS=0 turns it off.
 """
 
@@ -25,8 +28,11 @@ import os
 from cmoe.core.errors import CmoeError
 
 FEW_BUCKET = 4                       # the configuration a launch of few experts runs
-FEW_EXPERTS: dict[int, int] = {8: 4, 16: 2}    # row bucket -> the most experts that run it (a first
-# guess between the measured ends: 1 expert faster by 34% at M = 8 and 3% at M = 16, 8 slower by 4% and 3%)
+# row bucket -> the most experts that run it: where the M <= 4 configuration was no slower at every
+# count up to it, on an H100 (fortieth session, `benchmarks/results/few-experts-h100-fc936fc/`): at
+# M = 8 one expert's wave 48.7 us against 66.5, three 113.2 against 125.5, four 145.4 against 141.3;
+# at M = 16 one 63.9 against 67.1, two 92.4 against 89.4
+FEW_EXPERTS: dict[int, int] = {8: 3, 16: 1}
 ON = False                           # the thresholds apply without CMOE_FEW_EXPERTS
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)   # `kernels_triton.moe.CONFIGS`' row buckets
 
