@@ -15,7 +15,7 @@ its experts' pairs) under each configuration in --configs (default: the bucket's
 M <= 4 one), each the median of CUDA-graph replays rotating over 2 layers' slots (16 slots, so
 nothing is served from L2), and checks every case against `moe_reference` in fp32. It prints,
 per M, the largest n at which the few-expert configuration is still the faster one: the value of
-`kernels_triton.moe.FEW_EXPERTS` for that bucket.
+`cmoe.executor.few_experts.FEW_EXPERTS` for that bucket.
 
     python3 benchmarks/wave_config_h200.py --out $OUT/wave-config            # ~1 min on the H200
 """

@@ -34,5 +34,8 @@ def test_the_environment_overrides_or_turns_it_off():
     assert fe.threshold(16, {"CMOE_FEW_EXPERTS": "6"}) == 6 and fe.uses_few(16, 6, {"CMOE_FEW_EXPERTS": "6"})
     assert fe.threshold(2, {"CMOE_FEW_EXPERTS": "6"}) == 0              # only buckets that have one
     assert fe.threshold(8, {"CMOE_FEW_EXPERTS": " on "}) == 3 and fe.threshold(8, {"CMOE_FEW_EXPERTS": " "}) == 0
-    with pytest.raises(CmoeError, match="CMOE_FEW_EXPERTS='a few': give on"):
-        fe.threshold(8, {"CMOE_FEW_EXPERTS": "a few"})
+    assert fe.threshold(8, {"CMOE_FEW_EXPERTS": "OFF"}) == 0 and fe.threshold(8, {"CMOE_FEW_EXPERTS": "On"}) == 3
+    for bad in ("a few", "-1", "yes", "2.5"):
+        for rows in (1, 8, 64):                            # refused at every batch, not only where it applies
+            with pytest.raises(CmoeError, match=f"CMOE_FEW_EXPERTS='{bad}': give on .*, off, or a whole number"):
+                fe.threshold(rows, {"CMOE_FEW_EXPERTS": bad})

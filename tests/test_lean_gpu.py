@@ -278,22 +278,40 @@ def test_host_program_runs_as_the_python_step(fused_checkpoints, fused_trace, sl
                for r in runs["1"] if r.policy in ("lfu-fallback", "static"))
 
 
-@pytest.mark.parametrize("program", ["0", "1"])
-def test_few_expert_graphs_change_no_decision(fused_checkpoints, fused_trace, program, monkeypatch):
+class _Counted:
+    """A captured graph whose replays from Python are counted by its name (the host program launches
+    the executable, `raw_cuda_graph_exec`, itself)."""
+
+    def __init__(self, graph, name: str, counts: dict):
+        self.graph, self.name, self.counts = graph, name, counts
+
+    def replay(self):
+        self.counts[self.name] = self.counts.get(self.name, 0) + 1
+        return self.graph.replay()
+
+    def __getattr__(self, attr):
+        return getattr(self.graph, attr)
+
+
+@pytest.mark.parametrize("program,few", [("0", 1), ("0", 2), ("1", 2)])
+def test_few_expert_graphs_change_no_decision(fused_checkpoints, fused_trace, program, few, monkeypatch):
     """Launches naming few experts replay twins of the layer's graphs captured on the few-expert
-    kernel configuration (`few_experts`; here one expert at batch 2, two slots a block, so layers
-    run in one-expert waves), by the Python step and by the host program, switched on
-    (CMOE_FEW_EXPERTS=on) against off (=0): the same plans, loads and occupancy, no slot read with wrong bytes,
-    logits equal up to the kernel's fp32 atomics."""
+    kernel configuration (`few_experts`; here up to `few` experts at batch 2, two slots a block, so
+    layers run in one-expert waves and, with two, whole steps of two), by the Python step and by the
+    host program, switched on (CMOE_FEW_EXPERTS=on) against off (=0): the same plans, loads and
+    occupancy, no slot read with wrong bytes, logits equal up to the kernel's fp32 atomics; the
+    Python step replayed the twins it should."""
     from cmoe.executor import few_experts
     from cmoe.executor.lean_program import Segments
-    monkeypatch.setitem(few_experts.FEW_EXPERTS, 2, 1)
+    monkeypatch.setitem(few_experts.FEW_EXPERTS, 2, few)
     monkeypatch.setenv("CMOE_HOST_PROGRAM", program)
-    captured, capture = [], Segments._capture
+    captured, capture, counts = [], Segments._capture, {}
 
     def seen(self, B):
         capture(self, B)
         captured.append((flag, self._few_max, tuple(sorted({k[0] for k in self.graphs if k[0].endswith("-few")}))))
+        for k in [k for k in self.graphs if k[0].endswith("-few")]:
+            self.graphs[k] = _Counted(self.graphs[k], k[0], counts)
     monkeypatch.setattr(Segments, "_capture", seen)
     runs, pols = {}, ("ondemand", "lru-prefetch", "lfu-fallback")
     for flag in ("0", "on"):
@@ -304,7 +322,9 @@ def test_few_expert_graphs_change_no_decision(fused_checkpoints, fused_trace, pr
                          cfg=cfg)
         runs[flag] = execute(w, cfg)
     assert {c[0] for c in captured} == {"0", "on"}
-    assert set(captured) == {("0", 0, ()), ("on", 1, ("experts-few", "wave-few"))}
+    assert set(captured) == {("0", 0, ()), ("on", few, ("experts-few", "wave-few"))}
+    if program == "0":
+        assert counts.get("wave-few", 0) > 0 and (counts.get("experts-few", 0) > 0) == (few == 2), counts
     for a, b in zip(runs["0"], runs["on"]):
         assert a.log.host_program == b.log.host_program == (program == "1"), a.policy
         assert a.log.plans == b.log.plans and a.log.occupancy == b.log.occupancy, a.policy

@@ -18,7 +18,9 @@ within a run's noise, though the experts' GPU time a pass fell 1.7-2.8%. A defau
 every loading policy's launches from batch 5 on waits for repeated A/Bs on the H200
 (`benchmarks/gpu_session.sh few`), where a full layer of 8 experts at M = 8 favoured the M = 8
 configuration (222.5 us against 232.2). CMOE_FEW_EXPERTS=on takes `FEW_EXPERTS`' thresholds,
-CMOE_FEW_EXPERTS=n one threshold for every bucket that has one, CMOE_FEW_EXPERTS=0 turns it off.
+CMOE_FEW_EXPERTS=n one threshold for every bucket that has one (1 is a threshold, not "on": a launch of
+one expert), CMOE_FEW_EXPERTS=off or 0 turns it off. Only graphed decode passes switch (the twins);
+eager launches keep their bucket's configuration.
 """
 
 from __future__ import annotations
@@ -45,22 +47,30 @@ def bucket(rows: int) -> int:
     return BUCKETS[-1]
 
 
+def setting(env: dict | None = None) -> int | None:
+    """CMOE_FEW_EXPERTS read: None for the table's thresholds (`on`, or unset while `ON`), a number
+    of experts for one threshold (0: off, as `off` and unset are); anything else is refused, at any
+    batch, with one line saying what to give."""
+    given = (os.environ if env is None else env).get("CMOE_FEW_EXPERTS", "").strip()
+    raw = given.lower()
+    if raw in ("", "off"):
+        return None if raw == "" and ON else 0
+    if raw == "on":
+        return None
+    if raw.isdigit():
+        return int(raw)
+    raise CmoeError(f"CMOE_FEW_EXPERTS={given!r}: give on (the measured thresholds), off, or a whole number of "
+                    "experts (the most a launch may name; 0 is off)")
+
+
 def threshold(rows: int, env: dict | None = None) -> int:
     """The most experts a launch of `rows` rows may name and still run the few-expert
     configuration; 0 where every launch runs its bucket's own (the switch off, or no twin for the bucket)."""
+    n = setting(env)
     b = bucket(rows)
     if b not in FEW_EXPERTS:
         return 0
-    raw = (os.environ if env is None else env).get("CMOE_FEW_EXPERTS", "").strip()
-    if not raw:
-        return FEW_EXPERTS[b] if ON else 0
-    if raw == "on":
-        return FEW_EXPERTS[b]
-    try:
-        return max(int(raw), 0)
-    except ValueError:
-        raise CmoeError(f"CMOE_FEW_EXPERTS={raw!r}: give on (the measured thresholds), a whole number of experts, "
-                        "or 0 (off)") from None
+    return FEW_EXPERTS[b] if n is None else n
 
 
 def uses_few(rows: int, experts: int, env: dict | None = None) -> bool:

@@ -300,9 +300,11 @@ class Segments:
             self._static_out = False
         if few:
             self._few_n, self._static_out = few, True
-            rec(("experts-few", m), self.seg_experts, m)
-            rec(("wave-few", m), self._wave_add, m)
-            self._few_n, self._static_out = 0, False
+            try:
+                rec(("experts-few", m), self.seg_experts, m)
+                rec(("wave-few", m), self._wave_add, m)
+            finally:                                   # a failed capture leaves no kernel switched
+                self._few_n, self._static_out = 0, False
 
     def _capture_inputs(self, B: int) -> None:
         """The graphs' static inputs: ids, positions, the kernels' inputs and workspace, the cache
