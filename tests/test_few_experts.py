@@ -17,21 +17,23 @@ def test_buckets_are_the_kernels_row_buckets():
 
 
 def test_the_switch_is_off_unless_asked_for():
-    assert not fe.ON and fe.threshold(8, {}) == 0 and not fe.uses_few(8, 1, {})
+    assert not fe.ON and fe.threshold(8, {}) == 0 and not fe.twin(1, fe.threshold(8, {}))
 
 
 def test_the_switch_by_rows_and_experts():
     env = {"CMOE_FEW_EXPERTS": "on"}
     assert fe.FEW_BUCKET == 4 and fe.FEW_EXPERTS == {8: 3, 16: 1}
     assert [fe.threshold(r, env) for r in (1, 4, 5, 8, 12, 16, 32)] == [0, 0, 3, 3, 1, 1, 0]
-    assert [fe.uses_few(8, n, env) for n in range(0, 9)] == [False, True, True, True, False, False, False, False, False]
-    assert [fe.uses_few(16, n, env) for n in (1, 2, 3)] == [True, False, False]
-    assert not fe.uses_few(4, 1, env) and not fe.uses_few(64, 1, env)   # no twin where the bucket has none
+    assert [fe.twin(n, fe.threshold(8, env)) for n in range(0, 9)] == [False, True, True, True] + [False] * 5
+    assert [fe.twin(n, fe.threshold(16, env)) for n in (1, 2, 3)] == [True, False, False]
+    # no twin where the bucket has none
+    assert not fe.twin(1, fe.threshold(4, env)) and not fe.twin(1, fe.threshold(64, env))
 
 
 def test_the_environment_overrides_or_turns_it_off():
-    assert fe.threshold(8, {"CMOE_FEW_EXPERTS": "0"}) == 0 and not fe.uses_few(8, 1, {"CMOE_FEW_EXPERTS": "0"})
-    assert fe.threshold(16, {"CMOE_FEW_EXPERTS": "6"}) == 6 and fe.uses_few(16, 6, {"CMOE_FEW_EXPERTS": "6"})
+    off, six = {"CMOE_FEW_EXPERTS": "0"}, {"CMOE_FEW_EXPERTS": "6"}
+    assert fe.threshold(8, off) == 0 and not fe.twin(1, fe.threshold(8, off))
+    assert fe.threshold(16, six) == 6 and fe.twin(6, fe.threshold(16, six))
     assert fe.threshold(2, {"CMOE_FEW_EXPERTS": "6"}) == 0              # only buckets that have one
     assert fe.threshold(8, {"CMOE_FEW_EXPERTS": " on "}) == 3 and fe.threshold(8, {"CMOE_FEW_EXPERTS": " "}) == 0
     assert fe.threshold(8, {"CMOE_FEW_EXPERTS": "OFF"}) == 0 and fe.threshold(8, {"CMOE_FEW_EXPERTS": "On"}) == 3

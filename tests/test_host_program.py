@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from cmoe.executor import host_program as hp
+from cmoe.executor.few_experts import twin
 from cmoe.executor.host_calls import address
 from cmoe.policy.policies import make_policy, trait
 from cmoe.policy.pool import PoolLayout
@@ -230,7 +231,7 @@ class Reference:
                         out.append(("wait", CS, self.ready[m, s]))
                         self.pending[m][s] = False
                 self.mark(out, CS)
-                few = 0 < len(wave) <= self.prog.scal[hp.S_FEW]        # `_launch_waves`' choice
+                few = twin(len(wave), int(self.prog.scal[hp.S_FEW]))   # `_launch_waves`' choice
                 out.append(("launch", (20 if one else 30) + (30 if few else 0) + m, CS))
                 t1 = self.mark(out, CS)
                 for e in wave:

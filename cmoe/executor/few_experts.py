@@ -73,6 +73,8 @@ def threshold(rows: int, env: dict | None = None) -> int:
     return FEW_EXPERTS[b] if n is None else n
 
 
-def uses_few(rows: int, experts: int, env: dict | None = None) -> bool:
-    """Whether a launch of `rows` rows naming `experts` experts runs the few-expert configuration."""
-    return 0 < experts <= threshold(rows, env)
+def twin(experts: int, limit: int) -> bool:
+    """Whether a launch naming `experts` experts runs the few-expert configuration, where `limit`
+    (`threshold` at the captured rows) is the most that may: the Python step's choice, which the
+    host program's `_graph` makes in machine code."""
+    return 0 < experts <= limit

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -48,10 +49,10 @@ def _fresh(M: int) -> dict:
 
 
 class Segments:
-    # the few-expert kernel configuration (`cmoe.executor.few_experts`): _few_n, while set, the
-    # experts a kernel call names at most (its graph's capture); _few_max, the most experts a launch
-    # may name and replay the captured few-expert graphs (0: none captured)
-    _few_n = 0
+    # the few-expert kernel configuration (`cmoe.executor.few_experts`): _few_cfg, while set, the
+    # configuration every expert launch runs (the twins' warm-up and capture, `_twin_config`);
+    # _few_max, the most experts a launch may name and replay the captured twins (0: none captured)
+    _few_cfg = None
     _few_max = 0
 
     def _fuse(self, model, family: str) -> None:
@@ -174,10 +175,10 @@ class Segments:
             parts += [t["pred"][m + 1][0].float(), t["pred"][m + 1][1].float()] + self._deeper_parts(m + 1)
         return parts
 
-    def _kernel(self, m: int, table: torch.Tensor, out_dtype=None, experts: int | None = None) -> torch.Tensor:
+    def _kernel(self, m: int, table: torch.Tensor, out_dtype=None) -> torch.Tensor:
         """The routed experts of layer m from the slots `table` points at, in x's dtype (or
-        out_dtype: fp32 for a wave's partial sum, rounded once when the waves are added); `experts`,
-        how many the table names where known (it picks the kernel's configuration)."""
+        out_dtype: fp32 for a wave's partial sum, rounded once when the waves are added), on the
+        rows' configuration or, within `_twin_config`, the few-expert one."""
         from cmoe.executor.moe_kernel import moe_forward
         t, k = self.t, self.kin
         x = t["x"][m]
@@ -189,7 +190,7 @@ class Segments:
         else:                                              # the router's own choice, on the device
             ids, w = t["idx"][m].to(torch.int32), t["w"][m].float()
         return moe_forward(x, ids, w, table, self.pool.blocks[m], self.store.layout, workspace=self._ws,
-                           out_dtype=out_dtype, experts=experts if experts is not None else self._few_n or None)
+                           config=self._few_cfg, out_dtype=out_dtype)
 
     def seg_experts(self, m: int, y: torch.Tensor | None = None) -> None:
         """X_m: the layer's routed experts (or `y`, computed already) plus the residual. Written
@@ -254,7 +255,8 @@ class Segments:
             for _ in range(2):
                 self._program_eager()
             if few:                                        # the twins' configuration, compiled here
-                self._kernel(0, self.table[0], torch.float32, experts=few)
+                with self._twin_config():
+                    self._kernel(0, self.table[0], torch.float32)
         torch.cuda.current_stream(dev).wait_stream(side)
         torch.cuda.synchronize(dev)
         self.t = _fresh(self.M)
@@ -299,12 +301,22 @@ class Segments:
             rec(("finish", m), self._wave_finish, m)
             self._static_out = False
         if few:
-            self._few_n, self._static_out = few, True
-            try:
+            with self._twin_config():
+                self._static_out = True
                 rec(("experts-few", m), self.seg_experts, m)
                 rec(("wave-few", m), self._wave_add, m)
-            finally:                                   # a failed capture leaves no kernel switched
-                self._few_n, self._static_out = 0, False
+
+    @contextmanager
+    def _twin_config(self):
+        """Every expert launch inside runs the few-expert configuration (`few_experts.FEW_BUCKET`'s);
+        after, even where a capture failed, the rows' own again and `_static_out` off."""
+        from cmoe.executor.few_experts import FEW_BUCKET
+        from cmoe.executor.kernels_triton import CONFIGS
+        self._few_cfg = CONFIGS[FEW_BUCKET]
+        try:
+            yield
+        finally:
+            self._few_cfg, self._static_out = None, False
 
     def _capture_inputs(self, B: int) -> None:
         """The graphs' static inputs: ids, positions, the kernels' inputs and workspace, the cache

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from cmoe.executor.few_experts import twin
 from cmoe.executor.lean_io import HostIO
 from cmoe.executor.records import PlanRecord, _loads, _slot_table
 from cmoe.policy.waves import waves as launch_waves
@@ -182,11 +183,11 @@ class HostSteps(HostIO):
             self._tick("table, waits")
             t0 = clock.mark(cs)
             self._tick("launch: marks")
-            few = 0 < len(wave) <= self._few_max           # its few-expert graphs (`few_experts`)
+            few = graphs and twin(len(wave), self._few_max)  # its few-expert graphs (`few_experts`)
             if st["one_launch"]:
                 self._run_x(m, graphs, few)
             elif st["wave_graphs"]:
-                self.graphs[("wave-few" if few and ("wave-few", m) in self.graphs else "wave", m)].replay()
+                self.graphs[("wave-few" if few else "wave", m)].replay()
             else:
                 part = self._kernel(m, self.table[m], torch.float32)     # (the switch is the graphs' twins)
                 y = part.clone() if y is None else y + part
@@ -317,8 +318,9 @@ class HostSteps(HostIO):
         return rows, wsorted, scores, list(r["needed"][m]), predicted
 
     def _run_x(self, m: int, graphs: bool, few: bool = False) -> None:
-        """X_m in one launch: its graph (the few-expert twin for a launch of few experts), else eagerly."""
-        key = ("experts-few", m) if few and graphs and ("experts-few", m) in self.graphs else ("experts", m)
+        """X_m in one launch: its graph (`few`: its few-expert twin, which `_capture` made for every
+        layer where it set `_few_max`), else eagerly."""
+        key = ("experts-few" if few else "experts", m)
         if graphs and key in self.graphs:
             self.graphs[key].replay()
         else:

@@ -166,16 +166,14 @@ def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
 
 def moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 slot_table: torch.Tensor, pool: torch.Tensor, layout: ExpertLayout,
-                workspace=None, config=None, out_dtype=None, experts: int | None = None) -> torch.Tensor:
+                workspace=None, config=None, out_dtype=None) -> torch.Tensor:
     """The layer on the device: the Triton kernels on CUDA (with the CUDA C++ matmuls of
     `kernels_cuda` where the configuration names them), the reference elsewhere.
     `workspace` (kernels_triton.Workspace) holds the scratch buffers; pass the same one on every
-    call of a CUDA graph. `experts`: at most how many experts `slot_table` names, where the
-    caller knows (a launch wave); it picks the configuration with M (`few_experts`) unless `config`
-    is given. Returns [M, H] in out_dtype (default x.dtype)."""
+    call of a CUDA graph. Returns [M, H] in out_dtype (default x.dtype)."""
     if not x.is_cuda:
         y = moe_reference(x, topk_ids, topk_weights, slot_table, pool, layout)
         return y if out_dtype is None else y.to(out_dtype)
     from cmoe.executor.kernels_triton import moe_triton
     return moe_triton(x, topk_ids, topk_weights, slot_table, pool, layout, workspace=workspace,
-                      config=config, out_dtype=out_dtype, experts=experts)
+                      config=config, out_dtype=out_dtype)

@@ -67,7 +67,6 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-from cmoe.executor.few_experts import FEW_BUCKET, uses_few
 from cmoe.executor.kernels_triton.moe_device import _expert_mm, _gate_up_kernel, _route_kernel
 
 
@@ -125,17 +124,14 @@ CONFIGS: dict[int, KernelConfig] = {
 }
 
 
-def pick_config(M: int, triton_only: bool = False, experts: int | None = None) -> KernelConfig:
-    """CONFIGS' entry for M rows (the smallest bucket >= M), or with `experts` (how many the
-    launch's slot table names) the few-expert one where `few_experts.uses_few` says so; triton_only:
-    with the CUDA kernel off (cu13 = cu2 = 0), the base of a sweep of the Triton kernel's own settings."""
+def pick_config(M: int, triton_only: bool = False) -> KernelConfig:
+    """CONFIGS' entry for M rows (the smallest bucket >= M); triton_only: with the CUDA kernel off
+    (cu13 = cu2 = 0), the base of a sweep of the Triton kernel's own settings."""
     cfg = CONFIGS[max(CONFIGS)]
     for b in sorted(CONFIGS):
         if M <= b:
             cfg = CONFIGS[b]
             break
-    if experts is not None and uses_few(M, experts):
-        cfg = CONFIGS[FEW_BUCKET]
     return replace(cfg, cu13=0, cu2=0) if triton_only else cfg
 
 
@@ -286,8 +282,7 @@ def launch_w2(ws: Workspace, topk_weights, slot_table, pool, layout, topk: int, 
     return _run(_expert_mm, (triton.cdiv(H, cfg.bn2), ws.A * nch, split), args, kw, warmup)
 
 
-def moe_triton(x, topk_ids, topk_weights, slot_table, pool, layout, workspace=None, config=None, out_dtype=None,
-               experts=None):
+def moe_triton(x, topk_ids, topk_weights, slot_table, pool, layout, workspace=None, config=None, out_dtype=None):
     """See cmoe.executor.moe_kernel.moe_forward."""
     M, H = x.shape
     topk = topk_ids.shape[1]
@@ -302,7 +297,7 @@ def moe_triton(x, topk_ids, topk_weights, slot_table, pool, layout, workspace=No
         ws = _WS.get(key)
         if ws is None:
             ws = _WS[key] = Workspace(M, topk, H, layout.ffn, E, x.device, x.dtype)
-    cfg = config or pick_config(M, experts=experts)
+    cfg = config or pick_config(M)
     launch_route(ws, topk_ids)
     launch_w13(ws, x, slot_table, pool, layout, topk, cfg)
     launch_w2(ws, topk_weights, slot_table, pool, layout, topk, M, cfg)
