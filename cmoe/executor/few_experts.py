@@ -11,7 +11,9 @@ at most `FEW_EXPERTS[bucket]` experts runs bucket `FEW_BUCKET`'s configuration; 
 captures a second graph per layer for it and picks one by the wave's size
 (`benchmarks/wave_config_h200.py` measures where the switch pays).
 
-The switch is off unless CMOE_FEW_EXPERTS asks for it (`ON`). Its GPU test passed on an H100, but
+The switch is off unless CMOE_FEW_EXPERTS asks for it (`ON`). Its GPU test passed on an H100 (at
+fc936fc; e4dd913 since hands the configuration to the kernel directly, and the revised test counts
+the twins' replays: neither has run on a GPU), but
 the one end-to-end A/B there (batch 8, pool 20, 32 tokens, one run an arm, link-bound) moved
 tokens/s by +2.1% (`lru-prefetch`, 38.3 against 37.5) and -0.4% (`oracle`, 55.0 against 55.2),
 within a run's noise, though the experts' GPU time a pass fell 1.7-2.8%. A default that changes
