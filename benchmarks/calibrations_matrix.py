@@ -57,7 +57,7 @@ GROUPS = {"link": ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "copy_engine
           "cpu": ("cpu_expert_gbps", "cpu_expert_us_per_token", "roundtrip_us", "roundtrip_points", "cpu_wake_points",
                   "cpu_expert_points")}
 GROUPS["gpu"] = tuple(f.name for f in fields(HardwareProfile)
-                      if f.name not in {"name", "sources", "omp_wait_policy", "cpu_pages", *sum(GROUPS.values(), ())})
+                      if f.name not in {"name", "sources", "omp_wait_policy", "cpu_pages", "few_experts", *sum(GROUPS.values(), ())})
 
 
 def read_head(folder: Path, scratch: Path) -> tuple[dict, Path] | None:

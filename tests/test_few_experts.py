@@ -41,3 +41,43 @@ def test_the_environment_overrides_or_turns_it_off():
         for rows in (1, 8, 64):                            # refused at every batch, not only where it applies
             with pytest.raises(CmoeError, match=f"CMOE_FEW_EXPERTS='{bad}': give on .*, off, or a whole number"):
                 fe.threshold(rows, {"CMOE_FEW_EXPERTS": bad})
+
+
+def test_what_a_run_and_a_calibration_record():
+    """`describe` is what the profile and a run's metrics keep; `parse` reads it back, unrecorded as off."""
+    assert fe.describe({}) == "off" and fe.describe({"CMOE_FEW_EXPERTS": "0"}) == "off"
+    assert fe.describe({"CMOE_FEW_EXPERTS": "on"}) == "8:3 16:1"
+    assert fe.describe({"CMOE_FEW_EXPERTS": "2"}) == "8:2 16:2"
+    assert fe.parse("8:3 16:1") == {8: 3, 16: 1} and fe.parse("off") == {} == fe.parse("") == fe.parse(None)
+    for env in ({}, {"CMOE_FEW_EXPERTS": "on"}, {"CMOE_FEW_EXPERTS": "5"}):   # the thresholds, round trip
+        assert all(fe.parse(fe.describe(env)).get(fe.bucket(r), 0) == fe.threshold(r, env) for r in range(1, 65))
+
+
+def test_a_profile_keeps_the_switch_and_refuses_other_words():
+    from dataclasses import replace
+
+    from cmoe.core.hw import H200, HardwareProfile
+    assert H200.few_experts == ""
+    p = replace(H200, few_experts="8:3 16:1")
+    assert HardwareProfile.from_dict(p.to_dict()).few_experts == "8:3 16:1"
+    for word in ("on", "8:3,16:1", "8 3", 3):
+        with pytest.raises(CmoeError, match="few_experts"):
+            replace(H200, few_experts=word)
+
+
+def test_validate_names_a_switch_that_differs_at_the_runs_batch():
+    """`few_note`: only where the twins' thresholds at the runs' batch bucket differ; the CPU records none."""
+    from cmoe.analysis.cpu_settings import cpu_notes, few_note
+    v = lambda prof, runs, batch: {"few_experts": {"profile": prof, "runs": runs, "batch": batch},  # noqa: E731
+                                   "op_kinds": {}}
+    assert few_note(v(None, "off", 8)) is None and few_note(v("off", "off", 8)) is None
+    assert few_note(v("off", None, 8)) is None                     # the runs on the CPU: no twins
+    assert few_note(v("off", "8:3 16:1", 4)) is None               # no twin at batch 4
+    assert few_note(v("8:3 16:1", "8:3 16:2", 8)) is None          # the same at bucket 8
+    line = few_note(v(None, "8:3 16:1", 6))
+    assert line == ("  the profile's launches were measured with the few-expert configuration for none at batch "
+                    "bucket 8, the runs' took it for at most 3 experts (CMOE_FEW_EXPERTS): a one-expert wave at 8 "
+                    "rows ran 27% faster on it on an H100; calibrate with the runs' setting")
+    assert cpu_notes(v("8:3 16:1", "8:3 16:2", 16)) == [few_note(v("8:3 16:1", "8:3 16:2", 16))]
+    assert "for one expert at batch bucket 16, the runs' took it for at most 2" in cpu_notes(
+        v("8:3 16:1", "8:3 16:2", 16))[0]

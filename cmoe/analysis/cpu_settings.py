@@ -1,7 +1,7 @@
-"""The lines `cmoe validate` and `cmoe run` add where the runs' CPU experts ran under other host
-settings than the profile's were measured under: settings that move a CPU expert's speed on the
-lent GPUs' hosts, which the profile's figures carry (a validation's `omp_wait` and `cpu_pages`,
-each {"profile", "runs"}; None: unrecorded).
+"""The lines `cmoe validate` and `cmoe run` add where the runs ran under other settings than the
+profile was measured under: host settings that move a CPU expert's speed on the lent GPUs' hosts
+(a validation's `omp_wait` and `cpu_pages`), and the executor's few-expert switch, which moves its
+launches' times (`few_experts`); each {"profile", "runs"}, None: unrecorded.
 """
 
 from __future__ import annotations
@@ -63,6 +63,27 @@ def pages_note(v: dict) -> str | None:
             "pages moved the CPU-expert runs -7% to +17% on the lent H100s' hosts; calibrate again")
 
 
+def few_note(v: dict) -> str | None:
+    """A line where the runs' launches of few experts ran another kernel configuration than the
+    profile's were measured on (`cmoe.executor.few_experts`: CMOE_FEW_EXPERTS; one expert's wave at
+    M = 8 took 48.7 us on the M <= 4 configuration against 66.5 on its own on an H100), at the
+    runs' batch: the profile's launch fit holds the configuration its launches ran. Unrecorded
+    reads as off; runs on the CPU record nothing (no graphs, no twins)."""
+    from cmoe.executor.few_experts import bucket, parse
+    f = v.get("few_experts") or {}
+    runs = f.get("runs")
+    if runs is None:
+        return None
+    b = bucket(f.get("batch") or 1)
+    prof, ran = parse(f.get("profile")).get(b, 0), parse(runs).get(b, 0)
+    if prof == ran:
+        return None
+    said = lambda n: (f"at most {n} experts" if n > 1 else "one expert") if n else "none"   # noqa: E731
+    return (f"  the profile's launches were measured with the few-expert configuration for {said(prof)} "
+            f"at batch bucket {b}, the runs' took it for {said(ran)} (CMOE_FEW_EXPERTS): a one-expert "
+            "wave at 8 rows ran 27% faster on it on an H100; calibrate with the runs' setting")
+
+
 def cpu_notes(v: dict) -> list[str]:
-    """Every such line of one validation, OpenMP's first."""
-    return [n for n in (omp_note(v), pages_note(v)) if n]
+    """Every such line of one validation, OpenMP's first, the few-expert switch's last."""
+    return [n for n in (omp_note(v), pages_note(v), few_note(v)) if n]

@@ -273,7 +273,10 @@ def validate(pred: Run, meas: Run) -> dict:
             "slow_loads": slow_loads(meas.spans, steps, g), "slow_cpu": slow_cpu(kp["cpu_expert"], km["cpu_expert"]),
             # OpenMP settings (wait policy, a binding) of the profile's CPU experts and the runs' (None: unrecorded)
             "omp_wait": {"profile": pred.metrics.get("omp_wait_policy"), "runs": meas.metrics.get("omp_wait_policy")},
-            "cpu_pages": {"profile": pred.metrics.get("cpu_pages"), "runs": meas.metrics.get("cpu_pages")}}
+            "cpu_pages": {"profile": pred.metrics.get("cpu_pages"), "runs": meas.metrics.get("cpu_pages")},
+            # the few-expert switch the profile's launches and the runs' ran under (`few_note`)
+            "few_experts": {"profile": pred.metrics.get("few_experts"), "runs": meas.metrics.get("few_experts"),
+                            "batch": meas.metrics.get("batch")}}
 
 
 def format_validation(v: dict) -> str:

@@ -337,9 +337,12 @@ def calibrate(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int =
     from cmoe.calibrate.profile_fit import fit_profile, noise, with_expert_classes
     m = measure(device, spec, fmt, num_layers, model_dir, progress=progress, built=built, cpu_experts=cpu_experts)
     label, mem = device_label_and_memory(device)
+    from cmoe.executor.few_experts import describe as few_describe
     from cmoe.executor.omp_wait import in_force
     m["device"] = {"label": label, "memory_bytes": mem, "date": time.strftime("%Y-%m-%d"), "host": host_cpu(),
-                   "omp_wait_policy": in_force()}         # the CPU experts' speed depends on it (`omp_wait`)
+                   "omp_wait_policy": in_force(),         # the CPU experts' speed depends on it (`omp_wait`)
+                   # the launches' kernel configuration does on CMOE_FEW_EXPERTS (`few_experts`)
+                   "few_experts": few_describe() if str(device).startswith("cuda") else ""}
     m["noise"] = noise(m["repeats"]).to_dict()
     prof = fit_profile(name or label.lower().replace(" ", "-"), m, mem, label, m["device"]["date"])
     return with_expert_classes(prof, H200), m

@@ -53,9 +53,10 @@ Measurements (all times in seconds):
 - `cpu_pass_points` (optional): [[CPU layers of the pass before, rows, pass start s, gap s]] per
   pair of queued decode passes of the same runs, recorded, not fitted (the slope moved 1.0-3.9 us a
   layer between hosts);
-- `device`: {"label", "memory_bytes", "date", "host", "omp_wait_policy"}: the machine, and the
-  OpenMP settings the CPU experts ran under (wait policy and binding, `cmoe.executor.omp_wait`),
-  kept as the profile's;
+- `device`: {"label", "memory_bytes", "date", "host", "omp_wait_policy", "few_experts"}: the
+  machine, the OpenMP settings the CPU experts ran under (wait policy and binding,
+  `cmoe.executor.omp_wait`) and the few-expert switch the launches ran under (optional,
+  `cmoe.executor.few_experts.describe`), kept as the profile's;
 - `cpu_huge_pages` (optional): the share of the CPU experts' bytes on 2 MiB pages (the in-model
   runs', else the isolated ones' of `cpu_expert`), kept as
   `cpu_pages` ("2 MiB pages" or "4 KiB pages", `cmoe.core.hugepages.pages_word`);
@@ -131,8 +132,8 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     slows, slow_src = _copy_terms(m, src)
     return HardwareProfile(
         name=name, gpu_mem_bytes=gpu_mem_bytes, h2d_pinned=h2d,
-        d2h_pinned=curve(m["d2h"]), omp_wait_policy=(m.get("device") or {}).get("omp_wait_policy") or "",
-        cpu_pages=pages_word(m.get("cpu_huge_pages")) or "",
+        d2h_pinned=curve(m["d2h"]), cpu_pages=pages_word(m.get("cpu_huge_pages")) or "",
+        **{k: (m.get("device") or {}).get(k) or "" for k in ("omp_wait_policy", "few_experts")},
         h2d_pageable_gbps=m["h2d_pageable"][0] / m["h2d_pageable"][1] / GB, copy_engines=1, hbm_gbps=hbm,
         matmul_tflops=rate, expert_gbps=tuple(classes), launch_us=launch_s * 1e6, layer_fixed_us=max(la, 0.0) * 1e6,
         attn_us_per_token=max(lb, 0.0) * 1e6, cpu_expert_gbps=cpu["bytes"] / max(ca, 1e-9) / GB,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 from cmoe.core.errors import CmoeError
 
@@ -25,6 +26,9 @@ WAIT_TABLES = (    # (field, what a point holds, the y's rule; None: any y > 0) 
     ("host_wake_points", "[wait us, factor]: a wait >= 0, a factor > 0, waits ascending", None),
     ("cpu_wake_points", "[idle us, extra us]: an idle >= 0, extra us >= 0, idles ascending", NON_NEGATIVE[0]),
     ("host_pass_start_points", "[pass us, extra us]: a pass >= 0, extra us >= 0, passes ascending", NON_NEGATIVE[0]))
+# CMOE_FEW_EXPERTS' thresholds as `cmoe.executor.few_experts.describe` writes them ("": unrecorded)
+FEW = (lambda v: isinstance(v, str) and re.fullmatch(r"|off|\d+:\d+( \d+:\d+)*", v) is not None,
+       '"off", or bucket:threshold pairs such as "8:3 16:1", or "" (unrecorded)')
 LEAST = {"gpu_mem_bytes": 1, "copy_engines": 1, "dense_rows": 0, "attn_split_block": 1}
 
 
@@ -35,7 +39,7 @@ def rule(name: str, type_: str):
     if type_ == "int":
         return whole(LEAST.get(name, 0))
     if type_ == "str":
-        return (lambda v: isinstance(v, str), "a string")
+        return FEW if name == "few_experts" else (lambda v: isinstance(v, str), "a string")
     return FLAG if type_ == "bool" else None
 
 

@@ -75,6 +75,27 @@ def threshold(rows: int, env: dict | None = None) -> int:
     return FEW_EXPERTS[b] if n is None else n
 
 
+def describe(env: dict | None = None) -> str:
+    """What a run or a calibration records (`HardwareProfile.few_experts`, the run's metrics): "off",
+    or each twinned bucket's threshold, "8:3 16:1"; `cmoe validate` names a profile and runs that
+    differ at the runs' batch (`cmoe.analysis.cpu_settings.few_note`)."""
+    n = setting(env)
+    if n == 0:
+        return "off"
+    return " ".join(f"{b}:{FEW_EXPERTS[b] if n is None else n}" for b in sorted(FEW_EXPERTS))
+
+
+def parse(said: str | None) -> dict[int, int]:
+    """`describe`'s words back to {bucket: threshold}; unrecorded (None, "") reads as off, what every
+    run did before the switch was recorded (it was off unless asked for)."""
+    out: dict[int, int] = {}
+    for part in (said or "off").split():
+        if part != "off":
+            b, n = part.split(":")
+            out[int(b)] = int(n)
+    return out
+
+
 def twin(experts: int, limit: int) -> bool:
     """Whether a launch naming `experts` experts runs the few-expert configuration, where `limit`
     (`threshold` at the captured rows) is the most that may: the Python step's choice, which the

@@ -151,4 +151,5 @@ def metrics(trace: Trace, layout: PoolLayout, run: SimRun, cfg: SimConfig, profi
         # (`cmoe.executor.omp_wait`; None: unrecorded), which validate holds to the runs'
         "omp_wait_policy": profile.omp_wait_policy or None,
         "cpu_pages": profile.cpu_pages or None,        # and the pages they sat on (`cmoe.core.hugepages`)
+        "few_experts": profile.few_experts or None,    # the launches' few-expert switch (`few_experts`)
     }
