@@ -17,7 +17,7 @@ from pathlib import Path
 
 from cmoe.core.errors import CmoeError
 from cmoe.core.hw_checks import NON_NEGATIVE, WAIT_TABLES, bad, check_pairs, rule, whole
-from cmoe.core.hw_math import _width, pairs, split_plan, split_runs, table_us  # noqa: F401  (re-exported)
+from cmoe.core.hw_math import _width, beside_copy, pairs, split_plan, split_runs, table_us  # noqa: F401  (re-exported)
 from cmoe.core.hw_variants import HOST_FIELDS, HOST_POINTS, Variants  # noqa: F401  (re-exported)
 
 GB = 1e9
@@ -266,9 +266,8 @@ class HardwareProfile(Variants):
         (thirty-ninth session) a launch beside a load took 5.7-7.6 us more at two experts and
         9.8-11.8 at eight, the same for commit's launches, 48-50 us longer, as for the read-back
         policies'. Else (profiles from before) the factor on the whole launch."""
-        if self.copy_launch_us is None:
-            return dur * (1.0 + self.copy_compute_slowdown)
-        return (dur - extra) * (1.0 + self.copy_compute_slowdown) + extra + self.copy_launch_us
+        launch = -1.0 if self.copy_launch_us is None else self.copy_launch_us
+        return beside_copy(dur, extra, 1.0 + self.copy_compute_slowdown, launch)
 
     def cpu_expert_us(self, nbytes: int, tokens: int) -> float:
         """A CPU expert of `nbytes` on `tokens` rows: its one-token time by `cpu_expert_gbps`, times

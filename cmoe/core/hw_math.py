@@ -21,6 +21,16 @@ def split_runs(cache_len: int, max_runs: int, block: int = 64) -> int:
     return split_plan(cache_len, max_runs, block)[0]
 
 
+def beside_copy(dur: float, extra: float, slow: float, launch: float) -> float:
+    """`HardwareProfile.wave_beside_copy`'s arithmetic, which the compiled replay's clock runs too
+    (`cmoe.sim.replay.compute` compiles this same function): a launch of `dur` us, `extra` of them
+    not its experts' (commit's OWA), beside a moving copy. `launch` < 0 (not measured): the factor
+    `slow` on the whole launch; else `slow` on the experts' own part plus `launch` us."""
+    if launch < 0.0:
+        return dur * slow
+    return (dur - extra) * slow + extra + launch
+
+
 def table_us(points: tuple, x: float) -> float:
     """A measured table read at x: piecewise-linear between points; the first value below them;
     past the last, the last piece extended when it rises and the last value when it falls (a

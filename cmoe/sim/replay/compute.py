@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from numba import njit
 
+from cmoe.core.hw_math import beside_copy
+
 from cmoe.sim.replay.clock import (CHAINED_GAP, CPU_END, CPU_GAP, CPU_LEAD, CPU_TAIL, DRAINED, ENGINES, ERR, FIFO, G_, H_, HEAD, HEAD_SPAN, HOST_HEAD,
                                    AHEAD, COMMIT_GPU, COMMIT_GPU_COPY, COMMIT_START, HOST_LOAD, HOST_PASS_START, HOST_SYNC,
                                    IN_FLIGHT, NOW, OP_ATTN, SILENT,
@@ -16,6 +18,10 @@ from cmoe.sim.replay.clock import (CHAINED_GAP, CPU_END, CPU_GAP, CPU_LEAD, CPU_
                                    PASS_INDEX, PASS_START, PREV_END, SLOW, STARTUP_AFTER, START_COPY, ATTN_SLOW, RB_COPY, LAUNCH_COPY, TAIL, WAVE, WAVE_ROW,
                                    COPY_LAUNCH,
                                    W_DRAINED, W_READY, _advance, copying, _issue, _release, _span, _sync, pmax)
+
+
+# the profile's own arithmetic, compiled (-1 in COPY_LAUNCH: not measured, as None is there)
+_beside_copy = njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False, inline="always")(beside_copy)
 
 
 @njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True, _nrt=False)
@@ -140,7 +146,7 @@ def _waves(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, n, slow, M, silent, own, 
             launched += table                           # its slot table's copy waits behind the load's
         start = pmax(start, launched)
         if c.I[IN_FLIGHT] and copying(c, x, start):       # `HardwareProfile.wave_beside_copy`
-            dur = dur * slow if x.hwf[COPY_LAUNCH] < 0.0 else (dur - extra) * slow + extra + x.hwf[COPY_LAUNCH]
+            dur = _beside_copy(dur, extra, slow, x.hwf[COPY_LAUNCH])
         G = start + dur
         H += issue
         step = (G - start) / cnt
