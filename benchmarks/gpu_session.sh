@@ -67,6 +67,7 @@
 #                                             # policies at batch 8, pools 20/26, each right after its twin with
 #                                             # CMOE_FEW_EXPERTS=on (off by default until this measures it;
 #                                             # ~6-8 min; AB_S, AB_TOK, POOLS, POLS trim it)
+#   bash benchmarks/gpu_session.sh few-tests  # its GPU tests alone (at most 150 s: a short call when little device time is left)
 #   bash benchmarks/gpu_session.sh check      # a session's first call: the expert kernels', lean and executor GPU
 #                                             # tests, then expert_kernel_h200.py --no-sweep (CONFIGS, torch int4 and
 #                                             # bf16 in one run, M 1-64), then upper at batches 1/4/8 as committed
@@ -194,8 +195,9 @@ case "${1:-}" in
         upper 170 110 --kernel-configs "${4:-$OUT/variants/kernel_variants.json}"
         timeout 250 python3 -m pytest -q -m gpu tests/test_moe_cuda_gpu.py tests/test_moe_kernel_gpu.py \
           tests/test_moe_kernel_fp16.py -p no:cacheprovider 2>&1 | tail -12 ;;
-  few) timeout 150 python3 -m pytest -q -m gpu tests/test_lean_gpu.py tests/test_calibrate_gpu.py -p no:cacheprovider \
-         -k "few_expert or host_program_runs or (replay_equals_eager and mixtral) or calibrat" 2>&1 | tail -8 || true
+  few-tests) timeout 150 python3 -m pytest -q -m gpu tests/test_lean_gpu.py tests/test_calibrate_gpu.py -p no:cacheprovider \
+         -k "few_expert or host_program_runs or (replay_equals_eager and mixtral) or calibrat" -rf 2>&1 | tail -8 || true ;;
+  few) bash "$0" few-tests
        timeout 100 python3 benchmarks/wave_config_h200.py --out "$OUT/wave-config" 2>&1 | grep -v Warning || true
        timeout $((${AB_S:-150} + 30)) python3 benchmarks/lean_h200.py --out "$OUT/few-ab" --tokens ${AB_TOK:-64} --repeats 0 \
          --batches 8 --pools ${POOLS:-20,26} --engines lean --policies ${POLS:-ondemand,lru-prefetch,oracle} \
