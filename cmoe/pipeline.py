@@ -109,8 +109,8 @@ def _run_into(out: Path, final: Path, w, cfg, profile: str | None, model_dir: Pa
     from cmoe.calibrate.profile_fit import run_verdict
     write_text_atomic(out / "validation.json", json.dumps(doc, indent=1))
     host, link = host_speed(runs, prof, cfg.batch), link_speed(runs)
-    from cmoe.analysis.cpu_settings import cpu_notes
-    notes = sorted({n.strip() for r in runs for v in r for n in cpu_notes(v)})   # said without -v too
+    from cmoe.analysis.cpu_settings import setting_notes
+    notes = sorted({n.strip() for r in runs for v in r for n in setting_notes(v)})   # said without -v too
     noise = run_verdict(cal, errors, spreads, host or None, link or None)
     return summary_doc(w, cfg, sims, results, errors, "; ".join([noise, *notes]))
 

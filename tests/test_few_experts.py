@@ -67,7 +67,7 @@ def test_a_profile_keeps_the_switch_and_refuses_other_words():
 
 def test_validate_names_a_switch_that_differs_at_the_runs_batch():
     """`few_note`: only where the twins' thresholds at the runs' batch bucket differ; the CPU records none."""
-    from cmoe.analysis.cpu_settings import cpu_notes, few_note
+    from cmoe.analysis.cpu_settings import few_note, setting_notes
     v = lambda prof, runs, batch: {"few_experts": {"profile": prof, "runs": runs, "batch": batch},  # noqa: E731
                                    "op_kinds": {}}
     assert few_note(v(None, "off", 8)) is None and few_note(v("off", "off", 8)) is None
@@ -78,6 +78,6 @@ def test_validate_names_a_switch_that_differs_at_the_runs_batch():
     assert line == ("  the profile's launches were measured with the few-expert configuration for none at batch "
                     "bucket 8, the runs' took it for at most 3 experts (CMOE_FEW_EXPERTS): a one-expert wave at 8 "
                     "rows ran 27% faster on it on an H100; calibrate with the runs' setting")
-    assert cpu_notes(v("8:3 16:1", "8:3 16:2", 16)) == [few_note(v("8:3 16:1", "8:3 16:2", 16))]
-    assert "for one expert at batch bucket 16, the runs' took it for at most 2" in cpu_notes(
+    assert setting_notes(v("8:3 16:1", "8:3 16:2", 16)) == [few_note(v("8:3 16:1", "8:3 16:2", 16))]
+    assert "for one expert at batch bucket 16, the runs' took it for at most 2" in setting_notes(
         v("8:3 16:1", "8:3 16:2", 16))[0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cmoe.analysis.cpu_settings import cpu_notes, pages_note
+from cmoe.analysis.cpu_settings import pages_note, setting_notes
 from cmoe.core import hugepages
 from cmoe.core.hugepages import HUGE, huge_bytes, huge_share, huge_zeros, pages_word, thp_mode
 
@@ -167,9 +167,9 @@ def test_pages_note_names_a_profile_on_other_pages():
                           ("4 KiB pages", "2 MiB pages", 0)):
         assert pages_note(_v(prof, runs, n)) is None
     both = _v("4 KiB pages", "2 MiB pages") | {"omp_wait": {"profile": "default", "runs": "ACTIVE"}}
-    notes = cpu_notes(both)
+    notes = setting_notes(both)
     assert len(notes) == 2 and "OpenMP default" in notes[0] and "4 KiB pages" in notes[1]
-    assert cpu_notes({"op_kinds": {}}) == []
+    assert setting_notes({"op_kinds": {}}) == []
 
 
 def test_an_expert_on_huge_pages_computes_as_on_small_ones():

@@ -136,6 +136,8 @@ def test_cmoe_run_says_when_the_profiles_openmp_wait_policy_is_not_the_runs(tmp_
         pred = json.loads((tmp_path / f"r{pol}" / "predicted" / "metrics.json").read_text())
         meas = json.loads((tmp_path / f"r{pol}" / "measured" / "metrics.json").read_text())
         assert (pred[0]["omp_wait_policy"], meas[0]["omp_wait_policy"]) == (pol or None, "default")
+        # no few-expert thresholds: the profile does not record them, and a CPU run captures no graphs
+        assert (pred[0]["few_experts"], meas[0]["few_experts"]) == (None, None)
 
 
 def test_cmoe_run_of_gpu_only_policies_does_not_judge_the_cpu_experts_repeats(tmp_path):

@@ -68,7 +68,8 @@ def few_note(v: dict) -> str | None:
     profile's were measured on (`cmoe.executor.few_experts`: CMOE_FEW_EXPERTS; one expert's wave at
     M = 8 took 48.7 us on the M <= 4 configuration against 66.5 on its own on an H100), at the
     runs' batch: the profile's launch fit holds the configuration its launches ran. Unrecorded
-    reads as off; runs on the CPU record nothing (no graphs, no twins)."""
+    reads as off; runs without CUDA graphs (the CPU, the reference engine) record nothing: no
+    launch of theirs could switch."""
     from cmoe.executor.few_experts import bucket, parse
     f = v.get("few_experts") or {}
     runs = f.get("runs")
@@ -84,6 +85,6 @@ def few_note(v: dict) -> str | None:
             "wave at 8 rows ran 27% faster on it on an H100; calibrate with the runs' setting")
 
 
-def cpu_notes(v: dict) -> list[str]:
+def setting_notes(v: dict) -> list[str]:
     """Every such line of one validation, OpenMP's first, the few-expert switch's last."""
     return [n for n in (omp_note(v), pages_note(v), few_note(v)) if n]

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from cmoe.core.errors import CmoeError
-from cmoe.analysis.cpu_settings import cpu_notes, omp_note  # noqa: F401  (omp_note re-exported)
+from cmoe.analysis.cpu_settings import setting_notes, omp_note  # noqa: F401  (omp_note re-exported)
 from cmoe.analysis.runfolder import read_metrics, read_passes, read_timeline
 from cmoe.core.timeline import STEP, LAYER, STREAM, OP, EXPERT, START, END, BYTES
 
@@ -312,7 +312,7 @@ def format_validation(v: dict) -> str:
                "a slow state for part of the run" if sc["share"] >= SLOW_SHARE else "")
         lines.append(f"  CPU experts ran {k:.2f}x their calibrated time{two}: a lent GPU's host ran them in two "
                      "states, switching within runs; repeat the runs (cmoe run --repeat N) to see it")
-    return "\n".join(lines + cpu_notes(v))
+    return "\n".join(lines + setting_notes(v))
 
 
 def validate_folders(predicted: Path, measured: Path, policies: list[str] | None = None) -> list[dict]:

@@ -29,6 +29,7 @@ WAIT_TABLES = (    # (field, what a point holds, the y's rule; None: any y > 0) 
 # CMOE_FEW_EXPERTS' thresholds as `cmoe.executor.few_experts.describe` writes them ("": unrecorded)
 FEW = (lambda v: isinstance(v, str) and re.fullmatch(r"|off|\d+:\d+( \d+:\d+)*", v) is not None,
        '"off", or bucket:threshold pairs such as "8:3 16:1", or "" (unrecorded)')
+STRINGS = {"few_experts": FEW}        # string fields with a form of their own (any string else)
 LEAST = {"gpu_mem_bytes": 1, "copy_engines": 1, "dense_rows": 0, "attn_split_block": 1}
 
 
@@ -39,7 +40,7 @@ def rule(name: str, type_: str):
     if type_ == "int":
         return whole(LEAST.get(name, 0))
     if type_ == "str":
-        return FEW if name == "few_experts" else (lambda v: isinstance(v, str), "a string")
+        return STRINGS.get(name, (lambda v: isinstance(v, str), "a string"))
     return FLAG if type_ == "bool" else None
 
 

@@ -79,10 +79,9 @@ def describe(env: dict | None = None) -> str:
     """What a run or a calibration records (`HardwareProfile.few_experts`, the run's metrics): "off",
     or each twinned bucket's threshold, "8:3 16:1"; `cmoe validate` names a profile and runs that
     differ at the runs' batch (`cmoe.analysis.cpu_settings.few_note`)."""
-    n = setting(env)
-    if n == 0:
+    if setting(env) == 0:
         return "off"
-    return " ".join(f"{b}:{FEW_EXPERTS[b] if n is None else n}" for b in sorted(FEW_EXPERTS))
+    return " ".join(f"{b}:{threshold(b, env)}" for b in sorted(FEW_EXPERTS))
 
 
 def parse(said: str | None) -> dict[int, int]:

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
-from cmoe.executor.few_experts import threshold
+from cmoe.executor.few_experts import describe, threshold
 from cmoe.executor.lean_steps import owa_device
 
 
@@ -251,6 +251,7 @@ class Segments:
         waves = self.fused and not self.silent and not self.commit \
             and os.environ.get("CMOE_WAVE_GRAPHS", "1") != "0"
         few = threshold(B) if waves else 0                 # `few_experts`: where a launch is split
+        self.log.few_experts = describe() if waves else "off"   # what the run's metrics record
         with torch.cuda.stream(side), torch.no_grad():    # warm-up: compiles kernels, sizes buffers
             for _ in range(2):
                 self._program_eager()

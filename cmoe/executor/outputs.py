@@ -12,7 +12,6 @@ import torch
 
 from cmoe.core.metrics import summary
 from cmoe.core.timeline import BYTES, END, OP, START, STEP
-from cmoe.executor.few_experts import describe as few_describe
 from cmoe.executor.omp_wait import in_force
 from cmoe.executor.records import RunLog
 from cmoe.policy.pool import PoolLayout
@@ -47,8 +46,9 @@ def metrics(log: RunLog, w: Workload, cfg: ExecConfig, policy: str, layout: Pool
         "host_program": log.host_program,
         # the CPU experts' speed depends on their OpenMP settings and pages (`omp_wait`, `cmoe.core.hugepages`)
         "omp_wait_policy": in_force(), "cpu_pages": w.store.cpu_pages(),
-        # the few-expert twins' thresholds its graphed passes ran under (`cmoe.executor.few_experts`)
-        "few_experts": few_describe() if w.device.type == "cuda" else None,
+        # the few-expert thresholds its graphs were captured under (`cmoe.executor.few_experts`; None:
+        # no graphs, so no launch could switch: the CPU, the reference engine)
+        "few_experts": log.few_experts,
         # first-request cost: warm-up and CUDA-graph capture on the first decode pass (lean, CUDA)
         "capture_ms": (getattr(log, "capture_us", None) or 0.0) / 1e3,
         "expert_ms_per_pass": by_op.get("expert", 0.0) / n_dec / 1e3,

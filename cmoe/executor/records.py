@@ -43,6 +43,8 @@ class RunLog(RunRecord):
     host_calls: str = "host"               # runtime, torch or host: what timed and ordered the run (`Clock.calls`)
     late_events: int = 0                   # timing events made during the passes (`Clock.late`)
     host_program: bool = False             # its graphed decode passes ran the compiled host program
+    few_experts: str | None = None         # the few-expert thresholds its graphs were captured under
+                                           # ("off" where no launch could switch; None: no capture)
     clock_epoch: float = 0.0               # the wall clock (epoch s) at the timeline's zero (`Clock.epoch0`)
 
 

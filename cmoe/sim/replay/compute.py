@@ -10,7 +10,6 @@ from __future__ import annotations
 from numba import njit
 
 from cmoe.core.hw_math import beside_copy
-
 from cmoe.sim.replay.clock import (CHAINED_GAP, CPU_END, CPU_GAP, CPU_LEAD, CPU_TAIL, DRAINED, ENGINES, ERR, FIFO, G_, H_, HEAD, HEAD_SPAN, HOST_HEAD,
                                    AHEAD, COMMIT_GPU, COMMIT_GPU_COPY, COMMIT_START, HOST_LOAD, HOST_PASS_START, HOST_SYNC,
                                    IN_FLIGHT, NOW, OP_ATTN, SILENT,
