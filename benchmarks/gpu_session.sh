@@ -65,7 +65,7 @@
 #                                             # GPU test, the host-program and calibration GPU tests, wave_config_h200.py
 #                                             # (a wave of n experts on each configuration, M 8/16), then the loading
 #                                             # policies at batch 8, pools 20/26, each right after its twin with
-#                                             # CMOE_FEW_EXPERTS=on (off by default until this measures it;
+#                                             # CMOE_FEW_EXPERTS=off (on by default since the forty-second session's A/B on an H100;
 #                                             # ~6-8 min; AB_S, AB_TOK, POOLS, POLS trim it)
 #   bash benchmarks/gpu_session.sh few-tests  # its GPU tests alone (at most 150 s: a short call when little device time is left)
 #   bash benchmarks/gpu_session.sh check      # a session's first call: the expert kernels', lean and executor GPU
@@ -201,7 +201,7 @@ case "${1:-}" in
        timeout 100 python3 benchmarks/wave_config_h200.py --out "$OUT/wave-config" 2>&1 | grep -v Warning || true
        timeout $((${AB_S:-150} + 30)) python3 benchmarks/lean_h200.py --out "$OUT/few-ab" --tokens ${AB_TOK:-64} --repeats 0 \
          --batches 8 --pools ${POOLS:-20,26} --engines lean --policies ${POLS:-ondemand,lru-prefetch,oracle} \
-         --env-ablation CMOE_FEW_EXPERTS=on --budget-s ${AB_S:-150} 2>&1 \
+         --env-ablation CMOE_FEW_EXPERTS=off --budget-s ${AB_S:-150} 2>&1 \
          | grep -E "^lean|^HBM|^built|rror" || true ;;
   check) timeout 260 python3 -m pytest -q -m gpu tests/test_moe_cuda_gpu.py tests/test_lean_gpu.py \
            tests/test_executor_gpu.py -p no:cacheprovider 2>&1 | tail -12 || true

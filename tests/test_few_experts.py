@@ -16,16 +16,17 @@ def test_buckets_are_the_kernels_row_buckets():
     assert [fe.bucket(r) for r in rows] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 64, 64, 64]
 
 
-def test_the_switch_is_off_unless_asked_for():
-    assert not fe.ON and fe.threshold(8, {}) == 0 and not fe.twin(1, fe.threshold(8, {}))
+def test_the_switch_is_on_unless_turned_off():
+    assert fe.ON and fe.threshold(8, {}) == 3 and fe.twin(1, fe.threshold(8, {}))
+    assert fe.threshold(8, {"CMOE_FEW_EXPERTS": "off"}) == 0 and not fe.twin(1, fe.threshold(8, {"CMOE_FEW_EXPERTS": "0"}))
 
 
 def test_the_switch_by_rows_and_experts():
     env = {"CMOE_FEW_EXPERTS": "on"}
-    assert fe.FEW_BUCKET == 4 and fe.FEW_EXPERTS == {8: 3, 16: 1}
-    assert [fe.threshold(r, env) for r in (1, 4, 5, 8, 12, 16, 32)] == [0, 0, 3, 3, 1, 1, 0]
+    assert fe.FEW_BUCKET == 4 and fe.FEW_EXPERTS == {8: 3}
+    assert [fe.threshold(r, env) for r in (1, 4, 5, 8, 9, 12, 16, 32)] == [0, 0, 3, 3, 0, 0, 0, 0]
     assert [fe.twin(n, fe.threshold(8, env)) for n in range(0, 9)] == [False, True, True, True] + [False] * 5
-    assert [fe.twin(n, fe.threshold(16, env)) for n in (1, 2, 3)] == [True, False, False]
+    assert [fe.twin(n, fe.threshold(16, env)) for n in (1, 2, 3)] == [False, False, False]
     # no twin where the bucket has none
     assert not fe.twin(1, fe.threshold(4, env)) and not fe.twin(1, fe.threshold(64, env))
 
@@ -33,9 +34,9 @@ def test_the_switch_by_rows_and_experts():
 def test_the_environment_overrides_or_turns_it_off():
     off, six = {"CMOE_FEW_EXPERTS": "0"}, {"CMOE_FEW_EXPERTS": "6"}
     assert fe.threshold(8, off) == 0 and not fe.twin(1, fe.threshold(8, off))
-    assert fe.threshold(16, six) == 6 and fe.twin(6, fe.threshold(16, six))
+    assert fe.threshold(8, six) == 6 and fe.twin(6, fe.threshold(8, six)) and fe.threshold(16, six) == 0
     assert fe.threshold(2, {"CMOE_FEW_EXPERTS": "6"}) == 0              # only buckets that have one
-    assert fe.threshold(8, {"CMOE_FEW_EXPERTS": " on "}) == 3 and fe.threshold(8, {"CMOE_FEW_EXPERTS": " "}) == 0
+    assert fe.threshold(8, {"CMOE_FEW_EXPERTS": " on "}) == 3 and fe.threshold(8, {"CMOE_FEW_EXPERTS": " "}) == 3
     assert fe.threshold(8, {"CMOE_FEW_EXPERTS": "OFF"}) == 0 and fe.threshold(8, {"CMOE_FEW_EXPERTS": "On"}) == 3
     for bad in ("a few", "-1", "yes", "2.5"):
         for rows in (1, 8, 64):                            # refused at every batch, not only where it applies
@@ -45,11 +46,11 @@ def test_the_environment_overrides_or_turns_it_off():
 
 def test_what_a_run_and_a_calibration_record():
     """`describe` is what the profile and a run's metrics keep; `parse` reads it back, unrecorded as off."""
-    assert fe.describe({}) == "off" and fe.describe({"CMOE_FEW_EXPERTS": "0"}) == "off"
-    assert fe.describe({"CMOE_FEW_EXPERTS": "on"}) == "8:3 16:1"
-    assert fe.describe({"CMOE_FEW_EXPERTS": "2"}) == "8:2 16:2"
+    assert fe.describe({"CMOE_FEW_EXPERTS": "off"}) == "off" and fe.describe({"CMOE_FEW_EXPERTS": "0"}) == "off"
+    assert fe.describe({}) == fe.describe({"CMOE_FEW_EXPERTS": "on"}) == "8:3"
+    assert fe.describe({"CMOE_FEW_EXPERTS": "2"}) == "8:2"
     assert fe.parse("8:3 16:1") == {8: 3, 16: 1} and fe.parse("off") == {} == fe.parse("") == fe.parse(None)
-    for env in ({}, {"CMOE_FEW_EXPERTS": "on"}, {"CMOE_FEW_EXPERTS": "5"}):   # the thresholds, round trip
+    for env in ({}, {"CMOE_FEW_EXPERTS": "off"}, {"CMOE_FEW_EXPERTS": "5"}):   # the thresholds, round trip
         assert all(fe.parse(fe.describe(env)).get(fe.bucket(r), 0) == fe.threshold(r, env) for r in range(1, 65))
 
 

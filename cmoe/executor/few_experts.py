@@ -11,18 +11,27 @@ at most `FEW_EXPERTS[bucket]` experts runs bucket `FEW_BUCKET`'s configuration; 
 captures a second graph per layer for it and picks one by the wave's size
 (`benchmarks/wave_config_h200.py` measures where the switch pays).
 
-The switch is off unless CMOE_FEW_EXPERTS asks for it (`ON`). Its GPU test passed on an H100 (at
-fc936fc; e4dd913 since hands the configuration to the kernel directly, and the revised test counts
-the twins' replays: neither has run on a GPU), but
-the one end-to-end A/B there (batch 8, pool 20, 32 tokens, one run an arm, link-bound) moved
-tokens/s by +2.1% (`lru-prefetch`, 38.3 against 37.5) and -0.4% (`oracle`, 55.0 against 55.2),
-within a run's noise, though the experts' GPU time a pass fell 1.7-2.8%. A default that changes
-every loading policy's launches from batch 5 on waits for repeated A/Bs on the H200
-(`benchmarks/gpu_session.sh few`), where a full layer of 8 experts at M = 8 favoured the M = 8
-configuration (222.5 us against 232.2). CMOE_FEW_EXPERTS=on takes `FEW_EXPERTS`' thresholds,
-CMOE_FEW_EXPERTS=n one threshold for every bucket that has one (1 is a threshold, not "on": a launch of
-one expert), CMOE_FEW_EXPERTS=off or 0 turns it off. Only graphed decode passes switch (the twins);
-eager launches keep their bucket's configuration.
+The switch is on unless CMOE_FEW_EXPERTS turns it off (`ON`, from 2026-12-07). On an H100 (forty-
+second session, `benchmarks/results/few-experts-h100-c0181d5/`, tree c0181d5) it was measured in
+two calls, each arm right after its twin. At batch 8, all 12 loading runs (ondemand, lru-prefetch,
+oracle; pools 20 and 26) spent 0.06-0.20 ms (0.7-2.2%) less GPU time a pass in their experts with
+it, and tokens/s moved -0.3% to +1.3% (median +0.2%): those runs are link-bound (1.02-1.39x the
+link limit). At batch 16 the one-expert twin bought nothing end to end (expert time -0.1% to
++0.4%, tokens/s -0.2% to +0.5%), though one wave alone ran 4% faster on it. So only bucket 8 has a
+threshold. A twin costs its capture, +24 ms a bucket (median; the process's first, which compiles
+the M <= 4 configuration, +250-355 ms). The twins' GPU test passed there too. On the H200 the
+thirteenth session's one-expert wave at M = 8 favoured the M <= 4 configuration as strongly (38.5
+against 58.3 us), while a full layer of 8 experts favoured the M = 8 one (222.5 against 232.2),
+which a launch of at most 3 never is.
+
+The simulator prices a launch by its expert count and rows, fitted over calibrate's own launches.
+The switch brings the executor closer to that: in that session's validation, run with the switch
+off, a one-expert wave at batch 8 took 64.5 us against 51.4 predicted, and 48.3 on the twin.
+Calibrate records the setting (`describe`), and `cmoe validate` names a profile and runs that
+differ. CMOE_FEW_EXPERTS=on (or unset) takes `FEW_EXPERTS`' thresholds, CMOE_FEW_EXPERTS=n one
+threshold for every bucket that has one (1 is a threshold, not "on": a launch of one expert), and
+CMOE_FEW_EXPERTS=off or 0 turns it off. Only graphed decode passes switch (the twins); eager
+launches keep their bucket's configuration.
 """
 
 from __future__ import annotations
@@ -33,11 +42,12 @@ from cmoe.core.errors import CmoeError
 
 FEW_BUCKET = 4                       # the configuration a launch of few experts runs
 # row bucket -> the most experts that run it: where the M <= 4 configuration was no slower at every
-# count up to it, on an H100 (fortieth session, `benchmarks/results/few-experts-h100-fc936fc/`): at
-# M = 8 one expert's wave 48.7 us against 66.5, three 113.2 against 125.5, four 145.4 against 141.3;
-# at M = 16 one 63.9 against 67.1, two 92.4 against 89.4
-FEW_EXPERTS: dict[int, int] = {8: 3, 16: 1}
-ON = False                           # the thresholds apply without CMOE_FEW_EXPERTS
+# count up to it, on an H100 (fortieth and forty-second sessions, `benchmarks/results/few-experts-h100-*`):
+# at M = 8 one expert's wave 48.7 and 48.3 us against 66.5 and 65.1, three 113.2 and 113.0 against
+# 125.5 and 125.3, four 145.4 and 145.5 against 141.3 and 141.4. M = 16 (one expert 63.9 and 63.2
+# against 67.1 and 65.9) has none: its runs gained nothing end to end (above)
+FEW_EXPERTS: dict[int, int] = {8: 3}
+ON = True                            # the thresholds apply unless CMOE_FEW_EXPERTS turns them off
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)   # `kernels_triton.moe.CONFIGS`' row buckets
 
 
