@@ -133,17 +133,12 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     return HardwareProfile(
         name=name, gpu_mem_bytes=gpu_mem_bytes, h2d_pinned=h2d,
         d2h_pinned=curve(m["d2h"]), cpu_pages=pages_word(m.get("cpu_huge_pages")) or "",
-        **{k: (m.get("device") or {}).get(k) or "" for k in ("omp_wait_policy", "few_experts")},
+        **{k: (m.get("device") or {}).get(k) or "" for k in _DEVICE_WORDS},
         h2d_pageable_gbps=m["h2d_pageable"][0] / m["h2d_pageable"][1] / GB, copy_engines=1, hbm_gbps=hbm,
         matmul_tflops=rate, expert_gbps=tuple(classes), launch_us=launch_s * 1e6, layer_fixed_us=max(la, 0.0) * 1e6,
         attn_us_per_token=max(lb, 0.0) * 1e6, cpu_expert_gbps=cpu["bytes"] / max(ca, 1e-9) / GB,
         cpu_expert_us_per_token=max(cb, 0.0) * 1e6, roundtrip_us=roundtrip * 1e6, **slows,
-        pass_start_us=m["layer"].get("pass_start_s", 0.0) * 1e6, head_us=m["layer"].get("head_s", 0.0) * 1e6,
-        predict_layer_us=m["layer"].get("predict_layer_s", 0.0) * 1e6,
-        readback_gpu_us=m["layer"].get("readback_gpu_s", 0.0) * 1e6, predict_gpu_us=m["layer"].get("predict_gpu_s", 0.0) * 1e6,
-        commit_route_us=m["layer"].get("commit_route_s", 0.0) * 1e6, commit_gpu_us=m["layer"].get("commit_gpu_s", 0.0) * 1e6,
-        commit_gpu_copy_us=m["layer"].get("commit_gpu_copy_s", 0.0) * 1e6, copy_fifo=True,
-        readback_copy_us=m["layer"].get("readback_copy_s", 0.0) * 1e6, launch_copy_us=m["layer"].get("launch_copy_s", 0.0) * 1e6,
+        **{f: m["layer"].get(f.removesuffix("_us") + "_s", 0.0) * 1e6 for f in _LAYER_US}, copy_fifo=True,
         copy_on_host=device.lower() == "cpu", dense_rows=int(m.get("dense_rows", 0)),
         silent_upper=bool(m.get("silent_upper", False)), commit_ahead=bool(m.get("commit_ahead", False)),
         pass_overlap=bool(m.get("pass_overlap", False)),
@@ -166,6 +161,10 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         | {"matmul_tflops": src + " (slope of expert time over tokens: the rate extra tokens cost)", **_EXECUTOR})
 
 
+# per-layer figures calibrate keeps in seconds under m["layer"] ("head_s"), each a profile field in us ("head_us")
+_LAYER_US = ("pass_start_us", "head_us", "predict_layer_us", "readback_gpu_us", "predict_gpu_us", "commit_route_us",
+             "commit_gpu_us", "commit_gpu_copy_us", "readback_copy_us", "launch_copy_us")
+_DEVICE_WORDS = ("omp_wait_policy", "few_experts")     # settings m["device"] records, kept as the profile's words
 _MEASURED = ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "hbm_gbps", "expert_gbps", "launch_us", "layer_fixed_us",
              "attn_us_per_token", "cpu_expert_gbps", "roundtrip_us", "copy_compute_slowdown", "copy_attention_slowdown",
              "pass_start_us", "head_us", "predict_layer_us", "commit_route_us", "cpu_expert_us_per_token", "readback_gpu_us", "predict_gpu_us",
