@@ -1,7 +1,12 @@
 """The lines `cmoe validate` and `cmoe run` add where the runs ran under other settings than the
 profile was measured under: host settings that move a CPU expert's speed on the lent GPUs' hosts
-(a validation's `omp_wait` and `cpu_pages`), and the executor's few-expert switch, which moves its
-launches' times (`few_experts`); each {"profile", "runs"}, None: unrecorded.
+(a validation's `omp_wait` and `cpu_pages`); each {"profile", "runs"}, None: unrecorded.
+
+The few-expert switch (`few_experts`) is recorded on both sides too but gets no line: the
+profile's launch fit is made of `upper`'s launches, which never switch, so a calibration under
+another setting prices a run's launches the same. (Only its launches beside a load at batch 8 may
+hold twinned ones, and those give what a load adds to a launch, not the launch's time. dae775b had
+printed a line, which the forty-second session's review found claimed more than that.)
 """
 
 from __future__ import annotations
@@ -63,28 +68,6 @@ def pages_note(v: dict) -> str | None:
             "pages moved the CPU-expert runs -7% to +17% on the lent H100s' hosts; calibrate again")
 
 
-def few_note(v: dict) -> str | None:
-    """A line where the runs' launches of few experts ran another kernel configuration than the
-    profile's were measured on (`cmoe.executor.few_experts`: CMOE_FEW_EXPERTS; one expert's wave at
-    M = 8 took 48.7 us on the M <= 4 configuration against 66.5 on its own on an H100), at the
-    runs' batch: the profile's launch fit holds the configuration its launches ran. Unrecorded
-    reads as off; runs without CUDA graphs (the CPU, the reference engine) record nothing: no
-    launch of theirs could switch."""
-    from cmoe.executor.few_experts import bucket, parse
-    f = v.get("few_experts") or {}
-    runs = f.get("runs")
-    if runs is None:
-        return None
-    b = bucket(f.get("batch") or 1)
-    prof, ran = parse(f.get("profile")).get(b, 0), parse(runs).get(b, 0)
-    if prof == ran:
-        return None
-    said = lambda n: (f"at most {n} experts" if n > 1 else "one expert") if n else "none"   # noqa: E731
-    return (f"  the profile's launches were measured with the few-expert configuration for {said(prof)} "
-            f"at batch bucket {b}, the runs' took it for {said(ran)} (CMOE_FEW_EXPERTS): a one-expert "
-            "wave at 8 rows ran 27% faster on it on an H100; calibrate with the runs' setting")
-
-
 def setting_notes(v: dict) -> list[str]:
-    """Every such line of one validation, OpenMP's first, the few-expert switch's last."""
-    return [n for n in (omp_note(v), pages_note(v), few_note(v)) if n]
+    """Every such line of one validation, OpenMP's first."""
+    return [n for n in (omp_note(v), pages_note(v)) if n]

@@ -274,7 +274,8 @@ def validate(pred: Run, meas: Run) -> dict:
             # OpenMP settings (wait policy, a binding) of the profile's CPU experts and the runs' (None: unrecorded)
             "omp_wait": {"profile": pred.metrics.get("omp_wait_policy"), "runs": meas.metrics.get("omp_wait_policy")},
             "cpu_pages": {"profile": pred.metrics.get("cpu_pages"), "runs": meas.metrics.get("cpu_pages")},
-            # the few-expert switch the profile's launches and the runs' ran under (`few_note`)
+            # the few-expert switch calibrate and the runs ran under (`cmoe.executor.few_experts`; no line
+            # says where they differ: the launch fit comes from upper's launches, which never switch)
             "few_experts": {"profile": pred.metrics.get("few_experts"), "runs": meas.metrics.get("few_experts"),
                             "batch": meas.metrics.get("batch")}}
 

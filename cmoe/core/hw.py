@@ -140,7 +140,7 @@ class HardwareProfile(Variants):
     cpu_expert_points: tuple = ()                   # (tokens, factor): a CPU expert's time over its time at one token
     omp_wait_policy: str = ""                       # OpenMP settings of calibrate's CPU experts ("": unrecorded)
     cpu_pages: str = ""                             # the pages they sat on ("2 MiB pages"; "": unrecorded)
-    few_experts: str = ""                           # CMOE_FEW_EXPERTS' thresholds at calibration ("off", "8:3 16:1";
+    few_experts: str = ""                           # CMOE_FEW_EXPERTS' thresholds at calibration ("off", "8:3";
                                                     # "": unrecorded, read as off: `cmoe.executor.few_experts`)
     python_host: dict = field(default_factory=dict, hash=False)   # host fields of the Python step (`python_step`)
     sources: dict = field(default_factory=dict, compare=False, hash=False)

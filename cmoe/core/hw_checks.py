@@ -28,7 +28,7 @@ WAIT_TABLES = (    # (field, what a point holds, the y's rule; None: any y > 0) 
     ("host_pass_start_points", "[pass us, extra us]: a pass >= 0, extra us >= 0, passes ascending", NON_NEGATIVE[0]))
 # CMOE_FEW_EXPERTS' thresholds as `cmoe.executor.few_experts.describe` writes them ("": unrecorded)
 FEW = (lambda v: isinstance(v, str) and re.fullmatch(r"|off|\d+:\d+( \d+:\d+)*", v) is not None,
-       '"off", or bucket:threshold pairs such as "8:3 16:1", or "" (unrecorded)')
+       '"off", or bucket:threshold pairs such as "8:3" or "8:3 16:1", or "" (unrecorded)')
 STRINGS = {"few_experts": FEW}        # string fields with a form of their own (any string else)
 LEAST = {"gpu_mem_bytes": 1, "copy_engines": 1, "dense_rows": 0, "attn_split_block": 1}
 

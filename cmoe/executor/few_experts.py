@@ -27,8 +27,8 @@ which a launch of at most 3 never is.
 The simulator prices a launch by its expert count and rows, fitted over calibrate's own launches.
 The switch brings the executor closer to that: in that session's validation, run with the switch
 off, a one-expert wave at batch 8 took 64.5 us against 51.4 predicted, and 48.3 on the twin.
-Calibrate records the setting (`describe`), and `cmoe validate` names a profile and runs that
-differ. CMOE_FEW_EXPERTS=on (or unset) takes `FEW_EXPERTS`' thresholds, CMOE_FEW_EXPERTS=n one
+Calibrate and each run record the setting (`describe`); the profile's launch fit does not depend
+on it, as `upper`'s launches, which it is made of, never switch. CMOE_FEW_EXPERTS=on (or unset) takes `FEW_EXPERTS`' thresholds, CMOE_FEW_EXPERTS=n one
 threshold for every bucket that has one (1 is a threshold, not "on": a launch of one expert), and
 CMOE_FEW_EXPERTS=off or 0 turns it off. Only graphed decode passes switch (the twins); eager
 launches keep their bucket's configuration.
@@ -61,7 +61,7 @@ def bucket(rows: int) -> int:
 
 def setting(env: dict | None = None) -> int | None:
     """CMOE_FEW_EXPERTS read: None for the table's thresholds (`on`, or unset while `ON`), a number
-    of experts for one threshold (0: off, as `off` and unset are); anything else is refused, at any
+    of experts for one threshold (0: off, as `off` is); anything else is refused, at any
     batch, with one line saying what to give."""
     given = (os.environ if env is None else env).get("CMOE_FEW_EXPERTS", "").strip()
     raw = given.lower()
@@ -87,8 +87,8 @@ def threshold(rows: int, env: dict | None = None) -> int:
 
 def describe(env: dict | None = None) -> str:
     """What a run or a calibration records (`HardwareProfile.few_experts`, the run's metrics): "off",
-    or each twinned bucket's threshold, "8:3 16:1"; `cmoe validate` names a profile and runs that
-    differ at the runs' batch (`cmoe.analysis.cpu_settings.few_note`)."""
+    or each twinned bucket's threshold, "8:3" (older records: "8:3 16:1"); a validation keeps the
+    profile's and the runs' side by side (`cmoe.analysis.validate`)."""
     if setting(env) == 0:
         return "off"
     return " ".join(f"{b}:{threshold(b, env)}" for b in sorted(FEW_EXPERTS))

@@ -251,7 +251,7 @@ class Segments:
         waves = self.fused and not self.silent and not self.commit \
             and os.environ.get("CMOE_WAVE_GRAPHS", "1") != "0"
         few = threshold(B) if waves else 0                 # `few_experts`: where a launch is split
-        self.log.few_experts = describe() if waves else "off"   # what the run's metrics record
+        self.log.few_experts = describe() if waves else None    # what the run's metrics record
         with torch.cuda.stream(side), torch.no_grad():    # warm-up: compiles kernels, sizes buffers
             for _ in range(2):
                 self._program_eager()

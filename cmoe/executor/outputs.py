@@ -47,7 +47,7 @@ def metrics(log: RunLog, w: Workload, cfg: ExecConfig, policy: str, layout: Pool
         # the CPU experts' speed depends on their OpenMP settings and pages (`omp_wait`, `cmoe.core.hugepages`)
         "omp_wait_policy": in_force(), "cpu_pages": w.store.cpu_pages(),
         # the few-expert thresholds its graphs were captured under (`cmoe.executor.few_experts`; None:
-        # no graphs, so no launch could switch: the CPU, the reference engine)
+        # no launch could switch: the CPU, the reference engine, `upper`, `commit`, no wave graphs)
         "few_experts": log.few_experts,
         # first-request cost: warm-up and CUDA-graph capture on the first decode pass (lean, CUDA)
         "capture_ms": (getattr(log, "capture_us", None) or 0.0) / 1e3,

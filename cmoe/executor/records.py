@@ -44,7 +44,7 @@ class RunLog(RunRecord):
     late_events: int = 0                   # timing events made during the passes (`Clock.late`)
     host_program: bool = False             # its graphed decode passes ran the compiled host program
     few_experts: str | None = None         # the few-expert thresholds its graphs were captured under
-                                           # ("off" where no launch could switch; None: no capture)
+                                           # (None: no launch could switch, or no capture)
     clock_epoch: float = 0.0               # the wall clock (epoch s) at the timeline's zero (`Clock.epoch0`)
 
 
