@@ -1,7 +1,8 @@
 """Which kernel configuration a launch wave of n experts wants (issues 13 and 15).
 
-The expert kernel's configuration follows the batch's rows (`pick_config`; from 2026-12-07 a graphed
-launch of at most 3 experts at 5-8 rows runs the M <= 4 one, `cmoe.executor.few_experts`): from 5 rows on, `CONFIGS` run w13 on one warp a CTA and w2 on two, chosen for a layer whose 8
+The expert kernel's configuration follows the batch's rows (`pick_config`; from 2026-12-07 a
+graphed launch of at most 3 experts at 5-8 rows runs the M <= 4 one, `cmoe.executor.few_experts`):
+from 5 rows on, `CONFIGS` run w13 on one warp a CTA and w2 on two, chosen for a layer whose 8
 experts fill the machine. A loading policy's launch wave at batch 8 often holds 1-3 experts, and
 there the 4-warp configuration of M <= 4 is the faster one: on the H200 (thirteenth session,
 `results/lean-h200-13/call3-kernel_variants.json`) one expert at M = 8 took 38.5 us on it against

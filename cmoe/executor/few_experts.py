@@ -28,10 +28,10 @@ The simulator prices a launch by its expert count and rows, fitted over calibrat
 The switch brings the executor closer to that: in that session's validation, run with the switch
 off, a one-expert wave at batch 8 took 64.5 us against 51.4 predicted, and 48.3 on the twin.
 Calibrate and each run record the setting (`describe`); the profile's launch fit does not depend
-on it, as `upper`'s launches, which it is made of, never switch. CMOE_FEW_EXPERTS=on (or unset) takes `FEW_EXPERTS`' thresholds, CMOE_FEW_EXPERTS=n one
-threshold for every bucket that has one (1 is a threshold, not "on": a launch of one expert), and
-CMOE_FEW_EXPERTS=off or 0 turns it off. Only graphed decode passes switch (the twins); eager
-launches keep their bucket's configuration.
+on it, as `upper`'s launches, which it is made of, never switch. CMOE_FEW_EXPERTS=on (or unset)
+takes `FEW_EXPERTS`' thresholds, CMOE_FEW_EXPERTS=n one threshold for every bucket that has one (1
+is a threshold, not "on": a launch of one expert), and CMOE_FEW_EXPERTS=off or 0 turns it off.
+Only graphed decode passes switch (the twins); eager launches keep their bucket's configuration.
 """
 
 from __future__ import annotations
@@ -92,17 +92,6 @@ def describe(env: dict | None = None) -> str:
     if setting(env) == 0:
         return "off"
     return " ".join(f"{b}:{threshold(b, env)}" for b in sorted(FEW_EXPERTS))
-
-
-def parse(said: str | None) -> dict[int, int]:
-    """`describe`'s words back to {bucket: threshold}; unrecorded (None, "") reads as off, what every
-    run did before the switch was recorded (it was off unless asked for)."""
-    out: dict[int, int] = {}
-    for part in (said or "off").split():
-        if part != "off":
-            b, n = part.split(":")
-            out[int(b)] = int(n)
-    return out
 
 
 def twin(experts: int, limit: int) -> bool:
