@@ -246,7 +246,7 @@ case "${1:-}" in
               --tokens 32 --policies "${POLS:-upper,ondemand,lru-prefetch,commit,oracle}" --measure-only --spec "${SPEC:-mixtral-8x7b}" \
               --calibrate-on "${CAL:-both}" --commit "${COMMIT:-unknown}" 2>&1 | tee "$OUT/validate.log" | grep -v "^  " || true
             (cd /tmp/v && tar czf "$OUT/head.tgz" results.json profile*.json $(ls host-load.json 2>/dev/null) \
-              && for b in 1 2 4 8; do ls -d pool*-b$b >/dev/null 2>&1 && tar czf "$OUT/meas-b$b.tgz" pool*-b$b; done; true); terms ;;
+              && for b in $(echo "${BATCHES:-1,2,4,8}" | tr , " "); do ls -d pool*-b$b >/dev/null 2>&1 && tar czf "$OUT/meas-b$b.tgz" pool*-b$b; done; true); terms ;;
   cpu-program) timeout 150 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider \
                  -k "host_program_runs_as_the_python_step or (replay_equals_eager and mixtral)" > "$OUT/tests.log" 2>&1 || true
                tail -15 "$OUT/tests.log"
@@ -311,7 +311,7 @@ case "${1:-}" in
                 --tokens 32 --policies "${POLS:-upper,ondemand,lru-prefetch,commit,oracle}" --measure-only --repeat --spec "${SPEC:-mixtral-8x7b}" \
                 --calibrate-on "${CAL:-both}" --commit "${COMMIT:-unknown}" 2>&1 | tee "$OUT/validate.log" | grep -v "^  " || true
               (cd /tmp/v && tar czf "$OUT/head.tgz" results.json profile*.json $(ls host-load.json 2>/dev/null) \
-                && for b in 1 2 4 8; do ls -d pool*-b$b >/dev/null 2>&1 && tar czf "$OUT/meas-b$b.tgz" pool*-b$b; done; true); terms ;;
+                && for b in $(echo "${2}" | tr , " "); do ls -d pool*-b$b >/dev/null 2>&1 && tar czf "$OUT/meas-b$b.tgz" pool*-b$b; done; true); terms ;;
   host-ab) [ -f .before/benchmarks/lean_h200.py ] || { echo "host-ab: no .before/ tree (carry it with the call)" >&2; exit 2; }
            mkdir -p "$OUT/host-ab"
            for i in 1 2; do for t in before after; do
