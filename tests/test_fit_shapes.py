@@ -46,6 +46,28 @@ def test_the_fit_recovers_a_hinge_and_a_falling_host_cost():
     assert HardwareProfile.from_dict(p.to_dict()) == p
 
 
+def test_running_in_the_model_adds_an_excess_not_a_factor():
+    """The per-expert loop's experts: the isolated curve plus the in-model excess measured at each
+    batch (rows on the dense path), read between them by rows and held past the last. Before, one
+    factor from one row scaled every row (here 1.4x: 8 rows at 980 us where the model took 760)."""
+    m = _synthetic(H200)
+    iso = {1: 100.0, 2: 190.0, 4: 360.0, 8: 700.0, 16: 1380.0}
+    m["expert"]["points"] = [(t, us / 1e6) for t, us in iso.items()]
+    m["layer"]["expert_in_model_s"] = 140e-6
+    m["layer"]["expert_points"] = [(1, 140e-6), (8, 760e-6)]             # +40 us at one row, +60 at 8
+    m["dense_rows"], m["silent_upper"] = 16, False
+    p = fit_profile("excess", m, H200.gpu_mem_bytes, "test", "2026-12-07")
+    got = dict(p.expert_rows_us)
+    assert got == pytest.approx({1: 140.0, 2: 190.0 + 40 + 20 / 7, 4: 360.0 + 40 + 60 / 7, 8: 760.0, 16: 1440.0})
+    # batches past the dense path do not say what an expert of that many rows took: one row's alone
+    m["dense_rows"] = 0
+    got = dict(fit_profile("excess", m, H200.gpu_mem_bytes, "test", "2026-12-07").expert_rows_us)
+    assert got == pytest.approx({t: us + 40.0 for t, us in iso.items()})
+    # the lean engine's fused launch has no per-expert table at all
+    m["silent_upper"] = True
+    assert fit_profile("excess", m, H200.gpu_mem_bytes, "test", "2026-12-07").expert_rows_us == ()
+
+
 def test_tables_are_validated_where_a_profile_is_made():
     with pytest.raises(Exception, match="host_expert_points"):
         replace(H200, host_expert_points=((4, 1.0), (1, 2.0)))          # rows not ascending

@@ -1,0 +1,70 @@
+"""Two fits of one calibration, judged against the same measured runs: for each folder `cmoe run`
+wrote on the embedded default (any batch), the profile it used (`profile.json`, fitted by the tree
+that ran) and a refit of its own measurements by this tree (`profile.measurements.json`), each
+simulated over exactly what was executed and validated against the folder's `measured/` runs.
+Nothing is run again, so the two columns differ by the fit alone, not by the host's noise.
+
+    python benchmarks/refit_ab.py RUN [RUN ...] [--out ab.json]
+
+Prints, per folder, each policy's error end to end under both profiles (predicted over measured
+tokens/s, minus one) and the mean and largest absolute error of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+
+def _errors(w, cfg, prof, run: Path, scratch: Path) -> dict[str, float]:
+    from cmoe.analysis.validate import validate_folders
+    from cmoe.pipeline import predict
+    predict(w, cfg, prof, scratch)
+    return {v["policy"]: v["tokens_per_s"]["error"] for v in validate_folders(scratch, run / "measured", list(cfg.policies))}
+
+
+def one(run: Path, scratch: Path) -> dict:
+    from cmoe.calibrate.profile_fit import refit_profile
+    from cmoe.core.hw import load_profile
+    from cmoe.data import default_model
+    from cmoe.executor.run import ExecConfig, prepare
+    meta = json.loads((run / "measured" / "metrics.json").read_text())
+    pols = tuple(r["policy"] for r in meta)
+    first = meta[0]
+    cfg = ExecConfig(policies=pols, pool_gb=float(first["pool_gb"]), batch=int(first["batch"]),
+                     tokens=int(first["decode_passes"]), device="cpu", quant=None, slots=4, progress=False)
+    w, cfg = prepare(spec_name=None, model_dir=default_model(), trace_src="embedded", data=None, cfg=cfg)
+    refit, _ = refit_profile(run / "profile.measurements.json")
+    cols = {"stored fit": _errors(w, cfg, load_profile(str(run / "profile.json")), run, scratch / "a"),
+            "this tree's refit": _errors(w, cfg, refit, run, scratch / "b")}
+    return {"run": str(run), "batch": cfg.batch, "errors": cols}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", type=Path)
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    for r in a.runs:
+        if not (r / "profile.measurements.json").is_file() or not (r / "measured" / "metrics.json").is_file():
+            sys.exit(f"{r} is not a folder `cmoe run` wrote with its own calibration (profile.measurements.json, "
+                     "measured/): run `cmoe run --device cpu --out FOLDER` without --profile")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, r in enumerate(a.runs):
+            rows.append(one(r, Path(tmp) / str(i)))
+    for row in rows:
+        print(f"{row['run']} (batch {row['batch']})")
+        for name, errs in row["errors"].items():
+            ab = [abs(e) for e in errs.values()]
+            print(f"  {name:<18} mean {sum(ab) / len(ab) * 100:5.1f}%  largest {max(ab) * 100:5.1f}%  "
+                  + " ".join(f"{p} {e * 100:+.1f}" for p, e in errs.items()))
+    if a.out:
+        a.out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
