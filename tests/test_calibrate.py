@@ -597,6 +597,10 @@ def test_the_lean_engines_gpu_side_steps_run_on_the_cpu(checkpoints, monkeypatch
     assert len(out["commit_waves"]) > 0 and all(len(w) == 4 for w in out["commit_waves"])
     assert lay["points"] == [pt for pt in lay["points"] if pt[1] > 0] and len(lay["points"]) == 2   # batches 1, 8
     assert set(out["seconds"]) >= {"batch 1", "batch 8", "long context"}
+    # the long prompt's layer: the median of its runs, which are shown with their spread, not judged
+    (keys, longs), = out["repeats"]["layer, long context"]["points"]
+    assert len(longs) == mm.CONTEXT_RUNS == 3 and out["repeats"]["layer, long context"]["judged"] is False
+    assert lay["context_points"][1][0] == keys and lay["context_points"][1][1] == pytest.approx(sorted(longs)[1])
 
 
 
