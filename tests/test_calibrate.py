@@ -126,6 +126,11 @@ def test_fitting_recovers_the_parameters_it_was_made_from():
     assert (own.copy_compute_slowdown, own.copy_attention_slowdown) == (known.copy_compute_slowdown, 0.0)
     table = beside(got, _synthetic(known))
     assert "layer (non-expert), 8 tok" in table
+    # the context rows show their runs' spread, kept under another name in the repeats
+    m = _synthetic(known) | {"repeats": {"layer, context": {"unit": "keys", "grows": False, "judged": False,
+                                                           "points": [[32, [1e-4, 1.1e-4, 1.2e-4]]]}}}
+    row, = [r.split() for r in beside(got, m).splitlines() if r.startswith("layer, 32 keys")]
+    assert row[-1] == "9.1%"                               # relative IQR: (115 - 105) / 110
 
 
 def test_a_launches_extra_beside_a_load_fits_a_fixed_part_and_a_factor():
@@ -597,10 +602,12 @@ def test_the_lean_engines_gpu_side_steps_run_on_the_cpu(checkpoints, monkeypatch
     assert len(out["commit_waves"]) > 0 and all(len(w) == 4 for w in out["commit_waves"])
     assert lay["points"] == [pt for pt in lay["points"] if pt[1] > 0] and len(lay["points"]) == 2   # batches 1, 8
     assert set(out["seconds"]) >= {"batch 1", "batch 8", "long context"}
-    # the long prompt's layer: the median of its runs, which are shown with their spread, not judged
-    (keys, longs), = out["repeats"]["layer, long context"]["points"]
-    assert len(longs) == mm.CONTEXT_RUNS == 3 and out["repeats"]["layer, long context"]["judged"] is False
-    assert lay["context_points"][1][0] == keys and lay["context_points"][1][1] == pytest.approx(sorted(longs)[1])
+    # a short and a long prompt's layer, each the median of its runs (taking turns on a CPU), which
+    # are shown with their spread, not judged
+    ctx = out["repeats"]["layer, context"]
+    assert ctx["judged"] is False and [len(v) for _, v in ctx["points"]] == [mm.CONTEXT_RUNS] * 2 == [3, 3]
+    assert lay["context_points"] == [(k, pytest.approx(sorted(v)[1])) for k, v in ctx["points"]]
+    assert [k for k, _ in ctx["points"]] == [20.5, mm.LONG_PROMPT // 8 + 4.5]
 
 
 

@@ -63,6 +63,11 @@ def test_running_in_the_model_adds_an_excess_not_a_factor():
     m["dense_rows"] = 0
     got = dict(fit_profile("excess", m, H200.gpu_mem_bytes, "test", "2026-12-07").expert_rows_us)
     assert got == pytest.approx({t: us + 40.0 for t, us in iso.items()})
+    # an excess below zero (the model's run faster than the isolated loop's) is kept, never below half
+    m["dense_rows"], m["expert"]["points"] = 16, [(1, 100e-6), (2, 110e-6), (4, 120e-6), (8, 700e-6)]
+    m["layer"]["expert_points"] = [(1, 90e-6), (8, 300e-6), (4, 0.0)]         # a zero is no measurement
+    got = dict(fit_profile("excess", m, H200.gpu_mem_bytes, "test", "2026-12-07").expert_rows_us)
+    assert got == pytest.approx({1: 90.0, 2: 55.0, 4: 60.0, 8: 350.0})    # 2 rows: 110 - 10 - 390 / 7 < 55
     # the lean engine's fused launch has no per-expert table at all
     m["silent_upper"] = True
     assert fit_profile("excess", m, H200.gpu_mem_bytes, "test", "2026-12-07").expert_rows_us == ()

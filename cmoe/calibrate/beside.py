@@ -7,7 +7,7 @@ import numpy as np
 
 from cmoe.calibrate.cpu_fit import cpu_rows
 from cmoe.calibrate.link_fit import best_per_size
-from cmoe.calibrate.noise import size_label
+from cmoe.calibrate.noise import point_label, size_label
 from cmoe.calibrate.profile_fit import noise_of
 from cmoe.calibrate.wake import pass_start_means
 from cmoe.core.hw import GB, HardwareProfile
@@ -15,13 +15,14 @@ from cmoe.core.hw import GB, HardwareProfile
 
 def beside(p: HardwareProfile, m: dict) -> str:
     """Each measurement next to what the fitted profile predicts for it, and the spread of its
-    repeats ((max - min) / median; '-' where it was measured once or is a mean over a run)."""
+    repeats (relative IQR, `noise.spread`; '-' where it was measured once or is a mean over a run)."""
     spreads = dict(noise_of(m).spreads)
     rows = [f"{'what':<28} {'measured':>12} {'fitted':>12} {'spread':>7}"]
 
-    def row(label: str, seconds: float, fitted_us: float | None) -> None:
+    def row(label: str, seconds: float, fitted_us: float | None, key: str | None = None) -> None:
         fit = f"{fitted_us:10.1f}us" if fitted_us is not None else f"{'-':>12}"
-        sp = f"{spreads[label] * 100:6.1f}%" if label in spreads else f"{'-':>7}"
+        key = key or label                                  # the repeats' name for it, where it differs
+        sp = f"{spreads[key] * 100:6.1f}%" if key in spreads else f"{'-':>7}"
         rows.append(f"{label:<28} {seconds * 1e6:10.1f}us {fit} {sp}")
     for kind, pts, fn in (("H2D pinned", m["h2d"], p.h2d_us), ("D2H pinned", m["d2h"], p.d2h_us)):
         for b, s in best_per_size(pts):
@@ -47,7 +48,8 @@ def beside(p: HardwareProfile, m: dict) -> str:
     per_key = p.attn_us_per_ctx_token + p.attn_us_per_cache_key
     caches = m["layer"].get("context_caches") or [0, 0]
     for (keys, sec), c in zip(m["layer"].get("context_points") or [], caches):
-        row(f"layer, {round(keys)} keys", sec, p.layer_us(1, rb) + per_key * keys + p.attn_split_us(c))
+        row(f"layer, {round(keys)} keys", sec, p.layer_us(1, rb) + per_key * keys + p.attn_split_us(c),
+            point_label("layer, context", "keys", keys))
     if sp := m["layer"].get("split_point"):
         row(f"layer, {round(sp[0])} keys of {sp[2]}", sp[1], p.layer_us(1, rb) + per_key * sp[0] + p.attn_split_us(sp[2]))
     h, py, q = m["layer"].get("host"), m["layer"].get("host_python"), p.python_step()

@@ -6,7 +6,8 @@ sides are the same run. Means, not best-of: throughput pays for the slow passes 
 layer time of each eager run is kept under `repeats` ("host, layer"), so that the noise verdict
 (`cmoe.calibrate.noise.noise`) sees how far runs of the same model disagree, and so is an expert
 kernel's mean time at batch 1 and 8 (it may not fall with rows); the runs' route and per-expert
-host times are kept there too, shown with their spread but not judged.
+host times are kept there too, shown with their spread but not judged, and so are the layer's
+runs at a short and a long prompt ("layer, context": their medians price attention per key).
 
 The host's side is measured in rounds (`cmoe.calibrate.host_runs`) over every batch size, not all at once per
 batch: a lent machine's host speed moves within seconds (on the H200's host the ninth session saw
@@ -34,7 +35,7 @@ from cmoe.calibrate.spans import _mean, _pass_overhead, _per_layer, queued_perio
 
 
 LONG_PROMPT = 2048    # the context of the long run that prices attention per key (a CPU uses an eighth)
-CONTEXT_RUNS = 3      # runs of that long prompt; their median prices it
+CONTEXT_RUNS = 3      # runs of that long prompt (and on a CPU of a short one); their medians price it
 LEAD_US = 5000.0      # GPU sleep queued before each layer's experts in the GPU-time run: longer than
                       # the host takes to issue a layer's experts and the next layer's attention
 
@@ -258,7 +259,8 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
 
 def _context_points(r: _ModelRuns) -> list:
     """Attention against context: the GPU-time run again, one request with a long prompt. Returns
-    [(mean keys per decode token, seconds per layer)] of the batch-1 runs and of this one. With
+    [(mean keys per decode token, seconds per layer)] of a short prompt and of the long one, each the
+    median of CONTEXT_RUNS runs (on CUDA the short point is batch 1's queued run). With
     `r.split_point` (CUDA, an attention that splits) also the short prompt in a cache as long as
     the long run's (`r.one["split_point"]`: [keys, seconds, cache slots], with the other two runs'
     caches in `r.one["context_caches"]`): the lean attention cuts a head's keys into runs sized by
@@ -269,14 +271,23 @@ def _context_points(r: _ModelRuns) -> list:
     lw = r.on(SyntheticParams(requests=1, prompt_len=prompt, decode_len=8 + 4, seed=3))
     lc = ExecConfig(policies=("upper",), pool_gb=1e3, batch=1, tokens=8, device=r.device.type,
                     lead_us=LEAD_US if r.cuda else 0.0)
+    # a CPU times the short prompt too, in the long one's configuration, the two runs taking turns
+    # (the host's speed drifts); CUDA keeps batch 1's queued run as the short point
+    sh = None if r.cuda else r.on(SyntheticParams(requests=1, prompt_len=16, decode_len=8 + 4, seed=3))
     t0 = time.perf_counter()
-    run_policy(lw, lc, "upper")
+    for x in (lw, sh) if sh is not None else (lw,):
+        run_policy(x, lc, "upper")
     r.seconds["long context, first run"] = time.perf_counter() - t0
-    # the median of CONTEXT_RUNS: one run decided the slope before, and on a 2-core CPU a slow
-    # one (524 against 380-387 us a layer) made batch 3's layers 48% slower than measured
-    longs = [_per_layer(run_policy(lw, lc, "upper").log, ("attention",), r.first)[0] for _ in range(CONTEXT_RUNS)]
-    ne_long = float(np.median(longs))
-    r.one["context_runs"] = [[prompt + 4.5, [x / r.L / 1e6 for x in longs]]]
+    # the medians of CONTEXT_RUNS: one run decided the slope before, and on a 2-core CPU a slow one
+    # (524 against 380-387 us a layer) made batch 3's layers 48% slower than measured
+    runs: dict[float, list] = {}
+    for _ in range(CONTEXT_RUNS):
+        for keys, x in ((prompt + 4.5, lw), (16 + 4.5, sh)) if sh is not None else ((prompt + 4.5, lw),):
+            runs.setdefault(keys, []).append(_per_layer(run_policy(x, lc, "upper").log, ("attention",), r.first)[0]
+                                             / r.L / 1e6)
+    r.one["context_runs"] = [[k, v] for k, v in sorted(runs.items())]
+    short = (16 + 4.5, float(np.median(runs[16 + 4.5]))) if sh is not None else \
+        (16 + (r.tokens + 1) / 2, r.gpu["points"][0][1])
     if r.split_point:
         sw = r.on(SyntheticParams(requests=1, prompt_len=16, decode_len=prompt - 16 + 8 + 4, seed=3))
         run_policy(sw, lc, "upper")
@@ -284,7 +295,7 @@ def _context_points(r: _ModelRuns) -> list:
         r.one["split_point"] = [16 + 4.5, ne_split / r.L / 1e6, max_len(sw, lc)]
         w1, c1 = r.host_work[1]
         r.one["context_caches"] = [max_len(w1, c1), max_len(lw, lc)]
-    return [(16 + (r.tokens + 1) / 2, r.gpu["points"][0][1]), (prompt + 4.5, ne_long / r.L / 1e6)]  # mean keys per decode token
+    return [short, (prompt + 4.5, float(np.median(runs[prompt + 4.5])))]  # mean keys per decode token
 
 
 def _result(r: _ModelRuns, ctx: list) -> dict:
@@ -325,7 +336,7 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
                        "host, pass start": {"unit": "tokens", "grows": False, "judged": False, "points": starts},
                        "host, LM head": {"unit": "tokens", "grows": False, "judged": False,
                                          "points": [[b, [x["head"] for x in v]] for b, v in sorted(r.host_runs.items())]},
-                       "layer, long context": {"unit": "tokens", "grows": False, "judged": False,
+                       "layer, context": {"unit": "keys", "grows": False, "judged": False,
                                                "points": r.one.get("context_runs", [])},
                        # one mean per batch: no spread, but 8 rows may not take less than 1
                        "expert in model": {"unit": "tokens", "grows": True,

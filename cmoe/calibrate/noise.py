@@ -32,12 +32,13 @@ def spread(seconds: list[float]) -> float:
 
 
 def _at(unit: str | None, x) -> str:
-    return size_label(int(x)) if unit == "bytes" else f"{x} tokens" if unit == "tokens" else ""
+    return size_label(int(x)) if unit == "bytes" else f"{x} tokens" if unit == "tokens" else \
+        f"{x:g} keys" if unit == "keys" else ""
 
 
 def point_label(what: str, unit: str | None, x) -> str:
     """A point's name, as the measured-vs-fitted table spells its row."""
-    return f"{what} {_at(unit, x)}" if unit == "bytes" else f"{what}, {_at(unit, x)}" if unit == "tokens" else what
+    return f"{what} {_at(unit, x)}" if unit == "bytes" else f"{what}, {_at(unit, x)}" if unit in ("tokens", "keys") else what
 
 
 @dataclass(frozen=True)

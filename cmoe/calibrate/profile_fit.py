@@ -16,11 +16,14 @@ Measurements (all times in seconds):
   `expert_classes`: the same for the executor's other weight width (int4 or bf16), whose
   bandwidth comes from the isolated loop's intercept;
 - `layer`: {"resident_bytes", "points": [(tokens, seconds)], "pass_start_s", "head_s",
-  "expert_in_model_s"}: from the executor's own timeline, the non-expert time of one decoder layer
+  "expert_in_model_s", "expert_points": [(batch, seconds)], "context_points": [(keys, seconds)]}:
+  from the executor's own timeline, the non-expert time of one decoder layer
   per pass (attention + route spans, the pass's start-up taken out), fitted as a line with the
   profile's weight-read term taken out of the intercept; the pass's start-up (layer 0's excess
   over the others) and LM head; and an expert kernel's time inside the running model at one
-  token, which replaces the isolated loop's intercept (a layer's experts do not run back to back);
+  token, which replaces the isolated loop's intercept (a layer's experts do not run back to back),
+  and at each batch, which gives the per-expert loop's table its excess (`_expert_rows_table`);
+  the layer at a short and a long prompt (medians of runs), which prices attention per key;
   and what predicting adds per MoE layer (`predict_layer_s`: a commit run's non-expert host time
   over upper's, all experts resident: the next layer's router, the larger read-back, OWA), charged
   to every policy that predicts; on CUDA these GPU-side times come from a run in which the GPU was
@@ -260,11 +263,12 @@ def _expert_rows_table(m: dict, key: str) -> dict:
     if len(iso) < 2 or m.get("silent_upper"):
         return {}
     lay, dense = m["layer"], int(m.get("dense_rows", 0))
-    inm = sorted((int(t), s) for t, s in lay.get("expert_points") or () if t == 1 or t <= dense)
-    if not inm and lay.get("expert_in_model_s"):
+    inm = sorted((int(t), s) for t, s in lay.get("expert_points") or () if (t == 1 or t <= dense) and s > 0)
+    if not inm and (lay.get("expert_in_model_s") or 0) > 0:
         inm = [(1, lay["expert_in_model_s"])]
     extra = tuple((t, s - table_us(iso, t)) for t, s in inm)
-    return {"expert_rows_us": tuple((int(t), (s + held(extra, t, 0.0)) * 1e6) for t, s in iso),
+    # an excess may be negative (the model's run faster than the isolated loop's); never below half
+    return {"expert_rows_us": tuple((int(t), max(s + held(extra, t, 0.0), s / 2) * 1e6) for t, s in iso),
             "expert_rows_bytes": int(ex["bytes"]), "expert_rows_class": key}
 
 
