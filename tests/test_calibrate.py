@@ -399,6 +399,42 @@ def test_per_layer_sums_a_step_and_is_zero_where_the_engine_has_none():
     assert _per_layer(log, ("host_predict",), None) == (0.0, 0.0)
 
 
+def test_a_cpus_loads_in_the_model_price_its_link():
+    """On a CPU each load is the host's synchronous copy of an expert the caches no longer hold:
+    calibrate's ondemand decode loads (the prefill's and empty ones left out) give their mean, and
+    the profile's whole H2D curve moves so that a load of that size takes it; a GPU's profile, and a
+    CPU's with loads of two sizes, keep the curve."""
+    from types import SimpleNamespace
+
+    from cmoe.calibrate.spans import load_copies
+    from cmoe.core.timeline import Span
+    b = 52_224
+    spans = [Span("cpu", 0, 0, "copy0", "load", 1, 0.0, 40.0, b),           # prefill: left out
+             Span("cpu", 1, 0, "copy0", "load", 1, 100.0, 112.0, b),
+             Span("cpu", 1, 1, "copy0", "load", 2, 200.0, 215.0, b),
+             Span("cpu", 2, 0, "copy0", "load", 3, 300.0, 310.0, b),
+             Span("cpu", 2, 0, "copy0", "load", 4, 320.0, 320.0, 0),        # nothing moved: left out
+             Span("cpu", 2, 0, "compute", "expert", 3, 310.0, 400.0, 0)]
+    log = SimpleNamespace(spans=spans, pass_us=[(0, False, 0.0, 0.0), (1, True, 0.0, 0.0), (2, True, 0.0, 0.0)])
+    got = load_copies(log)
+    assert got == [b, pytest.approx(37.0 / 3 / 1e6), 3]
+    mixed = spans[:3] + [Span("cpu", 2, 0, "copy0", "load", 3, 300.0, 310.0, 2 * b)]
+    assert load_copies(SimpleNamespace(spans=mixed, pass_us=log.pass_us)) is None
+    known = replace(H200, h2d_pinned=_link(18.0, 55.0), d2h_pinned=_link(22.0, 54.0))
+    m = _synthetic(known)
+    plain = fit_profile("fit", m, known.gpu_mem_bytes, "cpu", "2026-12-07")
+    m["layer"]["load_copy"] = got
+    cpu = fit_profile("fit", m, known.gpu_mem_bytes, "cpu", "2026-12-07")
+    gpu = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-07")
+    assert cpu.h2d_us(b) == pytest.approx(37.0 / 3) and cpu.h2d_queued(b) == pytest.approx(37.0 / 3)
+    k = plain.h2d_us(b) / (37.0 / 3)
+    assert [g for _, g in cpu.h2d_pinned] == pytest.approx([g * k for _, g in plain.h2d_pinned])
+    assert f"x{k:.4f}: as fast as ondemand's expert loads ran in the model" in cpu.sources["h2d_pinned"]
+    assert gpu.h2d_pinned == plain.h2d_pinned and "in the model" not in gpu.sources["h2d_pinned"]
+    row = next(r for r in beside(cpu, m).splitlines() if r.startswith("load in the model 51 KiB"))
+    assert row.split()[6:8] == [f"{37.0 / 3:.1f}us"] * 2                    # measured, fitted
+
+
 def test_queued_loads_give_the_copy_cost_without_start_up():
     """Calibrate's ondemand run: loads that start within 3 us of the last one's end were queued
     behind it; each costs (its end - the last one's end), here 66.4 us for 3,342,336 bytes; a load

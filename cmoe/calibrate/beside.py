@@ -33,6 +33,8 @@ def beside(p: HardwareProfile, m: dict) -> str:
                 row(f"{kind} {size_label(b)}, round {i}", s, fn(b))
             if q and q[1] > 0:                     # calibrate's own expert loads, back to back (`queued_fit`)
                 row(f"H2D queued load {size_label(q[0])}", q[1], p.h2d_queued(q[0]))
+            if (c := m["layer"].get("load_copy")) and c[1] > 0:   # a CPU's loads in the model (`copied_fit`)
+                row(f"load in the model {size_label(c[0])}", c[1], p.h2d_queued(c[0]))
     for kind, key in (("H2D pageable", "h2d_pageable_points"), ("D2H pageable", "d2h_pageable_points")):
         for b, s in best_per_size(m.get(key) or []):
             row(f"{kind} {size_label(b)}", s, p.h2d_us(b, pinned=False) if kind.startswith("H2D") else None)

@@ -31,7 +31,7 @@ from cmoe.calibrate.commit_steps import (commit_gpu_s, copy_slowdowns, launch_co
                                           readback_copy_s, start_copy_s, start_excess_s)
 from cmoe.calibrate.log_points import _load_cost, _wave_points, cpu_in_model, cpu_runs
 from cmoe.core.spec import ModelSpec
-from cmoe.calibrate.spans import _mean, _pass_overhead, _per_layer, queued_period
+from cmoe.calibrate.spans import _mean, _pass_overhead, _per_layer, load_copies, queued_period
 
 
 LONG_PROMPT = 2048    # the context of the long run that prices attention per key (a CPU uses an eighth)
@@ -255,6 +255,8 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
     od = run_policy(w, replace(cfg, policies=("ondemand",), slots=spec.top_k, tokens=min(r.tokens, 8)),
                     "ondemand")
     one["host_load"], one["load_queue"] = _load_cost(od.log, h_route, r.cuda), queued_period(od.log) if r.cuda else None
+    if not r.cuda:                # on a CPU a load is the host's own copy between other work (`copied_fit`)
+        one["load_copy"] = load_copies(od.log)
 
 
 def _context_points(r: _ModelRuns) -> list:
@@ -315,7 +317,7 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
                      "pass_start_s": one["gpu_start"], "expert_in_model_s": gpu["expert"][0][1],
                      "expert_points": gpu["expert"], "predict_layer_s": one["predict"],
                      "commit_route_s": one["commit_route"], "context_points": ctx,
-                     **{k: one[k] for k in ("split_point", "context_caches", "load_queue", "copy_slow") if one.get(k)},
+                     **{k: one[k] for k in ("split_point", "context_caches", "load_queue", "load_copy", "copy_slow") if one.get(k)},
                      **({"launch_copy_points": gpu["launch_copy"]} if gpu["launch_copy"] else {}),
                      "readback_gpu_s": max(float(np.median([x for _, x in gpu["readback"]])), 0.0) if gpu["readback"] else 0.0,
                      "predict_gpu_s": max(one.get("predict_gpu", 0.0), 0.0), "commit_gpu_s": one.get("commit_gpu", 0.0),

@@ -92,7 +92,7 @@ import numpy as np
 from cmoe.calibrate.noise import (FALL_SLACK, JITTER_S, SPREAD_LIMIT, Noise, noise, point_label, run_verdict,
                                   size_label, spread, verdict)
 from cmoe.core.errors import CmoeError
-from cmoe.calibrate.link_fit import LINE_FROM, Points, best_per_size, curve, fit_line, queued_fit
+from cmoe.calibrate.link_fit import LINE_FROM, Points, best_per_size, copied_fit, curve, fit_line, queued_fit
 from cmoe.core.hw import GB, HardwareProfile, table_us
 from cmoe.core.hw_math import held
 from cmoe.core.hugepages import pages_word
@@ -133,6 +133,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     # the lean kernel's rows run side by side: its per-key cost is per key of the longest row
     per_key_field = "attn_us_per_cache_key" if m.get("attention_walks_cache") else "attn_us_per_ctx_token"
     h2d, queued, link_k = queued_fit(m["layer"].get("load_queue"), curve(m["h2d"], m.get("h2d_rounds")))
+    h2d, copy_k = copied_fit(m["layer"].get("load_copy") if device.lower() == "cpu" else None, h2d)
     slows, slow_src = _copy_terms(m, src)
     return HardwareProfile(
         name=name, gpu_mem_bytes=gpu_mem_bytes, h2d_pinned=h2d,
@@ -156,6 +157,8 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         | slow_src
         | {k: src + " (ondemand's loads queued back to back, over the curve's last rate)" for k in queued}
         | ({"h2d_pinned": src + f" (from {size_label(LINE_FROM)} up x{link_k:.4f}: as fast as ondemand's queued expert loads ran)"} if link_k != 1 else {})
+        | ({"h2d_pinned": src + f" (x{copy_k:.4f}: as fast as ondemand's expert loads ran in the model)"}
+           if copy_k != 1 else {})
         | {k: src + " (a short prompt in a cache as long as the long run's, beside the two context points)"
            for k in split}
         | {k: src + " (upper's fused launches in the model: time = wave_us + experts' bytes at wave_gbps + "

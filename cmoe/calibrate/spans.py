@@ -163,3 +163,14 @@ def queued_period(log) -> list | None:
     if not per or len({b for b, _ in per}) != 1:
         return None
     return [int(per[0][0]), float(np.mean([p for _, p in per])) / 1e6, len(per)]
+
+
+def load_copies(log) -> list | None:
+    """The executor's loads on a CPU, where each is a synchronous copy on the host: [bytes, mean
+    seconds a load, count] over an `ondemand` run's decode passes; None without any or with loads of
+    more than one size. Means, not medians: throughput pays for the slow copies too."""
+    dec = decode_passes(log)
+    loads = [(s[BYTES], s[END] - s[START]) for s in log.spans if s[STEP] in dec and s[OP] == "load" and s[BYTES] > 0]
+    if not loads or len({b for b, _ in loads}) != 1:
+        return None
+    return [int(loads[0][0]), float(np.mean([t for _, t in loads])) / 1e6, len(loads)]
