@@ -4,10 +4,12 @@ that ran) and a refit of its own measurements by this tree (`profile.measurement
 simulated over exactly what was executed and validated against the folder's `measured/` runs.
 Nothing is run again, so the two columns differ by the fit alone, not by the host's noise.
 
-    python benchmarks/refit_ab.py RUN [RUN ...] [--out ab.json]
+    python benchmarks/refit_ab.py RUN [RUN ...] [--drop KEY] [--out ab.json]
 
 Prints, per folder, each policy's error end to end under both profiles (predicted over measured
-tokens/s, minus one) and the mean and largest absolute error of each.
+tokens/s, minus one) and the mean and largest absolute error of each. `--drop KEY` adds a third:
+the refit with the measurements' `layer` entry KEY left out (`load_copy`: the CPU's link from its
+copy curve, as before 8f9ca28), so one measured term's worth is read over the same runs.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ def _errors(w, cfg, prof, run: Path, scratch: Path) -> dict[str, float]:
     return {v["policy"]: v["tokens_per_s"]["error"] for v in validate_folders(scratch, run / "measured", list(cfg.policies))}
 
 
-def one(run: Path, scratch: Path) -> dict:
-    from cmoe.calibrate.profile_fit import refit_profile
+def one(run: Path, scratch: Path, drop: str | None = None) -> dict:
+    from cmoe.calibrate.profile_fit import fit_profile, refit_profile, with_expert_classes
+    from cmoe.core.hw import H200
     from cmoe.core.hw import load_profile
     from cmoe.data import default_model
     from cmoe.executor.run import ExecConfig, prepare
@@ -40,6 +43,14 @@ def one(run: Path, scratch: Path) -> dict:
     refit, _ = refit_profile(run / "profile.measurements.json")
     cols = {"stored fit": _errors(w, cfg, load_profile(str(run / "profile.json")), run, scratch / "a"),
             "this tree's refit": _errors(w, cfg, refit, run, scratch / "b")}
+    if drop:
+        m = json.loads((run / "profile.measurements.json").read_text())
+        if drop not in m["layer"]:
+            sys.exit(f"{run}'s measurements hold no layer entry {drop!r}: nothing to leave out")
+        m["layer"].pop(drop)
+        d = m["device"]
+        prof = with_expert_classes(fit_profile(d["label"], m, d["memory_bytes"], d["label"], d["date"]), H200)
+        cols[f"refit without {drop}"] = _errors(w, cfg, prof, run, scratch / "c")
     return {"run": str(run), "batch": cfg.batch, "errors": cols}
 
 
@@ -47,6 +58,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--drop", default=None, help="also refit without this entry of the measurements' layer")
     a = ap.parse_args()
     for r in a.runs:
         if not (r / "profile.measurements.json").is_file() or not (r / "measured" / "metrics.json").is_file():
@@ -55,12 +67,12 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, r in enumerate(a.runs):
-            rows.append(one(r, Path(tmp) / str(i)))
+            rows.append(one(r, Path(tmp) / str(i), a.drop))
     for row in rows:
         print(f"{row['run']} (batch {row['batch']})")
         for name, errs in row["errors"].items():
             ab = [abs(e) for e in errs.values()]
-            print(f"  {name:<18} mean {sum(ab) / len(ab) * 100:5.1f}%  largest {max(ab) * 100:5.1f}%  "
+            print(f"  {name:<24} mean {sum(ab) / len(ab) * 100:5.1f}%  largest {max(ab) * 100:5.1f}%  "
                   + " ".join(f"{p} {e * 100:+.1f}" for p, e in errs.items()))
     if a.out:
         a.out.write_text(json.dumps(rows, indent=1))

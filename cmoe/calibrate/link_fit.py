@@ -107,10 +107,11 @@ def copied_fit(load_copy, h2d: tuple) -> tuple[tuple, float]:
     and `measure.copies` times the same two buffers back to back. On the forty-fourth session's AMD
     EPYC (2 cores) the embedded model's 52,224-byte loads took 12.4-12.9 us a load (mean) in
     calibrate's `ondemand`, against 4.2 us on the curve, and every `cmoe run`'s summary said its
-    loads moved at 0.25-0.36x the calibrated link and blamed the machine's noise. Timed alone, a
-    52,224-byte `copy_` took 2.6-3.6 us back to back, 5.7-6.2 from a new place in a 64 MiB buffer
-    each time, and 15.3-15.5 after 2 ms of other host work (one thread or two): what the copy
-    follows, not only where its bytes lie, sets its time. Loads issued ahead of their layer (`oracle`,
+    loads moved at 0.25-0.36x the calibrated link and blamed the machine's noise. Timed alone
+    (`benchmarks/cpu_copy_after_work.py`, one thread or two, medians), a 52,224-byte `copy_` took
+    2.4-3.2 us right after the same copy, 6.7-6.8 from a new place in a 64 MiB buffer, and 21-27
+    after 2 ms of the host spinning in Python: what the copy follows, not only where its bytes
+    lie, sets its time. Loads issued ahead of their layer (`oracle`,
     `commit`, `adaptive`) took 17-21 us in those runs against `ondemand`'s 12-16, which this
     single figure does not separate. The whole curve moves, not one point: a CPU run loads experts
     of the calibrated model (one size per class)."""
