@@ -108,13 +108,14 @@ def copied_fit(load_copy, h2d: tuple) -> tuple[tuple, float]:
     EPYC (2 cores) the embedded model's 52,224-byte loads took 12.4-12.9 us a load (mean) in
     calibrate's `ondemand`, against 4.2 us on the curve, and every `cmoe run`'s summary said its
     loads moved at 0.25-0.36x the calibrated link and blamed the machine's noise. Timed alone
-    (`benchmarks/cpu_copy_after_work.py`, one thread or two, medians), a 52,224-byte `copy_` took
-    2.4-3.2 us right after the same copy, 6.7-6.8 from a new place in a 64 MiB buffer, and 21-27
-    after 2 ms of the host spinning in Python: what the copy follows, not only where its bytes
-    lie, sets its time. Loads issued ahead of their layer (`oracle`,
-    `commit`, `adaptive`) took 17-21 us in those runs against `ondemand`'s 12-16, which this
-    single figure does not separate. The whole curve moves, not one point: a CPU run loads experts
-    of the calibrated model (one size per class)."""
+    (`benchmarks/cpu_copy_after_work.py`, five runs, one thread or two, medians), a 52,224-byte
+    `copy_` took 1.7-4.0 us right after the same copy, 4.5-7.0 from a new place in a 64 MiB
+    buffer, and 4.7-27 after 2 ms of the host spinning in Python: what the copy follows, not only
+    where its bytes lie, sets its time, and that moves with the machine's state. The excess grows
+    with the copy (1 MiB: 17-35 us right after itself, 46-74 after the host's work; 8 MiB: 269-501
+    against 402-653), so the whole curve scales rather than taking a start-up. Loads issued ahead
+    of their layer (`oracle`, `commit`, `adaptive`) took 17-21 us in those runs against
+    `ondemand`'s 12-16, which this single figure does not separate."""
     if not load_copy or load_copy[1] <= 0:
         return h2d, 1.0
     nbytes, seconds, _ = load_copy
