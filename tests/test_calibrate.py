@@ -429,7 +429,7 @@ def test_a_cpus_loads_in_the_model_price_its_link():
     assert cpu.h2d_us(b) == pytest.approx(37.0 / 3) and cpu.h2d_queued(b) == pytest.approx(37.0 / 3)
     k = plain.h2d_us(b) / (37.0 / 3)
     assert [g for _, g in cpu.h2d_pinned] == pytest.approx([g * k for _, g in plain.h2d_pinned])
-    assert f"x{k:.4f}: as fast as ondemand's expert loads ran in the model" in cpu.sources["h2d_pinned"]
+    assert f"x{k:.4f}: as fast as ondemand's 51 KiB expert loads ran in the model" in cpu.sources["h2d_pinned"]
     assert gpu.h2d_pinned == plain.h2d_pinned and "in the model" not in gpu.sources["h2d_pinned"]
     row = next(r for r in beside(cpu, m).splitlines() if r.startswith("load in the model 51 KiB"))
     assert row.split()[6:8] == [f"{37.0 / 3:.1f}us"] * 2                    # measured, fitted
@@ -607,6 +607,8 @@ def test_the_lean_engines_gpu_side_steps_run_on_the_cpu(checkpoints, monkeypatch
     spec = check_checkpoint(d)
     out = mm.layers(torch.device("cpu"), spec, "fp32", 2, d, tokens=4)
     lay = out["layer"]
+    # a CPU's loads as the host copied them in calibrate's ondemand run (`copied_fit`); no copy stream queues
+    assert lay["load_copy"][0] > 0 and lay["load_copy"][1] > 0 and lay["load_copy"][2] > 0 and "load_queue" not in lay
     assert [b for b, _ in points] == [1, 8] and all(n > 1 for _, n in points)
     assert lay["launch_copy_points"] == [[1, 2, 1e-4, 1.1e-4, 5, 5], [8, 2, 1e-4, 1.1e-4, 5, 5]]
     three_quarters = 3 * spec.num_experts // 4

@@ -113,9 +113,13 @@ def copied_fit(load_copy, h2d: tuple) -> tuple[tuple, float]:
     buffer, and 4.7-27 after 2 ms of the host spinning in Python: what the copy follows, not only
     where its bytes lie, sets its time, and that moves with the machine's state. The excess grows
     with the copy (1 MiB: 17-35 us right after itself, 46-74 after the host's work; 8 MiB: 269-501
-    against 402-653), so the whole curve scales rather than taking a start-up. Loads issued ahead
-    of their layer (`oracle`, `commit`, `adaptive`) took 17-21 us in those runs against
-    `ondemand`'s 12-16, which this single figure does not separate."""
+    against 402-653), while the ratio shrinks (2.0-9.5x at 52 KB, 1.9-2.8x at 1 MiB, 1.1-1.8x at
+    8 MiB): one factor is right at the size it was measured at, neither a factor nor a start-up at
+    the others. A CPU profile serves the model it was calibrated on (`cmoe run` calibrates afresh),
+    so the whole curve scales and the source names the size; priced for experts of another size,
+    its loads come out slow. In two of the three runs loads issued ahead of their layer (`oracle`,
+    `commit`, `adaptive`) took means of 18.8-21.3 us against `ondemand`'s 12.5-16.5 (in the third,
+    `oracle`'s 12.5 against 14.5), which this single figure does not separate."""
     if not load_copy or load_copy[1] <= 0:
         return h2d, 1.0
     nbytes, seconds, _ = load_copy

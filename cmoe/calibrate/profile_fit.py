@@ -157,8 +157,8 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         | slow_src
         | {k: src + " (ondemand's loads queued back to back, over the curve's last rate)" for k in queued}
         | ({"h2d_pinned": src + f" (from {size_label(LINE_FROM)} up x{link_k:.4f}: as fast as ondemand's queued expert loads ran)"} if link_k != 1 else {})
-        | ({"h2d_pinned": src + f" (x{copy_k:.4f}: as fast as ondemand's expert loads ran in the model)"}
-           if copy_k != 1 else {})
+        | ({"h2d_pinned": src + f" (x{copy_k:.4f}: as fast as ondemand's {size_label(m['layer']['load_copy'][0])} "
+                                 "expert loads ran in the model)"} if copy_k != 1 else {})
         | {k: src + " (a short prompt in a cache as long as the long run's, beside the two context points)"
            for k in split}
         | {k: src + " (upper's fused launches in the model: time = wave_us + experts' bytes at wave_gbps + "
