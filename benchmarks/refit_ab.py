@@ -4,12 +4,15 @@ that ran) and a refit of its own measurements by this tree (`profile.measurement
 simulated over exactly what was executed and validated against the folder's `measured/` runs.
 Nothing is run again, so the two columns differ by the fit alone, not by the host's noise.
 
-    python benchmarks/refit_ab.py RUN [RUN ...] [--drop KEY] [--out ab.json]
+    python benchmarks/refit_ab.py RUN [RUN ...] [--drop KEY] [--rounds] [--out ab.json]
 
 Prints, per folder, each policy's error end to end under both profiles (predicted over measured
 tokens/s, minus one) and the mean and largest absolute error of each. `--drop KEY` adds a third:
 the refit with the measurements' `layer` entry KEY left out (`load_copy`: the CPU's link from its
 copy curve, as before 8f9ca28), so one measured term's worth is read over the same runs.
+`--rounds` adds the refit whose layer points are the host's rounds' means ("host, layer" under
+`repeats`), what `host_runs.cpu_lanes` makes a CPU calibration keep (the experts' points and the
+pass start are not in the files, so only the layer's part of that change is read).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ def _errors(w, cfg, prof, run: Path, scratch: Path) -> dict[str, float]:
     return {v["policy"]: v["tokens_per_s"]["error"] for v in validate_folders(scratch, run / "measured", list(cfg.policies))}
 
 
-def one(run: Path, scratch: Path, drop: str | None = None) -> dict:
+def one(run: Path, scratch: Path, drop: str | None = None, rounds: bool = False) -> dict:
     from cmoe.calibrate.profile_fit import fit_profile, refit_profile, with_expert_classes
     from cmoe.core.hw import H200
     from cmoe.core.hw import load_profile
@@ -51,6 +54,12 @@ def one(run: Path, scratch: Path, drop: str | None = None) -> dict:
         d = m["device"]
         prof = with_expert_classes(fit_profile(d["label"], m, d["memory_bytes"], d["label"], d["date"]), H200)
         cols[f"refit without {drop}"] = _errors(w, cfg, prof, run, scratch / "c")
+    if rounds:
+        m = json.loads((run / "profile.measurements.json").read_text())
+        m["layer"]["points"] = [[b, sum(v) / len(v)] for b, v in m["repeats"]["host, layer"]["points"]]
+        d = m["device"]
+        prof = with_expert_classes(fit_profile(d["label"], m, d["memory_bytes"], d["label"], d["date"]), H200)
+        cols["layer from the rounds"] = _errors(w, cfg, prof, run, scratch / "d")
     return {"run": str(run), "batch": cfg.batch, "errors": cols}
 
 
@@ -59,6 +68,7 @@ def main() -> None:
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--drop", default=None, help="also refit without this entry of the measurements' layer")
+    ap.add_argument("--rounds", action="store_true", help="also refit with the layer points from the host's rounds")
     a = ap.parse_args()
     for r in a.runs:
         if not (r / "profile.measurements.json").is_file() or not (r / "measured" / "metrics.json").is_file():
@@ -67,7 +77,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, r in enumerate(a.runs):
-            rows.append(one(r, Path(tmp) / str(i), a.drop))
+            rows.append(one(r, Path(tmp) / str(i), a.drop, a.rounds))
     for row in rows:
         print(f"{row['run']} (batch {row['batch']})")
         for name, errs in row["errors"].items():

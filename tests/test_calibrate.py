@@ -671,6 +671,25 @@ def test_host_pass_start_is_the_median_of_every_runs(checkpoints, monkeypatch):
     assert [b for b, _ in heads] == [1, 8] and len(heads[0][1]) == 2 * mm.HOST_ROUNDS
     assert out["layer"]["host"]["head_s"] == pytest.approx(float(np.median(heads[0][1])))
     assert next(seq, None) is None                                # two runs a batch a round, nothing else
+    # on a CPU the compute lane is the host's: its layer and head are every round's runs' means (`cpu_lanes`)
+    lay = out["layer"]
+    assert lay["points"] == [(b, pytest.approx(float(np.mean(v)))) for b, v in out["repeats"]["host, layer"]["points"]]
+    assert lay["head_s"] == pytest.approx(float(np.mean(heads[0][1])))
+
+def test_a_cpus_compute_lane_is_every_rounds_runs():
+    """`cpu_lanes`: on a CPU the compute lane's layer points, experts in the model, pass start and
+    LM head are the host's own over every round's runs (their means), no longer the first run's."""
+    from types import SimpleNamespace
+
+    from cmoe.calibrate.host_runs import cpu_lanes
+    runs = [{"start": s, "head": h} for s, h in ((100.0, 2e-4), (300.0, 4e-4), (200.0, 6e-4), (600.0, 8e-4))]
+    r = SimpleNamespace(gpu={"points": [(1, 9.0), (8, 9.0)], "expert": [(1, 9.0), (8, 9.0)]},
+                        host={"layer": [(1, 3.0), (8, 6.0)], "expert_span": [(1, 5.0), (8, 2.0)]},
+                        host_runs={1: runs, 8: runs[:1]}, one={"gpu_start": 9.0, "gpu_head": 9.0})
+    cpu_lanes(r)
+    assert r.gpu == {"points": [(1, 3.0), (8, 6.0)], "expert": [(1, 5.0), (8, 2.0)]}
+    assert r.one == {"gpu_start": pytest.approx(300e-6), "gpu_head": pytest.approx(5e-4)}
+
 
 def test_host_points_are_means_over_every_rounds_runs():
     """The host's table takes each batch's mean over all its rounds' runs, keeps each run's figure

@@ -87,3 +87,17 @@ def _host_points(r, batches) -> None:
         host["sync"] += [x["sync"] for x in runs]
         host["waits"].append((batch, float(np.mean([x["sync"] for x in runs]))))   # what its route followed
         host["gaps"] += [g for x in runs for g in x["gaps"]]
+
+
+def cpu_lanes(r) -> None:
+    """On a CPU the compute lane's spans are the host's own (`attention` and `host_attention` are one
+    span, as are `expert` and its host time, `head` and `host_head`), so its figures are every round's
+    runs (`_host_points`), not the first round's first run, which set them before. Why: two
+    calibrations a minute apart on the forty-fourth session's 2-core AMD EPYC put the layer outside
+    the experts at 462 and 314 us from that one run while the rounds' mean said 387 and 328; the
+    first made `upper` predicted 20% slow (139 tok/s against 174 measured)."""
+    r.gpu["points"] = list(r.host["layer"])
+    r.gpu["expert"] = list(r.host["expert_span"])
+    ones = r.host_runs[1]
+    r.one["gpu_start"] = float(np.mean([x["start"] for x in ones])) / 1e6
+    r.one["gpu_head"] = float(np.mean([x["head"] for x in ones]))

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from cmoe.calibrate import wake
-from cmoe.calibrate.host_runs import (HOST_ROUNDS, _host_figures, _host_points, _host_round, _host_run,
+from cmoe.calibrate.host_runs import (HOST_ROUNDS, _host_figures, _host_points, _host_round, _host_run, cpu_lanes,
                                        _python_host, _python_step)
 from cmoe.calibrate.commit_steps import (commit_gpu_s, copy_slowdowns, launch_copy_points, launch_copy_s,
                                           readback_copy_s, start_copy_s, start_excess_s)
@@ -129,6 +129,8 @@ def layers(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int, mod
         for batch in batches:
             _host_round(r, batch)
     _host_points(r, batches)
+    if not r.cuda:
+        cpu_lanes(r)
     r.seconds["host rounds"] = time.perf_counter() - t0
     if r.cuda:                        # the route step after long waits (GPU sleep makes them)
         t0 = time.perf_counter()
