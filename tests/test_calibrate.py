@@ -433,6 +433,8 @@ def test_a_cpus_loads_in_the_model_price_its_link():
     assert gpu.h2d_pinned == plain.h2d_pinned and "in the model" not in gpu.sources["h2d_pinned"]
     row = next(r for r in beside(cpu, m).splitlines() if r.startswith("load in the model 51 KiB"))
     assert row.split()[6:8] == [f"{37.0 / 3:.1f}us"] * 2                    # measured, fitted
+    assert beside(cpu, m).splitlines()[-1] == f"(H2D pinned fitted: the copies' curve x{1 / k:.2f} in time, as the loads in the model took)"
+    assert not beside(gpu, m).splitlines()[-1].startswith("(H2D")
 
 
 def test_queued_loads_give_the_copy_cost_without_start_up():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from cmoe.calibrate.cpu_fit import cpu_rows
-from cmoe.calibrate.link_fit import best_per_size
+from cmoe.calibrate.link_fit import best_per_size, curve
 from cmoe.calibrate.noise import point_label, size_label
 from cmoe.calibrate.profile_fit import noise_of
 from cmoe.calibrate.wake import pass_start_means
@@ -24,17 +24,7 @@ def beside(p: HardwareProfile, m: dict) -> str:
         key = key or label                                  # the repeats' name for it, where it differs
         sp = f"{spreads[key] * 100:6.1f}%" if key in spreads else f"{'-':>7}"
         rows.append(f"{label:<28} {seconds * 1e6:10.1f}us {fit} {sp}")
-    for kind, pts, fn in (("H2D pinned", m["h2d"], p.h2d_us), ("D2H pinned", m["d2h"], p.d2h_us)):
-        for b, s in best_per_size(pts):
-            row(f"{kind} {size_label(b)}", s, fn(b))
-        if kind == "H2D pinned" and pts:
-            b, q = max(int(x) for x, _ in pts), m["layer"].get("load_queue")
-            for i, s in enumerate(m.get("h2d_rounds") or [], 2):
-                row(f"{kind} {size_label(b)}, round {i}", s, fn(b))
-            if q and q[1] > 0:                     # calibrate's own expert loads, back to back (`queued_fit`)
-                row(f"H2D queued load {size_label(q[0])}", q[1], p.h2d_queued(q[0]))
-            if (c := m["layer"].get("load_copy")) and c[1] > 0:   # a CPU's loads in the model (`copied_fit`)
-                row(f"load in the model {size_label(c[0])}", c[1], p.h2d_queued(c[0]))
+    note = _link_rows(row, m, p)
     for kind, key in (("H2D pageable", "h2d_pageable_points"), ("D2H pageable", "d2h_pageable_points")):
         for b, s in best_per_size(m.get(key) or []):
             row(f"{kind} {size_label(b)}", s, p.h2d_us(b, pinned=False) if kind.startswith("H2D") else None)
@@ -72,7 +62,29 @@ def beside(p: HardwareProfile, m: dict) -> str:
     if m["layer"].get("start_copy_s") is not None:         # oracle's passes that start beside a load
         row("pass start by a load, more", m["layer"]["start_copy_s"], p.start_copy_us)
     cpu_rows(row, m, p)
-    return "\n".join(rows)
+    return "\n".join(rows + ([note] if note else []))
+
+
+def _link_rows(row, m: dict, p: HardwareProfile) -> str:
+    """The pinned copies' rows, the largest copy's later rounds, calibrate's own loads (queued on a
+    GPU: `queued_fit`; a CPU's in the model: `copied_fit`); returns the line that says, on a CPU,
+    how far the loads moved the curve from the copies ('' elsewhere)."""
+    note = ""
+    for kind, pts, fn in (("H2D pinned", m["h2d"], p.h2d_us), ("D2H pinned", m["d2h"], p.d2h_us)):
+        for b, s in best_per_size(pts):
+            row(f"{kind} {size_label(b)}", s, fn(b))
+        if kind == "H2D pinned" and pts:
+            b, q = max(int(x) for x, _ in pts), m["layer"].get("load_queue")
+            for i, s in enumerate(m.get("h2d_rounds") or [], 2):
+                row(f"{kind} {size_label(b)}, round {i}", s, fn(b))
+            if q and q[1] > 0:
+                row(f"H2D queued load {size_label(q[0])}", q[1], p.h2d_queued(q[0]))
+            if (c := m["layer"].get("load_copy")) and c[1] > 0 and p.copy_on_host:
+                row(f"load in the model {size_label(c[0])}", c[1], p.h2d_queued(c[0]))
+                alone = c[0] / (HardwareProfile.curve_gbps(curve(m["h2d"], m.get("h2d_rounds")), c[0]) * GB) * 1e6
+                note = (f"(H2D pinned fitted: the copies' curve x{p.h2d_us(c[0]) / alone:.2f} in time, "
+                        "as the loads in the model took)")
+    return note
 
 
 def _wake_means(samples: list) -> list[tuple[float, float]]:
