@@ -164,7 +164,10 @@ def summary_doc(w, cfg, sims, results, errors, noise: str) -> dict:
         ref = meas.get(bound, {}).get("tokens_per_s")
         for r in rows:
             r[f"x_{bound}"] = r["measured_tok_s"] / ref if ref else None
-    return {"model": w.spec.name, "device": w.device.type, "batch": cfg.batch, "decode_tokens": cfg.tokens,
+    # the decode steps the runs took: fewer than asked where the trace's first batch ends before them
+    steps = min((int(r.metrics["decode_passes"]) for r in results), default=cfg.tokens)
+    return {"model": w.spec.name, "device": w.device.type, "batch": cfg.batch, "decode_tokens": steps,
+            **({"tokens_asked": cfg.tokens} if steps < cfg.tokens else {}),
             "pool_gb": cfg.pool_gb, "slots": cfg.slots, "expert_format": w.fmt, "policies": rows, "noise": noise}
 
 
@@ -175,7 +178,8 @@ def summary_text(doc: dict) -> str:
     ratio = lambda r, b: f"{r[b]:.2f}x {b[2:]}" if r[b] is not None else None  # noqa: E731
     against = ", ".join(x for x in (ratio(best, "x_upper"), ratio(best, "x_oracle")) if x)
     errs = [abs(r["error"]) for r in rows]
-    lines = [f"{doc['model']} on {doc['device']}, batch {doc['batch']}, {doc['decode_tokens']} decode tokens, "
+    asked = f" (the trace's first batch ends there; {doc['tokens_asked']} asked)" if doc.get("tokens_asked") else ""
+    lines = [f"{doc['model']} on {doc['device']}, batch {doc['batch']}, {doc['decode_tokens']} decode tokens{asked}, "
              f"{doc['expert_format']} experts: fastest measured {best['policy']} at {best['measured_tok_s']:.1f} tok/s"
              + (f" ({against})" if against else "") + f"; predicted within {max(errs) * 100:.1f}% "
              f"(mean {sum(errs) / len(errs) * 100:.1f}%)",

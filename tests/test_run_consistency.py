@@ -110,6 +110,10 @@ def test_the_main_job_fits_a_screen_with_the_summary_first_and_json_on_request(t
     assert doc["policies"][1]["measured_tok_s"] == meas["ondemand"]["tokens_per_s"]
     r = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "c"), "--quiet"])
     assert r.exit_code == 0 and r.output == ""
+    # more tokens than the trace's first batch decodes (the embedded trace: 64 a request): the runs' own count
+    r = CliRunner().invoke(app, [*base[:4], "upper", "--tokens", "70", *base[7:], "--out", str(tmp_path / "d")])
+    assert r.exit_code == 0, r.output
+    assert "batch 1, 64 decode tokens (the trace's first batch ends there; 70 asked), w4g128" in r.output
 
 
 def test_cmoe_run_says_when_the_profiles_openmp_wait_policy_is_not_the_runs(tmp_path, monkeypatch):
