@@ -3,7 +3,7 @@ executor allocates a static KV cache for the trace's longest request, and on a C
 is SDPA over that whole cache, masked. This runs the embedded model's `upper` at batch 1 over
 synthetic traces that hold the keys fixed (prompt 16, 32 decode steps timed) while the cache grows
 (the trace's decode length sets it), and one with the keys grown instead, in rounds that take turns
-(ROUNDS, seeded order), and prints each arm's median layer time outside the experts.
+(ROUNDS, the arms in the same order each round), and prints each arm's median layer time outside the experts.
 
     python benchmarks/cpu_attention_cache.py --out /tmp/cache.json      # ~1 min on 2 cores
 """

@@ -94,7 +94,7 @@ def cpu_lanes(r) -> None:
     span, as are `expert` and its host time, `head` and `host_head`), so its figures are every round's
     runs (`_host_points`), not the first round's first run, which set them before. Why: two
     calibrations a minute apart on the forty-fourth session's 2-core AMD EPYC put the layer outside
-    the experts at 462 and 314 us from that one run while the rounds' mean said 387 and 328; the
+    the experts at 465 and 317 us from that one run while the rounds' mean said 387 and 328; the
     first made `upper` predicted 20% slow (139 tok/s against 174 measured)."""
     r.gpu["points"] = list(r.host["layer"])
     r.gpu["expert"] = list(r.host["expert_span"])
