@@ -49,23 +49,21 @@ def one(run: Path, scratch: Path, drop: str | None = None, rounds: bool = False,
     w, cfg = prepare(spec_name=None, model_dir=default_model(), trace_src=trace or "embedded", data=None, cfg=cfg)
     if trace and fingerprint(w.trace) != first["trace_id"]:
         sys.exit(f"{run} replayed trace {first['trace_id']}, not {trace}'s ({fingerprint(w.trace)})")
-    refit, _ = refit_profile(run / "profile.measurements.json")
+    refit, m = refit_profile(run / "profile.measurements.json")
     cols = {"stored fit": _errors(w, cfg, load_profile(str(run / "profile.json")), run, scratch / "a"),
             "this tree's refit": _errors(w, cfg, refit, run, scratch / "b")}
+    variants = {}                                 # more refits of the same measurements, each edited one way
     if drop:
-        m = json.loads((run / "profile.measurements.json").read_text())
         if drop not in m["layer"]:
             sys.exit(f"{run}'s measurements hold no layer entry {drop!r}: nothing to leave out")
-        m["layer"].pop(drop)
-        d = m["device"]
-        prof = with_expert_classes(fit_profile(d["label"], m, d["memory_bytes"], d["label"], d["date"]), H200)
-        cols[f"refit without {drop}"] = _errors(w, cfg, prof, run, scratch / "c")
+        variants[f"refit without {drop}"] = m | {"layer": {k: v for k, v in m["layer"].items() if k != drop}}
     if rounds:
-        m = json.loads((run / "profile.measurements.json").read_text())
-        m["layer"]["points"] = [[b, sum(v) / len(v)] for b, v in m["repeats"]["host, layer"]["points"]]
-        d = m["device"]
-        prof = with_expert_classes(fit_profile(d["label"], m, d["memory_bytes"], d["label"], d["date"]), H200)
-        cols["layer from the rounds"] = _errors(w, cfg, prof, run, scratch / "d")
+        pts = [[b, sum(v) / len(v)] for b, v in m["repeats"]["host, layer"]["points"]]
+        variants["layer from the rounds"] = m | {"layer": m["layer"] | {"points": pts}}
+    for i, (name, mm) in enumerate(variants.items()):
+        d = mm["device"]
+        prof = with_expert_classes(fit_profile(d["label"], mm, d["memory_bytes"], d["label"], d["date"]), H200)
+        cols[name] = _errors(w, cfg, prof, run, scratch / f"v{i}")
     return {"run": str(run), "batch": cfg.batch, "errors": cols}
 
 

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from cmoe.calibrate.spans import _per_layer, decode_passes, first_excess, host_gaps, host_marks
+from cmoe.calibrate.spans import _mean, _per_layer, decode_passes, first_excess, host_gaps, host_marks
 from cmoe.core.spec import ModelSpec
 from cmoe.core.timeline import END, EXPERT, LAYER, OP, START, STEP
 
@@ -194,5 +194,5 @@ def _load_cost(log, upper_route_us: float, cuda: bool) -> float:
     route, _ = _per_layer(log, ("host_route",), None)
     per = (route - upper_route_us) * len(dec) / len(loads)
     if not cuda:
-        per -= float(np.mean([s[END] - s[START] for s in loads]))
+        per -= _mean(log, "load") * 1e6
     return max(per, 0.0) / 1e6

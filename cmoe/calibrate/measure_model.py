@@ -278,15 +278,16 @@ def _context_points(r: _ModelRuns) -> list:
     # a CPU times the short prompt too, in the long one's configuration, the two runs taking turns
     # (the host's speed drifts); CUDA keeps batch 1's queued run as the short point
     sh = None if r.cuda else r.on(SyntheticParams(requests=1, prompt_len=16, decode_len=8 + 4, seed=3))
+    arms = [(prompt + 4.5, lw)] + ([(16 + 4.5, sh)] if sh is not None else [])     # (mean keys, workload)
     t0 = time.perf_counter()
-    for x in (lw, sh) if sh is not None else (lw,):
+    for _, x in arms:
         run_policy(x, lc, "upper")
     r.seconds["long context, first run"] = time.perf_counter() - t0
     # the medians of CONTEXT_RUNS: one run decided the slope before, and on a 2-core CPU a slow one
     # (524 against 380-387 us a layer) made batch 3's layers 48% slower than measured
     runs: dict[float, list] = {}
     for _ in range(CONTEXT_RUNS):
-        for keys, x in ((prompt + 4.5, lw), (16 + 4.5, sh)) if sh is not None else ((prompt + 4.5, lw),):
+        for keys, x in arms:
             runs.setdefault(keys, []).append(_per_layer(run_policy(x, lc, "upper").log, ("attention",), r.first)[0]
                                              / r.L / 1e6)
     r.one["context_runs"] = [[k, v] for k, v in sorted(runs.items())]

@@ -133,7 +133,8 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     # the lean kernel's rows run side by side: its per-key cost is per key of the longest row
     per_key_field = "attn_us_per_cache_key" if m.get("attention_walks_cache") else "attn_us_per_ctx_token"
     h2d, queued, link_k = queued_fit(m["layer"].get("load_queue"), curve(m["h2d"], m.get("h2d_rounds")))
-    h2d, copy_k = copied_fit(m["layer"].get("load_copy") if device.lower() == "cpu" else None, h2d)
+    on_host = device.lower() == "cpu"                 # the executor on a CPU: its loads are the host's copies
+    h2d, copy_k = copied_fit(m["layer"].get("load_copy") if on_host else None, h2d)
     slows, slow_src = _copy_terms(m, src)
     return HardwareProfile(
         name=name, gpu_mem_bytes=gpu_mem_bytes, h2d_pinned=h2d,
@@ -144,7 +145,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
         attn_us_per_token=max(lb, 0.0) * 1e6, cpu_expert_gbps=cpu["bytes"] / max(ca, 1e-9) / GB,
         cpu_expert_us_per_token=max(cb, 0.0) * 1e6, roundtrip_us=roundtrip * 1e6, **slows,
         **{f: m["layer"].get(f.removesuffix("_us") + "_s", 0.0) * 1e6 for f in _LAYER_US}, copy_fifo=True,
-        copy_on_host=device.lower() == "cpu", dense_rows=int(m.get("dense_rows", 0)),
+        copy_on_host=on_host, dense_rows=int(m.get("dense_rows", 0)),
         silent_upper=bool(m.get("silent_upper", False)), commit_ahead=bool(m.get("commit_ahead", False)),
         pass_overlap=bool(m.get("pass_overlap", False)),
         **{per_key_field: per_key * 1e6}, **split,
