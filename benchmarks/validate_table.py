@@ -7,6 +7,9 @@ Prints a Markdown table and writes `summary.json` beside the input:
     python benchmarks/validate_table.py OUT/v [--out benchmarks/results/validate-h200.json] [--profile P.json]
         [--host-adjust] [--link-adjust] [--against OTHER_SESSION/profile.json]
 
+OUT/v is the folder validate_h200.py wrote, or the one `gpu_session.sh validate` brought back
+(head.tgz and meas-bB.tgz, unpacked under --work; summary.json still goes beside it).
+
 Errors are relative to the measurement; with two measured runs (`--repeat`), the error is taken
 against their mean and the runs' own spread is shown beside it: where the spread is as large as
 the error, the host's noise, not the model, decides the figure.
@@ -18,6 +21,7 @@ import argparse
 import json
 import shutil
 import sys
+import tarfile
 from itertools import zip_longest
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,6 +38,25 @@ from cmoe.analysis.validate import against_repeats, calibrations_agree, cpu_rati
 from cmoe.analysis.runfolder import read_metrics  # noqa: E402
 from cmoe.sim.priced import priceable  # noqa: E402
 from cmoe.policy.policies import python_step  # noqa: E402
+
+
+def unpacked(folder: Path, work: Path) -> Path:
+    """The folder itself where it holds results.json; else, where it holds what `gpu_session.sh
+    validate` brings back (head.tgz and a meas-bB.tgz a batch), those unpacked under WORK/unpacked,
+    the folder left as it came (the device tool's copies are read-only). One line and exit 2
+    where it holds neither."""
+    if (folder / "results.json").is_file():
+        return folder
+    if not (folder / "head.tgz").is_file():
+        sys.exit(f"validate_table.py: {folder} holds neither results.json nor head.tgz: give the folder "
+                 "benchmarks/validate_h200.py wrote, or the one gpu_session.sh validate brought back")
+    out = work / "unpacked"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    for t in sorted(folder.glob("*.tgz")):
+        with tarfile.open(t) as tar:
+            tar.extractall(out, filter="data")
+    return out
 
 
 def main() -> None:
@@ -58,6 +81,8 @@ def main() -> None:
                     help="also predict each configuration with this profile (another session's calibration) and "
                     "count the rows the two predict within 2%% of each other (issue 15's second condition)")
     a = ap.parse_args()
+    a.out = a.out or a.folder / "summary.json"
+    a.folder = unpacked(a.folder, a.work)
     res = json.loads((a.folder / "results.json").read_text())
     prof = load_profile(str(a.profile or a.folder / "profile.json"))
     other = load_profile(str(a.against)) if a.against else None
@@ -139,7 +164,7 @@ def main() -> None:
                         | ({"other_profile_tok_s": others[agg["policy"]]["predicted"]} if agg["policy"] in others else {}))
     summary = {k: res[k] for k in ("date", "card", "torch", "commit", "spec", "tokens")} | {
         "profile": prof.name, "rows": rows, "omp_env": res.get("omp_env")} | ({"other_profile": str(a.against)} if other else {})
-    write_text_atomic(a.out or a.folder / "summary.json", json.dumps(summary, indent=1))
+    write_text_atomic(a.out, json.dumps(summary, indent=1))
     print(table(rows))
     if any(not host_timed(r["policy"]) and any(r["host_speed"]) for r in rows):
         print(HOST_NOTE)

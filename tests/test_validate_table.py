@@ -3,7 +3,9 @@ calibrate does not time (`cmoe.pipeline.host_timed`)."""
 
 from __future__ import annotations
 
-from benchmarks.validate_table import HOST_NOTE, table
+import pytest
+
+from benchmarks.validate_table import HOST_NOTE, table, unpacked
 from cmoe.pipeline import host_timed
 
 
@@ -20,3 +22,36 @@ def test_the_host_column_stars_what_calibrate_does_not_time():
     lines = table([_row("upper", 1.67), _row("ondemand", 1.13), _row("commit", None)]).splitlines()[2:]
     assert [ln.split(" | ")[10] for ln in lines] == ["1.67x*", "1.13x", "-"]
     assert HOST_NOTE.startswith("* host, run / calibration: calibrate does not time this policy's host step")
+
+
+def _tar(path, files: dict) -> None:
+    import io
+    import tarfile
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_a_folder_as_the_device_brings_it_back_is_unpacked_beside_it(tmp_path):
+    came = tmp_path / "came"
+    came.mkdir()
+    _tar(came / "head.tgz", {"results.json": "{}", "profile.json": "{\"name\": \"p\"}"})
+    _tar(came / "meas-b8.tgz", {"pool20-b8/measured/run.json": "[1]"})
+    got = unpacked(came, tmp_path / "work")
+    assert got == tmp_path / "work" / "unpacked"
+    assert sorted(str(p.relative_to(got)) for p in got.rglob("*") if p.is_file()) == [
+        "pool20-b8/measured/run.json", "profile.json", "results.json"]
+    assert sorted(p.name for p in came.iterdir()) == ["head.tgz", "meas-b8.tgz"]
+    (got / "stale").write_text("x")
+    assert not (unpacked(came, tmp_path / "work") / "stale").exists()
+    assert unpacked(got, tmp_path / "other") == got
+
+
+def test_a_folder_without_results_is_one_line(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        unpacked(tmp_path, tmp_path / "work")
+    assert str(e.value) == (f"validate_table.py: {tmp_path} holds neither results.json nor head.tgz: give the folder "
+                            "benchmarks/validate_h200.py wrote, or the one gpu_session.sh validate brought back")
