@@ -108,10 +108,10 @@ def _run_into(out: Path, final: Path, w, cfg, profile: str | None, model_dir: Pa
         errors, spreads = [r["error"] for r in rows], [r["spread"] for r in rows]
     from cmoe.calibrate.profile_fit import run_verdict
     write_text_atomic(out / "validation.json", json.dumps(doc, indent=1))
-    host, link = host_speed(runs, prof, cfg.batch), link_speed(runs)
+    host, link, cpu_took = host_speed(runs, prof, cfg.batch), link_speed(runs), cpu_speed(runs)
     from cmoe.analysis.cpu_settings import setting_notes
     notes = sorted({n.strip() for r in runs for v in r for n in setting_notes(v)})   # said without -v too
-    noise = run_verdict(cal, errors, spreads, host or None, link or None)
+    noise = run_verdict(cal, errors, spreads, host or None, link or None, cpu_took or None)
     return summary_doc(w, cfg, sims, results, errors, "; ".join([noise, *notes]))
 
 
@@ -148,6 +148,13 @@ def link_speed(runs: list[list[dict]]) -> list[float]:
     the runs that loaded anything."""
     from cmoe.analysis.validate import link_ratio
     return [x for r in runs for v in r if (x := link_ratio(v)) is not None]
+
+
+def cpu_speed(runs: list[list[dict]]) -> list[float]:
+    """Each measured run's CPU expert time over its prediction's (`cmoe.analysis.validate.cpu_ratio`):
+    only the runs that put experts on the CPU."""
+    from cmoe.analysis.validate import cpu_ratio
+    return [x for r in runs for v in r if (x := cpu_ratio(v)) is not None]
 
 
 def summary_doc(w, cfg, sims, results, errors, noise: str) -> dict:

@@ -138,3 +138,13 @@ def test_run_verdict():
     assert run_verdict(quiet, [0.055], None, [1.1], [0.95, 1.02]).endswith(
         "their loads moved at 0.950-1.020x the calibrated link: the link ran at another speed than when it was "
         "calibrated: where the loads bound a policy, its error follows the link, not the model")
+    # the runs' CPU experts against their calibration: within 5% named only; beyond, the host's CPU decides
+    assert run_verdict(quiet, [0.04], None, [1.1], [1.0], [0.96, 1.05]).endswith(
+        "their loads moved at 1.000-1.000x the calibrated link; their CPU experts took 0.96-1.05x their calibrated "
+        "time: the errors stand above the noise measured")
+    assert run_verdict(quiet, [-0.31], None, [1.1], [1.05], [0.6, 1.18]).endswith(
+        "their CPU experts took 0.60-1.18x their calibrated time: the CPU experts ran at another speed than when "
+        "they were calibrated: where they bound a policy, its error follows the host's CPU, not the model")
+    assert run_verdict(quiet, [0.04], None, None, None, [0.94]).endswith(
+        "their CPU experts took 0.94-0.94x their calibrated time: the CPU experts ran at another speed than when "
+        "they were calibrated: where they bound a policy, its error follows the host's CPU, not the model")

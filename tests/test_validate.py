@@ -271,6 +271,16 @@ def test_link_speed_is_each_loading_runs_measured_rate_over_its_predicted():
     assert link_ratio(runs[1][1]) is None
 
 
+def test_cpu_speed_is_each_cpu_expert_runs_measured_time_over_its_predicted():
+    from cmoe.pipeline import cpu_speed
+    runs = [[{"policy": "upper", "op_kinds": {"expert": {"n": 4}}},
+             {"policy": "static", "op_kinds": {"cpu_expert": {"n": 9, "meas_mean_us": 1200.0, "pred_mean_us": 2000.0}}}],
+            [{"policy": "lfu-fallback", "op_kinds": {"cpu_expert": {"n": 3, "meas_mean_us": 2300.0,
+                                                                     "pred_mean_us": 2000.0}}},
+             {"policy": "static", "op_kinds": {"cpu_expert": {"n": 0}}}, {"policy": "old"}]]
+    assert cpu_speed(runs) == [0.6, 1.15]
+
+
 def test_host_speed_reads_the_policies_whose_host_step_calibrate_times():
     """`upper` (no host step on the lean engine) and the committing policies (they plan behind their
     experts) are left out of the host-speed ratio; the rest are each run's time over the profile's."""

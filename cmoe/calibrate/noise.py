@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cmoe.analysis.validate import CPU_NOTE
 from cmoe.core.errors import CmoeError
 
 # Seen on the lent H200 (2026-12-01, seven calibrations): quiet, the first repeat is often the
@@ -125,13 +126,17 @@ LINK_DRIFT = 0.03    # a run's loads this much faster or slower than the calibra
 
 
 def run_verdict(cal: Noise | None, errors: list[float], run_spreads: list[float] | None,
-                host_speed: list[float] | None = None, link_speed: list[float] | None = None) -> str:
+                host_speed: list[float] | None = None, link_speed: list[float] | None = None,
+                cpu_speed: list[float] | None = None) -> str:
     """The line `cmoe run` prints beside its errors: how noisy the calibration (None: not measured
     here) and the repeated runs ((max - min) / mean of each policy's tokens/s; None: one run) were,
     how long the runs' host took per layer against the calibration (`host_speed`, each run's ratio;
     the H200's host drifted 2x within minutes), how fast their loads moved against the calibrated
-    link (`link_speed`, each run's ratio; the H200's link drifted 7% in spells of seconds), and
-    whether the errors stand above that noise."""
+    link (`link_speed`, each run's ratio; the H200's link drifted 7% in spells of seconds), how long
+    their CPU experts took against the calibration (`cpu_speed`, each CPU-expert run's ratio; an
+    H100's host ran them at 0.60-1.18x within one validation, forty-fifth session; beyond
+    `CPU_NOTE`, as `cmoe.analysis.validate` notes a run, the verdict names them), and whether the
+    errors stand above that noise."""
     lo, hi = min(errors), max(errors)
     err = f"error {lo * 100:+.1f}%" if len(errors) == 1 else f"errors {lo * 100:+.1f}% to {hi * 100:+.1f}%"
     parts = [err, "calibration not measured (a profile without its measurements)" if cal is None
@@ -142,14 +147,20 @@ def run_verdict(cal: Noise | None, errors: list[float], run_spreads: list[float]
         parts.append(f"the runs' host took {min(host_speed):.2f}-{max(host_speed):.2f}x its calibrated time per layer")
     if link_speed:
         parts.append(f"their loads moved at {min(link_speed):.3f}-{max(link_speed):.3f}x the calibrated link")
+    if cpu_speed:
+        parts.append(f"their CPU experts took {min(cpu_speed):.2f}-{max(cpu_speed):.2f}x their calibrated time")
     drifted = bool(host_speed) and (max(host_speed) > 1 + HOST_DRIFT or min(host_speed) < 1 - HOST_DRIFT)
     link_drifted = bool(link_speed) and (max(link_speed) > 1 + LINK_DRIFT or min(link_speed) < 1 - LINK_DRIFT)
+    cpu_drifted = bool(cpu_speed) and (max(cpu_speed) > 1 + CPU_NOTE or min(cpu_speed) < 1 - CPU_NOTE)
     worst = max(abs(e) for e in errors)
     if cal is not None and not cal.quiet:
         then = "recalibrate on a quiet machine before reading these errors"
     elif drifted:
         then = ("the host ran at another speed than when it was calibrated: where the host bounds a policy, "
                 "its error follows the host, not the model")
+    elif cpu_drifted:
+        then = ("the CPU experts ran at another speed than when they were calibrated: where they bound a policy, "
+                "its error follows the host's CPU, not the model")
     elif link_drifted:
         then = ("the link ran at another speed than when it was calibrated: where the loads bound a policy, "
                 "its error follows the link, not the model")
