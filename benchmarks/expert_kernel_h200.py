@@ -9,7 +9,8 @@ Effective bandwidth = weight bytes the step must read (codes + scales for int4, 
 for bf16; for the layer, the distinct experts its rows route to) / time, beside the HBM ceiling
 (a device-to-device copy, bytes read + written). Times are medians of CUDA-graph replays, each
 graph a run of calls rotating over 4 experts' weights (16 for the layer: two layers' worth) so
-nothing sits in the 60 MB L2 between calls. gemlite is not installed on the machine: skipped.
+nothing sits in the 60 MB L2 between calls. gemlite (`benchmarks/gemlite_side.py`) runs beside
+them where its wheel travels in .whl/ (`bash benchmarks/gemlite_wheel.sh`); else its column is nan.
 
     python benchmarks/expert_kernel_h200.py --out $OUT --split13-sweep   # issue 14: below, ~150 s
     python benchmarks/expert_kernel_h200.py --out $OUT            # sweep configs, then the table
@@ -52,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cmoe.executor.kernels import dequantize, int4_mm, pack_cpu, pack_cuda  # noqa: E402
 from cmoe.executor.layout import slot_size  # noqa: E402
 from cmoe.executor.moe_kernel import moe_reference, tiled_layout, write_codes  # noqa: E402
+from benchmarks import gemlite_side  # noqa: E402
 
 H, FF, G = 4096, 14336, 128
 EX = None
@@ -115,12 +117,14 @@ def _regs(launch) -> dict:
 
 
 class Experts:
-    """n experts of random codes and scales, in the tiled pool, tinygemm's packing and bf16."""
+    """n experts of random codes and scales, in the tiled pool, tinygemm's packing and bf16 (and
+    gemlite's, with `gl`: `benchmarks.gemlite_side`)."""
 
-    def __init__(self, n: int, gen: torch.Generator):
+    def __init__(self, n: int, gen: torch.Generator, gl: bool = False):
         self.lay = tiled_layout(f"w4g{G}", H, FF)
         self.pool = torch.empty(n, slot_size(self.lay), dtype=torch.uint8, device=DEV)
-        self.tg, self.bf = [], []
+        self.tg, self.bf, self.gl = [], [], []
+        gls = {}
         pack = pack_cuda if DEV == "cuda" else (lambda c: pack_cpu(c).to(DEV))
         for e in range(n):
             mats = {}
@@ -131,9 +135,13 @@ class Experts:
                 sz = sz.to(torch.bfloat16)
                 write_codes(self.pool[e], self.lay, name, codes, sz)
                 mats[name] = (pack(codes), sz, dequantize(codes, sz, G).to(torch.bfloat16))
+                if gl:
+                    gls[name] = gemlite_side.linear(codes, sz, G)
                 del codes
             self.tg.append({k: v[:2] for k, v in mats.items()})
             self.bf.append({k: v[2] for k, v in mats.items()})
+            if gl:
+                self.gl.append(dict(gls))
         if DEV == "cuda":
             torch.cuda.synchronize()
 
@@ -157,13 +165,38 @@ def torch_rows(r: dict, x, hM, ex, ids2, w2t, nexp: int, slot_bytes: int, sizes:
         rr, cc = (ids2 == e).nonzero(as_tuple=True)
         rows_of[e] = (rr.to(DEV), w2t[rr, cc].to(DEV).to(torch.bfloat16))
     for name, fn, store in (("tg", tg_expert, ex.tg), ("bf", bf_expert, ex.bf)):
-        sets = [{e: store[e + 8 * i] for e in range(8)} for i in range(2)]
-        r[f"layer_{name}"] = graph_us([lambda s=s: layer_torch(x, rows_of, s, fn) for s in sets])
+        r[f"layer_{name}"] = graph_us([lambda s=s: layer_torch(x, rows_of, s, fn) for s in _layer_sets(store)])
+    impls = ("mine", "tg", "bf") + (("gl",) if ex.gl and _gl_rows(r, x, hM, ex, rows_of) else ())
     for k in ("w13", "w2", "expert", "layer"):
         nb_i4 = {"w13": b13, "w2": b2, "expert": slot_bytes, "layer": nexp * slot_bytes}[k]
         nb_bf = {"w13": bf13, "w2": bf2, "expert": bf13 + bf2, "layer": nexp * (bf13 + bf2)}[k]
-        for impl, nb in (("mine", nb_i4), ("tg", nb_i4), ("bf", nb_bf)):
-            r[f"{k}_{impl}_tbps"] = nb / r[f"{k}_{impl}"] / 1e6
+        for impl in impls:
+            r[f"{k}_{impl}_tbps"] = (nb_bf if impl == "bf" else nb_i4) / r[f"{k}_{impl}"] / 1e6
+
+
+def _layer_sets(store: list) -> list[dict]:
+    """Two layers' experts (0-7 and 8-15), so that consecutive calls read different bytes."""
+    return [{e: store[e + 8 * i] for e in range(8)} for i in range(2)]
+
+
+def _gl_rows(r: dict, x, hM, ex, rows_of: dict) -> bool:
+    """gemlite's w13, w2, one expert and the layer into `r` (`*_gl`, us); False, its error recorded
+    and its experts dropped for the rest of the run, where a call fails (an autotune or a shape it
+    lacks, or a capture it does not survive)."""
+    try:
+        r["w13_gl"] = graph_us([lambda e=e: ex.gl[e]["w13"](x) for e in range(4)])
+        r["w2_gl"] = graph_us([lambda e=e: ex.gl[e]["w2"](hM) for e in range(4)])
+        r["expert_gl"] = graph_us([lambda e=e: gemlite_side.expert(x, ex.gl[e]) for e in range(4)])
+        r["layer_gl"] = graph_us([lambda s=s: layer_torch(x, rows_of, s, gemlite_side.expert)
+                                  for s in _layer_sets(ex.gl)])
+        return True
+    except Exception as e:                                                 # noqa: BLE001
+        for k in ("w13_gl", "w2_gl", "expert_gl", "layer_gl"):
+            r.pop(k, None)
+        r["gl_error"] = f"{type(e).__name__}: {e}"[:300]
+        print(f"M={r['M']}: gemlite failed, dropped: {r['gl_error']}", flush=True)
+        ex.gl.clear()
+        return False
 
 
 def tg_mm(x, w):
@@ -288,20 +321,19 @@ def print_table(res: dict, rows: list) -> None:
     hbm = res.get("hbm_copy_tbps", float("nan"))
     print(f"\n{res['gpu']}, torch {res['torch']}, triton {res['triton']}, {res['date']}; HBM copy {hbm:.2f} TB/s")
     print("effective TB/s (weight bytes / time); mine = CONFIGS as committed (CUDA C++ or Triton),"
-          " tg = torch _weight_int4pack_mm, bf = bf16 F.linear")
-    hdr = f"{'M':>3} | " + " | ".join(f"{k:^20}" for k in ("w13", "w2", "expert", "layer (8 exp, top-2)"))
-    print(hdr)
-    print(f"{'':>3} | " + " | ".join(f"{'mine':>6} {'tg':>6} {'bf':>6}" for _ in range(4)))
+          f" tg = torch _weight_int4pack_mm, bf = bf16 F.linear, gl = {res.get('gemlite')} (nan: not run)")
+    nan, impls = float("nan"), ("mine", "tg", "bf", "gl")
+    print(f"{'M':>3} | " + " | ".join(f"{k:^27}" for k in ("w13", "w2", "expert", "layer (8 exp, top-2)")))
+    print(f"{'':>3} | " + " | ".join(" ".join(f"{i:>6}" for i in impls) for _ in range(4)))
     for r in rows:
-        print(f"{r['M']:>3} | " + " | ".join(
-            f"{r[k + '_mine_tbps']:6.2f} {r[k + '_tg_tbps']:6.2f} {r[k + '_bf_tbps']:6.2f}"
-            for k in ("w13", "w2", "expert", "layer")))
+        print(f"{r['M']:>3} | " + " | ".join(" ".join(f"{r.get(f'{k}_{i}_tbps', nan):6.2f}" for i in impls)
+                                            for k in ("w13", "w2", "expert", "layer")))
     print("\nmicroseconds:")
     for r in rows:
-        print(f"{r['M']:>3} | " + " | ".join(
-            f"{r[k + '_mine']:6.1f} {r[k + '_tg']:6.1f} {r[k + '_bf']:6.1f}" for k in ("w13", "w2", "expert", "layer"))
+        print(f"{r['M']:>3} | " + " | ".join(" ".join(f"{r.get(f'{k}_{i}', nan):6.1f}" for i in impls)
+                                            for k in ("w13", "w2", "expert", "layer"))
               + f"  (layer reads {r['layer_experts']} experts, fastest Triton-only layer"
-                f" {r.get('layer_triton_best', float('nan')):.1f}; rel err layer {r['layer_rel_err']:.1e},"
+                f" {r.get('layer_triton_best', nan):.1f}; rel err layer {r['layer_rel_err']:.1e},"
                 f" expert {r['expert_rel_err']:.1e})")
     print("\nconfigs:")
     for r in rows:
@@ -313,7 +345,7 @@ def _header() -> dict:
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (Triton interpreter)",
             "torch": torch.__version__, "triton": triton.__version__,
-            "shape": {"H": H, "F": FF, "g": G}, "gemlite": "not installed on the machine: skipped"}
+            "shape": {"H": H, "F": FF, "g": G}, "gemlite": gemlite_side.STATE["status"]}
 
 
 def _commit() -> str | None:
@@ -528,6 +560,9 @@ def main() -> None:
                     help="--split13-sweep: no new variant is tried after this many seconds from the start")
     ap.add_argument("--tiny", action="store_true",
                     help="--split13-sweep on small shapes (CPU under TRITON_INTERPRET=1): a smoke test")
+    ap.add_argument("--gemlite-config", default=None,
+                    help="gemlite's configurations: a shipped file's name (h100) or autotune; default as it loads them")
+    ap.add_argument("--no-gemlite", action="store_true", help="leave gemlite's column out")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -540,6 +575,8 @@ def main() -> None:
     from cmoe.executor.kernels_triton import CONFIGS, Workspace, moe_triton, pick_config
     from cmoe.executor.kernels_triton import moe as K
 
+    if not args.no_gemlite:
+        print(gemlite_side.load(args.gemlite_config), flush=True)
     res: dict = _header()
     res["commit"] = _commit()
     t0 = time.time()
@@ -547,7 +584,7 @@ def main() -> None:
     print(f"HBM copy {res['hbm_copy_tbps']:.2f} TB/s", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     global EX
-    ex = EX = Experts(16, gen)
+    ex = EX = Experts(16, gen, gl=gemlite_side.STATE["module"] is not None)
     lay, pool = ex.lay, ex.pool
     print(f"built 16 experts in {time.time() - t0:.0f} s", flush=True)
     b13, b2 = ex.int4_bytes("w13"), ex.int4_bytes("w2")
@@ -569,6 +606,9 @@ def main() -> None:
                       tables[3], pool, lay, out_dtype=torch.float32)
     res["check_rel_err_expert_vs_tinygemm"] = ((y_me - y_tg).norm() / y_tg.norm()).item()
     res["check_rel_err_tinygemm_vs_bf16"] = ((y_tg - y_bf).norm() / y_bf.norm()).item()
+    if ex.gl:
+        y_gl = gemlite_side.expert(x8, ex.gl[3]).float()
+        res["check_rel_err_gemlite_vs_bf16"] = ((y_gl - y_bf).norm() / y_bf.norm()).item()
     print({k: v for k, v in res.items() if k.startswith("check")}, flush=True)
 
     def single(M):

@@ -69,8 +69,9 @@
 #                                             # ~6-8 min; AB_S, AB_TOK, POOLS, POLS trim it)
 #   bash benchmarks/gpu_session.sh few-tests  # its GPU tests alone (at most 150 s: a short call when little device time is left)
 #   bash benchmarks/gpu_session.sh check      # a session's first call: the expert kernels', lean and executor GPU
-#                                             # tests, then expert_kernel_h200.py --no-sweep (CONFIGS, torch int4 and
-#                                             # bf16 in one run, M 1-64), then upper at batches 1/4/8 as committed
+#                                             # tests, then expert_kernel_h200.py --no-sweep (CONFIGS, torch int4,
+#                                             # bf16 and gemlite in one run, M 1-64; gemlite where .whl holds its
+#                                             # wheel: bash benchmarks/gemlite_wheel.sh), then upper at batches 1/4/8
 #   bash benchmarks/gpu_session.sh fuse-ab    # the step-kernel, attention and lean GPU tests, then upper at batches
 #                                             # 1/4/8 as committed and with each engine switch of ABL turned off
 #                                             # (default CMOE_ROUTE_MM=0,CMOE_LEAN_LAYER=0), then the b1 kernel profile

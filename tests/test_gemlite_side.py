@@ -1,0 +1,71 @@
+"""`benchmarks/gemlite_side.py`: gemlite's (codes, scales, zeros) from cmoe's bf16 (scale, zero)
+pairs give the same weights, and without gemlite the benchmark says so in one line."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from benchmarks import gemlite_side
+from cmoe.executor.kernels import dequantize
+
+
+def test_gemlites_zero_point_form_dequantizes_to_cmoes_weights():
+    gen = torch.Generator().manual_seed(3)
+    o, i, g = 24, 256, 64
+    codes = torch.randint(0, 16, (o, i), generator=gen, dtype=torch.int32)
+    sz = torch.stack([torch.rand(i // g, o, generator=gen) * 0.004 + 0.001,
+                      (torch.rand(i // g, o, generator=gen) - 0.5) * 0.01], -1).to(torch.bfloat16)
+    w_q, s, z = gemlite_side.meta(codes, sz)
+    assert (w_q.dtype, tuple(w_q.shape), s.dtype, tuple(s.shape), z.dtype, tuple(z.shape)) == (
+        torch.uint8, (o, i), torch.bfloat16, (o, i // g), torch.float32, (o, i // g))
+    assert torch.equal(w_q.long(), codes.long())
+    theirs = ((w_q.float().reshape(o, i // g, g) - z[..., None]) * s.float()[..., None]).reshape(o, i)
+    ours = dequantize(codes, sz, g)
+    assert torch.allclose(theirs, ours, rtol=0, atol=1e-6)
+    assert (theirs - ours).abs().max().item() < 1e-6 < ours.abs().max().item()
+
+
+def test_without_gemlite_the_status_says_how_to_bring_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gemlite", None)                    # import gemlite fails
+    assert gemlite_side.load() == ("not importable (ModuleNotFoundError: import of gemlite halted; None in "
+                                   "sys.modules); build its wheel with bash benchmarks/gemlite_wheel.sh")
+    assert gemlite_side.STATE["module"] is None
+
+
+def _bench_rows(gl_fails: bool) -> tuple[dict, object]:
+    """The benchmark's torch rows on the CPU at small shapes, gemlite's layers stood in for by bf16
+    ones (or by one that fails): the plumbing the GPU run relies on, not its times."""
+    import torch.nn.functional as F
+    sys.path.insert(0, "benchmarks")
+    import expert_kernel_h200 as bench
+    saved = bench.H, bench.FF, bench.G, bench.DEV
+    bench.H, bench.FF, bench.G, bench.DEV = 256, 512, 128, "cpu"
+    try:
+        gen = torch.Generator().manual_seed(0)
+        ex = bench.Experts(16, gen)
+
+        def broken(x):
+            raise RuntimeError("no config for this shape")
+        ex.gl = [{k: (broken if gl_fails and k == "w2" else (lambda x, w=w: F.linear(x, w))) for k, w in b.items()}
+                 for b in ex.bf]
+        x, h = torch.randn(2, 256).to(torch.bfloat16), torch.randn(2, 512).to(torch.bfloat16)
+        ids2 = torch.tensor([[0, 3], [3, 5]], dtype=torch.int32)
+        r = {"M": 2, "w13_mine": 1.0, "w2_mine": 1.0, "expert_mine": 2.0, "layer_mine": 4.0}
+        bench.torch_rows(r, x, h, ex, ids2, torch.rand(2, 2), 3, ex.lay.nbytes, (1, 1, 2, 2))
+        return r, ex
+    finally:
+        bench.H, bench.FF, bench.G, bench.DEV = saved
+
+
+def test_the_benchmark_gives_gemlite_a_column_and_drops_it_with_its_error():
+    r, ex = _bench_rows(gl_fails=False)
+    assert sorted(k for k in r if "_gl" in k) == ["expert_gl", "expert_gl_tbps", "layer_gl", "layer_gl_tbps",
+                                                 "w13_gl", "w13_gl_tbps", "w2_gl", "w2_gl_tbps"]
+    assert len(ex.gl) == 16
+    r, ex = _bench_rows(gl_fails=True)
+    assert sorted(k for k in r if "gl" in k) == ["gl_error"]
+    assert r["gl_error"] == "RuntimeError: no config for this shape" and ex.gl == []
+    assert sorted(k for k in r if k.endswith("_tbps")) == [f"{k}_{i}_tbps" for k in ("expert", "layer", "w13", "w2")
+                                                          for i in ("bf", "mine", "tg")]
