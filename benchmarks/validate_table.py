@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tarfile
@@ -53,7 +54,7 @@ def unpacked(folder: Path, work: Path) -> Path:
     out = work / "unpacked"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    for t in sorted(folder.glob("*.tgz")):
+    for t in [folder / "head.tgz", *sorted(folder.glob("meas-b*.tgz"))]:
         with tarfile.open(t) as tar:
             tar.extractall(out, filter="data")
     return out
@@ -64,7 +65,8 @@ def main() -> None:
     ap.add_argument("folder", type=Path)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--work", type=Path, default=Path("/tmp/cmoe-validate-table"),
-                    help="scratch folder for the predictions: its poolP-bB/predicted* folders are replaced")
+                    help="scratch folder: its poolP-bB/predicted* folders (the predictions) and unpacked/ (the "
+                    "tarballs a device call brought back) are replaced")
     ap.add_argument("--profile", type=Path, default=None,
                     help="predict with this profile instead of the folder's (a diagnosis: say so beside its table)")
     ap.add_argument("--host-adjust", action="store_true",
@@ -81,7 +83,10 @@ def main() -> None:
                     help="also predict each configuration with this profile (another session's calibration) and "
                     "count the rows the two predict within 2%% of each other (issue 15's second condition)")
     a = ap.parse_args()
-    a.out = a.out or a.folder / "summary.json"
+    if a.out is None:
+        a.out = a.folder / "summary.json" if os.access(a.folder, os.W_OK) else a.work / "summary.json"
+        if a.out.parent != a.folder:
+            print(f"{a.folder} is read-only: summary.json goes to {a.out}", file=sys.stderr)
     a.folder = unpacked(a.folder, a.work)
     res = json.loads((a.folder / "results.json").read_text())
     prof = load_profile(str(a.profile or a.folder / "profile.json"))
@@ -98,6 +103,9 @@ def main() -> None:
     for c in res["configs"]:
         pool, b = c["pool_gb"], c["batch"]
         here = a.folder / f"pool{pool:g}-b{b}"
+        if not (here / "measured").is_dir():        # no rows, rather than a summary without them
+            sys.exit(f"validate_table.py: {here} has no measured runs: give the folder with meas-b{b}.tgz "
+                     f"(or its pool*-b{b} folders) beside head.tgz")
         pols = list(c["policies"])
         w = SimpleNamespace(trace=load_trace(trace_src, None, b), spec=spec, fmt=fmt)
         # the policies whose runs planned in the Python step (the program off, or none yet for them)

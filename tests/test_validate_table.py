@@ -55,3 +55,23 @@ def test_a_folder_without_results_is_one_line(tmp_path):
         unpacked(tmp_path, tmp_path / "work")
     assert str(e.value) == (f"validate_table.py: {tmp_path} holds neither results.json nor head.tgz: give the folder "
                             "benchmarks/validate_h200.py wrote, or the one gpu_session.sh validate brought back")
+
+
+def test_a_folder_without_its_measured_runs_is_refused_before_any_summary(tmp_path, monkeypatch):
+    """A stored folder keeps head.tgz alone: read in place, it must not overwrite its summary with
+    none (a helper's review found it did)."""
+    import json
+    import sys
+    from benchmarks import validate_table
+    came = tmp_path / "stored"
+    came.mkdir()
+    res = {"configs": [{"pool_gb": 20.0, "batch": 8, "policies": ["upper"], "experts_fit": 172}],
+           "spec": "mixtral-8x7b", "tokens": 4}
+    _tar(came / "head.tgz", {"results.json": json.dumps(res)})
+    (came / "summary.json").write_text("kept")
+    monkeypatch.setattr(sys, "argv", ["validate_table.py", str(came), "--work", str(tmp_path / "w"), "--profile", "h200"])
+    with pytest.raises(SystemExit) as e:
+        validate_table.main()
+    assert str(e.value) == (f"validate_table.py: {tmp_path / 'w' / 'unpacked' / 'pool20-b8'} has no measured runs: give "
+                            "the folder with meas-b8.tgz (or its pool*-b8 folders) beside head.tgz")
+    assert (came / "summary.json").read_text() == "kept"
