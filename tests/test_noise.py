@@ -145,6 +145,10 @@ def test_run_verdict():
     assert run_verdict(quiet, [-0.31], None, [1.1], [1.05], [0.6, 1.18]).endswith(
         "their CPU experts took 0.60-1.18x their calibrated time: the CPU experts ran at another speed than when "
         "they were calibrated: where they bound a policy, its error follows the host's CPU, not the model")
+    # both drifted, as at this session's pool 26 batch 8 (host 1.06-1.36x, CPU experts 0.60-0.64x): both named
+    assert run_verdict(quiet, [-0.31], None, [1.06, 1.36], None, [0.6, 0.64]).endswith(
+        "their CPU experts took 0.60-0.64x their calibrated time: the host and its CPU experts ran at other speeds "
+        "than when they were calibrated: where either bounds a policy, its error follows the host, not the model")
     assert run_verdict(quiet, [0.04], None, None, None, [0.94]).endswith(
         "their CPU experts took 0.94-0.94x their calibrated time: the CPU experts ran at another speed than when "
         "they were calibrated: where they bound a policy, its error follows the host's CPU, not the model")

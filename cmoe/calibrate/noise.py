@@ -155,6 +155,9 @@ def run_verdict(cal: Noise | None, errors: list[float], run_spreads: list[float]
     worst = max(abs(e) for e in errors)
     if cal is not None and not cal.quiet:
         then = "recalibrate on a quiet machine before reading these errors"
+    elif drifted and cpu_drifted:            # both named: CPU-expert runs drift in both (forty-fifth session)
+        then = ("the host and its CPU experts ran at other speeds than when they were calibrated: where either "
+                "bounds a policy, its error follows the host, not the model")
     elif drifted:
         then = ("the host ran at another speed than when it was calibrated: where the host bounds a policy, "
                 "its error follows the host, not the model")
