@@ -5,7 +5,6 @@
 # Every gpu_session.sh call installs .whl/*.whl; carry .whl with the call.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 mkdir -p .whl
 python3 -m pip wheel -q --no-deps --no-cache-dir "gemlite==${GEMLITE_VERSION:-0.6.0.post2}" -w .whl
 ls -la .whl

@@ -28,44 +28,61 @@ def test_gemlites_zero_point_form_dequantizes_to_cmoes_weights():
 
 
 def test_without_gemlite_the_status_says_how_to_bring_it(monkeypatch):
+    monkeypatch.setattr(gemlite_side, "STATE", {"module": "stale", "status": "not loaded"})
     monkeypatch.setitem(sys.modules, "gemlite", None)                    # import gemlite fails
     assert gemlite_side.load() == ("not importable (ModuleNotFoundError: import of gemlite halted; None in "
                                    "sys.modules); build its wheel with bash benchmarks/gemlite_wheel.sh")
     assert gemlite_side.STATE["module"] is None
 
 
-def _bench_rows(gl_fails: bool) -> tuple[dict, object]:
-    """The benchmark's torch rows on the CPU at small shapes, gemlite's layers stood in for by bf16
-    ones (or by one that fails): the plumbing the GPU run relies on, not its times."""
+def _small(monkeypatch):
+    """The benchmark at small shapes on the CPU (its plumbing, not its times)."""
+    from benchmarks import expert_kernel_h200 as bench
+    for k, v in (("H", 256), ("FF", 512), ("G", 128), ("DEV", "cpu")):
+        monkeypatch.setattr(bench, k, v)
+    monkeypatch.setattr(gemlite_side, "STATE", {"module": None, "status": "not loaded"})
+    return bench
+
+
+def _bench_rows(bench, gl_fails: bool) -> tuple[dict, object]:
+    """The benchmark's torch rows, gemlite's layers stood in for by bf16 ones (or by one that fails)."""
     import torch.nn.functional as F
-    sys.path.insert(0, "benchmarks")
-    import expert_kernel_h200 as bench
-    saved = bench.H, bench.FF, bench.G, bench.DEV
-    bench.H, bench.FF, bench.G, bench.DEV = 256, 512, 128, "cpu"
-    try:
-        gen = torch.Generator().manual_seed(0)
-        ex = bench.Experts(16, gen)
+    ex = bench.Experts(16, torch.Generator().manual_seed(0))
 
-        def broken(x):
-            raise RuntimeError("no config for this shape")
-        ex.gl = [{k: (broken if gl_fails and k == "w2" else (lambda x, w=w: F.linear(x, w))) for k, w in b.items()}
-                 for b in ex.bf]
-        x, h = torch.randn(2, 256).to(torch.bfloat16), torch.randn(2, 512).to(torch.bfloat16)
-        ids2 = torch.tensor([[0, 3], [3, 5]], dtype=torch.int32)
-        r = {"M": 2, "w13_mine": 1.0, "w2_mine": 1.0, "expert_mine": 2.0, "layer_mine": 4.0}
-        bench.torch_rows(r, x, h, ex, ids2, torch.rand(2, 2), 3, ex.lay.nbytes, (1, 1, 2, 2))
-        return r, ex
-    finally:
-        bench.H, bench.FF, bench.G, bench.DEV = saved
+    def broken(x):
+        raise RuntimeError("no config for this shape")
+    ex.gl = [{k: (broken if gl_fails and k == "w2" else (lambda x, w=w: F.linear(x, w))) for k, w in b.items()}
+             for b in ex.bf]
+    x, h = torch.randn(2, 256).to(torch.bfloat16), torch.randn(2, 512).to(torch.bfloat16)
+    ids2 = torch.tensor([[0, 3], [3, 5]], dtype=torch.int32)
+    r = {"M": 2, "w13_mine": 1.0, "w2_mine": 1.0, "expert_mine": 2.0, "layer_mine": 4.0}
+    bench.torch_rows(r, x, h, ex, ids2, torch.rand(2, 2), 3, ex.lay.nbytes, (1, 1, 2, 2))
+    return r, ex
 
 
-def test_the_benchmark_gives_gemlite_a_column_and_drops_it_with_its_error():
-    r, ex = _bench_rows(gl_fails=False)
+def test_the_benchmark_gives_gemlite_a_column_and_drops_it_with_its_error(monkeypatch):
+    bench = _small(monkeypatch)
+    r, _ = _bench_rows(bench, gl_fails=False)
     assert sorted(k for k in r if "_gl" in k) == ["expert_gl", "expert_gl_tbps", "layer_gl", "layer_gl_tbps",
                                                  "w13_gl", "w13_gl_tbps", "w2_gl", "w2_gl_tbps"]
-    assert len(ex.gl) == 16
-    r, ex = _bench_rows(gl_fails=True)
+    r, ex = _bench_rows(bench, gl_fails=True)
     assert sorted(k for k in r if "gl" in k) == ["gl_error"]
     assert r["gl_error"] == "RuntimeError: no config for this shape" and ex.gl == []
     assert sorted(k for k in r if k.endswith("_tbps")) == [f"{k}_{i}_tbps" for k in ("expert", "layer", "w13", "w2")
                                                           for i in ("bf", "mine", "tg")]
+
+
+def test_a_gemlite_that_cannot_pack_leaves_the_experts_without_it(monkeypatch):
+    bench = _small(monkeypatch)
+    calls = []
+
+    def linear(codes, sz, group):
+        calls.append(tuple(codes.shape))
+        if len(calls) == 3:
+            raise ValueError("unsupported group")
+        return object()
+    monkeypatch.setattr(gemlite_side, "linear", linear)
+    ex = bench.Experts(4, torch.Generator().manual_seed(0), gl=True)
+    assert calls == [(1024, 256), (256, 512), (1024, 256)]           # expert 0's two, then expert 1's w13 fails
+    assert ex.gl == [] and len(ex.tg) == len(ex.bf) == 4
+    assert gemlite_side.STATE == {"module": None, "status": "gemlite failed to pack: ValueError: unsupported group"}
