@@ -1,4 +1,5 @@
-"""`benchmarks/boundary_by_wait.py`: each decode pass's boundary read off a measured run's spans."""
+"""`benchmarks/boundary_by_wait.py`: each pair of decode passes' boundary read off a measured run's
+spans as calibrate reads it (the head, then the gap to the next pass plus its layer-0 excess)."""
 
 from __future__ import annotations
 
@@ -7,19 +8,24 @@ from types import SimpleNamespace
 from benchmarks.boundary_by_wait import boundaries
 
 
-def _pass(p: int, t: float, wait: float, head: float, start: float, loads: int) -> list[tuple]:
-    spans = [("gpu", p, 0, "host", "host_attention", -1, t, t + start),
-             ("gpu", p, 1, "host", "host_sync", -1, t + 500, t + 500 + wait),
-             ("gpu", p, -1, "host", "host_head", -1, t + 600 + wait, t + 600 + wait + head)]
+def _pass(p: int, t: float, att0: float, wait: float, head: float, loads: int) -> list[tuple]:
+    """Layer 0's host_attention att0 us from t, layer 1's 20 us at t + 300, the read-back wait at
+    t + 400 (a shorter one earlier), the head after it."""
+    spans = [("gpu", p, 0, "host", "host_attention", -1, t, t + att0),
+             ("gpu", p, 1, "host", "host_attention", -1, t + 300, t + 320),
+             ("gpu", p, 0, "host", "host_sync", -1, t + 100, t + 105),
+             ("gpu", p, 1, "host", "host_sync", -1, t + 400, t + 400 + wait),
+             ("gpu", p, -1, "host", "host_head", -1, t + 500 + wait, t + 500 + wait + head)]
     return spans + [("gpu", p, 1, "copy0", "load", k, t + 10, t + 20, 1) for k in range(loads)]
 
 
-def test_a_pass_boundary_pairs_its_head_with_the_next_passs_start():
-    spans = (_pass(0, 0, 9, 9, 999, 9) + _pass(1, 1e4, 140.0, 30.0, 80.0, 2) + _pass(2, 2e4, 1500.0, 170.0, 95.0, 0)
-             + _pass(3, 3e4, 2000.0, 160.0, 250.0, 20))
-    run = SimpleNamespace(spans=spans, passes=[{"pass": p, "decode": p > 0} for p in range(4)])
-    # pass 1 is the first decode pass (left out), pass 3 has no pass after it
-    assert boundaries(run) == [(1500.0, 170.0, 250.0, 0)]
-    run.passes.append({"pass": 4, "decode": True})
-    run.spans += _pass(4, 4e4, 10.0, 10.0, 55.0, 1)
-    assert boundaries(run) == [(1500.0, 170.0, 250.0, 0), (2000.0, 160.0, 55.0, 20)]
+def test_a_boundary_is_the_head_then_the_gap_and_the_next_passs_excess():
+    spans = (_pass(0, 0, 900, 9, 9, 9) + _pass(1, 1e4, 80, 140.0, 30.0, 2) + _pass(2, 2e4, 60, 1500.0, 170.0, 0)
+             + _pass(3, 3e4, 250, 2000.0, 160.0, 20))
+    passes = [{"pass": p, "decode": p > 0, "us": 1e4} for p in range(4)]
+    run = SimpleNamespace(spans=spans, passes=passes)
+    # pass 1's head ends at 1e4 + 670: the gap to pass 2 is 2e4 - 10670 = 9330, plus 60 - 20 = 40 of excess;
+    # pass 2's ends at 2e4 + 2170, to pass 3: 7830 + 230; the prefill (pass 0) is not paired
+    assert boundaries(run) == [(140.0, 30.0, 9370.0, 2, 1e4), (1500.0, 170.0, 8060.0, 0, 1e4)]
+    run.passes[3]["decode"] = False                      # a pass after a prefill is not a boundary either
+    assert boundaries(run) == [(140.0, 30.0, 9370.0, 2, 1e4)]
