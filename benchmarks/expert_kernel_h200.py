@@ -625,7 +625,7 @@ def main() -> None:
             y_gl = gemlite_side.expert(x8, ex.gl[3]).float()
             res["check_rel_err_gemlite_vs_bf16"] = ((y_gl - y_bf).norm() / y_bf.norm()).item()
         except Exception as e:                                             # noqa: BLE001
-            gemlite_side.STATE["status"] = f"gemlite failed its first call: {type(e).__name__}: {e}"[:300]
+            gemlite_side.STATE.update(module=None, status=f"gemlite failed its first call: {type(e).__name__}: {e}"[:300])
             print(gemlite_side.STATE["status"], flush=True)
             ex.gl.clear()
     res["gemlite"] = gemlite_side.STATE["status"]

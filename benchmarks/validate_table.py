@@ -8,7 +8,7 @@ Prints a Markdown table and writes `summary.json` beside the input:
         [--host-adjust] [--link-adjust] [--against OTHER_SESSION/profile.json]
 
 OUT/v is the folder validate_h200.py wrote, or the one `gpu_session.sh validate` brought back
-(head.tgz and meas-bB.tgz, unpacked under --work; summary.json still goes beside it).
+(head.tgz and meas-bB.tgz, unpacked under --work, where summary.json then goes too).
 
 Errors are relative to the measurement; with two measured runs (`--repeat`), the error is taken
 against their mean and the runs' own spread is shown beside it: where the spread is as large as
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tarfile
@@ -83,11 +82,11 @@ def main() -> None:
                     help="also predict each configuration with this profile (another session's calibration) and "
                     "count the rows the two predict within 2%% of each other (issue 15's second condition)")
     a = ap.parse_args()
-    if a.out is None:
-        a.out = a.folder / "summary.json" if os.access(a.folder, os.W_OK) else a.work / "summary.json"
-        if a.out.parent != a.folder:
-            print(f"{a.folder} is read-only: summary.json goes to {a.out}", file=sys.stderr)
-    a.folder = unpacked(a.folder, a.work)
+    came, a.folder = a.folder, unpacked(a.folder, a.work)
+    if a.out is None:             # not into the device tool's copy of the tarballs: it is read-only
+        a.out = (came if a.folder == came else a.work) / "summary.json"
+        if a.folder != came:
+            print(f"{came} holds tarballs: summary.json goes to {a.out}", file=sys.stderr)
     res = json.loads((a.folder / "results.json").read_text())
     prof = load_profile(str(a.profile or a.folder / "profile.json"))
     other = load_profile(str(a.against)) if a.against else None
