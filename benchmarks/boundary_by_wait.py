@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.validate_table import unpacked  # noqa: E402
 from cmoe.analysis.validate import read_run  # noqa: E402
 from cmoe.calibrate.spans import first_excess, host_gaps, host_marks  # noqa: E402
-from cmoe.calibrate.wake import pass_start_means  # noqa: E402
+from cmoe.calibrate.wake import loading_boundary, pass_start_means  # noqa: E402
 from cmoe.core.hw import load_profile  # noqa: E402
 from cmoe.core.timeline import END, OP, START, STEP  # noqa: E402
 
@@ -99,6 +99,9 @@ def main() -> None:
                 x = np.array(pairs)
                 print(f"  {lead:g}: {np.median(x[:, 0]) / 1e3:.1f} ms, head {np.median(x[:, 4]):.0f}")
         print("  pass start, mean over the lead's runs: " + ", ".join(f"{k:g}: {v[1]:.0f}" for k, v in means.items()))
+        if lb := loading_boundary(host.get("loading_pass_start_samples") or []):
+            print(f"calibrate's loading run (ondemand, top_k slots): after {lb[0] / 1e3:.1f} ms passes, head "
+                  f"{lb[1]:.0f} us, start {lb[2]:.0f} us")
     print(f"profile: host_head_us {prof.host_head_us:.0f}, host_pass_start_us {prof.host_pass_start_us:.0f}, "
           f"host_pass_start_points {[[round(x), round(y)] for x, y in prof.host_pass_start_points]}")
 

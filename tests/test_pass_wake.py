@@ -99,3 +99,28 @@ def test_calibrate_fits_the_samples_and_shows_each_lead_beside_the_profile():
     rows = {line[:28].strip(): line[28:].split() for line in beside(got, m).splitlines()}
     assert rows["host, pass start after 5ms"][:2] == ["100.0us", f"{got.host_pass_start_us:.1f}us"]
     assert rows["host, pass start after 39ms"][:2] == ["190.0us", f"{got.host_pass_start_us + 90.0:.1f}us"]
+
+
+def test_a_loading_runs_boundary_is_shown_beside_the_profile_not_fitted():
+    """calibrate's ondemand run with top_k slots (every layer loads) keeps its pass-start samples;
+    `beside` shows its head and pass start against what the profile prices, and the fit ignores
+    them (forty-fifth session: measured before it is modelled)."""
+    from cmoe.calibrate.beside import beside
+    from cmoe.calibrate.profile_fit import fit_profile
+    from cmoe.calibrate.wake import loading_boundary
+    from tests.test_calibrate import _synthetic
+    known = replace(H200, host_pass_start_us=100.0, host_head_us=40.0)
+    m = _synthetic(known)
+    plain = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-07")
+    pairs = [[40000.0, 500.0, -20.0, 150.0, 170.0], [42000.0, 400.0, 30.0, 130.0, 150.0],
+             [38000.0, 450.0, 40.0, 110.0, 190.0]]
+    # the starts: 500 + 150 (the host went on before the GPU ended), 30 + 130, 40 + 110; medians
+    assert loading_boundary(pairs) == (40000.0, 170.0, 160.0)
+    assert loading_boundary([]) is None
+    m["layer"]["host"] |= {"loading_pass_start_samples": pairs}
+    got = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-07")
+    assert got == plain
+    rows = {line[:28].strip(): line[28:].split() for line in beside(got, m).splitlines()}
+    assert rows["host, head, loading run"][:2] == ["170.0us", f"{got.host_head_us:.1f}us"]
+    assert rows["host, start, loading, 40ms"][:2] == [
+        "160.0us", f"{got.host_pass_start_us + got.pass_start_extra_us(40000.0):.1f}us"]

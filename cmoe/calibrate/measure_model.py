@@ -257,6 +257,8 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
     od = run_policy(w, replace(cfg, policies=("ondemand",), slots=spec.top_k, tokens=min(r.tokens, 8)),
                     "ondemand")
     one["host_load"], one["load_queue"] = _load_cost(od.log, h_route, r.cuda), queued_period(od.log) if r.cuda else None
+    if r.cuda:                    # its pass boundary, shown beside the profile's (`wake.loading_boundary`)
+        one["loading_starts"] = wake.pass_start_samples(od.log)
     if not r.cuda:                # on a CPU a load is the host's own copy between other work (`copied_fit`)
         one["load_copy"] = load_copies(od.log)
 
@@ -329,6 +331,7 @@ def _result(r: _ModelRuns, ctx: list) -> dict:
                      **({"start_copy_s": max(one["start_copy"], 0.0)} if one.get("start_copy") is not None else {}),
                      "commit_start_excess_s": one.get("commit_start", 0.0),
                      "host": fig | {"load_s": one["host_load"], "route_waits": host["waits"], **r.wake}
+                     | ({"loading_pass_start_samples": one["loading_starts"]} if one.get("loading_starts") else {})
                      | ({"pass_gap_s": gap} if gap is not None else {})},
            "waves": gpu["waves"], "commit_waves": r.one.get("commit_waves", []), "seconds": r.seconds,
            "repeats": {"host, layer": {"unit": "tokens", "grows": False, "points": host["layer_runs"]},

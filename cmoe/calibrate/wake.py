@@ -96,6 +96,21 @@ def pass_start_means(starts: list) -> dict[float, tuple[float, float]]:
     return {lead: (float(np.mean([p for p, _ in v])), float(np.mean([s for _, s in v]))) for lead, v in sorted(by.items())}
 
 
+def loading_boundary(pairs: list) -> tuple[float, float, float] | None:
+    """(median previous pass, head, pass start) us of `pass_start_samples` over a run that loads
+    (calibrate's ondemand with top_k slots: every layer loads), the start read as
+    `pass_start_means` reads it; None without pairs. Measured and shown, not priced: the
+    forty-fifth session's H100 runs took 77-212 us of head and a 1.1-1.9x longer boundary than the
+    model's where a pass loaded 9 experts or more, against a head of 21-35 us in the GPU-sleep runs
+    that waited as long without loading (`benchmarks/boundary_by_wait.py`); whether and how it
+    should enter the model needs these figures from a GPU calibration first."""
+    if not pairs:
+        return None
+    a = np.array(pairs, np.float64)
+    start = np.where(a[:, 2] >= 0.0, a[:, 2], a[:, 1]) + a[:, 3]
+    return float(np.median(a[:, 0])), float(np.median(a[:, 4])), float(np.median(start))
+
+
 def fit_pass_start(starts: list) -> list[list[float]]:
     """`host_pass_start_points` [[previous pass us, extra us]] from `measure`'s samples: each
     lead's mean start less the unled runs' (clamped at 0), at its mean previous pass; the unled
