@@ -197,12 +197,19 @@ def _gl_rows(r: dict, x, hM, ex, rows_of: dict) -> bool:
     """gemlite's w13, w2, one expert and the layer into `r` (`*_gl`, us); False, its error recorded
     and its experts dropped for the rest of the run, where a call fails (an autotune or a shape it
     lacks, or a capture it does not survive)."""
+    spent = gemlite_side.STATE.get("spent_s", 0.0)
+    if spent > gemlite_side.STATE.get("budget_s", float("inf")):      # its autotune must not starve the rest
+        r["gl_error"] = f"budget: gemlite took {spent:.0f} s before this M"
+        ex.gl.clear()
+        return False
+    t0 = time.time()
     try:
         r["w13_gl"] = graph_us([lambda e=e: ex.gl[e]["w13"](x) for e in range(4)])
         r["w2_gl"] = graph_us([lambda e=e: ex.gl[e]["w2"](hM) for e in range(4)])
         r["expert_gl"] = graph_us([lambda e=e: gemlite_side.expert(x, ex.gl[e]) for e in range(4)])
         r["layer_gl"] = graph_us([lambda s=s: layer_torch(x, rows_of, s, gemlite_side.expert)
                                   for s in _layer_sets(ex.gl)])
+        gemlite_side.STATE["spent_s"] = spent + time.time() - t0
         return True
     except Exception as e:                                                 # noqa: BLE001
         for k in ("w13_gl", "w2_gl", "expert_gl", "layer_gl"):
@@ -577,6 +584,8 @@ def main() -> None:
     ap.add_argument("--gemlite-config", default=None,
                     help="gemlite's configurations: a shipped file's name (h100) or autotune; default as it loads them")
     ap.add_argument("--no-gemlite", action="store_true", help="leave gemlite's column out")
+    ap.add_argument("--gemlite-budget-s", type=float, default=60.0,
+                    help="no gemlite row is started after its rows took this long (an autotune per new shape)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -591,6 +600,7 @@ def main() -> None:
 
     if not args.no_gemlite:
         print(gemlite_side.load(args.gemlite_config), flush=True)
+        gemlite_side.STATE["budget_s"] = args.gemlite_budget_s
     res: dict = _header()
     res["commit"] = _commit()
     t0 = time.time()
@@ -621,8 +631,10 @@ def main() -> None:
     res["check_rel_err_expert_vs_tinygemm"] = ((y_me - y_tg).norm() / y_tg.norm()).item()
     res["check_rel_err_tinygemm_vs_bf16"] = ((y_tg - y_bf).norm() / y_bf.norm()).item()
     if ex.gl:
+        t_gl = time.time()
         try:                                     # gemlite's first call (and, autotuning, its first tune)
             y_gl = gemlite_side.expert(x8, ex.gl[3]).float()
+            gemlite_side.STATE["spent_s"] = time.time() - t_gl
             res["check_rel_err_gemlite_vs_bf16"] = ((y_gl - y_bf).norm() / y_bf.norm()).item()
         except Exception as e:                                             # noqa: BLE001
             gemlite_side.STATE.update(module=None, status=f"gemlite failed its first call: {type(e).__name__}: {e}"[:300])

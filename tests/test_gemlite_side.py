@@ -86,3 +86,14 @@ def test_a_gemlite_that_cannot_pack_leaves_the_experts_without_it(monkeypatch):
     assert calls == [(1024, 256), (256, 512), (1024, 256)]           # expert 0's two, then expert 1's w13 fails
     assert ex.gl == [] and len(ex.tg) == len(ex.bf) == 4
     assert gemlite_side.STATE == {"module": None, "status": "gemlite failed to pack: ValueError: unsupported group"}
+
+
+def test_gemlites_rows_stop_once_its_budget_is_spent(monkeypatch):
+    bench = _small(monkeypatch)
+    gemlite_side.STATE.update(budget_s=5.0, spent_s=6.0)
+    r, ex = _bench_rows(bench, gl_fails=False)
+    assert r["gl_error"] == "budget: gemlite took 6 s before this M" and ex.gl == []
+    assert not any(k.endswith("_gl") for k in r)
+    gemlite_side.STATE.update(budget_s=5.0, spent_s=1.0)
+    r, _ = _bench_rows(bench, gl_fails=False)
+    assert "gl_error" not in r and gemlite_side.STATE["spent_s"] > 1.0
