@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 
 from benchmarks import gemlite_side
@@ -90,10 +91,11 @@ def test_a_gemlite_that_cannot_pack_leaves_the_experts_without_it(monkeypatch):
 
 def test_gemlites_rows_stop_once_its_budget_is_spent(monkeypatch):
     bench = _small(monkeypatch)
-    gemlite_side.STATE.update(budget_s=5.0, spent_s=6.0)
+    gemlite_side.STATE.update(budget_s=5.0, spent_s=3.0, longest_s=2.5)   # the next row might take 2.5 s more
     r, ex = _bench_rows(bench, gl_fails=False)
-    assert r["gl_error"] == "budget: gemlite took 6 s before this M" and ex.gl == []
+    assert r["gl_error"] == "budget: gemlite took 3 s before this M, its longest row 2 s" and ex.gl == []
     assert not any(k.endswith("_gl") for k in r)
-    gemlite_side.STATE.update(budget_s=5.0, spent_s=1.0)
+    gemlite_side.STATE.update(budget_s=5.0, spent_s=1.0, longest_s=0.0)
     r, _ = _bench_rows(bench, gl_fails=False)
     assert "gl_error" not in r and gemlite_side.STATE["spent_s"] > 1.0
+    assert gemlite_side.STATE["longest_s"] == pytest.approx(gemlite_side.STATE["spent_s"] - 1.0, abs=1e-9)

@@ -111,16 +111,20 @@ def test_a_loading_runs_boundary_is_shown_beside_the_profile_not_fitted():
     from tests.test_calibrate import _synthetic
     known = replace(H200, host_pass_start_us=100.0, host_head_us=40.0)
     m = _synthetic(known)
-    plain = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-07")
-    pairs = [[40000.0, 500.0, -20.0, 150.0, 170.0], [42000.0, 400.0, 30.0, 130.0, 150.0],
-             [38000.0, 450.0, 40.0, 110.0, 190.0]]
-    # the starts: 500 + 150 (the host went on before the GPU ended), 30 + 130, 40 + 110; medians
-    assert loading_boundary(pairs) == (40000.0, 170.0, 160.0)
+    pairs = [[40000.0, 500.0, -20.0, 150.0, 170.0, 60.0], [42000.0, 400.0, 30.0, 130.0, 150.0, 58.0],
+             [38000.0, 450.0, 40.0, 110.0, 400.0, 64.0]]
+    # the starts, the gap from the head plus the excess: 650, 530, 560; medians (the head's mean would be 240)
+    assert loading_boundary(pairs) == (40000.0, 170.0, 560.0, 60.0)
+    assert loading_boundary([p[:5] for p in pairs])[:3] == (40000.0, 170.0, 560.0)   # older samples: no loads
     assert loading_boundary([]) is None
+    # with the GPU-sleep runs' samples the profile has an extra after a 40 ms pass, shown in the row
+    m["layer"]["host"] |= {"pass_start_samples": [[0.0, _pairs(5000.0, 30.0, -170.0, 70.0)],
+                                                  [1000.0, _pairs(39000.0, 1300.0, 80.0, 110.0)]]}
+    plain = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-07")
+    assert plain.pass_start_extra_us(40000.0) == 90.0
     m["layer"]["host"] |= {"loading_pass_start_samples": pairs}
     got = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-07")
     assert got == plain
     rows = {line[:28].strip(): line[28:].split() for line in beside(got, m).splitlines()}
-    assert rows["host, head, loading run"][:2] == ["170.0us", f"{got.host_head_us:.1f}us"]
-    assert rows["host, start, loading, 40ms"][:2] == [
-        "160.0us", f"{got.host_pass_start_us + got.pass_start_extra_us(40000.0):.1f}us"]
+    assert rows["host, head, 60 loads"][:2] == ["170.0us", f"{got.host_head_us:.1f}us"]
+    assert rows["host, start, loading, 40ms"][:2] == ["560.0us", f"{got.host_pass_start_us + 90.0:.1f}us"]

@@ -58,7 +58,7 @@ def beside(p: HardwareProfile, m: dict) -> str:
     for prev, start in pass_start_means((h or {}).get("pass_start_samples") or []).values():
         row(f"host, pass start after {prev / 1e3:.0f}ms", start / 1e6, p.host_pass_start_us + p.pass_start_extra_us(prev))
     if lb := loading_boundary((h or {}).get("loading_pass_start_samples") or []):    # shown, not priced
-        row("host, head, loading run", lb[1] / 1e6, p.host_head_us)
+        row(f"host, head, {lb[3]:.0f} loads", lb[1] / 1e6, p.host_head_us)
         row(f"host, start, loading, {lb[0] / 1e3:.0f}ms", lb[2] / 1e6, p.host_pass_start_us + p.pass_start_extra_us(lb[0]))
     for b, n, quiet, busy, _, _ in m["layer"].get("launch_copy_points") or []:    # `launch_fit`
         row(f"launch of {n} beside a load, b{b}", busy, p.wave_beside_copy(quiet * 1e6, 0.0))

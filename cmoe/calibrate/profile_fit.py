@@ -47,8 +47,10 @@ Measurements (all times in seconds):
   `host`: {"layer_points", "route_points", "expert_points": [(tokens, seconds)], "sync_s",
   "pass_start_s", "head_s"}: the host thread's side of the same, from the `host_*` spans; on CUDA
   also "wake_points" [[wait s, factor]], "wake_samples" [[lead us, route s, wait s]],
-  "pass_start_samples" [[lead us, [[pass us, gap us, gap from the GPU's end us, excess us, head us]]]]
-  (`cmoe.calibrate.wake`) and "route_waits" [(tokens, seconds)], the wait each route point followed;
+  "pass_start_samples" [[lead us, [[pass us, gap us, gap from the GPU's end us, excess us, head us,
+  loads]]]] (`cmoe.calibrate.wake`), "loading_pass_start_samples" (the same pairs of the ondemand run
+  that loads every layer: shown by `beside`, not fitted) and "route_waits" [(tokens, seconds)], the
+  wait each route point followed;
 - `cpu_expert`: {"bytes", "points": [(tokens, seconds)]}: one expert on the host's CPU;
 - `cpu_step` (optional): {"lead", "gap", "tail", "pass_start", "pass_gap"} seconds, the host's own
   time around a layer's CPU experts and a CPU-expert policy's pass start (`log_points._cpu_steps`),

@@ -65,7 +65,7 @@ def pass_start_samples(log) -> list[list[float]]:
     """Per pair of decode passes p, q = p + 1 (no prefill between): [p's latency, the host lane's
     gap from p's `host_head` end to q's first `host_attention`, the same gap from the later of that
     end and p's last GPU span, q's first layer's `host_attention` excess over its others, p's
-    `host_head`], in us. What the pass start (`host_pass_start_us`) takes after a long pass: the validations'
+    `host_head`, p's loads], in us (the loads a count). What the pass start (`host_pass_start_us`) takes after a long pass: the validations'
     read-back runs (thirty-fifth session's, pools 16/20) paid 117 us after passes under 20 ms and
     337 after 200-400 ms; the led runs here give passes of ~5-100 ms, their passes synced (a lead
     keeps them from queuing), hence the gap from the GPU's end too. The head is kept to see whether
@@ -74,11 +74,14 @@ def pass_start_samples(log) -> list[list[float]]:
     order = sorted(lat)
     head, enter, att = marks = host_marks(log, order)
     gpu_end: dict[int, float] = {}
+    loads: dict[int, int] = {}
     for s in log.spans:
         if s[STREAM] == "compute" and s[STEP] in lat:
             gpu_end[s[STEP]] = max(gpu_end.get(s[STEP], s[END]), s[END])
+        elif s[OP] == "load":
+            loads[s[STEP]] = loads.get(s[STEP], 0) + 1
     return [[float(lat[p]), gap, enter[q] - max(head[p][1], gpu_end.get(p, head[p][1])), first_excess(att[q]),
-             head[p][1] - head[p][0]]
+             head[p][1] - head[p][0], float(loads.get(p, 0))]
             for p, q, gap in host_gaps(log, order, marks) if q == p + 1 and len(att[q]) > 1]
 
 
@@ -96,10 +99,14 @@ def pass_start_means(starts: list) -> dict[float, tuple[float, float]]:
     return {lead: (float(np.mean([p for p, _ in v])), float(np.mean([s for _, s in v]))) for lead, v in sorted(by.items())}
 
 
-def loading_boundary(pairs: list) -> tuple[float, float, float] | None:
-    """(median previous pass, head, pass start) us of `pass_start_samples` over a run that loads
-    (calibrate's ondemand with top_k slots: every layer loads), the start read as
-    `pass_start_means` reads it; None without pairs. Measured and shown, not priced: the
+def loading_boundary(pairs: list) -> tuple[float, float, float, float] | None:
+    """(median previous pass us, head us, pass start us, loads a pass) of `pass_start_samples` over
+    a run that loads (calibrate's ondemand with top_k slots: every layer loads; up to top_k times
+    the layers a pass, so on the 4-layer cut at most 8 for Mixtral, and the built model's runs are
+    the ones that reach the validations' dozens), the start read as `host_pass_start_us` and
+    `benchmarks/boundary_by_wait.py` read it: the gap from the head plus the next first layer's
+    excess (the host's own time; not the GPU-sleep runs' reading, which waits for the GPU's end);
+    None without pairs. Measured and shown, not priced: the
     forty-fifth session's H100 runs took 77-212 us of head and a 1.1-1.9x longer boundary than the
     model's where a pass loaded 9 experts or more, against a head of 21-35 us in the GPU-sleep runs
     that waited as long without loading (`benchmarks/boundary_by_wait.py`); whether and how it
@@ -107,8 +114,8 @@ def loading_boundary(pairs: list) -> tuple[float, float, float] | None:
     if not pairs:
         return None
     a = np.array(pairs, np.float64)
-    start = np.where(a[:, 2] >= 0.0, a[:, 2], a[:, 1]) + a[:, 3]
-    return float(np.median(a[:, 0])), float(np.median(a[:, 4])), float(np.median(start))
+    loads = float(np.median(a[:, 5])) if a.shape[1] > 5 else float("nan")
+    return float(np.median(a[:, 0])), float(np.median(a[:, 4])), float(np.median(a[:, 1] + a[:, 3])), loads
 
 
 def fit_pass_start(starts: list) -> list[list[float]]:
