@@ -1,5 +1,5 @@
-"""The host's pass boundary in a validation's measured runs (issue 15's layer-0 misses), read as
-calibrate reads it (`cmoe.calibrate.spans`): a decode pass's LM-head host step (`host_head`), then
+"""The host's pass boundary in a validation's measured runs (issue 15's layer-0 misses,
+`cmoe.analysis.boundary`), read as calibrate reads it (`cmoe.calibrate.spans`): a decode pass's LM-head host step (`host_head`), then
 the next pass's start, the host lane's gap from that head's end to the next pass's first
 `host_attention` plus that pass's layer-0 excess over its other layers (`host_gaps`,
 `first_excess`: what `host_pass_start_us` prices). Per configuration and policy, the medians of
@@ -27,33 +27,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.validate_table import unpacked  # noqa: E402
+from cmoe.analysis.boundary import boundaries, boundary_ratio  # noqa: E402
 from cmoe.analysis.validate import read_run  # noqa: E402
-from cmoe.calibrate.spans import first_excess, host_gaps, host_marks  # noqa: E402
+from cmoe.policy.policies import trait  # noqa: E402
 from cmoe.calibrate.wake import loading_boundary, pass_start_means  # noqa: E402
 from cmoe.core.hw import load_profile  # noqa: E402
-from cmoe.core.timeline import END, OP, START, STEP  # noqa: E402
 
 WAIT_BINS_US = (0, 100, 150, 200, 300, 500, 1000, 2000, 5000, float("inf"))
 LOADING = ("ondemand", "lru-prefetch", "commit", "oracle")
-
-
-def boundaries(run) -> list[tuple[float, float, float, int, float]]:
-    """Per pair of consecutive decode passes p, p + 1 (each with its head and the next with two
-    layers or more): (p's last read-back wait, p's head, the next pass's start, p's loads, p's
-    latency), us."""
-    dec = sorted(p["pass"] for p in run.passes if p["decode"])
-    lat = {p["pass"]: p["us"] for p in run.passes}
-    marks = host_marks(run, dec)
-    head, _, att = marks
-    wait: dict[int, tuple[float, float]] = {}               # pass -> (start, length) of its last read-back
-    loads: dict[int, int] = {}
-    for s in run.spans:
-        if s[OP] == "host_sync" and s[START] >= wait.get(s[STEP], (-1e30, 0.0))[0]:
-            wait[s[STEP]] = (s[START], s[END] - s[START])
-        elif s[OP] == "load":
-            loads[s[STEP]] = loads.get(s[STEP], 0) + 1
-    return [(wait.get(p, (0.0, 0.0))[1], head[p][1] - head[p][0], gap + first_excess(att[q]), loads.get(p, 0), lat[p])
-            for p, q, gap in host_gaps(run, dec, marks) if q == p + 1 and len(att.get(q, {})) > 1]
 
 
 def main() -> None:
@@ -70,14 +51,13 @@ def main() -> None:
         pool, b = c["pool_gb"], c["batch"]
         cells = []
         for pol in c["policies"]:
-            rows = np.array(boundaries(read_run(folder / f"pool{pool:g}-b{b}" / "measured", pol)))
-            if rows.size and not rows[:, 0].any():          # no read-back: its host runs passes ahead
+            run = read_run(folder / f"pool{pool:g}-b{b}" / "measured", pol)
+            rows, got = np.array(boundaries(run)), boundary_ratio(run, prof, trait(pol, "cpu_experts"))
+            if got is None:                                 # no read-back: its host runs passes ahead
                 cells.append(f"{pol} - (no read-back)")
-            elif rows.size:
-                model = prof.host_head_us + prof.host_pass_start_us + float(np.median(
-                    [prof.pass_start_extra_us(x) for x in rows[:, 4]]))
+            else:
                 h, st = np.median(rows[:, 1]), np.median(rows[:, 2])
-                cells.append(f"{pol} {h:.0f} + {st:.0f} = {np.median(rows[:, 1] + rows[:, 2]):.0f} ({model:.0f}),"
+                cells.append(f"{pol} {h:.0f} + {st:.0f} = {got[0]:.0f} ({got[0] / got[1]:.0f}),"
                              f" {np.median(rows[:, 3]):.0f}")
                 if pol in LOADING:
                     pooled.append(rows)

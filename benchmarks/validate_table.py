@@ -35,9 +35,10 @@ from cmoe.core.spec import preset  # noqa: E402
 from cmoe.trace.load import load_trace  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
 from cmoe.analysis.validate import against_repeats, calibrations_agree, cpu_ratio, link_ratio, read_run, validate  # noqa: E402
+from cmoe.analysis.boundary import boundary_ratio  # noqa: E402
 from cmoe.analysis.runfolder import read_metrics  # noqa: E402
 from cmoe.sim.priced import priceable  # noqa: E402
-from cmoe.policy.policies import python_step  # noqa: E402
+from cmoe.policy.policies import python_step, trait  # noqa: E402
 
 
 def unpacked(folder: Path, work: Path) -> Path:
@@ -160,7 +161,9 @@ def main() -> None:
                          "error_from": [v["error_from"] for v in vs],
                          "host_speed": [host_ratio(v, prof, b) for v in vs],
                          "link_speed": [link_ratio(v) for v in vs], "slow_loads": [v.get("slow_loads") for v in vs],
-                         "cpu_speed": [cpu_ratio(v) for v in vs], "slow_cpu": [v.get("slow_cpu") for v in vs]}
+                         "cpu_speed": [cpu_ratio(v) for v in vs], "slow_cpu": [v.get("slow_cpu") for v in vs],
+                         "boundary_speed": [x[1] if (x := boundary_ratio(ms[i], prof, trait(agg["policy"], "cpu_experts")))
+                                            else None for ms in measured]}
                         | ({"layer_repeats": agg["per_layer_repeats"]} if len(vs) > 1 else {})
                         | ({"host_adjusted_tok_s": adjusted[agg["policy"]]["predicted"],
                             "host_adjusted_error": adjusted[agg["policy"]]["error"]} if adjusted else {})
@@ -175,6 +178,8 @@ def main() -> None:
     print(table(rows))
     if any(not host_timed(r["policy"]) and any(r["host_speed"]) for r in rows):
         print(HOST_NOTE)
+    if any(any(r.get("boundary_speed") or []) for r in rows):
+        print(BOUNDARY_NOTE)
     print(counts(rows))
     if "omp_env" in res:                  # validate_h200 records it from the thirtieth session on
         print("OpenMP settings of the runs: " + (", ".join(f"{k}={v}" for k, v in res["omp_env"].items()) or "the defaults"))
@@ -218,17 +223,22 @@ HOST_NOTE = ("* host, run / calibration: calibrate does not time this policy's h
              "`commit` plans behind its experts); shown for reference, and cmoe run's verdict leaves it out")
 
 
+BOUNDARY_NOTE = ("pass boundary, run / model: the host's LM-head step and the next pass's start as calibrate reads "
+                 "them, over what the model charges for them (`cmoe.analysis.boundary`); where the GPU catches the "
+                 "host, layer 0 follows it; - where a policy reads nothing back (its host runs ahead)")
+
+
 def table(rows: list[dict]) -> str:
     adj = any("host_adjusted_tok_s" in r for r in rows)
     ladj = any("link_adjusted_tok_s" in r for r in rows)
     cadj = any("cpu_adjusted_tok_s" in r for r in rows)
     out = ["| pool GB (experts) | batch | policy | predicted tok/s | measured tok/s | error | runs' spread "
            "| TPOT ms pred / meas | worst layer (mean time) | layer MAPE | host, run / calibration "
-           "| link, run / calibration (loads under 80% of it) |"
+           "| link, run / calibration (loads under 80% of it) | pass boundary, run / model |"
            + (" predicted at the runs' host speed | error |" if adj else "")
            + (" predicted at the runs' link speed | error |" if ladj else "")
            + (" CPU experts, run / calibration (share slow at its factor) | predicted at their speed | error |" if cadj else ""),
-           "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+           "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
            + (" ---: | ---: |" if adj else "") + (" ---: | ---: |" if ladj else "") + (" ---: | ---: | ---: |" if cadj else "")]
     for r in rows:
         meas = " / ".join(f"{x:.1f}" for x in r["measured_tok_s"])
@@ -240,9 +250,11 @@ def table(rows: list[dict]) -> str:
         host = " / ".join(f"{x:.2f}x{star}" if x else "-" for x in r["host_speed"])
         link = " / ".join(f"{x:.3f}x" + (f" ({w:.0%} slow)" if w is not None else "") if x else "-"
                           for x, w in zip_longest(r.get("link_speed", []), r.get("slow_loads", [])))
+        bound = " / ".join(f"{x:.2f}x" if x else "-" for x in r.get("boundary_speed") or [None])
         line = (f"| {r['pool_gb']:g} ({r['experts_fit']}) | {r['batch']} | {r['policy']} | {r['predicted_tok_s']:.1f} "
                 f"| {meas} | {r['error'] * 100:+.1f}% | {spread} "
-                f"| {r['predicted_tpot_ms']:.1f} / {r['measured_tpot_ms']:.1f} | {worst} | {mape} | {host} | {link or '-'} |")
+                f"| {r['predicted_tpot_ms']:.1f} / {r['measured_tpot_ms']:.1f} | {worst} | {mape} | {host} | {link or '-'} "
+                f"| {bound} |")
         if adj:
             line += (f" {r['host_adjusted_tok_s']:.1f} | {r['host_adjusted_error'] * 100:+.1f}% |"
                      if "host_adjusted_tok_s" in r else " - | - |")

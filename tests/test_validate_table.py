@@ -19,8 +19,11 @@ def _row(policy: str, host: float | None) -> dict:
 def test_the_host_column_stars_what_calibrate_does_not_time():
     assert [host_timed(p) for p in ("upper", "commit", "commit-ahead", "ondemand", "oracle", "static")] == [
         False, False, False, True, True, True]
-    lines = table([_row("upper", 1.67), _row("ondemand", 1.13), _row("commit", None)]).splitlines()[2:]
+    rows = [_row("upper", 1.67), _row("ondemand", 1.13), _row("commit", None)]
+    rows[1]["boundary_speed"], rows[2]["boundary_speed"] = [1.8123, None], [0.55]
+    lines = table(rows).splitlines()[2:]
     assert [ln.split(" | ")[10] for ln in lines] == ["1.67x*", "1.13x", "-"]
+    assert [ln.split(" | ")[12] for ln in lines] == ["- |", "1.81x / - |", "0.55x |"]   # the pass boundary
     assert HOST_NOTE.startswith("* host, run / calibration: calibrate does not time this policy's host step")
 
 
