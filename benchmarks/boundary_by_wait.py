@@ -53,8 +53,8 @@ def main() -> None:
         for pol in c["policies"]:
             run = read_run(folder / f"pool{pool:g}-b{b}" / "measured", pol)
             rows, got = np.array(boundaries(run)), boundary_ratio(run, prof, trait(pol, "cpu_experts"))
-            if got is None:                                 # no read-back: its host runs passes ahead
-                cells.append(f"{pol} - (no read-back)")
+            if got is None:                     # no read-back (its host runs passes ahead), or no pairs
+                cells.append(f"{pol} -")
             else:
                 h, st = np.median(rows[:, 1]), np.median(rows[:, 2])
                 cells.append(f"{pol} {h:.0f} + {st:.0f} = {got[0]:.0f} ({got[0] / got[1]:.0f}),"

@@ -48,6 +48,7 @@ def test_the_ratio_is_the_median_boundary_over_the_profiles_price():
     cpu = replace(prof, cpu_pass_start_us=300.0)
     assert boundary_ratio(run, cpu, cpu_experts=True) == (8230.0, 8230.0 / (50.0 + 300.0))
     assert boundary_ratio(run, cpu) == (took, ratio)
+    assert boundary_ratio(run, replace(prof, host_head_us=0.0, host_pass_start_us=0.0, host_pass_start_points=())) is None
     for s in [s for s in run.spans if s[4] == "host_sync"]:            # no read-back: its host runs ahead
         run.spans.remove(s)
     assert boundary_ratio(run, prof) is None

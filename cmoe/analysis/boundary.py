@@ -43,11 +43,15 @@ def boundary_ratio(run, prof, cpu_experts: bool = False) -> tuple[float, float] 
     """(the run's median boundary, head plus the next start, us; that over the profile's median
     price for the same passes, as the simulator charges it: a CPU-expert policy's own pass start
     where calibrated, without the extra after a long pass); None for a run without read-backs (its
-    host runs ahead) or pairs."""
+    host runs ahead), without pairs, or a profile that prices the boundary at nothing. `commit`'s
+    read-back and plan of layer 0's prediction at its pass start (`host_sync_us`, `commit_start_us`)
+    are left out on both sides: its runs wait for that read-back inside layer 0's step."""
     rows = np.array(boundaries(run))
     if not rows.size or not rows[:, 0].any():
         return None
     extra = 0.0 if prof.startup_after_host(cpu_experts) else float(np.median([prof.pass_start_extra_us(x) for x in rows[:, 4]]))
     price = prof.host_head_us + prof.host_pass_start(cpu_experts) + extra
+    if price <= 0:
+        return None
     took = float(np.median(rows[:, 1] + rows[:, 2]))
-    return took, took / price if price > 0 else float("nan")
+    return took, took / price
