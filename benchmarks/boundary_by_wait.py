@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.validate_table import unpacked  # noqa: E402
-from cmoe.analysis.boundary import boundaries, boundary_ratio  # noqa: E402
+from cmoe.analysis.boundary import boundaries, boundary_price  # noqa: E402
 from cmoe.analysis.validate import read_run  # noqa: E402
 from cmoe.policy.policies import trait  # noqa: E402
 from cmoe.calibrate.wake import loading_boundary, pass_start_means  # noqa: E402
@@ -51,14 +51,14 @@ def main() -> None:
         pool, b = c["pool_gb"], c["batch"]
         cells = []
         for pol in c["policies"]:
-            run = read_run(folder / f"pool{pool:g}-b{b}" / "measured", pol)
-            rows, got = np.array(boundaries(run)), boundary_ratio(run, prof, trait(pol, "cpu_experts"))
+            rows = boundaries(read_run(folder / f"pool{pool:g}-b{b}" / "measured", pol))
+            got = boundary_price(rows, prof, trait(pol, "cpu_experts"))
             if got is None:                     # no read-back (its host runs passes ahead), or no pairs
                 cells.append(f"{pol} -")
             else:
+                rows = np.array(rows)
                 h, st = np.median(rows[:, 1]), np.median(rows[:, 2])
-                cells.append(f"{pol} {h:.0f} + {st:.0f} = {got[0]:.0f} ({got[0] / got[1]:.0f}),"
-                             f" {np.median(rows[:, 3]):.0f}")
+                cells.append(f"{pol} {h:.0f} + {st:.0f} = {got[0]:.0f} ({got[1]:.0f}), {np.median(rows[:, 3]):.0f}")
                 if pol in LOADING:
                     pooled.append(rows)
         print(f"{pool:g} {b}: " + "; ".join(cells))

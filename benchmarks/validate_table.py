@@ -35,7 +35,7 @@ from cmoe.core.spec import preset  # noqa: E402
 from cmoe.trace.load import load_trace  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
 from cmoe.analysis.validate import against_repeats, calibrations_agree, cpu_ratio, link_ratio, read_run, validate  # noqa: E402
-from cmoe.analysis.boundary import boundary_ratio  # noqa: E402
+from cmoe.analysis.boundary import boundaries, boundary_price  # noqa: E402
 from cmoe.analysis.runfolder import read_metrics  # noqa: E402
 from cmoe.sim.priced import priceable  # noqa: E402
 from cmoe.policy.policies import python_step, trait  # noqa: E402
@@ -162,7 +162,8 @@ def main() -> None:
                          "host_speed": [host_ratio(v, prof, b) for v in vs],
                          "link_speed": [link_ratio(v) for v in vs], "slow_loads": [v.get("slow_loads") for v in vs],
                          "cpu_speed": [cpu_ratio(v) for v in vs], "slow_cpu": [v.get("slow_cpu") for v in vs],
-                         "boundary_speed": [x[1] if (x := boundary_ratio(ms[i], prof, trait(agg["policy"], "cpu_experts")))
+                         "boundary_speed": [x[0] / x[1] if (x := boundary_price(boundaries(ms[i]), prof,
+                                                                                  trait(agg["policy"], "cpu_experts")))
                                             else None for ms in measured]}
                         | ({"layer_repeats": agg["per_layer_repeats"]} if len(vs) > 1 else {})
                         | ({"host_adjusted_tok_s": adjusted[agg["policy"]]["predicted"],

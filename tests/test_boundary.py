@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from dataclasses import replace
 
-from cmoe.analysis.boundary import boundaries, boundary_ratio
+from cmoe.analysis.boundary import boundaries, boundary_price
 from cmoe.core.hw import H200
 
 
@@ -35,20 +35,21 @@ def test_a_boundary_is_the_head_then_the_gap_and_the_next_passs_excess():
     assert boundaries(run) == [(140.0, 30.0, 9370.0, 2, 1e4)]
 
 
-def test_the_ratio_is_the_median_boundary_over_the_profiles_price():
+def test_the_price_is_what_the_simulator_charges_for_the_same_passes():
     spans = (_pass(0, 0, 900, 9, 9, 9) + _pass(1, 1e4, 80, 140.0, 30.0, 2) + _pass(2, 2e4, 60, 1500.0, 170.0, 0)
              + _pass(3, 3e4, 250, 2000.0, 160.0, 20) + _pass(4, 4e4, 250, 100.0, 100.0, 20))
     run = SimpleNamespace(spans=spans, passes=[{"pass": p, "decode": p > 0, "us": 1e4} for p in range(5)])
     # boundaries: 30 + 9370, 170 + 8060, 160 + 7570 (pass 3's head ends at 3e4 + 2660, pass 4 enters at 4e4,
     # its layer-0 excess 230): the median 8230
     prof = replace(H200, host_head_us=50.0, host_pass_start_us=222.0, host_pass_start_points=((5e3, 0.0), (2e4, 128.0)))
-    took, ratio = boundary_ratio(run, prof)
-    assert took == 8230.0 and ratio == 8230.0 / (50.0 + 222.0 + prof.pass_start_extra_us(1e4))
+    took, price = boundary_price(boundaries(run), prof)
+    assert took == 8230.0 and price == 50.0 + 222.0 + prof.pass_start_extra_us(1e4)
     # a CPU-expert policy's own pass start, where calibrated, and no extra after a long pass
     cpu = replace(prof, cpu_pass_start_us=300.0)
-    assert boundary_ratio(run, cpu, cpu_experts=True) == (8230.0, 8230.0 / (50.0 + 300.0))
-    assert boundary_ratio(run, cpu) == (took, ratio)
-    assert boundary_ratio(run, replace(prof, host_head_us=0.0, host_pass_start_us=0.0, host_pass_start_points=())) is None
+    assert boundary_price(boundaries(run), cpu, cpu_experts=True) == (8230.0, 50.0 + 300.0)
+    assert boundary_price(boundaries(run), cpu) == (took, price)
+    free = replace(prof, host_head_us=0.0, host_pass_start_us=0.0, host_pass_start_points=())
+    assert boundary_price(boundaries(run), free) is None
     for s in [s for s in run.spans if s[4] == "host_sync"]:            # no read-back: its host runs ahead
         run.spans.remove(s)
-    assert boundary_ratio(run, prof) is None
+    assert boundary_price(boundaries(run), prof) is None

@@ -259,7 +259,7 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
     one["host_load"], one["load_queue"] = _load_cost(od.log, h_route, r.cuda), queued_period(od.log) if r.cuda else None
     if r.cuda:                    # its pass boundary, shown beside the profile's (`wake.loading_boundary`)
         one["loading_starts"] = wake.pass_start_samples(od.log)
-    if not r.cuda:                # on a CPU a load is the host's own copy between other work (`copied_fit`)
+    else:                         # on a CPU a load is the host's own copy between other work (`copied_fit`)
         one["load_copy"] = load_copies(od.log)
 
 

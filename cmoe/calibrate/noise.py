@@ -125,6 +125,11 @@ HOST_DRIFT = 0.2     # a run's host this much faster or slower per layer than ca
 LINK_DRIFT = 0.03    # a run's loads this much faster or slower than the calibrated link: as large as the goal
 
 
+def _moved(ratios: list[float] | None, by: float) -> bool:
+    """Did any run's ratio against its calibration leave 1 by more than `by`?"""
+    return bool(ratios) and (max(ratios) > 1 + by or min(ratios) < 1 - by)
+
+
 def run_verdict(cal: Noise | None, errors: list[float], run_spreads: list[float] | None,
                 host_speed: list[float] | None = None, link_speed: list[float] | None = None,
                 cpu_speed: list[float] | None = None) -> str:
@@ -149,9 +154,8 @@ def run_verdict(cal: Noise | None, errors: list[float], run_spreads: list[float]
         parts.append(f"their loads moved at {min(link_speed):.3f}-{max(link_speed):.3f}x the calibrated link")
     if cpu_speed:
         parts.append(f"their CPU experts took {min(cpu_speed):.2f}-{max(cpu_speed):.2f}x their calibrated time")
-    drifted = bool(host_speed) and (max(host_speed) > 1 + HOST_DRIFT or min(host_speed) < 1 - HOST_DRIFT)
-    link_drifted = bool(link_speed) and (max(link_speed) > 1 + LINK_DRIFT or min(link_speed) < 1 - LINK_DRIFT)
-    cpu_drifted = bool(cpu_speed) and (max(cpu_speed) > 1 + CPU_NOTE or min(cpu_speed) < 1 - CPU_NOTE)
+    drifted, link_drifted, cpu_drifted = (_moved(host_speed, HOST_DRIFT), _moved(link_speed, LINK_DRIFT),
+                                          _moved(cpu_speed, CPU_NOTE))
     worst = max(abs(e) for e in errors)
     if cal is not None and not cal.quiet:
         then = "recalibrate on a quiet machine before reading these errors"

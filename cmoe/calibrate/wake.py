@@ -65,7 +65,8 @@ def pass_start_samples(log) -> list[list[float]]:
     """Per pair of decode passes p, q = p + 1 (no prefill between): [p's latency, the host lane's
     gap from p's `host_head` end to q's first `host_attention`, the same gap from the later of that
     end and p's last GPU span, q's first layer's `host_attention` excess over its others, p's
-    `host_head`, p's loads], in us (the loads a count). What the pass start (`host_pass_start_us`) takes after a long pass: the validations'
+    `host_head`, p's loads, p's last read-back wait (its latest `host_sync`)], in us (the loads a
+    count). What the pass start (`host_pass_start_us`) takes after a long pass: the validations'
     read-back runs (thirty-fifth session's, pools 16/20) paid 117 us after passes under 20 ms and
     337 after 200-400 ms; the led runs here give passes of ~5-100 ms, their passes synced (a lead
     keeps them from queuing), hence the gap from the GPU's end too. The head is kept to see whether
@@ -75,13 +76,16 @@ def pass_start_samples(log) -> list[list[float]]:
     head, enter, att = marks = host_marks(log, order)
     gpu_end: dict[int, float] = {}
     loads: dict[int, int] = {}
+    wait: dict[int, tuple[float, float]] = {}               # pass -> (start, length) of its last read-back
     for s in log.spans:
         if s[STREAM] == "compute" and s[STEP] in lat:
             gpu_end[s[STEP]] = max(gpu_end.get(s[STEP], s[END]), s[END])
         elif s[OP] == "load":
             loads[s[STEP]] = loads.get(s[STEP], 0) + 1
+        elif s[OP] == "host_sync" and s[START] >= wait.get(s[STEP], (-1e30, 0.0))[0]:
+            wait[s[STEP]] = (s[START], s[END] - s[START])
     return [[float(lat[p]), gap, enter[q] - max(head[p][1], gpu_end.get(p, head[p][1])), first_excess(att[q]),
-             head[p][1] - head[p][0], float(loads.get(p, 0))]
+             head[p][1] - head[p][0], float(loads.get(p, 0)), wait.get(p, (0.0, 0.0))[1]]
             for p, q, gap in host_gaps(log, order, marks) if q == p + 1 and len(att[q]) > 1]
 
 
