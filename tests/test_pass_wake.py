@@ -103,8 +103,9 @@ def test_calibrate_fits_the_samples_and_shows_each_lead_beside_the_profile():
 
 def test_a_loading_runs_boundary_is_shown_beside_the_profile_not_fitted():
     """calibrate's ondemand run with top_k slots (every layer loads) keeps its pass-start samples;
-    `beside` shows its head and pass start against what the profile prices, and the fit ignores
-    them (forty-fifth session: measured before it is modelled)."""
+    `beside` shows its head, and its head and pass start, against what the profile prices; samples
+    from before the forty-fifth session's last change carry no last wait, and the fit leaves them
+    out (`test_a_loading_runs_boundary_is_fitted_at_its_last_wait` fits those that do)."""
     from cmoe.calibrate.beside import beside
     from cmoe.calibrate.profile_fit import fit_profile
     from cmoe.calibrate.wake import loading_boundary
@@ -114,7 +115,7 @@ def test_a_loading_runs_boundary_is_shown_beside_the_profile_not_fitted():
     pairs = [[40000.0, 500.0, -20.0, 150.0, 170.0, 60.0], [42000.0, 400.0, 30.0, 130.0, 150.0, 58.0],
              [38000.0, 450.0, 40.0, 110.0, 400.0, 64.0]]
     # the starts, the gap from the head plus the excess: 650, 530, 560; medians (the head's mean would be 240)
-    assert loading_boundary(pairs) == (40000.0, 170.0, 560.0, 60.0)
+    assert loading_boundary(pairs)[:4] == (40000.0, 170.0, 560.0, 60.0)
     assert loading_boundary([p[:5] for p in pairs])[:3] == (40000.0, 170.0, 560.0)   # older samples: no loads
     assert loading_boundary([]) is None
     # with the GPU-sleep runs' samples the profile has an extra after a 40 ms pass, shown in the row
@@ -127,4 +128,76 @@ def test_a_loading_runs_boundary_is_shown_beside_the_profile_not_fitted():
     assert got == plain
     rows = {line[:28].strip(): line[28:].split() for line in beside(got, m).splitlines()}
     assert rows["host, head, 60 loads"][:2] == ["170.0us", f"{got.host_head_us:.1f}us"]
-    assert rows["host, start, loading, 40ms"][:2] == ["560.0us", f"{got.host_pass_start_us + 90.0:.1f}us"]
+    assert rows["host, head + start, loading"][:2] == ["730.0us", f"{got.host_head_us + got.host_pass_start_us + 90.0:.1f}us"]
+
+
+LOADING = [[40000.0, 500.0, -20.0, 150.0, 170.0, 60.0, 3000.0], [42000.0, 400.0, 30.0, 130.0, 150.0, 58.0, 3400.0],
+           [38000.0, 450.0, 40.0, 110.0, 400.0, 64.0, 2600.0]]      # head 170, start 560, last wait 3000 (medians)
+
+
+def test_the_boundary_extra_is_read_down_the_route_steps_wake():
+    """What the loading run's boundary took over the price (730 - 400 = 330 us) at its last wait
+    (3,000 us), and at each shorter wait of the route step's wake that share of it its factor less
+    one is of the loading wait's (factor 1 at 140 us: nothing; 19 at 400: 18/24 of it); a line from
+    (0, 0) where no wake was measured or it did not slow; nothing where the boundary took no longer,
+    or the samples carry no wait."""
+    from cmoe.calibrate.wake import fit_boundary, loading_boundary
+    assert loading_boundary(LOADING) == (40000.0, 170.0, 560.0, 60.0, 3000.0)
+    wake = ((140.0, 1.0), (400.0, 19.0), (1000.0, 23.0), (5000.0, 26.0))
+    # the wake read at 3,000 us: 23 + 3 * 2000 / 4000 = 24.5, so 23.5 over the loading wait's
+    assert fit_boundary(LOADING, lambda prev: 400.0 if prev == 40000.0 else 0.0, wake) == \
+        [[140.0, 0.0], [400.0, 330.0 * 18.0 / 23.5], [1000.0, 330.0 * 22.0 / 23.5], [3000.0, 330.0]]
+    assert fit_boundary(LOADING, lambda prev: 400.0, ()) == [[0.0, 0.0], [3000.0, 330.0]]
+    assert fit_boundary(LOADING, lambda prev: 400.0, ((0.0, 1.0),)) == [[0.0, 0.0], [3000.0, 330.0]]
+    assert fit_boundary(LOADING, lambda prev: 730.0, wake) == []
+    assert fit_boundary([p[:6] for p in LOADING], lambda prev: 400.0, wake) == [] and fit_boundary([], len, wake) == []
+    p = replace(H200, host_boundary_points=((140.0, 0.0), (400.0, 180.0), (3000.0, 330.0)))
+    assert [p.boundary_extra_us(w) for w in (0.0, 140.0, 270.0, 400.0, 3000.0, 9e6)] == [0.0, 0.0, 90.0, 180.0, 330.0, 330.0]
+    assert H200.boundary_extra_us(9e6) == 0.0
+    assert p.host_scaled(2.0).host_boundary_points == ((140.0, 0.0), (400.0, 360.0), (3000.0, 660.0))
+    assert HardwareProfile.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+
+
+def test_a_loading_runs_boundary_is_fitted_at_its_last_wait():
+    """calibrate's fit: the quiet price is the profile's head and pass start with its extra after a
+    pass as long as the loading run's (90 us after 40 ms); what the loading boundary took more is
+    `host_boundary_points`, named in the sources, and `beside` prices the loading row with it."""
+    from cmoe.calibrate.beside import beside
+    from cmoe.calibrate.profile_fit import fit_profile
+    from tests.test_calibrate import _synthetic
+    known = replace(H200, host_pass_start_us=100.0, host_head_us=40.0)
+    m = _synthetic(known)
+    m["layer"]["host"] |= {"pass_start_samples": [[0.0, _pairs(5000.0, 30.0, -170.0, 70.0)],
+                                                  [1000.0, _pairs(39000.0, 1300.0, 80.0, 110.0)]],
+                           "loading_pass_start_samples": LOADING}
+    got = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-07")
+    quiet = got.host_head_us + got.host_pass_start_us + 90.0
+    assert got.host_boundary_points == ((0.0, 0.0), (3000.0, 730.0 - quiet))
+    assert "top_k slots" in got.sources["host_boundary_points"]
+    rows = {line[:28].strip(): line[28:].split() for line in beside(got, m).splitlines()}
+    assert rows["host, head + start, loading"][:2] == ["730.0us", "730.0us"]
+
+
+def test_a_pass_after_a_long_last_wait_starts_later_in_both_engines():
+    """A table that adds 7 us whatever the wait makes each pass after a decode pass exactly 7 us
+    longer on FLAT_FIFO's host-paced runs (a policy that reads back), in SimPy and the replay alike;
+    a CPU-expert policy's own pass start is left as it was. Read by the wait, a table changes the
+    runs of a host that waits for loads, alike in both engines (and `test_replay`'s flat-boundary)."""
+    t = tiny(M=3, E=4, T=24, seed=0, requests=2, K=2)
+    prof = replace(FLAT_FIFO, host_pass_start_us=5.0)
+    a, b, _, _ = both(t, "ondemand", replace(prof, host_boundary_points=((0.0, 7.0),)), 1, slots=2, costs=tiny_costs(t))
+    c, _, _, _ = both(t, "ondemand", prof, 1, slots=2, costs=tiny_costs(t))
+    same_run(a, b)
+    dec = [x[1] for x in a.pass_us]
+    assert [w[3] - o[3] for w, o in zip(a.pass_us, c.pass_us)] == [7.0 if i and dec[i - 1] else 0.0 for i in range(len(dec))]
+    cpu = replace(FLAT_CPU_START, host_boundary_points=((0.0, 7.0),))
+    a, b, _, _ = both(t, "lfu-fallback", cpu, 1, slots=2, costs=tiny_costs(t))
+    c, _, _, _ = both(t, "lfu-fallback", FLAT_CPU_START, 1, slots=2, costs=tiny_costs(t))
+    same_run(a, b)
+    assert a.pass_us == c.pass_us
+    slow = replace(FLAT_FIFO, h2d_pinned=((1, 0.05),))              # 20 us copies: the host waits for them
+    a, b, _, _ = both(t, "ondemand", replace(slow, host_boundary_points=((0.0, 0.0), (100.0, 50.0))), 1, slots=2,
+                      costs=tiny_costs(t))
+    c, _, _, _ = both(t, "ondemand", slow, 1, slots=2, costs=tiny_costs(t))
+    same_run(a, b)
+    assert a.pass_us != c.pass_us

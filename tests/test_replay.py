@@ -139,14 +139,16 @@ FLAT_CPU_START = replace(FLAT_START, h2d_pinned=((1, 0.01),), cpu_pass_start_us=
 # ... and a host pass start of 0.3 us, 0-3.3 us longer after a 20-90 us decode pass
 # (`pass_start_extra_us`; sums that round, so the engines must add them in one order)
 FLAT_PASS_WAKE = replace(FLAT_START, host_pass_start_us=0.3, host_pass_start_points=((20.0, 0.0), (90.0, 3.3)))
+# ... and 0-2.7 us more after a pass whose last read-back waited 0.5-4 us (`boundary_extra_us`)
+FLAT_BOUNDARY = replace(FLAT_PASS_WAKE, host_boundary_points=((0.5, 0.0), (4.0, 2.7)))
 
 
 @pytest.mark.parametrize("profile", [FLAT, FLAT2, FLAT_FIFO, FLAT_WAVE,
                                      replace(FLAT_WAVE, host_wake_points=((0.0, 1.0), (3.0, 2.5))), FLAT_QUEUE, FLAT_SLOW,
-                                     FLAT_TABLE, FLAT_LAUNCH, FLAT_START, FLAT_CPU_START, FLAT_PASS_WAKE],
+                                     FLAT_TABLE, FLAT_LAUNCH, FLAT_START, FLAT_CPU_START, FLAT_PASS_WAKE, FLAT_BOUNDARY],
                          ids=["flat", "flat-2-engines", "flat-fifo", "flat-waves", "flat-waves-wake", "flat-queue",
                               "flat-slow-copies", "flat-table-copies", "flat-launch-copies",
-                              "flat-start-copies", "flat-cpu-start-copies", "flat-pass-wake"])
+                              "flat-start-copies", "flat-cpu-start-copies", "flat-pass-wake", "flat-boundary"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("seed", range(3))
 def test_replay_breaks_ties_as_simpy_does(profile, policy, seed):

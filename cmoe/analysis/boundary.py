@@ -32,14 +32,16 @@ def boundaries(run) -> list[tuple[float, float, float, int, float]]:
 
 def boundary_price(rows: list, prof, cpu_experts: bool = False) -> tuple[float, float] | None:
     """(the median of `boundaries`' rows, head plus the next start, us; the profile's median price
-    for the same passes, as the simulator charges it: a CPU-expert policy's own pass start where
-    calibrated, without the extra after a long pass); None for a run without read-backs (its host
+    for the same passes, as the simulator charges it, with the extra after a long pass and after a
+    long last wait (`boundary_extra_us`); a CPU-expert policy's own pass start where calibrated,
+    without either); None for a run without read-backs (its host
     runs ahead), without pairs, or a profile that prices the boundary at nothing. `commit`'s
     read-back and plan of layer 0's prediction at its pass start (`host_sync_us`, `commit_start_us`)
     are left out on both sides: its runs wait for that read-back inside layer 0's step."""
     a = np.array(rows)
     if not a.size or not a[:, 0].any():
         return None
-    extra = 0.0 if prof.startup_after_host(cpu_experts) else float(np.median([prof.pass_start_extra_us(x) for x in a[:, 4]]))
+    extra = 0.0 if prof.startup_after_host(cpu_experts) else \
+        float(np.median([prof.pass_start_extra_us(x) + prof.boundary_extra_us(w) for w, x in zip(a[:, 0], a[:, 4])]))
     price = prof.host_head_us + prof.host_pass_start(cpu_experts) + extra
     return (float(np.median(a[:, 1] + a[:, 2])), price) if price > 0 else None

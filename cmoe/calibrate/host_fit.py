@@ -13,8 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 from cmoe.calibrate.link_fit import fit_line
-from cmoe.calibrate.wake import fit_pass_start
+from cmoe.calibrate.wake import fit_boundary, fit_pass_start
 from cmoe.core.hw import HOST_FIELDS, HOST_POINTS
+from cmoe.core.hw_math import held
 
 
 def host_fields(h: dict | None) -> dict:
@@ -45,6 +46,11 @@ def host_fields(h: dict | None) -> dict:
             out["host_route_waits"] = tuple((int(t), w * 1e6) for t, w in h["route_waits"])
     if pts := fit_pass_start(h.get("pass_start_samples") or []):    # the pass start after a long pass
         out["host_pass_start_points"] = tuple((float(p), float(e)) for p, e in pts)
+
+    def quiet(prev: float) -> float:                   # the boundary as priced without it
+        return out["host_head_us"] + out["host_pass_start_us"] + held(out.get("host_pass_start_points", ()), prev, 0.0)
+    if pts := fit_boundary(h.get("loading_pass_start_samples") or [], quiet, out.get("host_wake_points", ())):
+        out["host_boundary_points"] = tuple((float(w), float(e)) for w, e in pts)   # after a loading pass
     return out
 
 
@@ -54,6 +60,10 @@ def host_sources(host: dict, src: str) -> dict:
     if "host_pass_start_points" in host:
         out["host_pass_start_points"] = src + (" (ondemand at batch 1, GPU sleep before each layer's experts: each "
                                                "lead's pass start over the unled runs', at its pass before's length)")
+    if "host_boundary_points" in host:
+        out["host_boundary_points"] = src + (" (ondemand with top_k slots, every layer loading: its head and next "
+                                             "pass start over the profile's price, at its last read-back wait, "
+                                             "read down along host_wake_points)")
     return out
 
 

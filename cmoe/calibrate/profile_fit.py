@@ -49,7 +49,7 @@ Measurements (all times in seconds):
   also "wake_points" [[wait s, factor]], "wake_samples" [[lead us, route s, wait s]],
   "pass_start_samples" [[lead us, [[pass us, gap us, gap from the GPU's end us, excess us, head us,
   loads, last read-back wait us]]]] (`cmoe.calibrate.wake`; older files end at the head), "loading_pass_start_samples" (the same pairs of the ondemand run
-  that loads every layer: shown by `beside`, not fitted) and "route_waits" [(tokens, seconds)], the
+  that loads every layer: `host_boundary_points`, where they carry the wait) and "route_waits" [(tokens, seconds)], the
   wait each route point followed;
 - `cpu_expert`: {"bytes", "points": [(tokens, seconds)]}: one expert on the host's CPU;
 - `cpu_step` (optional): {"lead", "gap", "tail", "pass_start", "pass_gap"} seconds, the host's own

@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from cmoe.calibrate.spans import decode_passes, first_excess, host_gaps, host_marks
+from cmoe.core.hw_math import held
 from cmoe.core.timeline import END, OP, START, STEP, STREAM
 
 WAKE_LEADS_US = (300.0, 1000.0, 3000.0)     # GPU sleep before each layer's experts: waits up to ~3 ms,
@@ -103,23 +104,45 @@ def pass_start_means(starts: list) -> dict[float, tuple[float, float]]:
     return {lead: (float(np.mean([p for p, _ in v])), float(np.mean([s for _, s in v]))) for lead, v in sorted(by.items())}
 
 
-def loading_boundary(pairs: list) -> tuple[float, float, float, float] | None:
-    """(median previous pass us, head us, pass start us, loads a pass) of `pass_start_samples` over
+def loading_boundary(pairs: list) -> tuple[float, float, float, float, float] | None:
+    """(median previous pass us, head us, pass start us, loads a pass, last read-back wait us) of `pass_start_samples` over
     a run that loads (calibrate's ondemand with top_k slots: every layer loads; up to top_k times
     the layers a pass, so on the 4-layer cut at most 8 for Mixtral, and the built model's runs are
     the ones that reach the validations' dozens), the start read as `host_pass_start_us` and
     `benchmarks/boundary_by_wait.py` read it: the gap from the head plus the next first layer's
     excess (the host's own time; not the GPU-sleep runs' reading, which waits for the GPU's end);
-    None without pairs. Measured and shown, not priced: the
-    forty-fifth session's H100 runs took 77-212 us of head and a 1.1-1.9x longer boundary than the
-    model's where a pass loaded 9 experts or more, against a head of 21-35 us in the GPU-sleep runs
-    that waited as long without loading (`benchmarks/boundary_by_wait.py`); whether and how it
-    should enter the model needs these figures from a GPU calibration first."""
+    None without pairs. `fit_boundary` prices what it takes over the quiet boundary."""
     if not pairs:
         return None
     a = np.array(pairs, np.float64)
-    loads = float(np.median(a[:, 5])) if a.shape[1] > 5 else float("nan")
-    return float(np.median(a[:, 0])), float(np.median(a[:, 4])), float(np.median(a[:, 1] + a[:, 3])), loads
+    loads, wait = (float(np.median(a[:, k])) if a.shape[1] > k else float("nan") for k in (5, 6))
+    return float(np.median(a[:, 0])), float(np.median(a[:, 4])), float(np.median(a[:, 1] + a[:, 3])), loads, wait
+
+
+def fit_boundary(pairs: list, price, wake_points: tuple) -> list[list[float]]:
+    """`host_boundary_points` [[last read-back wait us, extra us]] from calibrate's loading run
+    (`loading_pass_start_samples`): what its boundary (head plus next start, medians) took over
+    `price(previous pass us)`, the profile's price without it, at the run's median last wait, read
+    down to nothing along the route step's slow-down after waits (`host_wake_points`, (us, factor):
+    each wait's factor less one over the loading wait's), or a line from (0, 0) without one. []
+    without samples that carry the wait, or where the loading boundary took no longer.
+    Why: on an H100 (forty-fifth session) the validations' loading runs took 148-169 us of head
+    and start where a pass loaded 1-4 experts and 1.1-1.9x the model's price where it loaded 9 or
+    more, after last waits of 1-5 ms; calibrate's GPU-sleep runs, waiting as long without loads,
+    kept their head at 21-35 us. The route step's own wake (`fit_wake`) steps between the same
+    waits, ~140 and ~400 us, which is the shape used here."""
+    got = loading_boundary(pairs)
+    if got is None or len(pairs[0]) < 7:
+        return []
+    prev, head, start, _, wait = got
+    extra = head + start - price(prev)
+    if extra <= 0.0 or wait <= 0.0:
+        return []
+    top = held(wake_points, wait, 1.0)
+    if top <= 1.0:
+        return [[0.0, 0.0], [wait, extra]]
+    ramp = [[float(w), extra * min(max((f - 1.0) / (top - 1.0), 0.0), 1.0)] for w, f in wake_points if w < wait]
+    return ramp + [[wait, extra]]
 
 
 def fit_pass_start(starts: list) -> list[list[float]]:

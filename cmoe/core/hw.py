@@ -24,7 +24,7 @@ GB = 1e9
 
 _PAIRS = ("h2d_pinned", "d2h_pinned", "expert_gbps", "expert_rows_us", *HOST_POINTS, "wave_count_us",
           "host_wake_points", "host_route_waits", "cpu_wake_points", "roundtrip_points",
-          "cpu_expert_points", "host_pass_start_points")      # the fields that are lists of pairs (JSON <-> tuples)
+          "cpu_expert_points", "host_pass_start_points", "host_boundary_points")      # the fields that are lists of pairs (JSON <-> tuples)
 
 
 @dataclass(frozen=True)
@@ -136,6 +136,8 @@ class HardwareProfile(Variants):
                                                     # measured in, whose factor its points hold already
     cpu_wake_points: tuple = ()                     # (idle us, extra us): a CPU expert after the CPU idled that long
     host_pass_start_points: tuple = ()              # (pass us, extra us): a pass start after a pass that long
+    host_boundary_points: tuple = ()                # (wait us, extra us): a pass start after a pass whose last
+                                                    # read-back waited that long (`boundary_extra_us`)
     roundtrip_points: tuple = ()                    # (rows, us): roundtrip_us by the pass's rows (`roundtrip`)
     cpu_expert_points: tuple = ()                   # (tokens, factor): a CPU expert's time over its time at one token
     omp_wait_policy: str = ""                       # OpenMP settings of calibrate's CPU experts ("": unrecorded)

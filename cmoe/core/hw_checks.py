@@ -25,7 +25,8 @@ RATES = ("h2d_pageable_gbps", "hbm_gbps", "matmul_tflops", "cpu_expert_gbps")   
 WAIT_TABLES = (    # (field, what a point holds, the y's rule; None: any y > 0) of the tables read after a wait
     ("host_wake_points", "[wait us, factor]: a wait >= 0, a factor > 0, waits ascending", None),
     ("cpu_wake_points", "[idle us, extra us]: an idle >= 0, extra us >= 0, idles ascending", NON_NEGATIVE[0]),
-    ("host_pass_start_points", "[pass us, extra us]: a pass >= 0, extra us >= 0, passes ascending", NON_NEGATIVE[0]))
+    ("host_pass_start_points", "[pass us, extra us]: a pass >= 0, extra us >= 0, passes ascending", NON_NEGATIVE[0]),
+    ("host_boundary_points", "[wait us, extra us]: a wait >= 0, extra us >= 0, waits ascending", NON_NEGATIVE[0]))
 # CMOE_FEW_EXPERTS' thresholds as `cmoe.executor.few_experts.describe` writes them ("": unrecorded)
 FEW = (lambda v: isinstance(v, str) and re.fullmatch(r"|off|\d+:\d+( \d+:\d+)*", v) is not None,
        '"off", or bucket:threshold pairs such as "8:3" or "8:3 16:1", or "" (unrecorded)')

@@ -35,7 +35,8 @@ class Variants:
             return table(v) if f in HOST_POINTS else v * k
         return replace(self, **{f: scaled(f, getattr(self, f)) for f in (*HOST_FIELDS, *HOST_POINTS)},
                        python_host={f: scaled(f, v) for f, v in self.python_host.items()},
-                       host_pass_start_points=table(self.host_pass_start_points))
+                       host_pass_start_points=table(self.host_pass_start_points),
+                       host_boundary_points=table(self.host_boundary_points))
 
     def python_step(self) -> "HardwareProfile":
         """The host where the compiled host program does not plan (`CMOE_HOST_PROGRAM=0`: the
@@ -77,6 +78,14 @@ class Variants:
         Two H100 hosts (thirty-sixth session) started a pass in 102 and 136 us after 5 ms passes,
         264 and 314 after 104 ms ones, whatever the pass waited on (`cmoe.calibrate.wake.fit_pass_start`)."""
         return held(self.host_pass_start_points, prev_us, 0.0)
+
+    def boundary_extra_us(self, wait_us: float) -> float:
+        """What the next pass's start takes more after a decode pass whose last read-back waited
+        `wait_us` (not a CPU-expert policy's own start): `host_boundary_points` (wait us, extra us)
+        read as `cpu_wake_us`'s, 0 with none measured. On an H100 (forty-fifth session) the LM head's
+        host step and the next start took ~150 us where a pass's last wait was under 150 us and ~600
+        where it was a load's 1-5 ms (`cmoe.calibrate.wake.fit_boundary`)."""
+        return held(self.host_boundary_points, wait_us, 0.0)
 
     def host_wake_base(self, tokens: int) -> float:
         """`host_wake` at the wait `host_route(tokens)` was measured after: the simulator scales the

@@ -90,7 +90,7 @@ class Simulation(ExpertSteps):
         self.queued_us = 0.0                   # link time of the issued loads no engine has started
         self.link_busy_until = 0.0             # when the copies now moving will have landed
         self.drained: simpy.Event | None = None
-        self.pass_index = 0
+        self.pass_index, self.last_wait = 0, 0.0   # last_wait: the pass's latest read-back wait (`_begin_pass`)
         self.slots = [[_Slot() for _ in range(n)] for n in policy.layout.slots]
         self.ready: dict[tuple[int, int], simpy.Event] = {}
         self.run = SimRun() if keep_spans or record_log else SimRun(spans=_NoSpans())
@@ -284,11 +284,12 @@ class Simulation(ExpertSteps):
         if hw.startup_after_host(pol.cpu_experts):
             H += hw.host_pass_start(pol.cpu_experts)
             G = max(G, H) + hw.pass_start_us + self._start_copy(max(G, H))
-        else:                                   # slower after a long pass (`pass_start_extra_us`)
+        else:                                   # slower after a long pass, or one whose last wait was long
             before = self.run.pass_us[-1] if self.run.pass_us else (0, False, 0, 0.0)
-            extra = hw.pass_start_extra_us(before[3]) if before[1] else 0.0
+            extra = hw.pass_start_extra_us(before[3]) + hw.boundary_extra_us(self.last_wait) if before[1] else 0.0
             H, G = self._op(H, G, hw.host_pass_start(pol.cpu_experts) + extra,
                             hw.pass_start_us + self._start_copy(max(G, H)))
+        self.last_wait = 0.0
         if x.commit_decode:                        # layer 0's prediction is read back and planned before it runs
             H = max(H, G) + hw.host_sync_us + hw.commit_start_us
             yield from self._sync(H)
@@ -325,7 +326,8 @@ class Simulation(ExpertSteps):
         if x.ahead:
             return (yield from self._ahead_layer(x, m, d, plan, votes, H, G))
         if not self._silent:          # the route step, slower after a long wait and beside a load
-            H = max(H, G) + x.route_host + wake_extra(hw, x, max(G - H, 0.0)) \
+            self.last_wait = max(G - H, 0.0)
+            H = max(H, G) + x.route_host + wake_extra(hw, x, self.last_wait) \
                 + (hw.readback_copy_us if hw.readback_copy_us and self.in_flight and self._copying(t_in) else 0.0)
         later: dict[int, list[Load]] = {}
         now_loads = plan.loads
@@ -372,7 +374,8 @@ class Simulation(ExpertSteps):
             issued = hw.host_expert(x.n) if plan.gpu else 0.0      # by the pass's tokens
         else:
             issued = sum(hw.host_expert(rows_of[e]) for e in plan.gpu)
-        Hr = max(H + issued, t_in) + x.route_host + wake_extra(hw, x, max(t_in - (H + issued), 0.0))
+        self.last_wait = max(t_in - (H + issued), 0.0)
+        Hr = max(H + issued, t_in) + x.route_host + wake_extra(hw, x, self.last_wait)
         for ld in plan.loads:                    # layer m+1's: they touch no slot this layer reads
             if Hr > env.now:
                 yield env.timeout(Hr - env.now)

@@ -31,9 +31,9 @@ from numba import njit
 EV_COMPUTE, EV_INIT, EV_SLOT, EV_COPY, EV_PUT, EV_GET, EV_READY, EV_DRAINED = range(8)
 URGENT, NORMAL = 0, 1
 W_TIMEOUT, W_READY, W_DRAINED, W_NONE = range(4)
-# Clock.F: now, the compute process's two clocks and last pass end, the link time of loads no
-# engine has started, when the copies now moving will have landed, when the last CPU expert ended
-NOW, H_, G_, PREV_END, QUEUED, BUSY_UNTIL, CPU_END = range(7)
+# Clock.F: now, the compute process's two clocks and last pass end, the link time of loads no engine has started,
+# when the copies now moving will have landed, when the last CPU expert ended, the pass's latest read-back wait
+NOW, H_, G_, PREV_END, QUEUED, BUSY_UNTIL, CPU_END, LAST_WAIT = range(8)
 # Clock.I
 EID, IN_FLIGHT, DRAINED, PASS_INDEX, SEQ, NLOAD, NHEAP, NQ, QHEAD, NGETQ, ERR, NSPAN = range(12)
 # span codes (streams: 0 compute, 1 + i copy engine i, 1 + engines cpu; ops below)
@@ -65,8 +65,8 @@ Costs = namedtuple("Costs", [
     "wake",                                                # [K, 2] (wait us, factor): `HardwareProfile.host_wake`
     "route_wake", "wake_base",                             # per pass: the route step a wait slows, its factor as measured
     "cpu_wake",                                            # [K, 2] (idle us, extra us): `HardwareProfile.cpu_wake_us`
-    "half_rt", "pass_wake",                                # per pass: half its round trip (`roundtrip`); [K, 2]
-])                                                         # (pass us, extra us): `pass_start_extra_us`
+    "half_rt", "pass_wake", "boundary_wake",               # per pass: half its round trip (`roundtrip`); [K, 2]
+])                                                         # (pass us / wait us, extra us): `pass_start_extra_us`, `boundary_extra_us`
 # Costs.hwf
 (SLOW, HOST_LOAD, HX0, HX1, TAIL, TFLOPS, HOST_SYNC, PASS_START, HOST_PASS_START, HEAD, HOST_HEAD,
  WAVE, WAVE_ROW, OWA_GPU, PASS_GAP, COMMIT_GPU, COMMIT_GPU_COPY, COMMIT_START, ATTN_SLOW, RB_COPY, LAUNCH_COPY,
@@ -83,7 +83,7 @@ def new_clock(M: int, E: int, S: int, engines: int, ring: int) -> Clock:
     L = 1 << max(4, int(ring - 1).bit_length())
     hcap = 2 * L + 4 * engines + 16
     zi, zf = (lambda *s: np.zeros(s, np.int64)), (lambda *s: np.zeros(s, np.float64))
-    F = zf(7)
+    F = zf(8)
     F[CPU_END] = -np.inf                                   # no CPU expert yet: as long idle as can be
     return Clock(F, zi(12), zf(hcap), zi(hcap), zi(hcap), zi(hcap), zi(hcap), zi(L), zi(L), zi(L), zi(engines + 1),
                  zi(L), zi(L), zi(L), zi(L), zi(L), np.full((M, E), -1, np.int64), np.zeros((M, E), np.bool_), zf(M, E),

@@ -12,7 +12,7 @@ from numba import njit
 from cmoe.core.hw_math import beside_copy
 from cmoe.sim.replay.clock import (CHAINED_GAP, CPU_END, CPU_GAP, CPU_LEAD, CPU_TAIL, DRAINED, ENGINES, ERR, FIFO, G_, H_, HEAD, HEAD_SPAN, HOST_HEAD,
                                    AHEAD, COMMIT_GPU, COMMIT_GPU_COPY, COMMIT_START, HOST_LOAD, HOST_PASS_START, HOST_SYNC,
-                                   IN_FLIGHT, NOW, OP_ATTN, SILENT,
+                                   IN_FLIGHT, LAST_WAIT, NOW, OP_ATTN, SILENT,
                                    OP_CPU, OP_DENSE, OP_EXPERT, OP_HEAD, OP_ROUTE, OP_RT, OWA_GPU, PASS_GAP,
                                    PASS_INDEX, PASS_START, PREV_END, SLOW, STARTUP_AFTER, START_COPY, ATTN_SLOW, RB_COPY, LAUNCH_COPY, TAIL, WAVE, WAVE_ROW,
                                    COPY_LAUNCH,
@@ -180,7 +180,8 @@ def _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M):
         for g in range(g0, g1):
             rows = n if x.all_rows[p] else _votes(x, p, m, d.g_e[g], M)
             tot += x.htab[rows]
-    Hr = pmax(H + tot, t_in) + x.route_host[p] + _wake_extra(x, p, pmax(t_in - (H + tot), 0.0))
+    c.F[LAST_WAIT] = pmax(t_in - (H + tot), 0.0)
+    Hr = pmax(H + tot, t_in) + x.route_host[p] + _wake_extra(x, p, c.F[LAST_WAIT])
     for i in range(l0, l1):
         if Hr > c.F[NOW]:
             _sync(c, x, o, Hr)
@@ -226,11 +227,12 @@ def _begin(c, x, o, d, p, j0, H, G, M, chained):
         H2 = H + x.hwf[HOST_PASS_START]
         t = pmax(G, H2)
         G = t + x.hwf[PASS_START] + _start_copy(c, x, t)
-    else:                                           # slower after a long pass (`pass_start_extra_us`)
-        H2 = H + (x.hwf[HOST_PASS_START] + (_flat(x.pass_wake, o.pass_us[p - 1]) if p > 0 and x.decode[p - 1] else 0.0))
+    else:                                           # slower after a long pass, or one whose last wait was long
+        H2 = H + (x.hwf[HOST_PASS_START] + (_flat(x.pass_wake, o.pass_us[p - 1]) + _flat(x.boundary_wake, c.F[LAST_WAIT])
+                                            if p > 0 and x.decode[p - 1] else 0.0))
         t = pmax(G, H)                              # `Simulation._op`'s order: t + (its whole gpu cost)
         G = pmax(t + (x.hwf[PASS_START] + _start_copy(c, x, t)), H2)
-    H = H2
+    H, c.F[LAST_WAIT] = H2, 0.0
     if x.commit_decode[p]:
         H = pmax(H, G) + x.hwf[HOST_SYNC] + x.hwf[COMMIT_START]
         _sync(c, x, o, H)
@@ -305,7 +307,8 @@ def _layer(c, x, o, d, p, m, dl, j, H, G, t_in, n, slow, M, fifo, cpu):
         return _ahead(c, x, o, d, p, m, dl, g0, g1, l0, l1, H, G, t_in, n, slow, M)
     if not x.hwi[SILENT]:                           # the route step, slower after a long wait and beside a load
         moving = x.hwf[RB_COPY] != 0.0 and c.I[IN_FLIGHT] != 0 and copying(c, x, t_in)
-        H = pmax(H, G) + x.route_host[p] + _wake_extra(x, p, pmax(G - H, 0.0)) + (x.hwf[RB_COPY] if moving else 0.0)
+        c.F[LAST_WAIT] = pmax(G - H, 0.0)
+        H = pmax(H, G) + x.route_host[p] + _wake_extra(x, p, c.F[LAST_WAIT]) + (x.hwf[RB_COPY] if moving else 0.0)
     if not fifo:                                    # reads of resident experts; a loaded one is read after its write
         for g in range(g0, g1):
             if not _own(d, l0, l1, m, d.g_e[g]):

@@ -100,7 +100,8 @@ def cost_tables(policy: Policy, hw: HardwareProfile, c: Costs, pa: PassArrays, k
                     c_(pa.votes), c_(xtab), c_(xcls), c_(htab), c_(wfix), c_(wcnt),
                     np.array(hw.host_wake_points or ((0.0, 1.0),), np.float64).reshape(-1, 2), c_(per_n[:, 6]),
                     c_(per_n[:, 7]), np.array(hw.cpu_wake_points or ((0.0, 0.0),), np.float64).reshape(-1, 2), c_(per_n[:, 8]),
-                    np.array(hw.host_pass_start_points or ((0.0, 0.0),), np.float64).reshape(-1, 2))
+                    np.array(hw.host_pass_start_points or ((0.0, 0.0),), np.float64).reshape(-1, 2),
+                    np.array(hw.host_boundary_points or ((0.0, 0.0),), np.float64).reshape(-1, 2))
 
 
 class Replay:
