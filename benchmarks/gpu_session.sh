@@ -206,7 +206,7 @@ case "${1:-}" in
          | grep -E "^lean|^HBM|^built|rror" || true ;;
   check) timeout 260 python3 -m pytest -q -m gpu tests/test_moe_cuda_gpu.py tests/test_lean_gpu.py \
            tests/test_executor_gpu.py -p no:cacheprovider 2>&1 | tail -12 || true
-         timeout 160 python3 benchmarks/expert_kernel_h200.py --out "$OUT/expert" --no-sweep 2>&1 | grep -v Warning | tail -30 || true
+         timeout 240 python3 benchmarks/expert_kernel_h200.py --out "$OUT/expert" --no-sweep 2>&1 | grep -v Warning | tail -30 || true
          upper 130 80 ;;
   fuse-ab) timeout 100 python3 -m pytest -q tests/test_step_kernels.py tests/test_attention.py \
              -p no:cacheprovider 2>&1 | tail -4 || true
