@@ -4,7 +4,8 @@ the next pass's start, the host lane's gap from that head's end to the next pass
 `host_attention` plus that pass's layer-0 excess over its other layers (`host_gaps`,
 `first_excess`: what `host_pass_start_us` prices). Per configuration and policy, the medians of
 both, the loads a pass made, and the model's price for the same boundary (`host_head_us`, plus
-`host_pass_start_us` and its extra after a pass as long, `pass_start_extra_us`); then, over the
+`host_pass_start_us` and its extras after a pass as long, `pass_start_extra_us`, and after its
+last wait as long, `boundary_extra_us`); then, over the
 loading policies, both by the read-back wait before the head (the pass's last `host_sync`); and
 beside them what calibrate's own GPU-sleep runs saw (its `pass_start_samples`: waits of 0.1-3 ms,
 no loads).

@@ -53,7 +53,7 @@ POLICIES = "upper,ondemand,lru-prefetch,commit,oracle,lfu-fallback,static"   # `
 # the profile's fields by the part of the machine they price (`--explain`); "gpu" is every other
 # cost (name, sources and the recorded OpenMP and page settings price nothing)
 GROUPS = {"link": ("h2d_pinned", "d2h_pinned", "h2d_pageable_gbps", "copy_engines", "h2d_queued_us"),
-          "host": (*HOST_FIELDS, *HOST_POINTS, "host_wake_points", "host_route_waits", "host_pass_start_points", "python_host", "readback_copy_us"),
+          "host": (*HOST_FIELDS, *HOST_POINTS, "host_wake_points", "host_route_waits", "host_pass_start_points", "host_boundary_points", "python_host", "readback_copy_us"),
           "cpu": ("cpu_expert_gbps", "cpu_expert_us_per_token", "roundtrip_us", "roundtrip_points", "cpu_wake_points",
                   "cpu_expert_points")}
 GROUPS["gpu"] = tuple(f.name for f in fields(HardwareProfile)

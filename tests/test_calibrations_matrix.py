@@ -109,6 +109,8 @@ def test_explain_names_the_group_that_separates_two_calibrations():
     assert mixed.h2d_pinned == b.h2d_pinned and mixed.cpu_expert_gbps == a.cpu_expert_gbps
     assert set(GROUPS) == {"link", "host", "cpu", "gpu"}
     assert not set(GROUPS["gpu"]) & {f for g in ("link", "host", "cpu") for f in GROUPS[g]}
+    from cmoe.core.hw_checks import WAIT_TABLES           # the host's tables read after a wait are the host's
+    assert {t for t, _, _ in WAIT_TABLES} - {"cpu_wake_points"} <= set(GROUPS["host"])
 
     def sim(prof, tag):          # a stand-in grid: one GPU row priced by the link, one CPU row by the CPU
         return {(16.0, 1, "ondemand"): prof.h2d_pinned[-1][1], (16.0, 1, "static"): prof.cpu_expert_gbps}

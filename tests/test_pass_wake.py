@@ -101,7 +101,7 @@ def test_calibrate_fits_the_samples_and_shows_each_lead_beside_the_profile():
     assert rows["host, pass start after 39ms"][:2] == ["190.0us", f"{got.host_pass_start_us + 90.0:.1f}us"]
 
 
-def test_a_loading_runs_boundary_is_shown_beside_the_profile_not_fitted():
+def test_a_loading_runs_boundary_without_its_wait_is_shown_not_fitted():
     """calibrate's ondemand run with top_k slots (every layer loads) keeps its pass-start samples;
     `beside` shows its head, and its head and pass start, against what the profile prices; samples
     from before the forty-fifth session's last change carry no last wait, and the fit leaves them
@@ -128,28 +128,31 @@ def test_a_loading_runs_boundary_is_shown_beside_the_profile_not_fitted():
     assert got == plain
     rows = {line[:28].strip(): line[28:].split() for line in beside(got, m).splitlines()}
     assert rows["host, head, 60 loads"][:2] == ["170.0us", f"{got.host_head_us:.1f}us"]
-    assert rows["host, head + start, loading"][:2] == ["730.0us", f"{got.host_head_us + got.host_pass_start_us + 90.0:.1f}us"]
+    assert rows["host, head + start, loading"][:2] == ["820.0us", f"{got.host_head_us + got.host_pass_start_us + 90.0:.1f}us"]
 
 
 LOADING = [[40000.0, 500.0, -20.0, 150.0, 170.0, 60.0, 3000.0], [42000.0, 400.0, 30.0, 130.0, 150.0, 58.0, 3400.0],
-           [38000.0, 450.0, 40.0, 110.0, 400.0, 64.0, 2600.0]]      # head 170, start 560, last wait 3000 (medians)
+           [38000.0, 450.0, 40.0, 110.0, 400.0, 64.0, 2600.0]]      # head 170, start 560, last wait 3000 (medians);
+# head plus start 820, 680, 960 (median 820)
 
 
 def test_the_boundary_extra_is_read_down_the_route_steps_wake():
-    """What the loading run's boundary took over the price (730 - 400 = 330 us) at its last wait
+    """What the loading run's boundary took over the price (820 - 400 = 420 us) at its last wait
     (3,000 us), and at each shorter wait of the route step's wake that share of it its factor less
-    one is of the loading wait's (factor 1 at 140 us: nothing; 19 at 400: 18/24 of it); a line from
-    (0, 0) where no wake was measured or it did not slow; nothing where the boundary took no longer,
-    or the samples carry no wait."""
-    from cmoe.calibrate.wake import fit_boundary, loading_boundary
-    assert loading_boundary(LOADING) == (40000.0, 170.0, 560.0, 60.0, 3000.0)
+    one is of the loading wait's (factor 1 at 140 us: nothing; 19 at 400: 18/23.5 of it); a line from
+    (0, 0) where no wake was measured, it did not slow or it has no point below the loading wait;
+    nothing where the boundary took no longer, or the samples carry no wait."""
+    from cmoe.calibrate.wake import fit_boundary, loading_boundary, loading_total
+    assert loading_boundary(LOADING) == (40000.0, 170.0, 560.0, 60.0, 3000.0) and loading_total(LOADING) == 820.0
     wake = ((140.0, 1.0), (400.0, 19.0), (1000.0, 23.0), (5000.0, 26.0))
     # the wake read at 3,000 us: 23 + 3 * 2000 / 4000 = 24.5, so 23.5 over the loading wait's
     assert fit_boundary(LOADING, lambda prev: 400.0 if prev == 40000.0 else 0.0, wake) == \
-        [[140.0, 0.0], [400.0, 330.0 * 18.0 / 23.5], [1000.0, 330.0 * 22.0 / 23.5], [3000.0, 330.0]]
-    assert fit_boundary(LOADING, lambda prev: 400.0, ()) == [[0.0, 0.0], [3000.0, 330.0]]
-    assert fit_boundary(LOADING, lambda prev: 400.0, ((0.0, 1.0),)) == [[0.0, 0.0], [3000.0, 330.0]]
-    assert fit_boundary(LOADING, lambda prev: 730.0, wake) == []
+        [[140.0, 0.0], [400.0, 420.0 * 18.0 / 23.5], [1000.0, 420.0 * 22.0 / 23.5], [3000.0, 420.0]]
+    line = [[0.0, 0.0], [3000.0, 420.0]]
+    assert fit_boundary(LOADING, lambda prev: 400.0, ()) == line
+    assert fit_boundary(LOADING, lambda prev: 400.0, ((0.0, 1.0),)) == line
+    assert fit_boundary(LOADING, lambda prev: 400.0, ((3500.0, 2.0), (9000.0, 3.0))) == line    # none below the wait
+    assert fit_boundary(LOADING, lambda prev: 820.0, wake) == []
     assert fit_boundary([p[:6] for p in LOADING], lambda prev: 400.0, wake) == [] and fit_boundary([], len, wake) == []
     p = replace(H200, host_boundary_points=((140.0, 0.0), (400.0, 180.0), (3000.0, 330.0)))
     assert [p.boundary_extra_us(w) for w in (0.0, 140.0, 270.0, 400.0, 3000.0, 9e6)] == [0.0, 0.0, 90.0, 180.0, 330.0, 330.0]
@@ -172,10 +175,10 @@ def test_a_loading_runs_boundary_is_fitted_at_its_last_wait():
                            "loading_pass_start_samples": LOADING}
     got = fit_profile("fit", m, known.gpu_mem_bytes, "test", "2026-12-07")
     quiet = got.host_head_us + got.host_pass_start_us + 90.0
-    assert got.host_boundary_points == ((0.0, 0.0), (3000.0, 730.0 - quiet))
+    assert got.host_boundary_points == ((0.0, 0.0), (3000.0, 820.0 - quiet))
     assert "top_k slots" in got.sources["host_boundary_points"]
     rows = {line[:28].strip(): line[28:].split() for line in beside(got, m).splitlines()}
-    assert rows["host, head + start, loading"][:2] == ["730.0us", "730.0us"]
+    assert rows["host, head + start, loading"][:2] == ["820.0us", "820.0us"]
 
 
 def test_a_pass_after_a_long_last_wait_starts_later_in_both_engines():

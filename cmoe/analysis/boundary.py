@@ -3,7 +3,8 @@ misses, forty-fifth session): a decode pass's LM-head host step (`host_head`), t
 start as calibrate reads it (`cmoe.calibrate.spans`: the host lane's gap from that head's end to the
 next pass's first `host_attention`, plus that pass's layer-0 excess over its other layers), beside
 what the simulator charges for the same boundary (`host_head_us`, `host_pass_start_us` and its
-extra after a pass as long, `pass_start_extra_us`).
+extras after a pass as long, `pass_start_extra_us`, and after its last read-back wait as long,
+`boundary_extra_us`).
 
 Where the runs' boundary is longer than the GPU's last layer and head, the GPU waits at layer 0:
 on an H100 (b4dd528) the boundary took 0.54-0.62x the price where a pass loaded four experts or

@@ -257,7 +257,7 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
     od = run_policy(w, replace(cfg, policies=("ondemand",), slots=spec.top_k, tokens=min(r.tokens, 8)),
                     "ondemand")
     one["host_load"], one["load_queue"] = _load_cost(od.log, h_route, r.cuda), queued_period(od.log) if r.cuda else None
-    if r.cuda:                    # its pass boundary, shown beside the profile's (`wake.loading_boundary`)
+    if r.cuda:                    # its pass boundary after long waits (`wake.fit_boundary`)
         one["loading_starts"] = wake.pass_start_samples(od.log)
     else:                         # on a CPU a load is the host's own copy between other work (`copied_fit`)
         one["load_copy"] = load_copies(od.log)

@@ -124,7 +124,8 @@ def fit_boundary(pairs: list, price, wake_points: tuple) -> list[list[float]]:
     (`loading_pass_start_samples`): what its boundary (head plus next start, medians) took over
     `price(previous pass us)`, the profile's price without it, at the run's median last wait, read
     down to nothing along the route step's slow-down after waits (`host_wake_points`, (us, factor):
-    each wait's factor less one over the loading wait's), or a line from (0, 0) without one. []
+    each wait's factor less one over the loading wait's), or a line from (0, 0) without one (or
+    without a point below the loading wait). []
     without samples that carry the wait, or where the loading boundary took no longer.
     Why: on an H100 (forty-fifth session) the validations' loading runs took 148-169 us of head
     and start where a pass loaded 1-4 experts and 1.1-1.9x the model's price where it loaded 9 or
@@ -134,15 +135,21 @@ def fit_boundary(pairs: list, price, wake_points: tuple) -> list[list[float]]:
     got = loading_boundary(pairs)
     if got is None or len(pairs[0]) < 7:
         return []
-    prev, head, start, _, wait = got
-    extra = head + start - price(prev)
+    prev, wait = got[0], got[4]
+    extra = loading_total(pairs) - price(prev)
     if extra <= 0.0 or wait <= 0.0:
         return []
     top = held(wake_points, wait, 1.0)
-    if top <= 1.0:
-        return [[0.0, 0.0], [wait, extra]]
-    ramp = [[float(w), extra * min(max((f - 1.0) / (top - 1.0), 0.0), 1.0)] for w, f in wake_points if w < wait]
-    return ramp + [[wait, extra]]
+    ramp = [[float(w), extra * min(max((f - 1.0) / (top - 1.0), 0.0), 1.0)] for w, f in wake_points
+            if w < wait] if top > 1.0 else []
+    return (ramp or [[0.0, 0.0]]) + [[wait, extra]]
+
+
+def loading_total(pairs: list) -> float:
+    """The median over `loading_boundary`'s pairs of each one's head plus its pass start: the
+    boundary as `cmoe.analysis.boundary.boundary_price` reads a validation's runs."""
+    a = np.array(pairs, np.float64)
+    return float(np.median(a[:, 4] + a[:, 1] + a[:, 3]))
 
 
 def fit_pass_start(starts: list) -> list[list[float]]:
