@@ -14,12 +14,16 @@
 #                                             # measure the GPU-only policies at pools 16/20/26, batches
 #                                             # 1/2/4/8; the tarballs under $OUT go to benchmarks/validate_table.py here;
 #                                             # SPEC=PRESET POOLS=GB,GB BATCHES=B,B for another model's shapes;
-#                                             # CAL=built BATCHES=1,2,4,8 fits one call: 401-419 s on an H100, 414 s
-#                                             # in two calls on the H200 (twenty-fourth session); issue 15's
+#                                             # CAL=built BATCHES=1,2,4,8 fitted one call (401-419 s on an H100) until
+#                                             # the forty-sixth session (see PROFILE below); 414 s in two calls on
+#                                             # the H200 (twenty-fourth session); issue 15's
 #                                             # calibrations across sessions: validate_table.py FOLDER --against
 #                                             # benchmarks/results/validate-lean-h100-fa7b3d0/profile.json
 #                                             # (VT=SECONDS bounds the validation, for a call that runs tests first;
-#                                             # POLS=upper,lfu-fallback,static the CPU-expert policies, twins built)
+#                                             # POLS=upper,lfu-fallback,static the CPU-expert policies, twins built;
+#                                             # PROFILE=FILE.json (in the tree) uses it, no calibration: the built
+#                                             # model's took 251 s on an H100 (forty-sixth session), so CAL=built
+#                                             # BATCHES=1,2,4 VT=420 then PROFILE=... BATCHES=8 in a second call)
 #   bash benchmarks/gpu_session.sh cpu-threads  # issue 15: why CPU experts' speed moves between runs: the host's facts,
 #                                             # isolated CPU experts and static/lfu-fallback at batch 8 at each torch
 #                                             # thread count of THREADS (16,15,14,8), the link busy or not; the
@@ -245,7 +249,7 @@ case "${1:-}" in
         cp /tmp/v/profile*.json "$OUT/" 2>/dev/null; terms ;;
   validate) rm -rf /tmp/v; timeout ${VT:-560} python3 benchmarks/validate_h200.py --out /tmp/v --pools "${POOLS:-16,20,26}" --batches "${BATCHES:-1,2,4,8}" \
               --tokens 32 --policies "${POLS:-upper,ondemand,lru-prefetch,commit,oracle}" --measure-only --spec "${SPEC:-mixtral-8x7b}" \
-              --calibrate-on "${CAL:-both}" --commit "${COMMIT:-unknown}" 2>&1 | tee "$OUT/validate.log" | grep -v "^  " || true
+              $([ -n "${PROFILE:-}" ] && echo --profile "$PROFILE" || echo --calibrate-on "${CAL:-both}") --commit "${COMMIT:-unknown}" 2>&1 | tee "$OUT/validate.log" | grep -v "^  " || true
             (cd /tmp/v && tar czf "$OUT/head.tgz" results.json profile*.json $(ls host-load.json 2>/dev/null) \
               && for b in $(echo "${BATCHES:-1,2,4,8}" | tr , " "); do ls -d pool*-b$b >/dev/null 2>&1 && tar czf "$OUT/meas-b$b.tgz" pool*-b$b; done; true); terms ;;
   cpu-program) timeout 150 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider \

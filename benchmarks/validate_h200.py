@@ -12,8 +12,9 @@ only in pool and batch). Writes, under --out:
   token with the errors; rewritten after every configuration, so a run cut short keeps its figures;
 - host-load.json: the host's other load and steal every 0.1 s from the store's build on
   (`cmoe.calibrate.host_load`), rewritten with results.json.
-With --profile PATH it measures nothing and uses that profile (e.g. a second pass with the
-same calibration). Needs simpy for the predictions (without it only the measured side is written).
+With --profile PATH it calibrates nothing and uses that profile (e.g. a second pass with the
+same calibration), copied to profile.json under --out so the folder predicts on its own (the
+forty-sixth session's calibration took 251 s on an H100, leaving batch 8 to a second call). Needs simpy for the predictions (without it only the measured side is written).
 On a GPU machine it sets OMP_WAIT_POLICY=ACTIVE before torch loads, unless the variable is given,
 where --policies names a CPU-expert policy, as `cmoe run` does (`cmoe.executor.omp_wait`); until
 the thirty-seventh session it set it for every validation, since its calibration measures CPU
@@ -126,6 +127,8 @@ def main() -> None:
     if a.profile:
         from cmoe.core.hw import load_profile
         prof = load_profile(a.profile)
+        res["profile_from"] = str(a.profile)
+        write_text_atomic(a.out / "profile.json", json.dumps(prof.to_dict(), indent=1))
     else:                                 # as cmoe run does: on this machine, on the model just built
         prof = _calibrate(a, w, where, card, res)
     built = (w.store, w.model, w.shims)

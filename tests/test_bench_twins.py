@@ -58,3 +58,21 @@ def test_validate_h200_reads_policies_before_torch_as_its_parser_does(monkeypatc
     with pytest.raises(SystemExit) as e:
         main()
     assert e.value.code == 2 and not (tmp_path / "v").exists()
+
+
+def test_validate_h200_with_a_profile_keeps_it_in_the_folder(monkeypatch, tmp_path):
+    """`--profile` calibrates nothing and copies the profile into --out, which then predicts on its
+    own (`gpu_session.sh validate` with PROFILE: batch 8 in a second call with the first call's
+    calibration, forty-sixth session): the embedded model on the CPU, one policy, two tokens."""
+    import json
+    from benchmarks.validate_h200 import main
+    from cmoe.core.hw import load_profile
+    out = tmp_path / "v"
+    monkeypatch.setattr("sys.argv", ["validate_h200.py", "--out", str(out), "--embedded", "--device", "cpu", "--slots", "4",
+                                     "--profile", "h200", "--pools", "1", "--batches", "1", "--tokens", "2",
+                                     "--policies", "upper", "--measure-only", "--commit", "test"])
+    main()
+    assert json.loads((out / "profile.json").read_text()) == load_profile("h200").to_dict()
+    res = json.loads((out / "results.json").read_text())
+    assert res["profile_from"] == "h200" and [c["batch"] for c in res["configs"]] == [1]
+    assert not (out / "profile.measurements.json").exists()
