@@ -42,7 +42,5 @@ def boundary_price(rows: list, prof, cpu_experts: bool = False) -> tuple[float, 
     a = np.array(rows)
     if not a.size or not a[:, 0].any():
         return None
-    extra = 0.0 if prof.startup_after_host(cpu_experts) else \
-        float(np.median([prof.pass_start_extra_us(x) + prof.boundary_extra_us(w) for w, x in zip(a[:, 0], a[:, 4])]))
-    price = prof.host_head_us + prof.host_pass_start(cpu_experts) + extra
+    price = float(np.median([prof.boundary_price_us(x, w, cpu_experts) for w, x in zip(a[:, 0], a[:, 4])]))
     return (float(np.median(a[:, 1] + a[:, 2])), price) if price > 0 else None

@@ -9,7 +9,7 @@ from cmoe.calibrate.cpu_fit import cpu_rows
 from cmoe.calibrate.link_fit import best_per_size, curve
 from cmoe.calibrate.noise import point_label, size_label
 from cmoe.calibrate.profile_fit import noise_of
-from cmoe.calibrate.wake import loading_boundary, loading_total, pass_start_means
+from cmoe.calibrate.wake import loading_boundary, pass_start_means
 from cmoe.core.hw import GB, HardwareProfile
 
 
@@ -57,11 +57,9 @@ def beside(p: HardwareProfile, m: dict) -> str:
         row(f"host, route after {wait * 1e6:.0f}us", route, p.host_route(1) * p.host_wake(wait * 1e6))
     for prev, start in pass_start_means((h or {}).get("pass_start_samples") or []).values():
         row(f"host, pass start after {prev / 1e3:.0f}ms", start / 1e6, p.host_pass_start_us + p.pass_start_extra_us(prev))
-    pairs = (h or {}).get("loading_pass_start_samples") or []
-    if lb := loading_boundary(pairs):                      # `wake.fit_boundary`
+    if lb := loading_boundary((h or {}).get("loading_pass_start_samples") or []):    # `wake.fit_boundary`
         row(f"host, head, {lb[3]:.0f} loads", lb[1] / 1e6, p.host_head_us)
-        row("host, head + start, loading", loading_total(pairs) / 1e6, p.host_head_us + p.host_pass_start_us
-            + p.pass_start_extra_us(lb[0]) + (p.boundary_extra_us(lb[4]) if lb[4] == lb[4] else 0.0))
+        row("host, head + start, loading", lb[5] / 1e6, p.boundary_price_us(lb[0], lb[4] if lb[4] == lb[4] else 0.0))
     for b, n, quiet, busy, _, _ in m["layer"].get("launch_copy_points") or []:    # `launch_fit`
         row(f"launch of {n} beside a load, b{b}", busy, p.wave_beside_copy(quiet * 1e6, 0.0))
     if m["layer"].get("start_copy_s") is not None:         # oracle's passes that start beside a load

@@ -104,8 +104,10 @@ def pass_start_means(starts: list) -> dict[float, tuple[float, float]]:
     return {lead: (float(np.mean([p for p, _ in v])), float(np.mean([s for _, s in v]))) for lead, v in sorted(by.items())}
 
 
-def loading_boundary(pairs: list) -> tuple[float, float, float, float, float] | None:
-    """(median previous pass us, head us, pass start us, loads a pass, last read-back wait us) of `pass_start_samples` over
+def loading_boundary(pairs: list) -> tuple[float, float, float, float, float, float] | None:
+    """(median previous pass us, head us, pass start us, loads a pass (NaN in older samples), last
+    read-back wait us (NaN in older samples), head plus pass start us: the median of each pair's
+    sum, as `cmoe.analysis.boundary.boundary_price` reads a validation's runs) of `pass_start_samples` over
     a run that loads (calibrate's ondemand with top_k slots: every layer loads; up to top_k times
     the layers a pass, so on the 4-layer cut at most 8 for Mixtral, and the built model's runs are
     the ones that reach the validations' dozens), the start read as `host_pass_start_us` and
@@ -116,7 +118,9 @@ def loading_boundary(pairs: list) -> tuple[float, float, float, float, float] | 
         return None
     a = np.array(pairs, np.float64)
     loads, wait = (float(np.median(a[:, k])) if a.shape[1] > k else float("nan") for k in (5, 6))
-    return float(np.median(a[:, 0])), float(np.median(a[:, 4])), float(np.median(a[:, 1] + a[:, 3])), loads, wait
+    start = a[:, 1] + a[:, 3]
+    return (float(np.median(a[:, 0])), float(np.median(a[:, 4])), float(np.median(start)), loads, wait,
+            float(np.median(a[:, 4] + start)))
 
 
 def fit_boundary(pairs: list, price, wake_points: tuple) -> list[list[float]]:
@@ -133,23 +137,16 @@ def fit_boundary(pairs: list, price, wake_points: tuple) -> list[list[float]]:
     kept their head at 21-35 us. The route step's own wake (`fit_wake`) steps between the same
     waits, ~140 and ~400 us, which is the shape used here."""
     got = loading_boundary(pairs)
-    if got is None or len(pairs[0]) < 7:
+    if got is None:
         return []
-    prev, wait = got[0], got[4]
-    extra = loading_total(pairs) - price(prev)
-    if extra <= 0.0 or wait <= 0.0:
+    prev, wait, total = got[0], got[4], got[5]
+    extra = total - price(prev)
+    if not (extra > 0.0 and wait > 0.0):                 # NaN: samples from before the wait was kept
         return []
     top = held(wake_points, wait, 1.0)
     ramp = [[float(w), extra * min(max((f - 1.0) / (top - 1.0), 0.0), 1.0)] for w, f in wake_points
             if w < wait] if top > 1.0 else []
     return (ramp or [[0.0, 0.0]]) + [[wait, extra]]
-
-
-def loading_total(pairs: list) -> float:
-    """The median over `loading_boundary`'s pairs of each one's head plus its pass start: the
-    boundary as `cmoe.analysis.boundary.boundary_price` reads a validation's runs."""
-    a = np.array(pairs, np.float64)
-    return float(np.median(a[:, 4] + a[:, 1] + a[:, 3]))
 
 
 def fit_pass_start(starts: list) -> list[list[float]]:

@@ -87,6 +87,16 @@ class Variants:
         where it was a load's 1-5 ms (`cmoe.calibrate.wake.fit_boundary`)."""
         return held(self.host_boundary_points, wait_us, 0.0)
 
+    def boundary_price_us(self, prev_us: float, wait_us: float, cpu_experts: bool = False) -> float:
+        """The host's pass boundary as both simulator engines charge it after a decode pass of
+        `prev_us` whose last read-back waited `wait_us`: the LM head's host step and the next pass's
+        start with its extras (`pass_start_extra_us`, `boundary_extra_us`; neither on a CPU-expert
+        policy's own start, `startup_after_host`). `cmoe.analysis.boundary` and calibrate's
+        `beside` hold measured boundaries against it."""
+        extra = 0.0 if self.startup_after_host(cpu_experts) else \
+            self.pass_start_extra_us(prev_us) + self.boundary_extra_us(wait_us)
+        return self.host_head_us + self.host_pass_start(cpu_experts) + extra
+
     def host_wake_base(self, tokens: int) -> float:
         """`host_wake` at the wait `host_route(tokens)` was measured after: the simulator scales the
         route step by host_wake(wait) / this, so a point measured after a longer wait is not
