@@ -155,8 +155,7 @@ class Experts:
             gls[name] = gemlite_side.linear(codes, sz, G)
             return True
         except Exception as e:                                             # noqa: BLE001
-            gemlite_side.STATE.update(module=None, status=f"gemlite failed to pack: {type(e).__name__}: {e}"[:300])
-            print(gemlite_side.STATE["status"], flush=True)
+            gemlite_side.failed("to pack", e)
             return False
 
     def int4_bytes(self, name: str) -> int:
@@ -641,8 +640,7 @@ def main() -> None:
             gemlite_side.STATE["spent_s"] = time.time() - t_gl
             res["check_rel_err_gemlite_vs_bf16"] = ((y_gl - y_bf).norm() / y_bf.norm()).item()
         except Exception as e:                                             # noqa: BLE001
-            gemlite_side.STATE.update(module=None, status=f"gemlite failed its first call: {type(e).__name__}: {e}"[:300])
-            print(gemlite_side.STATE["status"], flush=True)
+            gemlite_side.failed("its first call", e)
             ex.gl.clear()
     res["gemlite"] = gemlite_side.STATE["status"]
     print({k: v for k, v in res.items() if k.startswith("check")}, flush=True)

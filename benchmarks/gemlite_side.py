@@ -63,6 +63,13 @@ def load(config: str | None = None) -> str:
     return STATE["status"]
 
 
+def failed(what: str, e: Exception) -> None:
+    """gemlite dropped for the rest of the run: `what` failed with `e`, said in the status the
+    results record and printed (a failure costs its column, not the benchmark)."""
+    STATE.update(module=None, status=f"gemlite failed {what}: {type(e).__name__}: {e}"[:300])
+    print(STATE["status"], flush=True)
+
+
 def linear(codes: torch.Tensor, sz: torch.Tensor, group: int):
     """A gemlite layer of the codes and scales (`meta`), bf16 in and out."""
     from gemlite.helper import A16Wn

@@ -87,6 +87,8 @@ def test_a_gemlite_that_cannot_pack_leaves_the_experts_without_it(monkeypatch):
     assert calls == [(1024, 256), (256, 512), (1024, 256)]           # expert 0's two, then expert 1's w13 fails
     assert ex.gl == [] and len(ex.tg) == len(ex.bf) == 4
     assert gemlite_side.STATE == {"module": None, "status": "gemlite failed to pack: ValueError: unsupported group"}
+    gemlite_side.failed("its first call", RuntimeError("x" * 400))           # the benchmark's first-call check
+    assert gemlite_side.STATE == {"module": None, "status": ("gemlite failed its first call: RuntimeError: " + "x" * 400)[:300]}
 
 
 def test_gemlites_rows_stop_once_its_budget_is_spent(monkeypatch):
