@@ -642,6 +642,11 @@ def test_the_lean_engines_gpu_side_steps_run_on_the_cpu(checkpoints, monkeypatch
     assert len(out["commit_waves"]) > 0 and all(len(w) == 4 for w in out["commit_waves"])
     assert lay["points"] == [pt for pt in lay["points"] if pt[1] > 0] and len(lay["points"]) == 2   # batches 1, 8
     assert set(out["seconds"]) >= {"batch 1", "batch 8", "long context"}
+    laps = {k: v for k, v in out["seconds"].items() if ": " in k}      # batch 1's runs, each timed (on a CPU)
+    assert sorted(laps) == ["batch 1: commit, loading", "batch 1: commit, resident", "batch 1: lru-prefetch, loading",
+                            "batch 1: lru-prefetch, resident", "batch 1: ondemand, loading", "batch 1: oracle",
+                            "batch 1: static runs", "batch 1: upper and ondemand runs", "batch 8: static runs"]
+    assert sum(v for k, v in laps.items() if k.startswith("batch 1")) <= out["seconds"]["batch 1"]
     # a short and a long prompt's layer, each the median of its runs (taking turns on a CPU), which
     # are shown with their spread, not judged
     ctx = out["repeats"]["layer, context"]

@@ -68,8 +68,17 @@ class _ModelRuns:
         self.one: dict[str, float] = {}
         self.wake: dict = {}                          # `cmoe.calibrate.wake.measure`'s (CUDA only)
         self.seconds: dict[str, float] = {}     # wall time of each step: what calibrating costs, reported
+        self._lap = time.perf_counter()
         self.w = built
         self.split_point = False                      # time the short prompt in a long cache (`_context_points`)
+
+    def lap(self, key: str | None) -> None:
+        """`seconds[key]`: the wall time since the last lap (None: start one, nothing kept). Batch 1
+        took 25-112 s across the H100 sessions' calibrations; its laps say which of its runs take it."""
+        now = time.perf_counter()
+        if key is not None:
+            self.seconds[key] = now - self._lap
+        self._lap = now
 
     @property
     def queued(self) -> bool:
@@ -159,6 +168,7 @@ def _measure_batch(r: _ModelRuns, batch: int) -> None:
     t0 = time.perf_counter()
     run_policy(w, cfg, "upper")                               # warm-up over the same lengths
     r.seconds[f"warm-up {batch}"] = time.perf_counter() - t0
+    r.lap(None)
     # the host's side from ondemand with every expert resident: upper's work, plus the host step
     # every other policy takes (read-back, plan, dispatch), which the lean engine's upper skips
     hc = replace(cfg, policies=("ondemand",), slots=spec.num_experts)
@@ -180,7 +190,9 @@ def _measure_batch(r: _ModelRuns, batch: int) -> None:
     if batch == 1:
         _batch_one(r, cfg, start, h_start, eager, queued, h_route)
     if batch in (1, 8) and r.cpu_experts and (not r.cuda or w.store.cpu_twins is not None):
+        r.lap(None)
         cpu_runs(r, w, cfg, batch)
+        r.lap(f"batch {batch}: static runs")
 
 
 def _lean_batch(r: _ModelRuns, w, cfg, batch: int, eager: list) -> None:
@@ -214,39 +226,15 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
     from cmoe.executor.run import run_policy
     w, spec, M = r.w, r.spec, r.M
     one = r.one
+    r.lap("batch 1: upper and ondemand runs")
     one["gpu_start"], one["gpu_head"] = start / 1e6, _mean(queued, "head")
     one["host_start"] = h_start / 1e6
     cc = replace(cfg, policies=("commit",), slots=spec.num_experts)
     run_policy(w, cc, "commit")
     c_log = run_policy(w, cc, "commit").log
+    r.lap("batch 1: commit, resident")
     if r.lean:
-        # the next layer's router inside A_m, on the GPU: lru-prefetch (it predicts, on the read-back
-        # path, so its attention spans are GPU time; commit's ahead path would add the host's wait)
-        # over ondemand, every expert resident (no prefetch moves)
-        lp = replace(cfg, policies=("lru-prefetch",), slots=spec.num_experts)
-        p_att = _per_layer(run_policy(w, lp, "lru-prefetch").log, ("attention",), r.first)[0]
-        one["predict_gpu"] = (p_att - one["eager_attention"]) / M / 1e6
-        # runs that load, a few tokens each. lru-prefetch with three quarters of the slots (layers that load
-        # nothing of their own, beside a load it prefetched and not): its route step and launch beside a load
-        # (`readback_copy_us`, `launch_copy_us`). commit with half: its launches (OWA on the device) over
-        # upper's, the copies before them, moving or not, and what its loads do to the kernels beside them
-        tokens = min(r.tokens, 8)
-        rb_log = run_policy(w, replace(lp, record_plans=True, tokens=tokens,
-                                       slots=max(spec.top_k, 3 * spec.num_experts // 4)), "lru-prefetch").log
-        for key, f in (("readback_copy", readback_copy_s), ("launch_copy", launch_copy_s)):
-            v = f(rb_log, r.first, spec.moe_layers)
-            one[key] = max(v, 0.0) if v is not None else 0.0
-        r.gpu["launch_copy"] += launch_copy_points(rb_log, r.first, 1)     # its launches beside a load and not
-        one["commit_waves"] = _wave_points(c_log, w.trace, 1, spec)
-        ld = run_policy(w, replace(cc, slots=max(spec.top_k, spec.num_experts // 2), tokens=tokens), "commit").log
-        one["commit_gpu"], one["commit_gpu_copy"], one["copy_slow"] = *commit_gpu_s(c_log, ld, r.first), copy_slowdowns(ld, r.first)
-        one["commit_start"] = start_excess_s(c_log, r.first) - one["plain_excess"]     # over upper's layer 0
-        # oracle with all the slots but one in 16: its loads go out ahead of their pass, so passes start
-        # beside a moving load (`start_copy_us`); ondemand with every expert resident (its passes queued
-        # too, the same read-back path) is the quiet side where oracle has few quiet passes
-        slots = max(spec.top_k, spec.num_experts - max(1, spec.num_experts // 16))
-        og = run_policy(w, replace(cfg, policies=("oracle",), slots=slots), "oracle").log
-        one["start_copy"] = start_copy_s(og, r.first, eager[0])
+        _lean_one(r, cfg, cc, c_log, eager)
     # the early router itself, timed on its own (every policy that predicts runs it), and what commit's larger
     # read-back and OWA add to the route (a difference of two runs' host times: noisy, so only the route's part)
     c_route, _ = _per_layer(c_log, ("host_route",), None)
@@ -257,10 +245,49 @@ def _batch_one(r: _ModelRuns, cfg, start: float, h_start: float, eager: list, qu
     od = run_policy(w, replace(cfg, policies=("ondemand",), slots=spec.top_k, tokens=min(r.tokens, 8)),
                     "ondemand")
     one["host_load"], one["load_queue"] = _load_cost(od.log, h_route, r.cuda), queued_period(od.log) if r.cuda else None
+    r.lap("batch 1: ondemand, loading")
     if r.cuda:                    # its pass boundary after long waits (`wake.fit_boundary`)
         one["loading_starts"] = wake.pass_start_samples(od.log)
     else:                         # on a CPU a load is the host's own copy between other work (`copied_fit`)
         one["load_copy"] = load_copies(od.log)
+
+
+def _lean_one(r: _ModelRuns, cfg, cc, c_log, eager: list) -> None:
+    """Batch 1's figures on the lean engine alone: what predicting adds on the GPU, and what moving
+    loads do to the route step, the launches, commit's kernels and (oracle's) the pass's start."""
+    from cmoe.executor.run import run_policy
+    w, spec, M, one = r.w, r.spec, r.M, r.one
+    # the next layer's router inside A_m, on the GPU: lru-prefetch (it predicts, on the read-back
+    # path, so its attention spans are GPU time; commit's ahead path would add the host's wait)
+    # over ondemand, every expert resident (no prefetch moves)
+    lp = replace(cfg, policies=("lru-prefetch",), slots=spec.num_experts)
+    p_att = _per_layer(run_policy(w, lp, "lru-prefetch").log, ("attention",), r.first)[0]
+    one["predict_gpu"] = (p_att - one["eager_attention"]) / M / 1e6
+    r.lap("batch 1: lru-prefetch, resident")
+    # runs that load, a few tokens each. lru-prefetch with three quarters of the slots (layers that load
+    # nothing of their own, beside a load it prefetched and not): its route step and launch beside a load
+    # (`readback_copy_us`, `launch_copy_us`). commit with half: its launches (OWA on the device) over
+    # upper's, the copies before them, moving or not, and what its loads do to the kernels beside them
+    tokens = min(r.tokens, 8)
+    rb_log = run_policy(w, replace(lp, record_plans=True, tokens=tokens,
+                                   slots=max(spec.top_k, 3 * spec.num_experts // 4)), "lru-prefetch").log
+    for key, f in (("readback_copy", readback_copy_s), ("launch_copy", launch_copy_s)):
+        v = f(rb_log, r.first, spec.moe_layers)
+        one[key] = max(v, 0.0) if v is not None else 0.0
+    r.gpu["launch_copy"] += launch_copy_points(rb_log, r.first, 1)     # its launches beside a load and not
+    r.lap("batch 1: lru-prefetch, loading")
+    one["commit_waves"] = _wave_points(c_log, w.trace, 1, spec)
+    ld = run_policy(w, replace(cc, slots=max(spec.top_k, spec.num_experts // 2), tokens=tokens), "commit").log
+    one["commit_gpu"], one["commit_gpu_copy"], one["copy_slow"] = *commit_gpu_s(c_log, ld, r.first), copy_slowdowns(ld, r.first)
+    one["commit_start"] = start_excess_s(c_log, r.first) - one["plain_excess"]     # over upper's layer 0
+    r.lap("batch 1: commit, loading")
+    # oracle with all the slots but one in 16: its loads go out ahead of their pass, so passes start
+    # beside a moving load (`start_copy_us`); ondemand with every expert resident (its passes queued
+    # too, the same read-back path) is the quiet side where oracle has few quiet passes
+    slots = max(spec.top_k, spec.num_experts - max(1, spec.num_experts // 16))
+    og = run_policy(w, replace(cfg, policies=("oracle",), slots=slots), "oracle").log
+    one["start_copy"] = start_copy_s(og, r.first, eager[0])
+    r.lap("batch 1: oracle")
 
 
 def _context_points(r: _ModelRuns) -> list:
