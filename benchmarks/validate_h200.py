@@ -211,7 +211,8 @@ def _calibrate(a, w, where: dict, card: str, res: dict):
             write_text_atomic(a.out / "profile.json", json.dumps(prof.to_dict(), indent=1))
             break
         res[f"calibrate_{way}_s" if len(ways) > 1 else "calibrate_s"] = time.perf_counter() - t0
-        print(f"calibrated on the {way} model in {time.perf_counter() - t0:.0f} s", flush=True)
+        print(f"calibrated on the {way} model in {time.perf_counter() - t0:.0f} s; steps of 5 s or more: "
+              + ", ".join(f"{k} {v:.0f} s" for k, v in m.get("seconds", {}).items() if v >= 5), flush=True)
         print(beside(p, m), flush=True)
         stem = "profile-cut" if len(ways) > 1 and way == "cut" else "profile"
         write_text_atomic(a.out / f"{stem}.json", json.dumps(p.to_dict(), indent=1))
