@@ -142,6 +142,21 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=$PWD:/tmp/site
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+# KCACHE=1: Triton's and numba's compiled kernels in .kcache/ (carry it), sent back as $OUT/kcache.tgz (unpack it
+# into the tree for the next call). A fresh machine's first calibration spends ~40-70 s compiling: calibrate's
+# batch-1 step took 69-112 s (warm-up 6.5-11 s) on the H100s' first calls, 25-41 s (warm-up 2-5 s) where an
+# earlier call had compiled the kernels (profile.measurements.json "seconds" under benchmarks/results).
+# Off by default: with it a run's first-request cost is a second launch's, not a user's first.
+save_kcache() { tar czf "$OUT/kcache.tgz" .kcache 2>/dev/null || return 0
+                local n; n=$(stat -c %s "$OUT/kcache.tgz")
+                if [ "$n" -gt 15000000 ]; then rm -f "$OUT/kcache.tgz"; echo "gpu_session: kcache ($n bytes) over what comes back" >&2
+                else echo "gpu_session: kcache.tgz $n bytes, $(find .kcache -type f | wc -l) files" >&2; fi; }
+if [ "${KCACHE:-0}" = 1 ]; then
+  mkdir -p .kcache/triton .kcache/numba
+  export TRITON_CACHE_DIR=$PWD/.kcache/triton NUMBA_CACHE_DIR=$PWD/.kcache/numba
+  echo "gpu_session: the compile cache .kcache/ starts with $(find .kcache -type f | wc -l) files" >&2
+  trap save_kcache EXIT
+fi
 # the device's copy of the tree may carry an older .git, so git's HEAD there can name the wrong tree
 [ -n "${COMMIT:-}" ] || echo "gpu_session: COMMIT is not set; results will carry the device's git HEAD, which may lag the tree" >&2
 B="python3 benchmarks/lean_h200.py --tokens 256 --policy-tokens 128 --repeats 3 --hf-tokens 64 --budget-s 520"
