@@ -41,6 +41,17 @@ from cmoe.executor.omp_wait import spin_threads  # noqa: E402  (before torch: li
 from cmoe.policy.policies import POLICIES, any_trait  # noqa: E402  (pure: no torch)
 
 
+
+def compile_cache_files() -> dict[str, int]:
+    """How many files Triton's and numba's on-disk caches held as this process started: a fresh machine
+    compiles every kernel in its first calibration (~40-70 s more on an H100), a warm one or a carried
+    .kcache/ (gpu_session.sh KCACHE=1) does not, so a slow calibration says which it was."""
+    triton = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    numba = Path(os.environ["NUMBA_CACHE_DIR"]) if os.environ.get("NUMBA_CACHE_DIR") else Path("cmoe")
+    return {"triton": sum(1 for f in triton.rglob("*") if f.is_file()) if triton.is_dir() else 0,
+            "numba": sum(1 for _ in numba.rglob("*.nbi")) if numba.is_dir() else 0}
+
+
 def _named_policies(argv: list[str]) -> list[str]:
     """--policies as `main`'s parser will read it (the last one given; no abbreviations, there or
     here), or every policy: read before torch loads, to know whether CPU experts run."""
@@ -100,7 +111,7 @@ def main() -> None:
            "commit": commit + ("+dirty" if dirty else ""), "spec": a.spec, "tokens": a.tokens, "configs": [],
            # the OpenMP settings the CPU experts ran under (the wait policy moves them 1.5-1.9x: BENCHMARKS.md)
            "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_"))},
-           "omp_wait": SPIN}
+           "omp_wait": SPIN, "compile_cache_files": compile_cache_files()}
     import importlib.util
     can_predict = importlib.util.find_spec("simpy") is not None and not a.measure_only
     if not can_predict:

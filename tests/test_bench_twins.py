@@ -76,3 +76,22 @@ def test_validate_h200_with_a_profile_keeps_it_in_the_folder(monkeypatch, tmp_pa
     res = json.loads((out / "results.json").read_text())
     assert res["profile_from"] == "h200" and [c["batch"] for c in res["configs"]] == [1]
     assert not (out / "profile.measurements.json").exists()
+
+
+def test_validate_h200_counts_the_compile_caches_it_starts_with(monkeypatch, tmp_path):
+    """results.json says how warm Triton's and numba's caches were (a fresh machine's first
+    calibration compiles every kernel): the files under TRITON_CACHE_DIR, numba's index files under
+    NUMBA_CACHE_DIR; a cache directory that is not there counts 0."""
+    from benchmarks.validate_h200 import compile_cache_files
+    (tmp_path / "t" / "ab").mkdir(parents=True)
+    for name in ("ab/k.cubin", "ab/k.json", "ab/__grp__k.json"):
+        (tmp_path / "t" / name).write_bytes(b"x")
+    (tmp_path / "n").mkdir()
+    for name in ("host_program.plan-54.py311.nbi", "host_program.plan-54.py311.1.nbc", "x.py"):
+        (tmp_path / "n" / name).write_bytes(b"x")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "t"))
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "n"))
+    assert compile_cache_files() == {"triton": 3, "numba": 1}
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "none"))
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "none"))
+    assert compile_cache_files() == {"triton": 0, "numba": 0}
