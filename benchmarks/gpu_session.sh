@@ -142,16 +142,20 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=$PWD:/tmp/site
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-# KCACHE=1: Triton's and numba's compiled kernels in .kcache/ (carry it), sent back as $OUT/kcache.tgz (unpack it
-# into the tree for the next call). A fresh machine's first calibration spends ~40-70 s compiling: calibrate's
-# batch-1 step took 69-112 s (warm-up 6.5-11 s) on the H100s' first calls, 25-41 s (warm-up 2-5 s) where an
-# earlier call had compiled the kernels (profile.measurements.json "seconds" under benchmarks/results).
+# KCACHE=1: Triton's and numba's compiled kernels in .kcache/, sent back as $OUT/kcache.tar (xz where the machine
+# has it); copy that file to the tree's root as .kcache.tar and carry it: the next call unpacks it (its ~94 MB unpacked
+# are past what a call carries). A fresh machine's first calibration spends ~40-70 s compiling: calibrate's batch-1
+# step took 69-112 s (warm-up 6.5-11 s) on the H100s' first calls, 25-54 s (warm-up 2-5 s) where an earlier call
+# had compiled the kernels (profile.measurements.json "seconds" under benchmarks/results; forty-seventh session:
+# 185 s for the whole calibration, warm, against the forty-sixth's 251 s, fresh).
 # Off by default: with it a run's first-request cost is a second launch's, not a user's first.
-save_kcache() { tar czf "$OUT/kcache.tgz" .kcache 2>/dev/null || return 0
-                local n; n=$(stat -c %s "$OUT/kcache.tgz")
-                if [ "$n" -gt 15000000 ]; then rm -f "$OUT/kcache.tgz"; echo "gpu_session: kcache ($n bytes) over what comes back" >&2
-                else echo "gpu_session: kcache.tgz $n bytes, $(find .kcache -type f | wc -l) files" >&2; fi; }
+save_kcache() { if command -v xz >/dev/null; then XZ_OPT=-T0 tar cJf "$OUT/kcache.tar" .kcache 2>/dev/null || return 0
+                else tar czf "$OUT/kcache.tar" .kcache 2>/dev/null || return 0; fi
+                local n; n=$(stat -c %s "$OUT/kcache.tar")
+                if [ "$n" -gt 16000000 ]; then rm -f "$OUT/kcache.tar"; echo "gpu_session: kcache ($n bytes) over what comes back" >&2
+                else echo "gpu_session: kcache.tar $n bytes, $(find .kcache -type f | wc -l) files" >&2; fi; }
 if [ "${KCACHE:-0}" = 1 ]; then
+  [ -f .kcache.tar ] && tar xf .kcache.tar
   mkdir -p .kcache/triton .kcache/numba
   export TRITON_CACHE_DIR=$PWD/.kcache/triton NUMBA_CACHE_DIR=$PWD/.kcache/numba
   echo "gpu_session: the compile cache .kcache/ starts with $(find .kcache -type f | wc -l) files" >&2
