@@ -81,8 +81,9 @@ def main() -> None:
                 print(f"  {lead:g}: {np.median(x[:, 0]) / 1e3:.1f} ms, head {np.median(x[:, 4]):.0f}")
         print("  pass start, mean over the lead's runs: " + ", ".join(f"{k:g}: {v[1]:.0f}" for k, v in means.items()))
         if lb := loading_boundary(host.get("loading_pass_start_samples") or []):
-            print(f"calibrate's loading run (ondemand, top_k slots, {lb[3]:.0f} loads a pass): after "
-                  f"{lb[0] / 1e3:.1f} ms passes, head {lb[1]:.0f} us, start {lb[2]:.0f} us, last wait {lb[4]:.0f} us")
+            print(f"calibrate's loading run (ondemand, top_k slots, {lb.loads:.0f} loads a pass): after "
+                  f"{lb.prev_us / 1e3:.1f} ms passes, head {lb.head_us:.0f} us, start {lb.start_us:.0f} us, "
+                  f"last wait {lb.wait_us:.0f} us")
     print(f"profile: host_head_us {prof.host_head_us:.0f}, host_pass_start_us {prof.host_pass_start_us:.0f}, "
           f"host_pass_start_points {[[round(x), round(y)] for x, y in prof.host_pass_start_points]}, "
           f"host_boundary_points {[[round(x), round(y)] for x, y in prof.host_boundary_points]}")

@@ -41,7 +41,6 @@ from cmoe.executor.omp_wait import spin_threads  # noqa: E402  (before torch: li
 from cmoe.policy.policies import POLICIES, any_trait  # noqa: E402  (pure: no torch)
 
 
-
 def compile_cache_files() -> dict[str, int]:
     """How many files Triton's and numba's on-disk caches held as this process started: a fresh machine
     compiles every kernel in its first calibration (~40-70 s more on an H100), a warm one or a carried

@@ -144,6 +144,8 @@ def test_the_boundary_extra_is_read_down_the_route_steps_wake():
     nothing where the boundary took no longer, or the samples carry no wait."""
     from cmoe.calibrate.wake import fit_boundary, loading_boundary
     assert loading_boundary(LOADING) == (40000.0, 170.0, 560.0, 60.0, 3000.0, 820.0)
+    lb = loading_boundary(LOADING)                        # each median by its name too
+    assert (lb.prev_us, lb.head_us, lb.start_us, lb.loads, lb.wait_us, lb.total_us) == tuple(lb)
     wake = ((140.0, 1.0), (400.0, 19.0), (1000.0, 23.0), (5000.0, 26.0))
     # the wake read at 3,000 us: 23 + 3 * 2000 / 4000 = 24.5, so 23.5 over the loading wait's
     assert fit_boundary(LOADING, lambda prev: 400.0 if prev == 40000.0 else 0.0, wake) == \
@@ -160,6 +162,7 @@ def test_the_boundary_extra_is_read_down_the_route_steps_wake():
     # the price as the engines charge it: head, start and both extras (none of them for a CPU-expert start)
     q = replace(p, host_head_us=40.0, host_pass_start_us=100.0, host_pass_start_points=POINTS)
     assert q.boundary_price_us(15000.0, 270.0) == 40.0 + 100.0 + (27.0 + 90.0)
+    assert q.pass_start_extras_us(15000.0, 270.0) == 27.0 + 90.0      # what Simulation adds to the start
     assert replace(q, cpu_pass_start_us=300.0).boundary_price_us(15000.0, 270.0, cpu_experts=True) == 40.0 + 300.0
     assert p.host_scaled(2.0).host_boundary_points == ((140.0, 0.0), (400.0, 360.0), (3000.0, 660.0))
     assert HardwareProfile.from_dict(json.loads(json.dumps(p.to_dict()))) == p

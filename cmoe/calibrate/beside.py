@@ -58,8 +58,9 @@ def beside(p: HardwareProfile, m: dict) -> str:
     for prev, start in pass_start_means((h or {}).get("pass_start_samples") or []).values():
         row(f"host, pass start after {prev / 1e3:.0f}ms", start / 1e6, p.host_pass_start_us + p.pass_start_extra_us(prev))
     if lb := loading_boundary((h or {}).get("loading_pass_start_samples") or []):    # `wake.fit_boundary`
-        row(f"host, head, {lb[3]:.0f} loads", lb[1] / 1e6, p.host_head_us)
-        row("host, head + start, loading", lb[5] / 1e6, p.boundary_price_us(lb[0], lb[4] if lb[4] == lb[4] else 0.0))
+        row(f"host, head, {lb.loads:.0f} loads", lb.head_us / 1e6, p.host_head_us)
+        row("host, head + start, loading", lb.total_us / 1e6,
+            p.boundary_price_us(lb.prev_us, 0.0 if np.isnan(lb.wait_us) else lb.wait_us))
     for b, n, quiet, busy, _, _ in m["layer"].get("launch_copy_points") or []:    # `launch_fit`
         row(f"launch of {n} beside a load, b{b}", busy, p.wave_beside_copy(quiet * 1e6, 0.0))
     if m["layer"].get("start_copy_s") is not None:         # oracle's passes that start beside a load

@@ -161,14 +161,12 @@ def _measure_batch(r: _ModelRuns, batch: int) -> None:
     spec, gpu, L, M = r.spec, r.gpu, r.L, r.M
     r.w = w = r.on(SyntheticParams(requests=batch, prompt_len=16, decode_len=r.tokens + 4, seed=batch))
     cfg = ExecConfig(policies=("upper",), pool_gb=1e3, batch=batch, tokens=r.tokens, device=r.device.type)
-    if w.store is None:
-        t0 = time.perf_counter()
-        build(w, replace(cfg, policies=("upper", "static") if r.cpu_experts else ("upper",)))
-        r.seconds["build"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    run_policy(w, cfg, "upper")                               # warm-up over the same lengths
-    r.seconds[f"warm-up {batch}"] = time.perf_counter() - t0
     r.lap(None)
+    if w.store is None:
+        build(w, replace(cfg, policies=("upper", "static") if r.cpu_experts else ("upper",)))
+        r.lap("build")
+    run_policy(w, cfg, "upper")                               # warm-up over the same lengths
+    r.lap(f"warm-up {batch}")
     # the host's side from ondemand with every expert resident: upper's work, plus the host step
     # every other policy takes (read-back, plan, dispatch), which the lean engine's upper skips
     hc = replace(cfg, policies=("ondemand",), slots=spec.num_experts)

@@ -20,6 +20,8 @@ double-counted the slowdown (sixteenth session: batch-1 loading rows predicted 1
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from cmoe.calibrate.spans import decode_passes, first_excess, host_gaps, host_marks
@@ -104,10 +106,20 @@ def pass_start_means(starts: list) -> dict[float, tuple[float, float]]:
     return {lead: (float(np.mean([p for p, _ in v])), float(np.mean([s for _, s in v]))) for lead, v in sorted(by.items())}
 
 
-def loading_boundary(pairs: list) -> tuple[float, float, float, float, float, float] | None:
-    """(median previous pass us, head us, pass start us, loads a pass (NaN in older samples), last
-    read-back wait us (NaN in older samples), head plus pass start us: the median of each pair's
-    sum, as `cmoe.analysis.boundary.boundary_price` reads a validation's runs) of `pass_start_samples` over
+class LoadingBoundary(NamedTuple):
+    """`loading_boundary`'s medians, in us: the previous pass, the head, the pass start, the loads a
+    pass and the last read-back wait (both NaN in older samples), and head plus start (the median of
+    each pair's sum, as `cmoe.analysis.boundary.boundary_price` reads a validation's runs)."""
+    prev_us: float
+    head_us: float
+    start_us: float
+    loads: float
+    wait_us: float
+    total_us: float
+
+
+def loading_boundary(pairs: list) -> LoadingBoundary | None:
+    """The medians (`LoadingBoundary`) of `pass_start_samples` over
     a run that loads (calibrate's ondemand with top_k slots: every layer loads; up to top_k times
     the layers a pass, so on the 4-layer cut at most 8 for Mixtral, and the built model's runs are
     the ones that reach the validations' dozens), the start read as `host_pass_start_us` and
@@ -119,8 +131,8 @@ def loading_boundary(pairs: list) -> tuple[float, float, float, float, float, fl
     a = np.array(pairs, np.float64)
     loads, wait = (float(np.median(a[:, k])) if a.shape[1] > k else float("nan") for k in (5, 6))
     start = a[:, 1] + a[:, 3]
-    return (float(np.median(a[:, 0])), float(np.median(a[:, 4])), float(np.median(start)), loads, wait,
-            float(np.median(a[:, 4] + start)))
+    return LoadingBoundary(float(np.median(a[:, 0])), float(np.median(a[:, 4])), float(np.median(start)), loads, wait,
+                           float(np.median(a[:, 4] + start)))
 
 
 def fit_boundary(pairs: list, price, wake_points: tuple) -> list[list[float]]:
@@ -139,8 +151,8 @@ def fit_boundary(pairs: list, price, wake_points: tuple) -> list[list[float]]:
     got = loading_boundary(pairs)
     if got is None:
         return []
-    prev, wait, total = got[0], got[4], got[5]
-    extra = total - price(prev)
+    wait = got.wait_us
+    extra = got.total_us - price(got.prev_us)
     if not (extra > 0.0 and wait > 0.0):                 # NaN: samples from before the wait was kept
         return []
     top = held(wake_points, wait, 1.0)

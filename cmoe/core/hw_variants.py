@@ -93,9 +93,14 @@ class Variants:
         start with its extras (`pass_start_extra_us`, `boundary_extra_us`; neither on a CPU-expert
         policy's own start, `startup_after_host`). `cmoe.analysis.boundary` and calibrate's
         `beside` hold measured boundaries against it."""
-        extra = 0.0 if self.startup_after_host(cpu_experts) else \
-            self.pass_start_extra_us(prev_us) + self.boundary_extra_us(wait_us)
+        extra = 0.0 if self.startup_after_host(cpu_experts) else self.pass_start_extras_us(prev_us, wait_us)
         return self.host_head_us + self.host_pass_start(cpu_experts) + extra
+
+    def pass_start_extras_us(self, prev_us: float, wait_us: float) -> float:
+        """What a pass start takes over `host_pass_start_us` after a decode pass of `prev_us` whose last
+        read-back waited `wait_us` (`pass_start_extra_us` plus `boundary_extra_us`), as `Simulation`
+        charges it and `boundary_price_us` prices it (the replay's `_begin` reads the same two tables)."""
+        return self.pass_start_extra_us(prev_us) + self.boundary_extra_us(wait_us)
 
     def host_wake_base(self, tokens: int) -> float:
         """`host_wake` at the wait `host_route(tokens)` was measured after: the simulator scales the

@@ -286,7 +286,7 @@ class Simulation(ExpertSteps):
             G = max(G, H) + hw.pass_start_us + self._start_copy(max(G, H))
         else:                                   # slower after a long pass, or one whose last wait was long
             before = self.run.pass_us[-1] if self.run.pass_us else (0, False, 0, 0.0)
-            extra = hw.pass_start_extra_us(before[3]) + hw.boundary_extra_us(self.last_wait) if before[1] else 0.0
+            extra = hw.pass_start_extras_us(before[3], self.last_wait) if before[1] else 0.0
             H, G = self._op(H, G, hw.host_pass_start(pol.cpu_experts) + extra,
                             hw.pass_start_us + self._start_copy(max(G, H)))
         self.last_wait = 0.0
