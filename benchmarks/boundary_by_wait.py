@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("folder", type=Path)
     ap.add_argument("--work", type=Path, default=Path("/tmp/cmoe-boundary"))
     a = ap.parse_args()
-    folder = unpacked(a.folder, a.work)
+    folder = unpacked(a.folder, a.work, "boundary_by_wait.py")
     res = json.loads((folder / "results.json").read_text())
     prof = load_profile(str(folder / "profile.json"))
     print("pool batch policy: median head + next pass's start = boundary us (the model's price), loads a pass")

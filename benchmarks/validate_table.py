@@ -41,15 +41,15 @@ from cmoe.sim.priced import priceable  # noqa: E402
 from cmoe.policy.policies import python_step, trait  # noqa: E402
 
 
-def unpacked(folder: Path, work: Path) -> Path:
+def unpacked(folder: Path, work: Path, tool: str = "validate_table.py") -> Path:
     """The folder itself where it holds results.json; else, where it holds what `gpu_session.sh
     validate` brings back (head.tgz and a meas-bB.tgz a batch), those unpacked under WORK/unpacked,
-    the folder left as it came (the device tool's copies are read-only). One line and exit 2
-    where it holds neither."""
+    the folder left as it came (the device tool's copies are read-only). One line (`tool`: the
+    script that reads it) and exit 2 where it holds neither."""
     if (folder / "results.json").is_file():
         return folder
     if not (folder / "head.tgz").is_file():
-        sys.exit(f"validate_table.py: {folder} holds neither results.json nor head.tgz: give the folder "
+        sys.exit(f"{tool}: {folder} holds neither results.json nor head.tgz: give the folder "
                  "benchmarks/validate_h200.py wrote, or the one gpu_session.sh validate brought back")
     out = work / "unpacked"
     shutil.rmtree(out, ignore_errors=True)

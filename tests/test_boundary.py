@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from dataclasses import replace
 
-from cmoe.analysis.boundary import boundaries, boundary_price
+from cmoe.analysis.boundary import boundaries, boundary_price, host_speeds
 from cmoe.core.hw import H200
 
 
@@ -33,6 +33,17 @@ def test_a_boundary_is_the_head_then_the_gap_and_the_next_passs_excess():
     assert boundaries(run) == [(140.0, 30.0, 9370.0, 2, 1e4), (1500.0, 170.0, 8060.0, 0, 1e4)]
     run.passes[3]["decode"] = False                      # a pass after a prefill is not a boundary either
     assert boundaries(run) == [(140.0, 30.0, 9370.0, 2, 1e4)]
+
+
+def test_a_boundarys_host_speed_is_the_next_passs_median_layer_past_its_first():
+    spans = (_pass(0, 0, 900, 9, 9, 9) + _pass(1, 1e4, 80, 140.0, 30.0, 2) + _pass(2, 2e4, 60, 1500.0, 170.0, 0)
+             + _pass(3, 3e4, 250, 2000.0, 160.0, 20))
+    spans.append(("gpu", 2, 2, "host", "host_attention", -1, 2e4 + 350, 2e4 + 390))   # pass 2: layers 60, 20, 40 us
+    run = SimpleNamespace(spans=spans, passes=[{"pass": p, "decode": p > 0, "us": 1e4} for p in range(4)])
+    # one speed per boundary, in its order: pass 2's median of 20 and 40, pass 3's one 20
+    assert len(boundaries(run)) == 2 and host_speeds(run) == [30.0, 20.0]
+    run.passes[3]["decode"] = False
+    assert host_speeds(run) == [30.0]
 
 
 def test_the_price_is_what_the_simulator_charges_for_the_same_passes():
