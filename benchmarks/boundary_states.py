@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tarfile
 from pathlib import Path
@@ -31,31 +32,53 @@ from cmoe.analysis.validate import read_run  # noqa: E402
 from cmoe.core.hw import load_profile  # noqa: E402
 from cmoe.policy.policies import trait  # noqa: E402
 
+TOOL = "boundary_states.py"
 LOADING = ("ondemand", "lru-prefetch", "commit", "oracle")
 LOAD_BINS = (0, 5, 9, 17, 33, float("inf"))
+
+
+def loan_runs(spec: str, work: Path) -> tuple[Path, list[Path]]:
+    """(the folder with the loan's profile and results.json, its `pool*-b*` folders): `spec` one
+    folder (`unpacked`), or `A+B...` where each B holds a later call's meas-bB.tgz on the same loan
+    (no head.tgz: a calibration of its own), unpacked under WORK/extraN (A is left as it came). One
+    line and exit where a B is not that, or measured a configuration A has."""
+    first, *more = (Path(p) for p in spec.split("+"))
+    folder = unpacked(first, work, TOOL)
+    runs = sorted(folder.glob("pool*-b*"))
+    for i, extra in enumerate(more):
+        tars = sorted(extra.glob("meas-b*.tgz"))
+        if (extra / "head.tgz").is_file() or not tars:
+            sys.exit(f"{TOOL}: {extra} must hold a later call's meas-bB.tgz on {first}'s loan and no head.tgz "
+                     "(a calibration of its own): give such a folder on its own, not after +")
+        out = work / f"extra{i}"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        for t in tars:
+            with tarfile.open(t) as tar:
+                tar.extractall(out, members=[m for m in tar.getmembers() if m.name.startswith("pool")], filter="data")
+        got = sorted(out.glob("pool*-b*"))
+        if clash := sorted({p.name for p in got} & {p.name for p in runs}):
+            sys.exit(f"{TOOL}: {extra} measured {', '.join(clash)} again, which {first} has: one loan's calls "
+                     "measure different batches")
+        runs += got
+    return folder, runs
 
 
 def loan_pairs(spec: str, work: Path) -> tuple[str, np.ndarray]:
     """(the loan's commit, [run index, boundary us, host speed us, loads, last wait us, price us]
     per pair of its loading policies' runs)."""
-    first, *more = (Path(p) for p in spec.split("+"))
-    folder = unpacked(first, work, "boundary_states.py")
-    for extra in more:
-        for t in sorted(extra.glob("meas-b*.tgz")):
-            with tarfile.open(t) as tar:
-                tar.extractall(folder, filter="data")
+    folder, runs = loan_runs(spec, work)
     prof = load_profile(str(folder / "profile.json"))
     commit = json.loads((folder / "results.json").read_text()).get("commit", "?")
     rows, k = [], 0
-    for mdir in sorted(folder.glob("pool*-b*/measured")):
+    for mdir in (r / "measured" for r in runs):
         for m in json.loads((mdir / "metrics.json").read_text()):
             if m["policy"] not in LOADING:
                 continue
             run = read_run(mdir, m["policy"])
-            pairs, speeds = boundaries(run), host_speeds(run)
             cpu = trait(m["policy"], "cpu_experts")
             rows += [[k, head + start, v, n, w, prof.boundary_price_us(lat, w, cpu)]
-                     for (w, head, start, n, lat), v in zip(pairs, speeds)]
+                     for (w, head, start, n, lat), v in zip(boundaries(run), host_speeds(run), strict=True)]
             k += 1
     return commit, np.array(rows, np.float64).reshape(-1, 6)
 
@@ -73,10 +96,12 @@ def within(a: np.ndarray, x: int, y: int, groups: np.ndarray) -> float:
 
 def report(name: str, commit: str, a: np.ndarray, slow_us: float) -> None:
     slow = a[:, 2] >= slow_us
+
+    def med(col: int, m: np.ndarray, f: str) -> str:          # "-" for a state no pair was in
+        return format(float(np.median(a[m, col])), f) if m.any() else "-"
     print(f"{name} ({commit}): {len(a)} pairs in {len(np.unique(a[:, 0]))} runs; slow state {slow.mean():.0%}; "
-          f"median boundary fast {np.median(a[~slow, 1]):.0f} / slow {np.median(a[slow, 1]):.0f} us "
-          f"(price {np.median(a[:, 5]):.0f}); host layer fast {np.median(a[~slow, 2]):.1f} / slow "
-          f"{np.median(a[slow, 2]):.1f} us")
+          f"median boundary fast {med(1, ~slow, '.0f')} / slow {med(1, slow, '.0f')} us "
+          f"(price {np.median(a[:, 5]):.0f}); host layer fast {med(2, ~slow, '.1f')} / slow {med(2, slow, '.1f')} us")
     bins = [f"{lo:g}-{hi - 1:g} {slow[(a[:, 3] >= lo) & (a[:, 3] < hi)].mean():.0%}"
             for lo, hi in zip(LOAD_BINS, LOAD_BINS[1:]) if ((a[:, 3] >= lo) & (a[:, 3] < hi)).any()]
     print("  share slow by loads a pass: " + ", ".join(bins))
@@ -97,7 +122,7 @@ def main() -> None:
     for i, spec in enumerate(a.folders):
         commit, rows = loan_pairs(spec, a.work / str(i))
         if not len(rows):
-            sys.exit(f"boundary_states.py: {spec} has no loading policy's run with a pass boundary")
+            sys.exit(f"{TOOL}: {spec} has no loading policy's run with a pass boundary")
         report(spec, commit, rows, a.slow_us)
         rows[:, 0] += 10_000 * i
         pooled.append(rows)

@@ -45,7 +45,7 @@ def unpacked(folder: Path, work: Path, tool: str = "validate_table.py") -> Path:
     """The folder itself where it holds results.json; else, where it holds what `gpu_session.sh
     validate` brings back (head.tgz and a meas-bB.tgz a batch), those unpacked under WORK/unpacked,
     the folder left as it came (the device tool's copies are read-only). One line (`tool`: the
-    script that reads it) and exit 2 where it holds neither."""
+    script that reads it) and exit status 1 where it holds neither."""
     if (folder / "results.json").is_file():
         return folder
     if not (folder / "head.tgz").is_file():

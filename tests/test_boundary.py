@@ -42,8 +42,15 @@ def test_a_boundarys_host_speed_is_the_next_passs_median_layer_past_its_first():
     run = SimpleNamespace(spans=spans, passes=[{"pass": p, "decode": p > 0, "us": 1e4} for p in range(4)])
     # one speed per boundary, in its order: pass 2's median of 20 and 40, pass 3's one 20
     assert len(boundaries(run)) == 2 and host_speeds(run) == [30.0, 20.0]
-    run.passes[3]["decode"] = False
-    assert host_speeds(run) == [30.0]
+    run.passes[3]["decode"] = False                      # after a prefill: no boundary, no speed
+    assert len(boundaries(run)) == 1 and host_speeds(run) == [30.0]
+    run.passes[3]["decode"] = True
+    run.spans.remove(next(s for s in spans if s[1] == 2 and s[4] == "host_head"))   # pass 2 lost its head
+    assert len(boundaries(run)) == 1 and host_speeds(run) == [30.0]
+    run.spans.remove(next(s for s in spans if s[1] == 2 and s[2] == 1 and s[4] == "host_attention"))
+    assert len(boundaries(run)) == 1 and host_speeds(run) == [40.0]                  # pass 2: layers 60, 40
+    run.spans.remove(next(s for s in spans if s[1] == 2 and s[2] == 2 and s[4] == "host_attention"))
+    assert boundaries(run) == [] and host_speeds(run) == []                            # pass 2: one layer
 
 
 def test_the_price_is_what_the_simulator_charges_for_the_same_passes():

@@ -58,6 +58,9 @@ def test_a_folder_without_results_is_one_line(tmp_path):
         unpacked(tmp_path, tmp_path / "work")
     assert str(e.value) == (f"validate_table.py: {tmp_path} holds neither results.json nor head.tgz: give the folder "
                             "benchmarks/validate_h200.py wrote, or the one gpu_session.sh validate brought back")
+    with pytest.raises(SystemExit) as e:                  # another script that reads the folder names itself
+        unpacked(tmp_path, tmp_path / "work", "boundary_states.py")
+    assert str(e.value).startswith(f"boundary_states.py: {tmp_path} holds neither")
 
 
 def test_a_folder_without_its_measured_runs_is_refused_before_any_summary(tmp_path, monkeypatch):

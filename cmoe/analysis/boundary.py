@@ -19,8 +19,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from cmoe.calibrate.spans import host_gaps, host_marks
-from cmoe.calibrate.wake import pass_start_samples
+from cmoe.calibrate.wake import boundary_pairs, pass_start_samples
 
 
 def boundaries(run) -> list[tuple[float, float, float, int, float]]:
@@ -28,23 +27,23 @@ def boundaries(run) -> list[tuple[float, float, float, int, float]]:
     `spans` and `passes`), p with its head and the next with two layers or more: (p's last
     read-back wait, p's head, the next pass's start, p's loads, p's latency), us; calibrate's own
     reading of a pair (`cmoe.calibrate.wake.pass_start_samples`), the start from the head."""
-    log = SimpleNamespace(spans=run.spans, pass_us=[(p["pass"], p["decode"], 0, p["us"]) for p in run.passes])
-    return [(w, head, gap + excess, int(n), lat) for lat, gap, _, excess, head, n, w in pass_start_samples(log)]
+    return [(w, head, gap + excess, int(n), lat) for lat, gap, _, excess, head, n, w in pass_start_samples(_log(run))]
 
 
 def host_speeds(run) -> list[float]:
     """Per pair of `boundaries(run)`, in its order: the next pass's host speed, the median of its
     `host_attention` times past its first layer (us; the same few launches in every layer). Not
     something the simulator can know: on four H100 loans (forty-eighth session) the host lane ran
-    for tens of passes at ~2.2 us a layer, then at ~5, everything on it slowing together, and the
+    for tens of passes at ~2.2-2.7 us a layer, then at ~5, everything on it slowing together, and the
     boundary with it (median 173-242 us in the fast state, 553-601 in the slow), while within a run
     and a state neither the last wait nor the loads moved it (`benchmarks/boundary_states.py`)."""
-    order = sorted(p["pass"] for p in run.passes if p["decode"])
-    log = SimpleNamespace(spans=run.spans)
-    marks = host_marks(log, order)
-    att = marks[2]
-    return [float(np.median([v for _, v in sorted(att[q].items())[1:]]))
-            for p, q, _ in host_gaps(log, order, marks) if q == p + 1 and len(att[q]) > 1]
+    _, (_, _, att), pairs = boundary_pairs(_log(run))
+    return [float(np.median([v for _, v in sorted(att[q].items())[1:]])) for _, q, _ in pairs]
+
+
+def _log(run) -> SimpleNamespace:
+    """A measured run as calibrate's readers take a log: its spans and (pass, decode, -, us)."""
+    return SimpleNamespace(spans=run.spans, pass_us=[(p["pass"], p["decode"], 0, p["us"]) for p in run.passes])
 
 
 def boundary_price(rows: list, prof, cpu_experts: bool = False) -> tuple[float, float] | None:

@@ -74,9 +74,7 @@ def pass_start_samples(log) -> list[list[float]]:
     337 after 200-400 ms; the led runs here give passes of ~5-100 ms, their passes synced (a lead
     keeps them from queuing), hence the gap from the GPU's end too. The head is kept to see whether
     it slows alike (the same runs' `host_head` read 33-400 us, calibrated 40)."""
-    lat = {p: us for p, d, _, us in log.pass_us if d}
-    order = sorted(lat)
-    head, enter, att = marks = host_marks(log, order)
+    lat, (head, enter, att), pairs = boundary_pairs(log)
     gpu_end: dict[int, float] = {}
     loads: dict[int, int] = {}
     wait: dict[int, tuple[float, float]] = {}               # pass -> (start, length) of its last read-back
@@ -89,7 +87,18 @@ def pass_start_samples(log) -> list[list[float]]:
             wait[s[STEP]] = (s[START], s[END] - s[START])
     return [[float(lat[p]), gap, enter[q] - max(head[p][1], gpu_end.get(p, head[p][1])), first_excess(att[q]),
              head[p][1] - head[p][0], float(loads.get(p, 0)), wait.get(p, (0.0, 0.0))[1]]
-            for p, q, gap in host_gaps(log, order, marks) if q == p + 1 and len(att[q]) > 1]
+            for p, q, gap in pairs]
+
+
+def boundary_pairs(log) -> tuple[dict, tuple, list[tuple[int, int, float]]]:
+    """A log's decode passes ({pass: latency us}), their `host_marks`, and the pairs a pass boundary
+    is read from: (p, q = p + 1, the host lane's gap from p's `host_head` end to q's first
+    `host_attention`) where q has two layers or more: `pass_start_samples`' rows in its order, and
+    what `cmoe.analysis.boundary.host_speeds` pairs with them."""
+    lat = {p: us for p, d, _, us in log.pass_us if d}
+    order = sorted(lat)
+    marks = host_marks(log, order)
+    return lat, marks, [(p, q, gap) for p, q, gap in host_gaps(log, order, marks) if q == p + 1 and len(marks[2][q]) > 1]
 
 
 def pass_start_means(starts: list) -> dict[float, tuple[float, float]]:
