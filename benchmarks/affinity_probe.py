@@ -7,9 +7,14 @@ runs the same policies alternately with the host thread free to use every core a
 issues the work; threads started while it is pinned keep the one core), several times each, in
 one process over one built store, the arms' order swapped every round (the host drifts over
 minutes, so a fixed order would favour the arm that runs first), and reports each run's host
-time per MoE layer, its tokens/s, and the spread of each arm.
+time per MoE layer, its tokens/s, and the spread of each arm; and, per run, the host lane's state
+(forty-eighth session: on four H100 loans it ran for tens of passes at ~2.4 us a `host_attention`,
+then at ~5, the pass boundary 173-242 us against 553-601; `benchmarks/boundary_states.py`): the
+share of its pass boundaries whose next pass was slow (`--slow-us`) and the median boundary. If
+the slow state is the thread moving to a busier or slower core, the pinned arm has none of it.
 
     python benchmarks/affinity_probe.py --out $OUT/affinity.json --policies ondemand,oracle --rounds 3
+    python benchmarks/affinity_probe.py --out $OUT/affinity.json --policies lru-prefetch,ondemand --pool 26 --rounds 4
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lean_h200 import decode_stats  # noqa: E402
 
+from cmoe.analysis.boundary import host_state  # noqa: E402
 from cmoe.executor.run import ExecConfig, build, prepare, run_policy  # noqa: E402
 
 
@@ -41,6 +47,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--pool", type=float, default=20.0)
     ap.add_argument("--core", type=int, default=-1, help="the core to pin to (-1: the second of those allowed)")
+    ap.add_argument("--slow-us", type=float, default=3.0, help="a pass whose host_attention takes this long is slow")
     a = ap.parse_args()
     free = sorted(os.sched_getaffinity(0))
     core = a.core if a.core >= 0 else free[min(1, len(free) - 1)]
@@ -56,10 +63,11 @@ def main() -> None:
             for p in pols:
                 res = run_policy(w, cfg, p)
                 st = decode_stats(res, w.spec, float("nan"), 0.0)      # only its host figures are read
+                slow, bound = host_state(res.log, a.slow_us)
                 runs.append({"round": r, "arm": arm, "policy": p, "tok_s": res.metrics["tokens_per_s"],
-                             "host_us_per_layer": st["host_work_us_per_layer"]})
+                             "host_us_per_layer": st["host_work_us_per_layer"], "slow_share": slow, "boundary_us": bound})
                 print(f"round {r} {arm:<6} {p:<12} {res.metrics['tokens_per_s']:7.2f} tok/s "
-                      f"host {st['host_work_us_per_layer']:6.1f} us/layer", flush=True)
+                      f"host {st['host_work_us_per_layer']:6.1f} us/layer, slow {slow:.0%}, boundary {bound:.0f} us", flush=True)
                 del res
     os.sched_setaffinity(0, set(free))
     summary = {}
@@ -67,13 +75,15 @@ def main() -> None:
         for arm in ("free", "pinned"):
             h = [x["host_us_per_layer"] for x in runs if x["policy"] == p and x["arm"] == arm]
             t = [x["tok_s"] for x in runs if x["policy"] == p and x["arm"] == arm]
+            sl = [x["slow_share"] for x in runs if x["policy"] == p and x["arm"] == arm]
             summary[f"{p} {arm}"] = {"host_us_min": min(h), "host_us_max": max(h), "host_us_mean": float(np.mean(h)),
+                                     "slow_share_min": min(sl), "slow_share_max": max(sl),
                                      "tok_s_min": min(t), "tok_s_max": max(t),
                                      "tok_s_spread_pct": (max(t) - min(t)) / float(np.mean(t)) * 100}
             print(f"{p:<12} {arm:<6} host {min(h):6.1f}-{max(h):6.1f} us/layer, tok/s {min(t):.2f}-{max(t):.2f} "
-                  f"({summary[f'{p} {arm}']['tok_s_spread_pct']:.1f}%)", flush=True)
+                  f"({summary[f'{p} {arm}']['tok_s_spread_pct']:.1f}%), slow {min(sl):.0%}-{max(sl):.0%}", flush=True)
     out = {"date": time.strftime("%Y-%m-%d"), "card": torch.cuda.get_device_name(), "cores": free, "pinned_to": core,
-           "tokens": a.tokens, "pool_gb": a.pool, "runs": runs, "summary": summary}
+           "tokens": a.tokens, "pool_gb": a.pool, "slow_us": a.slow_us, "runs": runs, "summary": summary}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1))
 

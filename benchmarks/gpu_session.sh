@@ -55,6 +55,11 @@
 #                                             # Python step, then the same validation as cpu-experts (496 s on an H100
 #                                             # at f25c18e; calibrate's sparse static run since adds a little); its
 #                                             # folder also goes to benchmarks/cpu_wake_diagnosis.py (in sample)
+#   bash benchmarks/gpu_session.sh pin-ab     # issue 15: is the host lane's slow state (forty-eighth session: tens of passes
+#                                             # at ~5 us a layer against ~2.4, the pass boundary 553-601 us against
+#                                             # 173-242) the host thread's core? affinity_probe.py, the thread free and
+#                                             # pinned to one core alternating, ROUNDS (4) rounds of POLS at POOL (26) GB,
+#                                             # batch 1, each run's share of slow passes and median boundary (~2 min)
 #   bash benchmarks/gpu_session.sh host-ab    # issue 13: the host's step by phase, batch 1, pool 20, in four
 #                                             # processes alternating .before/ (a tree to compare against,
 #                                             # carried) and this tree; logs and JSON under $OUT/host-ab/
@@ -339,6 +344,8 @@ case "${1:-}" in
                 --calibrate-on "${CAL:-both}" --commit "${COMMIT:-unknown}" 2>&1 | tee "$OUT/validate.log" | grep -v "^  " || true
               (cd /tmp/v && tar czf "$OUT/head.tgz" results.json profile*.json $(ls host-load.json 2>/dev/null) \
                 && for b in $(echo "${2}" | tr , " "); do ls -d pool*-b$b >/dev/null 2>&1 && tar czf "$OUT/meas-b$b.tgz" pool*-b$b; done; true); terms ;;
+  pin-ab) timeout 400 python3 benchmarks/affinity_probe.py --out "$OUT/affinity.json" --policies "${POLS:-lru-prefetch,ondemand}" \
+            --pool "${POOL:-26}" --rounds "${ROUNDS:-4}" 2>&1 | grep -E "^round|^[a-z-]+ +(free|pinned)|rror" || true ;;
   host-ab) [ -f .before/benchmarks/lean_h200.py ] || { echo "host-ab: no .before/ tree (carry it with the call)" >&2; exit 2; }
            mkdir -p "$OUT/host-ab"
            for i in 1 2; do for t in before after; do
@@ -349,5 +356,5 @@ case "${1:-}" in
                 | grep -E "^lean|host phases|Error|error" > "$OUT/host-ab/$t$i.log") || true
            done; done
            grep -h "^lean" "$OUT"/host-ab/*.log | cut -c1-150 || true ;;
-  *) echo "usage: $0 program|live|ahead|tests|b1|b48|cpu48|host-wake|wait|host-tests|ncu|variants|kernel-ab|check|fuse-ab|attn|gemv|ncu-variants|gptq|step-ab|boundary|calib|validate|cpu-program|cpu-threads|cpu-wait|cpu-nt|cpu-nt-iso|cpu-bind-ab|cpu-pages|spin-ab|sampler-ab|ab-validate|cpu-experts|validate-r BATCHES|host-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 program|live|ahead|tests|b1|b48|cpu48|host-wake|wait|host-tests|ncu|variants|kernel-ab|check|fuse-ab|attn|gemv|ncu-variants|gptq|step-ab|boundary|calib|validate|cpu-program|cpu-threads|cpu-wait|cpu-nt|cpu-nt-iso|cpu-bind-ab|cpu-pages|spin-ab|sampler-ab|ab-validate|cpu-experts|validate-r BATCHES|host-ab|pin-ab" >&2; exit 2 ;;
 esac

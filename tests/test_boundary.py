@@ -4,11 +4,14 @@ profile's price."""
 
 from __future__ import annotations
 
+import math
+
 from types import SimpleNamespace
 
 from dataclasses import replace
 
-from cmoe.analysis.boundary import boundaries, boundary_price, host_speeds
+from cmoe.analysis.boundary import boundaries, boundary_price, host_speeds, host_state, log_host_speeds
+from cmoe.calibrate.wake import pass_start_samples
 from cmoe.core.hw import H200
 
 
@@ -42,6 +45,11 @@ def test_a_boundarys_host_speed_is_the_next_passs_median_layer_past_its_first():
     run = SimpleNamespace(spans=spans, passes=[{"pass": p, "decode": p > 0, "us": 1e4} for p in range(4)])
     # one speed per boundary, in its order: pass 2's median of 20 and 40, pass 3's one 20
     assert len(boundaries(run)) == 2 and host_speeds(run) == [30.0, 20.0]
+    log = SimpleNamespace(spans=spans, pass_us=[(p, p > 0, 0, 1e4) for p in range(4)])     # an executor's log
+    assert log_host_speeds(log) == [30.0, 20.0] and len(pass_start_samples(log)) == 2
+    # slow at 25 us a layer: pass 2 (30), not pass 3 (20); boundaries 30 + 9330 + (60 - 30) and 170 + 7830 + 230
+    assert host_state(log, 25.0) == (0.5, (9390.0 + 8230.0) / 2)
+    assert all(math.isnan(x) for x in host_state(SimpleNamespace(spans=[], pass_us=[]), 25.0))
     run.passes[3]["decode"] = False                      # after a prefill: no boundary, no speed
     assert len(boundaries(run)) == 1 and host_speeds(run) == [30.0]
     run.passes[3]["decode"] = True

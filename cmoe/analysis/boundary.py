@@ -37,8 +37,24 @@ def host_speeds(run) -> list[float]:
     for tens of passes at ~2.2-2.7 us a layer, then at ~5, everything on it slowing together, and the
     boundary with it (median 173-242 us in the fast state, 553-601 in the slow), while within a run
     and a state neither the last wait nor the loads moved it (`benchmarks/boundary_states.py`)."""
-    _, (_, _, att), pairs = boundary_pairs(_log(run))
+    return log_host_speeds(_log(run))
+
+
+def log_host_speeds(log) -> list[float]:
+    """`host_speeds` of an executor's log (`spans`, `pass_us`), in `pass_start_samples`' order."""
+    _, (_, _, att), pairs = boundary_pairs(log)
     return [float(np.median([v for _, v in sorted(att[q].items())[1:]])) for _, q, _ in pairs]
+
+
+def host_state(log, slow_us: float) -> tuple[float, float]:
+    """(the share of an executor log's pass boundaries whose next pass's host ran at `slow_us` a
+    layer or more, `log_host_speeds`; the median boundary, head plus the next start as
+    `boundaries` reads it, us); (nan, nan) without a boundary. What `benchmarks/affinity_probe.py`
+    holds a pinned host thread's runs to."""
+    b = [head + gap + excess for _, gap, _, excess, head, _, _ in pass_start_samples(log)]
+    if not b:
+        return float("nan"), float("nan")
+    return float((np.array(log_host_speeds(log)) >= slow_us).mean()), float(np.median(b))
 
 
 def _log(run) -> SimpleNamespace:
