@@ -73,9 +73,8 @@ def main() -> None:
     summary = {}
     for p in pols:
         for arm in ("free", "pinned"):
-            h = [x["host_us_per_layer"] for x in runs if x["policy"] == p and x["arm"] == arm]
-            t = [x["tok_s"] for x in runs if x["policy"] == p and x["arm"] == arm]
-            sl = [x["slow_share"] for x in runs if x["policy"] == p and x["arm"] == arm]
+            mine = [x for x in runs if x["policy"] == p and x["arm"] == arm]
+            h, t, sl = ([x[k] for x in mine] for k in ("host_us_per_layer", "tok_s", "slow_share"))
             summary[f"{p} {arm}"] = {"host_us_min": min(h), "host_us_max": max(h), "host_us_mean": float(np.mean(h)),
                                      "slow_share_min": min(sl), "slow_share_max": max(sl),
                                      "tok_s_min": min(t), "tok_s_max": max(t),

@@ -1,7 +1,7 @@
 """Why the host's pass boundary misses layer 0 (issue 15): the host lane's two speeds. Per loading
 policy's pair of decode passes in a validation's measured runs, the boundary as calibrate reads it
 (`cmoe.analysis.boundary.boundaries`: the LM head's host step plus the next pass's start) beside
-that next pass's host speed (`host_speeds`: its median `host_attention` past the first layer), the
+that next pass's host speed (`boundary_rows`: its median `host_attention` past the first layer), the
 pass's loads and its last read-back wait. Per folder (a loan, its own calibration): the median
 boundary in the fast and the slow state, the share of pairs in the slow one by loads a pass, and
 how much the boundary follows the wait, the loads and the speed within a run (and a state), where
@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.validate_table import unpacked  # noqa: E402
-from cmoe.analysis.boundary import boundaries, host_speeds  # noqa: E402
+from cmoe.analysis.boundary import boundary_rows  # noqa: E402
 from cmoe.analysis.validate import read_run  # noqa: E402
 from cmoe.core.hw import load_profile  # noqa: E402
 from cmoe.policy.policies import trait  # noqa: E402
@@ -78,7 +78,7 @@ def loan_pairs(spec: str, work: Path) -> tuple[str, np.ndarray]:
             run = read_run(mdir, m["policy"])
             cpu = trait(m["policy"], "cpu_experts")
             rows += [[k, head + start, v, n, w, prof.boundary_price_us(lat, w, cpu)]
-                     for (w, head, start, n, lat), v in zip(boundaries(run), host_speeds(run), strict=True)]
+                     for (w, head, start, n, lat), v in zip(*boundary_rows(run), strict=True)]
             k += 1
     return commit, np.array(rows, np.float64).reshape(-1, 6)
 

@@ -14,7 +14,8 @@ only in pool and batch). Writes, under --out:
   (`cmoe.calibrate.host_load`), rewritten with results.json.
 With --profile PATH it calibrates nothing and uses that profile (e.g. a second pass with the
 same calibration), copied to profile.json under --out so the folder predicts on its own (the
-forty-sixth session's calibration took 251 s on an H100, leaving batch 8 to a second call). Needs simpy for the predictions (without it only the measured side is written).
+forty-sixth session's calibration took 251 s on an H100, leaving batch 8 to a second call).
+Needs simpy for the predictions (without it only the measured side is written).
 On a GPU machine it sets OMP_WAIT_POLICY=ACTIVE before torch loads, unless the variable is given,
 where --policies names a CPU-expert policy, as `cmoe run` does (`cmoe.executor.omp_wait`); until
 the thirty-seventh session it set it for every validation, since its calibration measures CPU

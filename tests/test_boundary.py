@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 from dataclasses import replace
 
-from cmoe.analysis.boundary import boundaries, boundary_price, host_speeds, host_state, log_host_speeds
-from cmoe.calibrate.wake import pass_start_samples
+from cmoe.analysis.boundary import boundaries, boundary_price, boundary_rows, host_state, log_boundary_rows
+from cmoe.calibrate.wake import boundary_pairs, pass_start_samples
 from cmoe.core.hw import H200
 
 
@@ -39,26 +39,28 @@ def test_a_boundary_is_the_head_then_the_gap_and_the_next_passs_excess():
 
 
 def test_a_boundarys_host_speed_is_the_next_passs_median_layer_past_its_first():
+    # boundary_rows: the boundaries and, per row, the next pass's host speed, from one reading of the pairs
     spans = (_pass(0, 0, 900, 9, 9, 9) + _pass(1, 1e4, 80, 140.0, 30.0, 2) + _pass(2, 2e4, 60, 1500.0, 170.0, 0)
              + _pass(3, 3e4, 250, 2000.0, 160.0, 20))
     spans.append(("gpu", 2, 2, "host", "host_attention", -1, 2e4 + 350, 2e4 + 390))   # pass 2: layers 60, 20, 40 us
     run = SimpleNamespace(spans=spans, passes=[{"pass": p, "decode": p > 0, "us": 1e4} for p in range(4)])
     # one speed per boundary, in its order: pass 2's median of 20 and 40, pass 3's one 20
-    assert len(boundaries(run)) == 2 and host_speeds(run) == [30.0, 20.0]
+    assert len(boundaries(run)) == 2 and boundary_rows(run)[1] == [30.0, 20.0]
     log = SimpleNamespace(spans=spans, pass_us=[(p, p > 0, 0, 1e4) for p in range(4)])     # an executor's log
-    assert log_host_speeds(log) == [30.0, 20.0] and len(pass_start_samples(log)) == 2
+    assert log_boundary_rows(log) == boundary_rows(run) and log_boundary_rows(log)[1] == [30.0, 20.0]
+    assert len(pass_start_samples(log)) == 2 and pass_start_samples(log, boundary_pairs(log)) == pass_start_samples(log)
     # slow at 25 us a layer: pass 2 (30), not pass 3 (20); boundaries 30 + 9330 + (60 - 30) and 170 + 7830 + 230
     assert host_state(log, 25.0) == (0.5, (9390.0 + 8230.0) / 2)
     assert all(math.isnan(x) for x in host_state(SimpleNamespace(spans=[], pass_us=[]), 25.0))
     run.passes[3]["decode"] = False                      # after a prefill: no boundary, no speed
-    assert len(boundaries(run)) == 1 and host_speeds(run) == [30.0]
+    assert len(boundaries(run)) == 1 and boundary_rows(run)[1] == [30.0]
     run.passes[3]["decode"] = True
     run.spans.remove(next(s for s in spans if s[1] == 2 and s[4] == "host_head"))   # pass 2 lost its head
-    assert len(boundaries(run)) == 1 and host_speeds(run) == [30.0]
+    assert len(boundaries(run)) == 1 and boundary_rows(run)[1] == [30.0]
     run.spans.remove(next(s for s in spans if s[1] == 2 and s[2] == 1 and s[4] == "host_attention"))
-    assert len(boundaries(run)) == 1 and host_speeds(run) == [40.0]                  # pass 2: layers 60, 40
+    assert len(boundaries(run)) == 1 and boundary_rows(run)[1] == [40.0]                  # pass 2: layers 60, 40
     run.spans.remove(next(s for s in spans if s[1] == 2 and s[2] == 2 and s[4] == "host_attention"))
-    assert boundaries(run) == [] and host_speeds(run) == []                            # pass 2: one layer
+    assert boundaries(run) == [] and boundary_rows(run)[1] == []                            # pass 2: one layer
 
 
 def test_the_price_is_what_the_simulator_charges_for_the_same_passes():

@@ -27,39 +27,38 @@ def boundaries(run) -> list[tuple[float, float, float, int, float]]:
     `spans` and `passes`), p with its head and the next with two layers or more: (p's last
     read-back wait, p's head, the next pass's start, p's loads, p's latency), us; calibrate's own
     reading of a pair (`cmoe.calibrate.wake.pass_start_samples`), the start from the head."""
-    return [(w, head, gap + excess, int(n), lat) for lat, gap, _, excess, head, n, w in pass_start_samples(_log(run))]
+    return boundary_rows(run)[0]
 
 
-def host_speeds(run) -> list[float]:
-    """Per pair of `boundaries(run)`, in its order: the next pass's host speed, the median of its
-    `host_attention` times past its first layer (us; the same few launches in every layer). Not
-    something the simulator can know: on four H100 loans (forty-eighth session) the host lane ran
-    for tens of passes at ~2.2-2.7 us a layer, then at ~5, everything on it slowing together, and the
-    boundary with it (median 173-242 us in the fast state, 553-601 in the slow), while within a run
-    and a state neither the last wait nor the loads moved it (`benchmarks/boundary_states.py`)."""
-    return log_host_speeds(_log(run))
+def boundary_rows(run) -> tuple[list[tuple[float, float, float, int, float]], list[float]]:
+    """(`boundaries(run)`, and per row the next pass's host speed: the median of its
+    `host_attention` times past its first layer, us; the same few launches in every layer). The
+    speed is not something the simulator can know: on four H100 loans (forty-eighth session) the
+    host lane ran for tens of passes at ~2.2-2.7 us a layer, then at ~5, everything on it slowing
+    together, and the boundary with it (median 173-242 us in the fast state, 553-601 in the slow),
+    while within a run and a state neither the last wait nor the loads moved it
+    (`benchmarks/boundary_states.py`)."""
+    return log_boundary_rows(SimpleNamespace(spans=run.spans, pass_us=[(p["pass"], p["decode"], 0, p["us"])
+                                                                         for p in run.passes]))
 
 
-def log_host_speeds(log) -> list[float]:
-    """`host_speeds` of an executor's log (`spans`, `pass_us`), in `pass_start_samples`' order."""
-    _, (_, _, att), pairs = boundary_pairs(log)
-    return [float(np.median([v for _, v in sorted(att[q].items())[1:]])) for _, q, _ in pairs]
+def log_boundary_rows(log) -> tuple[list[tuple[float, float, float, int, float]], list[float]]:
+    """`boundary_rows` of an executor's log (`spans`, `pass_us`), from one reading of its pairs."""
+    pairs = boundary_pairs(log)
+    att = pairs[1][2]
+    rows = [(w, head, gap + excess, int(n), lat) for lat, gap, _, excess, head, n, w in pass_start_samples(log, pairs)]
+    return rows, [float(np.median([v for _, v in sorted(att[q].items())[1:]])) for _, q, _ in pairs[2]]
 
 
 def host_state(log, slow_us: float) -> tuple[float, float]:
     """(the share of an executor log's pass boundaries whose next pass's host ran at `slow_us` a
-    layer or more, `log_host_speeds`; the median boundary, head plus the next start as
-    `boundaries` reads it, us); (nan, nan) without a boundary. What `benchmarks/affinity_probe.py`
-    holds a pinned host thread's runs to."""
-    b = [head + gap + excess for _, gap, _, excess, head, _, _ in pass_start_samples(log)]
-    if not b:
+    layer or more, `log_boundary_rows`' speeds; the median boundary, head plus the next start, us);
+    (nan, nan) without a boundary. What `benchmarks/affinity_probe.py` holds a pinned host
+    thread's runs to."""
+    rows, speeds = log_boundary_rows(log)
+    if not rows:
         return float("nan"), float("nan")
-    return float((np.array(log_host_speeds(log)) >= slow_us).mean()), float(np.median(b))
-
-
-def _log(run) -> SimpleNamespace:
-    """A measured run as calibrate's readers take a log: its spans and (pass, decode, -, us)."""
-    return SimpleNamespace(spans=run.spans, pass_us=[(p["pass"], p["decode"], 0, p["us"]) for p in run.passes])
+    return float((np.array(speeds) >= slow_us).mean()), float(np.median([head + start for _, head, start, _, _ in rows]))
 
 
 def boundary_price(rows: list, prof, cpu_experts: bool = False) -> tuple[float, float] | None:

@@ -64,7 +64,7 @@ def fit_wake(samples: list[tuple[float, float, float]]) -> list[list[float]]:
     return out
 
 
-def pass_start_samples(log) -> list[list[float]]:
+def pass_start_samples(log, pairs: tuple | None = None) -> list[list[float]]:
     """Per pair of decode passes p, q = p + 1 (no prefill between): [p's latency, the host lane's
     gap from p's `host_head` end to q's first `host_attention`, the same gap from the later of that
     end and p's last GPU span, q's first layer's `host_attention` excess over its others, p's
@@ -73,8 +73,9 @@ def pass_start_samples(log) -> list[list[float]]:
     read-back runs (thirty-fifth session's, pools 16/20) paid 117 us after passes under 20 ms and
     337 after 200-400 ms; the led runs here give passes of ~5-100 ms, their passes synced (a lead
     keeps them from queuing), hence the gap from the GPU's end too. The head is kept to see whether
-    it slows alike (the same runs' `host_head` read 33-400 us, calibrated 40)."""
-    lat, (head, enter, att), pairs = boundary_pairs(log)
+    it slows alike (the same runs' `host_head` read 33-400 us, calibrated 40). `pairs`: the log's
+    `boundary_pairs`, where the caller has them."""
+    lat, (head, enter, att), pairs = pairs or boundary_pairs(log)
     gpu_end: dict[int, float] = {}
     loads: dict[int, int] = {}
     wait: dict[int, tuple[float, float]] = {}               # pass -> (start, length) of its last read-back
@@ -94,7 +95,7 @@ def boundary_pairs(log) -> tuple[dict, tuple, list[tuple[int, int, float]]]:
     """A log's decode passes ({pass: latency us}), their `host_marks`, and the pairs a pass boundary
     is read from: (p, q = p + 1, the host lane's gap from p's `host_head` end to q's first
     `host_attention`) where q has two layers or more: `pass_start_samples`' rows in its order, and
-    what `cmoe.analysis.boundary.host_speeds` pairs with them."""
+    what `cmoe.analysis.boundary.boundary_rows` pairs with them."""
     lat = {p: us for p, d, _, us in log.pass_us if d}
     order = sorted(lat)
     marks = host_marks(log, order)
