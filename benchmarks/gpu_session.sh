@@ -149,6 +149,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=$PWD:/tmp/site
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+# (a mode that runs another as `bash "$0" MODE` sets KCACHE=0 for it: the outer call already unpacked the caches,
+# exported their folders and saves them on exit)
 # KCACHE=1: Triton's and numba's compiled kernels in .kcache/, sent back as $OUT/kcache.tar (xz where the machine
 # has it); copy that file to the tree's root as .kcache.tar and carry it: the next call unpacks it (its ~94 MB unpacked
 # are past what a call carries). A fresh machine's first calibration spends ~40-70 s compiling: calibrate's batch-1
@@ -275,14 +277,14 @@ case "${1:-}" in
           --layers 4 --out /tmp/v/profile.json 2>&1 | grep -v Warning | tail -40 || true
         cp /tmp/v/profile*.json "$OUT/" 2>/dev/null; terms ;;
   validate) rm -rf /tmp/v; timeout ${VT:-560} python3 benchmarks/validate_h200.py --out /tmp/v --pools "${POOLS:-16,20,26}" --batches "${BATCHES:-1,2,4,8}" \
-              --tokens 32 --policies "${POLS:-upper,ondemand,lru-prefetch,commit,oracle}" --measure-only --spec "${SPEC:-mixtral-8x7b}" \
+              --tokens 32 --policies "${POLS:-upper,ondemand,lru-prefetch,commit,oracle}" --measure-only $([ -n "${REPEAT:-}" ] && echo --repeat) --spec "${SPEC:-mixtral-8x7b}" \
               $([ -n "${PROFILE:-}" ] && echo --profile "$PROFILE" || echo --calibrate-on "${CAL:-both}") --commit "${COMMIT:-unknown}" 2>&1 | tee "$OUT/validate.log" | grep -v "^  " || true
             (cd /tmp/v && tar czf "$OUT/head.tgz" results.json profile*.json $(ls host-load.json 2>/dev/null) \
               && for b in $(echo "${BATCHES:-1,2,4,8}" | tr , " "); do ls -d pool*-b$b >/dev/null 2>&1 && tar czf "$OUT/meas-b$b.tgz" pool*-b$b; done; true); terms ;;
   cpu-program) timeout 150 python3 -m pytest -q -m gpu tests/test_lean_gpu.py -p no:cacheprovider \
                  -k "host_program_runs_as_the_python_step or (replay_equals_eager and mixtral)" > "$OUT/tests.log" 2>&1 || true
                tail -15 "$OUT/tests.log"
-               VT=${VT:-420} POLS=upper,lfu-fallback,static BATCHES=${BATCHES:-1,8} CAL=built bash "$0" validate ;;
+               KCACHE=0 VT=${VT:-420} POLS=upper,lfu-fallback,static BATCHES=${BATCHES:-1,8} CAL=built bash "$0" validate ;;
   cpu-threads) for v in "OMP_PROC_BIND=close OMP_PLACES=cores" "OMP_WAIT_POLICY=PASSIVE"; do
                  n=$(echo "$v" | cut -d' ' -f1 | tr '=' '-')
                  env $v timeout 90 python3 benchmarks/cpu_threads_h200.py --out "$OUT/cpu_threads-$n.json" --isolated-only \
@@ -339,11 +341,7 @@ case "${1:-}" in
              echo "== cycle $c $w"; grep -E "^(round|built)|rror" "$OUT/spin-$c-$w.log" | cut -c1-170 || true
            done; done ;;
   ab-validate) bash "$0" sampler-ab; VT=${VT:-330} BATCHES=${BATCHES:-1,4} bash "$0" validate ;;
-  validate-r) rm -rf /tmp/v; timeout 560 python3 benchmarks/validate_h200.py --out /tmp/v --pools "${POOLS:-16,20,26}" --batches "${2:?batches}" \
-                --tokens 32 --policies "${POLS:-upper,ondemand,lru-prefetch,commit,oracle}" --measure-only --repeat --spec "${SPEC:-mixtral-8x7b}" \
-                --calibrate-on "${CAL:-both}" --commit "${COMMIT:-unknown}" 2>&1 | tee "$OUT/validate.log" | grep -v "^  " || true
-              (cd /tmp/v && tar czf "$OUT/head.tgz" results.json profile*.json $(ls host-load.json 2>/dev/null) \
-                && for b in $(echo "${2}" | tr , " "); do ls -d pool*-b$b >/dev/null 2>&1 && tar czf "$OUT/meas-b$b.tgz" pool*-b$b; done; true); terms ;;
+  validate-r) KCACHE=0 REPEAT=1 BATCHES="${2:?batches}" bash "$0" validate ;;
   pin-ab) timeout 400 python3 benchmarks/affinity_probe.py --out "$OUT/affinity.json" --policies "${POLS:-lru-prefetch,ondemand}" \
             --pool "${POOL:-26}" --rounds "${ROUNDS:-4}" 2>&1 | grep -E "^round|^[a-z-]+ +(free|pinned)|rror" || true ;;
   host-ab) [ -f .before/benchmarks/lean_h200.py ] || { echo "host-ab: no .before/ tree (carry it with the call)" >&2; exit 2; }
