@@ -3,8 +3,8 @@
 The host's own time per MoE layer differed up to 2x between runs of identical work on the H200
 (BENCHMARKS.md, sixth session), and calibrated host fields do not reproduce across machines. This
 runs the same policies alternately with the host thread free to use every core and pinned to one
-(`os.sched_setaffinity(0, ...)`, which on Linux sets the calling thread's mask: the thread that
-issues the work; threads started while it is pinned keep the one core), several times each, in
+(`CMOE_PIN_HOST=core:N`, which `cmoe.executor.run` holds around each run's passes: the thread that
+issues the work, `cmoe.executor.affinity`), several times each, in
 one process over one built store, the arms' order swapped every round (the host drifts over
 minutes, so a fixed order would favour the arm that runs first), and reports each run's host
 time per MoE layer, its tokens/s, and the spread of each arm; and, per run, the host lane's state
@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lean_h200 import decode_stats  # noqa: E402
 
 from cmoe.analysis.boundary import host_state  # noqa: E402
+from cmoe.executor.affinity import ENV  # noqa: E402
 from cmoe.executor.run import ExecConfig, build, prepare, run_policy  # noqa: E402
 
 
@@ -59,17 +60,17 @@ def main() -> None:
     runs = []
     for r in range(a.rounds):
         for arm in ("free", "pinned") if r % 2 == 0 else ("pinned", "free"):
-            os.sched_setaffinity(0, {core} if arm == "pinned" else set(free))
+            os.environ[ENV] = f"core:{core}" if arm == "pinned" else "off"     # run_policy pins its passes
             for p in pols:
                 res = run_policy(w, cfg, p)
                 st = decode_stats(res, w.spec, float("nan"), 0.0)      # only its host figures are read
                 slow, bound = host_state(res.log, a.slow_us)
                 runs.append({"round": r, "arm": arm, "policy": p, "tok_s": res.metrics["tokens_per_s"],
-                             "host_us_per_layer": st["host_work_us_per_layer"], "slow_share": slow, "boundary_us": bound})
+                             "host_core": res.metrics["host_core"], "host_us_per_layer": st["host_work_us_per_layer"], "slow_share": slow, "boundary_us": bound})
                 print(f"round {r} {arm:<6} {p:<12} {res.metrics['tokens_per_s']:7.2f} tok/s "
                       f"host {st['host_work_us_per_layer']:6.1f} us/layer, slow {slow:.0%}, boundary {bound:.0f} us", flush=True)
                 del res
-    os.sched_setaffinity(0, set(free))
+    os.environ.pop(ENV)
     summary = {}
     for p in pols:
         for arm in ("free", "pinned"):

@@ -111,7 +111,8 @@ def main() -> None:
            "commit": commit + ("+dirty" if dirty else ""), "spec": a.spec, "tokens": a.tokens, "configs": [],
            # the OpenMP settings the CPU experts ran under (the wait policy moves them 1.5-1.9x: BENCHMARKS.md)
            "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_"))},
-           "omp_wait": SPIN, "compile_cache_files": compile_cache_files()}
+           "omp_wait": SPIN, "compile_cache_files": compile_cache_files(),
+           "pin_host": os.environ.get("CMOE_PIN_HOST", "")}      # the passes' thread on one core (`cmoe.executor.affinity`)
     import importlib.util
     can_predict = importlib.util.find_spec("simpy") is not None and not a.measure_only
     if not can_predict:

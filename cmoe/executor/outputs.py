@@ -49,6 +49,8 @@ def metrics(log: RunLog, w: Workload, cfg: ExecConfig, policy: str, layout: Pool
         # the few-expert thresholds its graphs were captured under (`cmoe.executor.few_experts`; None:
         # no launch could switch: the CPU, the reference engine, `upper`, `commit`, no wave graphs)
         "few_experts": log.few_experts,
+        # the core the passes' thread was held on (`CMOE_PIN_HOST`, `cmoe.executor.affinity`; None: free)
+        "host_core": log.host_core,
         # first-request cost: warm-up and CUDA-graph capture on the first decode pass (lean, CUDA)
         "capture_ms": (getattr(log, "capture_us", None) or 0.0) / 1e3,
         "expert_ms_per_pass": by_op.get("expert", 0.0) / n_dec / 1e3,

@@ -46,6 +46,7 @@ class RunLog(RunRecord):
     few_experts: str | None = None         # the few-expert thresholds its graphs were captured under
                                            # (None: no launch could switch, or no capture)
     clock_epoch: float = 0.0               # the wall clock (epoch s) at the timeline's zero (`Clock.epoch0`)
+    host_core: int | None = None           # the core its passes' thread was pinned to (`cmoe.executor.affinity`)
 
 
 def _loads(loads) -> tuple:

@@ -20,6 +20,7 @@ import torch
 
 from cmoe.core.checkpoint import check_checkpoint
 from cmoe.core.errors import CmoeError
+from cmoe.executor.affinity import check_pin, pinned_host
 from cmoe.executor.checks import check_gpu_fits, check_trace_matches, mem_available, read_policy_json, resolve_device
 from cmoe.executor.engine import Engine
 from cmoe.executor.outputs import metrics, table, write_outputs  # noqa: F401  (re-exported)
@@ -110,6 +111,7 @@ def prepare(*, spec_name: str | None, model_dir: Path | None, trace_src: str | N
         raise CmoeError(f"unknown policy '{bad[0]}': choose from {', '.join(POLICIES)}")
     if cfg.tokens < 1 or cfg.batch < 1:
         raise CmoeError("--tokens and --batch must be at least 1")
+    check_pin()
     device = resolve_device(cfg.device)
     spec = preset(spec_name) if spec_name else check_checkpoint(model_dir, float_experts=True)
     layout_override = None
@@ -260,7 +262,6 @@ def run_policy(w: Workload, cfg: ExecConfig, policy_name: str) -> ExecResult:
     eng = engine_for(w, cfg, policy)
     dev = w.device
     cache = new_cache(w, cfg)
-    logits_out = []
     # everything made so far (the model, the store, the replay's per-layer lists: ~550k objects at
     # batch 8) out of the collector's reach while the passes run: a full collection over them took
     # 190 ms on a 2-core host, and the H200 runs showed single stalls of ~300 ms in one run of three
@@ -268,26 +269,15 @@ def run_policy(w: Workload, cfg: ExecConfig, policy_name: str) -> ExecResult:
     finished = False
     try:
         try:
-            if passes is not None:
-                # every pass's inputs on the device before the timed loop: a replay knows them all, and a
-                # live engine's come from its own argmax on the device, so copying them in the loop would
-                # charge the engine a host step it does not have (on the H200 ~250 us a pass with the GPU idle)
-                pins = [PassInput(i, p.decode, torch.as_tensor(ids, dtype=torch.long, device=dev),
-                                  torch.as_tensor(pos, dtype=torch.long, device=dev),
-                                  None, np.ones(ids.size, bool), rows) for i, (p, ids, pos, rows) in enumerate(passes)]
-                eng.prepare(pins)
-                _reserve(eng, w, cfg, len(pins))           # the timing events, made before timing
-                for pin in pins:
-                    lg = eng.run_pass(pin, cache)
-                    if cfg.keep_logits:
-                        logits_out.append(lg.float().cpu())
-            else:
-                logits_out = _live(eng, w, cfg, cache)
+            # `CMOE_PIN_HOST`, off unless set; never for CPU experts, whose OpenMP team may start in the passes
+            with pinned_host("off" if trait(policy_name, "cpu_experts") else None) as core:
+                logits_out = _passes(eng, w, cfg, cache, passes)
         finally:
             gc.unfreeze()
             eng.close()
         log = eng.finish()
         log.clock_epoch = eng.clock.epoch0
+        log.host_core = core
         finished = True
     finally:
         if not finished:
@@ -298,6 +288,27 @@ def run_policy(w: Workload, cfg: ExecConfig, policy_name: str) -> ExecResult:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return ExecResult(policy_name, layout, budget, log, metrics(log, w, cfg, policy_name, layout), logits_out)
+
+
+def _passes(eng: Engine, w: Workload, cfg: ExecConfig, cache, passes) -> list:
+    """Run every pass (a replay's, else live ones); the logits kept where `cfg.keep_logits`."""
+    if passes is None:
+        return _live(eng, w, cfg, cache)
+    dev = w.device
+    # every pass's inputs on the device before the timed loop: a replay knows them all, and a
+    # live engine's come from its own argmax on the device, so copying them in the loop would
+    # charge the engine a host step it does not have (on the H200 ~250 us a pass with the GPU idle)
+    pins = [PassInput(i, p.decode, torch.as_tensor(ids, dtype=torch.long, device=dev),
+                      torch.as_tensor(pos, dtype=torch.long, device=dev),
+                      None, np.ones(ids.size, bool), rows) for i, (p, ids, pos, rows) in enumerate(passes)]
+    eng.prepare(pins)
+    _reserve(eng, w, cfg, len(pins))           # the timing events, made before timing
+    logits_out = []
+    for pin in pins:
+        lg = eng.run_pass(pin, cache)
+        if cfg.keep_logits:
+            logits_out.append(lg.float().cpu())
+    return logits_out
 
 
 def _reserve(eng: Engine, w: Workload, cfg: ExecConfig, passes: int) -> None:

@@ -1,0 +1,77 @@
+"""The host thread on one core while a run's passes go (`CMOE_PIN_HOST`), an opt-in for the A/B.
+
+On four H100 loans (forty-eighth session) the lean engine's host lane ran for tens of passes at
+~2.4 us a layer's `host_attention`, then at ~5, and the pass boundary took 173-242 us in the fast
+state against 553-601 in the slow one (`benchmarks/boundary_states.py`). Two speeds that each hold
+for tens of passes look like the issuing thread moving between cores; `benchmarks/affinity_probe.py`
+measures that, and this lets a whole `cmoe execute` or validation run pinned:
+
+    CMOE_PIN_HOST=auto     the second core of those the process may use (the first is where the
+                           kernel tends to put interrupts and other processes' work)
+    CMOE_PIN_HOST=core:N   core N, which must be one the process may use
+    unset or off           the thread as the OS schedules it (the default)
+
+`os.sched_setaffinity(0, ...)` sets the calling thread's mask on Linux, and threads it starts
+meanwhile inherit it, so the pin is held only around the timed passes and the mask restored after.
+`cmoe.executor.run` never pins a CPU-expert policy's run: libgomp starts its team in the first
+parallel region, which may come inside the passes, and a team on one core would be the CPU experts'
+speed, not the host's. Each run's metrics say which core it held (`host_core`, None: not pinned).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Iterator
+
+from cmoe.core.errors import CmoeError
+
+ENV = "CMOE_PIN_HOST"
+
+
+def pin_core(setting: str, allowed: set[int]) -> int | None:
+    """The core `setting` (`CMOE_PIN_HOST`'s value) names among `allowed`, None for off."""
+    s = setting.strip().lower()
+    if s in ("", "off"):
+        return None
+    cores = sorted(allowed)
+    if s == "auto":
+        return cores[min(1, len(cores) - 1)]
+    if s.startswith("core:") and s[5:].isdigit():
+        n = int(s[5:])
+        if n not in allowed:
+            raise CmoeError(f"{ENV}={setting}: core {n} is not one this process may use ({_span(cores)}); "
+                            "name one of those, or use auto")
+        return n
+    raise CmoeError(f"{ENV}={setting!r} is not a setting: use auto, core:N or off")
+
+
+def _span(cores: list[int]) -> str:
+    return f"cores {cores[0]}-{cores[-1]}" if cores == list(range(cores[0], cores[-1] + 1)) else f"cores {cores}"
+
+
+def check_pin() -> None:
+    """Refuse a `CMOE_PIN_HOST` that names no core, in one line, before any work (`cmoe.executor.run.prepare`)."""
+    if hasattr(os, "sched_getaffinity"):
+        pin_core(os.environ.get(ENV, ""), os.sched_getaffinity(0))
+
+
+@contextmanager
+def pinned_host(setting: str | None = None) -> Iterator[int | None]:
+    """Hold the calling thread on `pin_core`'s core (from `setting`, else `CMOE_PIN_HOST`) inside
+    the block, its mask restored after; yields the core, or None where unpinned (also where the OS
+    has no `sched_setaffinity`)."""
+    s = os.environ.get(ENV, "") if setting is None else setting
+    if not hasattr(os, "sched_setaffinity"):
+        yield None
+        return
+    before = os.sched_getaffinity(0)
+    core = pin_core(s, before)
+    if core is None:
+        yield None
+        return
+    os.sched_setaffinity(0, {core})
+    try:
+        yield core
+    finally:
+        os.sched_setaffinity(0, before)
