@@ -59,7 +59,8 @@
 #                                             # at ~5 us a layer against ~2.4, the pass boundary 553-601 us against
 #                                             # 173-242) the host thread's core? affinity_probe.py, the thread free and
 #                                             # pinned to one core alternating, ROUNDS (4) rounds of POLS at POOL (26) GB,
-#                                             # batch 1, each run's share of slow passes and median boundary (~2 min);
+#                                             # batch 1, each run's share of slow passes and median boundary (~2 min;
+#                                             # forty-ninth session, an H100: 85 s, both arms slow together);
 #                                             # a whole validation pinned: CMOE_PIN_HOST=auto bash ... validate
 #   bash benchmarks/gpu_session.sh host-ab    # issue 13: the host's step by phase, batch 1, pool 20, in four
 #                                             # processes alternating .before/ (a tree to compare against,

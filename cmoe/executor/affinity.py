@@ -4,7 +4,9 @@ On four H100 loans (forty-eighth session) the lean engine's host lane ran for te
 ~2.4 us a layer's `host_attention`, then at ~5, and the pass boundary took 173-242 us in the fast
 state against 553-601 in the slow one (`benchmarks/boundary_states.py`). Two speeds that each hold
 for tens of passes look like the issuing thread moving between cores; `benchmarks/affinity_probe.py`
-measures that, and this lets a whole `cmoe execute` or validation run pinned:
+measured it with this switch (forty-ninth session, an H100): pinned and free runs, alternating in
+one process, went slow together, so the slow state is the machine's, not the thread's core, and
+the switch stays off by default, kept for repeating that A/B or pinning a whole run:
 
     CMOE_PIN_HOST=auto     the second core of those the process may use (the first is where the
                            kernel tends to put interrupts and other processes' work)
