@@ -1,20 +1,29 @@
-"""Does pinning the host thread to one core steady the lean engine's host? (issues 13 and 15)
+"""Is the lean engine's slow host state the thread's core, the CPU, or the driver? (issues 13, 15)
 
-The host's own time per MoE layer differed up to 2x between runs of identical work on the H200
-(BENCHMARKS.md, sixth session), and calibrated host fields do not reproduce across machines. This
-runs the same policies alternately with the host thread free to use every core and pinned to one
-(`CMOE_PIN_HOST=core:N`, which `cmoe.executor.run` holds around each run's passes: the thread that
-issues the work, `cmoe.executor.affinity`), several times each, in
-one process over one built store, the arms' order swapped every round (the host drifts over
-minutes, so a fixed order would favour the arm that runs first), and reports each run's host
-time per MoE layer, its tokens/s, and the spread of each arm; and, per run, the host lane's state
-(forty-eighth session: on four H100 loans it ran for tens of passes at ~2.4 us a `host_attention`,
-then at ~5, the pass boundary 173-242 us against 553-601; `benchmarks/boundary_states.py`): the
-share of its pass boundaries whose next pass was slow (`--slow-us`) and the median boundary. If
-the slow state is the thread moving to a busier or slower core, the pinned arm has none of it.
+The host lane ran for tens of passes at ~2.4 us a layer's `host_attention`, then at ~5, the pass
+boundary 173-242 us against 553-601 (forty-eighth session, four H100 loans;
+`benchmarks/boundary_states.py`). This runs the same policies in arms that alternate within one
+process over one built store, the arms' order swapped every round (the host drifts over minutes,
+so a fixed order would favour the arm that runs first):
 
-    python benchmarks/affinity_probe.py --out $OUT/affinity.json --policies ondemand,oracle --rounds 3
+    free     the thread as the OS schedules it
+    pinned   `CMOE_PIN_HOST=core:N`, the thread held on one core around each run's passes
+             (`cmoe.executor.affinity`)
+
+Each run reports its tokens/s, host time per MoE layer, the share of its pass boundaries whose
+next pass was slow (`--slow-us`, `cmoe.analysis.boundary.host_state`) and the median boundary;
+and right before it three references the run's state can be read against:
+
+    cpu_us     a fixed pure-Python loop: the CPU's own speed, no driver
+    record_us  one `cudaEventRecord` (the runtime's, through ctypes): the driver's submission path
+    replay_us  one replay of a one-kernel CUDA graph, as a pass launches its layers' graphs
+
+Forty-ninth session (an H100): pinned and free runs went slow together, so the core is not it. If
+`cpu_us` rises with the slow share, the CPU is slower (a tenant, its clock); if only `record_us`
+and `replay_us` do, the driver or the link is.
+
     python benchmarks/affinity_probe.py --out $OUT/affinity.json --policies lru-prefetch,ondemand --pool 26 --rounds 4
+    python benchmarks/affinity_probe.py --out $OUT/state.json --arms free --policies lru-prefetch,ondemand --pool 26 --rounds 8
 """
 
 from __future__ import annotations
@@ -39,17 +48,106 @@ from cmoe.analysis.boundary import host_state  # noqa: E402
 from cmoe.executor.affinity import ENV  # noqa: E402
 from cmoe.executor.run import ExecConfig, build, prepare, run_policy  # noqa: E402
 
+ARMS = ("free", "pinned")
+
+
+def cpu_reference_us(n: int = 20000, reps: int = 5) -> float:
+    """A fixed pure-Python loop's time, us, the median of `reps`: the host CPU's speed alone."""
+    took = []
+    for _ in range(reps):
+        t, s = time.perf_counter(), 0
+        for i in range(n):
+            s += i ^ (i >> 3)
+        took.append(time.perf_counter() - t)
+    return float(np.median(took)) * 1e6
+
+
+def submit_references(reps: int = 200) -> dict:
+    """(`record_us`, `replay_us`): one `cudaEventRecord` through the runtime, and one replay of a
+    one-kernel graph through torch, each the host's time over `reps` calls back to back (the GPU's
+    queue takes them; synchronized after, untimed); `record_us` None without the runtime."""
+    from cmoe.executor.cuda_rt import DISABLE_TIMING, Runtime
+    x = torch.zeros(256, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x.add_(1)                                               # warm, off the capture
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        x.add_(1)
+    out = {"record_us": None, "replay_us": _per_call(g.replay, reps)}
+    if (rt := Runtime.get()) is not None:
+        ev, stream = rt.event(DISABLE_TIMING), torch.cuda.current_stream().cuda_stream
+        out["record_us"] = _per_call(lambda: rt.record(ev, stream), reps)
+        rt.destroy(ev)
+    return out
+
+
+def _per_call(call, reps: int) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        call()
+    dt = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return dt / reps * 1e6
+
+
+def one_run(w, cfg, policy: str, rnd: int, arm: str, slow_us: float) -> dict:
+    """One policy's run after the references, as a row of the JSON, printed."""
+    ref = {"cpu_us": cpu_reference_us(), **submit_references()}
+    res = run_policy(w, cfg, policy)
+    st = decode_stats(res, w.spec, float("nan"), 0.0)      # only its host figures are read
+    slow, bound = host_state(res.log, slow_us)
+    row = {"round": rnd, "arm": arm, "policy": policy, "tok_s": res.metrics["tokens_per_s"],
+           "host_core": res.metrics["host_core"], "host_us_per_layer": st["host_work_us_per_layer"],
+           "slow_share": slow, "boundary_us": bound, **ref}
+    rec = "-" if ref["record_us"] is None else f"{ref['record_us']:.2f}"
+    print(f"round {rnd} {arm:<6} {policy:<12} {row['tok_s']:7.2f} tok/s host {row['host_us_per_layer']:6.1f} us/layer, "
+          f"slow {slow:.0%}, boundary {bound:.0f} us; cpu {ref['cpu_us']:.0f} us, record {rec} us, "
+          f"replay {ref['replay_us']:.2f} us", flush=True)
+    return row
+
+
+def summarize(runs: list, pols: list, arms: list) -> dict:
+    """Each policy and arm's ranges, printed; and over every run, how each reference moves with
+    the slow share (Pearson r; None where a column is constant or missing)."""
+    summary = {}
+    for p in pols:
+        for arm in arms:
+            mine = [x for x in runs if x["policy"] == p and x["arm"] == arm]
+            h, t, sl = ([x[k] for x in mine] for k in ("host_us_per_layer", "tok_s", "slow_share"))
+            summary[f"{p} {arm}"] = {"host_us_min": min(h), "host_us_max": max(h), "host_us_mean": float(np.mean(h)),
+                                     "slow_share_min": min(sl), "slow_share_max": max(sl),
+                                     "tok_s_min": min(t), "tok_s_max": max(t),
+                                     "tok_s_spread_pct": (max(t) - min(t)) / float(np.mean(t)) * 100}
+            print(f"{p:<12} {arm:<6} host {min(h):6.1f}-{max(h):6.1f} us/layer, tok/s {min(t):.2f}-{max(t):.2f} "
+                  f"({summary[f'{p} {arm}']['tok_s_spread_pct']:.1f}%), slow {min(sl):.0%}-{max(sl):.0%}", flush=True)
+    slow = np.array([x["slow_share"] for x in runs], float)
+    for k in ("cpu_us", "record_us", "replay_us"):
+        col = np.array([np.nan if x[k] is None else x[k] for x in runs], float)
+        ok = ~np.isnan(col) & ~np.isnan(slow)
+        r = float(np.corrcoef(slow[ok], col[ok])[0, 1]) if ok.sum() > 2 and col[ok].std() and slow[ok].std() else None
+        summary[f"r slow_share {k}"] = r
+        print(f"r(slow share, {k}) = {'-' if r is None else f'{r:.2f}'}", flush=True)
+    return summary
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--policies", default="ondemand,oracle")
+    ap.add_argument("--arms", default=",".join(ARMS), help="free, pinned or both, alternating")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--pool", type=float, default=20.0)
     ap.add_argument("--core", type=int, default=-1, help="the core to pin to (-1: the second of those allowed)")
     ap.add_argument("--slow-us", type=float, default=3.0, help="a pass whose host_attention takes this long is slow")
     a = ap.parse_args()
+    arms = [x for x in a.arms.split(",") if x]
+    if not arms or set(arms) - set(ARMS):
+        raise SystemExit(f"affinity_probe.py: --arms {a.arms!r}: name free, pinned or both, comma-separated")
     free = sorted(os.sched_getaffinity(0))
     core = a.core if a.core >= 0 else free[min(1, len(free) - 1)]
     pols = [p for p in a.policies.split(",") if p]
@@ -59,31 +157,13 @@ def main() -> None:
     run_policy(w, replace(cfg, tokens=4), "upper")                 # warm-up
     runs = []
     for r in range(a.rounds):
-        for arm in ("free", "pinned") if r % 2 == 0 else ("pinned", "free"):
+        for arm in arms if r % 2 == 0 else arms[::-1]:
             os.environ[ENV] = f"core:{core}" if arm == "pinned" else "off"     # run_policy pins its passes
-            for p in pols:
-                res = run_policy(w, cfg, p)
-                st = decode_stats(res, w.spec, float("nan"), 0.0)      # only its host figures are read
-                slow, bound = host_state(res.log, a.slow_us)
-                runs.append({"round": r, "arm": arm, "policy": p, "tok_s": res.metrics["tokens_per_s"],
-                             "host_core": res.metrics["host_core"], "host_us_per_layer": st["host_work_us_per_layer"], "slow_share": slow, "boundary_us": bound})
-                print(f"round {r} {arm:<6} {p:<12} {res.metrics['tokens_per_s']:7.2f} tok/s "
-                      f"host {st['host_work_us_per_layer']:6.1f} us/layer, slow {slow:.0%}, boundary {bound:.0f} us", flush=True)
-                del res
+            runs += [one_run(w, cfg, p, r, arm, a.slow_us) for p in pols]
     os.environ.pop(ENV)
-    summary = {}
-    for p in pols:
-        for arm in ("free", "pinned"):
-            mine = [x for x in runs if x["policy"] == p and x["arm"] == arm]
-            h, t, sl = ([x[k] for x in mine] for k in ("host_us_per_layer", "tok_s", "slow_share"))
-            summary[f"{p} {arm}"] = {"host_us_min": min(h), "host_us_max": max(h), "host_us_mean": float(np.mean(h)),
-                                     "slow_share_min": min(sl), "slow_share_max": max(sl),
-                                     "tok_s_min": min(t), "tok_s_max": max(t),
-                                     "tok_s_spread_pct": (max(t) - min(t)) / float(np.mean(t)) * 100}
-            print(f"{p:<12} {arm:<6} host {min(h):6.1f}-{max(h):6.1f} us/layer, tok/s {min(t):.2f}-{max(t):.2f} "
-                  f"({summary[f'{p} {arm}']['tok_s_spread_pct']:.1f}%), slow {min(sl):.0%}-{max(sl):.0%}", flush=True)
     out = {"date": time.strftime("%Y-%m-%d"), "card": torch.cuda.get_device_name(), "cores": free, "pinned_to": core,
-           "tokens": a.tokens, "pool_gb": a.pool, "slow_us": a.slow_us, "runs": runs, "summary": summary}
+           "arms": arms, "tokens": a.tokens, "pool_gb": a.pool, "slow_us": a.slow_us, "runs": runs,
+           "summary": summarize(runs, pols, arms)}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1))
 

@@ -60,7 +60,9 @@
 #                                             # 173-242) the host thread's core? affinity_probe.py, the thread free and
 #                                             # pinned to one core alternating, ROUNDS (4) rounds of POLS at POOL (26) GB,
 #                                             # batch 1, each run's share of slow passes and median boundary (~2 min;
-#                                             # forty-ninth session, an H100: 85 s, both arms slow together);
+#                                             # forty-ninth session, an H100: 85 s, both arms slow together); each run
+#                                             # also times a CPU loop, a cudaEventRecord and a graph replay first: which
+#                                             # of them the slow state moves (ARMS=free ROUNDS=8 for that alone)
 #                                             # a whole validation pinned: CMOE_PIN_HOST=auto bash ... validate
 #   bash benchmarks/gpu_session.sh host-ab    # issue 13: the host's step by phase, batch 1, pool 20, in four
 #                                             # processes alternating .before/ (a tree to compare against,
@@ -345,7 +347,8 @@ case "${1:-}" in
   ab-validate) bash "$0" sampler-ab; VT=${VT:-330} BATCHES=${BATCHES:-1,4} bash "$0" validate ;;
   validate-r) KCACHE=0 REPEAT=1 BATCHES="${2:?batches}" bash "$0" validate ;;
   pin-ab) timeout 400 python3 benchmarks/affinity_probe.py --out "$OUT/affinity.json" --policies "${POLS:-lru-prefetch,ondemand}" \
-            --pool "${POOL:-26}" --rounds "${ROUNDS:-4}" 2>&1 | grep -E "^round|^[a-z-]+ +(free|pinned)|rror" || true ;;
+            --pool "${POOL:-26}" --rounds "${ROUNDS:-4}" --arms "${ARMS:-free,pinned}" 2>&1 \
+            | grep -E "^round|^[a-z-]+ +(free|pinned)|^r\(|rror" || true ;;
   host-ab) [ -f .before/benchmarks/lean_h200.py ] || { echo "host-ab: no .before/ tree (carry it with the call)" >&2; exit 2; }
            mkdir -p "$OUT/host-ab"
            for i in 1 2; do for t in before after; do

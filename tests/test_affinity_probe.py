@@ -1,0 +1,50 @@
+"""`benchmarks/affinity_probe.py`'s CPU parts: the CPU reference, the summary's ranges and each
+reference's correlation with the slow share, and a bad `--arms` refused in one line before any work."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from benchmarks import affinity_probe as ap
+
+
+def _run(policy, arm, slow, cpu, record, tok=100.0, host=20.0):
+    return {"policy": policy, "arm": arm, "slow_share": slow, "cpu_us": cpu, "record_us": record,
+            "replay_us": 5.0, "tok_s": tok, "host_us_per_layer": host}
+
+
+def test_the_summary_reads_each_reference_against_the_slow_share(capsys):
+    runs = [_run("ondemand", "free", 0.1, 900.0, 1.0, tok=100.0, host=15.0),
+            _run("ondemand", "free", 0.9, 1000.0, 3.0, tok=90.0, host=30.0),
+            _run("ondemand", "free", 0.5, 950.0, None, tok=95.0, host=20.0)]
+    s = ap.summarize(runs, ["ondemand"], ["free"])
+    assert s["ondemand free"] == {"host_us_min": 15.0, "host_us_max": 30.0, "host_us_mean": pytest.approx(65 / 3),
+                                  "slow_share_min": 0.1, "slow_share_max": 0.9, "tok_s_min": 90.0,
+                                  "tok_s_max": 100.0, "tok_s_spread_pct": pytest.approx(10 / 95 * 100)}
+    assert s["r slow_share cpu_us"] == pytest.approx(1.0)
+    assert s["r slow_share record_us"] is None            # two runs measured it: too few for an r
+    assert s["r slow_share replay_us"] is None            # constant
+    out = capsys.readouterr().out
+    assert "r(slow share, cpu_us) = 1.00" in out and "r(slow share, replay_us) = -" in out
+
+
+def test_the_cpu_reference_times_its_loop():
+    assert 0 < ap.cpu_reference_us(n=2000, reps=3) < 1e6
+
+
+def test_a_bad_arm_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "argv", ["affinity_probe.py", "--out", str(tmp_path / "a.json"), "--arms", "free,tied"])
+    with pytest.raises(SystemExit) as e:
+        ap.main()
+    assert str(e.value) == "affinity_probe.py: --arms 'free,tied': name free, pinned or both, comma-separated"
+    assert not (tmp_path / "a.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_the_submit_references_time_each_call_on_a_gpu():
+    got = ap.submit_references(reps=50)
+    assert set(got) == {"record_us", "replay_us"}
+    assert 0 < got["replay_us"] < 1000 and (got["record_us"] is None or 0 < got["record_us"] < 1000)
