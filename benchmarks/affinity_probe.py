@@ -16,7 +16,8 @@ and right before it three references the run's state can be read against:
 
     cpu_us     a fixed pure-Python loop: the CPU's own speed, no driver
     record_us  one `cudaEventRecord` (the runtime's, through ctypes): the driver's submission path
-    replay_us  one replay of a one-kernel CUDA graph, as a pass launches its layers' graphs
+    replay_us  one replay of a one-kernel CUDA graph, as a pass launches its layers' graphs (through
+               torch's wrapper, which the engine's own launches skip: read its changes, not its level)
 
 Forty-ninth session (an H100): pinned and free runs went slow together, so the core is not it. If
 `cpu_us` rises with the slow share, the CPU is slower (a tenant, its clock); if only `record_us`
@@ -45,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lean_h200 import decode_stats  # noqa: E402
 
 from cmoe.analysis.boundary import host_state  # noqa: E402
-from cmoe.executor.affinity import ENV  # noqa: E402
+from cmoe.core.errors import CmoeError  # noqa: E402
+from cmoe.executor.affinity import ENV, pin_core, pinned_host  # noqa: E402
 from cmoe.executor.run import ExecConfig, build, prepare, run_policy  # noqa: E402
 
 ARMS = ("free", "pinned")
@@ -96,13 +98,14 @@ def _per_call(call, reps: int) -> float:
 
 def one_run(w, cfg, policy: str, rnd: int, arm: str, slow_us: float) -> dict:
     """One policy's run after the references, as a row of the JSON, printed."""
-    ref = {"cpu_us": cpu_reference_us(), **submit_references()}
+    with pinned_host():                                    # on the arm's core, as its passes will be
+        ref = {"cpu_us": cpu_reference_us(), **submit_references()}
     res = run_policy(w, cfg, policy)
     st = decode_stats(res, w.spec, float("nan"), 0.0)      # only its host figures are read
-    slow, bound = host_state(res.log, slow_us)
+    slow, bound = host_state(res.log, slow_us)             # nan without a boundary: None in the JSON
     row = {"round": rnd, "arm": arm, "policy": policy, "tok_s": res.metrics["tokens_per_s"],
            "host_core": res.metrics["host_core"], "host_us_per_layer": st["host_work_us_per_layer"],
-           "slow_share": slow, "boundary_us": bound, **ref}
+           "slow_share": None if np.isnan(slow) else slow, "boundary_us": None if np.isnan(bound) else bound, **ref}
     rec = "-" if ref["record_us"] is None else f"{ref['record_us']:.2f}"
     print(f"round {rnd} {arm:<6} {policy:<12} {row['tok_s']:7.2f} tok/s host {row['host_us_per_layer']:6.1f} us/layer, "
           f"slow {slow:.0%}, boundary {bound:.0f} us; cpu {ref['cpu_us']:.0f} us, record {rec} us, "
@@ -117,14 +120,16 @@ def summarize(runs: list, pols: list, arms: list) -> dict:
     for p in pols:
         for arm in arms:
             mine = [x for x in runs if x["policy"] == p and x["arm"] == arm]
-            h, t, sl = ([x[k] for x in mine] for k in ("host_us_per_layer", "tok_s", "slow_share"))
+            h, t = ([x[k] for x in mine] for k in ("host_us_per_layer", "tok_s"))
+            sl = [x["slow_share"] for x in mine if x["slow_share"] is not None]    # runs with a boundary
             summary[f"{p} {arm}"] = {"host_us_min": min(h), "host_us_max": max(h), "host_us_mean": float(np.mean(h)),
-                                     "slow_share_min": min(sl), "slow_share_max": max(sl),
+                                     "slow_share_min": min(sl, default=None), "slow_share_max": max(sl, default=None),
                                      "tok_s_min": min(t), "tok_s_max": max(t),
                                      "tok_s_spread_pct": (max(t) - min(t)) / float(np.mean(t)) * 100}
             print(f"{p:<12} {arm:<6} host {min(h):6.1f}-{max(h):6.1f} us/layer, tok/s {min(t):.2f}-{max(t):.2f} "
-                  f"({summary[f'{p} {arm}']['tok_s_spread_pct']:.1f}%), slow {min(sl):.0%}-{max(sl):.0%}", flush=True)
-    slow = np.array([x["slow_share"] for x in runs], float)
+                  f"({summary[f'{p} {arm}']['tok_s_spread_pct']:.1f}%), slow "
+                  + (f"{min(sl):.0%}-{max(sl):.0%}" if sl else "-"), flush=True)
+    slow = np.array([np.nan if x["slow_share"] is None else x["slow_share"] for x in runs], float)
     for k in ("cpu_us", "record_us", "replay_us"):
         col = np.array([np.nan if x[k] is None else x[k] for x in runs], float)
         ok = ~np.isnan(col) & ~np.isnan(slow)
@@ -150,6 +155,11 @@ def main() -> None:
         raise SystemExit(f"affinity_probe.py: --arms {a.arms!r}: name free, pinned or both, comma-separated")
     free = sorted(os.sched_getaffinity(0))
     core = a.core if a.core >= 0 else free[min(1, len(free) - 1)]
+    try:
+        pin_core(f"core:{core}", set(free))                 # a core it may not use: refused before the build
+    except CmoeError as e:
+        raise SystemExit(f"affinity_probe.py: --core {core}: {e}") from None
+    user = os.environ.pop(ENV, None)                        # the warm-up unpinned; the user's value back at the end
     pols = [p for p in a.policies.split(",") if p]
     cfg = ExecConfig(policies=("upper", *pols), pool_gb=a.pool, batch=1, tokens=a.tokens, device="cuda")
     w, cfg = prepare(spec_name="mixtral-8x7b", model_dir=None, trace_src="synthetic:mixtral-8x7b", data=None, cfg=cfg)
@@ -161,6 +171,8 @@ def main() -> None:
             os.environ[ENV] = f"core:{core}" if arm == "pinned" else "off"     # run_policy pins its passes
             runs += [one_run(w, cfg, p, r, arm, a.slow_us) for p in pols]
     os.environ.pop(ENV)
+    if user is not None:
+        os.environ[ENV] = user
     out = {"date": time.strftime("%Y-%m-%d"), "card": torch.cuda.get_device_name(), "cores": free, "pinned_to": core,
            "arms": arms, "tokens": a.tokens, "pool_gb": a.pool, "slow_us": a.slow_us, "runs": runs,
            "summary": summarize(runs, pols, arms)}

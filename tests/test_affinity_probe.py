@@ -18,15 +18,18 @@ def _run(policy, arm, slow, cpu, record, tok=100.0, host=20.0):
 def test_the_summary_reads_each_reference_against_the_slow_share(capsys):
     runs = [_run("ondemand", "free", 0.1, 900.0, 1.0, tok=100.0, host=15.0),
             _run("ondemand", "free", 0.9, 1000.0, 3.0, tok=90.0, host=30.0),
-            _run("ondemand", "free", 0.5, 950.0, None, tok=95.0, host=20.0)]
-    s = ap.summarize(runs, ["ondemand"], ["free"])
+            _run("ondemand", "free", 0.5, 950.0, None, tok=95.0, host=20.0),
+            _run("oracle", "free", None, 5000.0, 9.0)]               # no boundary: no slow share, left out
+    s = ap.summarize(runs, ["ondemand", "oracle"], ["free"])
     assert s["ondemand free"] == {"host_us_min": 15.0, "host_us_max": 30.0, "host_us_mean": pytest.approx(65 / 3),
                                   "slow_share_min": 0.1, "slow_share_max": 0.9, "tok_s_min": 90.0,
                                   "tok_s_max": 100.0, "tok_s_spread_pct": pytest.approx(10 / 95 * 100)}
+    assert s["oracle free"]["slow_share_min"] is None and s["oracle free"]["slow_share_max"] is None
     assert s["r slow_share cpu_us"] == pytest.approx(1.0)
     assert s["r slow_share record_us"] is None            # two runs measured it: too few for an r
     assert s["r slow_share replay_us"] is None            # constant
     out = capsys.readouterr().out
+    assert "oracle       free   host   20.0-  20.0 us/layer, tok/s 100.00-100.00 (0.0%), slow -" in out
     assert "r(slow share, cpu_us) = 1.00" in out and "r(slow share, replay_us) = -" in out
 
 
@@ -39,6 +42,10 @@ def test_a_bad_arm_is_one_line(monkeypatch, tmp_path):
     with pytest.raises(SystemExit) as e:
         ap.main()
     assert str(e.value) == "affinity_probe.py: --arms 'free,tied': name free, pinned or both, comma-separated"
+    monkeypatch.setattr(sys, "argv", ["affinity_probe.py", "--out", str(tmp_path / "a.json"), "--core", "99999"])
+    with pytest.raises(SystemExit) as e:
+        ap.main()
+    assert str(e.value).startswith("affinity_probe.py: --core 99999: CMOE_PIN_HOST=core:99999: core 99999 is not one")
     assert not (tmp_path / "a.json").exists()
 
 

@@ -13,11 +13,14 @@ the switch stays off by default, kept for repeating that A/B or pinning a whole 
     CMOE_PIN_HOST=core:N   core N, which must be one the process may use
     unset or off           the thread as the OS schedules it (the default)
 
-`os.sched_setaffinity(0, ...)` sets the calling thread's mask on Linux, and threads it starts
-meanwhile inherit it, so the pin is held only around the timed passes and the mask restored after.
-`cmoe.executor.run` never pins a CPU-expert policy's run: libgomp starts its team in the first
-parallel region, which may come inside the passes, and a team on one core would be the CPU experts'
-speed, not the host's. Each run's metrics say which core it held (`host_core`, None: not pinned).
+`os.sched_setaffinity(0, ...)` sets the calling thread's mask on Linux. The pin is held around a
+run's passes (with what `cmoe.executor.run._passes` does before them: the host program's prepare,
+the timing events) and the mask restored after; calibration's runs are pinned too where the variable
+is set. A thread started inside the block keeps the one core for the rest of the process (the
+mask is inherited, and only the caller's is restored), so torch's intra-op team is started before
+the first pin (`_start_team`). `cmoe.executor.run` pins only a CUDA run of a GPU-only policy: on
+the CPU the model itself runs on that team, and a CPU-expert policy's experts do. Each run's
+metrics say which core it held (`host_core`, None: not pinned).
 """
 
 from __future__ import annotations
@@ -53,9 +56,26 @@ def _span(cores: list[int]) -> str:
 
 
 def check_pin() -> None:
-    """Refuse a `CMOE_PIN_HOST` that names no core, in one line, before any work (`cmoe.executor.run.prepare`)."""
+    """Refuse a `CMOE_PIN_HOST` that names no core, or that this OS cannot honour, in one line,
+    before any work (`cmoe.executor.run.prepare`)."""
+    s = os.environ.get(ENV, "")
     if hasattr(os, "sched_getaffinity"):
-        pin_core(os.environ.get(ENV, ""), os.sched_getaffinity(0))
+        pin_core(s, os.sched_getaffinity(0))
+    elif s.strip().lower() not in ("", "off"):
+        raise CmoeError(f"{ENV}={s} needs Linux's sched_setaffinity, which this OS lacks: unset it")
+
+
+def _start_team() -> None:
+    """Start torch's intra-op threads (a parallel region over a large tensor), so none is started
+    inside a pin and kept on its core."""
+    import torch
+    torch.ones(1 << 20).sum()
+
+
+def run_setting(cuda: bool, cpu_experts: bool) -> str | None:
+    """`pinned_host`'s setting for one run: the variable's (None) for a CUDA run of a GPU-only
+    policy, else off."""
+    return None if cuda and not cpu_experts else "off"
 
 
 @contextmanager
@@ -72,6 +92,7 @@ def pinned_host(setting: str | None = None) -> Iterator[int | None]:
     if core is None:
         yield None
         return
+    _start_team()
     os.sched_setaffinity(0, {core})
     try:
         yield core

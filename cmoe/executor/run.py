@@ -20,7 +20,7 @@ import torch
 
 from cmoe.core.checkpoint import check_checkpoint
 from cmoe.core.errors import CmoeError
-from cmoe.executor.affinity import check_pin, pinned_host
+from cmoe.executor.affinity import check_pin, pinned_host, run_setting
 from cmoe.executor.checks import check_gpu_fits, check_trace_matches, mem_available, read_policy_json, resolve_device
 from cmoe.executor.engine import Engine
 from cmoe.executor.outputs import metrics, table, write_outputs  # noqa: F401  (re-exported)
@@ -269,8 +269,8 @@ def run_policy(w: Workload, cfg: ExecConfig, policy_name: str) -> ExecResult:
     finished = False
     try:
         try:
-            # `CMOE_PIN_HOST`, off unless set; never for CPU experts, whose OpenMP team may start in the passes
-            with pinned_host("off" if trait(policy_name, "cpu_experts") else None) as core:
+            # `CMOE_PIN_HOST`, off unless set; only a CUDA run of a GPU-only policy (`cmoe.executor.affinity`)
+            with pinned_host(run_setting(dev.type == "cuda", trait(policy_name, "cpu_experts"))) as core:
                 logits_out = _passes(eng, w, cfg, cache, passes)
         finally:
             gc.unfreeze()
