@@ -16,8 +16,9 @@ and right before it three references the run's state can be read against:
 
     cpu_us     a fixed pure-Python loop: the CPU's own speed, no driver
     record_us  one `cudaEventRecord` (the runtime's, through ctypes): the driver's submission path
-    replay_us  one replay of a one-kernel CUDA graph, as a pass launches its layers' graphs (through
-               torch's wrapper, which the engine's own launches skip: read its changes, not its level)
+    launch_us  one `cudaGraphLaunch` of a one-kernel graph through ctypes, as the compiled host
+               program launches its layers' graphs
+    replay_us  the same graph's replay through torch's wrapper
 
 Forty-ninth session (an H100): pinned and free runs went slow together, so the core is not it. If
 `cpu_us` rises with the slow share, the CPU is slower (a tenant, its clock); if only `record_us`
@@ -65,9 +66,10 @@ def cpu_reference_us(n: int = 20000, reps: int = 5) -> float:
 
 
 def submit_references(reps: int = 200) -> dict:
-    """(`record_us`, `replay_us`): one `cudaEventRecord` through the runtime, and one replay of a
-    one-kernel graph through torch, each the host's time over `reps` calls back to back (the GPU's
-    queue takes them; synchronized after, untimed); `record_us` None without the runtime."""
+    """(`record_us`, `launch_us`, `replay_us`): one `cudaEventRecord` and one `cudaGraphLaunch` of a
+    one-kernel graph through the runtime, and one replay of that graph through torch, each the host's
+    time over `reps` calls back to back (the GPU's queue takes them; synchronized after, untimed);
+    the runtime's two None without it."""
     from cmoe.executor.cuda_rt import DISABLE_TIMING, Runtime
     x = torch.zeros(256, device="cuda")
     side = torch.cuda.Stream()
@@ -78,11 +80,15 @@ def submit_references(reps: int = 200) -> dict:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         x.add_(1)
-    out = {"record_us": None, "replay_us": _per_call(g.replay, reps)}
+    out = {"record_us": None, "launch_us": None, "replay_us": _per_call(g.replay, reps)}
     if (rt := Runtime.get()) is not None:
         ev, stream = rt.event(DISABLE_TIMING), torch.cuda.current_stream().cuda_stream
-        out["record_us"] = _per_call(lambda: rt.record(ev, stream), reps)
-        rt.destroy(ev)
+        try:
+            out["record_us"] = _per_call(lambda: rt.record(ev, stream), reps)
+        finally:
+            rt.destroy(ev)
+        ex = int(g.raw_cuda_graph_exec())
+        out["launch_us"] = _per_call(lambda: rt.launch(ex, stream), reps)
     return out
 
 
@@ -106,9 +112,9 @@ def one_run(w, cfg, policy: str, rnd: int, arm: str, slow_us: float) -> dict:
     row = {"round": rnd, "arm": arm, "policy": policy, "tok_s": res.metrics["tokens_per_s"],
            "host_core": res.metrics["host_core"], "host_us_per_layer": st["host_work_us_per_layer"],
            "slow_share": None if np.isnan(slow) else slow, "boundary_us": None if np.isnan(bound) else bound, **ref}
-    rec = "-" if ref["record_us"] is None else f"{ref['record_us']:.2f}"
+    rec, lau = ("-" if ref[k] is None else f"{ref[k]:.2f}" for k in ("record_us", "launch_us"))
     print(f"round {rnd} {arm:<6} {policy:<12} {row['tok_s']:7.2f} tok/s host {row['host_us_per_layer']:6.1f} us/layer, "
-          f"slow {slow:.0%}, boundary {bound:.0f} us; cpu {ref['cpu_us']:.0f} us, record {rec} us, "
+          f"slow {slow:.0%}, boundary {bound:.0f} us; cpu {ref['cpu_us']:.0f} us, record {rec} us, launch {lau} us, "
           f"replay {ref['replay_us']:.2f} us", flush=True)
     return row
 
@@ -130,7 +136,7 @@ def summarize(runs: list, pols: list, arms: list) -> dict:
                   f"({summary[f'{p} {arm}']['tok_s_spread_pct']:.1f}%), slow "
                   + (f"{min(sl):.0%}-{max(sl):.0%}" if sl else "-"), flush=True)
     slow = np.array([np.nan if x["slow_share"] is None else x["slow_share"] for x in runs], float)
-    for k in ("cpu_us", "record_us", "replay_us"):
+    for k in ("cpu_us", "record_us", "launch_us", "replay_us"):
         col = np.array([np.nan if x[k] is None else x[k] for x in runs], float)
         ok = ~np.isnan(col) & ~np.isnan(slow)
         r = float(np.corrcoef(slow[ok], col[ok])[0, 1]) if ok.sum() > 2 and col[ok].std() and slow[ok].std() else None

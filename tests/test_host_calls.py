@@ -216,7 +216,7 @@ class _FakeLib:
         for name in ("cudaMemcpyAsync", "cudaMemset2DAsync", "cudaEventCreateWithFlags", "cudaEventRecord",
                      "cudaStreamWaitEvent",
                      "cudaEventSynchronize", "cudaEventQuery", "cudaEventElapsedTime", "cudaEventDestroy",
-                     "cudaGetLastError"):
+                     "cudaGraphLaunch", "cudaGetLastError"):
             setattr(self, name, self._call(name))
         self.cudaGetErrorString = lambda rc: f"error {rc}".encode()
 
@@ -238,6 +238,7 @@ def test_the_runtime_binds_its_calls_and_raises_with_its_message():
     assert lib.cudaEventQuery.restype is ctypes.c_int
     size = ctypes.c_size_t
     assert lib.cudaMemset2DAsync.argtypes == [ctypes.c_void_p, size, ctypes.c_int, size, size, ctypes.c_void_p]
+    assert lib.cudaGraphLaunch.argtypes == [ctypes.c_void_p, ctypes.c_void_p]
     assert rt.event(DISABLE_TIMING) == 0xE0 and rt.elapsed_ms(1, 2) == 1.5 and rt.query(1)
     lib.rc["cudaEventQuery"] = NOT_READY
     lib.calls = []
@@ -249,7 +250,8 @@ def test_the_runtime_binds_its_calls_and_raises_with_its_message():
                        ("cudaEventSynchronize", lambda: rt.sync(1)), ("cudaMemcpyAsync", lambda: rt.copy(1, 2, 3, 2, 4)),
                        ("cudaEventDestroy", lambda: rt.destroy(1)), ("cudaEventElapsedTime", lambda: rt.elapsed_ms(1, 2)),
                        ("cudaEventCreateWithFlags", lambda: rt.event()),
-                       ("cudaMemset2DAsync", lambda: rt.memset2d(1, 16, 1, 1, 2, 4))):
+                       ("cudaMemset2DAsync", lambda: rt.memset2d(1, 16, 1, 1, 2, 4)),
+                       ("cudaGraphLaunch", lambda: rt.launch(1, 2))):
         lib.rc[name] = 1
         lib.calls = []
         with pytest.raises(RuntimeError, match=f"{name} failed: error 1"):

@@ -56,6 +56,7 @@ class Runtime:
         self._query = bind("cudaEventQuery", p)
         self._elapsed = bind("cudaEventElapsedTime", ctypes.POINTER(ctypes.c_float), p, p)
         self._destroy = bind("cudaEventDestroy", p)
+        self._launch = bind("cudaGraphLaunch", p, p)
         self._last = bind("cudaGetLastError")
         lib.cudaGetErrorString.argtypes = [i]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
@@ -152,6 +153,13 @@ class Runtime:
         rc = self._destroy(ev)
         if rc:
             self._fail("cudaEventDestroy", rc)
+
+    def launch(self, graph_exec: int, stream: int) -> None:
+        """cudaGraphLaunch of an instantiated graph (`torch.cuda.CUDAGraph.raw_cuda_graph_exec()`) on
+        `stream`: what the compiled host program calls, without torch's wrapper."""
+        rc = self._launch(graph_exec, stream)
+        if rc:
+            self._fail("cudaGraphLaunch", rc)
 
 
 class Mark:
