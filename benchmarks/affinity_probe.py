@@ -21,8 +21,8 @@ and right before it three references the run's state can be read against:
     replay_us  the same graph's replay through torch's wrapper
 
 Forty-ninth session (an H100): pinned and free runs went slow together, so the core is not it. If
-`cpu_us` rises with the slow share, the CPU is slower (a tenant, its clock); if only `record_us`
-and `replay_us` do, the driver or the link is.
+`cpu_us` rises with the slow share, the CPU is slower (a tenant, its clock); if only `record_us`,
+`launch_us` and `replay_us` do, the driver or the link is.
 
     python benchmarks/affinity_probe.py --out $OUT/affinity.json --policies lru-prefetch,ondemand --pool 26 --rounds 4
     python benchmarks/affinity_probe.py --out $OUT/state.json --arms free --policies lru-prefetch,ondemand --pool 26 --rounds 8

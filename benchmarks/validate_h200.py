@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cmoe.executor.affinity import ENV as PIN_ENV  # noqa: E402  (pure: no torch)
 from cmoe.executor.omp_wait import spin_threads  # noqa: E402  (before torch: libgomp reads it on load)
 from cmoe.policy.policies import POLICIES, any_trait  # noqa: E402  (pure: no torch)
 
@@ -112,7 +113,7 @@ def main() -> None:
            # the OpenMP settings the CPU experts ran under (the wait policy moves them 1.5-1.9x: BENCHMARKS.md)
            "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_"))},
            "omp_wait": SPIN, "compile_cache_files": compile_cache_files(),
-           "pin_host": os.environ.get("CMOE_PIN_HOST", "")}      # the passes' thread on one core (`cmoe.executor.affinity`)
+           "pin_host": os.environ.get(PIN_ENV, "")}      # the passes' thread on one core (`cmoe.executor.affinity`)
     import importlib.util
     can_predict = importlib.util.find_spec("simpy") is not None and not a.measure_only
     if not can_predict:
