@@ -36,6 +36,7 @@ from cmoe.trace.load import load_trace  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
 from cmoe.analysis.validate import against_repeats, calibrations_agree, cpu_ratio, link_ratio, read_run, validate  # noqa: E402
 from cmoe.analysis.boundary import boundaries, boundary_price  # noqa: E402
+from cmoe.analysis.states import states_note  # noqa: E402
 from cmoe.analysis.runfolder import read_metrics  # noqa: E402
 from cmoe.sim.priced import priceable  # noqa: E402
 from cmoe.policy.policies import python_step, trait  # noqa: E402
@@ -162,6 +163,7 @@ def main() -> None:
                          "host_speed": [host_ratio(v, prof, b) for v in vs],
                          "link_speed": [link_ratio(v) for v in vs], "slow_loads": [v.get("slow_loads") for v in vs],
                          "cpu_speed": [cpu_ratio(v) for v in vs], "slow_cpu": [v.get("slow_cpu") for v in vs],
+                         "slow_host": [v.get("slow_host") for v in vs],
                          "boundary_speed": [x[0] / x[1] if (x := boundary_price(boundaries(ms[i]), prof,
                                                                                   trait(agg["policy"], "cpu_experts")))
                                             else None for ms in measured]}
@@ -217,6 +219,8 @@ def counts(rows: list[dict]) -> str:
     if any("cpu_adjusted_error" in r for r in rows):
         cpu = lambda t: sum(abs(r.get("cpu_adjusted_error", r["error"])) <= t for r in rows)  # noqa: E731
         line += f"; with the CPU experts at their runs' speed (the rest as they are) {cpu(.03)} / {cpu(.05)} / {cpu(.10)}"
+    if note := states_note([{"slow_host": s} for r in rows for s in r.get("slow_host") or []]):
+        line += "; " + note
     return line
 
 

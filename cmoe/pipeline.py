@@ -111,6 +111,8 @@ def _run_into(out: Path, final: Path, w, cfg, profile: str | None, model_dir: Pa
     host, link, cpu_took = host_speed(runs, prof, cfg.batch), link_speed(runs), cpu_speed(runs)
     from cmoe.analysis.cpu_settings import setting_notes
     notes = sorted({n.strip() for r in runs for v in r for n in setting_notes(v)})   # said without -v too
+    from cmoe.analysis.states import states_note
+    notes += [n for n in [states_note([v for r in runs for v in r])] if n]
     noise = run_verdict(cal, errors, spreads, host or None, link or None, cpu_took or None)
     return summary_doc(w, cfg, sims, results, errors, "; ".join([noise, *notes]))
 

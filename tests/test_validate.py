@@ -330,7 +330,7 @@ def test_a_run_whose_cpu_ran_in_two_states_says_so(tmp_path):
     where the mean is within 5% of the calibration."""
     pred = {(s, 0, e): 1000.0 * (1 + e) for s in range(2) for e in range(5)}           # 10 experts, unequal
     meas = {k: v * (1.7 if k[0] == 0 and k[2] < 4 else 1.0) for k, v in pred.items()}  # 4 of them 1.7x slow
-    assert slow_cpu(pred, meas) == {"share": 0.4, "factor": pytest.approx(1.7)}
+    assert slow_cpu(pred, meas) == {"share": 0.4, "factor": pytest.approx(1.7), "separation": pytest.approx(1.0)}
     rng = np.random.default_rng(0)
     many = {(s, 0, e): 1000.0 for s in range(40) for e in range(5)}
     one = {k: v * float(np.exp(rng.normal(0, 0.1))) for k, v in many.items()}          # one state, its noise
@@ -343,7 +343,7 @@ def test_a_run_whose_cpu_ran_in_two_states_says_so(tmp_path):
             * float(np.exp(rng.normal(0, 0.03))) for k, v in many.items()}
     got = slow_cpu(many, most)
     assert got["share"] == 0.85 and got["factor"] == pytest.approx(1.3 / 0.95, rel=0.03)
-    assert slow_cpu(pred, {k: v * 1.7 for k, v in pred.items()}) == {"share": 0.0, "factor": 1.0}  # slow throughout
+    assert slow_cpu(pred, {k: v * 1.7 for k, v in pred.items()}) == {"share": 0.0, "factor": 1.0, "separation": 0.0}  # slow throughout
     assert slow_cpu(dict(list(pred.items())[:7]), meas) is None                        # too few to say
     assert slow_cpu({k: 0.0 for k in pred}, meas) is None                              # nothing predicted
     # the same through validate(): CPU expert spans in pass 1 of both runs
@@ -354,7 +354,7 @@ def test_a_run_whose_cpu_ran_in_two_states_says_so(tmp_path):
     passes_p = [{"pass": 0, "decode": False, "tokens": 8, "us": 900}, {"pass": 1, "decode": True, "tokens": 1, "us": 380}]
     v = validate(read_run(_folder(tmp_path / "p", spans_p, passes_p), "commit"),
                  read_run(_folder(tmp_path / "m", spans_m, [{"pass": 1, "decode": True, "tokens": 1, "us": 440}]), "commit"))
-    assert v["slow_cpu"] == {"share": 0.4, "factor": pytest.approx(1.7)}
+    assert v["slow_cpu"] == {"share": 0.4, "factor": pytest.approx(1.7), "separation": pytest.approx(1.0)}
     v["op_kinds"]["cpu_expert"] = {"n": 10, "pred_mean_us": 1000.0, "meas_mean_us": 1030.0, "mape": 0.03,
                                    "signed": 0.03, "only_predicted": 0, "only_measured": 0}
     assert ("CPU experts ran 1.03x their calibrated time; 40% of them ran 1.70x slower than the rest"

@@ -25,7 +25,6 @@ Numpy and pyarrow only, so it runs anywhere the timelines can be read.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +33,7 @@ import numpy as np
 from cmoe.core.errors import CmoeError
 from cmoe.analysis.cpu_settings import setting_notes, omp_note  # noqa: F401  (omp_note re-exported)
 from cmoe.analysis.runfolder import read_metrics, read_passes, read_timeline
+from cmoe.analysis.states import SLOW_SHARE, host_line, slow_host, two_states
 from cmoe.core.timeline import STEP, LAYER, STREAM, OP, EXPERT, START, END, BYTES
 
 NON_EXPERT = {"attention", "dense", "shared", "route", "head"}
@@ -180,37 +180,24 @@ def link_ratio(v: dict) -> float | None:
 
 
 CPU_NOTE = 0.05     # CPU experts this far off their calibration get a line of their own
-SLOW_CPU = 1.3      # two groups of CPU experts this far apart: the host's CPU ran in two states
-SLOW_SHARE = 0.1    # ... with this share of them slow, named by `format_validation`
 
 
 def slow_cpu(pred: dict, meas: dict) -> dict | None:
     """The CPU experts both runs ran (`_keyed`'s, by pass, layer and expert), each one's measured
-    over predicted time, split in two groups where the log of it splits best (Otsu's threshold: the
-    most variance between the groups, each at least `SLOW_SHARE` of them and the outer 2% at each
-    end pulled in first, so that a tail of outliers cannot make a group): the slower group's share
-    and its median over the faster's
-    (`factor`), the share 0 where the groups are under `SLOW_CPU` apart; None under 8 experts.
+    over predicted time, in two groups (`cmoe.analysis.states.two_states`): the slower group's
+    share and its median over the faster's (`factor`), the share 0 where the groups are under
+    `SLOW_FACTOR` apart; None under 8 experts.
 
     Why: on the lent GPUs' hosts a run's CPU experts ran in two states, ~1.0-1.2 and ~1.6-2.0 ms a
     one-token expert, switching within a run (often slow at its start) while other processes and
     the hypervisor took next to no cores (thirtieth session, `cmoe.calibrate.host_load`). A
     calibration prices one state; a miss from this reads as the host's, not the model's. A drift
     over the run (1.25 ms down to 1.02) reads as one state, and a run slow throughout shows in its
-    mean (`cpu_ratio`), not here. Measured over
-    predicted, not raw times, so an expert's tokens and its idle before it, which the prediction
-    prices, cancel out."""
-    r = np.array([meas[k] / pred[k] for k in sorted(set(pred) & set(meas)) if pred[k] > 0 and meas[k] > 0])
-    if r.size < 8:
-        return None
-    x = np.sort(np.log(r))
-    x = np.clip(x, *np.percentile(x, [2, 98]))
-    n, c = x.size, np.cumsum(x)
-    i = np.arange(max(math.ceil(SLOW_SHARE * n), 1), min(math.floor((1 - SLOW_SHARE) * n), n - 1) + 1)
-    lo, hi = c[i - 1] / i, (c[-1] - c[i - 1]) / (n - i)      # the first i in the faster group, each group
-    k = int(i[np.argmax(i * (n - i) * (hi - lo) ** 2)])       # SLOW_SHARE of them at least
-    factor = float(np.exp(np.median(x[k:]) - np.median(x[:k])))
-    return {"share": (n - k) / n if factor >= SLOW_CPU else 0.0, "factor": factor}
+    mean (`cpu_ratio`), not here. Measured over predicted, not raw times, so an expert's tokens
+    and its idle before it, which the prediction prices, cancel out."""
+    keys = [k for k in sorted(set(pred) & set(meas)) if pred[k] > 0 and meas[k] > 0]
+    got = two_states([meas[k] / pred[k] for k in keys])
+    return None if got is None else got[0]
 
 
 def cpu_ratio(v: dict) -> float | None:
@@ -271,6 +258,7 @@ def validate(pred: Run, meas: Run) -> dict:
             "host_program": meas.metrics.get("host_program"),
             "link_gbps": {"predicted": (g := link_gbps(pred.spans, steps)), "measured": link_gbps(meas.spans, steps)},
             "slow_loads": slow_loads(meas.spans, steps, g), "slow_cpu": slow_cpu(kp["cpu_expert"], km["cpu_expert"]),
+            "slow_host": slow_host(meas.spans, steps, dp, dm),
             # OpenMP settings (wait policy, a binding) of the profile's CPU experts and the runs' (None: unrecorded)
             "omp_wait": {"profile": pred.metrics.get("omp_wait_policy"), "runs": meas.metrics.get("omp_wait_policy")},
             "cpu_pages": {"profile": pred.metrics.get("cpu_pages"), "runs": meas.metrics.get("cpu_pages")},
@@ -313,7 +301,7 @@ def format_validation(v: dict) -> str:
                "a slow state for part of the run" if sc["share"] >= SLOW_SHARE else "")
         lines.append(f"  CPU experts ran {k:.2f}x their calibrated time{two}: a lent GPU's host ran them in two "
                      "states, switching within runs; repeat the runs (cmoe run --repeat N) to see it")
-    return "\n".join(lines + setting_notes(v))
+    return "\n".join(lines + [x for x in [host_line(v)] if x] + setting_notes(v))
 
 
 def validate_folders(predicted: Path, measured: Path, policies: list[str] | None = None) -> list[dict]:
