@@ -39,12 +39,24 @@ def test_two_states_marks_the_slower_group_where_it_is_apart():
     assert got["factor"] > 1.3 and got["separation"] < 0.7 and got["share"] == 0.0 and not mask.any()
     assert two_states([1.0] * 7) is None                         # too few to say
     assert two_states([1.0] * 9 + [0.0]) is None                 # a value that is no time
+    assert two_states([1.0] * 5 + [2.0] * 4 + [float("nan")]) is None
+    assert two_states([1.0] * 9 + [float("inf")]) is None
+    got, mask = two_states([1.0] * 7 + [3.0])                   # one outlier of eight is no state
+    assert got["share"] == 0.0 and not mask.any()
+    got, _ = two_states([1.0] * 6 + [3.0] * 2)                  # two of eight are
+    assert got["share"] == 0.25 and got["factor"] == pytest.approx(3.0)
 
 
 def test_the_host_speed_of_a_pass_leaves_its_start_out():
     spans = _host(3, {1}) + [("gpu", 9, 0, "host", "host_attention", -1, 0, 3, 0)]   # pass 9: one span
     assert pass_host_us(spans, {0, 1, 2, 9}) == {0: 2.5, 1: 5.0, 2: 2.5}
     assert pass_host_us(spans, {0}) == {0: 2.5}
+    # commit writes two spans at the first layer, a short one and the pass start: neither counts
+    two = [("gpu", 0, 0, "host", "host_attention", -1, 0, 7, 0), ("gpu", 0, 0, "host", "host_attention", -1, 10, 210, 0),
+           ("gpu", 0, 1, "host", "host_attention", -1, 300, 303, 0), ("gpu", 0, 2, "host", "host_attention", -1, 400, 403, 0)]
+    assert pass_host_us(two, {0}) == {0: 3.0}
+    # a pass whose spans past the first take no time says nothing of the host's speed
+    assert pass_host_us([s[:6] + (s[6], s[6], 0) if s[2] > 0 else s for s in two], {0}) == {}
 
 
 def test_slow_host_splits_the_passes_and_prices_the_fast_ones():
@@ -95,8 +107,8 @@ def test_cmoe_run_says_how_many_runs_ran_in_two_states():
     one = {"slow_host": {"share": 0.25, "factor": 1.5, "separation": 0.9, "fast_error": -0.021}}
     two = {"slow_host": {"share": 0.5, "factor": 2.0, "separation": 0.95, "fast_error": 0.013}}
     calm = {"slow_host": {"share": 0.0, "factor": 1.1, "separation": 0.6}}
-    assert states_note([one, calm, {"slow_host": None}, two]) == (
-        "the host lane ran in two states in 2 of 4 runs (the slow one 1.50x to 2.00x, 25% to 50% of their passes); "
+    assert states_note([one, calm, {"slow_host": None}, two]) == (      # the run without a host lane: not counted
+        "the host lane ran in two states in 2 of 3 runs (the slow one 1.50x to 2.00x, 25% to 50% of their passes); "
         "over their other passes alone the errors were -2.1% to +1.3%")
     assert states_note([one, calm]) == ("the host lane ran in two states in 1 of 2 runs (the slow one 1.50x, 25% of "
                                         "their passes); over their other passes alone the errors were -2.1%")

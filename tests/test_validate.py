@@ -344,6 +344,9 @@ def test_a_run_whose_cpu_ran_in_two_states_says_so(tmp_path):
     got = slow_cpu(many, most)
     assert got["share"] == 0.85 and got["factor"] == pytest.approx(1.3 / 0.95, rel=0.03)
     assert slow_cpu(pred, {k: v * 1.7 for k, v in pred.items()}) == {"share": 0.0, "factor": 1.0, "separation": 0.0}  # slow throughout
+    wide = {k: v * float(np.exp(rng.normal(0, 0.3))) for k, v in many.items()}        # one wide state: its halves
+    got = slow_cpu(many, wide)                                                         # 1.5x apart, no split
+    assert got["factor"] > 1.3 and got["separation"] < 0.8 and got["share"] == 0.0
     assert slow_cpu(dict(list(pred.items())[:7]), meas) is None                        # too few to say
     assert slow_cpu({k: 0.0 for k in pred}, meas) is None                              # nothing predicted
     # the same through validate(): CPU expert spans in pass 1 of both runs

@@ -31,22 +31,24 @@ MIN_VALUES = 8      # fewer values than this say nothing
 
 def two_states(values) -> tuple[dict, np.ndarray] | None:
     """Positive `values` split in two groups where their log splits best (Otsu's threshold: the most
-    variance between the groups, each at least `SLOW_SHARE` of them, the outer 2% at each end pulled
-    in first so that a tail of outliers cannot make a group): ({"share": the slower group's share,
-    "factor": its median over the faster's, "separation": the variance between the groups over the
-    whole's}, a mask of the slower group's values). The share is 0 and the mask empty where the
-    groups are under `SLOW_FACTOR` apart or split under `SEPARATION` of the variance: one state,
-    however slow (a run slow throughout shows in its mean) or wide (the best split of one normal
-    state takes 2/pi of its variance, ~0.64, and puts its halves' medians exp(1.35 sigma) apart:
-    1.3x at a sigma of 0.19). None under `MIN_VALUES` values."""
+    variance between the groups, each at least `SLOW_SHARE` of them and two values, the outer 2% at
+    each end pulled in first so that a tail of outliers cannot make a group): ({"share": the slower
+    group's share, "factor": its median over the faster's, "separation": the variance between the
+    groups over the whole's}, a mask of the slower group's values). The share is 0 and the mask
+    empty where the groups are under `SLOW_FACTOR` apart or split under `SEPARATION` of the
+    variance: one state, however slow (a run slow throughout shows in its mean) or wide (the best
+    split of one normal state takes 2/pi of its variance, ~0.64, and puts its halves' medians
+    exp(1.35 sigma) apart: 1.3x at a sigma of 0.19). None under `MIN_VALUES` values, or where one
+    is not a finite positive number."""
     v = np.asarray(values, float)
-    if v.size < MIN_VALUES or (v <= 0).any():
+    if v.size < MIN_VALUES or not (np.isfinite(v) & (v > 0)).all():
         return None
     order = np.argsort(np.log(v), kind="stable")
     x = np.log(v)[order]
     x = np.clip(x, *np.percentile(x, [2, 98]))
     n, c = x.size, np.cumsum(x)
-    i = np.arange(max(math.ceil(SLOW_SHARE * n), 1), min(math.floor((1 - SLOW_SHARE) * n), n - 1) + 1)
+    least = max(math.ceil(SLOW_SHARE * n), 2)
+    i = np.arange(least, n - least + 1)
     lo, hi = c[i - 1] / i, (c[-1] - c[i - 1]) / (n - i)      # the first i in the faster group
     between = i * (n - i) * (hi - lo) ** 2
     k = int(i[np.argmax(between)])
@@ -60,14 +62,21 @@ def two_states(values) -> tuple[dict, np.ndarray] | None:
 
 
 def pass_host_us(spans, steps: set[int]) -> dict[int, float]:
-    """Per pass of `steps`: the median time of its `host_attention` spans past its first one (that
-    one carries the pass's start), us; the same launches in every layer of a run, so a pass's value
-    is the host's speed then. Passes with fewer than two such spans are left out."""
+    """Per pass of `steps`: the median time of its `host_attention` spans past its first layer's
+    (every span of that layer carries the pass's start: `commit` writes two there), us; the same
+    launches in every layer of a run, so a pass's value is the host's speed then. Passes without
+    a span past the first layer, or whose median is not a finite positive time, are left out."""
     by: dict[int, list[tuple[int, float]]] = {}
     for s in spans:
         if s[OP] == "host_attention" and s[STEP] in steps:
             by.setdefault(s[STEP], []).append((s[LAYER], s[END] - s[START]))
-    return {p: float(np.median([d for _, d in sorted(v)[1:]])) for p, v in sorted(by.items()) if len(v) >= 2}
+    out = {}
+    for p, v in sorted(by.items()):
+        first = min(layer for layer, _ in v)
+        rest = [d for layer, d in v if layer != first]
+        if rest and math.isfinite(m := float(np.median(rest))) and m > 0:
+            out[p] = m
+    return out
 
 
 def slow_host(spans, steps: set[int], pred: dict[int, dict], meas: dict[int, dict]) -> dict | None:
@@ -101,13 +110,14 @@ def host_line(v: dict) -> str | None:
 
 def states_note(vs: list[dict]) -> str | None:
     """The line `cmoe run` says of its validations `vs` (every run of every policy) where a run's
-    host lane ran in two states (`slow_host`): how many runs, how far apart and how much of them
-    slow, and their errors over their fast passes alone."""
-    two = [v["slow_host"] for v in vs if (v.get("slow_host") or {}).get("share", 0.0) >= SLOW_SHARE]
+    host lane ran in two states (`slow_host`): how many of the runs with a host lane, how far apart
+    and how much of them slow, and their errors over their fast passes alone."""
+    read = [v["slow_host"] for v in vs if v.get("slow_host")]
+    two = [s for s in read if s.get("share", 0.0) >= SLOW_SHARE]
     if not two:
         return None
     span = lambda xs, f: f(min(xs)) if min(xs) == max(xs) else f"{f(min(xs))} to {f(max(xs))}"  # noqa: E731
-    return (f"the host lane ran in two states in {len(two)} of {len(vs)} runs (the slow one "
+    return (f"the host lane ran in two states in {len(two)} of {len(read)} runs (the slow one "
             f"{span([s['factor'] for s in two], '{:.2f}x'.format)}, {span([s['share'] for s in two], '{:.0%}'.format)} "
             f"of their passes); over their other passes alone the errors were "
             f"{span([s['fast_error'] for s in two], lambda e: f'{e * 100:+.1f}%')}")

@@ -186,7 +186,9 @@ def slow_cpu(pred: dict, meas: dict) -> dict | None:
     """The CPU experts both runs ran (`_keyed`'s, by pass, layer and expert), each one's measured
     over predicted time, in two groups (`cmoe.analysis.states.two_states`): the slower group's
     share and its median over the faster's (`factor`), the share 0 where the groups are under
-    `SLOW_FACTOR` apart; None under 8 experts.
+    `SLOW_FACTOR` apart or split under `SEPARATION` of the variance (a floor since the fiftieth
+    session: one wide state had read as two; of the d20cc85 CPU-expert validation's 18 runs the
+    rule without it named 6, with it 1); None under 8 experts.
 
     Why: on the lent GPUs' hosts a run's CPU experts ran in two states, ~1.0-1.2 and ~1.6-2.0 ms a
     one-token expert, switching within a run (often slow at its start) while other processes and
