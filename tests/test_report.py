@@ -183,8 +183,9 @@ def test_predicted_against_measured_on_one_axis(tmp_path, checkpoints, tiny_trac
     assert got["errors"] == []
     pred = {s[4] for s in read_parquet(sim / "timeline-ondemand.parquet")}
     meas = {s[4] for s in read_parquet(tmp_path / "exec" / "timeline-ondemand.parquet")}
-    layers, timeline = got["graphs"]
+    layers, passes, timeline = got["graphs"]
     assert layers["names"] == ["agree (dotted: +-8%)"] * 3 + ["ondemand"] and timeline["traces"] == len(pred) + len(meas)
+    assert passes["names"] == ["ondemand"]
     assert "predicted ms" in text
 
 

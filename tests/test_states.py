@@ -68,7 +68,7 @@ def test_slow_host_splits_the_passes_and_prices_the_fast_ones():
     meas = {p: {"tokens": 1, "us": 1100.0 if p in slow else 1000.0} for p in range(20)}
     got = slow_host(_host(20, slow, noise=0.02), set(range(20)), pred, meas)
     assert got["share"] == 0.3 and got["factor"] == pytest.approx(2.0, rel=0.05)
-    assert got["fast_error"] == 0.0
+    assert got["fast_error"] == 0.0 and got["slow_passes"] == [2, 3, 4, 11, 12, 13]
     one = slow_host(_host(20, set(), noise=0.02), set(range(20)), pred, meas)       # one state: no split
     assert one["share"] == 0.0 and "fast_error" not in one
     assert slow_host(_host(7, set()), set(range(7)), pred, meas) is None            # too few passes
@@ -92,7 +92,8 @@ def test_validate_names_the_host_state_and_the_error_without_it(tmp_path):
     pred = _folder(tmp_path / "p", [s for p in range(16) for s in comp(p)], pred_passes)
     meas = _folder(tmp_path / "m", [s for p in range(16) for s in comp(p)] + _host(16, slow), meas_passes)
     v = validate(read_run(pred, "ondemand"), read_run(meas, "ondemand"))
-    assert v["slow_host"] == {"share": 0.25, "factor": pytest.approx(2.0), "separation": pytest.approx(1.0), "fast_error": pytest.approx(1020 / 1000 - 1)}
+    assert v["slow_host"] == {"share": 0.25, "factor": pytest.approx(2.0), "separation": pytest.approx(1.0), "slow_passes": [5, 6, 7, 8],
+                              "fast_error": pytest.approx(1020 / 1000 - 1)}
     assert v["tokens_per_s"]["error"] == pytest.approx((16 * 1020 + 4 * 230) / 16000 - 1)
     assert ("the host lane ran 2.00x slower in 25% of the passes than in the rest, a state of the machine no "
             "profile prices; over the other passes end to end +2.0%") in format_validation(v)
@@ -113,3 +114,25 @@ def test_cmoe_run_says_how_many_runs_ran_in_two_states():
     assert states_note([one, calm]) == ("the host lane ran in two states in 1 of 2 runs (the slow one 1.50x, 25% of "
                                         "their passes); over their other passes alone the errors were -2.1%")
     assert states_note([calm, {}]) is None
+
+
+def test_the_compare_report_marks_the_slow_passes_and_prices_the_fast_ones(tmp_path):
+    """`cmoe report PREDICTED MEASURED`: the table's column of the error over the host's fast passes,
+    and the per-pass chart with the slow ones open."""
+    pytest.importorskip("plotly")
+    from cmoe.report.build import compare_report
+    from cmoe.report.charts import pass_ratio
+    slow = {5, 6, 7, 8}
+    comp = lambda p: [("x", p, layer, "compute", "attention", -1, p * 1000.0 + layer * 100, p * 1000.0 + layer * 100 + 90, 0)
+                      for layer in range(4)]                                       # noqa: E731
+    pred = _folder(tmp_path / "p", [s for p in range(16) for s in comp(p)],
+                   [{"pass": p, "decode": True, "tokens": 1, "us": 1000.0} for p in range(16)])
+    meas = _folder(tmp_path / "m", [s for p in range(16) for s in comp(p)] + _host(16, slow),
+                   [{"pass": p, "decode": True, "tokens": 1, "us": 1250.0 if p in slow else 1020.0} for p in range(16)])
+    _, body = compare_report(pred, meas, 10_000)
+    assert "<th>error, the host&#x27;s fast passes</th>" in body
+    assert "<td>+2.0% (25% slow)</td>" in body and "Each decode pass, measured over predicted" in body
+    fig = pass_ratio([("ondemand", [(0, 1.02, False), (5, 1.25, True)])])
+    (trace,) = fig.data
+    assert list(trace.x) == [0, 5] and list(trace.y) == [1.02, 1.25]
+    assert list(trace.marker.symbol) == ["circle", "circle-open"] and list(trace.text) == ["", "slow host"]

@@ -81,8 +81,8 @@ def pass_host_us(spans, steps: set[int]) -> dict[int, float]:
 
 def slow_host(spans, steps: set[int], pred: dict[int, dict], meas: dict[int, dict]) -> dict | None:
     """The measured run's host lane in two states (`two_states` of `pass_host_us`): the slower
-    group's share of the passes and `factor`, and, where there is one, `fast_error`: the predicted
-    tokens/s against the measured over the other passes alone (`pred`, `meas`: pass -> its
+    group's share of the passes and `factor`, and, where there is one, its passes (`slow_passes`)
+    and `fast_error`: the predicted tokens/s against the measured over the other passes alone (`pred`, `meas`: pass -> its
     {"tokens", "us"}). None without a host lane of `MIN_VALUES` passes (a simulated run, `upper`
     on some engines)."""
     host = pass_host_us(spans, steps)
@@ -91,6 +91,7 @@ def slow_host(spans, steps: set[int], pred: dict[int, dict], meas: dict[int, dic
         return None
     out, slow = got
     if out["share"] > 0:
+        out["slow_passes"] = [p for p, s in zip(host, slow) if s]
         fast = [p for p, s in zip(host, slow) if not s]
         tp = sum(pred[p]["tokens"] for p in fast) / sum(pred[p]["us"] for p in fast)
         tm = sum(meas[p]["tokens"] for p in fast) / sum(meas[p]["us"] for p in fast)

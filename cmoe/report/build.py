@@ -154,17 +154,20 @@ def compare_report(predicted: Path, measured: Path, max_spans: int) -> tuple[str
     if not common:
         raise CmoeError(f"{predicted} and {measured} share no policy: run the same policies in both")
     figs = Figures()
+    vals, why = _validations((predicted, pm, ps, ppasses), (measured, mm, ms, mpasses), common)
     blocks = [f"<p class='note'>predicted: {html.escape(str(predicted))}; measured: {html.escape(str(measured))}</p>"]
     rows = []
     for pol in common:
         a = next(m for m in pm if m["policy"] == pol)
         b = next(m for m in mm if m["policy"] == pol)
         err = (a["tokens_per_s"] - b["tokens_per_s"]) / b["tokens_per_s"] * 100 if b["tokens_per_s"] else float("nan")
-        rows.append([pol, f"{a['tokens_per_s']:.1f}", f"{b['tokens_per_s']:.1f}", f"{err:+.1f}%",
+        sh = (vals.get(pol) or {}).get("slow_host") or {}
+        fast = f"{sh['fast_error'] * 100:+.1f}% ({sh['share']:.0%} slow)" if sh.get("share") else "-"
+        rows.append([pol, f"{a['tokens_per_s']:.1f}", f"{b['tokens_per_s']:.1f}", f"{err:+.1f}%", fast,
                      f"{a['tpot_ms_mean']:.2f}", f"{b['tpot_ms_mean']:.2f}"])
-    blocks.append(_table(["policy", "predicted tok/s", "measured tok/s", "error", "predicted TPOT ms",
-                          "measured TPOT ms"], rows))
-    blocks += _layer_block((predicted, pm, ps, ppasses), (measured, mm, ms, mpasses), common, figs)
+    blocks.append(_table(["policy", "predicted tok/s", "measured tok/s", "error", "error, the host's fast passes",
+                          "predicted TPOT ms", "measured TPOT ms"], rows))
+    blocks += _layer_block(vals, why, ppasses, mpasses, figs)
     for pol in common:
         pred, meas = _aligned(ps[pol], ms[pol])
         blocks.append(f"<h2>{html.escape(pol)}: time per decode pass by op</h2>")
@@ -177,26 +180,39 @@ def compare_report(predicted: Path, measured: Path, max_spans: int) -> tuple[str
     return f"{pm[0]['model']}: predicted against measured", "".join(blocks)
 
 
-def _layer_block(predicted: tuple, measured: tuple, policies: list[str], figs: Figures) -> list[str]:
-    """Each layer's mean time per decode pass, predicted against measured, as `cmoe validate` reads
-    it; from what `_read_run` read already (folder, metrics, spans, passes of each side)."""
+def _validations(predicted: tuple, measured: tuple, policies: list[str]) -> tuple[dict[str, dict], str | None]:
+    """Each policy's `cmoe validate` result, from what `_read_run` read already (folder, metrics,
+    spans, passes of each side); ({}, why) where the two cannot be held against each other."""
     from cmoe.analysis.validate import Run, read_run, validate
-    from cmoe.report.charts import layer_scatter
 
     def run(side, pol):
         folder, metrics, spans, passes = side
         if not passes.get(pol):
             return read_run(folder, pol)                 # says in one line what is missing
         return Run(folder, next(m for m in metrics if m["policy"] == pol), spans[pol], passes[pol])
-    runs = []
     try:
-        for pol in policies:
-            v = validate(run(predicted, pol), run(measured, pol))
-            runs.append((pol, [(int(m), e["pred_mean_us"] / 1e3, e["meas_mean_us"] / 1e3)
-                               for m, e in v["per_layer"].items() if e["n"]]))
+        return {pol: validate(run(predicted, pol), run(measured, pol)) for pol in policies}, None
     except CmoeError as e:
-        return [f"<p class='note'>no per-layer comparison: {html.escape(str(e))}</p>"]
-    return ["<h2>Each layer, predicted against measured</h2>", figs.div(layer_scatter(runs))]
+        return {}, str(e)
+
+
+def _layer_block(vals: dict[str, dict], why: str | None, ppasses: dict, mpasses: dict, figs: Figures) -> list[str]:
+    """Each layer's mean time per decode pass, predicted against measured, as `cmoe validate` reads
+    it, and each decode pass's measured time over its predicted one with the host's slow passes
+    marked; a note where there is no validation (`why`)."""
+    from cmoe.report.charts import layer_scatter, pass_ratio
+    if why is not None:
+        return [f"<p class='note'>no per-layer comparison: {html.escape(why)}</p>"]
+    layers = [(pol, [(int(m), e["pred_mean_us"] / 1e3, e["meas_mean_us"] / 1e3) for m, e in v["per_layer"].items()
+                     if e["n"]]) for pol, v in vals.items()]
+    passes = []
+    for pol, v in vals.items():
+        slow = set((v.get("slow_host") or {}).get("slow_passes") or [])
+        pred = {p["pass"]: p["us"] for p in ppasses[pol] if p["decode"]}
+        passes.append((pol, [(p["pass"], p["us"] / pred[p["pass"]], p["pass"] in slow) for p in mpasses[pol]
+                             if p["decode"] and pred.get(p["pass"])]))
+    return ["<h2>Each layer, predicted against measured</h2>", figs.div(layer_scatter(layers)),
+            "<h2>Each decode pass, measured over predicted</h2>", figs.div(pass_ratio(passes))]
 
 
 def _aligned(pred: list, meas: list) -> tuple[list, list]:

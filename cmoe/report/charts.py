@@ -89,6 +89,23 @@ def layer_scatter(runs: list[tuple[str, list[tuple[int, float, float]]]], band: 
     return fig
 
 
+def pass_ratio(runs: list[tuple[str, list[tuple[int, float, bool]]]]) -> go.Figure:
+    """Per policy, each decode pass's measured time over its predicted one, in pass order; a pass
+    whose host lane ran in its slow state (`cmoe.analysis.states.slow_host`) drawn as an open
+    circle. A miss that follows the open circles is the machine's, not the model's."""
+    fig = go.Figure()
+    fig.add_hline(y=1.0, line=dict(color="#999999", width=1))
+    for policy, pts in runs:
+        fig.add_trace(go.Scatter(x=[p for p, _, _ in pts], y=[r for _, r, _ in pts], mode="lines+markers", name=policy,
+                                 marker=dict(symbol=["circle-open" if s else "circle" for _, _, s in pts], size=7),
+                                 line=dict(width=1),
+                                 text=["slow host" if s else "" for _, _, s in pts],
+                                 hovertemplate=f"pass %{{x}}: measured %{{y:.3f}}x predicted %{{text}}<extra>{policy}</extra>"))
+    fig.update_layout(title="each decode pass, measured over predicted (open: the host lane in its slow state)",
+                      xaxis_title="pass", yaxis_title="measured / predicted", height=420, margin=_MARGIN)
+    return fig
+
+
 def load_heatmap(share: list[list[float]], layers: list[int]) -> go.Figure:
     """A trace's expert load: each expert's share of its layer's routed choices."""
     E = len(share[0]) if share else 0
