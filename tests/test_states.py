@@ -130,9 +130,32 @@ def test_the_compare_report_marks_the_slow_passes_and_prices_the_fast_ones(tmp_p
     meas = _folder(tmp_path / "m", [s for p in range(16) for s in comp(p)] + _host(16, slow),
                    [{"pass": p, "decode": True, "tokens": 1, "us": 1250.0 if p in slow else 1020.0} for p in range(16)])
     _, body = compare_report(pred, meas, 10_000)
-    assert "<th>error, the host&#x27;s fast passes</th>" in body
-    assert "<td>+2.0% (25% slow)</td>" in body and "Each decode pass, measured over predicted" in body
+    assert "<th>error, the passes both ran</th><th>error, the host&#x27;s fast passes</th>" in body
+    # over the 16 passes both ran: 17,240 us measured against 16,000 predicted, +7.75%
+    assert "<td>+0.0%</td><td>+7.8%</td><td>+2.0% (25% slow)</td>" in body
+    assert "Each decode pass, measured over predicted" in body
     fig = pass_ratio([("ondemand", [(0, 1.02, False), (5, 1.25, True)])])
     (trace,) = fig.data
     assert list(trace.x) == [0, 5] and list(trace.y) == [1.02, 1.25]
     assert list(trace.marker.symbol) == ["circle", "circle-open"] and list(trace.text) == ["", "slow host"]
+
+
+def test_the_compare_report_says_which_policy_it_could_not_validate(tmp_path):
+    """One policy without a measured passes file: its cells read n/a and a note says why; the other
+    is still validated and charted, its host in one state ("-")."""
+    pytest.importorskip("plotly")
+    from cmoe.report.build import compare_report
+    comp = [("x", p, layer, "compute", "attention", -1, p * 1000.0 + layer * 100, p * 1000.0 + layer * 100 + 90, 0)
+            for p in range(10) for layer in range(4)]
+    passes = [{"pass": p, "decode": True, "tokens": 1, "us": 1000.0} for p in range(10)]
+    for side in ("p", "m"):
+        (tmp_path / side).mkdir()
+        (tmp_path / side / "metrics.json").write_text(json.dumps([META, dict(META, policy="upper")]))
+        for pol in ("ondemand", "upper"):
+            write_parquet(comp + (_host(10, set()) if side == "m" else []), tmp_path / side / f"timeline-{pol}.parquet")
+            if not (side == "m" and pol == "upper"):
+                (tmp_path / side / f"passes-{pol}.json").write_text(json.dumps(passes))
+    _, body = compare_report(tmp_path / "p", tmp_path / "m", 10_000)
+    assert "<td>ondemand</td><td>1.0</td><td>1.0</td><td>+0.0%</td><td>+0.0%</td><td>-</td>" in body
+    assert "<td>upper</td><td>1.0</td><td>1.0</td><td>+0.0%</td><td>n/a</td><td>n/a</td>" in body
+    assert "no per-layer or per-pass comparison of upper: " in body and "Each decode pass" in body

@@ -9,9 +9,11 @@ Inputs it recognises:
   exact routing (`cmoe.report.frontier`);
 - a sweep table (`cmoe sweep --out X.parquet`): tokens/s against pool size per policy;
 - any timeline Parquet: the timeline alone;
-- two folders, predicted then measured: each layer's mean time predicted against measured (a
-  scatter), both timelines on one time axis per policy, and a table of where their times differ
-  (by op, per decode pass);
+- two folders, predicted then measured: each policy's error over its whole run, over the passes
+  both ran and over the host lane's fast passes (`cmoe.analysis.states`), each layer's mean time
+  predicted against measured (a scatter), each decode pass's measured time over its predicted one
+  (the host's slow passes open), both timelines on one time axis per policy, and a table of where
+  their times differ (by op, per decode pass);
 - a trace bundle folder (`cmoe trace --out`): its statistics (`cmoe stats`) as a page.
 
 Every time on a page is in milliseconds.
@@ -161,12 +163,10 @@ def compare_report(predicted: Path, measured: Path, max_spans: int) -> tuple[str
         a = next(m for m in pm if m["policy"] == pol)
         b = next(m for m in mm if m["policy"] == pol)
         err = (a["tokens_per_s"] - b["tokens_per_s"]) / b["tokens_per_s"] * 100 if b["tokens_per_s"] else float("nan")
-        sh = (vals.get(pol) or {}).get("slow_host") or {}
-        fast = f"{sh['fast_error'] * 100:+.1f}% ({sh['share']:.0%} slow)" if sh.get("share") else "-"
-        rows.append([pol, f"{a['tokens_per_s']:.1f}", f"{b['tokens_per_s']:.1f}", f"{err:+.1f}%", fast,
+        rows.append([pol, f"{a['tokens_per_s']:.1f}", f"{b['tokens_per_s']:.1f}", f"{err:+.1f}%", *_state_cells(vals.get(pol)),
                      f"{a['tpot_ms_mean']:.2f}", f"{b['tpot_ms_mean']:.2f}"])
-    blocks.append(_table(["policy", "predicted tok/s", "measured tok/s", "error", "error, the host's fast passes",
-                          "predicted TPOT ms", "measured TPOT ms"], rows))
+    blocks.append(_table(["policy", "predicted tok/s", "measured tok/s", "error", "error, the passes both ran",
+                          "error, the host's fast passes", "predicted TPOT ms", "measured TPOT ms"], rows))
     blocks += _layer_block(vals, why, ppasses, mpasses, figs)
     for pol in common:
         pred, meas = _aligned(ps[pol], ms[pol])
@@ -180,9 +180,21 @@ def compare_report(predicted: Path, measured: Path, max_spans: int) -> tuple[str
     return f"{pm[0]['model']}: predicted against measured", "".join(blocks)
 
 
-def _validations(predicted: tuple, measured: tuple, policies: list[str]) -> tuple[dict[str, dict], str | None]:
+def _state_cells(v: dict | None) -> list[str]:
+    """A policy's validation in the table: its error over the decode passes both runs ran (the
+    "error" column's run figures may cover more passes than the measured run did), and over those
+    whose host lane ran in its fast state where it ran in two (`cmoe.analysis.states`); "n/a"
+    where it could not be validated, "-" where its host ran in one state or has no lane."""
+    if v is None:
+        return ["n/a", "n/a"]
+    sh = v.get("slow_host") or {}
+    fast = f"{sh['fast_error'] * 100:+.1f}% ({sh['share']:.0%} slow)" if sh.get("share") else "-"
+    return [f"{v['tokens_per_s']['error'] * 100:+.1f}%", fast]
+
+
+def _validations(predicted: tuple, measured: tuple, policies: list[str]) -> tuple[dict[str, dict], dict[str, str]]:
     """Each policy's `cmoe validate` result, from what `_read_run` read already (folder, metrics,
-    spans, passes of each side); ({}, why) where the two cannot be held against each other."""
+    spans, passes of each side), and for each policy that cannot be validated why."""
     from cmoe.analysis.validate import Run, read_run, validate
 
     def run(side, pol):
@@ -190,19 +202,24 @@ def _validations(predicted: tuple, measured: tuple, policies: list[str]) -> tupl
         if not passes.get(pol):
             return read_run(folder, pol)                 # says in one line what is missing
         return Run(folder, next(m for m in metrics if m["policy"] == pol), spans[pol], passes[pol])
-    try:
-        return {pol: validate(run(predicted, pol), run(measured, pol)) for pol in policies}, None
-    except CmoeError as e:
-        return {}, str(e)
+    vals, why = {}, {}
+    for pol in policies:
+        try:
+            vals[pol] = validate(run(predicted, pol), run(measured, pol))
+        except CmoeError as e:
+            why[pol] = str(e)
+    return vals, why
 
 
-def _layer_block(vals: dict[str, dict], why: str | None, ppasses: dict, mpasses: dict, figs: Figures) -> list[str]:
+def _layer_block(vals: dict[str, dict], why: dict[str, str], ppasses: dict, mpasses: dict, figs: Figures) -> list[str]:
     """Each layer's mean time per decode pass, predicted against measured, as `cmoe validate` reads
     it, and each decode pass's measured time over its predicted one with the host's slow passes
-    marked; a note where there is no validation (`why`)."""
+    marked, for the policies validated; a note for each that was not (`why`)."""
     from cmoe.report.charts import layer_scatter, pass_ratio
-    if why is not None:
-        return [f"<p class='note'>no per-layer comparison: {html.escape(why)}</p>"]
+    notes = [f"<p class='note'>no per-layer or per-pass comparison of {html.escape(p)}: {html.escape(w)}</p>"
+             for p, w in why.items()]
+    if not vals:
+        return notes
     layers = [(pol, [(int(m), e["pred_mean_us"] / 1e3, e["meas_mean_us"] / 1e3) for m, e in v["per_layer"].items()
                      if e["n"]]) for pol, v in vals.items()]
     passes = []
@@ -211,8 +228,8 @@ def _layer_block(vals: dict[str, dict], why: str | None, ppasses: dict, mpasses:
         pred = {p["pass"]: p["us"] for p in ppasses[pol] if p["decode"]}
         passes.append((pol, [(p["pass"], p["us"] / pred[p["pass"]], p["pass"] in slow) for p in mpasses[pol]
                              if p["decode"] and pred.get(p["pass"])]))
-    return ["<h2>Each layer, predicted against measured</h2>", figs.div(layer_scatter(layers)),
-            "<h2>Each decode pass, measured over predicted</h2>", figs.div(pass_ratio(passes))]
+    return notes + ["<h2>Each layer, predicted against measured</h2>", figs.div(layer_scatter(layers)),
+                    "<h2>Each decode pass, measured over predicted</h2>", figs.div(pass_ratio(passes))]
 
 
 def _aligned(pred: list, meas: list) -> tuple[list, list]:
