@@ -159,3 +159,29 @@ def test_the_compare_report_says_which_policy_it_could_not_validate(tmp_path):
     assert "<td>ondemand</td><td>1.0</td><td>1.0</td><td>+0.0%</td><td>+0.0%</td><td>-</td>" in body
     assert "<td>upper</td><td>1.0</td><td>1.0</td><td>+0.0%</td><td>n/a</td><td>n/a</td>" in body
     assert "no per-layer or per-pass comparison of upper: " in body and "Each decode pass" in body
+
+
+def test_layer0_states_reads_a_layers_error_over_each_host_state():
+    """`benchmarks/layer0_states.by_state`: layer 0 predicted at 100 us; measured 100 us in the 6
+    fast passes and 150 in the 6 slow ones (the host lane at 5 us a layer there): 0% and -33.3%;
+    a half under `least` passes says nothing."""
+    import importlib.util
+    from pathlib import Path
+    from cmoe.analysis.validate import Run
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "layer0_states.py"
+    spec = importlib.util.spec_from_file_location("layer0_states", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    slow = {1, 3, 5, 7, 9, 11}
+
+    def comp(p, l0):
+        t = p * 1000.0
+        return [("x", p, 0, "compute", "attention", -1, t, t + l0, 0),
+                ("x", p, 1, "compute", "attention", -1, t + l0, t + l0 + 50, 0)]
+    passes = [{"pass": p, "decode": True, "tokens": 1, "us": 500.0} for p in range(12)]
+    pred = Run(Path("p"), META, [s for p in range(12) for s in comp(p, 100.0)], passes)
+    meas = Run(Path("m"), META, [s for p in range(12) for s in comp(p, 150.0 if p in slow else 100.0)]
+               + _host(12, slow), passes)
+    fast, slow_err = mod.by_state(pred, meas, 0, 3.5, 5)
+    assert fast == 0.0 and slow_err == pytest.approx(100 / 150 - 1)
+    assert mod.by_state(pred, meas, 0, 3.5, 7) == (None, None)
