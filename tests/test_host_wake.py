@@ -94,7 +94,8 @@ def test_a_pass_starts_samples_pair_each_pass_with_the_one_before():
     # pass 1 -> 2: head ends at 120, the GPU at 400, pass 2 enters at 450: gaps 330 and 50; excess 50 - 10
     log.spans.append(("x", 1, 1, "copy0", "load", 3, 110.0, 130.0, 1))     # pass 1's loads: the last column
     log.spans.append(("x", 2, 0, "copy0", "load", 4, 455.0, 470.0, 1))
-    assert pass_start_samples(log) == [[380.0, 330.0, 50.0, 40.0, 25.0, 1.0, 0.0]]           # no read-back: no wait
+    # no read-back: no wait; pass 2's host speed past its first layer: layer 1's 10 us
+    assert pass_start_samples(log) == [[380.0, 330.0, 50.0, 40.0, 25.0, 1.0, 0.0, 10.0]]
     # a prefill between two decode passes (another request's): no pair across it
     log.pass_us[2] = (2, False, 4, 150.0)
     assert pass_start_samples(log) == []

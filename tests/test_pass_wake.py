@@ -6,6 +6,8 @@ calibration's led runs, and added alike by both simulator engines to the pass st
 
 from __future__ import annotations
 
+import math
+
 import json
 from dataclasses import replace
 
@@ -129,6 +131,10 @@ def test_a_loading_runs_boundary_without_its_wait_is_shown_not_fitted():
     rows = {line[:28].strip(): line[28:].split() for line in beside(got, m).splitlines()}
     assert rows["host, head, 60 loads"][:2] == ["170.0us", f"{got.host_head_us:.1f}us"]
     assert rows["host, head + start, loading"][:2] == ["820.0us", f"{got.host_head_us + got.host_pass_start_us + 90.0:.1f}us"]
+    assert "host, layer, loading" not in rows                # older samples: no host speed to show
+    m["layer"]["host"]["loading_pass_start_samples"] = [x + [v, w] for x, v, w in zip(pairs, [3000.0] * 3, [2.5, 5.0, 2.4])]
+    rows = {line[:28].strip(): line[28:].split() for line in beside(got, m).splitlines()}
+    assert rows["host, layer, loading"][:2] == ["2.5us", f"{got.host_layer(1):.1f}us"]
 
 
 LOADING = [[40000.0, 500.0, -20.0, 150.0, 170.0, 60.0, 3000.0], [42000.0, 400.0, 30.0, 130.0, 150.0, 58.0, 3400.0],
@@ -143,9 +149,12 @@ def test_the_boundary_extra_is_read_down_the_route_steps_wake():
     (0, 0) where no wake was measured, it did not slow or it has no point below the loading wait;
     nothing where the boundary took no longer, or the samples carry no wait."""
     from cmoe.calibrate.wake import fit_boundary, loading_boundary
-    assert loading_boundary(LOADING) == (40000.0, 170.0, 560.0, 60.0, 3000.0, 820.0)
+    assert loading_boundary(LOADING)[:6] == (40000.0, 170.0, 560.0, 60.0, 3000.0, 820.0)
     lb = loading_boundary(LOADING)                        # each median by its name too
-    assert (lb.prev_us, lb.head_us, lb.start_us, lb.loads, lb.wait_us, lb.total_us) == tuple(lb)
+    assert (lb.prev_us, lb.head_us, lb.start_us, lb.loads, lb.wait_us, lb.total_us) == tuple(lb)[:6]
+    assert math.isnan(lb.host_us)                         # samples from before the host speed was kept
+    speeds = [2.5, 5.0, 2.4]                              # the next pass's host us a layer: the median 2.5
+    assert loading_boundary([x + [v] for x, v in zip(LOADING, speeds)]) == (*tuple(lb)[:6], 2.5)
     wake = ((140.0, 1.0), (400.0, 19.0), (1000.0, 23.0), (5000.0, 26.0))
     # the wake read at 3,000 us: 23 + 3 * 2000 / 4000 = 24.5, so 23.5 over the loading wait's
     assert fit_boundary(LOADING, lambda prev: 400.0 if prev == 40000.0 else 0.0, wake) == \

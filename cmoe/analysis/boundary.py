@@ -44,10 +44,8 @@ def boundary_rows(run) -> tuple[list[tuple[float, float, float, int, float]], li
 
 def log_boundary_rows(log) -> tuple[list[tuple[float, float, float, int, float]], list[float]]:
     """`boundary_rows` of an executor's log (`spans`, `pass_us`), from one reading of its pairs."""
-    pairs = boundary_pairs(log)
-    att = pairs[1][2]
-    rows = [(w, head, gap + excess, int(n), lat) for lat, gap, _, excess, head, n, w in pass_start_samples(log, pairs)]
-    return rows, [float(np.median([v for _, v in sorted(att[q].items())[1:]])) for _, q, _ in pairs[2]]
+    got = pass_start_samples(log, boundary_pairs(log))
+    return [(w, head, gap + excess, int(n), lat) for lat, gap, _, excess, head, n, w, _ in got], [x[7] for x in got]
 
 
 def host_state(log, slow_us: float) -> tuple[float, float]:

@@ -48,7 +48,8 @@ Measurements (all times in seconds):
   "pass_start_s", "head_s"}: the host thread's side of the same, from the `host_*` spans; on CUDA
   also "wake_points" [[wait s, factor]], "wake_samples" [[lead us, route s, wait s]],
   "pass_start_samples" [[lead us, [[pass us, gap us, gap from the GPU's end us, excess us, head us,
-  loads, last read-back wait us]]]] (`cmoe.calibrate.wake`; older files end at the head), "loading_pass_start_samples" (the same pairs of the ondemand run
+  loads, last read-back wait us, the next pass's host us a layer]]]] (`cmoe.calibrate.wake`; older files end at the
+  head, or at the wait before the fiftieth session), "loading_pass_start_samples" (the same pairs of the ondemand run
   that loads every layer: `host_boundary_points`, where they carry the wait) and "route_waits" [(tokens, seconds)], the
   wait each route point followed;
 - `cpu_expert`: {"bytes", "points": [(tokens, seconds)]}: one expert on the host's CPU;

@@ -68,8 +68,9 @@ def pass_start_samples(log, pairs: tuple | None = None) -> list[list[float]]:
     """Per pair of decode passes p, q = p + 1 (no prefill between): [p's latency, the host lane's
     gap from p's `host_head` end to q's first `host_attention`, the same gap from the later of that
     end and p's last GPU span, q's first layer's `host_attention` excess over its others, p's
-    `host_head`, p's loads, p's last read-back wait (its latest `host_sync`)], in us (the loads a
-    count). What the pass start (`host_pass_start_us`) takes after a long pass: the validations'
+    `host_head`, p's loads, p's last read-back wait (its latest `host_sync`), q's host speed (the
+    median of its `host_attention` past the first layer: the host lane's state then, fiftieth
+    session)], in us (the loads a count). What the pass start (`host_pass_start_us`) takes after a long pass: the validations'
     read-back runs (thirty-fifth session's, pools 16/20) paid 117 us after passes under 20 ms and
     337 after 200-400 ms; the led runs here give passes of ~5-100 ms, their passes synced (a lead
     keeps them from queuing), hence the gap from the GPU's end too. The head is kept to see whether
@@ -87,7 +88,8 @@ def pass_start_samples(log, pairs: tuple | None = None) -> list[list[float]]:
         elif s[OP] == "host_sync" and s[START] >= wait.get(s[STEP], (-1e30, 0.0))[0]:
             wait[s[STEP]] = (s[START], s[END] - s[START])
     return [[float(lat[p]), gap, enter[q] - max(head[p][1], gpu_end.get(p, head[p][1])), first_excess(att[q]),
-             head[p][1] - head[p][0], float(loads.get(p, 0)), wait.get(p, (0.0, 0.0))[1]]
+             head[p][1] - head[p][0], float(loads.get(p, 0)), wait.get(p, (0.0, 0.0))[1],
+             float(np.median([v for _, v in sorted(att[q].items())[1:]]))]
             for p, q, gap in pairs]
 
 
@@ -118,14 +120,17 @@ def pass_start_means(starts: list) -> dict[float, tuple[float, float]]:
 
 class LoadingBoundary(NamedTuple):
     """`loading_boundary`'s medians, in us: the previous pass, the head, the pass start, the loads a
-    pass and the last read-back wait (both NaN in older samples), and head plus start (the median of
-    each pair's sum, as `cmoe.analysis.boundary.boundary_price` reads a validation's runs)."""
+    pass and the last read-back wait (both NaN in older samples), head plus start (the median of
+    each pair's sum, as `cmoe.analysis.boundary.boundary_price` reads a validation's runs), and the
+    next pass's host time per layer (NaN in samples from before the fiftieth session): about twice
+    its calibrated `host_layer` where the run's host lane was in its slow state."""
     prev_us: float
     head_us: float
     start_us: float
     loads: float
     wait_us: float
     total_us: float
+    host_us: float
 
 
 def loading_boundary(pairs: list) -> LoadingBoundary | None:
@@ -139,10 +144,10 @@ def loading_boundary(pairs: list) -> LoadingBoundary | None:
     if not pairs:
         return None
     a = np.array(pairs, np.float64)
-    loads, wait = (float(np.median(a[:, k])) if a.shape[1] > k else float("nan") for k in (5, 6))
+    loads, wait, host = (float(np.median(a[:, k])) if a.shape[1] > k else float("nan") for k in (5, 6, 7))
     start = a[:, 1] + a[:, 3]
     return LoadingBoundary(float(np.median(a[:, 0])), float(np.median(a[:, 4])), float(np.median(start)), loads, wait,
-                           float(np.median(a[:, 4] + start)))
+                           float(np.median(a[:, 4] + start)), host)
 
 
 def fit_boundary(pairs: list, price, wake_points: tuple) -> list[list[float]]:
