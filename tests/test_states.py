@@ -163,8 +163,8 @@ def test_the_compare_report_says_which_policy_it_could_not_validate(tmp_path):
 
 def test_layer0_states_reads_a_layers_error_over_each_host_state():
     """`benchmarks/layer0_states.by_state`: layer 0 predicted at 100 us; measured 100 us in the 6
-    fast passes and 150 in the 6 slow ones (the host lane at 5 us a layer there): 0% and -33.3%;
-    a half under `least` passes says nothing."""
+    fast passes and 150 in the 6 slow ones (the host lane at 5 us a layer there, two states): 0% and
+    -33.3%; a state under `least` passes says nothing; a run in one state is read whole."""
     import importlib.util
     from pathlib import Path
     from cmoe.analysis.validate import Run
@@ -182,6 +182,8 @@ def test_layer0_states_reads_a_layers_error_over_each_host_state():
     pred = Run(Path("p"), META, [s for p in range(12) for s in comp(p, 100.0)], passes)
     meas = Run(Path("m"), META, [s for p in range(12) for s in comp(p, 150.0 if p in slow else 100.0)]
                + _host(12, slow), passes)
-    fast, slow_err = mod.by_state(pred, meas, 0, 3.5, 5)
+    fast, slow_err = mod.by_state(pred, meas, 0, 5)
     assert fast == 0.0 and slow_err == pytest.approx(100 / 150 - 1)
-    assert mod.by_state(pred, meas, 0, 3.5, 7) == (None, None)
+    assert mod.by_state(pred, meas, 0, 7) == (None, None)
+    one = Run(Path("m"), META, meas.spans[:-48] + _host(12, set()), passes)           # one state: all its passes
+    assert mod.by_state(pred, one, 0, 5) == (pytest.approx(100 / 125 - 1), None)        # 100 against 125

@@ -61,8 +61,6 @@ def beside(p: HardwareProfile, m: dict) -> str:
         row(f"host, head, {lb.loads:.0f} loads", lb.head_us / 1e6, p.host_head_us)
         row("host, head + start, loading", lb.total_us / 1e6,
             p.boundary_price_us(lb.prev_us, 0.0 if np.isnan(lb.wait_us) else lb.wait_us))
-        if not np.isnan(lb.host_us):       # the host lane's state the boundary was read in
-            row("host, layer, loading", lb.host_us / 1e6, p.host_layer(1))
     for b, n, quiet, busy, _, _ in m["layer"].get("launch_copy_points") or []:    # `launch_fit`
         row(f"launch of {n} beside a load, b{b}", busy, p.wave_beside_copy(quiet * 1e6, 0.0))
     if m["layer"].get("start_copy_s") is not None:         # oracle's passes that start beside a load

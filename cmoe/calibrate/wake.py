@@ -122,8 +122,10 @@ class LoadingBoundary(NamedTuple):
     """`loading_boundary`'s medians, in us: the previous pass, the head, the pass start, the loads a
     pass and the last read-back wait (both NaN in older samples), head plus start (the median of
     each pair's sum, as `cmoe.analysis.boundary.boundary_price` reads a validation's runs), and the
-    next pass's host time per layer (NaN in samples from before the fiftieth session): about twice
-    its calibrated `host_layer` where the run's host lane was in its slow state."""
+    next pass's host time per MoE layer (NaN in samples from before the fiftieth session): kept so
+    that a later reading can tell the host lane's state the boundary was read in; nothing prices
+    it yet (it is read after milliseconds-long waits, so not against `host_layer`, whose steps wait
+    little, and per MoE layer, where `host_layer` is per decoder layer)."""
     prev_us: float
     head_us: float
     start_us: float
