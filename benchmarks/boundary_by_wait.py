@@ -78,7 +78,8 @@ def main() -> None:
         for lead, pairs in starts:
             if pairs:
                 x = np.array(pairs)
-                print(f"  {lead:g}: {np.median(x[:, 0]) / 1e3:.1f} ms, head {np.median(x[:, 4]):.0f}")
+                head = f"{np.median(x[:, 4]):.0f}" if x.shape[1] > 4 else "-"   # samples before the head was kept
+                print(f"  {lead:g}: {np.median(x[:, 0]) / 1e3:.1f} ms, head {head}")
         print("  pass start, mean over the lead's runs: " + ", ".join(f"{k:g}: {v[1]:.0f}" for k, v in means.items()))
         if lb := loading_boundary(host.get("loading_pass_start_samples") or []):
             print(f"calibrate's loading run (ondemand, top_k slots, {lb.loads:.0f} loads a pass): after "
