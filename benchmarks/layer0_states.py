@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cmoe.analysis.states import pass_host_us, two_states  # noqa: E402
+from cmoe.analysis.states import pass_host_us, slow_host  # noqa: E402
 from cmoe.analysis.validate import LAYER_TOL, _layer_times, read_run  # noqa: E402
 
 
@@ -35,11 +35,11 @@ def by_state(pred, meas, layer: int, least: int) -> tuple[float | None, float | 
     """(the error of `layer`'s mean time over the measured run's fast passes, over its slow ones:
     all its passes fast where it ran in one state), each None where that state has fewer than
     `least` passes."""
-    steps = {p["pass"] for p in pred.passes if p["decode"]} & {p["pass"] for p in meas.passes if p["decode"]}
+    dp, dm = ({p["pass"]: p for p in r.passes if p["decode"]} for r in (pred, meas))
+    steps = set(dp) & set(dm)
     lp, lm = _layer_times(pred.spans, steps), _layer_times(meas.spans, steps)
     host = pass_host_us(meas.spans, steps)
-    got = two_states(list(host.values()))
-    slow = {p for p, s in zip(host, got[1]) if s} if got else set()
+    slow = set((slow_host(meas.spans, steps, dp, dm) or {}).get("slow_passes") or [])
 
     def err(passes):
         keys = [(p, layer) for p in sorted(passes) if (p, layer) in lp and (p, layer) in lm]

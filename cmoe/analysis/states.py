@@ -18,10 +18,11 @@ Numpy only, as `cmoe.analysis.validate` is.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 
-from cmoe.core.timeline import STEP, LAYER, OP, START, END
+from cmoe.calibrate.spans import host_marks, past_first
 
 SLOW_FACTOR = 1.3   # two groups this far apart: two states
 SLOW_SHARE = 0.1    # ... the smaller at least this share of the values, named by `format_validation`
@@ -62,21 +63,13 @@ def two_states(values) -> tuple[dict, np.ndarray] | None:
 
 
 def pass_host_us(spans, steps: set[int]) -> dict[int, float]:
-    """Per pass of `steps`: the median time of its `host_attention` spans past its first layer's
-    (every span of that layer carries the pass's start: `commit` writes two there), us; the same
-    launches in every layer of a run, so a pass's value is the host's speed then. Passes without
-    a span past the first layer, or whose median is not a finite positive time, are left out."""
-    by: dict[int, list[tuple[int, float]]] = {}
-    for s in spans:
-        if s[OP] == "host_attention" and s[STEP] in steps:
-            by.setdefault(s[STEP], []).append((s[LAYER], s[END] - s[START]))
-    out = {}
-    for p, v in sorted(by.items()):
-        first = min(layer for layer, _ in v)
-        rest = [d for layer, d in v if layer != first]
-        if rest and math.isfinite(m := float(np.median(rest))) and m > 0:
-            out[p] = m
-    return out
+    """Per pass of `steps`: its host speed (`cmoe.calibrate.spans.past_first`: the median of its
+    `host_attention` time by layer past the first layer, whose spans carry the pass's start;
+    `commit` writes two there), us. Passes without a layer past the first, or whose speed is not a
+    finite positive time, are left out."""
+    _, _, att = host_marks(SimpleNamespace(spans=spans), steps)
+    got = {p: past_first(att[p]) for p in sorted(att)}
+    return {p: v for p, v in got.items() if v is not None and math.isfinite(v) and v > 0}
 
 
 def slow_host(spans, steps: set[int], pred: dict[int, dict], meas: dict[int, dict]) -> dict | None:

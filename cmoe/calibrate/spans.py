@@ -113,6 +113,15 @@ def first_excess(layers: dict[int, float]) -> float:
     return first[1] - (float(np.mean([v for _, v in rest])) if rest else 0.0)
 
 
+def past_first(layers: dict[int, float]) -> float | None:
+    """A pass's host speed: the median of its `host_attention` time by layer (`host_marks`', us)
+    past its first layer, which carries the pass's start; None where it has no other layer. The
+    same launches in every layer of a run, so it reads the host lane's state in that pass
+    (`cmoe.analysis.states`, `cmoe.calibrate.wake.pass_start_samples`)."""
+    rest = [v for _, v in sorted(layers.items())[1:]]
+    return float(np.median(rest)) if rest else None
+
+
 def _host_between(log, first: int) -> float:
     """The host's own time from one decode pass's head to the next pass's first layer issued, less
     a layer's (seconds): the gap on the host lane between a `host_head` span and the next pass's

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from cmoe.calibrate.spans import decode_passes, first_excess, host_gaps, host_marks
+from cmoe.calibrate.spans import decode_passes, first_excess, host_gaps, host_marks, past_first
 from cmoe.core.hw_math import held
 from cmoe.core.timeline import END, OP, START, STEP, STREAM
 
@@ -89,7 +89,7 @@ def pass_start_samples(log, pairs: tuple | None = None) -> list[list[float]]:
             wait[s[STEP]] = (s[START], s[END] - s[START])
     return [[float(lat[p]), gap, enter[q] - max(head[p][1], gpu_end.get(p, head[p][1])), first_excess(att[q]),
              head[p][1] - head[p][0], float(loads.get(p, 0)), wait.get(p, (0.0, 0.0))[1],
-             float(np.median([v for _, v in sorted(att[q].items())[1:]]))]
+             past_first(att[q])]
             for p, q, gap in pairs]
 
 
