@@ -19,7 +19,8 @@
 #                                             # the H200 (twenty-fourth session); issue 15's
 #                                             # calibrations across sessions: validate_table.py FOLDER --against
 #                                             # benchmarks/results/validate-lean-h100-fa7b3d0/profile.json
-#                                             # (VT=SECONDS bounds the validation, for a call that runs tests first;
+#                                             # (VT=SECONDS bounds the whole validation, calibration included (under 260 s
+#                                             # refused unless PROFILE= or CAL=cut), for a call that runs tests first;
 #                                             # POLS=upper,lfu-fallback,static the CPU-expert policies, twins built;
 #                                             # PROFILE=FILE.json (in the tree) uses it, no calibration: the built
 #                                             # model's took 251 s on an H100 (forty-sixth session), so CAL=built
@@ -281,7 +282,10 @@ case "${1:-}" in
   calib) rm -rf /tmp/v; mkdir -p /tmp/v; timeout 300 python3 -c "from cmoe.cli.app import app; app()" calibrate --device cuda \
           --layers 4 --out /tmp/v/profile.json 2>&1 | grep -v Warning | tail -40 || true
         cp /tmp/v/profile*.json "$OUT/" 2>/dev/null; terms ;;
-  validate) rm -rf /tmp/v; timeout ${VT:-560} python3 benchmarks/validate_h200.py --out /tmp/v --pools "${POOLS:-16,20,26}" --batches "${BATCHES:-1,2,4,8}" \
+  validate) if [ -z "${PROFILE:-}" ] && [ "${CAL:-both}" != cut ] && [ "${VT:-560}" -lt 260 ]; then   # fifty-first session
+              echo "gpu_session: VT=$VT bounds the whole validation, and the built model's build and calibration take" \
+                   "185-220 s before any run: give VT 260 or more, or PROFILE=FILE.json" >&2; exit 2; fi
+            rm -rf /tmp/v; timeout ${VT:-560} python3 benchmarks/validate_h200.py --out /tmp/v --pools "${POOLS:-16,20,26}" --batches "${BATCHES:-1,2,4,8}" \
               --tokens 32 --policies "${POLS:-upper,ondemand,lru-prefetch,commit,oracle}" --measure-only $([ -n "${REPEAT:-}" ] && echo --repeat) --spec "${SPEC:-mixtral-8x7b}" \
               $([ -n "${PROFILE:-}" ] && echo --profile "$PROFILE" || echo --calibrate-on "${CAL:-both}") --commit "${COMMIT:-unknown}" 2>&1 | tee "$OUT/validate.log" | grep -v "^  " || true
             (cd /tmp/v && tar czf "$OUT/head.tgz" results.json profile*.json $(ls host-load.json 2>/dev/null) \

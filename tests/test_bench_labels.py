@@ -37,3 +37,24 @@ def test_gpu_session_says_when_commit_is_unset():
                                 "which may lag the tree")
     r = subprocess.run(["bash", "-c", line], capture_output=True, text=True, env=env | {"COMMIT": "abc1234"})
     assert r.stderr == ""
+
+
+def test_gpu_session_refuses_a_validation_bound_shorter_than_its_calibration():
+    """`validate`'s guard, run alone: VT under 260 s with the built model calibrated is refused in one
+    line before the device spends it (the fifty-first session's call lost 190 s so); with a profile
+    given, the cut model calibrated, or VT unset, it passes."""
+    script = (ROOT / "benchmarks/gpu_session.sh").read_text()
+    start = script.index("  validate) ") + len("  validate) ")
+    guard = script[start:script.index("rm -rf /tmp/v; timeout ${VT:-560}")]
+    env = {k: v for k, v in os.environ.items() if k not in ("VT", "CAL", "PROFILE")}
+
+    def run(**kw):
+        return subprocess.run(["bash", "-c", guard + "echo on"], capture_output=True, text=True, env=env | kw)
+    r = run(VT="170", CAL="built")
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == ("gpu_session: VT=170 bounds the whole validation, and the built model's build and calibration "
+                        "take 185-220 s before any run: give VT 260 or more, or PROFILE=FILE.json\n")
+    assert run(VT="170").returncode == 2                      # CAL defaults to both: the built model too
+    for ok in ({"VT": "170", "CAL": "cut"}, {"VT": "170", "PROFILE": "p.json"}, {"VT": "260"}, {}):
+        r = run(**ok)
+        assert (r.returncode, r.stdout, r.stderr) == (0, "on\n", "")
