@@ -38,5 +38,7 @@ def test_the_calibrations_store_holds_cpu_copies_only_for_cpu_expert_policies(fu
     assert (stores[0].cpu_twins is not None) is cpu_experts
     assert ("static" in ran) is cpu_experts
     assert ("cpu_expert_in_model" in out) is cpu_experts
+    rows = out["layer"]["host"].get("loading_pass_start_samples") or []    # the loading ondemand run's boundaries,
+    assert rows and all(len(x) == 8 and x[7] > 0 for x in rows)          # each with the next pass's host speed
     if cpu_experts:                           # batches 1 and 8 measured their CPU experts inside the model
         assert sum(n for _, n in out["cpu_expert_in_model"]["count"]) > 0

@@ -52,7 +52,9 @@ def host_state(log, slow_us: float) -> tuple[float, float]:
     """(the share of an executor log's pass boundaries whose next pass's host ran at `slow_us` a
     layer or more, `log_boundary_rows`' speeds; the median boundary, head plus the next start, us);
     (nan, nan) without a boundary. What `benchmarks/affinity_probe.py` holds a pinned host
-    thread's runs to."""
+    thread's runs to. A fixed threshold, not `cmoe.analysis.states.slow_host`'s split: the probe
+    compares runs, and a run wholly in the slow state has no split (one H100 host's runs, fifty-first
+    session: 0-96% of their passes past 3 us)."""
     rows, speeds = log_boundary_rows(log)
     if not rows:
         return float("nan"), float("nan")
