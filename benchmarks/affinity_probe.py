@@ -12,7 +12,8 @@ so a fixed order would favour the arm that runs first):
 
 Each run reports its tokens/s, host time per MoE layer, the share of its pass boundaries whose
 next pass was slow (`--slow-us`, `cmoe.analysis.boundary.host_state`) and the median boundary;
-and right before it three references the run's state can be read against:
+and right before it, and again right after it (`after_cpu_us` and so on), the references the run's
+state can be read against:
 
     cpu_us     a fixed pure-Python loop: the CPU's own speed, no driver
     record_us  one `cudaEventRecord` (the runtime's, through ctypes): the driver's submission path
@@ -22,7 +23,10 @@ and right before it three references the run's state can be read against:
 
 Forty-ninth session (an H100): pinned and free runs went slow together, so the core is not it. If
 `cpu_us` rises with the slow share, the CPU is slower (a tenant, its clock); if only `record_us`,
-`launch_us` and `replay_us` do, the driver or the link is.
+`launch_us` and `replay_us` do, the driver or the link is. Fifty-first session (an H100, free arm,
+8 rounds): none did, timed before the run (r -0.31 to 0.11); the CPU's own slow spells, which the
+three driver calls followed (r 0.56-0.58), came and went apart from it. Hence the references after
+the run too: a state the run ended in, caught before it passes.
 
     python benchmarks/affinity_probe.py --out $OUT/affinity.json --policies lru-prefetch,ondemand --pool 26 --rounds 4
     python benchmarks/affinity_probe.py --out $OUT/state.json --arms free --policies lru-prefetch,ondemand --pool 26 --rounds 8
@@ -102,11 +106,20 @@ def _per_call(call, reps: int) -> float:
     return dt / reps * 1e6
 
 
+REFS = ("cpu_us", "record_us", "launch_us", "replay_us")
+
+
+def references() -> dict:
+    """The four references, on the arm's core as the run's passes are."""
+    with pinned_host():
+        return {"cpu_us": cpu_reference_us(), **submit_references()}
+
+
 def one_run(w, cfg, policy: str, rnd: int, arm: str, slow_us: float) -> dict:
-    """One policy's run after the references, as a row of the JSON, printed."""
-    with pinned_host():                                    # on the arm's core, as its passes will be
-        ref = {"cpu_us": cpu_reference_us(), **submit_references()}
+    """One policy's run between two readings of the references, as a row of the JSON, printed."""
+    ref = references()
     res = run_policy(w, cfg, policy)
+    ref |= {f"after_{k}": v for k, v in references().items()}
     st = decode_stats(res, w.spec, float("nan"), 0.0)      # only its host figures are read
     slow, bound = host_state(res.log, slow_us)             # nan without a boundary: None in the JSON
     row = {"round": rnd, "arm": arm, "policy": policy, "tok_s": res.metrics["tokens_per_s"],
@@ -115,7 +128,8 @@ def one_run(w, cfg, policy: str, rnd: int, arm: str, slow_us: float) -> dict:
     rec, lau = ("-" if ref[k] is None else f"{ref[k]:.2f}" for k in ("record_us", "launch_us"))
     print(f"round {rnd} {arm:<6} {policy:<12} {row['tok_s']:7.2f} tok/s host {row['host_us_per_layer']:6.1f} us/layer, "
           f"slow {slow:.0%}, boundary {bound:.0f} us; cpu {ref['cpu_us']:.0f} us, record {rec} us, launch {lau} us, "
-          f"replay {ref['replay_us']:.2f} us", flush=True)
+          f"replay {ref['replay_us']:.2f} us; after: cpu {ref['after_cpu_us']:.0f} us, replay {ref['after_replay_us']:.2f} us",
+          flush=True)
     return row
 
 
@@ -136,13 +150,19 @@ def summarize(runs: list, pols: list, arms: list) -> dict:
                   f"({summary[f'{p} {arm}']['tok_s_spread_pct']:.1f}%), slow "
                   + (f"{min(sl):.0%}-{max(sl):.0%}" if sl else "-"), flush=True)
     slow = np.array([np.nan if x["slow_share"] is None else x["slow_share"] for x in runs], float)
-    for k in ("cpu_us", "record_us", "launch_us", "replay_us"):
-        col = np.array([np.nan if x[k] is None else x[k] for x in runs], float)
-        ok = ~np.isnan(col) & ~np.isnan(slow)
-        r = float(np.corrcoef(slow[ok], col[ok])[0, 1]) if ok.sum() > 2 and col[ok].std() and slow[ok].std() else None
-        summary[f"r slow_share {k}"] = r
-        print(f"r(slow share, {k}) = {'-' if r is None else f'{r:.2f}'}", flush=True)
+    for k in REFS:
+        got = [_r(slow, runs, key) for key in (k, f"after_{k}")]
+        summary[f"r slow_share {k}"], summary[f"r slow_share after_{k}"] = got
+        print(f"r(slow share, {k}) = " + "; after the run ".join("-" if r is None else f"{r:.2f}" for r in got), flush=True)
     return summary
+
+
+def _r(slow, runs: list, key: str) -> float | None:
+    """Pearson r of the slow share and one reference over the runs with both (a row without the
+    reference, an older file's, has none); None where under three runs have both or either is constant."""
+    col = np.array([np.nan if x.get(key) is None else x[key] for x in runs], float)
+    ok = ~np.isnan(col) & ~np.isnan(slow)
+    return float(np.corrcoef(slow[ok], col[ok])[0, 1]) if ok.sum() > 2 and col[ok].std() and slow[ok].std() else None
 
 
 def main() -> None:

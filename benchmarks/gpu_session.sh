@@ -63,7 +63,8 @@
 #                                             # batch 1, each run's share of slow passes and median boundary (~2 min;
 #                                             # forty-ninth session, an H100: 85 s, both arms slow together); each run
 #                                             # also times a CPU loop, a cudaEventRecord, a cudaGraphLaunch and a torch
-#                                             # graph replay first, to see which of them the slow state moves
+#                                             # graph replay before it and after it, to see which of them the slow state
+#                                             # moves (fifty-first session, an H100: none, timed before)
 #                                             # (ARMS=free ROUNDS=8 for that alone); a whole validation pinned:
 #                                             # CMOE_PIN_HOST=auto bash ... validate
 #   bash benchmarks/gpu_session.sh host-ab    # issue 13: the host's step by phase, batch 1, pool 20, in four
