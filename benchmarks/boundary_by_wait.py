@@ -84,11 +84,16 @@ def main() -> None:
         if lb := loading_boundary(host.get("loading_pass_start_samples") or []):
             print(f"calibrate's loading run (ondemand, top_k slots, {lb.loads:.0f} loads a pass): after "
                   f"{lb.prev_us / 1e3:.1f} ms passes, head {lb.head_us:.0f} us, start {lb.start_us:.0f} us, "
-                  f"last wait {lb.wait_us:.0f} us")
+                  f"last wait {lb.wait_us:.0f} us"
+                  + ("" if np.isnan(lb.host_us) else f", the next pass's host {lb.host_us:.1f} us a layer"))
     print(f"profile: host_head_us {prof.host_head_us:.0f}, host_pass_start_us {prof.host_pass_start_us:.0f}, "
           f"host_pass_start_points {[[round(x), round(y)] for x, y in prof.host_pass_start_points]}, "
           f"host_boundary_points {[[round(x), round(y)] for x, y in prof.host_boundary_points]}")
 
 
 if __name__ == "__main__":
-    main()
+    from cmoe.core.errors import CmoeError
+    try:
+        main()
+    except CmoeError as e:                     # one line, no traceback (a batch's tarball missing, say)
+        sys.exit(f"boundary_by_wait.py: {e}")
