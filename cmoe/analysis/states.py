@@ -44,8 +44,9 @@ def two_states(values) -> tuple[dict, np.ndarray] | None:
     v = np.asarray(values, float)
     if v.size < MIN_VALUES or not (np.isfinite(v) & (v > 0)).all():
         return None
-    order = np.argsort(np.log(v), kind="stable")
-    x = np.log(v)[order]
+    lv = np.log(v)
+    order = np.argsort(lv, kind="stable")
+    x = lv[order]
     x = np.clip(x, *np.percentile(x, [2, 98]))
     n, c = x.size, np.cumsum(x)
     least = max(math.ceil(SLOW_SHARE * n), 2)
