@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cmoe.analysis.states import pass_host_us, slow_host  # noqa: E402
-from cmoe.analysis.validate import LAYER_TOL, _layer_times, read_run  # noqa: E402
+from cmoe.analysis.validate import LAYER_TOL, layer_times, read_run  # noqa: E402
 
 
 def by_state(pred, meas, layer: int, least: int) -> tuple[float | None, float | None]:
@@ -37,7 +37,7 @@ def by_state(pred, meas, layer: int, least: int) -> tuple[float | None, float | 
     `least` passes."""
     dp, dm = ({p["pass"]: p for p in r.passes if p["decode"]} for r in (pred, meas))
     steps = set(dp) & set(dm)
-    lp, lm = _layer_times(pred.spans, steps), _layer_times(meas.spans, steps)
+    lp, lm = layer_times(pred.spans, steps), layer_times(meas.spans, steps)
     host = pass_host_us(meas.spans, steps)
     slow = set((slow_host(meas.spans, steps, dp, dm) or {}).get("slow_passes") or [])
 

@@ -5,7 +5,7 @@ host program held the GIL through a pass then, and runs without it, `nogil`, sin
 with the sampler's child process (`cmoe.calibrate.host_load.LoadSampler` since), in rounds that
 alternate the three, so a drift of the host falls on all alike. Per run: tokens/s, the LM head's
 host step (`host_head`: median, and how many took over 120 us), layer 0's mean time (compute stream,
-`cmoe.analysis.validate._layer_times`) and the other layers'.
+`cmoe.analysis.validate.layer_times`) and the other layers'.
 
     python benchmarks/sampler_ab_h200.py --out $OUT/sampler-ab.json [--pool 26 --batch 4 --rounds 3]
     python benchmarks/sampler_ab_h200.py --out /tmp/ab.json --embedded --device cpu --slots 4   # a CPU check
@@ -40,7 +40,7 @@ SPIN = spin_threads("auto", False)    # GPU-only policies: as validate_h200.py a
 import numpy as np  # noqa: E402
 
 from benchmarks.sampler_heads import holds  # noqa: E402
-from cmoe.analysis.validate import _layer_times  # noqa: E402
+from cmoe.analysis.validate import layer_times  # noqa: E402
 from cmoe.calibrate.host_load import LoadSampler, available, snapshot  # noqa: E402
 from cmoe.core.timeline import END, LAYER, OP, START, STEP  # noqa: E402
 from cmoe.core.util import write_text_atomic  # noqa: E402
@@ -100,7 +100,7 @@ def _row(r, mode: str, policy: str, rnd: int, sampled: list[float]) -> dict:
     ts = np.array(sorted(sampled))
     hit = sum(holds(ts, s[START] / 1e6 + log.clock_epoch, s[END] / 1e6 + log.clock_epoch)
               for s in spans if s[END] - s[START] > 120)
-    lt = _layer_times(log.spans, dec)
+    lt = layer_times(log.spans, dec)
     first = min(layer for _, layer in lt) if lt else 0
     l0 = [v for (_, layer), v in lt.items() if layer == first]
     rest = [v for (_, layer), v in lt.items() if layer != first]

@@ -93,7 +93,7 @@ def _keyed(spans, steps: set[int]) -> dict[str, dict[tuple, float]]:
     return out
 
 
-def _layer_times(spans, steps: set[int]) -> dict[tuple[int, int], float]:
+def layer_times(spans, steps: set[int]) -> dict[tuple[int, int], float]:
     """(pass, layer) -> compute-stream wall time of that layer, stalls included."""
     by_step: dict[int, list] = {}
     for s in spans:
@@ -224,7 +224,7 @@ def validate(pred: Run, meas: Run) -> dict:
             e = _errors(np.array([kp[k][x] for x in both]), np.array([km[k][x] for x in both]))
             e.update(only_predicted=len(set(kp[k]) - set(km[k])), only_measured=len(set(km[k]) - set(kp[k])))
             kinds[k] = e
-    lp, lm = _layer_times(pred.spans, steps), _layer_times(meas.spans, steps)
+    lp, lm = layer_times(pred.spans, steps), layer_times(meas.spans, steps)
     layers = {}
     for layer in sorted({l for _, l in set(lp) & set(lm)}):
         keys = sorted(k for k in set(lp) & set(lm) if k[1] == layer)
