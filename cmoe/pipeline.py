@@ -109,12 +109,20 @@ def _run_into(out: Path, final: Path, w, cfg, profile: str | None, model_dir: Pa
     from cmoe.calibrate.profile_fit import run_verdict
     write_text_atomic(out / "validation.json", json.dumps(doc, indent=1))
     host, link, cpu_took = host_speed(runs, prof, cfg.batch), link_speed(runs), cpu_speed(runs)
-    from cmoe.analysis.cpu_settings import setting_notes
-    notes = sorted({n.strip() for r in runs for v in r for n in setting_notes(v)})   # said without -v too
-    from cmoe.analysis.states import states_note
-    notes += [n for n in [states_note([v for r in runs for v in r])] if n]
+    notes = run_notes(runs)
     noise = run_verdict(cal, errors, spreads, host or None, link or None, cpu_took or None)
     return summary_doc(w, cfg, sims, results, errors, "; ".join([noise, *notes]))
+
+
+def run_notes(runs: list[list[dict]]) -> list[str]:
+    """What `cmoe run` says of its validations beside the noise verdict, without -v too: the
+    settings the runs and the profile differ in, the host lane's two states, the CPU's own speed."""
+    from cmoe.analysis.cpu_settings import setting_notes
+    from cmoe.analysis.states import states_note
+    from cmoe.core.cpu_ref import cpu_ref_note, validation_ratio
+    vs = [v for r in runs for v in r]
+    notes = sorted({n.strip() for v in vs for n in setting_notes(v)})
+    return notes + [n for n in [states_note(vs), cpu_ref_note([validation_ratio(v) for v in vs])] if n]
 
 
 def host_speed(runs: list[list[dict]], prof, batch: int) -> list[float]:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cmoe.core.cpu_ref import cpu_ref_line
 from cmoe.core.errors import CmoeError
 from cmoe.analysis.cpu_settings import setting_notes, omp_note  # noqa: F401  (omp_note re-exported)
 from cmoe.analysis.runfolder import read_metrics, read_passes, read_timeline
@@ -267,7 +268,8 @@ def validate(pred: Run, meas: Run) -> dict:
             # the few-expert switch calibrate and the runs ran under (`cmoe.executor.few_experts`; no line
             # says where they differ: the launch fit comes from upper's launches, which never switch)
             "few_experts": {"profile": pred.metrics.get("few_experts"), "runs": meas.metrics.get("few_experts"),
-                            "batch": meas.metrics.get("batch")}}
+                            "batch": meas.metrics.get("batch")},    # and the CPU's plain loop (`cmoe.core.cpu_ref`)
+            "cpu_ref_us": {"profile": pred.metrics.get("cpu_ref_us"), "runs": meas.metrics.get("cpu_ref_us")}}
 
 
 def format_validation(v: dict) -> str:
@@ -303,7 +305,7 @@ def format_validation(v: dict) -> str:
                "a slow state for part of the run" if sc["share"] >= SLOW_SHARE else "")
         lines.append(f"  CPU experts ran {k:.2f}x their calibrated time{two}: a lent GPU's host ran them in two "
                      "states, switching within runs; repeat the runs (cmoe run --repeat N) to see it")
-    return "\n".join(lines + [x for x in [host_line(v)] if x] + setting_notes(v))
+    return "\n".join(lines + [x for x in [host_line(v), cpu_ref_line(v)] if x] + setting_notes(v))
 
 
 def validate_folders(predicted: Path, measured: Path, policies: list[str] | None = None) -> list[dict]:

@@ -335,14 +335,17 @@ def calibrate(device: torch.device, spec: ModelSpec, fmt: str, num_layers: int =
     still does): the profile then prices no CPU layer (`cpu_layer_unmeasured`)."""
     from cmoe.core.hw import H200
     from cmoe.calibrate.profile_fit import fit_profile, noise, with_expert_classes
+    from cmoe.core.cpu_ref import cpu_ref_us
+    ref = cpu_ref_us()                                 # the CPU's own speed while the host costs are measured
     m = measure(device, spec, fmt, num_layers, model_dir, progress=progress, built=built, cpu_experts=cpu_experts)
+    ref = [ref, cpu_ref_us()]
     label, mem = device_label_and_memory(device)
     from cmoe.executor.few_experts import describe as few_describe
     from cmoe.executor.omp_wait import in_force
     m["device"] = {"label": label, "memory_bytes": mem, "date": time.strftime("%Y-%m-%d"), "host": host_cpu(),
                    "omp_wait_policy": in_force(),         # the CPU experts' speed depends on it (`omp_wait`)
                    # the launches' kernel configuration does on CMOE_FEW_EXPERTS (`few_experts`)
-                   "few_experts": few_describe() if str(device).startswith("cuda") else ""}
+                   "few_experts": few_describe() if str(device).startswith("cuda") else "", "cpu_ref_us": ref}
     m["noise"] = noise(m["repeats"]).to_dict()
     prof = fit_profile(name or label.lower().replace(" ", "-"), m, mem, label, m["device"]["date"])
     return with_expert_classes(prof, H200), m

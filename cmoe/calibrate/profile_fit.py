@@ -59,10 +59,11 @@ Measurements (all times in seconds):
 - `cpu_pass_points` (optional): [[CPU layers of the pass before, rows, pass start s, gap s]] per
   pair of queued decode passes of the same runs, recorded, not fitted (the slope moved 1.0-3.9 us a
   layer between hosts);
-- `device`: {"label", "memory_bytes", "date", "host", "omp_wait_policy", "few_experts"}: the
-  machine, the OpenMP settings the CPU experts ran under (wait policy and binding,
-  `cmoe.executor.omp_wait`) and the few-expert switch the launches ran under (optional,
-  `cmoe.executor.few_experts.describe`), kept as the profile's;
+- `device`: {"label", "memory_bytes", "date", "host", "omp_wait_policy", "few_experts", "cpu_ref_us"}:
+  the machine, the OpenMP settings the CPU experts ran under (wait policy and binding,
+  `cmoe.executor.omp_wait`), the few-expert switch the launches ran under (optional,
+  `cmoe.executor.few_experts.describe`), kept as the profile's, and the host CPU's plain loop
+  before and after the measurements (optional, `cmoe.core.cpu_ref`), their mean `cpu_ref_us`;
 - `cpu_huge_pages` (optional): the share of the CPU experts' bytes on 2 MiB pages (the in-model
   runs', else the isolated ones' of `cpu_expert`), kept as
   `cpu_pages` ("2 MiB pages" or "4 KiB pages", `cmoe.core.hugepages.pages_word`);
@@ -142,7 +143,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     return HardwareProfile(
         name=name, gpu_mem_bytes=gpu_mem_bytes, h2d_pinned=h2d,
         d2h_pinned=curve(m["d2h"]), cpu_pages=pages_word(m.get("cpu_huge_pages")) or "",
-        **{k: (m.get("device") or {}).get(k) or "" for k in _DEVICE_WORDS},
+        **{k: (m.get("device") or {}).get(k) or "" for k in _DEVICE_WORDS}, cpu_ref_us=_cpu_ref(m),
         h2d_pageable_gbps=m["h2d_pageable"][0] / m["h2d_pageable"][1] / GB, copy_engines=1, hbm_gbps=hbm,
         matmul_tflops=rate, expert_gbps=tuple(classes), launch_us=launch_s * 1e6, layer_fixed_us=max(la, 0.0) * 1e6,
         attn_us_per_token=max(lb, 0.0) * 1e6, cpu_expert_gbps=cpu["bytes"] / max(ca, 1e-9) / GB,
@@ -158,7 +159,8 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
                      else " (around each CPU layer's experts in static's runs)") for k in around}
         | {k: src + f" ({CPU_SOURCES[k]})" for k in cpu_fields}
         | ({"python_host": src + " (ondemand with the host program off: the Python step's)"} if py else {})
-        | slow_src
+        | slow_src | ({"cpu_ref_us": src + " (a fixed pure-Python loop before and after the measurements, cmoe.core.cpu_ref)"}
+                      if _cpu_ref(m) else {})
         | {k: src + " (ondemand's loads queued back to back, over the curve's last rate)" for k in queued}
         | ({"h2d_pinned": src + f" (from {size_label(LINE_FROM)} up x{link_k:.4f}: as fast as ondemand's queued expert loads ran)"} if link_k != 1 else {})
         | ({"h2d_pinned": src + f" (x{copy_k:.4f}: as fast as ondemand's {size_label(m['layer']['load_copy'][0])} "
@@ -192,6 +194,12 @@ _EXECUTOR = {      # the fields the executor's design sets, not a measurement
     "commit_ahead": "the executor launches commit's committed experts before the layer's read-back "
                     "(OWA on the device)",
     "pass_overlap": "the executor queues graphed decode passes back to back (no sync between them)"}
+
+
+def _cpu_ref(m: dict) -> float:
+    """`cpu_ref_us`: the mean of calibrate's readings of the plain loop (0: none recorded)."""
+    got = [float(x) for x in (m.get("device") or {}).get("cpu_ref_us") or () if x]
+    return float(np.mean(got)) if got else 0.0
 
 
 def _owa_fit(points: list, waves: dict) -> dict:

@@ -144,6 +144,8 @@ class HardwareProfile(Variants):
     cpu_pages: str = ""                             # the pages they sat on ("2 MiB pages"; "": unrecorded)
     few_experts: str = ""                           # CMOE_FEW_EXPERTS' thresholds at calibration ("off", "8:3";
                                                     # "": unrecorded, read as off: `cmoe.executor.few_experts`)
+    cpu_ref_us: float = 0.0                         # the host CPU's plain loop at calibration (`cmoe.core.cpu_ref`;
+                                                    # 0: unrecorded), which the runs' own readings are held to
     python_host: dict = field(default_factory=dict, hash=False)   # host fields of the Python step (`python_step`)
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 

@@ -51,6 +51,8 @@ def metrics(log: RunLog, w: Workload, cfg: ExecConfig, policy: str, layout: Pool
         "few_experts": log.few_experts,
         # the core the passes' thread was held on (`CMOE_PIN_HOST`, `cmoe.executor.affinity`; None: free)
         "host_core": log.host_core,
+        # the host CPU's plain loop right before and after the passes, us (`cmoe.core.cpu_ref`)
+        "cpu_ref_us": list(log.cpu_ref_us) or None,
         # first-request cost: warm-up and CUDA-graph capture on the first decode pass (lean, CUDA)
         "capture_ms": (getattr(log, "capture_us", None) or 0.0) / 1e3,
         "expert_ms_per_pass": by_op.get("expert", 0.0) / n_dec / 1e3,

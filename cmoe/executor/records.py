@@ -47,6 +47,7 @@ class RunLog(RunRecord):
                                            # (None: no launch could switch, or no capture)
     clock_epoch: float = 0.0               # the wall clock (epoch s) at the timeline's zero (`Clock.epoch0`)
     host_core: int | None = None           # the core its passes' thread was pinned to (`cmoe.executor.affinity`)
+    cpu_ref_us: tuple = ()                 # the host CPU's plain loop before and after its passes (`cmoe.core.cpu_ref`)
 
 
 def _loads(loads) -> tuple:

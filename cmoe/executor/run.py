@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from cmoe.core.checkpoint import check_checkpoint
+from cmoe.core.cpu_ref import cpu_ref_us
 from cmoe.core.errors import CmoeError
 from cmoe.executor.affinity import check_pin, pinned_host, run_setting
 from cmoe.executor.checks import check_gpu_fits, check_trace_matches, mem_available, read_policy_json, resolve_device
@@ -271,13 +272,15 @@ def run_policy(w: Workload, cfg: ExecConfig, policy_name: str) -> ExecResult:
         try:
             # `CMOE_PIN_HOST`, off unless set; only a CUDA run of a GPU-only policy (`cmoe.executor.affinity`)
             with pinned_host(run_setting(dev.type == "cuda", trait(policy_name, "cpu_experts"))) as core:
+                ref = cpu_ref_us()                     # the CPU's own speed around the passes, on their core
                 logits_out = _passes(eng, w, cfg, cache, passes)
+                ref = (ref, cpu_ref_us())
         finally:
             gc.unfreeze()
             eng.close()
         log = eng.finish()
         log.clock_epoch = eng.clock.epoch0
-        log.host_core = core
+        log.host_core, log.cpu_ref_us = core, ref
         finished = True
     finally:
         if not finished:

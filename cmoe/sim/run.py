@@ -152,4 +152,5 @@ def metrics(trace: Trace, layout: PoolLayout, run: SimRun, cfg: SimConfig, profi
         "omp_wait_policy": profile.omp_wait_policy or None,
         "cpu_pages": profile.cpu_pages or None,        # and the pages they sat on (`cmoe.core.hugepages`)
         "few_experts": profile.few_experts or None,    # the launches' few-expert switch (`few_experts`)
+        "cpu_ref_us": profile.cpu_ref_us or None,      # the host CPU's plain loop at calibration (`cpu_ref`)
     }
