@@ -15,7 +15,7 @@ next pass was slow (`--slow-us`, `cmoe.analysis.boundary.host_state`) and the me
 and right before it, and again right after it (`after_cpu_us` and so on), the references the run's
 state can be read against:
 
-    cpu_us     a fixed pure-Python loop: the CPU's own speed, no driver
+    cpu_us     a fixed pure-Python loop (`cmoe.core.cpu_ref`): the CPU's own speed, no driver
     record_us  one `cudaEventRecord` (the runtime's, through ctypes): the driver's submission path
     launch_us  one `cudaGraphLaunch` of a one-kernel graph through ctypes, as the compiled host
                program launches its layers' graphs
@@ -52,21 +52,11 @@ from lean_h200 import decode_stats  # noqa: E402
 
 from cmoe.analysis.boundary import host_state  # noqa: E402
 from cmoe.core.errors import CmoeError  # noqa: E402
+from cmoe.core.cpu_ref import cpu_ref_us  # noqa: E402
 from cmoe.executor.affinity import ENV, pin_core, pinned_host  # noqa: E402
 from cmoe.executor.run import ExecConfig, build, prepare, run_policy  # noqa: E402
 
 ARMS = ("free", "pinned")
-
-
-def cpu_reference_us(n: int = 20000, reps: int = 5) -> float:
-    """A fixed pure-Python loop's time, us, the median of `reps`: the host CPU's speed alone."""
-    took = []
-    for _ in range(reps):
-        t, s = time.perf_counter(), 0
-        for i in range(n):
-            s += i ^ (i >> 3)
-        took.append(time.perf_counter() - t)
-    return float(np.median(took)) * 1e6
 
 
 def submit_references(reps: int = 200) -> dict:
@@ -112,7 +102,7 @@ REFS = ("cpu_us", "record_us", "launch_us", "replay_us")
 def references() -> dict:
     """The four references, on the arm's core as the run's passes are."""
     with pinned_host():
-        return {"cpu_us": cpu_reference_us(), **submit_references()}
+        return {"cpu_us": cpu_ref_us(), **submit_references()}
 
 
 def one_run(w, cfg, policy: str, rnd: int, arm: str, slow_us: float) -> dict:

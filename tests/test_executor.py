@@ -461,6 +461,7 @@ def test_execute_cli_writes_metrics_and_timelines_and_accepts_a_policy_file(chec
     layout = json.loads(pj.read_text())["layout"]
     assert m[0]["policy"] == "ondemand" and m[0]["decode_tokens"] == 3
     assert m[0]["experts_fit"] == sum(layout["slots"])
+    assert len(m[0]["cpu_ref_us"]) == 2 and all(x > 0 for x in m[0]["cpu_ref_us"])   # the CPU's loop around its passes
     spans = read_parquet(tmp_path / "ex" / "timeline-ondemand.parquet")
     assert {s[4] for s in spans} >= {"attention", "route", "expert", "head"}
     assert json.loads((tmp_path / "ex" / "timeline-ondemand.json").read_text())["traceEvents"]
