@@ -26,6 +26,8 @@ from itertools import zip_longest
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cmoe.core.checkpoint import check_checkpoint  # noqa: E402
@@ -37,6 +39,7 @@ from cmoe.core.util import write_text_atomic  # noqa: E402
 from cmoe.analysis.validate import against_repeats, calibrations_agree, cpu_ratio, link_ratio, read_run, validate  # noqa: E402
 from cmoe.analysis.boundary import boundaries, boundary_price  # noqa: E402
 from cmoe.analysis.states import states_note  # noqa: E402
+from cmoe.core.cpu_ref import cpu_ref_note, validation_ratio  # noqa: E402
 from cmoe.analysis.runfolder import read_metrics  # noqa: E402
 from cmoe.sim.priced import priceable  # noqa: E402
 from cmoe.policy.policies import python_step, trait  # noqa: E402
@@ -163,7 +166,7 @@ def main() -> None:
                          "host_speed": [host_ratio(v, prof, b) for v in vs],
                          "link_speed": [link_ratio(v) for v in vs], "slow_loads": [v.get("slow_loads") for v in vs],
                          "cpu_speed": [cpu_ratio(v) for v in vs], "slow_cpu": [v.get("slow_cpu") for v in vs],
-                         "slow_host": [v.get("slow_host") for v in vs],
+                         "slow_host": [v.get("slow_host") for v in vs], "cpu_ref": [validation_ratio(v) for v in vs],
                          "boundary_speed": [x[0] / x[1] if (x := boundary_price(boundaries(ms[i]), prof,
                                                                                   trait(agg["policy"], "cpu_experts")))
                                             else None for ms in measured]}
@@ -221,7 +224,22 @@ def counts(rows: list[dict]) -> str:
         line += f"; with the CPU experts at their runs' speed (the rest as they are) {cpu(.03)} / {cpu(.05)} / {cpu(.10)}"
     if note := states_note([{"slow_host": s} for r in rows for s in r.get("slow_host") or []]):
         line += "; " + note
+    if note := cpu_ref_reading(rows):
+        line += "; " + note
     return line
+
+
+def cpu_ref_reading(rows: list[dict]) -> str | None:
+    """`cmoe run`'s line on the CPU's plain loop over the rows' runs (`cmoe.core.cpu_ref`; None where
+    no run and profile recorded it), with its r against the runs' host speed where three runs or
+    more have both: whether the host's misses follow the CPU's own speed."""
+    note = cpu_ref_note([k for r in rows for k in r.get("cpu_ref") or []])
+    both = [(k, h) for r in rows for k, h in zip(r.get("cpu_ref") or [], r["host_speed"])
+            if k is not None and h is not None]
+    if note and len(both) >= 3 and len({k for k, _ in both}) > 1 and len({h for _, h in both}) > 1:
+        r = float(np.corrcoef(*zip(*both))[0, 1])
+        note += f" (r {r:.2f} with their host's time a layer over its calibration, {len(both)} runs)"
+    return note
 
 
 HOST_NOTE = ("* host, run / calibration: calibrate does not time this policy's host step (`upper` has none, "

@@ -81,3 +81,18 @@ def test_a_folder_without_its_measured_runs_is_refused_before_any_summary(tmp_pa
     assert str(e.value) == (f"validate_table.py: {tmp_path / 'w' / 'unpacked' / 'pool20-b8'} has no measured runs: give "
                             "the folder with meas-b8.tgz (or its pool*-b8 folders) beside head.tgz")
     assert (came / "summary.json").read_text() == "kept"
+
+
+def test_the_cpu_loop_is_read_against_the_runs_host_speed():
+    """`cpu_ref_reading`: the runs' range of the CPU's loop over its calibration, and its r against
+    their host speed where three runs or more have both; nothing where none recorded it."""
+    from benchmarks.validate_table import cpu_ref_reading
+    rows = [_row("ondemand", h) for h in (1.0, 1.5, 2.0, None)]
+    for r, k in zip(rows, ([1.0], [1.4], [2.2], [3.0])):
+        r["cpu_ref"] = k
+    assert cpu_ref_reading(rows) == ("the host CPU's plain loop (`cmoe.core.cpu_ref`) took 1.00-3.00x its calibrated "
+                                     "time around the runs (r 0.98 with their host's time a layer over its "
+                                     "calibration, 3 runs)")
+    assert cpu_ref_reading(rows[:2]) == ("the host CPU's plain loop (`cmoe.core.cpu_ref`) took 1.00-1.40x its "
+                                         "calibrated time around the runs")
+    assert cpu_ref_reading([_row("ondemand", 1.0)]) is None                  # runs from before it
