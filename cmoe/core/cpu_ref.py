@@ -6,7 +6,8 @@ Why (BENCHMARKS.md, fifty-second session): on an H100 the host lane's slow state
 `host_attention` ~2x, its pass boundary 446-674 us against 133-156) followed this loop timed
 right after each run (r 0.93 over 16 runs; the loop 1.84-2.29 ms after the runs 85% slow or more,
 1.11-1.19 ms after those under 40%), and only loosely the same loop timed before it (r 0.47):
-the state changes within a second. The fifty-first session, timing before each run only, found no link (r 0.11).
+the state changes within a second. The fifty-first session, timing before each run only, found
+no link (r 0.11).
 
 Pure Python on purpose: no torch, no driver, nothing the executor's own state changes.
 """
