@@ -83,6 +83,10 @@ def main() -> None:
     ap.add_argument("--cpu-adjust", action="store_true",
                     help="also predict each CPU-expert policy's run with its CPU experts as slow as they ran "
                     "(`cmoe.analysis.validate.cpu_ratio`, the mean over its runs): how much of an error they explain")
+    ap.add_argument("--cpu-ref-adjust", action="store_true",
+                    help="also predict each policy's run with the profile's host costs scaled by the CPU's plain loop "
+                    "around it over the loop at calibration (`cmoe.core.cpu_ref`, the mean over its runs): how much of "
+                    "an error the CPU's own speed explains, measured apart from the host lane")
     ap.add_argument("--against", type=Path, default=None,
                     help="also predict each configuration with this profile (another session's calibration) and "
                     "count the rows the two predict within 2%% of each other (issue 15's second condition)")
@@ -127,7 +131,8 @@ def main() -> None:
             got = [[validate(read_run(folder, p), ms[pols.index(p)]) for p in policies] for ms in measured]
             return {r["policy"]: r for r in against_repeats(got)}
         pred = a.work / here.name / "predicted"
-        for old in ("predicted", "predicted-host", "predicted-link", "predicted-cpu", "predicted-other"):  # scratch
+        for old in ("predicted", "predicted-host", "predicted-link", "predicted-cpu", "predicted-cpu-ref",
+                    "predicted-other"):  # scratch
             shutil.rmtree(pred.with_name(old), ignore_errors=True)
         run_sim(pols, prof, pred)
         # each measured run read once, held against the prediction (and under --host-adjust the second)
@@ -148,6 +153,7 @@ def main() -> None:
             return got
         linked = at_runs_speed(a.link_adjust, link_ratio, prof.link_scaled, "link")
         cpus = at_runs_speed(a.cpu_adjust, cpu_ratio, prof.cpu_scaled, "cpu")
+        refs = at_runs_speed(a.cpu_ref_adjust, validation_ratio, prof.host_scaled, "cpu-ref")
         kept = [p for p in pols if p in priced]
         others = held(other, a.work / here.name / "predicted-other", kept) if kept else {}
         for i, agg in enumerate(against_repeats(runs)):
@@ -177,6 +183,8 @@ def main() -> None:
                             "link_adjusted_error": linked[agg["policy"]]["error"]} if agg["policy"] in linked else {})
                         | ({"cpu_adjusted_tok_s": cpus[agg["policy"]]["predicted"],
                             "cpu_adjusted_error": cpus[agg["policy"]]["error"]} if agg["policy"] in cpus else {})
+                        | ({"cpu_ref_adjusted_tok_s": refs[agg["policy"]]["predicted"],
+                            "cpu_ref_adjusted_error": refs[agg["policy"]]["error"]} if agg["policy"] in refs else {})
                         | ({"other_profile_tok_s": others[agg["policy"]]["predicted"]} if agg["policy"] in others else {}))
     summary = {k: res[k] for k in ("date", "card", "torch", "commit", "spec", "tokens")} | {
         "profile": prof.name, "rows": rows, "omp_env": res.get("omp_env")} | ({"other_profile": str(a.against)} if other else {})
@@ -222,6 +230,10 @@ def counts(rows: list[dict]) -> str:
     if any("cpu_adjusted_error" in r for r in rows):
         cpu = lambda t: sum(abs(r.get("cpu_adjusted_error", r["error"])) <= t for r in rows)  # noqa: E731
         line += f"; with the CPU experts at their runs' speed (the rest as they are) {cpu(.03)} / {cpu(.05)} / {cpu(.10)}"
+    if any("cpu_ref_adjusted_error" in r for r in rows):
+        ref = lambda t: sum(abs(r.get("cpu_ref_adjusted_error", r["error"])) <= t for r in rows)  # noqa: E731
+        line += (f"; with the host at the CPU loop's speed around its runs (the rows without it as they are) "
+                 f"{ref(.03)} / {ref(.05)} / {ref(.10)}")
     if note := states_note([{"slow_host": s} for r in rows for s in r.get("slow_host") or []]):
         line += "; " + note
     if note := cpu_ref_reading(rows):

@@ -96,3 +96,15 @@ def test_the_cpu_loop_is_read_against_the_runs_host_speed():
     assert cpu_ref_reading(rows[:2]) == ("the host CPU's plain loop (`cmoe.core.cpu_ref`) took 1.00-1.40x its "
                                          "calibrated time around the runs")
     assert cpu_ref_reading([_row("ondemand", 1.0)]) is None                  # runs from before it
+
+
+def test_the_tally_counts_the_rows_at_the_cpu_loops_speed():
+    """`--cpu-ref-adjust`'s rows are counted beside the others, a row without it as it is."""
+    from benchmarks.validate_table import counts
+    rows = [_row("ondemand", 1.2), _row("oracle", 1.1), _row("upper", None)]
+    rows[0]["error"], rows[0]["cpu_ref_adjusted_error"] = 0.06, 0.02
+    rows[1]["error"], rows[1]["cpu_ref_adjusted_error"] = 0.02, 0.04
+    line = counts(rows)
+    assert line.startswith("3 configurations: 2 within 3%, 2 within 5%, 3 within 10%; every layer within 8% in 3")
+    assert line.endswith("; with the host at the CPU loop's speed around its runs (the rows without it as they are) "
+                         "2 / 3 / 3")
