@@ -18,7 +18,9 @@
 #                                             # the forty-sixth session (see PROFILE below); 414 s in two calls on
 #                                             # the H200 (twenty-fourth session); issue 15's
 #                                             # calibrations across sessions: validate_table.py FOLDER --against
-#                                             # benchmarks/results/validate-lean-h100-fa7b3d0/profile.json
+#                                             # benchmarks/results/validate-lean-h100-fa7b3d0/profile.json;
+#                                             # from 8c0f082 on, calibrate and each run time the CPU's plain
+#                                             # loop: validate_table.py --cpu-ref-adjust reads the runs at it
 #                                             # (VT=SECONDS bounds the whole validation, calibration included (under 260 s
 #                                             # refused unless PROFILE= or CAL=cut), for a call that runs tests first;
 #                                             # POLS=upper,lfu-fallback,static the CPU-expert policies, twins built;
@@ -64,7 +66,8 @@
 #                                             # forty-ninth session, an H100: 85 s, both arms slow together); each run
 #                                             # also times a CPU loop, a cudaEventRecord, a cudaGraphLaunch and a torch
 #                                             # graph replay before it and after it, to see which of them the slow state
-#                                             # moves (fifty-first session, an H100: none, timed before)
+#                                             # moves (fifty-first session, an H100: none, timed before;
+#                                             # fifty-second: all four timed after, r 0.91-0.94)
 #                                             # (ARMS=free ROUNDS=8 for that alone); a whole validation pinned:
 #                                             # CMOE_PIN_HOST=auto bash ... validate
 #   bash benchmarks/gpu_session.sh host-ab    # issue 13: the host's step by phase, batch 1, pool 20, in four
