@@ -140,10 +140,11 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
     on_host = device.lower() == "cpu"                 # the executor on a CPU: its loads are the host's copies
     h2d, copy_k = copied_fit(m["layer"].get("load_copy") if on_host else None, h2d)
     slows, slow_src = _copy_terms(m, src)
+    ref, ref_src = _cpu_ref(m, src)
     return HardwareProfile(
         name=name, gpu_mem_bytes=gpu_mem_bytes, h2d_pinned=h2d,
         d2h_pinned=curve(m["d2h"]), cpu_pages=pages_word(m.get("cpu_huge_pages")) or "",
-        **{k: (m.get("device") or {}).get(k) or "" for k in _DEVICE_WORDS}, cpu_ref_us=_cpu_ref(m),
+        **{k: (m.get("device") or {}).get(k) or "" for k in _DEVICE_WORDS}, **ref,
         h2d_pageable_gbps=m["h2d_pageable"][0] / m["h2d_pageable"][1] / GB, copy_engines=1, hbm_gbps=hbm,
         matmul_tflops=rate, expert_gbps=tuple(classes), launch_us=launch_s * 1e6, layer_fixed_us=max(la, 0.0) * 1e6,
         attn_us_per_token=max(lb, 0.0) * 1e6, cpu_expert_gbps=cpu["bytes"] / max(ca, 1e-9) / GB,
@@ -159,8 +160,7 @@ def fit_profile(name: str, m: dict, gpu_mem_bytes: int, device: str, date: str) 
                      else " (around each CPU layer's experts in static's runs)") for k in around}
         | {k: src + f" ({CPU_SOURCES[k]})" for k in cpu_fields}
         | ({"python_host": src + " (ondemand with the host program off: the Python step's)"} if py else {})
-        | slow_src | ({"cpu_ref_us": src + " (a fixed pure-Python loop before and after the measurements, cmoe.core.cpu_ref)"}
-                      if _cpu_ref(m) else {})
+        | slow_src | ref_src
         | {k: src + " (ondemand's loads queued back to back, over the curve's last rate)" for k in queued}
         | ({"h2d_pinned": src + f" (from {size_label(LINE_FROM)} up x{link_k:.4f}: as fast as ondemand's queued expert loads ran)"} if link_k != 1 else {})
         | ({"h2d_pinned": src + f" (x{copy_k:.4f}: as fast as ondemand's {size_label(m['layer']['load_copy'][0])} "
@@ -196,10 +196,14 @@ _EXECUTOR = {      # the fields the executor's design sets, not a measurement
     "pass_overlap": "the executor queues graphed decode passes back to back (no sync between them)"}
 
 
-def _cpu_ref(m: dict) -> float:
-    """`cpu_ref_us`: the mean of calibrate's readings of the plain loop (0: none recorded)."""
+def _cpu_ref(m: dict, src: str) -> tuple[dict, dict]:
+    """({"cpu_ref_us": the mean of calibrate's readings of the plain loop}, its source); two {}
+    where none was recorded (the field then keeps its 0)."""
     got = [float(x) for x in (m.get("device") or {}).get("cpu_ref_us") or () if x]
-    return float(np.mean(got)) if got else 0.0
+    if not got:
+        return {}, {}
+    return ({"cpu_ref_us": float(np.mean(got))},
+            {"cpu_ref_us": src + " (a fixed pure-Python loop before and after the measurements, cmoe.core.cpu_ref)"})
 
 
 def _owa_fit(points: list, waves: dict) -> dict:
